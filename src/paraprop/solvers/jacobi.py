@@ -1,0 +1,31 @@
+"""Jacobi iteration: every position updated from the previous iterate at once (Algorithm 1)."""
+
+from __future__ import annotations
+
+from paraprop.solvers.base import State, System, accept, check_prefix
+
+
+class Jacobi:
+    """``x_k = fn(x_{k-1})``, one call of ``fn`` per sweep.
+
+    After sweep ``k`` the positions ``< k`` equal the sequential result exactly (Song et al. 2021,
+    Proposition 1), so at most ``T`` sweeps are needed, and a position ``< k - 1`` that still moves
+    at sweep ``k`` proves that ``fn`` is not triangular.
+    """
+
+    name = "jacobi"
+
+    def bound(self, system: System) -> int:
+        return system.T
+
+    def init(self, system: System, state: State) -> None:
+        state.extra["k"] = 0
+
+    def step(self, system: System, state: State, tol: float, norm: str) -> None:
+        k = state.extra["k"] + 1
+        y = system.evaluate(state.x)
+        system.check_finite(y)
+        check_prefix(system, y, state.x, 0, k - 1, tol, state.active)
+        accept(state, 0, system.T, y, tol, norm)
+        state.extra["k"] = k
+        state.finished = k >= system.T or not bool(state.active.any())
