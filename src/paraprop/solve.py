@@ -41,7 +41,7 @@ class Solution:
         evaluations: calls of ``fn`` (or of ``fn.update``); each is one sequential step.
         converged: every sample reached ``tol`` or the exactness bound of its method.
         residuals: the forward difference ``||x_k - x_{k-1}||`` after each iteration (max over
-            the samples still iterating), a 1-D float64 tensor.
+            the samples still iterating), a 1-D float64 tensor; empty for ``"sequential"``.
         stats: hardware-independent counters and the wall time: ``positions`` (positions
             computed, the work), ``sequential_steps``, ``bound`` (iterations that guarantee the
             exact result), ``sample_iterations`` (per sample, shaped like the batch dims),
@@ -125,18 +125,20 @@ def solve(
     bound = solver.bound(system)
     cap = bound if max_iters is None else max_iters
     residuals: list[float] = []
+    iterations = 0
     start = time.perf_counter()
     solver.init(system, state)
     with torch.no_grad():
-        while not state.finished and len(residuals) < cap:
-            system.iteration = len(residuals) + 1
+        while not state.finished and iterations < cap:
+            iterations += 1
+            system.iteration = iterations
             solver.step(system, state, tol, norm)
-            residuals.append(state.residual)
+            if state.residual is not None:
+                residuals.append(state.residual)
             if callback is not None:
-                callback(len(residuals), system.user(state.x), state.residual)
+                callback(iterations, system.user(state.x), state.residual)
     elapsed = time.perf_counter() - start
 
-    iterations = len(residuals)
     sol = Solution(
         value=system.user(state.x),
         method=solver.name,
@@ -157,7 +159,8 @@ def solve(
     if not sol.converged and throw:
         raise ConvergenceError(
             f"method={method!r} did not converge within max_iters={max_iters} iterations "
-            f"(last forward difference {state.residual:.3g} > tol={tol}); pass throw=False to "
+            f"(last forward difference {residuals[-1] if residuals else float('nan'):.3g} > "
+            f"tol={tol}); pass throw=False to "
             "inspect the unconverged Solution",
             solution=sol,
         )

@@ -92,8 +92,10 @@ class System:
 
     def check_finite(self, values: torch.Tensor, index: torch.Tensor | None = None) -> None:
         """Raise :class:`NonFiniteError` naming the iteration, sample and position."""
+        if bool(torch.isfinite(values.sum())):  # one reduction; inf/NaN anywhere poisons it
+            return
         finite = torch.isfinite(values)
-        if bool(finite.all()):
+        if bool(finite.all()):  # the sum overflowed, the values are fine
             return
         b, t, _ = (int(i) for i in (~finite).nonzero()[0])
         if index is not None:
@@ -118,58 +120,44 @@ class State:
     extra: dict = field(default_factory=dict)
 
 
-def sample_norm(d: torch.Tensor, norm: str) -> torch.Tensor:
-    """Per-sample norm of a ``(B, n, F)`` difference: ``max`` or ``l2``."""
-    flat = d.reshape(d.shape[0], -1)
-    if flat.shape[1] == 0:
-        return flat.new_zeros(flat.shape[0])
-    if norm == "max":
-        return flat.abs().amax(dim=1)
-    return torch.linalg.vector_norm(flat, dim=1)
+def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, tol: float,
+           norm: str, exact: int = 0) -> None:
+    """Write ``new`` into positions ``[lo, hi)`` of the active samples, with per-sample stopping.
 
-
-def check_prefix(system: System, new: torch.Tensor, old: torch.Tensor, start: int, stop: int,
-                 tol: float, active: torch.Tensor) -> None:
-    """Positions ``[start, stop)`` are exact already; raise if any of them still moves.
-
-    ``new`` and ``old`` hold positions ``[start, ...)`` after and before this iteration. For an
-    autoregressive ``fn`` these positions cannot change (Song et al. 2021, Prop. 1), so a change
-    larger than ``tol`` proves that ``fn`` is not triangular.
-    """
-    if stop <= start:
-        return
-    n = stop - start
-    moved = (new[:, :n] - old[:, :n]).abs().amax(dim=2) > tol  # (B, n)
-    moved &= active[:, None]
-    if bool(moved.any()):
-        b, t = (int(i) for i in moved.nonzero()[0])
-        raise NotTriangularError(
-            f"fn is not autoregressive along dim: position {system.unravel_position(start + t)} "
-            f"of sample {system.unravel_sample(b)} changed at iteration {system.iteration} "
-            "although every position it may depend on was already final; some position "
-            "depends on itself or on a later one"
-        )
-
-
-def accept(state: State, lo: int, hi: int, new: torch.Tensor, tol: float, norm: str
-           ) -> torch.Tensor:
-    """Write ``new`` into positions ``[lo, hi)`` of the active samples; per-sample stopping.
-
-    Returns the per-sample forward difference (zero for samples that were already frozen).
-    Samples whose difference is ``<= tol`` stop: their values are frozen from now on.
+    Arguments:
+        system, state: the system and the solver state (``state.x`` is updated in place).
+        lo, hi: the positions ``new`` holds (canonical layout ``(B, hi - lo, F)``).
+        tol, norm: a sample whose forward difference is ``<= tol`` stops; its values are frozen.
+        exact: the first ``exact`` positions of ``[lo, hi)`` are final already. For an
+            autoregressive ``fn`` they cannot move (Song et al. 2021, Prop. 1-2), so a change
+            larger than ``tol`` there proves that ``fn`` is not triangular.
     """
     old = state.x[:, lo:hi]
-    res = sample_norm(new - old, norm)
+    d = new - old
+    per_pos = d.abs().amax(dim=2)  # (B, n): one pass over the difference serves both checks
     active = state.active
+    if exact > 0:
+        moved = (per_pos[:, :exact] > tol) & active[:, None]
+        if bool(moved.any()):
+            b, t = (int(i) for i in moved.nonzero()[0])
+            raise NotTriangularError(
+                f"fn is not autoregressive along dim: position "
+                f"{system.unravel_position(lo + t)} of sample {system.unravel_sample(b)} "
+                f"changed at iteration {system.iteration} although every position it may "
+                "depend on was already final; some position depends on itself or on a later one"
+            )
+    if norm == "max":
+        res = per_pos.amax(dim=1)
+    else:
+        res = torch.linalg.vector_norm(d.reshape(d.shape[0], -1), dim=1)
     if bool(active.all()):
-        state.x[:, lo:hi] = new
+        old.copy_(new)
     else:
         res = torch.where(active, res, torch.zeros_like(res))
-        state.x[:, lo:hi] = torch.where(active[:, None, None], new, old)
+        old.copy_(torch.where(active[:, None, None], new, old))
     state.sample_iterations += active.long()
     state.active = active & ~(res <= tol)
-    state.residual = float(res.max()) if res.numel() else 0.0
-    return res
+    state.residual = float(res.max())
 
 
 def _unravel(i: int, shape: torch.Size) -> tuple[int, ...]:

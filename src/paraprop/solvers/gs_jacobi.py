@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from paraprop.solvers.base import State, System, accept, check_prefix
+from paraprop.solvers.base import State, System, accept
 
 
 class GSJacobi:
@@ -36,8 +36,7 @@ class GSJacobi:
         vals = system.update(state.x, index)
         system.check_finite(vals, index)
         e["sweep"] += 1
-        check_prefix(system, vals, state.x[:, lo:hi], lo, lo + e["sweep"] - 1, tol, state.active)
-        accept(state, lo, hi, vals, tol, norm)
+        accept(system, state, lo, hi, vals, tol, norm, exact=e["sweep"] - 1)
         if e["sweep"] >= hi - lo or not bool(state.active.any()):
             e["block"] += 1
             e["sweep"] = 0

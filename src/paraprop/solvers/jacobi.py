@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paraprop.solvers.base import State, System, accept, check_prefix
+from paraprop.solvers.base import State, System, accept
 
 
 class Jacobi:
@@ -25,7 +25,6 @@ class Jacobi:
         k = state.extra["k"] + 1
         y = system.evaluate(state.x)
         system.check_finite(y)
-        check_prefix(system, y, state.x, 0, k - 1, tol, state.active)
-        accept(state, 0, system.T, y, tol, norm)
+        accept(system, state, 0, system.T, y, tol, norm, exact=k - 1)
         state.extra["k"] = k
         state.finished = k >= system.T or not bool(state.active.any())

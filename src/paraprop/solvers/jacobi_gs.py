@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from paraprop.solvers.base import State, System, accept, check_prefix
+from paraprop.solvers.base import State, System, accept
 
 
 class JacobiGS:
@@ -41,7 +41,6 @@ class JacobiGS:
             system.check_finite(vals, index)
             work.index_copy_(1, index, vals)
         exact = min((k - 1) * self.block_size, system.T)
-        check_prefix(system, work, state.x, 0, exact, tol, state.active)
-        accept(state, 0, system.T, work, tol, norm)
+        accept(system, state, 0, system.T, work, tol, norm, exact=exact)
         state.extra["k"] = k
         state.finished = k >= self.bound(system) or not bool(state.active.any())

@@ -1,0 +1,34 @@
+"""Benchmark suites: ``paraprop bench SUITE``.
+
+A suite is a module of this package that defines ``DESCRIPTION`` (one line) and
+``run(out_dir: pathlib.Path, *, quick: bool, repeats: int | None) -> dict``; it measures with
+:mod:`paraprop.bench.harness` and writes ``SUITE.json``, ``SUITE.md`` and PNG plots under
+``out_dir`` with :mod:`paraprop.bench.report`. New suites are found by name, nothing to register.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+_NOT_SUITES = {"harness", "report", "plots", "compare"}
+
+
+def suites() -> dict[str, str]:
+    """Name -> one-line description of every available suite."""
+    out = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.name.startswith("_") or info.name in _NOT_SUITES:
+            continue
+        mod = importlib.import_module(f"{__name__}.{info.name}")
+        if callable(getattr(mod, "run", None)):
+            out[info.name] = getattr(mod, "DESCRIPTION", "")
+    return dict(sorted(out.items()))
+
+
+def load(name: str):
+    """The suite module ``name``; ``ValueError`` naming the known suites otherwise."""
+    known = suites()
+    if name not in known:
+        raise ValueError(f"unknown benchmark suite {name!r}; available: {', '.join(known)}")
+    return importlib.import_module(f"{__name__}.{name}")

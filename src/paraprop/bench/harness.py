@@ -1,0 +1,80 @@
+"""The shared benchmark harness: machine record, warm-up, interleaved timing, medians, ratios.
+
+Benchmarks are not tests: they measure and report, they never assert on time. Every suite times
+its baseline and its methods in the same run, interleaved (A B A B ...), so that a change of machine
+load hits all of them alike, and reports medians and the ratios of those medians.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from tqdm import tqdm
+
+
+def machine_info() -> dict:
+    """Where and when a figure was measured."""
+    return {
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "device": "cuda:" + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def interleaved(
+    cases: dict[str, Callable[[], object]],
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    desc: str = "timing",
+) -> dict[str, list[float]]:
+    """Time every case ``repeats`` times, interleaved, after ``warmup`` untimed rounds.
+
+    Arguments:
+        cases: name -> zero-argument callable; the first is the baseline by convention.
+        repeats: timed rounds; each round runs every case once, in order.
+        warmup: untimed rounds first (allocations, caches, lazy initialisation).
+        desc: label of the progress bar.
+
+    Returns:
+        name -> list of wall times in seconds, one per round.
+    """
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    with tqdm(total=(warmup + repeats) * len(cases), desc=desc, leave=False, disable=None) as bar:
+        for r in range(warmup + repeats):
+            for name, run in cases.items():
+                _sync()
+                t0 = time.perf_counter()
+                run()
+                _sync()
+                dt = time.perf_counter() - t0
+                if r >= warmup:
+                    times[name].append(dt)
+                bar.update()
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def speedups(times: dict[str, list[float]], baseline: str) -> dict[str, float]:
+    """Ratio of the baseline's median time to each case's median time (same run)."""
+    base = median(times[baseline])
+    return {name: base / median(ts) for name, ts in times.items()}

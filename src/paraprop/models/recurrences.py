@@ -1,0 +1,174 @@
+"""Feedforward computations written as triangular systems, for demos, benchmarks and tests.
+
+- :class:`LayerChain`: a deep MLP's forward pass as a recurrence over its layers (the states are
+  the layer outputs; a Markov chain, the hardest case for Jacobi).
+- :class:`MaskedAffineMap`: a MADE-shaped masked network (Germain et al. 2015 masks) used as the
+  sampling map ``x_t = mu_t(x_<t) + exp(a_t(x_<t)) z_t`` with the noise ``z`` fixed up front
+  (Song et al. 2021, §5.3.1), the structure of autoregressive sampling.
+
+Both are callables ``fn(x)`` with an ``update(x, index)`` fast path that computes only the
+positions ``index``, so the sequential solver costs what a forward pass or an ancestral sampler
+costs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class LayerChain(nn.Module):
+    """``s_l = tanh(W_l s_{l-1} + b_l)`` for ``l = 0 .. depth-1``, ``s_{-1} = u`` (the input).
+
+    As a triangular system the state is ``x`` of shape ``(batch, depth, width)`` (``dim=-2``) and
+    ``fn(x)[:, l] = tanh(W_l x[:, l-1] + b_l)``. Weights are drawn with standard deviation
+    ``gain / sqrt(width)``; ``gain < 1`` makes every layer a contraction, so Jacobi's forward
+    difference falls geometrically, as in a trained residual-free network with small weights.
+
+    Arguments:
+        depth: number of layers (positions ``T``).
+        width: features per layer.
+        gain: weight scale (see above).
+        seed: seed of the weight generator.
+    """
+
+    def __init__(self, depth: int, width: int, *, gain: float = 0.5, seed: int = 0):
+        super().__init__()
+        if depth < 1 or width < 1:
+            raise ValueError(f"depth and width must be >= 1, got depth={depth}, width={width}")
+        g = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(depth, width, width, generator=g) * gain
+                                   / math.sqrt(width))
+        self.bias = nn.Parameter(torch.randn(depth, width, generator=g) * 0.1)
+        self.register_buffer("u", torch.zeros(1, width))
+
+    def bind(self, u: torch.Tensor) -> LayerChain:
+        """Set the network input ``u`` (batch, width); returns ``self``."""
+        self.u = u
+        return self
+
+    @torch.no_grad()
+    def forward_sequential(self, u: torch.Tensor) -> torch.Tensor:
+        """The ordinary forward pass, layer by layer; returns all states (batch, depth, width)."""
+        out, s = [], u
+        for w, b in zip(self.weight, self.bias, strict=True):
+            s = torch.tanh(s @ w.T + b)
+            out.append(s)
+        return torch.stack(out, dim=1)
+
+    def _prev(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.u.expand(x.shape[0], -1)[:, None], x[:, :-1]], dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # all layers from the previous iterate
+        return _layers(self._prev(x), self.weight, self.bias)
+
+    def update(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        if index.numel() == 1:  # one layer: a plain matmul, as in an ordinary forward pass
+            i = int(index)
+            prev = self.u.expand(x.shape[0], -1) if i == 0 else x[:, i - 1]
+            return torch.tanh(prev @ self.weight[i].T + self.bias[i])[:, None]
+        prev = self._prev(x).index_select(1, index)
+        return _layers(prev, self.weight.index_select(0, index), self.bias.index_select(0, index))
+
+
+def _layers(prev: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``tanh(W_l prev_l + b_l)`` for all layers at once: one batched matmul over the layers."""
+    out = torch.baddbmm(b[:, None], prev.transpose(0, 1), w.transpose(1, 2))
+    return torch.tanh_(out).transpose(0, 1).contiguous()
+
+
+def made_degrees(features: int, hidden: tuple[int, ...],
+                 order: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Degrees of the MADE units (Germain et al. 2015): inputs get their order ``1..D``, hidden
+    units a degree in ``[1, D-1]`` (cycled, deterministic), so output ``d`` sees inputs ``< d``."""
+    if order is None:
+        order = torch.arange(1, features + 1)
+    degrees = [order]
+    for h in hidden:
+        degrees.append(torch.arange(h) % max(features - 1, 1) + 1)
+    return degrees
+
+
+def made_masks(features: int, hidden: tuple[int, ...],
+               order: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Masks (out, in) of every layer of a MADE; the last one is strictly autoregressive."""
+    deg = made_degrees(features, hidden, order=order)
+    masks = [(d_out[:, None] >= d_in[None, :]).float() for d_in, d_out in zip(deg, deg[1:],
+                                                                              strict=False)]
+    masks.append((deg[0][:, None] > deg[-1][None, :]).float())
+    return masks
+
+
+class MaskedLinear(nn.Linear):
+    """``nn.Linear`` whose weight is multiplied by a fixed 0/1 mask (out, in)."""
+
+    def __init__(self, in_features: int, out_features: int, mask: torch.Tensor):
+        super().__init__(in_features, out_features)
+        self.register_buffer("mask", mask)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight * self.mask, self.bias)
+
+
+class MaskedAffineMap(nn.Module):
+    """A MADE-shaped sampling map ``x = mu(x) + exp(a(x)) * z`` with fixed noise ``z``.
+
+    ``mu`` and ``a`` come from one masked MLP (``features -> hidden... -> 2 features``, ReLU);
+    ``a`` is squashed to ``[-scale_clip, scale_clip]`` so that random weights cannot overflow.
+    ``bind(z)`` fixes the noise; the fixed point is the ancestral sample for that noise.
+
+    Arguments:
+        features: dimension ``D`` (positions ``T``).
+        hidden: hidden layer widths.
+        gain: scale of the output layer's weights (smaller = weaker dependence, faster Jacobi).
+        scale_clip: bound on ``|a|``.
+        seed: seed of the weight generator.
+    """
+
+    def __init__(self, features: int, hidden: tuple[int, ...] = (512, 512), *, gain: float = 1.0,
+                 scale_clip: float = 1.0, seed: int = 0):
+        super().__init__()
+        masks = made_masks(features, hidden)
+        sizes = [features, *hidden]
+        g = torch.Generator().manual_seed(seed)
+        self.hidden = nn.ModuleList(
+            MaskedLinear(i, o, m) for i, o, m in zip(sizes, sizes[1:], masks, strict=False)
+        )
+        self.out = MaskedLinear(sizes[-1], 2 * features, torch.cat([masks[-1], masks[-1]]))
+        with torch.no_grad():
+            for layer in [*self.hidden, self.out]:
+                fan_in = layer.mask.sum(1, keepdim=True).clamp(min=1)
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=g)
+                                   * (2.0 / fan_in).sqrt())
+                layer.bias.zero_()
+            self.out.weight.mul_(gain / math.sqrt(2.0))
+        self.features = features
+        self.scale_clip = scale_clip
+        self.register_buffer("z", torch.zeros(1, features))
+
+    def bind(self, z: torch.Tensor) -> MaskedAffineMap:
+        """Fix the noise ``z`` (batch, features); returns ``self``."""
+        self.z = z
+        return self
+
+    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for layer in self.hidden:
+            h = torch.relu(layer(h))
+        return h
+
+    def _affine(self, mu, a, z):
+        return mu + torch.exp(self.scale_clip * torch.tanh(a)) * z
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu, a = self.out(self._hidden(x)).chunk(2, dim=-1)
+        return self._affine(mu, a, self.z)
+
+    def update(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        h = self._hidden(x)
+        rows = torch.cat([index, index + self.features])
+        w = (self.out.weight * self.out.mask).index_select(0, rows)
+        mu, a = nn.functional.linear(h, w, self.out.bias.index_select(0, rows)).chunk(2, dim=-1)
+        return self._affine(mu, a, self.z.index_select(-1, index))

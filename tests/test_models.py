@@ -1,0 +1,48 @@
+"""The reference computations of the demo and benchmarks are correct triangular systems."""
+
+import torch
+
+import paraprop
+from paraprop.models import LayerChain, MaskedAffineMap, made_masks
+
+
+def test_layer_chain_solutions_equal_the_forward_pass():
+    chain = LayerChain(40, 6, seed=1).double().requires_grad_(False)
+    u = torch.randn(5, 6, dtype=torch.float64)
+    chain.bind(u)
+    expected = chain.forward_sequential(u)
+    x0 = torch.zeros(5, 40, 6, dtype=torch.float64)
+    for method, bs in [("sequential", None), ("jacobi", None), ("jacobi_gs", 7),
+                       ("gs_jacobi", 9)]:
+        sol = paraprop.solve(chain, x0, method=method, dim=1, tol=0, block_size=bs)
+        assert (sol.value - expected).abs().max() <= 1e-12, method
+
+
+def test_made_masks_are_autoregressive():
+    masks = made_masks(10, (16, 16))
+    conn = masks[0]
+    for m in masks[1:]:
+        conn = (m @ conn).clamp(max=1)
+    # output d may only see inputs < d
+    assert torch.equal(conn * torch.ones(10, 10).triu(), torch.zeros(10, 10))
+    assert conn.tril(-1).sum() > 0
+
+
+def test_masked_affine_map_jacobian_is_strictly_lower_and_update_matches():
+    m = MaskedAffineMap(12, (32, 32), seed=3).double().requires_grad_(False)
+    m.bind(torch.randn(1, 12, dtype=torch.float64))
+    x = torch.randn(1, 12, dtype=torch.float64)
+    J = torch.autograd.functional.jacobian(lambda v: m(v), x)[0, :, 0, :]
+    assert torch.equal(J.triu(), torch.zeros_like(J))
+    idx = torch.tensor([0, 5, 11])
+    assert torch.allclose(m.update(x, idx), m(x)[:, idx], atol=1e-12)
+
+
+def test_masked_affine_map_sampling_all_methods_agree():
+    m = MaskedAffineMap(30, (64, 64), seed=0).double().requires_grad_(False)
+    m.bind(torch.randn(8, 30, dtype=torch.float64))
+    x0 = torch.zeros(8, 30, dtype=torch.float64)
+    ref = paraprop.solve(m, x0, method="sequential")
+    for method, bs in [("jacobi", None), ("jacobi_gs", 6), ("gs_jacobi", 10)]:
+        sol = paraprop.solve(m, x0, method=method, tol=0, block_size=bs)
+        assert (sol.value - ref.value).abs().max() <= 1e-12
