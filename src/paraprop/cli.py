@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import paraprop
-from paraprop import bench, demos
+from paraprop import bench, demos, training
 from paraprop.bench.harness import machine_info
 from paraprop.bench.report import write_results
 
@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=None, help="timed rounds per case")
     b.add_argument("--out", default="results", help="results directory (default: results)")
     b.set_defaults(func=_cmd_bench)
+
+    t = sub.add_parser("train", help="train a model used by the demos and benchmarks")
+    jobs = t.add_subparsers(dest="job", required=True)
+    for name, job in training.jobs().items():
+        jp = jobs.add_parser(name, help=getattr(job, "HELP", ""))
+        job.add_arguments(jp)
+        jp.set_defaults(func=job.run)
 
     i = sub.add_parser("info", help="versions, threads, device")
     i.set_defaults(func=_cmd_info)
