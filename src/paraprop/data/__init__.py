@@ -1,0 +1,6 @@
+"""Data sets: the digits inside scikit-learn (embedded default), MNIST from IDX files."""
+
+from paraprop.data.digits import load_digits
+from paraprop.data.mnist import IDXError, find_mnist_dir, load_mnist, read_idx
+
+__all__ = ["IDXError", "find_mnist_dir", "load_digits", "load_mnist", "read_idx"]

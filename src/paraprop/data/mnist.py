@@ -1,0 +1,104 @@
+"""A real MNIST IDX reader (gz or raw) with validation of magic numbers, counts and sizes.
+
+The directory is found by :func:`find_mnist_dir`: the argument, else ``$PARAPROP_MNIST_DIR``, else
+``../shared/data/mnist`` next to the working directory or next to this repository.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ENV = "PARAPROP_MNIST_DIR"
+_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+_FILES = {
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+}
+
+
+class IDXError(ValueError):
+    """A missing, truncated or corrupt IDX file (the message names the file)."""
+
+
+def read_idx(path: str | os.PathLike) -> np.ndarray:
+    """Read one IDX file (``.gz`` or raw) into a numpy array, validating its header and size."""
+    path = Path(path)
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except FileNotFoundError:
+        raise IDXError(f"{path}: no such file") from None
+    except (OSError, EOFError) as e:
+        raise IDXError(f"{path}: cannot be read as {'gzip' if path.suffix == '.gz' else 'IDX'}"
+                       f" ({e})") from None
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _DTYPES:
+        raise IDXError(f"{path}: bad magic number {raw[:4].hex() or '(empty)'}; not an IDX file")
+    ndim = raw[3]
+    header = 4 + 4 * ndim
+    if ndim == 0 or len(raw) < header:
+        raise IDXError(f"{path}: truncated header ({len(raw)} bytes, {ndim} dims)")
+    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    dtype = np.dtype(_DTYPES[raw[2]])
+    expected = header + int(np.prod(shape)) * dtype.itemsize
+    if len(raw) != expected:
+        raise IDXError(f"{path}: {len(raw)} bytes, expected {expected} for shape {shape} "
+                       f"(truncated or corrupt)")
+    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape)
+
+
+def find_mnist_dir(mnist_dir: str | os.PathLike | None = None) -> Path | None:
+    """The MNIST directory from the argument, ``$PARAPROP_MNIST_DIR`` or ``../shared/data/mnist``
+    (relative to the working directory, then to this repository); ``None`` if none exists."""
+    if mnist_dir is not None:
+        return Path(mnist_dir)
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV])
+    repo = Path(__file__).resolve().parents[3]
+    for base in (Path.cwd(), repo):
+        cand = base.parent / "shared" / "data" / "mnist"
+        if cand.is_dir():
+            return cand
+    return None
+
+
+def _locate(directory: Path, stem: str) -> Path:
+    for name in (stem + ".gz", stem, stem.replace("-idx", ".idx") + ".gz",
+                 stem.replace("-idx", ".idx")):
+        if (directory / name).is_file():
+            return directory / name
+    raise IDXError(f"{directory / stem}[.gz]: no such file")
+
+
+def load_mnist(mnist_dir: str | os.PathLike | None = None, *, split: str = "test"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MNIST images ``(N, 28, 28)`` float32 in ``[0, 1]`` and labels ``(N,)`` int64.
+
+    Arguments:
+        mnist_dir: directory of the IDX files (see :func:`find_mnist_dir` for the fallbacks).
+        split: ``"test"`` (t10k files, 10,000 images) or ``"train"``.
+
+    Raises:
+        IDXError: missing, truncated or inconsistent files (the message names the file).
+        ValueError: unknown split.
+    """
+    if split not in _FILES:
+        raise ValueError(f"unknown split={split!r}; choose 'test' or 'train'")
+    directory = find_mnist_dir(mnist_dir)
+    if directory is None:
+        raise IDXError(f"no MNIST directory: pass mnist_dir, set ${ENV}, or put the IDX files "
+                       "in ../shared/data/mnist")
+    img_path, lab_path = (_locate(directory, s) for s in _FILES[split])
+    images, labels = read_idx(img_path), read_idx(lab_path)
+    if images.ndim != 3 or images.dtype != np.uint8:
+        raise IDXError(f"{img_path}: expected uint8 images (N, rows, cols), got "
+                       f"{images.dtype} {images.shape}")
+    if labels.ndim != 1 or len(labels) != len(images):
+        raise IDXError(f"{lab_path}: {labels.shape} labels for {len(images)} images")
+    if labels.max(initial=0) > 9:
+        raise IDXError(f"{lab_path}: label {labels.max()} out of range 0-9")
+    x = torch.from_numpy(images.astype(np.float32) / 255.0)
+    return x, torch.from_numpy(labels.astype(np.int64))

@@ -1,0 +1,75 @@
+"""Data: the embedded digits and the MNIST IDX reader, including broken files."""
+
+import gzip
+
+import numpy as np
+import pytest
+import torch
+
+from paraprop.data import IDXError, find_mnist_dir, load_digits, load_mnist, read_idx
+
+
+def _write_idx(path, arr, code=0x08, gz=False):
+    header = bytes([0, 0, code, arr.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in arr.shape)
+    data = header + arr.astype(np.uint8).tobytes()
+    path.write_bytes(gzip.compress(data) if gz else data)
+
+
+def test_digits():
+    x, y = load_digits()
+    assert x.shape == (1797, 8, 8) and x.dtype == torch.float32
+    assert 0 <= float(x.min()) and float(x.max()) == 1.0 and set(y.tolist()) == set(range(10))
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_read_idx_round_trip_and_loader(tmp_path, gz):
+    imgs = np.random.default_rng(0).integers(0, 256, (5, 28, 28))
+    labs = np.arange(5)
+    suffix = ".gz" if gz else ""
+    _write_idx(tmp_path / f"t10k-images-idx3-ubyte{suffix}", imgs, gz=gz)
+    _write_idx(tmp_path / f"t10k-labels-idx1-ubyte{suffix}", labs, gz=gz)
+    assert np.array_equal(read_idx(tmp_path / f"t10k-images-idx3-ubyte{suffix}"), imgs)
+    x, y = load_mnist(tmp_path)
+    assert x.shape == (5, 28, 28) and y.tolist() == [0, 1, 2, 3, 4]
+    assert torch.allclose(x * 255, torch.tensor(imgs, dtype=torch.float32))
+
+
+def test_truncated_bad_magic_and_corrupt_gzip(tmp_path):
+    imgs = np.zeros((3, 4, 4))
+    p = tmp_path / "a-idx3-ubyte"
+    _write_idx(p, imgs)
+    p.write_bytes(p.read_bytes()[:-5])
+    with pytest.raises(IDXError, match=r"a-idx3-ubyte: \d+ bytes, expected \d+ .*truncated"):
+        read_idx(p)
+    p.write_bytes(b"\x12\x34\x08\x03rest")
+    with pytest.raises(IDXError, match="a-idx3-ubyte: bad magic number 12340803"):
+        read_idx(p)
+    g = tmp_path / "b-idx3-ubyte.gz"
+    g.write_bytes(b"not gzip at all")
+    with pytest.raises(IDXError, match=r"b-idx3-ubyte.gz: cannot be read as gzip"):
+        read_idx(g)
+    with pytest.raises(IDXError, match="no such file"):
+        read_idx(tmp_path / "missing")
+
+
+def test_mismatched_label_count(tmp_path):
+    _write_idx(tmp_path / "t10k-images-idx3-ubyte", np.zeros((4, 28, 28)))
+    _write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.zeros(3))
+    with pytest.raises(IDXError, match=r"t10k-labels-idx1-ubyte: \(3,\) labels for 4 images"):
+        load_mnist(tmp_path)
+    with pytest.raises(ValueError, match="unknown split='valid'"):
+        load_mnist(tmp_path, split="valid")
+
+
+def test_env_variable_selects_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARAPROP_MNIST_DIR", str(tmp_path))
+    assert find_mnist_dir() == tmp_path
+
+
+def test_official_mnist_test_set():
+    directory = find_mnist_dir()
+    if directory is None or not directory.is_dir():
+        pytest.skip("MNIST test set not found (set PARAPROP_MNIST_DIR or ../shared/data/mnist)")
+    x, y = load_mnist(directory)
+    assert x.shape == (10000, 28, 28) and y.shape == (10000,)
+    assert y[:5].tolist() == [7, 2, 1, 0, 4]
