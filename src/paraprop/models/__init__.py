@@ -1,11 +1,7 @@
 """Models used by the demos and benchmarks."""
 
-from paraprop.models.recurrences import (
-    LayerChain,
-    MaskedAffineMap,
-    MaskedLinear,
-    made_degrees,
-    made_masks,
-)
+from paraprop.models.made import MADE
+from paraprop.models.masked import MaskedLinear, made_degrees, made_masks
+from paraprop.models.recurrences import LayerChain, MaskedAffineMap
 
-__all__ = ["LayerChain", "MaskedAffineMap", "MaskedLinear", "made_degrees", "made_masks"]
+__all__ = ["MADE", "LayerChain", "MaskedAffineMap", "MaskedLinear", "made_degrees", "made_masks"]

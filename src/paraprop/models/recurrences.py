@@ -18,6 +18,8 @@ import math
 import torch
 from torch import nn
 
+from paraprop.models.masked import MaskedLinear, made_masks
+
 
 class LayerChain(nn.Module):
     """``s_l = tanh(W_l s_{l-1} + b_l)`` for ``l = 0 .. depth-1``, ``s_{-1} = u`` (the input).
@@ -77,39 +79,6 @@ def _layers(prev: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tenso
     """``tanh(W_l prev_l + b_l)`` for all layers at once: one batched matmul over the layers."""
     out = torch.baddbmm(b[:, None], prev.transpose(0, 1), w.transpose(1, 2))
     return torch.tanh_(out).transpose(0, 1).contiguous()
-
-
-def made_degrees(features: int, hidden: tuple[int, ...],
-                 order: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Degrees of the MADE units (Germain et al. 2015): inputs get their order ``1..D``, hidden
-    units a degree in ``[1, D-1]`` (cycled, deterministic), so output ``d`` sees inputs ``< d``."""
-    if order is None:
-        order = torch.arange(1, features + 1)
-    degrees = [order]
-    for h in hidden:
-        degrees.append(torch.arange(h) % max(features - 1, 1) + 1)
-    return degrees
-
-
-def made_masks(features: int, hidden: tuple[int, ...],
-               order: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Masks (out, in) of every layer of a MADE; the last one is strictly autoregressive."""
-    deg = made_degrees(features, hidden, order=order)
-    masks = [(d_out[:, None] >= d_in[None, :]).float() for d_in, d_out in zip(deg, deg[1:],
-                                                                              strict=False)]
-    masks.append((deg[0][:, None] > deg[-1][None, :]).float())
-    return masks
-
-
-class MaskedLinear(nn.Linear):
-    """``nn.Linear`` whose weight is multiplied by a fixed 0/1 mask (out, in)."""
-
-    def __init__(self, in_features: int, out_features: int, mask: torch.Tensor):
-        super().__init__(in_features, out_features)
-        self.register_buffer("mask", mask)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight * self.mask, self.bias)
 
 
 class MaskedAffineMap(nn.Module):
