@@ -107,7 +107,8 @@ def image_grid(path: Path, ref: torch.Tensor, iterates: list[torch.Tensor], side
     for r, (label, x) in enumerate(rows):
         for c in range(n):
             ax = axes[r, c]
-            ax.imshow(x[c].reshape(side, side).clamp(0, 1).cpu(), cmap="gray", vmin=0, vmax=1)
+            img = x[c].reshape(side, side).clamp(0, 1).cpu().numpy()
+            ax.imshow(img, cmap="gray", vmin=0, vmax=1)
             ax.set_xticks([])
             ax.set_yticks([])
         axes[r, 0].set_ylabel(label, rotation=0, ha="right", va="center", fontsize=7)

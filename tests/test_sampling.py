@@ -1,0 +1,189 @@
+"""Parallel sampling returns the ancestral sample; flow inverses match the libraries' own."""
+
+import math
+
+import pytest
+import torch
+
+import paraprop
+from paraprop.cli import main
+from paraprop.models import MADE
+from paraprop.sampling import parallel_inverse, sample
+
+CONDITIONALS = ["logistic", "gaussian", "bernoulli"]
+METHODS = [("jacobi", None), ("jacobi_gs", 5), ("gs_jacobi", 7), ("fixed_passes", None)]
+
+
+def _made(cond, dtype=torch.float64, order=True, seed=0):
+    perm = torch.randperm(24, generator=torch.Generator().manual_seed(seed)) if order else None
+    return MADE(24, (48, 48), conditional=cond, order=perm, seed=seed).to(dtype)
+
+
+@pytest.mark.parametrize("cond", CONDITIONALS)
+@pytest.mark.parametrize(("method", "bs"), METHODS)
+def test_every_method_returns_the_ancestral_sample(cond, method, bs):
+    m = _made(cond)
+    noise = m.draw_noise(6, torch.Generator().manual_seed(1))
+    ref, seq = sample(m, 6, method="sequential", noise=noise)
+    assert seq.evaluations == 24
+    x, sol = sample(m, 6, method=method, noise=noise, tol=0, block_size=bs)
+    assert torch.equal(x, ref)  # float64, tol=0: bitwise
+    m32 = _made(cond, torch.float32)
+    noise32 = noise.float()
+    ref32, _ = sample(m32, 6, method="sequential", noise=noise32)
+    x32, _ = sample(m32, 6, method=method, noise=noise32, block_size=bs)
+    assert (x32 - ref32).abs().max() <= 1e-5
+
+
+def test_bernoulli_samples_are_binary_and_jacobi_is_fast():
+    m = _made("bernoulli", order=False)
+    x, sol = sample(m, 50, generator=torch.Generator().manual_seed(0), tol=0)
+    assert set(x.unique().tolist()) <= {0.0, 1.0}
+    assert sol.iterations < 24
+
+
+def test_same_generator_seed_same_sample_and_per_sample_stopping():
+    m = _made("logistic")
+    a, sa = sample(m, 8, tol=1e-13, generator=torch.Generator().manual_seed(3))
+    b, _ = sample(m, 8, method="gs_jacobi", block_size=6, tol=1e-13,
+                  generator=torch.Generator().manual_seed(3))
+    assert (a - b).abs().max() <= 1e-9
+    it = sa.stats["sample_iterations"]
+    assert it.shape == (8,) and int(it.max()) == sa.iterations
+    # each sample is frozen once it stops; the frozen values are still the ancestral sample
+    ref, _ = sample(m, 8, method="sequential", generator=torch.Generator().manual_seed(3))
+    assert (a - ref).abs().max() <= 1e-9
+
+
+def test_log_prob_matches_torch_distributions():
+    x = torch.rand(5, 24, dtype=torch.float64)
+    for cond in CONDITIONALS:
+        m = _made(cond)
+        xx = (x > 0.5).double() if cond == "bernoulli" else x
+        p = m.conditional_params(xx)
+        if cond == "bernoulli":
+            expected = torch.distributions.Bernoulli(logits=p["logits"]).log_prob(xx).sum(-1)
+        elif cond == "gaussian":
+            expected = torch.distributions.Normal(p["loc"], p["log_scale"].exp()).log_prob(xx)
+            expected = expected.sum(-1)
+        else:
+            base = torch.distributions.Uniform(torch.zeros_like(xx), torch.ones_like(xx))
+            logistic = torch.distributions.TransformedDistribution(base, [
+                torch.distributions.transforms.SigmoidTransform().inv,
+                torch.distributions.transforms.AffineTransform(p["loc"], p["log_scale"].exp())])
+            expected = logistic.log_prob(xx).sum(-1)
+        assert torch.allclose(m.log_prob(xx), expected, atol=1e-10), cond
+
+
+def test_made_is_autoregressive_in_its_order():
+    m = _made("gaussian")
+    x = torch.randn(1, 24, dtype=torch.float64)
+    J = torch.autograd.functional.jacobian(lambda v: m.conditional_params(v)["loc"], x)[0, :, 0]
+    # output i may depend on input j only if j comes earlier in the order
+    allowed = m.order[None, :] < m.order[:, None]
+    assert torch.all(J[~allowed] == 0) and J[allowed].abs().sum() > 0
+
+
+def test_broken_masks_are_detected():
+    m = _made("logistic", order=False)
+    with torch.no_grad():
+        m.out.mask.fill_(1.0)  # every output sees every input: not autoregressive
+    with pytest.raises(paraprop.NotTriangularError, match="depends on itself or on a later"):
+        sample(m, 4, generator=torch.Generator().manual_seed(0), tol=0)
+
+
+def test_bad_arguments():
+    m = _made("logistic")
+    with pytest.raises(ValueError, match=r"noise must have shape \(4, 24\) for n=4, got \(4, 23\)"):
+        sample(m, 4, noise=torch.zeros(4, 23, dtype=torch.float64))
+    with pytest.raises(ValueError, match="unknown method='newton'"):
+        sample(m, 4, method="newton")
+    with pytest.raises(ValueError, match="n must be a positive int, got 0"):
+        sample(m, 0)
+    with pytest.raises(ValueError, match="unknown conditional='poisson'"):
+        MADE(4, (8,), conditional="poisson")
+    with pytest.raises(ValueError, match=r"order must be a permutation of 0..3"):
+        MADE(4, (8,), order=[0, 0, 1, 2])
+    with pytest.raises(ValueError, match="hidden must be a non-empty tuple"):
+        MADE(4, ())
+    with pytest.raises(ValueError, match=r"x must have shape \(N, 24\), got \(3, 5\)"):
+        m.log_prob(torch.zeros(3, 5))
+
+
+def test_checkpoint_round_trip(tmp_path):
+    m = _made("gaussian", torch.float32)
+    m.save(tmp_path / "m.pt")
+    m2 = MADE.load(tmp_path / "m.pt")
+    x = torch.randn(3, 24)
+    assert torch.equal(m.log_prob(x), m2.log_prob(x))
+    torch.save({"something": 1}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not a paraprop MADE checkpoint"):
+        MADE.load(tmp_path / "other.pt")
+
+
+def test_train_made_cli(tmp_path, capsys):
+    out = tmp_path / "made.pt"
+    assert main(["train", "made", "--data", "digits", "--epochs", "2", "--hidden", "32", "32",
+                 "--out", str(out)]) == 0
+    assert "NLL" in capsys.readouterr().out
+    m = MADE.load(out)
+    assert m.features == 64
+    x, sol = sample(m, 5, generator=torch.Generator().manual_seed(0))
+    assert sol.converged and math.isfinite(float(x.sum()))
+
+
+def test_zuko_inverse_equals_library():
+    zuko = pytest.importorskip("zuko")
+    torch.manual_seed(0)
+    for passes in (None, 3):
+        flow = zuko.flows.MAF(12, transforms=3, randperm=True, passes=passes)
+        t = flow().transform
+        y = torch.randn(20, 12)
+        with torch.no_grad():
+            expected = t.inv(y)
+        x, sols = parallel_inverse(t, y)
+        assert torch.equal(x, expected)
+        assert len(sols) == 3 and all(s.converged for s in sols)
+    spline = zuko.flows.NSF(6, transforms=2)().transform
+    y = torch.randn(10, 6)
+    with torch.no_grad():
+        assert torch.equal(parallel_inverse(spline, y)[0], spline.inv(y))
+
+
+def test_nflows_inverse_equals_library():
+    pytest.importorskip("nflows")
+    from nflows.transforms import (
+        CompositeTransform,
+        MaskedAffineAutoregressiveTransform,
+        MaskedPiecewiseRationalQuadraticAutoregressiveTransform,
+        RandomPermutation,
+    )
+
+    torch.manual_seed(1)
+    t = CompositeTransform([
+        MaskedAffineAutoregressiveTransform(10, 32, context_features=3),
+        RandomPermutation(10),
+        MaskedPiecewiseRationalQuadraticAutoregressiveTransform(
+            10, 32, num_bins=4, tails="linear", context_features=3),
+    ]).eval()
+    y, c = torch.randn(16, 10), torch.randn(16, 3)
+    with torch.no_grad():
+        expected, _ = t.inverse(y, c)
+    x, sols = parallel_inverse(t, y, context=c)
+    assert torch.equal(x, expected)
+    assert sum(s.evaluations for s in sols) < 20
+    with pytest.raises(TypeError, match="must be a zuko or nflows transform, got Linear"):
+        parallel_inverse(torch.nn.Linear(2, 2), y)
+    with pytest.raises(ValueError, match=r"y must be a tensor of shape \(N, D\)"):
+        parallel_inverse(t, torch.randn(3))
+
+
+def test_bench_made_quick(tmp_path):
+    from paraprop.bench import made
+
+    payload = made.run(tmp_path, quick=True, repeats=1)
+    rows = {r["method"]: r for r in payload["digits"]["rows"]}
+    assert rows["jacobi (online stop)"]["max_abs_err"] <= 1e-4
+    assert rows["fixed D passes"]["max_abs_err"] == 0
+    assert all(r["bitwise equal"] for r in payload["flows"])
+    assert (tmp_path / "made.md").exists() and (tmp_path / "made_digits_samples.png").exists()
