@@ -1,0 +1,126 @@
+"""C source of the native sequential kernels (see :mod:`paraprop.scan.native`).
+
+Kept as a Python string so that it ships with the package without package-data settings. The
+body is compiled twice, once per scalar type (``float`` -> ``*_f32``, ``double`` -> ``*_f64``).
+"""
+
+# The three kernels evaluate h_t = A_t h_prev + b_t step by step, one batch row after another
+# (batch rows are independent, so the caller splits them across threads). Every array is
+# addressed as base + n * stride_n + t * stride_t (+ the feature index, contiguous), so
+# time-major, batch-major and broadcast (stride 0) layouts need no copy. `reverse` walks t from
+# T-1 down to 0 (h_prev = h_{t+1}); h0 == NULL means a zero initial state.
+BODY = r"""
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef long long i64;
+
+#define T_ SCALAR
+
+/* out_i = b_i + sum_k A[i, k] h_k  (A_t dense, rows contiguous) */
+void SFX(pp_dense)(i64 N, i64 T, i64 H, int reverse,
+                   const T_ *A, i64 A_sn, i64 A_st,
+                   const T_ *b, i64 b_sn, i64 b_st,
+                   const T_ *h0, i64 h0_sn,
+                   T_ *out, i64 o_sn, i64 o_st) {
+    T_ *h = (T_ *)malloc(sizeof(T_) * (size_t)H);
+    for (i64 n = 0; n < N; ++n) {
+        if (h0) memcpy(h, h0 + n * h0_sn, sizeof(T_) * (size_t)H);
+        else memset(h, 0, sizeof(T_) * (size_t)H);
+        for (i64 s = 0; s < T; ++s) {
+            const i64 t = reverse ? T - 1 - s : s;
+            const T_ *At = A + n * A_sn + t * A_st;
+            const T_ *bt = b + n * b_sn + t * b_st;
+            T_ *ot = out + n * o_sn + t * o_st;
+            for (i64 i = 0; i < H; ++i) {
+                const T_ *row = At + i * H;
+                T_ acc = 0;
+                for (i64 k = 0; k < H; ++k) acc += row[k] * h[k];
+                ot[i] = acc + bt[i];
+            }
+            memcpy(h, ot, sizeof(T_) * (size_t)H);
+        }
+    }
+    free(h);
+}
+
+/* out_i = a_i h_i + b_i  (A_t diagonal) */
+void SFX(pp_diag)(i64 N, i64 T, i64 H, int reverse,
+                  const T_ *a, i64 a_sn, i64 a_st,
+                  const T_ *b, i64 b_sn, i64 b_st,
+                  const T_ *h0, i64 h0_sn,
+                  T_ *out, i64 o_sn, i64 o_st) {
+    for (i64 n = 0; n < N; ++n) {
+        const T_ *hp = h0 ? h0 + n * h0_sn : NULL;
+        for (i64 s = 0; s < T; ++s) {
+            const i64 t = reverse ? T - 1 - s : s;
+            const T_ *at = a + n * a_sn + t * a_st;
+            const T_ *bt = b + n * b_sn + t * b_st;
+            T_ *ot = out + n * o_sn + t * o_st;
+            if (hp) {
+                for (i64 i = 0; i < H; ++i) ot[i] = at[i] * hp[i] + bt[i];
+            } else {
+                for (i64 i = 0; i < H; ++i) ot[i] = bt[i];
+            }
+            hp = ot;
+        }
+    }
+}
+
+/* A_t = diag(d_t) + L diag(s_t) R with L (H x K) or NULL = [I ... I] (block sum) and
+   R (K x H) or NULL = [I; ...; I] (block tile):
+   u = s_t * (R h), out = b_t + d_t * h + L u. */
+void SFX(pp_factored)(i64 N, i64 T, i64 H, i64 K, int reverse,
+                      const T_ *d, i64 d_sn, i64 d_st,
+                      const T_ *sc, i64 s_sn, i64 s_st,
+                      const T_ *L, const T_ *R,
+                      const T_ *b, i64 b_sn, i64 b_st,
+                      const T_ *h0, i64 h0_sn,
+                      T_ *out, i64 o_sn, i64 o_st) {
+    T_ *h = (T_ *)malloc(sizeof(T_) * (size_t)(H + K));
+    T_ *u = h + H;
+    for (i64 n = 0; n < N; ++n) {
+        if (h0) memcpy(h, h0 + n * h0_sn, sizeof(T_) * (size_t)H);
+        else memset(h, 0, sizeof(T_) * (size_t)H);
+        for (i64 s = 0; s < T; ++s) {
+            const i64 t = reverse ? T - 1 - s : s;
+            const T_ *st = sc + n * s_sn + t * s_st;
+            const T_ *bt = b + n * b_sn + t * b_st;
+            T_ *ot = out + n * o_sn + t * o_st;
+            if (R) {
+                for (i64 k = 0; k < K; ++k) {
+                    const T_ *row = R + k * H;
+                    T_ acc = 0;
+                    for (i64 j = 0; j < H; ++j) acc += row[j] * h[j];
+                    u[k] = acc * st[k];
+                }
+            } else {
+                for (i64 k = 0; k < K; ++k) u[k] = h[k % H] * st[k];
+            }
+            if (L) {
+                for (i64 i = 0; i < H; ++i) {
+                    const T_ *row = L + i * K;
+                    T_ acc = 0;
+                    for (i64 k = 0; k < K; ++k) acc += row[k] * u[k];
+                    ot[i] = acc + bt[i];
+                }
+            } else {
+                for (i64 i = 0; i < H; ++i) ot[i] = bt[i];
+                for (i64 k = 0; k < K; ++k) ot[k % H] += u[k];
+            }
+            if (d) {
+                const T_ *dt = d + n * d_sn + t * d_st;
+                for (i64 i = 0; i < H; ++i) ot[i] += dt[i] * h[i];
+            }
+            memcpy(h, ot, sizeof(T_) * (size_t)H);
+        }
+    }
+    free(h);
+}
+"""
+
+UNITS = {
+    "f32": "#define SCALAR float\n#define SFX(name) name##_f32\n",
+    "f64": "#define SCALAR double\n#define SFX(name) name##_f64\n",
+}

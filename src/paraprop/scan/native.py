@@ -1,0 +1,237 @@
+"""Native (C) sequential kernels for :func:`paraprop.scan.linear_recurrence` on the CPU.
+
+On a small CPU a PyTorch operator costs a few microseconds of dispatch, so ``T`` small steps of
+``h_t = A_t h_{t-1} + b_t`` cost ``T`` times that however small ``H`` is. These kernels run the
+whole recurrence in one call: the sequential algorithm without per-step dispatch (the same
+``O(T H^2)`` work, none of the ``H``-fold extra work of a tree scan), with the independent batch
+rows split across threads.
+
+The kernels are plain C (no PyTorch or Python headers), compiled on first use with the system C
+compiler (``$CC``, else ``cc``/``gcc``) into a per-user cache directory (``$PARAPROP_CACHE_DIR``,
+else ``$XDG_CACHE_HOME/paraprop``, else ``~/.cache/paraprop``) and loaded with :mod:`ctypes`.
+Nothing needs to be installed: when no compiler is found or the build fails, :func:`available`
+is ``False`` (``status()`` says why) and every caller falls back to the pure-PyTorch
+algorithms. ``PARAPROP_NATIVE=0`` disables the kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from paraprop.scan._kernel_source import BODY, UNITS
+
+__all__ = ["available", "status"]
+
+_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+          "-fassociative-math", "-fno-signed-zeros", "-std=c99"]
+_DTYPES = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes.c_double)}
+# Below this many multiply-adds a call runs on one thread (thread hand-off costs ~20 us).
+_MIN_WORK_PER_THREAD = 200_000
+
+_lock = threading.Lock()
+_lib = None
+_status = "not built yet"
+_pool: ThreadPoolExecutor | None = None
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("PARAPROP_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "paraprop"
+
+
+def _compiler() -> str | None:
+    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cand and shutil.which(cand):
+            return shutil.which(cand)
+    return None
+
+
+def _build() -> ctypes.CDLL:
+    """Compile (once per source, compiler and CPU) and load the kernel library."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set $CC)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout.splitlines()[:1]
+    cpu = ""
+    try:  # -march=native: a library built on one CPU may not run on another
+        cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    key = hashlib.sha256("\n".join([BODY, *UNITS.values(), *_FLAGS, cc, *version, cpu,
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"scan_kernels_{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            tmpd = Path(tmp)
+            (tmpd / "body.h").write_text(BODY)
+            sources = []
+            for suffix, defs in UNITS.items():
+                src = tmpd / f"kernels_{suffix}.c"
+                src.write_text(defs + '#include "body.h"\n')
+                sources.append(str(src))
+            out = tmpd / "lib.so"
+            proc = subprocess.run([cc, *_FLAGS, "-o", str(out), *sources],
+                                  capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"compiling the scan kernels failed: {proc.stderr[-2000:]}")
+            os.replace(out, target)  # atomic: concurrent builders never see a partial file
+    lib = ctypes.CDLL(str(target))
+    i64, ci, vp = ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p
+    plain = [i64, i64, i64, ci, vp, i64, i64, vp, i64, i64, vp, i64, vp, i64, i64]
+    fact = [i64, i64, i64, i64, ci, vp, i64, i64, vp, i64, i64, vp, vp, vp, i64, i64, vp, i64,
+            vp, i64, i64]
+    for suffix in UNITS:
+        for kind, argtypes in (("dense", plain), ("diag", plain), ("factored", fact)):
+            fn = getattr(lib, f"pp_{kind}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+def _load():
+    global _lib, _status
+    if _lib is not None or _status != "not built yet":
+        return _lib
+    with _lock:
+        if _lib is None and _status == "not built yet":
+            if os.environ.get("PARAPROP_NATIVE", "1") == "0":
+                _status = "disabled by PARAPROP_NATIVE=0"
+            else:
+                try:
+                    _lib = _build()
+                    _status = "ok"
+                except Exception as e:  # any failure means: use the PyTorch algorithms
+                    _status = f"unavailable: {e}"
+    return _lib
+
+
+def available() -> bool:
+    """Whether the native kernels are built and loaded (builds them on first call)."""
+    return _load() is not None
+
+
+def status() -> str:
+    """``"ok"``, or why the native kernels are not used."""
+    _load()
+    return _status
+
+
+def supports(*tensors: torch.Tensor | None) -> bool:
+    """Whether the kernels can run on these tensors (CPU, float32/float64, no autograd graph)."""
+    ts = [t for t in tensors if t is not None]
+    return (bool(ts) and all(t.device.type == "cpu" and t.dtype in _DTYPES for t in ts)
+            and len({t.dtype for t in ts}) == 1 and available())
+
+
+def _threads(N: int, work_per_row: int) -> int:
+    n = min(torch.get_num_threads(), N, max(1, (N * work_per_row) // _MIN_WORK_PER_THREAD))
+    return max(1, n)
+
+
+def _run_split(fn, N: int, work_per_row: int, call) -> None:
+    """Run ``call(n0, n1)`` over batch rows ``[0, N)`` split across threads."""
+    global _pool
+    k = _threads(N, work_per_row)
+    if k == 1:
+        call(0, N)
+        return
+    if _pool is None or _pool._max_workers < k:  # noqa: SLF001 - sized lazily
+        _pool = ThreadPoolExecutor(max_workers=k, thread_name_prefix="paraprop-scan")
+    bounds = [N * i // k for i in range(k + 1)]
+    futures = [_pool.submit(call, bounds[i], bounds[i + 1]) for i in range(1, k)]
+    call(bounds[0], bounds[1])
+    for f in futures:
+        f.result()
+
+
+def _ptr(t: torch.Tensor | None, n0: int, sn: int) -> int | None:
+    if t is None:
+        return None
+    return t.data_ptr() + n0 * sn * t.element_size()
+
+
+def _bt_strides(t: torch.Tensor | None) -> tuple[int, int]:
+    """(batch, time) strides in elements of a (N, T, ...) tensor; 0 for a broadcast batch."""
+    if t is None:
+        return 0, 0
+    return (t.stride(0) if t.shape[0] > 1 else 0), t.stride(1)
+
+
+def dense(A: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None, out: torch.Tensor,
+          reverse: bool) -> torch.Tensor:
+    """``out[n, t] = A[n, t] @ h_prev + b[n, t]``; A (N|1, T, H, H), b/out (N, T, H), h0 (N, H)."""
+    lib = _load()
+    N, T, H = b.shape
+    suffix = _DTYPES[b.dtype][0]
+    fn = getattr(lib, f"pp_dense_{suffix}")
+    A_sn, A_st = _bt_strides(A)
+    b_sn, b_st = _bt_strides(b)
+    o_sn, o_st = _bt_strides(out)
+    h_sn = h0.stride(0) if h0 is not None else 0
+
+    def call(n0: int, n1: int) -> None:
+        fn(n1 - n0, T, H, int(reverse), _ptr(A, n0, A_sn), A_sn, A_st, _ptr(b, n0, b_sn), b_sn,
+           b_st, _ptr(h0, n0, h_sn), h_sn, _ptr(out, n0, o_sn), o_sn, o_st)
+
+    _run_split(fn, N, T * H * H, call)
+    return out
+
+
+def diag(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None, out: torch.Tensor,
+         reverse: bool) -> torch.Tensor:
+    """``out[n, t] = a[n, t] * h_prev + b[n, t]``; a (N|1, T, H), b/out (N, T, H), h0 (N, H)."""
+    lib = _load()
+    N, T, H = b.shape
+    fn = getattr(lib, f"pp_diag_{_DTYPES[b.dtype][0]}")
+    a_sn, a_st = _bt_strides(a)
+    b_sn, b_st = _bt_strides(b)
+    o_sn, o_st = _bt_strides(out)
+    h_sn = h0.stride(0) if h0 is not None else 0
+
+    def call(n0: int, n1: int) -> None:
+        fn(n1 - n0, T, H, int(reverse), _ptr(a, n0, a_sn), a_sn, a_st, _ptr(b, n0, b_sn), b_sn,
+           b_st, _ptr(h0, n0, h_sn), h_sn, _ptr(out, n0, o_sn), o_sn, o_st)
+
+    _run_split(fn, N, T * H, call)
+    return out
+
+
+def factored(d: torch.Tensor | None, s: torch.Tensor, L: torch.Tensor | None,
+             R: torch.Tensor | None, b: torch.Tensor, h0: torch.Tensor | None,
+             out: torch.Tensor, reverse: bool) -> torch.Tensor:
+    """``A_t = diag(d_t) + L diag(s_t) R`` (see :class:`paraprop.scan.Factored`)."""
+    lib = _load()
+    N, T, H = b.shape
+    K = s.shape[-1]
+    fn = getattr(lib, f"pp_factored_{_DTYPES[b.dtype][0]}")
+    d_sn, d_st = _bt_strides(d)
+    s_sn, s_st = _bt_strides(s)
+    b_sn, b_st = _bt_strides(b)
+    o_sn, o_st = _bt_strides(out)
+    h_sn = h0.stride(0) if h0 is not None else 0
+    Lp = L.data_ptr() if L is not None else None
+    Rp = R.data_ptr() if R is not None else None
+
+    def call(n0: int, n1: int) -> None:
+        fn(n1 - n0, T, H, K, int(reverse), _ptr(d, n0, d_sn), d_sn, d_st, _ptr(s, n0, s_sn),
+           s_sn, s_st, Lp, Rp, _ptr(b, n0, b_sn), b_sn, b_st, _ptr(h0, n0, h_sn), h_sn,
+           _ptr(out, n0, o_sn), o_sn, o_st)
+
+    _run_split(fn, N, T * H * K * 2, call)
+    return out

@@ -1,0 +1,314 @@
+"""``linear_recurrence``: all states of ``h_t = A_t h_{t-1} + b_t`` by a scan.
+
+A linear recurrence is a scan of the affine maps ``h -> A_t h + b_t`` under composition,
+``(A_1, b_1) ⊕ (A_2, b_2) = (A_2 A_1, A_2 b_1 + b_2)`` (associative, not commutative; Blelloch
+1990, §1.4). Back-propagation through a recurrent network is exactly such a recurrence, run
+backwards with the transposed Jacobians: ``g_t = J_{t+1}^T g_{t+1} + e_t`` (BPPSA, Wang et al.
+2020, eq. 2-4).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from paraprop.scan import blelloch, chunked, hillis_steele, native, sequential
+from paraprop.scan.operators import Factored, Op
+
+ALGORITHMS = ("auto", "sequential", "blelloch", "hillis_steele", "chunked")
+# Below this length the tree and chunked algorithms cannot beat T small steps.
+_SHORT = 16
+
+
+class Canonical:
+    """Validated inputs in the layout ``(N, T, H)``; ``batch`` is the broadcast batch shape."""
+
+    def __init__(self, op: Op, b: torch.Tensor, h0: torch.Tensor | None, batch: torch.Size):
+        self.op, self.b, self.h0, self.batch = op, b, h0, batch
+
+    def user(self, h: torch.Tensor) -> torch.Tensor:
+        return h.reshape(*self.batch, *h.shape[1:])
+
+
+def canonicalise(A, b, h0) -> Canonical:
+    """Check ``A``, ``b``, ``h0`` (types, dtypes, devices, shapes) and flatten the batch dims."""
+    if not isinstance(b, torch.Tensor):
+        raise TypeError(f"b must be a torch.Tensor, got {type(b).__name__}")
+    if not b.is_floating_point():
+        raise TypeError(f"b must have a floating-point dtype, got {b.dtype}")
+    if b.dim() < 2 or b.shape[-2] < 1 or b.shape[-1] < 1:
+        raise ValueError(f"b must have shape (..., T, H) with T, H >= 1, got {tuple(b.shape)}")
+    T, H = b.shape[-2:]
+    nb = b.dim()
+    if isinstance(A, Factored):
+        tensors = {"A.scale": A.scale, "A.left": A.left, "A.right": A.right, "A.diag": A.diag}
+    elif isinstance(A, torch.Tensor):
+        tensors = {"A": A}
+    else:
+        raise TypeError(f"A must be a torch.Tensor or a paraprop.scan.Factored, "
+                        f"got {type(A).__name__}")
+    tensors["h0"] = h0
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.dtype != b.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but b has {b.dtype}; use one dtype")
+        if t.device != b.device:
+            raise ValueError(f"{name} is on {t.device} but b is on {b.device}")
+
+    batches = [b.shape[:-2]]
+    if isinstance(A, torch.Tensor):
+        if A.dim() == nb + 1 and A.shape[-3:] == (T, H, H):
+            kind = "dense"
+        elif A.dim() == nb and A.shape[-2:] == (T, H):
+            kind = "diag"
+        else:
+            raise ValueError(
+                f"A must be dense (..., T, H, H) or diagonal (..., T, H) with the batch dims of b "
+                f"written out; got A {tuple(A.shape)} for b {tuple(b.shape)} (T={T}, H={H})")
+        batches.append(A.shape[:-3] if kind == "dense" else A.shape[:-2])
+    else:
+        kind = "factored"
+        s = A.scale
+        if s is None or s.dim() != nb or s.shape[-2] != T or s.shape[-1] < 1:
+            raise ValueError(f"A.scale must have shape (..., T, K) with T={T}, as many dims as b "
+                             f"{tuple(b.shape)}; got {None if s is None else tuple(s.shape)}")
+        K = s.shape[-1]
+        if A.left is not None and tuple(A.left.shape) != (H, K):
+            raise ValueError(f"A.left must have shape (H, K) = ({H}, {K}), "
+                             f"got {tuple(A.left.shape)}")
+        if A.right is not None and tuple(A.right.shape) != (K, H):
+            raise ValueError(f"A.right must have shape (K, H) = ({K}, {H}), "
+                             f"got {tuple(A.right.shape)}")
+        if (A.left is None or A.right is None) and K % H:
+            raise ValueError(f"A.left/A.right = None (identity blocks) need K a multiple of "
+                             f"H; got K={K}, H={H}")
+        batches.append(s.shape[:-2])
+        if A.diag is not None:
+            if A.diag.dim() != nb or A.diag.shape[-2:] != (T, H):
+                raise ValueError(f"A.diag must have shape (..., T, H) = (..., {T}, {H}) with as "
+                                 f"many dims as b; got {tuple(A.diag.shape)}")
+            batches.append(A.diag.shape[:-2])
+    if h0 is not None:
+        if not 1 <= h0.dim() <= nb - 1 or h0.shape[-1] != H:
+            raise ValueError(f"h0 must have shape (..., H) = (..., {H}) with at most one dim less "
+                             f"than b {tuple(b.shape)}; got {tuple(h0.shape)}")
+        batches.append(h0.shape[:-1])
+    try:
+        batch = torch.broadcast_shapes(*batches)
+    except RuntimeError:
+        raise ValueError("the batch dims of A, b and h0 do not broadcast: "
+                         + ", ".join(str(tuple(x)) for x in batches)) from None
+    N = math.prod(batch)
+
+    def rows(t: torch.Tensor | None, trailing: int, always_full: bool = False):
+        if t is None:
+            return None
+        tb = t.shape[: t.dim() - trailing]
+        if tb.numel() == 1 and not always_full:
+            return t.reshape(1, *t.shape[t.dim() - trailing:])
+        return t.expand(*batch, *t.shape[t.dim() - trailing:]).reshape(
+            N, *t.shape[t.dim() - trailing:])
+
+    if kind == "dense":
+        op = Op("dense", H, a=rows(A, 3))
+    elif kind == "diag":
+        op = Op("diag", H, a=rows(A, 2))
+    else:
+        op = Op("factored", H, d=rows(A.diag, 2), s=rows(A.scale, 2), L=A.left, R=A.right)
+    return Canonical(op, rows(b, 2, True), rows(h0, 1, True), batch)
+
+
+def solve(op: Op, b: torch.Tensor, h0: torch.Tensor | None, *, reverse: bool, algorithm: str,
+          chunk_size: int | None = None, levels: int | None = None,
+          use_native: bool | None = None) -> torch.Tensor:
+    """The states ``(N, T, H)`` on canonical inputs (no autograd of its own)."""
+    T = b.shape[1]
+    if algorithm == "auto":
+        if use_native or (use_native is None and native.supports(b, h0, *op.tensors())):
+            algorithm = "sequential"
+        elif T <= _SHORT:
+            algorithm = "sequential"
+        else:
+            algorithm = "blelloch" if op.kind == "diag" else "chunked"
+    if algorithm == "sequential":
+        return sequential.recurrence(op, b, h0, reverse, use_native)
+    if reverse:  # run forward in time on flipped inputs
+        flipped = op.map_steps(lambda x: x.flip(1))
+        return solve(flipped, b.flip(1), h0, reverse=False, algorithm=algorithm,
+                     chunk_size=chunk_size, levels=levels).flip(1)
+    if algorithm == "chunked":
+        return chunked.recurrence(op, b, h0, chunk_size)
+    # tree algorithms: scan the affine pairs (A_t, b_t), h0 folded into b_0
+    if h0 is not None:
+        b = b.clone()
+        b[:, 0] += op.at(0).apply(h0)
+    if op.kind == "diag":
+        def combine(x, y):
+            return [y[0] * x[0], y[0] * x[1] + y[1]]
+        a = op.a
+    else:
+        def combine(x, y):
+            return [y[0] @ x[0], (y[0] @ x[1].unsqueeze(-1)).squeeze(-1) + y[1]]
+        a = op.dense()
+    if algorithm == "hillis_steele":
+        return hillis_steele.scan([a, b], combine, 1)[1]
+    # blelloch: exclusive prefix e_t = h_{t-1}, then h_t = A_t e_t + b_t in one batched call
+    ex = blelloch.exclusive([a, b], combine, 1, levels)[1]
+    out = torch.empty_like(b)
+    out[:, 0] = b[:, 0]
+    if b.shape[1] > 1:
+        out[:, 1:] = op.map_steps(lambda x: x[:, 1:]).apply(ex[:, 1:]) + b[:, 1:]
+    return out
+
+
+class _LinearRecurrence(torch.autograd.Function):
+    """Backward: the same recurrence, run the other way with the transposed matrices.
+
+    With ``mu_t = A_t^T lambda_t`` and ``lambda_t = G_t + mu_next`` (``G`` the incoming gradient,
+    ``next`` the following step in the recurrence's direction), ``mu_t = A_t^T mu_next +
+    A_t^T G_t``: one ``linear_recurrence`` in the opposite direction. Then
+    ``grad b = lambda``, ``grad A_t = lambda_t h_prev_t^T`` and ``grad h0 = mu_first``.
+    """
+
+    @staticmethod
+    def forward(ctx, meta, b, h0, a, d, s, L, R):
+        kind, H, reverse, algorithm, chunk_size, levels, use_native = meta
+        op = Op(kind, H, a=a, d=d, s=s, L=L, R=R)
+        h = solve(op, b, h0, reverse=reverse, algorithm=algorithm, chunk_size=chunk_size,
+                  levels=levels, use_native=use_native)
+        ctx.meta = meta
+        ctx.save_for_backward(h, h0, a, d, s, L, R)
+        return h
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, G):
+        kind, H, reverse, algorithm, chunk_size, levels, use_native = ctx.meta
+        h, h0, a, d, s, L, R = ctx.saved_tensors
+        op = Op(kind, H, a=a, d=d, s=s, L=L, R=R)
+        opT = op.transpose()
+        mu = solve(opT, opT.apply(G), None, reverse=not reverse, algorithm=algorithm,
+                   chunk_size=chunk_size, levels=levels, use_native=use_native)
+        zero = torch.zeros_like(G[:, :1])
+        start = h0.unsqueeze(1) if h0 is not None else zero
+        if reverse:
+            lam = G + torch.cat([zero, mu[:, :-1]], 1)
+            hprev = torch.cat([h[:, 1:], start], 1)
+            g_h0 = mu[:, -1]
+        else:
+            lam = G + torch.cat([mu[:, 1:], zero], 1)
+            hprev = torch.cat([start, h[:, :-1]], 1)
+            g_h0 = mu[:, 0]
+        need = ctx.needs_input_grad
+        g_a = g_d = g_s = g_L = g_R = None
+
+        def fit(g, like):  # sum over a broadcast batch
+            return g.sum(0, keepdim=True) if like.shape[0] == 1 and g.shape[0] != 1 else g
+
+        if kind == "dense" and need[3]:
+            g_a = fit(lam.unsqueeze(-1) * hprev.unsqueeze(-2), a)
+        elif kind == "diag" and need[3]:
+            g_a = fit(lam * hprev, a)
+        elif kind == "factored":
+            if d is not None and need[4]:
+                g_d = fit(lam * hprev, d)
+            if need[5] or need[6] or need[7]:
+                u = op._right(hprev, False)                     # R h_prev     (N, T, K)
+                v = opT._right(lam, False)                      # L^T lambda   (N, T, K)
+                if need[5]:
+                    g_s = fit(u * v, s)
+                if L is not None and need[6]:
+                    g_L = torch.einsum("nth,ntk->hk", lam, s * u)
+                if R is not None and need[7]:
+                    g_R = torch.einsum("ntk,nth->kh", s * v, hprev)
+        return (None, lam if need[1] else None, g_h0 if need[2] else None,
+                g_a, g_d, g_s, g_L, g_R)
+
+
+def linear_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
+                      reverse: bool = False, algorithm: str = "auto",
+                      chunk_size: int | None = None, levels: int | None = None,
+                      native: bool | None = None) -> torch.Tensor:
+    """All states of the linear recurrence ``h_t = A_t h_{t-1} + b_t``.
+
+    Forward (``reverse=False``): ``h_t = A_t h_{t-1} + b_t`` for ``t = 0 .. T-1`` with
+    ``h_{-1} = h0``. Reverse: ``h_t = A_t h_{t+1} + b_t`` for ``t = T-1 .. 0`` with ``h_T = h0``
+    (the form of back-propagation through time). Differentiable in ``A``, ``b`` and ``h0``; the
+    backward pass is this same function run in the other direction with ``A_t^T``.
+
+    Arguments:
+        A: the transitions: a dense tensor ``(..., T, H, H)``, a diagonal ``(..., T, H)`` or a
+            :class:`Factored` ``diag(d_t) + L diag(s_t) R``. Its batch dims must be written out
+            (size 1 to broadcast) so that dense and diagonal are never ambiguous.
+        b: ``(..., T, H)``, any ``T >= 1`` (no padding to a power of two).
+        h0: ``(..., H)`` initial state (batch dims broadcast), or ``None`` for zero.
+        reverse: run from ``t = T-1`` down to 0.
+        algorithm: ``"sequential"`` (``T`` steps; one native call on the CPU when available),
+            ``"blelloch"`` (BPPSA's modified Blelloch scan, ``2 log2 T`` batched steps),
+            ``"hillis_steele"`` (``log2 T`` steps, ``T log T`` work), ``"chunked"`` (sequential
+            inside ``chunk_size`` chunks, batched across chunks, then the carries), or
+            ``"auto"``: the native sequential kernel where it runs (CPU, float32/float64),
+            otherwise ``sequential`` for ``T <= 16``, ``blelloch`` for diagonal ``A`` and
+            ``chunked`` for dense and factored ``A``. The tree algorithms materialise factored
+            ``A`` densely.
+        chunk_size: chunk length for ``"chunked"`` (default ``ceil(sqrt(T / 2))``).
+        levels: tree levels run in parallel by ``"blelloch"`` (BPPSA's level cap; the rest of
+            the tree is scanned sequentially); ``None`` for all.
+        native: ``None`` uses the native kernel when it can run, ``False`` never, ``True``
+            requires it (``RuntimeError`` if it cannot run). Only ``"sequential"`` and
+            ``"auto"`` use it.
+
+    Returns:
+        ``(*batch, T, H)``, the broadcast batch of ``A``, ``b`` and ``h0``.
+
+    Raises:
+        TypeError: non-tensor arguments, integer dtypes, mixed dtypes.
+        ValueError: shapes that do not fit (the message prints them), unknown ``algorithm``,
+            options given to an algorithm that does not use them.
+
+    Example:
+        >>> A = 0.5 * torch.randn(4, 100, 8, 8); b = torch.randn(4, 100, 8)
+        >>> h = linear_recurrence(A, b, algorithm="blelloch")
+        >>> torch.allclose(h, linear_recurrence(A, b, algorithm="sequential"), atol=1e-5)
+        True
+    """
+    _check_options(algorithm, chunk_size, levels, native)
+    if not isinstance(reverse, bool):
+        raise TypeError(f"reverse must be a bool, got {reverse!r}")
+    c = canonicalise(A, b, h0)
+    op = c.op
+    meta = (op.kind, op.H, reverse, algorithm, chunk_size, levels, native)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (c.b, c.h0, *op.tensors())):
+        h = _LinearRecurrence.apply(meta, c.b, c.h0, op.a, op.d, op.s, op.L, op.R)
+    else:
+        h = solve(op, c.b, c.h0, reverse=reverse, algorithm=algorithm, chunk_size=chunk_size,
+                  levels=levels, use_native=native)
+    return c.user(h)
+
+
+def _check_options(algorithm, chunk_size, levels, use_native) -> None:
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm={algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    if chunk_size is not None:
+        if algorithm != "chunked":
+            raise ValueError(f"chunk_size is only used by algorithm='chunked', "
+                             f"not algorithm={algorithm!r}")
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if levels is not None:
+        if algorithm != "blelloch":
+            raise ValueError(f"levels is only used by algorithm='blelloch', "
+                             f"not algorithm={algorithm!r}")
+        if isinstance(levels, bool) or not isinstance(levels, int) or levels < 0:
+            raise ValueError(f"levels must be an int >= 0, got {levels!r}")
+    if use_native is not None:
+        if not isinstance(use_native, bool):
+            raise TypeError(f"native must be None or a bool, got {use_native!r}")
+        if use_native and algorithm not in ("auto", "sequential"):
+            raise ValueError(f"native=True needs algorithm='sequential' or 'auto', "
+                             f"not {algorithm!r}")
