@@ -1,0 +1,130 @@
+"""Point-to-point exchange between ranks over ``torch.distributed``, with timeouts.
+
+:class:`DistLink` implements the :class:`paraprop.multigrid.mgrit.Link` protocol: non-blocking
+sends (``isend`` of a private copy, completed at :meth:`DistLink.flush`), receives that wait at
+most ``timeout`` seconds, and the all-reduce of the residual norm. A peer that died or hangs makes
+the waiting rank raise :class:`PeerError` naming the peer, the operation and the time waited,
+instead of blocking forever.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DEFAULT_TIMEOUT_S", "DistLink", "PeerError", "init_from_env"]
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class PeerError(RuntimeError):
+    """A peer rank did not answer in time or its connection broke (it died or hangs)."""
+
+
+def _td(seconds: float) -> _dt.timedelta:
+    return _dt.timedelta(seconds=seconds)
+
+
+class DistLink:
+    """Exchange for one rank of a solve over a ``torch.distributed`` process group.
+
+    Arguments:
+        ranks: the global rank at each position of the solve order (e.g. ``[0, 1]`` forward,
+            ``[1, 0]`` for the adjoint, which runs backwards in depth).
+        timeout: seconds to wait for any single message or collective.
+        group: the process group (``None``: the default group).
+        what: a label for error messages (e.g. ``"forward"``).
+    """
+
+    def __init__(self, ranks: list[int], *, timeout: float = DEFAULT_TIMEOUT_S, group=None,
+                 what: str = "solve"):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised; call "
+                               "paraprop.distributed.init_from_env() or "
+                               "torch.distributed.init_process_group() first")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        self.ranks = list(ranks)
+        self.timeout = float(timeout)
+        self.group = group
+        self.what = what
+        self.me = dist.get_rank()
+        self.messages = 0
+        self.bytes = 0
+        self._pending: list = []
+        # gloo sends and receives CPU tensors; nccl device tensors.
+        backend = dist.get_backend(group)
+        self._cpu = backend == "gloo"
+
+    def _fail(self, op: str, peer: int | None, err: Exception) -> PeerError:
+        who = f"rank {peer}" if peer is not None else "a peer rank"
+        return PeerError(f"rank {self.me} ({self.what}): {op} with {who} failed after at most "
+                         f"{self.timeout:g} s: the peer died, hangs or diverged from this rank's "
+                         f"control flow ({type(err).__name__}: {str(err).splitlines()[0][:200]})")
+
+    def send(self, tensor: torch.Tensor, dest: int, tag: int) -> None:
+        peer = self.ranks[dest]
+        buf = tensor.detach().to("cpu" if self._cpu else tensor.device).contiguous().clone()
+        try:
+            work = dist.isend(buf, peer, group=self.group, tag=tag)
+        except RuntimeError as e:
+            raise self._fail("send", peer, e) from None
+        self._pending.append((work, buf, peer))
+        self.messages += 1
+        self.bytes += buf.numel() * buf.element_size()
+
+    def recv(self, like: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+        peer = self.ranks[src]
+        buf = torch.empty(like.shape, dtype=like.dtype,
+                          device="cpu" if self._cpu else like.device)
+        try:
+            dist.irecv(buf, peer, group=self.group, tag=tag).wait(_td(self.timeout))
+        except RuntimeError as e:
+            raise self._fail("receive", peer, e) from None
+        return buf.to(like.device)
+
+    def sum(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        if not self._cpu:
+            t = t.to(torch.device("cuda", torch.cuda.current_device()))
+        try:
+            dist.all_reduce(t, group=self.group, async_op=True).wait(_td(self.timeout))
+        except RuntimeError as e:
+            raise self._fail("all-reduce", None, e) from None
+        return float(t)
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for work, _, peer in pending:
+            try:
+                work.wait(_td(self.timeout))
+            except RuntimeError as e:
+                raise self._fail("send", peer, e) from None
+
+
+def init_from_env(backend: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> int:
+    """Initialise ``torch.distributed`` from torchrun's environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``); returns this rank.
+
+    Arguments:
+        backend: ``"gloo"`` or ``"nccl"``; ``None``: nccl when CUDA is available, else gloo.
+        timeout: seconds before a collective or a rendezvous gives up.
+
+    Raises:
+        RuntimeError: the environment variables are missing (not launched by torchrun).
+    """
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"not launched by torchrun: {', '.join(missing)} unset; run "
+                           "'torchrun --nproc_per_node=N -m paraprop.distributed ...'")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=_td(timeout))
+    return dist.get_rank()
