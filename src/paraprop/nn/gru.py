@@ -1,0 +1,147 @@
+"""``paraprop.nn.GRU``: torch.nn.GRU whose backward pass is one linear recurrence per layer.
+
+torch's GRU step (gates in the order r, z, n of ``weight_ih``/``weight_hh``):
+
+    r = sigmoid(gi_r + gh_r),  z = sigmoid(gi_z + gh_z),  n = tanh(gi_n + r * gh_n),
+    h_t = (1 - z) * n + z * h_{t-1},   gi = W_ih x_t + b_ih,  gh = W_hh h_{t-1} + b_hh.
+
+Its transposed Jacobian (BPPSA, Wang et al. 2020, Appendix E) is a diagonal plus the three
+blocks of ``W_hh^T`` scaled column-wise:
+
+    J_t^T = diag(z) + W_hh^T diag(s_t) [I; I; I],
+    s_t = [(1-z)(1-n^2) gh_n r(1-r);  (h_{t-1} - n) z(1-z);  (1-z)(1-n^2) r],
+
+a :class:`paraprop.scan.Factored` with ``K = 3H`` (``left = W_hh^T``, ``right = None``). With
+``g_t = dL/dh_t`` and ``e_t`` the gradient arriving from outside the layer,
+``g_t = J_{t+1}^T g_{t+1} + e_t`` is one reverse linear recurrence. Then, in batched
+contractions over all steps: ``dgh_t = s_t * [g_t; g_t; g_t]`` (the gradient of ``gh``),
+``dgi_t`` equal to it but with ``(1-z)(1-n^2) g_t`` in the n block, ``dW_hh = sum dgh h_{t-1}^T``,
+``dW_ih = sum dgi x_t^T``, biases by sums, ``dx_t = W_ih^T dgi_t``,
+``dh_{-1} = z_0 g_0 + W_hh^T dgh_0``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import _VF
+
+from paraprop.nn._base import ScanBackwardMixin, check_options
+from paraprop.nn.rnn import solve_hidden
+from paraprop.scan import Factored
+
+
+class GRUScanFunction(torch.autograd.Function):
+    """Forward: torch's fused GRU per layer, then the gates of all steps in a few batched ops."""
+
+    @staticmethod
+    def forward(ctx, cfg, x, h0, *weights):
+        per = 4 if cfg["bias"] else 2
+        saved, last = [], []
+        layer_in = x
+        for k in range(cfg["layers"]):
+            w = list(weights[k * per:(k + 1) * per])
+            out, hn = _VF.gru(layer_in, h0[k:k + 1], w, cfg["bias"], 1, 0.0, False, False, False)
+            H = out.shape[-1]
+            hprev = torch.cat([h0[k:k + 1], out[:-1]], 0)
+            b_ih, b_hh = (w[2], w[3]) if cfg["bias"] else (None, None)
+            gi = F.linear(layer_in, w[0], b_ih)
+            gh = F.linear(hprev, w[1], b_hh)
+            rz = torch.sigmoid(gi[..., :2 * H] + gh[..., :2 * H])
+            r, z = rz[..., :H], rz[..., H:]
+            gh_n = gh[..., 2 * H:]
+            n = torch.tanh(gi[..., 2 * H:] + r * gh_n)
+            # the analytic transposed Jacobian: diag(z) + W_hh^T diag(s) [I; I; I]
+            dn = (1 - z) * (1 - n * n)                               # dh_t / d(pre-tanh of n)
+            s = torch.cat([dn * gh_n * r * (1 - r), (hprev - n) * z * (1 - z), dn * r], -1)
+            saved += [layer_in, hprev, z, s, dn]
+            last.append(hn)
+            layer_in = out
+        ctx.cfg = cfg
+        ctx.save_for_backward(*weights, *saved)
+        return layer_in, torch.cat(last, 0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_out, g_hn):
+        cfg = ctx.cfg
+        nl, per = cfg["layers"], 4 if cfg["bias"] else 2
+        saved = ctx.saved_tensors
+        weights, per_layer = saved[:nl * per], saved[nl * per:]
+        cfg["stats"].clear()
+        T, B, H = g_out.shape
+        grads_w: list = [None] * len(weights)
+        g_h0 = g_out.new_empty(nl, B, H)
+        e = g_out
+        g_x = None
+        for k in range(nl - 1, -1, -1):
+            w_ih, w_hh = weights[k * per], weights[k * per + 1]
+            inp, hprev, z, s, dn = per_layer[5 * k:5 * k + 5]
+            # g_t = J_{t+1}^T g_{t+1} + e_t: steps 0..T-2 use the factors of step t+1,
+            # and g_{T-1} = e_{T-1} (+ the gradient of h_n) starts the reverse recurrence
+            g = torch.empty_like(e)
+            g[-1] = e[-1] + g_hn[k]
+            if T > 1:
+                A = Factored(scale=s[1:].transpose(0, 1), left=w_hh.t(),
+                             diag=z[1:].transpose(0, 1))
+                g[:-1] = solve_hidden(cfg, A, e[:-1].transpose(0, 1), g[-1]).transpose(0, 1)
+            dgh = s * g.repeat(1, 1, 3)                              # d gh   (T, B, 3H)
+            dgi = torch.cat([dgh[..., :2 * H], dn * g], -1)          # d gi   (T, B, 3H)
+            dgh2, dgi2 = dgh.reshape(T * B, 3 * H), dgi.reshape(T * B, 3 * H)
+            grads_w[k * per] = dgi2.t() @ inp.reshape(T * B, -1)
+            grads_w[k * per + 1] = dgh2.t() @ hprev.reshape(T * B, H)
+            if cfg["bias"]:
+                grads_w[k * per + 2] = dgi2.sum(0)
+                grads_w[k * per + 3] = dgh2.sum(0)
+            g_h0[k] = z[0] * g[0] + dgh[0] @ w_hh
+            if k > 0 or ctx.needs_input_grad[1]:
+                e = (dgi2 @ w_ih).reshape(T, B, -1)
+                if k == 0:
+                    g_x = e
+        return (None, g_x, g_h0 if ctx.needs_input_grad[2] else None, *grads_w)
+
+
+class GRU(ScanBackwardMixin, torch.nn.GRU):
+    """torch.nn.GRU with back-propagation through time as one linear recurrence per layer.
+
+    Same constructor arguments, parameters, state dict and outputs as :class:`torch.nn.GRU`
+    (the forward pass is torch's own kernel, followed by a batched recomputation of the gates to
+    form the transposed Jacobians of BPPSA Appendix E); only the backward pass differs.
+
+    Arguments:
+        input_size, hidden_size, num_layers, bias, batch_first, device, dtype: as
+            :class:`torch.nn.GRU`.
+        dropout, bidirectional, proj_size: only the defaults (0, False, 0) are supported.
+        backward, jacobi_iters, jacobi_tol, scan_algorithm: as :class:`paraprop.nn.RNN`.
+
+    Raises:
+        NotImplementedError: ``bidirectional=True``, ``dropout > 0``, ``proj_size > 0``,
+            PackedSequence inputs.
+        ValueError: unknown ``backward`` or ``scan_algorithm``, bad Jacobi options, and the
+            shape errors of torch.nn.GRU.
+
+    Example:
+        >>> ref = torch.nn.GRU(12, 20, batch_first=True)
+        >>> gru = paraprop.nn.GRU(12, 20, batch_first=True)
+        >>> gru.load_state_dict(ref.state_dict())
+        >>> out, h = gru(torch.randn(16, 1034, 12))
+        >>> h.sum().backward()
+    """
+
+    _function = GRUScanFunction
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
+                 batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
+                 device=None, dtype=None, *, proj_size: int = 0, backward: str = "scan",
+                 jacobi_iters: int | None = None, jacobi_tol: float = 0.0,
+                 scan_algorithm: str = "auto"):
+        check_options("GRU", dropout=dropout, bidirectional=bidirectional, proj_size=proj_size,
+                      backward=backward, jacobi_iters=jacobi_iters, jacobi_tol=jacobi_tol,
+                      scan_algorithm=scan_algorithm)
+        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout,
+                         bidirectional, device=device, dtype=dtype)
+        self.backward = backward
+        self.jacobi_iters = jacobi_iters
+        self.jacobi_tol = jacobi_tol
+        self.scan_algorithm = scan_algorithm
+        self.backward_stats: dict = {}

@@ -1,0 +1,157 @@
+"""``paraprop.nn.RNN``: torch.nn.RNN whose backward pass is one linear recurrence per layer.
+
+For ``h_t = f(z_t)``, ``z_t = W_ih x_t + b_ih + W_hh h_{t-1} + b_hh`` the transposed Jacobian is
+``J_t^T = W_hh^T diag(f'(z_t))`` with ``f' = 1 - h_t^2`` (tanh) or ``[h_t > 0]`` (ReLU) (BPPSA,
+Wang et al. 2020, §4.1). With ``delta_t = dL/dz_t`` and ``e_t`` the gradient arriving at ``h_t``
+from outside the layer, back-propagation through time is
+
+    delta_t = f'_t * (W_hh^T delta_{t+1} + e_t),      t = T-1 .. 0,  delta_T = 0,
+
+a reverse linear recurrence with ``A_t = diag(f'_t) W_hh^T`` — a :class:`paraprop.scan.Factored`
+(``scale = f'``, ``right = W_hh^T``): stored as ``T x B x H`` numbers, never as ``T`` matrices.
+All weight gradients then follow in batched contractions over all steps:
+``dW_hh = sum_t delta_t h_{t-1}^T``, ``dW_ih = sum_t delta_t x_t^T``, ``db = sum_t delta_t``,
+``dx_t = W_ih^T delta_t`` (the ``e`` of the layer below) and ``dh_{-1} = W_hh^T delta_0``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import _VF
+
+from paraprop.nn._base import ScanBackwardMixin, check_options
+from paraprop.scan import Factored, jacobi_recurrence, linear_recurrence
+
+
+def solve_hidden(cfg: dict, A: Factored, b: torch.Tensor, h0: torch.Tensor | None):
+    """The hidden-state gradient recurrence (reverse in time) by scan or by Jacobi sweeps.
+
+    ``A``'s per-step tensors and ``b`` are batch-major views ``(B, T, .)``.
+    """
+    if cfg["backward"] == "jacobi":
+        res = jacobi_recurrence(A, b, h0, reverse=True, max_iters=cfg["iters"], tol=cfg["tol"])
+        cfg["stats"].setdefault("jacobi_iterations", []).append(res.iterations)
+        return res.value
+    return linear_recurrence(A, b, h0, reverse=True, algorithm=cfg["algorithm"])
+
+
+class RNNScanFunction(torch.autograd.Function):
+    """Forward: torch's own fused loop per layer (no graph). Backward: see the module doc."""
+
+    @staticmethod
+    def forward(ctx, cfg, x, h0, *weights):
+        per = 4 if cfg["bias"] else 2
+        run = _VF.rnn_tanh if cfg["mode"] == "RNN_TANH" else _VF.rnn_relu
+        inputs, outs, slopes, last = [], [], [], []
+        layer_in = x
+        for k in range(cfg["layers"]):
+            w = list(weights[k * per:(k + 1) * per])
+            out, hn = run(layer_in, h0[k:k + 1], w, cfg["bias"], 1, 0.0, False, False, False)
+            # the analytic transposed Jacobian J_t^T = W_hh^T diag(slope_t), slope = f'(z_t)
+            slope = 1 - out * out if cfg["mode"] == "RNN_TANH" else (out > 0).to(out.dtype)
+            inputs.append(layer_in)
+            outs.append(out)
+            slopes.append(slope)
+            last.append(hn)
+            layer_in = out
+        ctx.cfg = cfg
+        ctx.save_for_backward(h0, *weights, *inputs, *outs, *slopes)
+        return layer_in, torch.cat(last, 0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_out, g_hn):
+        cfg = ctx.cfg
+        nl, per = cfg["layers"], 4 if cfg["bias"] else 2
+        saved = ctx.saved_tensors
+        h0, weights = saved[0], saved[1:1 + nl * per]
+        inputs = saved[1 + nl * per:1 + nl * per + nl]
+        outs = saved[1 + nl * per + nl:1 + nl * per + 2 * nl]
+        slopes = saved[1 + nl * per + 2 * nl:]
+        cfg["stats"].clear()
+        T, B, H = g_out.shape
+        grads_w: list = [None] * len(weights)
+        g_h0 = torch.empty_like(h0)
+        e = g_out
+        g_x = None
+        for k in range(nl - 1, -1, -1):
+            w_ih, w_hh = weights[k * per], weights[k * per + 1]
+            e = e.clone()
+            e[-1] += g_hn[k]
+            slope = slopes[k]
+            b = slope * e                                            # (T, B, H)
+            A = Factored(scale=slope.transpose(0, 1), right=w_hh.t())
+            delta = solve_hidden(cfg, A, b.transpose(0, 1), None).transpose(0, 1)
+            d2 = delta.reshape(T * B, H)
+            out, inp = outs[k], inputs[k]
+            g_whh = d2[B:].t() @ out[:-1].reshape(-1, H) if T > 1 else 0
+            g_whh = g_whh + delta[0].t() @ h0[k]
+            grads_w[k * per] = d2.t() @ inp.reshape(T * B, -1)
+            grads_w[k * per + 1] = g_whh
+            if cfg["bias"]:
+                g_b = d2.sum(0)
+                grads_w[k * per + 2], grads_w[k * per + 3] = g_b, g_b.clone()
+            g_h0[k] = delta[0] @ w_hh
+            if k > 0 or ctx.needs_input_grad[1]:
+                e = (d2 @ w_ih).reshape(T, B, -1)
+                if k == 0:
+                    g_x = e
+        return (None, g_x, g_h0 if ctx.needs_input_grad[2] else None, *grads_w)
+
+
+class RNN(ScanBackwardMixin, torch.nn.RNN):
+    """torch.nn.RNN with back-propagation through time as one linear recurrence per layer.
+
+    Same constructor arguments, parameters (``weight_ih_l0``, ``weight_hh_l0``, ``bias_ih_l0``,
+    ``bias_hh_l0``, ...), state dict and outputs as :class:`torch.nn.RNN` (the forward pass is
+    torch's own kernel), so ``load_state_dict`` from a torch module just works. Only the backward
+    pass differs; in ``torch.no_grad()`` or with nothing requiring grad the module *is*
+    torch.nn.RNN.
+
+    Arguments:
+        input_size, hidden_size, num_layers, nonlinearity, bias, batch_first, device, dtype: as
+            :class:`torch.nn.RNN`.
+        dropout, bidirectional, proj_size: only the defaults (0, False, 0) are supported.
+        backward: ``"scan"`` (the hidden-state gradients of every step by
+            :func:`paraprop.scan.linear_recurrence`, BPPSA), ``"jacobi"`` (the same recurrence by
+            Jacobi sweeps, Song et al. 2021 §5.1: exact after ``T`` sweeps, approximate when
+            stopped earlier) or ``"autograd"`` (torch's own backward).
+        jacobi_iters: ``"jacobi"`` only: at most this many sweeps (``None``: up to ``T``).
+        jacobi_tol: ``"jacobi"`` only: stop when a sweep changes no gradient by more than this.
+        scan_algorithm: the ``algorithm`` of :func:`paraprop.scan.linear_recurrence`.
+
+    Attributes:
+        backward_stats: after a ``"jacobi"`` backward, ``{"jacobi_iterations": [...]}`` (one
+            entry per layer, top layer first).
+
+    Raises:
+        NotImplementedError: ``bidirectional=True``, ``dropout > 0``, ``proj_size > 0``,
+            PackedSequence inputs.
+        ValueError: unknown ``backward`` or ``scan_algorithm``, bad Jacobi options, and the
+            shape errors of torch.nn.RNN.
+
+    Example:
+        >>> ref = torch.nn.RNN(1, 20, num_layers=2)
+        >>> rnn = paraprop.nn.RNN(1, 20, num_layers=2)
+        >>> rnn.load_state_dict(ref.state_dict())
+        >>> out, h = rnn(torch.randn(1000, 16, 1))
+        >>> out[-1].sum().backward()      # one linear_recurrence per layer
+    """
+
+    _function = RNNScanFunction
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1,
+                 nonlinearity: str = "tanh", bias: bool = True, batch_first: bool = False,
+                 dropout: float = 0.0, bidirectional: bool = False, device=None, dtype=None, *,
+                 proj_size: int = 0, backward: str = "scan", jacobi_iters: int | None = None,
+                 jacobi_tol: float = 0.0, scan_algorithm: str = "auto"):
+        check_options("RNN", dropout=dropout, bidirectional=bidirectional, proj_size=proj_size,
+                      backward=backward, jacobi_iters=jacobi_iters, jacobi_tol=jacobi_tol,
+                      scan_algorithm=scan_algorithm)
+        super().__init__(input_size, hidden_size, num_layers, nonlinearity, bias, batch_first,
+                         dropout, bidirectional, device=device, dtype=dtype)
+        self.backward = backward
+        self.jacobi_iters = jacobi_iters
+        self.jacobi_tol = jacobi_tol
+        self.scan_algorithm = scan_algorithm
+        self.backward_stats: dict = {}

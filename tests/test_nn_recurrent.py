@@ -1,0 +1,160 @@
+"""paraprop.nn.RNN / GRU: the outputs, final states and every gradient of the torch modules."""
+
+import itertools
+
+import pytest
+import torch
+
+import paraprop.nn as pnn
+
+CASES = [(pnn.RNN, torch.nn.RNN, {}), (pnn.RNN, torch.nn.RNN, {"nonlinearity": "relu"}),
+         (pnn.GRU, torch.nn.GRU, {})]
+IDS = ["rnn-tanh", "rnn-relu", "gru"]
+# max |ours - torch| / max |torch| per dtype, for outputs and gradients
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def rel(x, ref):
+    return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def pair(cls, tcls, extra, dtype=torch.float64, seed=0, **kw):
+    torch.manual_seed(seed)
+    ref = tcls(3, 5, dtype=dtype, **extra, **kw)
+    ours = cls(3, 5, dtype=dtype, **extra, **{k: v for k, v in kw.items()})
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def run_both(ref, ours, x, h0):
+    """Forward both with the same inputs and a random loss on outputs and final states."""
+    results = []
+    g = torch.Generator().manual_seed(1)
+    w_out = w_h = None
+    for mod in (ref, ours):
+        xi = x.clone().requires_grad_()
+        hi = h0.clone().requires_grad_() if h0 is not None else None
+        out, hn = mod(xi, hi)
+        if w_out is None:
+            w_out = torch.randn(out.shape, generator=g, dtype=out.dtype)
+            w_h = torch.randn(hn.shape, generator=g, dtype=hn.dtype)
+        ((out * w_out).sum() + (hn * w_h).sum()).backward()
+        grads = {n: p.grad for n, p in mod.named_parameters()}
+        results.append((out, hn, xi.grad, None if hi is None else hi.grad, grads))
+    return results
+
+
+def assert_same(results, tol):
+    (o1, h1, gx1, gh1, gw1), (o2, h2, gx2, gh2, gw2) = results
+    assert rel(o2.detach(), o1.detach()) <= tol
+    assert rel(h2.detach(), h1.detach()) <= tol
+    assert rel(gx2, gx1) <= tol
+    if gh1 is not None:
+        assert rel(gh2, gh1) <= tol
+    assert gw1.keys() == gw2.keys()
+    for name in gw1:
+        assert rel(gw2[name], gw1[name]) <= tol, name
+
+
+@pytest.mark.parametrize("cls,tcls,extra", CASES, ids=IDS)
+@pytest.mark.parametrize("num_layers,batch_first,bias",
+                         list(itertools.product([1, 2], [False, True], [True, False])))
+@pytest.mark.parametrize("backward", ["scan", "jacobi", "autograd"])
+def test_equal_to_torch(cls, tcls, extra, num_layers, batch_first, bias, backward):
+    ref, ours = pair(cls, tcls, extra, num_layers=num_layers, batch_first=batch_first, bias=bias)
+    ours.backward = backward
+    T, B = 9, 4
+    x = torch.randn((B, T, 3) if batch_first else (T, B, 3), dtype=torch.float64)
+    h0 = torch.randn(num_layers, B, 5, dtype=torch.float64)
+    assert_same(run_both(ref, ours, x, h0), TOL[torch.float64])
+
+
+@pytest.mark.parametrize("cls,tcls,extra", CASES, ids=IDS)
+def test_float32_long_sequence_without_h0(cls, tcls, extra):
+    ref, ours = pair(cls, tcls, extra, dtype=torch.float32, num_layers=2)
+    x = torch.randn(300, 6, 3)
+    assert_same(run_both(ref, ours, x, None), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("cls,tcls,extra", CASES, ids=IDS)
+@pytest.mark.parametrize("algorithm", ["sequential", "chunked", "blelloch"])
+def test_every_scan_algorithm(cls, tcls, extra, algorithm):
+    ref, ours = pair(cls, tcls, extra, num_layers=2, batch_first=True)
+    ours.scan_algorithm = algorithm
+    x = torch.randn(3, 40, 3, dtype=torch.float64)
+    assert_same(run_both(ref, ours, x, torch.randn(2, 3, 5, dtype=torch.float64)),
+                TOL[torch.float64])
+
+
+@pytest.mark.parametrize("cls,tcls,extra", CASES, ids=IDS)
+def test_unbatched_input(cls, tcls, extra):
+    ref, ours = pair(cls, tcls, extra)
+    assert_same(run_both(ref, ours, torch.randn(8, 3, dtype=torch.float64),
+                         torch.randn(1, 5, dtype=torch.float64)), TOL[torch.float64])
+
+
+def test_jacobi_truncation_is_truncated_backprop():
+    """With K sweeps, gradients reach exactly K steps back from the loss at the last step."""
+    ref, ours = pair(pnn.RNN, torch.nn.RNN, {}, seed=3)
+    ours.backward, ours.jacobi_iters = "jacobi", 4
+    x = torch.randn(12, 2, 3, dtype=torch.float64)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    ref(xs[0])[1].sum().backward()
+    ours(xs[1])[1].sum().backward()
+    assert ours.backward_stats["jacobi_iterations"] == [4]
+    assert rel(xs[1].grad[-4:], xs[0].grad[-4:]) <= TOL[torch.float64]
+    assert torch.count_nonzero(xs[1].grad[:-4]) == 0 and torch.count_nonzero(xs[0].grad[:-4])
+    ours.jacobi_iters, ours.jacobi_tol = None, 1e-300   # until exact: at most T sweeps
+    xs[1].grad = None
+    ours(xs[1])[1].sum().backward()
+    assert rel(xs[1].grad, xs[0].grad) <= TOL[torch.float64]
+    assert ours.backward_stats["jacobi_iterations"][0] <= 12
+
+
+def test_state_dict_round_trip_and_isinstance():
+    ref = torch.nn.GRU(4, 6, num_layers=2)
+    ours = pnn.GRU(4, 6, num_layers=2)
+    ours.load_state_dict(ref.state_dict())
+    assert isinstance(ours, torch.nn.GRU)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    back = torch.nn.GRU(4, 6, num_layers=2)
+    back.load_state_dict(ours.state_dict())
+    assert "backward='scan'" in repr(ours)
+
+
+def test_no_grad_is_torch_forward():
+    ref, ours = pair(pnn.GRU, torch.nn.GRU, {}, dtype=torch.float32)
+    x = torch.randn(20, 2, 3)
+    with torch.no_grad():
+        assert torch.equal(ours(x)[0], ref(x)[0])
+
+
+ERRORS = [
+    (lambda: pnn.RNN(3, 5, bidirectional=True), NotImplementedError,
+     r"does not support bidirectional=True"),
+    (lambda: pnn.GRU(3, 5, num_layers=2, dropout=0.5), NotImplementedError,
+     r"does not support dropout"),
+    (lambda: pnn.GRU(3, 5, proj_size=2), NotImplementedError, r"does not support proj_size"),
+    (lambda: pnn.RNN(3, 5, backward="magic"), ValueError, r"unknown backward='magic'"),
+    (lambda: pnn.RNN(3, 5, backward="jacobi", jacobi_iters=0), ValueError,
+     r"jacobi_iters must be a positive int"),
+    (lambda: pnn.RNN(3, 5, backward="jacobi", jacobi_tol=-1.0), ValueError,
+     r"jacobi_tol must be a number >= 0"),
+    (lambda: pnn.RNN(3, 5, jacobi_iters=3), ValueError,
+     r"only used with backward='jacobi', not backward='scan'"),
+    (lambda: pnn.GRU(3, 5, scan_algorithm="fast"), ValueError, r"unknown scan_algorithm='fast'"),
+    (lambda: pnn.RNN(3, 5, nonlinearity="sigmoid"), ValueError, r"Unknown nonlinearity"),
+    (lambda: pnn.RNN(3, 5)(torch.randn(4, 2, 7)), ValueError,
+     r"input.size\(-1\) must be equal to input_size=3"),
+    (lambda: pnn.GRU(3, 5)(torch.randn(4, 2, 3), torch.zeros(1, 3, 5)), ValueError,
+     r"expected hidden size \(1, 2, 5\), got \(1, 3, 5\)"),
+    (lambda: pnn.RNN(3, 5)(torch.randn(2, 4, 2, 3)), ValueError, r"expected input to be 2D or 3D"),
+    (lambda: pnn.RNN(3, 5)(torch.nn.utils.rnn.pack_sequence([torch.randn(4, 3)])),
+     NotImplementedError, r"does not take a PackedSequence"),
+]
+
+
+@pytest.mark.parametrize("call,exc,match", ERRORS)
+def test_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
