@@ -62,8 +62,8 @@ class DistLink:
     def _fail(self, op: str, peer: int | None, err: Exception) -> PeerError:
         who = f"rank {peer}" if peer is not None else "a peer rank"
         return PeerError(f"rank {self.me} ({self.what}): {op} with {who} failed after at most "
-                         f"{self.timeout:g} s: the peer died, hangs or diverged from this rank's "
-                         f"control flow ({type(err).__name__}: {str(err).splitlines()[0][:200]})")
+                         f"{self.timeout:g} s: a peer died or hangs, or left the common control "
+                         f"flow ({type(err).__name__}: {str(err).splitlines()[0][:200]})")
 
     def send(self, tensor: torch.Tensor, dest: int, tag: int) -> None:
         peer = self.ranks[dest]

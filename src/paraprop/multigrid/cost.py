@@ -102,7 +102,7 @@ class _ClockLink:
         me = self.inner.me
         self.times[me] = self.clock.t
         total = self.inner.sum(value)
-        self.clock.t = max(self.times) + 2 * math.ceil(math.log2(max(self.world, 2))) \
+        self.clock.t = max(self.times) + 2 * math.ceil(math.log2(self.world)) \
             * self.model.latency_s
         self.inner.sum(0.0)  # everyone has read the clocks before they change again
         return total

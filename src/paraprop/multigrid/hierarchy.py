@@ -69,8 +69,8 @@ class Hierarchy:
                 raise ValueError(f"coarsening must be >= 2 (c < 2 does not coarsen), got {c!r}")
         need = math.prod(cs)
         if n_steps < need:
-            raise ValueError(f"levels={levels} with coarsening {cs} needs at least {need} layers "
-                             f"(every coarse level keeps at least one step), got {n_steps}")
+            raise ValueError(f"levels={levels} with coarsening {cs} needs at least {need} layers, "
+                             f"got {n_steps} (every coarse level keeps at least one step)")
         return Hierarchy(n_steps, cs)
 
     @property

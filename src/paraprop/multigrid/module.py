@@ -38,7 +38,6 @@ class _MGRITFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         gx, grads = ctx.module._solve_backward(ctx.states, ctx.stacked, grad_out)
-        ctx.states = ctx.stacked = None
         return (None, gx, *grads)
 
 

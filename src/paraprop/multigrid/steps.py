@@ -48,7 +48,7 @@ def stack_state(blocks: Sequence[nn.Module]) -> tuple[dict, dict]:
     return params, bufs
 
 
-def _progression(d: dict, first: int, stride: int, count: int, flip_from: int | None = None):
+def _progression(d: dict, first: int, stride: int, count: int):
     """Strided views ``t[first : first + stride * count : stride]`` of every stacked tensor."""
     stop = first + stride * (count - 1) + 1
     return {k: v[first:stop:stride] for k, v in d.items()}

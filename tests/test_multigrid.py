@@ -1,0 +1,218 @@
+"""paraprop.multigrid: converged MGRIT equals serial propagation (Kirby et al. 2020, Alg. 1)."""
+
+import pytest
+import torch
+from torch import nn
+
+from paraprop.multigrid import (
+    ForwardStepper,
+    Hierarchy,
+    mgrit,
+    residual_norm,
+    split_layers,
+)
+from paraprop.multigrid.examples import ConvBlock, conv_blocks, mlp_blocks
+from paraprop.multigrid.threads import run_threads
+
+# (allowed max |mgrit - serial| relative to max |serial|, solve tolerance) per dtype.
+TOL = {torch.float64: (1e-12, 1e-13), torch.float32: (1e-5, 1e-6)}
+
+
+def serial_states(blocks, x, h):
+    """The reference, written out: u_{n+1} = u_n + h F_n(u_n), every state kept."""
+    out = [x]
+    with torch.no_grad():
+        for b in blocks:
+            out.append(out[-1] + h * b(out[-1]))
+    return torch.stack(out)
+
+
+def rel_err(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+CONFIGS = [  # depth, levels, coarsening, relax: odd depths, depths not divisible by c
+    (16, 2, 4, "FCF"), (17, 2, 4, "FCF"), (19, 2, 3, "F"), (9, 2, 2, "FCF"), (33, 2, 5, "F"),
+    (23, 3, 2, "FCF"), (31, 3, 3, "F"), (67, 3, 4, "FCF"), (50, 3, (3, 2), "F"),
+    (41, 4, 2, "FCF"),
+]
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("depth,levels,c,relax", CONFIGS)
+def test_converged_mgrit_equals_serial(depth, levels, c, relax, batched):
+    dtype = torch.float64
+    blocks = mlp_blocks(depth, 6, kind="iid", gain=1.5, seed=depth, dtype=dtype)
+    x = torch.randn(3, 6, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    h = 2.0 / depth
+    hier = Hierarchy.build(depth, levels=levels, coarsening=c)
+    res = mgrit(ForwardStepper(blocks, batched=batched), x, hier, h, relax=relax,
+                max_cycles=hier.exact_cycles(), tol=TOL[dtype][1])
+    ref = serial_states(blocks, x, h)
+    assert res.converged and res.residuals[-1] <= TOL[dtype][1]
+    assert rel_err(res.states, ref) <= TOL[dtype][0]
+    # the recorded residual is the residual of the returned states
+    assert residual_norm(ForwardStepper(blocks), res.states, h, x) <= 10 * TOL[dtype][1]
+
+
+@pytest.mark.parametrize("depth,levels,c,relax", [(21, 2, 4, "FCF"), (30, 3, 3, "F")])
+def test_exact_after_the_cycle_bound_without_tol(depth, levels, c, relax):
+    """In exact arithmetic every cycle makes one more C-point exact: N // c cycles suffice."""
+    blocks = mlp_blocks(depth, 4, kind="iid", gain=2.0, seed=3, dtype=torch.float64)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    hier = Hierarchy.build(depth, levels=levels, coarsening=c)
+    res = mgrit(ForwardStepper(blocks), x, hier, 1.0 / depth, relax=relax,
+                max_cycles=hier.exact_cycles())
+    assert res.cycles == hier.exact_cycles() == depth // c
+    assert rel_err(res.states, serial_states(blocks, x, 1.0 / depth)) <= 1e-12
+
+
+def test_float32_converges_to_serial():
+    blocks = mlp_blocks(40, 8, seed=2)
+    x = torch.randn(4, 8)
+    hier = Hierarchy.build(40, levels=3, coarsening=3)
+    res = mgrit(ForwardStepper(blocks), x, hier, 0.05, max_cycles=20, tol=TOL[torch.float32][1])
+    assert res.converged
+    assert rel_err(res.states, serial_states(blocks, x, 0.05)) <= TOL[torch.float32][0]
+
+
+def test_zero_residual_from_the_serial_solution():
+    depth, c = 26, 4
+    blocks = mlp_blocks(depth, 5, kind="iid", seed=4, dtype=torch.float64)
+    x = torch.randn(3, 5, dtype=torch.float64)
+    ref = serial_states(blocks, x, 0.1)
+    hier = Hierarchy.build(depth, levels=3, coarsening=(c, 2))
+    res = mgrit(ForwardStepper(blocks), x, hier, 0.1, init=ref[c::c], max_cycles=2)
+    assert all(r <= 1e-14 for r in res.residuals)
+    assert rel_err(res.states, ref) <= 1e-14
+
+
+def test_one_level_is_serial_propagation():
+    blocks = mlp_blocks(13, 4, seed=5, dtype=torch.float64)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    res = mgrit(ForwardStepper(blocks), x, Hierarchy.build(13, levels=1, coarsening=4), 0.3)
+    assert res.residuals == [] and res.cycles == 0 and res.converged
+    assert rel_err(res.states, serial_states(blocks, x, 0.3)) <= 1e-15
+    assert res.stats["evaluations"] == 13
+
+
+def test_tol_stops_early_and_history_decreases():
+    blocks = mlp_blocks(64, 8, seed=6, dtype=torch.float64)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    hier = Hierarchy.build(64, levels=2, coarsening=4)
+    res = mgrit(ForwardStepper(blocks), x, hier, 1 / 64, max_cycles=50, tol=1e-8)
+    assert res.converged and res.cycles < 16
+    assert res.residuals[-1] <= 1e-8 < res.residuals[-2]
+    assert all(b < a for a, b in zip(res.residuals, res.residuals[1:], strict=False))
+    assert 0 < res.convergence_factor < 1
+    capped = mgrit(ForwardStepper(blocks), x, hier, 1 / 64, max_cycles=1, tol=1e-8)
+    assert capped.cycles == 1 and not capped.converged
+
+
+def test_convergence_does_not_depend_on_depth():
+    """Cycles to reach 1e-9 stay within +-1 from 64 to 1024 layers (Kirby et al. Fig. 4)."""
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cycles = []
+    for depth in (64, 256, 1024):
+        blocks = mlp_blocks(depth, 8, kind="smooth", seed=0, dtype=torch.float64)
+        hier = Hierarchy.build(depth, levels=3, coarsening=4)
+        res = mgrit(ForwardStepper(blocks), x, hier, 1.0 / depth, max_cycles=15, tol=1e-9)
+        assert res.converged
+        cycles.append(res.cycles)
+    assert max(cycles) - min(cycles) <= 2, cycles
+
+
+def test_mixed_architectures_and_conv_states():
+    """A loop for blocks of different classes; vmap over conv blocks with image states."""
+    mixed = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) if i % 2 else nn.Linear(4, 4)
+             for i in range(14)]
+    mixed = [m.double() for m in mixed]
+    x = torch.randn(2, 4, dtype=torch.float64)
+    st = ForwardStepper(mixed, batched=False)
+    res = mgrit(st, x, Hierarchy.build(14, levels=2, coarsening=3), 0.1, max_cycles=10,
+                tol=1e-13)
+    assert rel_err(res.states, serial_states(mixed, x, 0.1)) <= 1e-12
+    convs = conv_blocks(12, 3, act="tanh", dtype=torch.float64)
+    img = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    res = mgrit(ForwardStepper(convs), img, Hierarchy.build(12, levels=2, coarsening=4), 0.1,
+                max_cycles=10, tol=1e-13)
+    assert rel_err(res.states, serial_states(convs, img, 0.1)) <= 1e-12
+
+
+@pytest.mark.parametrize("sizes,levels,c,relax", [
+    ([8, 8], 2, 4, "FCF"),
+    ([5, 12], 2, 4, "F"),
+    ([2, 1, 14], 2, 4, "FCF"),  # ranks that own no coarse point
+    ([3, 11, 1, 25], 3, 2, "FCF"),
+    ([1, 2, 3, 34], 3, 3, "F"),
+])
+def test_ranks_in_threads_equal_one_process(sizes, levels, c, relax):
+    """The multi-rank code path (ghosts, uneven splits) gives the single-process iterates."""
+    depth = sum(sizes)
+    blocks = mlp_blocks(depth, 5, kind="iid", seed=7, dtype=torch.float64)
+    x = torch.randn(3, 5, dtype=torch.float64)
+    hier = Hierarchy.build(depth, levels=levels, coarsening=c)
+    one = mgrit(ForwardStepper(blocks), x, hier, 1.5 / depth, relax=relax, max_cycles=3)
+    parts = split_layers(depth, len(sizes), sizes)
+
+    def rank(r, link):
+        a, b = parts[r]
+        return mgrit(ForwardStepper(blocks[a:b], a), x, hier, 1.5 / depth, relax=relax,
+                     max_cycles=3, link=link, parts=parts, me=r)
+
+    outs = run_threads(len(sizes), rank, timeout=30)
+    states = torch.cat([outs[0].states] + [o.states[1:] for o in outs[1:]])
+    assert rel_err(states, one.states) <= 1e-13
+    for o in outs:
+        assert o.residuals == pytest.approx(one.residuals, rel=1e-10, abs=1e-15)
+
+
+def test_hierarchy_and_split():
+    h = Hierarchy.build(100, levels=3, coarsening=4)
+    assert h.sizes == (100, 25, 6) and h.strides == (1, 4, 16) and h.exact_cycles() == 25
+    assert Hierarchy.build(7, levels=1, coarsening=4).sizes == (7,)
+    assert split_layers(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert split_layers(10, 2, [3, 7]) == [(0, 3), (3, 10)]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"n_steps": 10, "levels": 2, "coarsening": 1}, "coarsening must be >= 2"),
+    ({"n_steps": 10, "levels": 3, "coarsening": 4}, "needs at least 16 layers, got 10"),
+    ({"n_steps": 10, "levels": 0, "coarsening": 4}, "levels must be an int >= 1"),
+    ({"n_steps": 0, "levels": 2, "coarsening": 4}, "number of layers must be a positive int"),
+    ({"n_steps": 40, "levels": 3, "coarsening": (4,)}, "must have levels - 1 = 2 entries"),
+])
+def test_hierarchy_errors(kwargs, match):
+    kw = dict(kwargs)
+    n = kw.pop("n_steps")
+    with pytest.raises(ValueError, match=match):
+        Hierarchy.build(n, **kw)
+
+
+def test_hierarchy_type_and_split_errors():
+    with pytest.raises(TypeError, match="coarsening must be an int >= 2, got 2.5"):
+        Hierarchy.build(10, levels=2, coarsening=2.5)
+    with pytest.raises(ValueError, match="3 layers cannot be split over 4 ranks"):
+        split_layers(3, 4)
+    with pytest.raises(ValueError, match="must be 2 positive ints summing to 10"):
+        split_layers(10, 2, [5, 4])
+
+
+def test_shape_changing_block_is_named():
+    blocks = [ConvBlock(2) for _ in range(7)] + [nn.Conv2d(2, 3, 3, padding=1)]
+    with pytest.raises(ValueError, match=r"block 7 maps a state of shape \(1, 2, 4, 4\) to "
+                                         r"\(1, 3, 4, 4\); residual blocks must keep the shape"):
+        mgrit(ForwardStepper(blocks, batched=False), torch.randn(1, 2, 4, 4),
+              Hierarchy.build(8, levels=2, coarsening=2), 0.1)
+    wide = [nn.Linear(4, 5) for _ in range(8)]
+    with pytest.raises(ValueError, match="must keep the shape"):
+        mgrit(ForwardStepper(wide), torch.randn(2, 4), Hierarchy.build(8, levels=2,
+                                                                        coarsening=2), 0.1)
+
+
+def test_bad_init_shape():
+    blocks = mlp_blocks(8, 3)
+    with pytest.raises(ValueError, match=r"init must have shape \(2, 2, 3\)"):
+        mgrit(ForwardStepper(blocks), torch.randn(2, 3), Hierarchy.build(8, levels=2,
+                                                                          coarsening=4),
+              0.1, init=torch.zeros(3, 2, 3))

@@ -1,0 +1,62 @@
+"""paraprop.multigrid.simulate: the event model replays the solver's work and critical path."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from paraprop.multigrid import CostModel, ForwardStepper, Hierarchy, mgrit, simulate
+from paraprop.multigrid.examples import mlp_blocks
+
+MODEL = CostModel(forward_s=1e-3, adjoint_s=2e-3, param_grad_s=2e-3, backprop_s=2e-3,
+                  latency_s=1e-5, bandwidth_Bps=1e9, message_bytes=4096)
+
+
+def test_one_level_is_model_partitioning():
+    """Serial propagation across ranks is exactly the partitioned chain."""
+    for workers in (1, 3, 8):
+        r = simulate(64, workers, MODEL, levels=1, training=False)
+        assert r["mgrit_s"] == pytest.approx(64 * 1e-3 + (workers - 1) * MODEL.message_s)
+        assert r["mgrit_s"] == pytest.approx(r["partition_s"])
+
+
+@pytest.mark.parametrize("concurrency", [1, 1000])
+def test_one_worker_costs_the_solvers_work(concurrency):
+    """With one worker the time is the solver's layer evaluations (or its sequential calls,
+    when every batched call costs one layer)."""
+    depth, hier = 96, Hierarchy.build(96, levels=3, coarsening=4)
+    st = ForwardStepper(mlp_blocks(depth, 3))
+    mgrit(st, torch.randn(2, 3), hier, 0.01, max_cycles=2)
+    model = dataclasses.replace(MODEL, concurrency=concurrency)
+    r = simulate(depth, 1, model, levels=3, coarsening=4, cycles=2, training=False)
+    work = st.counts.evaluations if concurrency == 1 else st.counts.calls
+    assert r["mgrit_s"] == pytest.approx(work * 1e-3)
+    assert r["messages"] == 0
+
+
+def test_more_workers_help_when_compute_dominates():
+    model = dataclasses.replace(MODEL, latency_s=0.0, message_bytes=0)
+    speedups = [simulate(1024, w, model, levels=3)["speedup_vs_partition"]
+                for w in (1, 4, 16, 64)]
+    assert speedups[0] < speedups[1] < 1 < speedups[2] < speedups[3]
+    # with one worker, model partitioning is serial training
+    r = simulate(1024, 1, model, levels=3)
+    assert r["partition_s"] == pytest.approx(r["serial_s"])
+
+
+def test_latency_costs_time():
+    slow = dataclasses.replace(MODEL, latency_s=1e-3)
+    a = simulate(256, 8, MODEL, levels=3)
+    b = simulate(256, 8, slow, levels=3)
+    assert b["mgrit_s"] > a["mgrit_s"] and b["partition_s"] > a["partition_s"]
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="relax must be one of"):
+        simulate(64, 2, MODEL, relax="C")
+    with pytest.raises(ValueError, match="cycles must be an int >= 1, got 0"):
+        simulate(64, 2, MODEL, cycles=0)
+    with pytest.raises(ValueError, match="3 layers cannot be split over 4 ranks"):
+        simulate(3, 4, MODEL, levels=1)
+    with pytest.raises(ValueError, match="needs at least 16 layers"):
+        simulate(8, 2, MODEL, levels=3)

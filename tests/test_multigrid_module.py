@@ -1,0 +1,167 @@
+"""ParallelResidualStack: the serial network's outputs and gradients, by MGRIT both ways."""
+
+import pytest
+import torch
+from torch import nn
+
+from paraprop.multigrid import ParallelResidualStack
+from paraprop.multigrid.examples import ConvBlock, conv_blocks, mlp_blocks
+
+
+def serial_net(blocks, x, h):
+    u = x
+    for b in blocks:
+        u = u + h * b(u)
+    return u
+
+
+def grads_of(loss_fn, params):
+    return torch.autograd.grad(loss_fn(), params)
+
+
+def loss_of(y):
+    return (y ** 2).sum() + (y * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)).sum()
+
+
+@pytest.mark.parametrize("depth,levels,c,relax,backward,batched", [
+    (21, 2, 4, "FCF", "adjoint", None),
+    (21, 2, 4, "FCF", "adjoint", False),
+    (23, 3, 2, "F", "adjoint", None),
+    (40, 3, 3, "FCF", "adjoint", None),
+    (19, 2, 3, "FCF", "serial", None),
+])
+def test_converged_gradients_equal_autograd(depth, levels, c, relax, backward, batched):
+    blocks = mlp_blocks(depth, 5, kind="iid", gain=1.5, seed=depth, dtype=torch.float64)
+    h = 1.5 / depth
+    net = ParallelResidualStack(blocks, h, coarsening=c, levels=levels, relax=relax,
+                                max_cycles=None, tol=1e-14, backward=backward, batched=batched)
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    params = [x, *net.parameters()]
+    g_mg = grads_of(lambda: loss_of(net(x)), params)
+    g_ref = grads_of(lambda: loss_of(serial_net(blocks, x, h)), params)
+    for a, b in zip(g_mg, g_ref, strict=True):
+        assert float((a - b).norm() / b.norm()) <= 1e-10
+    st = net.last_stats
+    assert st["forward"]["converged"] and st["forward"]["residuals"][-1] <= 1e-14
+    if backward == "adjoint":
+        assert st["backward"]["converged"] and st["backward"]["cycles"] >= 1
+    else:
+        assert st["backward"]["cycles"] == 0
+
+
+def test_gradcheck_float64():
+    blocks = mlp_blocks(8, 3, kind="iid", seed=1, dtype=torch.float64)
+    net = ParallelResidualStack(blocks, 0.2, coarsening=2, levels=3, max_cycles=None, tol=0)
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    w = blocks[3].linear.weight
+    assert torch.autograd.gradcheck(lambda x, w: net(x), (x, w), eps=1e-6, atol=1e-8)
+
+
+def test_conv_stack_gradients():
+    blocks = conv_blocks(12, 2, act="tanh", seed=3, dtype=torch.float64)
+    net = ParallelResidualStack(blocks, 0.1, coarsening=4, levels=2, max_cycles=None, tol=1e-14)
+    x = torch.randn(2, 2, 5, 5, dtype=torch.float64, requires_grad=True)
+    params = [x, *net.parameters()]
+    g_mg = grads_of(lambda: loss_of(net(x)), params)
+    g_ref = grads_of(lambda: loss_of(serial_net(blocks, x, 0.1)), params)
+    for a, b in zip(g_mg, g_ref, strict=True):
+        assert float((a - b).norm() / b.norm()) <= 1e-10
+
+
+def test_eval_with_enough_cycles_equals_serial_network():
+    blocks = mlp_blocks(37, 6, seed=2, dtype=torch.float64)
+    net = ParallelResidualStack(blocks, 1 / 37, coarsening=3, levels=3, max_cycles=None).eval()
+    x = torch.randn(3, 6, dtype=torch.float64)
+    with torch.no_grad():
+        y = net(x)
+    assert float((y - net.serial_forward(x)).abs().max()) <= 1e-13
+    assert net.last_stats["forward"]["cycles"] == 37 // 3
+
+
+def test_one_level_is_the_serial_network():
+    blocks = mlp_blocks(9, 4, seed=4, dtype=torch.float64)
+    net = ParallelResidualStack(blocks, 0.3, levels=1)
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    y = net(x)
+    assert float((y - serial_net(blocks, x, 0.3)).detach().abs().max()) <= 1e-15
+    assert net.last_stats["forward"]["residuals"] == []
+
+
+def test_two_cycles_are_approximate_and_recorded():
+    blocks = mlp_blocks(64, 8, seed=5)
+    net = ParallelResidualStack(blocks, 1 / 64)  # the defaults: c=4, 2 levels, FCF, 2 cycles
+    x = torch.randn(5, 8)
+    y = net(x)
+    st = net.last_stats["forward"]
+    assert st["cycles"] == 2 and len(st["residuals"]) == 3
+    assert st["residuals"][2] < st["residuals"][1] < st["residuals"][0]
+    assert st["evaluations"] > 64 and st["time_s"] >= 0
+    err = float((y - net.serial_forward(x)).abs().max())
+    assert 0 < err < 1e-3
+
+
+def test_warm_start_reuses_the_previous_solution():
+    blocks = mlp_blocks(32, 4, seed=6, dtype=torch.float64)
+    net = ParallelResidualStack(blocks, 1 / 32, max_cycles=6, warm_start=True)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    net(x)
+    first = net.last_stats["forward"]["residuals"]
+    net(x)
+    second = net.last_stats["forward"]["residuals"]
+    assert second[0] <= first[-1] * 1.0001 < first[0]
+    net(torch.randn(7, 4, dtype=torch.float64))  # another shape: a cold start
+    assert net.last_stats["forward"]["residuals"][0] > second[0]
+
+
+def test_training_step_changes_parameters_like_serial():
+    """One SGD step with MG (converged) and with the serial network gives the same weights."""
+    torch.manual_seed(0)
+    x, target = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 5, dtype=torch.float64)
+    nets = []
+    for mode in ("mg", "serial"):
+        blocks = mlp_blocks(16, 5, seed=7, dtype=torch.float64)
+        net = ParallelResidualStack(blocks, 1 / 16, max_cycles=None, tol=1e-14)
+        opt = torch.optim.SGD(net.parameters(), lr=0.5)
+        y = net(x) if mode == "mg" else serial_net(net.blocks, x, 1 / 16)
+        ((y - target) ** 2).mean().backward()
+        opt.step()
+        nets.append(net)
+    for a, b in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
+        assert float((a - b).abs().max()) <= 1e-12
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    ({"step_size": 0.0}, ValueError, "step_size must be a finite number > 0, got 0.0"),
+    ({"coarsening": 1}, ValueError, "coarsening must be >= 2"),
+    ({"levels": 4}, ValueError, "needs at least 64 layers, got 10"),
+    ({"relax": "CF"}, ValueError, "relax must be one of"),
+    ({"max_cycles": 0}, ValueError, "max_cycles must be an int >= 1 or None, got 0"),
+    ({"tol": -1.0}, ValueError, "tol must be None or a number >= 0"),
+    ({"backward": "exact"}, ValueError, "backward must be one of"),
+    ({"c_weight": 3.0}, ValueError, r"c_weight must be a number in \(0, 2\]"),
+])
+def test_argument_errors(kwargs, err, match):
+    args = {"step_size": 0.1, **kwargs}
+    with pytest.raises(err, match=match):
+        ParallelResidualStack(mlp_blocks(10, 3), args.pop("step_size"), **args)
+
+
+def test_block_and_input_errors():
+    with pytest.raises(ValueError, match="blocks must not be empty"):
+        ParallelResidualStack([], 0.1)
+    with pytest.raises(TypeError, match=r"blocks\[1\] must be an nn.Module, got function"):
+        ParallelResidualStack([nn.Linear(2, 2), lambda u: u], 0.1, levels=1)
+    with pytest.raises(TypeError, match="blocks must be a sequence of nn.Module"):
+        ParallelResidualStack(nn.Linear(2, 2), 0.1)
+    mixed = [nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3), nn.Tanh())] * 4
+    with pytest.raises(ValueError, match="batched=True needs blocks that share an architecture"):
+        ParallelResidualStack(mixed, 0.1, batched=True)
+    net = ParallelResidualStack(mlp_blocks(8, 3), 0.1)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        net([1.0, 2.0, 3.0])
+    with pytest.raises(TypeError, match="x must have a floating-point dtype, got torch.int64"):
+        net(torch.ones(2, 3, dtype=torch.long))
+    growing = [ConvBlock(2) for _ in range(3)] + [nn.Conv2d(2, 4, 3, padding=1)]
+    bad = ParallelResidualStack(growing, 0.1, coarsening=2)
+    with pytest.raises(ValueError, match="block 3 maps a state of shape .* must keep the shape"):
+        bad(torch.randn(1, 2, 4, 4))
