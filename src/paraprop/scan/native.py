@@ -212,10 +212,11 @@ def diag(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None, out: torch.T
     return out
 
 
-def factored(d: torch.Tensor | None, s: torch.Tensor, L: torch.Tensor | None,
-             R: torch.Tensor | None, b: torch.Tensor, h0: torch.Tensor | None,
+def factored(d: torch.Tensor | None, s: torch.Tensor, LT: torch.Tensor | None,
+             RT: torch.Tensor | None, b: torch.Tensor, h0: torch.Tensor | None,
              out: torch.Tensor, reverse: bool) -> torch.Tensor:
-    """``A_t = diag(d_t) + L diag(s_t) R`` (see :class:`paraprop.scan.Factored`)."""
+    """``A_t = diag(d_t) + L diag(s_t) R`` (see :class:`paraprop.scan.Factored`), given the
+    contiguous transposes ``LT = L^T`` ``(K, H)`` and ``RT = R^T`` ``(H, K)`` (or None)."""
     lib = _load()
     N, T, H = b.shape
     K = s.shape[-1]
@@ -225,8 +226,8 @@ def factored(d: torch.Tensor | None, s: torch.Tensor, L: torch.Tensor | None,
     b_sn, b_st = _bt_strides(b)
     o_sn, o_st = _bt_strides(out)
     h_sn = h0.stride(0) if h0 is not None else 0
-    Lp = L.data_ptr() if L is not None else None
-    Rp = R.data_ptr() if R is not None else None
+    Lp = LT.data_ptr() if LT is not None else None
+    Rp = RT.data_ptr() if RT is not None else None
 
     def call(n0: int, n1: int) -> None:
         fn(n1 - n0, T, H, K, int(reverse), _ptr(d, n0, d_sn), d_sn, d_st, _ptr(s, n0, s_sn),

@@ -81,7 +81,7 @@ def _native(op: Op, b: torch.Tensor, h0: torch.Tensor | None, reverse: bool) -> 
         return native.dense(_rows_contiguous(op.a, 2), b, h0, out, reverse)
     if op.kind == "diag":
         return native.diag(_rows_contiguous(op.a, 1), b, h0, out, reverse)
-    L = op.L.contiguous() if op.L is not None else None
-    R = op.R.contiguous() if op.R is not None else None
-    return native.factored(_rows_contiguous(op.d, 1), _rows_contiguous(op.s, 1), L, R, b, h0,
+    LT = op.L.t().contiguous() if op.L is not None else None   # the kernel takes L^T and R^T
+    RT = op.R.t().contiguous() if op.R is not None else None
+    return native.factored(_rows_contiguous(op.d, 1), _rows_contiguous(op.s, 1), LT, RT, b, h0,
                            out, reverse)
