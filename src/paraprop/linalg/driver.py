@@ -1,0 +1,157 @@
+"""``paraprop.linalg.solve``: one entry point for every block bi-diagonal solver."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from paraprop.errors import ConvergenceError, NonFiniteError
+from paraprop.linalg.direct import cyclic_reduction, substitution
+from paraprop.linalg.iterative import bicgstab, jacobi
+from paraprop.linalg.system import BlockBidiagonal
+from paraprop.solve import Solution
+
+__all__ = ["DIRECT", "ITERATIVE", "METHODS", "solve"]
+
+DIRECT = ("substitution", "cyclic_reduction")
+ITERATIVE = ("jacobi", "bicgstab")
+METHODS = DIRECT + ITERATIVE
+DEFAULT_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-2,
+               torch.bfloat16: 1e-2}
+
+
+def solve(
+    system: BlockBidiagonal,
+    rhs,
+    *,
+    method: str = "cyclic_reduction",
+    tol: float | None = None,
+    max_iters: int | None = None,
+    throw: bool = True,
+) -> Solution:
+    """Solve the block bi-diagonal system ``A x = rhs``.
+
+    Arguments:
+        system: a :class:`BlockBidiagonal` (lower: forward propagation, upper: backward).
+        rhs: ``(N,)``, ``(B, N)`` or a list of ``l`` blocks ``(n_k,)``/``(B, n_k)``; a
+            per-sample system (``system.batch == B``) needs ``(B, N)``.
+        method: ``"substitution"`` (sequential, ``l`` dependent steps), ``"cyclic_reduction"``
+            (``ceil(log2 l) + 1`` levels, Naumov 2017 eq. 25-35), ``"jacobi"`` (eq. 36-37) or
+            ``"bicgstab"`` (diagonally preconditioned, eq. 38-41).
+        tol: iterative methods only: stop when the relative residual ``||r - A x|| / ||r||`` of
+            every right-hand side is ``<= tol`` (Jacobi: of the previous iterate, whose sweep
+            gives it for free). ``None``: ``1e-12`` in float64, ``1e-5`` in float32.
+        max_iters: iterative methods only: cap on iterations. ``None``: the system's ``depth``
+            for Jacobi (``l`` sweeps for a flat system; exact there), ``N`` for BiCGStab.
+        throw: raise :class:`~paraprop.errors.ConvergenceError` when an iterative method stops
+            unconverged; with ``False`` the unconverged :class:`~paraprop.Solution` is returned.
+
+    Returns:
+        A :class:`~paraprop.Solution` whose ``value`` has the shape of ``rhs`` (flat ``(N,)`` or
+        ``(B, N)``; ``system.split`` gives the blocks). ``iterations``: levels (direct) or
+        iterations; ``evaluations``: dependent steps (levels, or products with ``A``);
+        ``residuals``: relative residual per iteration (max over right-hand sides; empty for
+        direct methods). ``stats``: ``levels`` (sequential steps), ``flops``, ``memory_bytes``
+        (peak bytes the solver allocates, solution included), ``time_s``, ``l``, ``N`` and, for
+        iterative methods, ``bound``, ``sample_iterations`` (``(B,)``), ``breakdowns`` and
+        ``true_residual`` (BiCGStab); nested systems add ``inner_levels``/``outer_levels``.
+
+    Raises:
+        TypeError / ValueError: bad arguments (named, with the bad value or shape), a singular
+            diagonal (the block and entry named).
+        NonFiniteError: the solution or a residual became NaN or inf.
+        ConvergenceError: an iterative method did not converge and ``throw=True``.
+
+    Example:
+        >>> W = [torch.randn(4, 4, dtype=torch.float64) for _ in range(7)]
+        >>> A = BlockBidiagonal(W, lower=True)
+        >>> r = torch.randn(3, A.N, dtype=torch.float64)
+        >>> sol = solve(A, r, method="cyclic_reduction")
+        >>> sol.stats["levels"], torch.allclose(A.matvec(sol.value), r)
+        (4, True)
+    """
+    R, out_shape = _validate(system, rhs, method, tol, max_iters, throw)
+    if method in ITERATIVE:
+        tol = DEFAULT_TOL.get(system.dtype, 1e-6) if tol is None else float(tol)
+        if max_iters is None:
+            max_iters = system.depth if method == "jacobi" else system.N
+    start = time.perf_counter()
+    with torch.no_grad():
+        if method in DIRECT:
+            fn = substitution if method == "substitution" else cyclic_reduction
+            X, st = fn(system, R)
+            info = {"iterations": st["levels"], "evaluations": st["levels"], "converged": True,
+                    "residuals": [], **st}
+        else:
+            fn = jacobi if method == "jacobi" else bicgstab
+            info = fn(system, R, tol, max_iters)
+            X = info.pop("X")
+    elapsed = time.perf_counter() - start
+    value = X.reshape(out_shape)
+    if not bool(torch.isfinite(value).all()):
+        raise NonFiniteError(f"method={method!r} produced NaN or inf (the system is too badly "
+                             "conditioned for this dtype, or its blocks overflow in products)")
+    stats = {k: v for k, v in info.items()
+             if k not in ("iterations", "evaluations", "converged", "residuals")}
+    stats.update({"time_s": elapsed, "l": system.l, "N": system.N})
+    if "sample_iterations" in stats:
+        stats["sample_iterations"] = stats["sample_iterations"].reshape(out_shape[:-1])
+    sol = Solution(value=value, method=method, iterations=info["iterations"],
+                   evaluations=info["evaluations"], converged=info["converged"],
+                   residuals=torch.tensor(info["residuals"], dtype=torch.float64), stats=stats)
+    if not sol.converged and throw:
+        last = info["residuals"][-1] if info["residuals"] else float("nan")
+        raise ConvergenceError(
+            f"method={method!r} did not converge within max_iters={max_iters} iterations (last "
+            f"relative residual {last:.3g} > tol={tol}); pass throw=False to inspect the "
+            "unconverged Solution", solution=sol)
+    return sol
+
+
+def _validate(system, rhs, method, tol, max_iters, throw):
+    """Check every argument once; return the right-hand sides as ``(G, Q, N)`` and the shape
+    of the value."""
+    if not isinstance(system, BlockBidiagonal):
+        raise TypeError(f"system must be a BlockBidiagonal, got {type(system).__name__}")
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"unknown method={method!r}; choose one of {', '.join(METHODS)}")
+    if method in DIRECT:
+        if tol is not None:
+            raise ValueError(f"tol is only used by the iterative methods, not method={method!r}")
+        if max_iters is not None:
+            raise ValueError(f"max_iters is only used by the iterative methods, not "
+                             f"method={method!r}")
+    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, int | float)
+                            or not tol >= 0):
+        raise ValueError(f"tol must be a number >= 0 or None, got {tol!r}")
+    if max_iters is not None and (isinstance(max_iters, bool) or not isinstance(max_iters, int)
+                                  or max_iters < 1):
+        raise ValueError(f"max_iters must be a positive int or None, got {max_iters!r}")
+    if not isinstance(throw, bool):
+        raise TypeError(f"throw must be a bool, got {type(throw).__name__}")
+    if isinstance(rhs, Sequence) and not isinstance(rhs, torch.Tensor):
+        if not all(isinstance(b, torch.Tensor) for b in rhs):
+            raise TypeError("rhs blocks must be tensors")
+        rhs = system.join(rhs)
+    if not isinstance(rhs, torch.Tensor):
+        raise TypeError(f"rhs must be a tensor or a list of blocks, got {type(rhs).__name__}")
+    if rhs.dtype != system.dtype:
+        raise TypeError(f"rhs has dtype {rhs.dtype} but the system has {system.dtype}")
+    if torch.device(rhs.device) != torch.device(system.device):
+        raise TypeError(f"rhs is on {rhs.device} but the system is on {system.device}")
+    if rhs.dim() not in (1, 2) or rhs.shape[-1] != system.N:
+        raise ValueError(f"rhs must have shape (N,) or (B, N) with N={system.N}, got "
+                         f"{tuple(rhs.shape)}")
+    if system.batch is not None and (rhs.dim() != 2 or rhs.shape[0] != system.batch):
+        raise ValueError(f"the system has per-sample blocks for batch {system.batch}, so rhs "
+                         f"must have shape ({system.batch}, {system.N}); got {tuple(rhs.shape)}")
+    if rhs.numel() == 0:
+        raise ValueError(f"rhs must not be empty, got shape {tuple(rhs.shape)}")
+    if not bool(torch.isfinite(rhs).all()):
+        raise ValueError("rhs must be finite")
+    system.check_nonsingular()
+    B = 1 if rhs.dim() == 1 else rhs.shape[0]
+    R = rhs.reshape(B, 1, system.N) if system.batch is not None else rhs.reshape(1, B, system.N)
+    return R, tuple(rhs.shape)
