@@ -195,7 +195,7 @@ def jacobi_curves(T: int, batch: int, steps: int, ks: list[int], lr: float, seed
             opt.step()
             clock += time.perf_counter() - t0
             ts.append(clock)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         curves[label] = {"time_s": ts, "loss": losses}
     return curves
 
@@ -287,11 +287,11 @@ GRU_COLUMNS = ["T", "inputs", "batch", "repeats", "torch_fwd_ms", "torch_bwd_ms"
 def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
     out_dir = Path(out_dir)
     t_start = time.perf_counter()
-    t_sweep = [10, 100, 300] if quick else T_SWEEP
-    b_sweep = [2, 16] if quick else B_SWEEP
+    t_sweep = [10, 100] if quick else T_SWEEP
+    b_sweep = [2, 8] if quick else B_SWEEP
     irmas = [(t // 8, i) for t, i in IRMAS[:1]] if quick else IRMAS
-    irmas_batch = [16] if quick else IRMAS_BATCH
-    jac_T, jac_steps, jac_ks = (100, 8, [3]) if quick else (1000, 150, [3, 10, 30])
+    irmas_batch = [8] if quick else IRMAS_BATCH
+    jac_T, jac_steps, jac_ks = (50, 5, [3]) if quick else (1000, 150, [3, 10, 30])
     jac_lr = 3e-3
     sections, plots = [], []
     print(f"native scan kernels: {native.status()}; torch threads: {torch.get_num_threads()}")
