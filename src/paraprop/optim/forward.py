@@ -1,0 +1,236 @@
+"""Forward-fusion: each bucket's update is applied right before its parameters' next use.
+
+Algorithm (Jiang et al. 2021, §3.2, "forward-fusion"):
+
+1. ``step()`` records a pending update per bucket: the gradients (references, with their
+   version counters) and a snapshot of the hyperparameters. Nothing is computed.
+2. In the next forward, a forward pre-hook on each module applies that module's bucket just
+   before the module runs: the wrapped optimizer's own step on the bucket, with the recorded
+   gradients and hyperparameters. The root bucket (tied weights, tensors outside the model) is
+   applied in the model's own pre-hook, before anything else.
+3. The first forward after the first step runs under a ``TorchFunctionMode`` that watches every
+   operation for a parameter whose update is still pending, i.e. one read before its module's
+   pre-hook ran (``F.linear(x, other.weight)``, a ``module.forward(...)`` call that skips
+   hooks). It applies such a bucket on the spot and moves the parameter to the root bucket.
+4. Anything still pending at the next ``step()``, ``flush()`` or ``state_dict()`` (a module
+   that did not run) is applied then, after checking that its gradient was not touched since
+   the step: a pending parameter that received a new gradient was read stale, and
+   :class:`~paraprop.optim.FusionError` says so instead of training on.
+
+Each update sees the same parameter, gradient, state and hyperparameters as the unfused step
+(the updates of different parameters are independent), so the result is bitwise the same.
+``zero_grad(set_to_none=True)`` drops ``.grad`` at once (the pending update holds its own
+references); ``set_to_none=False`` zeroes a pending gradient right after its update.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from paraprop.optim.buckets import Bucket, Stepper, param_index, snapshot, zero_grads
+from paraprop.optim.errors import FusionError
+
+
+class _Pending:
+    """A recorded update: hyperparameters, gradients and their versions at ``step()``."""
+
+    __slots__ = ("hparams", "grads", "versions", "zero")
+
+    def __init__(self, hparams, grads):
+        self.hparams = hparams
+        self.grads = grads
+        self.versions = [-1 if g is None else g._version for g in grads]
+        self.zero = False  # zero_grad(set_to_none=False) asked while pending
+
+
+class ForwardEngine:
+    """Records updates at ``step()`` and applies them in the next forward (see module doc)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module,
+                 buckets: list[Bucket], stepper: Stepper):
+        self.optimizer = optimizer
+        self.model = model
+        self.buckets = buckets
+        self.stepper = stepper
+        self.n_pending = 0
+        self.applying = False  # inside apply(): the tracer must not look at the step's own ops
+        self.trace_next = True  # watch the first forward after the first step
+        self.moved: list[str] = []  # parameters found used outside their module
+        self._tracer: _UseTracer | None = None
+        self._owner = {id(p): b for b in buckets for p in b.params}
+        self._handles = []
+        root = buckets[0]
+        for b in buckets[1:]:
+            for m in b.modules:
+                self._handles.append(m.register_forward_pre_hook(partial(self._pre, b),
+                                                                 prepend=True))
+        self._handles.append(model.register_forward_pre_hook(partial(self._root_pre, root),
+                                                             prepend=True))
+        self._handles.append(model.register_forward_hook(self._root_post, always_call=True))
+        for m in model.modules():  # model.state_dict() / load_state_dict() see applied values
+            self._handles.append(m.register_state_dict_pre_hook(self._flush_hook))
+            self._handles.append(m.register_load_state_dict_pre_hook(self._flush_hook))
+
+    # -- recording ------------------------------------------------------------------------
+    def step(self) -> None:
+        """Record one update per bucket that has a gradient (leftovers are applied first)."""
+        hparams = snapshot(self.optimizer.param_groups)
+        for b in self.buckets:
+            if b.pending is not None:
+                self.apply(b)
+            grads = [p.grad for p in b.params]
+            if all(g is None for g in grads):
+                continue
+            b.pending = _Pending(hparams, grads)
+            self.n_pending += 1
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        for b in self.buckets:
+            if set_to_none:
+                for p in b.params:
+                    p.grad = None
+            elif b.pending is not None:
+                b.pending.zero = True
+            else:
+                zero_grads([p.grad for p in b.params if p.grad is not None])
+
+    # -- applying -------------------------------------------------------------------------
+    def apply(self, b: Bucket) -> None:
+        """Apply ``b``'s pending update now, with the gradients recorded at ``step()``."""
+        pend = b.pending
+        self.applying = True
+        try:
+            self._apply(b, pend)
+        finally:
+            self.applying = False
+
+    def _apply(self, b: Bucket, pend: _Pending) -> None:
+        swapped = []
+        for p, name, g, v in zip(b.params, b.names, pend.grads, pend.versions, strict=True):
+            if g is None:
+                continue
+            cur = p.grad
+            if (cur is not None and cur is not g) or g._version != v:
+                raise FusionError(
+                    f"parameter {name!r} received a new gradient (or its gradient was modified) "
+                    "while its update from the previous step() was still pending: it was read "
+                    "before its module's forward pre-hook applied the update, so the last "
+                    "forward used a stale value. Call flush() before reading parameters "
+                    "outside the model's forward, or use mode='backward'.")
+            if cur is None:
+                swapped.append((p, g))
+        b.pending = None
+        self.n_pending -= 1
+        for p, g in swapped:
+            p.grad = g
+        try:
+            self.stepper.step(b.groups, pend.hparams)
+        finally:
+            for p, _ in swapped:
+                p.grad = None
+        if pend.zero:
+            zero_grads([g for (p, g) in zip(b.params, pend.grads, strict=True)
+                        if g is not None and p.grad is g])
+
+    def flush(self) -> None:
+        """Apply every pending update."""
+        if self.n_pending:
+            for b in self.buckets:
+                if b.pending is not None:
+                    self.apply(b)
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _pre(self, b: Bucket, module, args) -> None:
+        if b.pending is not None:
+            self.apply(b)
+
+    def _root_pre(self, root: Bucket, module, args) -> None:
+        if root.pending is not None:
+            self.apply(root)
+        if self.trace_next and self.n_pending and self._tracer is None:
+            self._tracer = _UseTracer(self)
+            self._tracer.__enter__()
+
+    def _root_post(self, module, args, output) -> None:
+        if self._tracer is None:
+            return
+        tracer, self._tracer = self._tracer, None
+        tracer.__exit__(None, None, None)
+        self.trace_next = False
+        if tracer.found:
+            self._move_to_root(tracer.found)
+
+    def _flush_hook(self, *args, **kwargs) -> None:
+        self.flush()
+
+    def _move_to_root(self, params: list[torch.Tensor]) -> None:
+        """Make ``params`` part of the root bucket (applied at the start of each forward)."""
+        self.flush()
+        where = param_index(self.optimizer)
+        root = self.buckets[0]
+        ids = {id(p) for p in params}
+        for b in self.buckets[1:]:
+            keep = [(p, n) for p, n in zip(b.params, b.names, strict=True) if id(p) not in ids]
+            if len(keep) == len(b.params):
+                continue
+            for p, n in zip(b.params, b.names, strict=True):
+                if id(p) in ids:
+                    root.params.append(p)
+                    root.names.append(n)
+                    self.moved.append(n)
+            b.params = [p for p, _ in keep]
+            b.names = [n for _, n in keep]
+            b.regroup(where)
+        root.regroup(where)
+        self._owner = {id(p): b for b in self.buckets for p in b.params}
+
+    def remove(self) -> None:
+        self.flush()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+# attribute reads that do not read a tensor's values
+_METADATA = frozenset({
+    "shape", "dtype", "device", "grad", "requires_grad", "is_leaf", "_version", "ndim",
+    "layout", "grad_fn", "names", "is_cuda", "is_sparse", "is_quantized", "is_meta", "_base",
+    "output_nr", "_backward_hooks", "_post_accumulate_grad_hooks", "is_nested", "itemsize",
+    "nbytes", "name", "_cdata", "retains_grad",
+})
+
+
+class _UseTracer(TorchFunctionMode):
+    """Applies the pending update of any parameter an operation reads, and remembers it."""
+
+    def __init__(self, engine: ForwardEngine):
+        super().__init__()
+        self.engine = engine
+        self.found: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        eng = self.engine
+        if eng.n_pending and not eng.applying and not (
+                getattr(func, "__name__", None) == "__get__"
+                and getattr(getattr(func, "__self__", None), "__name__", None) in _METADATA):
+            for t in _tensors(args, kwargs):
+                b = eng._owner.get(id(t))
+                if b is not None and b.pending is not None:
+                    self.found.append(t)
+                    eng.apply(b)
+        return func(*args, **kwargs)
+
+
+def _tensors(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, list | tuple):
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    yield x

@@ -1,0 +1,280 @@
+"""``paraprop.optim.fuse``: optimizer fusion for any per-parameter ``torch.optim`` optimizer.
+
+Jiang et al. 2021, "Optimizer Fusion: Efficient Training with Better Locality and Parallelism"
+(arXiv:2104.00237): instead of one optimizer step over all parameters between two iterations,
+update each parameter while it is hot, either as soon as its gradient is complete
+(*backward-fusion*, :mod:`paraprop.optim.backward`) or just before its next use
+(*forward-fusion*, :mod:`paraprop.optim.forward`). The updates are those of the wrapped
+optimizer, parameter for parameter, so the trained model is bitwise the unfused one.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from itertools import chain
+
+import torch
+from torch import nn
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+from paraprop.optim.backward import BackwardEngine
+from paraprop.optim.buckets import Stepper, build_buckets
+from paraprop.optim.errors import FusionError
+from paraprop.optim.forward import ForwardEngine
+
+MODES = ("forward", "backward")
+
+
+def fuse(optimizer: torch.optim.Optimizer, model: nn.Module, *, mode: str = "forward",
+         accumulation_steps: int = 1) -> FusedOptimizer:
+    """Fuse ``optimizer``'s step into ``model``'s forward or backward pass.
+
+    The training loop stays the usual one (``loss.backward(); opt.step(); opt.zero_grad()``)
+    with the returned optimizer in place of ``optimizer``; ``opt.param_groups``, ``opt.state``
+    and ``opt.state_dict()`` are the wrapped optimizer's, LR schedulers take either object.
+
+    Arguments:
+        optimizer: a ``torch.optim.Optimizer`` whose step updates every parameter from that
+            parameter's own gradient and state (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta,
+            Adamax, NAdam, RAdam, ...; the for-loop, ``foreach`` and ``fused`` implementations).
+            Its parameters are stepped per module, through its own ``step``.
+        model: the module whose forward/backward carries the updates. Buckets are the
+            parameters registered directly on each of its modules; optimized tensors shared by
+            several modules or outside ``model`` are applied at the start of its forward.
+        mode: ``"forward"``: ``step()`` records the update and each module applies it right
+            before its next use (exact with global-norm clipping, gradient accumulation,
+            ``GradScaler``, LR schedulers, save/resume and DistributedDataParallel);
+            ``"backward"``: each bucket is updated inside ``backward()`` as soon as its
+            gradients are complete, and the gradients are released (lower peak memory).
+        accumulation_steps: ``k >= 1``. With ``k > 1`` call ``step()`` and ``zero_grad()``
+            after every ``backward()``; only every ``k``-th call updates (backward mode: the
+            ``k``-th backward), the others let the gradients accumulate.
+
+    Returns:
+        A :class:`FusedOptimizer`.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or is already fused),
+            ``model`` is not an ``nn.Module``, ``accumulation_steps`` is not an int.
+        ValueError: an unknown ``mode``; ``accumulation_steps < 1``; an optimizer that is not
+            per-parameter (LBFGS) or that has step hooks of its own; an optimizer already
+            fused; ``mode="backward"`` with DistributedDataParallel.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> opt = fuse(torch.optim.Adam(model.parameters(), lr=1e-3), model, mode="forward")
+        >>> for x, y in batches:
+        ...     loss = F.mse_loss(model(x), y)   # pending updates applied module by module
+        ...     loss.backward()
+        ...     opt.step()                       # records the update
+        ...     opt.zero_grad()
+        >>> opt.flush()                          # or opt.state_dict(), model.state_dict()
+    """
+    return FusedOptimizer(optimizer, model, mode=mode, accumulation_steps=accumulation_steps)
+
+
+def _validate(optimizer, model, mode, accumulation_steps) -> None:
+    if isinstance(optimizer, FusedOptimizer):
+        raise TypeError("optimizer is already a FusedOptimizer; fuse the plain optimizer once")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
+        raise TypeError(f"accumulation_steps must be an int, got {accumulation_steps!r}")
+    if accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            "LBFGS cannot be fused: its step needs a closure that re-evaluates the loss and a "
+            "line search over all parameters together, so its update is not per-parameter")
+    if getattr(optimizer, "_paraprop_fused", False):
+        raise ValueError("this optimizer is already fused; call unfuse() on the first "
+                         "FusedOptimizer before fusing it again")
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        raise ValueError(
+            "the optimizer has step pre/post hooks; a fused optimizer steps it bucket by bucket "
+            "and would not run them once per step. Register them on the FusedOptimizer instead")
+    if mode == "backward":
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise ValueError(
+                "mode='backward' with DistributedDataParallel is not supported: the update "
+                "would use the local gradient before the all-reduce. Use mode='forward', "
+                "which works unchanged with DistributedDataParallel")
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                f"mode='backward' under torch.distributed (world size {dist.get_world_size()}) "
+                "is not supported: the post-accumulate-grad hooks run before any all-reduce. "
+                "Use mode='forward'")
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim`` optimizer whose step is fused into the forward or backward pass.
+
+    Create it with :func:`fuse`. It is a drop-in for the wrapped optimizer: ``param_groups``,
+    ``state``, ``defaults``, ``state_dict()`` and ``load_state_dict()`` are the wrapped
+    optimizer's (checkpoints move freely between fused and plain optimizers); step hooks
+    registered on it run once per logical step.
+
+    Attributes:
+        optimizer: the wrapped optimizer.
+        model: the fused module.
+        mode: ``"forward"`` or ``"backward"``.
+        accumulation_steps: backward passes per update.
+        buckets: the parameter buckets (root first), for inspection.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, *,
+                 mode: str = "forward", accumulation_steps: int = 1):
+        _validate(optimizer, model, mode, accumulation_steps)
+        # Optimizer.__init__ is not called: the groups and state are the wrapped optimizer's
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._zero_grad_profile_name = "Optimizer.zero_grad#FusedOptimizer.zero_grad"
+        self.optimizer = optimizer
+        self.model = model
+        self.mode = mode
+        self.accumulation_steps = accumulation_steps
+        self._calls = 0  # step() calls in the current accumulation window
+        self._build()
+        optimizer._paraprop_fused = True
+
+    def _build(self) -> None:
+        opt = self.optimizer
+        self.buckets = build_buckets(opt, self.model)
+        devices = {p.device.type for g in opt.param_groups for p in g["params"]}
+        stepper = Stepper(opt, devices)
+        if self.mode == "forward":
+            self._engine = ForwardEngine(opt, self.model, self.buckets, stepper)
+        else:
+            self._engine = BackwardEngine(opt, self.buckets, stepper, self._update_now)
+
+    def _update_now(self) -> bool:
+        return self._calls == self.accumulation_steps - 1
+
+    # -- the wrapped optimizer's attributes -------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
+    # -- the training loop ------------------------------------------------------------------
+    def step(self, closure=None) -> None:
+        """Perform (backward mode: complete) or record (forward mode) one optimizer step.
+
+        Raises:
+            ValueError: a ``closure`` (the loss cannot be re-evaluated inside a fused step).
+            FusionError: ``GradScaler.step`` with ``accumulation_steps > 1`` or in backward
+                mode; a stale parameter found while applying leftover updates.
+        """
+        if closure is not None:
+            raise ValueError("closures are not supported: a fused step is applied later (forward "
+                             "mode) or earlier (backward mode) than a closure would run")
+        if self.accumulation_steps > 1 or self.mode == "backward":
+            _refuse_grad_scaler(self.mode)
+        for hook in chain(_global_optimizer_pre_hooks.values(),
+                          self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
+        if self._update_now():
+            self._calls = 0
+            self._engine.step()
+            self._opt_called = True  # what LR schedulers check
+            self.optimizer._opt_called = True
+        else:
+            self._calls += 1
+        for hook in chain(self._optimizer_step_post_hooks.values(),
+                          _global_optimizer_post_hooks.values()):
+            hook(self, (), {})
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, as ``torch.optim.Optimizer.zero_grad`` (see the mode modules).
+
+        Inside an accumulation window (after a ``step()`` that did not update) it does nothing.
+        """
+        if self._calls == 0:
+            self._engine.zero_grad(set_to_none)
+
+    def flush(self) -> None:
+        """Apply every pending update now (forward mode; a no-op in backward mode).
+
+        Called by ``state_dict()``, ``load_state_dict()`` and by the model's ``state_dict()`` /
+        ``load_state_dict()``; call it before reading parameters outside the model's forward.
+        """
+        self._engine.flush()
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's ``state_dict()``, after :meth:`flush`."""
+        self.flush()
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """:meth:`flush`, then the wrapped optimizer's ``load_state_dict``."""
+        self.flush()
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group to the wrapped optimizer and rebuild the buckets."""
+        self.flush()
+        self._engine.remove()
+        self.optimizer.add_param_group(param_group)
+        self._build()
+
+    def unfuse(self) -> torch.optim.Optimizer:
+        """Apply pending updates, remove every hook, and return the wrapped optimizer."""
+        self._engine.remove()
+        self.optimizer._paraprop_fused = False
+        return self.optimizer
+
+    # state_dict hooks belong to the wrapped optimizer, whose state_dict() runs them
+    def register_state_dict_pre_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
+    def __getstate__(self):
+        raise TypeError("a FusedOptimizer holds hooks and cannot be pickled; save "
+                        "state_dict() instead")
+
+    def __repr__(self) -> str:
+        return (f"FusedOptimizer(mode={self.mode!r}, accumulation_steps="
+                f"{self.accumulation_steps}, buckets={len(self.buckets)}, "
+                f"optimizer={type(self.optimizer).__name__})")
+
+
+def _refuse_grad_scaler(mode: str) -> None:
+    """Raise if the caller is ``GradScaler.step`` in a setting it cannot be exact in."""
+    frame = sys._getframe(2)
+    for _ in range(3):  # GradScaler.step -> _maybe_opt_step -> [scheduler wrapper] -> step
+        if frame is None:
+            return
+        if frame.f_code.co_name == "_maybe_opt_step" and isinstance(
+                frame.f_locals.get("self"), torch.amp.GradScaler):
+            if mode == "backward":
+                raise FusionError(
+                    "GradScaler cannot be exact in mode='backward': the update fused into "
+                    "backward runs before the scaler can unscale the gradients and check them "
+                    "for inf/NaN. Use mode='forward'")
+            raise FusionError(
+                "GradScaler.step() with accumulation_steps > 1 would unscale partly accumulated "
+                "gradients. With GradScaler, use accumulation_steps=1 and call scaler.step() "
+                "once every k micro-batches, as without fusion")
+        frame = frame.f_back
