@@ -39,8 +39,12 @@ _DTYPES = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes
 # Below this many multiply-adds a call runs on one thread (thread hand-off costs ~20 us).
 _MIN_WORK_PER_THREAD = 200_000
 
+# Calls with at least this many (row, step) pairs use kernels compiled for their state size.
+_SPECIALISE_MIN_WORK = 4096
+
 _lock = threading.Lock()
 _lib = None
+_special: dict[tuple[int, int], ctypes.CDLL] = {}
 _status = "not built yet"
 _pool: ThreadPoolExecutor | None = None
 
@@ -60,8 +64,8 @@ def _compiler() -> str | None:
     return None
 
 
-def _build() -> ctypes.CDLL:
-    """Compile (once per source, compiler and CPU) and load the kernel library."""
+def _build(defines: tuple[tuple[str, int], ...] = ()) -> ctypes.CDLL:
+    """Compile (once per source, compiler, CPU and ``defines``) and load a kernel library."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC)")
@@ -73,7 +77,8 @@ def _build() -> ctypes.CDLL:
                     if ln.startswith("flags")), "")
     except OSError:
         pass
-    key = hashlib.sha256("\n".join([BODY, *UNITS.values(), *_FLAGS, cc, *version, cpu,
+    flags = [*_FLAGS, *(f"-D{k}={v}" for k, v in defines)]
+    key = hashlib.sha256("\n".join([BODY, *UNITS.values(), *flags, cc, *version, cpu,
                                     platform.machine()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"scan_kernels_{key}.so"
     if not target.exists():
@@ -87,7 +92,7 @@ def _build() -> ctypes.CDLL:
                 src.write_text(defs + '#include "body.h"\n')
                 sources.append(str(src))
             out = tmpd / "lib.so"
-            proc = subprocess.run([cc, *_FLAGS, "-o", str(out), *sources],
+            proc = subprocess.run([cc, *flags, "-o", str(out), *sources],
                                   capture_output=True, text=True, timeout=300)
             if proc.returncode != 0:
                 raise RuntimeError(f"compiling the scan kernels failed: {proc.stderr[-2000:]}")
@@ -119,6 +124,23 @@ def _load():
                 except Exception as e:  # any failure means: use the PyTorch algorithms
                     _status = f"unavailable: {e}"
     return _lib
+
+
+def _library(H: int, K: int, work: int):
+    """The generic library, or for large calls (``work`` = rows x steps) one built for this
+    ``(H, K)``; a failed specialised build falls back to the generic library."""
+    lib = _load()
+    if work < _SPECIALISE_MIN_WORK or H > 128 or K > 512:
+        return lib
+    key = (H, K)
+    if key not in _special:
+        with _lock:
+            if key not in _special:
+                try:
+                    _special[key] = _build((("PP_FIXED_H", H), ("PP_FIXED_K", K)))
+                except Exception:  # keep the generic kernels
+                    _special[key] = lib
+    return _special[key]
 
 
 def available() -> bool:
@@ -176,8 +198,8 @@ def _bt_strides(t: torch.Tensor | None) -> tuple[int, int]:
 def dense(A: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None, out: torch.Tensor,
           reverse: bool) -> torch.Tensor:
     """``out[n, t] = A[n, t] @ h_prev + b[n, t]``; A (N|1, T, H, H), b/out (N, T, H), h0 (N, H)."""
-    lib = _load()
     N, T, H = b.shape
+    lib = _library(H, 0, N * T)
     suffix = _DTYPES[b.dtype][0]
     fn = getattr(lib, f"pp_dense_{suffix}")
     A_sn, A_st = _bt_strides(A)
@@ -196,8 +218,8 @@ def dense(A: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None, out: torch.
 def diag(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None, out: torch.Tensor,
          reverse: bool) -> torch.Tensor:
     """``out[n, t] = a[n, t] * h_prev + b[n, t]``; a (N|1, T, H), b/out (N, T, H), h0 (N, H)."""
-    lib = _load()
     N, T, H = b.shape
+    lib = _library(H, 0, N * T)
     fn = getattr(lib, f"pp_diag_{_DTYPES[b.dtype][0]}")
     a_sn, a_st = _bt_strides(a)
     b_sn, b_st = _bt_strides(b)
@@ -217,9 +239,9 @@ def factored(d: torch.Tensor | None, s: torch.Tensor, LT: torch.Tensor | None,
              out: torch.Tensor, reverse: bool) -> torch.Tensor:
     """``A_t = diag(d_t) + L diag(s_t) R`` (see :class:`paraprop.scan.Factored`), given the
     contiguous transposes ``LT = L^T`` ``(K, H)`` and ``RT = R^T`` ``(H, K)`` (or None)."""
-    lib = _load()
     N, T, H = b.shape
     K = s.shape[-1]
+    lib = _library(H, K, N * T)
     fn = getattr(lib, f"pp_factored_{_DTYPES[b.dtype][0]}")
     d_sn, d_st = _bt_strides(d)
     s_sn, s_st = _bt_strides(s)
