@@ -45,15 +45,21 @@ class GRUScanFunction(torch.autograd.Function):
             H = out.shape[-1]
             hprev = torch.cat([h0[k:k + 1], out[:-1]], 0)
             b_ih, b_hh = (w[2], w[3]) if cfg["bias"] else (None, None)
+            # the gates of all steps at once (few large in-place ops)
             gi = F.linear(layer_in, w[0], b_ih)
             gh = F.linear(hprev, w[1], b_hh)
-            rz = torch.sigmoid(gi[..., :2 * H] + gh[..., :2 * H])
+            rz = gi[..., :2 * H].add_(gh[..., :2 * H]).sigmoid_()
             r, z = rz[..., :H], rz[..., H:]
             gh_n = gh[..., 2 * H:]
-            n = torch.tanh(gi[..., 2 * H:] + r * gh_n)
-            # the analytic transposed Jacobian: diag(z) + W_hh^T diag(s) [I; I; I]
-            dn = (1 - z) * (1 - n * n)                               # dh_t / d(pre-tanh of n)
-            s = torch.cat([dn * gh_n * r * (1 - r), (hprev - n) * z * (1 - z), dn * r], -1)
+            n = torch.addcmul(gi[..., 2 * H:], r, gh_n).tanh_()
+            # the analytic transposed Jacobian: diag(z) + W_hh^T diag(s) [I; I; I] with
+            # s = [dn gh_n r (1-r); (h_prev - n) z (1-z); dn r], dn = (1-z)(1-n^2)
+            one_z = torch.rsub(z, 1)
+            dn = torch.mul(n, n).neg_().add_(1).mul_(one_z)          # dh_t / d(pre-tanh of n)
+            s = torch.empty_like(gh)
+            torch.mul(dn, r, out=s[..., 2 * H:])
+            s[..., :H] = s[..., 2 * H:] * gh_n * torch.rsub(r, 1)
+            s[..., H:2 * H] = (hprev - n).mul_(z).mul_(one_z)
             saved += [layer_in, hprev, z, s, dn]
             last.append(hn)
             layer_in = out
