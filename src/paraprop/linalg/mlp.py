@@ -99,7 +99,9 @@ def _parse(model) -> _Parsed:
             raise TypeError(f"model[{i}] is {type(m).__name__}; supported modules: {names}")
     if not linears:
         raise ValueError("model must contain at least one nn.Linear")
-    return _Parsed(tuple(lead), tuple(linears), tuple(tuple(c) for c in chains))
+    interned: dict = {}  # equal chains share one object: grouping compares by identity first
+    return _Parsed(tuple(lead), tuple(linears),
+                   tuple(interned.setdefault(tuple(c), tuple(c)) for c in chains))
 
 
 def _check_input(x, parsed: _Parsed, name: str = "x") -> torch.Tensor:
@@ -117,25 +119,33 @@ def _check_input(x, parsed: _Parsed, name: str = "x") -> torch.Tensor:
 
 
 def _groups(keys: list) -> dict:
+    if keys and all(k == keys[0] for k in keys):
+        return {keys[0]: list(range(len(keys)))}
     out: dict = {}
     for i, k in enumerate(keys):
         out.setdefault(k, []).append(i)
     return out
 
 
-def _chain_batched(chains, tensors) -> tuple[list, list]:
-    """Values and derivatives of every layer's chain, one batched evaluation per distinct chain
-    and width (a deep MLP has one or two)."""
-    l = len(tensors)
-    values: list = [None] * l
-    derivs: list = [None] * l
-    for (chain, _), idx in _groups([(c, t.shape) for c, t in zip(chains, tensors,
-                                                                   strict=True)]).items():
+def _chain_groups(chains, tensors) -> list[tuple[list[int], torch.Tensor, torch.Tensor | None]]:
+    """Every layer's chain evaluated in one batched call per distinct chain and width (a deep
+    MLP has one or two): ``[(layer indices, stacked values, stacked derivatives or None)]``."""
+    out = []
+    for (chain, _), idx in _groups([(c, t.shape[-1]) for c, t in zip(chains, tensors,
+                                                                       strict=True)]).items():
         v, d = chain_value_and_derivative(chain, torch.stack([tensors[i] for i in idx]))
-        for j, i in enumerate(idx):
-            values[i] = v[j]
-            derivs[i] = None if d is None else d[j]
-    return values, derivs
+        out.append((idx, v, d))
+    return out
+
+
+def _per_layer(groups, l: int, which: int) -> list:
+    """Per-layer views of the stacked values (``which=1``) or derivatives (``which=2``)."""
+    out: list = [None] * l
+    for g in groups:
+        if g[which] is not None:
+            for i, t in zip(g[0], g[which].unbind(0), strict=True):
+                out[i] = t
+    return out
 
 
 def activation_points(model: nn.Sequential, x: torch.Tensor) -> ActivationPoints:
@@ -214,80 +224,127 @@ def from_mlp(model: nn.Sequential, x: torch.Tensor, *, grad_output: torch.Tensor
     else:
         _check_points(points, parsed, x)
     if grad_output is not None:
-        out = parsed.linears[-1].out_features
-        if not isinstance(grad_output, torch.Tensor) or tuple(grad_output.shape) != \
-                (x.shape[0], out):
-            raise ValueError(f"grad_output must have shape ({x.shape[0]}, {out}), got "
-                             f"{tuple(getattr(grad_output, 'shape', ()))}")
-        if grad_output.dtype != x.dtype:
-            raise TypeError(f"grad_output has dtype {grad_output.dtype} but x has {x.dtype}")
+        _check_grad_output(grad_output, parsed, x)
     with torch.no_grad():
         return _build(parsed, x, points, grad_output)
 
 
+def _check_grad_output(grad_output, parsed: _Parsed, x: torch.Tensor) -> None:
+    out = parsed.linears[-1].out_features
+    if not isinstance(grad_output, torch.Tensor) or tuple(grad_output.shape) != \
+            (x.shape[0], out):
+        raise ValueError(f"grad_output must have shape ({x.shape[0]}, {out}), got "
+                         f"{tuple(getattr(grad_output, 'shape', ()))}")
+    if grad_output.dtype != x.dtype:
+        raise TypeError(f"grad_output has dtype {grad_output.dtype} but x has {x.dtype}")
+
+
 def _build(parsed: _Parsed, x, points: ActivationPoints, grad_output) -> MLPSystems:
+    l = len(parsed.linears)
+    groups = _chain_groups(parsed.chains, list(points.pre))
+    values, D = _per_layer(groups, l, 1), _per_layer(groups, l, 2)
+    sizes = [lin.out_features for lin in parsed.linears]
+    batch = x.shape[0] if any(d is not None for d in D) else None
+    neg_one = {n: -torch.ones(n, dtype=x.dtype, device=x.device) for n in set(sizes)}
+    fwd, fwd_rhs = _forward_system(parsed, x, points, values, D, sizes, batch, neg_one)
+    bwd, b_rhs = _backward_system(parsed, x, points, grad_output)
+    return MLPSystems(points, fwd, fwd_rhs, bwd, b_rhs, tuple(D))
+
+
+def _backward_system(parsed: _Parsed, x, points: ActivationPoints, grad_output):
+    """Block (k, k+1) = -E_k W_{k+1}^T, identity diagonal; right-hand side E_l g in the last
+    block. When layers 1..l-1 share one activation chain and width (a deep MLP), their scalings
+    are computed and kept stacked."""
     lins, l = parsed.linears, len(parsed.linears)
     B = x.shape[0]
     sizes = [lin.out_features for lin in lins]
-    values, D = _chain_batched(parsed.chains, list(points.pre))
+    b_off = [MatrixOperator(lins[k + 1].weight, transposed=True) for k in range(l - 1)]
+    groups = _chain_groups(parsed.chains[:-1], list(points.pre[:-1]))
+    _, d_last = chain_value_and_derivative(parsed.chains[-1], points.pre[-1])
+    has_d = d_last is not None or any(g[2] is not None for g in groups)
+    batch = B if has_d else None
+    if len(groups) == 1 and groups[0][2] is not None:
+        bwd = BlockBidiagonal._trusted(False, b_off, [None] * l, None, sizes, batch, x.dtype,
+                                       x.device, stacked_scale=-groups[0][2])
+    else:
+        D = _per_layer(groups, l - 1, 2)
+        neg_one = {n: -torch.ones(n, dtype=x.dtype, device=x.device) for n in set(sizes)}
+        b_scale = [neg_one[sizes[k]] if D[k] is None else -D[k] for k in range(l - 1)]
+        bwd = BlockBidiagonal._trusted(False, b_off, [None] * l, b_scale, sizes, batch, x.dtype,
+                                       x.device)
+    b_rhs = None
+    if grad_output is not None:
+        b_rhs = torch.zeros(B, sum(sizes), dtype=x.dtype, device=x.device)
+        b_rhs[:, -sizes[-1]:] = grad_output if d_last is None else d_last * grad_output
+    return bwd, b_rhs
+
+
+def _forward_system(parsed, x, points, values, D, sizes, batch, neg_one):
+    """Block (k, k-1) = -D_k W_k; right-hand side D_k b_k + e_k (plus D_1 W_1 z_0 in block 1)."""
+    lins, l = parsed.linears, len(parsed.linears)
+    B = x.shape[0]
     z0, _ = chain_value_and_derivative(parsed.lead, x)
-    neg_one = {n: -torch.ones(n, dtype=x.dtype, device=x.device) for n in set(sizes)}
-    # forward: block (k, k-1) = -D_k W_k
-    f_off = [MatrixOperator(lins[k].weight.detach()) for k in range(1, l)]
+    f_off = [MatrixOperator(lins[k].weight) for k in range(1, l)]
     f_scale = [neg_one[sizes[k]] if D[k] is None else -D[k] for k in range(1, l)]
     rhs = []
     for k in range(l):
         b = lins[k].bias
-        base = (torch.zeros(B, sizes[k], dtype=x.dtype, device=x.device) if b is None
-                else b.detach().expand(B, sizes[k]))
         if k == 0:
-            base = torch.nn.functional.linear(z0, lins[0].weight.detach(),
-                                              None if b is None else b.detach())
+            base = torch.nn.functional.linear(z0, lins[0].weight, b)
+        elif b is None:
+            base = torch.zeros(B, sizes[k], dtype=x.dtype, device=x.device)
+        else:
+            base = b.expand(B, sizes[k])
         rhs.append(base if D[k] is None else D[k] * base + (values[k] - D[k] * points.pre[k]))
-    batch = B if any(d is not None for d in D) else None
     fwd = BlockBidiagonal._trusted(True, f_off, [None] * l, f_scale, sizes, batch, x.dtype,
                                    x.device)
-    # backward: block (k, k+1) = -E_k W_{k+1}^T
-    b_off = [MatrixOperator(lins[k + 1].weight.detach().T) for k in range(l - 1)]
-    b_scale = [neg_one[sizes[k]] if D[k] is None else -D[k] for k in range(l - 1)]
-    bwd = BlockBidiagonal._trusted(False, b_off, [None] * l, b_scale, sizes, batch, x.dtype,
-                                   x.device)
-    b_rhs = None
-    if grad_output is not None:
-        b_rhs = torch.zeros(B, sum(sizes), dtype=x.dtype, device=x.device)
-        last = grad_output if D[-1] is None else D[-1] * grad_output
-        b_rhs[:, -sizes[-1]:] = last
-    fwd_rhs = torch.cat(rhs, dim=-1)
-    return MLPSystems(points, fwd, fwd_rhs, bwd, b_rhs, tuple(D))
+    return fwd, torch.cat(rhs, dim=-1)
 
 
-def _gradients(parsed: _Parsed, model: nn.Sequential, points: ActivationPoints,
-               U: list[torch.Tensor]):
-    """``grad_input`` and the parameter gradients from ``u_k = dL/dy_k``."""
-    lins = parsed.linears
-    gW: list = [None] * len(lins)
-    for _, idx in _groups([(tuple(U[k].shape), tuple(points.inputs[k].shape))
-                           for k in range(len(lins))]).items():
-        Us = torch.stack([U[k] for k in idx])
-        Xs = torch.stack([points.inputs[k] for k in idx])
-        G = torch.bmm(Us.transpose(1, 2), Xs)
-        for j, k in enumerate(idx):
-            gW[k] = G[j]
+def _gradients(parsed: _Parsed, points: ActivationPoints, value: torch.Tensor,
+               sizes: list[int]):
+    """``grad_input`` and the parameter gradients from ``u = (dL/dy_1, ..., dL/dy_l)``,
+    all layers' weight gradients in one batched product per group of equal shapes."""
+    lins, l = parsed.linears, len(parsed.linears)
+    B = value.shape[0]
+    uniform = len(set(sizes)) == 1 and all(z.shape == points.inputs[0].shape
+                                           for z in points.inputs)
+    gW: list = [None] * l
+    gb: list = [None] * l
+    if uniform:
+        Us = value.reshape(B, l, sizes[0]).transpose(0, 1)  # (l, B, n), a view
+        Xs = torch.stack(points.inputs)
+        gW = list(torch.bmm(Us.transpose(1, 2), Xs).unbind(0))
+        gb = list(Us.sum(1).unbind(0))
+        u0 = Us[0]
+    else:
+        U = list(torch.split(value, sizes, dim=-1))
+        for _, idx in _groups([(tuple(U[k].shape), tuple(points.inputs[k].shape))
+                               for k in range(l)]).items():
+            Us = torch.stack([U[k] for k in idx])
+            Xs = torch.stack([points.inputs[k] for k in idx])
+            for j, (w, b) in enumerate(zip(torch.bmm(Us.transpose(1, 2), Xs).unbind(0),
+                                           Us.sum(1).unbind(0), strict=True)):
+                gW[idx[j]], gb[idx[j]] = w, b
+        u0 = U[0]
+    # model.parameters() order of a flat Sequential: each Linear's weight then bias, a Linear
+    # that appears twice once (its gradients summed)
     grads: dict[int, torch.Tensor] = {}
-
-    def add(p, g):
-        grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
-
+    order: list[int] = []
     for k, lin in enumerate(lins):
-        add(lin.weight, gW[k])
-        if lin.bias is not None:
-            add(lin.bias, U[k].sum(0))
-    grad_input = U[0] @ lins[0].weight.detach()
+        for p, g in ((lin.weight, gW[k]), (lin.bias, gb[k])):
+            if p is None:
+                continue
+            if id(p) in grads:
+                grads[id(p)] = grads[id(p)] + g
+            else:
+                grads[id(p)] = g
+                order.append(id(p))
+    grad_input = u0 @ lins[0].weight
     if parsed.lead:
         _, d = chain_value_and_derivative(parsed.lead, points.x)
         grad_input = grad_input * d
-    params = [grads.get(id(p), torch.zeros_like(p)) for p in model.parameters()]
-    return grad_input, params
+    return grad_input, [grads[i] for i in order]
 
 
 def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tensor, *,
@@ -325,17 +382,22 @@ def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tenso
         >>> all(torch.allclose(a, b) for a, b in zip([gx, *gp], ref))
         True
     """
-    parsed = _parse(model)
-    x = _check_input(x, parsed)
     if grad_output is None:
         raise ValueError("grad_output is required (dL/d model(x), shape (B, out_features))")
-    S = from_mlp(model, x, grad_output=grad_output, points=points)
+    parsed = _parse(model)
+    x = _check_input(x, parsed)
+    _check_grad_output(grad_output, parsed, x)
+    with torch.no_grad():
+        if points is None:
+            points = activation_points(model, x)
+        else:
+            _check_points(points, parsed, x)
+        bwd, b_rhs = _backward_system(parsed, x, points, grad_output)
     kw = {} if method in ("substitution", "cyclic_reduction") else {"tol": tol,
                                                                     "max_iters": max_iters}
-    sol = solve(S.backward, S.backward_rhs, method=method, **kw)
+    sol = solve(bwd, b_rhs, method=method, **kw)
     with torch.no_grad():
-        U = S.backward.split(sol.value)
-        grad_input, params = _gradients(parsed, model, S.points, U)
+        grad_input, params = _gradients(parsed, points, sol.value, list(bwd.sizes))
     return (grad_input, params, sol) if return_solution else (grad_input, params)
 
 
@@ -423,8 +485,8 @@ def mlp_forward(model: nn.Sequential, x: torch.Tensor, *, points: ActivationPoin
                                                                     strict=True))
             scale = max(1.0, max(float(y.abs().max()) for y in pre))
             residuals.append(change)
-            values, _ = _chain_batched(parsed.chains, list(pre))
-            points = ActivationPoints(x, tuple(inputs), tuple(pre), values[-1])
+            output, _ = chain_value_and_derivative(parsed.chains[-1], pre[-1])
+            points = ActivationPoints(x, tuple(inputs), tuple(pre), output)
             if not change <= tol * scale and it < l:
                 continue
             converged = True

@@ -44,6 +44,10 @@ class LinearOperator:
         eye = torch.eye(cols, dtype=self.dtype, device=self.device)
         return self.matvec(eye).T
 
+    def dense_t(self) -> torch.Tensor:
+        """The transposed matrix ``(cols, rows)`` (what the row-vector kernels multiply by)."""
+        return self.dense().T
+
     def flops(self, vectors: int) -> int:
         """Floating-point operations of applying the operator to ``vectors`` vectors."""
         return 2 * self.shape[0] * self.shape[1] * vectors
@@ -52,22 +56,39 @@ class LinearOperator:
 class MatrixOperator(LinearOperator):
     """A dense matrix ``M`` (``rows x cols``); ``matvec(x) = x @ M.T``.
 
+    Arguments:
+        matrix: ``M``, or ``M^T`` when ``transposed=True`` (the backward system's blocks are
+            transposed weights; keeping the weight itself avoids a view per block).
+
     Example:
         >>> MatrixOperator(torch.ones(2, 3)).matvec(torch.ones(4, 3)).shape
         torch.Size([4, 2])
     """
 
-    def __init__(self, matrix: torch.Tensor):
+    __slots__ = ("matrix", "shape", "transposed")
+
+    def __init__(self, matrix: torch.Tensor, transposed: bool = False):
         self.matrix = matrix
-        self.shape = (matrix.shape[0], matrix.shape[1])
-        self.dtype = matrix.dtype
-        self.device = matrix.device
+        self.transposed = transposed
+        r, c = matrix.shape
+        self.shape = (c, r) if transposed else (r, c)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.matrix.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.matrix.device
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.matrix.T
+        return x @ self.matrix if self.transposed else x @ self.matrix.T
 
     def dense(self) -> torch.Tensor:
-        return self.matrix
+        return self.matrix.T if self.transposed else self.matrix
+
+    def dense_t(self) -> torch.Tensor:
+        return self.matrix if self.transposed else self.matrix.T
 
 
 class BlockDiagonalOperator(LinearOperator):

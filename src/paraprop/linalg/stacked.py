@@ -54,18 +54,22 @@ class StackedSystem:
         if not self.uniform:
             self.idx = torch.cat([torch.arange(n, device=self.device) + k * p
                                   for k, n in enumerate(self.sizes)])
-        mats = [op.dense() for op in system.off]
-        shapes = [tuple(m.shape) for m in mats]
+        mats = [op.dense_t() for op in system.off]  # M_j^T, (cols, rows)
+        shapes = [(m.shape[1], m.shape[0]) for m in mats]
         if not mats:
             self.Mt = torch.zeros(0, p, p, **kw)
         elif len(set(shapes)) == 1 and shapes[0] == (p, p):
-            self.Mt = torch.stack([m.T for m in mats])
+            self.Mt = torch.stack(mats)
         else:
             self.Mt = torch.zeros(l - 1, p, p, **kw)
             for a, b in _runs(shapes):
                 r, c = shapes[a]
-                self.Mt[a:b, :c, :r] = torch.stack([m.T for m in mats[a:b]])
-        self.scale = self._vectors(system.off_scale, [s[0] for s in shapes], 0.0)
+                self.Mt[a:b, :c, :r] = torch.stack(mats[a:b])
+        hint = getattr(system, "_stacked_scale", None)
+        if hint is not None and hint.shape == (l - 1, G, p):
+            self.scale = hint
+        else:
+            self.scale = self._vectors(system.off_scale, [s[0] for s in shapes], 0.0)
         self.diag = self._vectors(system.diag, list(self.sizes), 1.0)
 
     def _vectors(self, entries, widths, pad: float):

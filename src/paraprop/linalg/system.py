@@ -85,27 +85,42 @@ class BlockBidiagonal:
         sizes_l = _infer_sizes(ops, diag_l, scale_l, sizes, lower)
         dtype, device, batch = _check_tensors(ops, diag_l, scale_l)
         self._set(lower, ops, diag_l, scale_l, sizes_l, batch, dtype, device)
+        self._stacked_scale = None
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
-    def _trusted(cls, lower, ops, diag, scale, sizes, batch, dtype, device) -> BlockBidiagonal:
-        """Build without validation (for builders whose blocks are consistent by design)."""
+    def _trusted(cls, lower, ops, diag, scale, sizes, batch, dtype, device,
+                 stacked_scale: torch.Tensor | None = None) -> BlockBidiagonal:
+        """Build without validation (for builders whose blocks are consistent by design).
+
+        ``scale`` may be ``None`` when ``stacked_scale`` holds the per-sample row scalings
+        stacked as ``(l-1, batch, n)``; the list is then made only when asked for.
+        """
         obj = cls.__new__(cls)
-        obj._set(lower, list(ops), list(diag), list(scale), list(sizes), batch, dtype, device)
+        obj._set(lower, ops, diag, scale, sizes, batch, dtype, device)
+        obj._stacked_scale = stacked_scale
         return obj
 
     def _set(self, lower, ops, diag, scale, sizes, batch, dtype, device) -> None:
         self.lower = lower
         self.off: tuple[LinearOperator, ...] = tuple(ops)
         self.diag = tuple(diag)
-        self.off_scale = tuple(scale)
-        self.sizes = tuple(int(n) for n in sizes)
+        self._off_scale = None if scale is None else tuple(scale)
+        self.sizes = tuple(sizes)
         self.l = len(self.sizes)
         self.N = sum(self.sizes)
         self.batch: int | None = batch
         self.dtype = dtype
         self.device = device
         self.nested = any(isinstance(d, BlockBidiagonal) for d in self.diag)
+        self._stacked_scale: torch.Tensor | None = None
+
+    @property
+    def off_scale(self) -> tuple:
+        """The row scalings ``s_j`` of the off-diagonal blocks (``None`` entries: none)."""
+        if self._off_scale is None:
+            self._off_scale = tuple(self._stacked_scale.unbind(0))
+        return self._off_scale
 
     # -- vectors ----------------------------------------------------------------------------
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
