@@ -220,3 +220,19 @@ def test_native_required_but_unusable_is_an_error():
     b = torch.zeros(2, 5, 3, dtype=torch.float16)
     with pytest.raises(RuntimeError, match=r"native=True but the native scan kernels cannot run"):
         linear_recurrence(torch.zeros(2, 5, 3, dtype=torch.float16), b, native=True)
+
+
+@pytest.mark.skipif(not HAVE_NATIVE, reason=f"native kernels unavailable: {native.status()}")
+def test_native_kernel_split_across_threads():
+    """Large calls split the batch rows across threads and use size-specialised kernels."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for kind in ("dense", "factored_gru"):
+            A64, b64, h64 = make(kind, 7, 300, 16)
+            A, b, h0 = make(kind, 7, 300, 16, dtype=torch.float32)
+            got = linear_recurrence(A, b, h0, reverse=True, native=True)
+            ref = linear_recurrence(A64, b64, h64, reverse=True, native=False)
+            assert rel_err(got.double(), ref) <= TOL[torch.float32]
+    finally:
+        torch.set_num_threads(threads)

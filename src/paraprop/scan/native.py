@@ -47,6 +47,7 @@ _lib = None
 _special: dict[tuple[int, int], ctypes.CDLL] = {}
 _status = "not built yet"
 _pool: ThreadPoolExecutor | None = None
+_pool_size = 0
 
 
 def _cache_dir() -> Path:
@@ -155,7 +156,7 @@ def status() -> str:
 
 
 def supports(*tensors: torch.Tensor | None) -> bool:
-    """Whether the kernels can run on these tensors (CPU, float32/float64, no autograd graph)."""
+    """Whether the kernels can run on these tensors: CPU, all float32 or all float64."""
     ts = [t for t in tensors if t is not None]
     return (bool(ts) and all(t.device.type == "cpu" and t.dtype in _DTYPES for t in ts)
             and len({t.dtype for t in ts}) == 1 and available())
@@ -166,15 +167,16 @@ def _threads(N: int, work_per_row: int) -> int:
     return max(1, n)
 
 
-def _run_split(fn, N: int, work_per_row: int, call) -> None:
+def _run_split(N: int, work_per_row: int, call) -> None:
     """Run ``call(n0, n1)`` over batch rows ``[0, N)`` split across threads."""
-    global _pool
+    global _pool, _pool_size
     k = _threads(N, work_per_row)
     if k == 1:
         call(0, N)
         return
-    if _pool is None or _pool._max_workers < k:  # noqa: SLF001 - sized lazily
-        _pool = ThreadPoolExecutor(max_workers=k, thread_name_prefix="paraprop-scan")
+    if _pool is None or _pool_size < k - 1:  # the calling thread takes the first share
+        _pool = ThreadPoolExecutor(max_workers=k - 1, thread_name_prefix="paraprop-scan")
+        _pool_size = k - 1
     bounds = [N * i // k for i in range(k + 1)]
     futures = [_pool.submit(call, bounds[i], bounds[i + 1]) for i in range(1, k)]
     call(bounds[0], bounds[1])
@@ -211,7 +213,7 @@ def dense(A: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None, out: torch.
         fn(n1 - n0, T, H, int(reverse), _ptr(A, n0, A_sn), A_sn, A_st, _ptr(b, n0, b_sn), b_sn,
            b_st, _ptr(h0, n0, h_sn), h_sn, _ptr(out, n0, o_sn), o_sn, o_st)
 
-    _run_split(fn, N, T * H * H, call)
+    _run_split(N, T * H * H, call)
     return out
 
 
@@ -230,7 +232,7 @@ def diag(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None, out: torch.T
         fn(n1 - n0, T, H, int(reverse), _ptr(a, n0, a_sn), a_sn, a_st, _ptr(b, n0, b_sn), b_sn,
            b_st, _ptr(h0, n0, h_sn), h_sn, _ptr(out, n0, o_sn), o_sn, o_st)
 
-    _run_split(fn, N, T * H, call)
+    _run_split(N, T * H, call)
     return out
 
 
@@ -256,5 +258,5 @@ def factored(d: torch.Tensor | None, s: torch.Tensor, LT: torch.Tensor | None,
            s_sn, s_st, Lp, Rp, _ptr(b, n0, b_sn), b_sn, b_st, _ptr(h0, n0, h_sn), h_sn,
            _ptr(out, n0, o_sn), o_sn, o_st)
 
-    _run_split(fn, N, T * H * K * 2, call)
+    _run_split(N, T * H * K * 2, call)
     return out
