@@ -1,0 +1,103 @@
+"""The nested RNN system (Naumov 2017, eq. 23-24): the pass and autograd's gradients."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from paraprop.linalg import METHODS, from_rnn, rnn_backward, solve
+
+CASES = [  # (K layers, tau steps, nonlinearity, batch_first, bias)
+    (1, 1, "tanh", False, True),
+    (1, 6, "relu", False, True),
+    (2, 3, "tanh", True, True),
+    (3, 5, "relu", False, False),
+    (4, 8, "tanh", False, True),
+]
+
+
+def make_rnn(K, nl, bf, bias, seed=0):
+    torch.manual_seed(seed)
+    return nn.RNN(3, 4, num_layers=K, nonlinearity=nl, batch_first=bf, bias=bias).double()
+
+
+def kwargs(method):
+    return {"tol": 1e-14} if method == "bicgstab" else {}
+
+
+@pytest.mark.parametrize("K,tau,nl,bf,bias", CASES)
+@pytest.mark.parametrize("method", METHODS)
+def test_rnn_backward_equals_autograd(K, tau, nl, bf, bias, method):
+    rnn = make_rnn(K, nl, bf, bias, seed=K + tau)
+    B = 2
+    x = torch.randn((B, tau, 3) if bf else (tau, B, 3), dtype=torch.float64)
+    h0 = torch.randn(K, B, 4, dtype=torch.float64)
+    xr, h0r = x.clone().requires_grad_(), h0.clone().requires_grad_()
+    out, hn = rnn(xr, h0r)
+    g, gh = torch.randn_like(out), torch.randn_like(hn)
+    ref = torch.autograd.grad([out, hn], [xr, h0r, *rnn.parameters()], [g, gh])
+    gx, gh0, gp, sol = rnn_backward(rnn, x, g, h0=h0, grad_hn=gh, method=method,
+                                    return_solution=True, **kwargs(method))
+    ours = [gx, gh0, *gp]
+    if method == "bicgstab":
+        cat = lambda ts: torch.cat([t.flatten() for t in ts])  # noqa: E731
+        assert float((cat(ours) - cat(ref)).norm() / cat(ref).norm()) <= 1e-10
+    else:
+        for a, b in zip(ours, ref, strict=True):
+            assert a.shape == b.shape
+            assert float((a - b).norm() / b.norm().clamp_min(1e-300)) <= 1e-10
+    if method == "cyclic_reduction":
+        assert sol.stats["inner_levels"] == math.ceil(math.log2(K)) + 1
+        assert sol.stats["outer_levels"] == math.ceil(math.log2(tau))
+    if method == "substitution":
+        assert sol.stats["levels"] == K * tau
+    if method == "jacobi":
+        assert sol.iterations <= K + tau - 1
+
+
+@pytest.mark.parametrize("method", ["substitution", "cyclic_reduction", "jacobi"])
+def test_nested_forward_system_reproduces_the_pass(method):
+    rnn = make_rnn(3, "tanh", False, True)
+    x = torch.randn(7, 2, 3, dtype=torch.float64)
+    S = from_rnn(rnn, x)
+    h = solve(S.forward, S.forward_rhs, method=method).value.reshape(2, 7, 3, 4)
+    with torch.no_grad():
+        out, hn = rnn(x)
+    assert torch.allclose(h[:, :, -1].transpose(0, 1), out, atol=1e-12, rtol=0)
+    assert torch.allclose(h[:, -1].transpose(0, 1), hn, atol=1e-12, rtol=0)
+
+
+def test_only_final_state_gradient():
+    rnn = make_rnn(2, "tanh", False, True)
+    x = torch.randn(5, 3, 3, dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    _, hn = rnn(xr)
+    gh = torch.randn_like(hn)
+    ref = torch.autograd.grad(hn, [xr, *rnn.parameters()], gh)
+    gx, gh0, gp = rnn_backward(rnn, x, None, grad_hn=gh)
+    for a, b in zip([gx, *gp], ref, strict=True):
+        assert torch.allclose(a, b, atol=1e-12, rtol=1e-10)
+
+
+def test_rnn_errors_are_reported():
+    rnn = make_rnn(2, "tanh", False, True)
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    g = torch.randn(5, 2, 4, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"rnn must be an nn.RNN, got GRU"):
+        rnn_backward(nn.GRU(3, 4).double(), x, g)
+    with pytest.raises(ValueError, match=r"bidirectional RNNs are not supported"):
+        rnn_backward(nn.RNN(3, 4, bidirectional=True).double(), x, g)
+    with pytest.raises(ValueError, match=r"x must have shape \(tau, B, 3\)"):
+        rnn_backward(rnn, x[0], g)
+    with pytest.raises(ValueError, match=r"h0 must have shape \(2, 2, 4\), got \(1, 2, 4\)"):
+        rnn_backward(rnn, x, g, h0=torch.zeros(1, 2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"grad_output must have shape \(5, 2, 4\)"):
+        rnn_backward(rnn, x, g[:, :1])
+    with pytest.raises(ValueError, match=r"give grad_output and/or grad_hn"):
+        rnn_backward(rnn, x, None)
+    with pytest.raises(TypeError, match=r"x has dtype torch.float32 but the rnn has"):
+        rnn_backward(rnn, x.float(), g)
+    drop = nn.RNN(3, 4, num_layers=2, dropout=0.5).double()
+    with pytest.raises(ValueError, match=r"dropout=0.5 in training mode"):
+        rnn_backward(drop, x, g)
