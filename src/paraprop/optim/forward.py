@@ -114,13 +114,18 @@ class ForwardEngine:
             if g is None:
                 continue
             cur = p.grad
-            if (cur is not None and cur is not g) or g._version != v:
+            if cur is not None and cur is not g:
                 raise FusionError(
-                    f"parameter {name!r} received a new gradient (or its gradient was modified) "
-                    "while its update from the previous step() was still pending: it was read "
-                    "before its module's forward pre-hook applied the update, so the last "
-                    "forward used a stale value. Call flush() before reading parameters "
-                    "outside the model's forward, or use mode='backward'.")
+                    f"parameter {name!r} received a new gradient while its update from the "
+                    "previous step() was still pending: it was read before its module's forward "
+                    "pre-hook applied the update, so that forward used a stale value. Call "
+                    "flush() before reading parameters outside the model's forward.")
+            if g._version != v:
+                raise FusionError(
+                    f"the gradient of parameter {name!r} was modified in place after step() "
+                    "recorded its update and before the update was applied (forward mode). "
+                    "Modify gradients before step(); to reset them use the fused optimizer's "
+                    "zero_grad() or set_to_none=True, not model.zero_grad(set_to_none=False).")
             if cur is None:
                 swapped.append((p, g))
         b.pending = None
@@ -167,25 +172,22 @@ class ForwardEngine:
     def _flush_hook(self, *args, **kwargs) -> None:
         self.flush()
 
-    def _move_to_root(self, params: list[torch.Tensor]) -> None:
-        """Make ``params`` part of the root bucket (applied at the start of each forward)."""
+    def _move_to_root(self, found: list[Bucket]) -> None:
+        """Merge the ``found`` buckets into the root bucket (applied first in each forward).
+
+        A whole bucket moves: applying an update earlier than needed is still exact, and its
+        other parameters may be read the same way (``F.linear(x, m.weight, m.bias)``).
+        """
         self.flush()
-        where = param_index(self.optimizer)
         root = self.buckets[0]
-        ids = {id(p) for p in params}
-        for b in self.buckets[1:]:
-            keep = [(p, n) for p, n in zip(b.params, b.names, strict=True) if id(p) not in ids]
-            if len(keep) == len(b.params):
+        for b in found:
+            if b is root or b not in self.buckets:
                 continue
-            for p, n in zip(b.params, b.names, strict=True):
-                if id(p) in ids:
-                    root.params.append(p)
-                    root.names.append(n)
-                    self.moved.append(n)
-            b.params = [p for p, _ in keep]
-            b.names = [n for _, n in keep]
-            b.regroup(where)
-        root.regroup(where)
+            root.params += b.params
+            root.names += b.names
+            self.moved += b.names
+            self.buckets.remove(b)
+        root.regroup(param_index(self.optimizer))
         self._owner = {id(p): b for b in self.buckets for p in b.params}
 
     def remove(self) -> None:
@@ -210,7 +212,7 @@ class _UseTracer(TorchFunctionMode):
     def __init__(self, engine: ForwardEngine):
         super().__init__()
         self.engine = engine
-        self.found: list[torch.Tensor] = []
+        self.found: list[Bucket] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -221,7 +223,7 @@ class _UseTracer(TorchFunctionMode):
             for t in _tensors(args, kwargs):
                 b = eng._owner.get(id(t))
                 if b is not None and b.pending is not None:
-                    self.found.append(t)
+                    self.found.append(b)
                     eng.apply(b)
         return func(*args, **kwargs)
 
