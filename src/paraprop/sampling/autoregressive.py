@@ -30,7 +30,9 @@ def sample(model, n: int, *, method: str = "jacobi", tol: float = 1e-5, noise=No
         n: number of samples.
         method: ``"sequential"`` (ancestral sampling), ``"jacobi"``, ``"jacobi_gs"``,
             ``"gs_jacobi"``, or ``"fixed_passes"`` (``D`` Jacobi passes without a stop: what the
-            flow libraries do today).
+            flow libraries do today). A model may provide its own implementations (and extra
+            methods) through ``model.samplers()``, a dict of ``name -> f(noise, block_size)``;
+            :class:`paraprop.models.PixelCNN` does, with cached samplers.
         tol: forward-difference tolerance of the iterative methods (``0``: bitwise fixed point).
         noise: the noise to use (shape ``model.noise_shape(n)``); drawn with ``generator`` if
             ``None``. The same noise gives the same sample with every method.
@@ -53,8 +55,10 @@ def sample(model, n: int, *, method: str = "jacobi", tol: float = 1e-5, noise=No
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
-    if method not in SAMPLING_METHODS:
-        raise ValueError(f"unknown method={method!r}; choose one of {', '.join(SAMPLING_METHODS)}")
+    special = model.samplers() if callable(getattr(model, "samplers", None)) else {}
+    if method not in SAMPLING_METHODS and method not in special:
+        known = dict.fromkeys([*SAMPLING_METHODS, *special])
+        raise ValueError(f"unknown method={method!r}; choose one of {', '.join(known)}")
     expected = tuple(model.noise_shape(n))
     if noise is None:
         noise = model.draw_noise(n, generator)
@@ -63,7 +67,9 @@ def sample(model, n: int, *, method: str = "jacobi", tol: float = 1e-5, noise=No
         raise ValueError(f"noise must have shape {expected} for n={n}, got {got}")
     with torch.no_grad():
         system = model.sampling_map(noise)
-        if method == "fixed_passes":
+        if method in special:  # the model's own sampler (e.g. a cached one)
+            sol = special[method](noise, block_size)
+        elif method == "fixed_passes":
             sol = _fixed_passes(system)
         else:
             sol = solve(system, system.x0, method=method, dim=system.dim, tol=tol,

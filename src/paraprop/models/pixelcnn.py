@@ -1,0 +1,254 @@
+"""A gated PixelCNN (van den Oord et al. 2016) with a discretized logistic mixture likelihood
+(Salimans et al. 2017, PixelCNN++), small enough to train on a CPU.
+
+Two stacks remove the blind spot of masked convolutions: the *vertical* stack at row ``r`` sees
+image rows ``<= r`` (a ``(k//2 + 1) x k`` convolution padded above), and enters the *horizontal*
+stack only shifted down by one row, so that the horizontal stack at ``(r, c)`` sees every row
+above and, through ``(1 x (k//2 + 1))`` convolutions padded on the left, the pixels ``(r, < c)``
+(the first layer reads the image shifted right by one: mask A). Channels of one pixel are
+generated together (one state = all channels of a pixel, each channel its own mixture).
+
+Besides ``forward`` the module offers the pieces the samplers of :mod:`paraprop.sampling.pixelcnn`
+need to run it incrementally: one vertical layer on a strip of rows given the rows above, and
+one horizontal layer at one column given a window of the previous layer.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class _GatedLayer(nn.Module):
+    """One layer of both stacks (gated activations ``tanh(a) * sigmoid(b)``)."""
+
+    def __init__(self, c_in: int, hidden: int, k: int, first: bool):
+        super().__init__()
+        self.k, self.first = k, first
+        self.v_conv = nn.Conv2d(c_in, 2 * hidden, (k // 2 + 1, k))
+        self.h_conv = nn.Conv2d(c_in, 2 * hidden, (1, k // 2 + 1))
+        self.link = nn.Conv2d(2 * hidden, 2 * hidden, 1)
+        self.h_out = nn.Conv2d(hidden, hidden, 1)
+
+    @staticmethod
+    def gate(a: torch.Tensor) -> torch.Tensor:
+        x, y = a.chunk(2, dim=1)
+        return torch.tanh(x) * torch.sigmoid(y)
+
+    def vertical(self, v_in: torch.Tensor, above: torch.Tensor | None) -> tuple:
+        """Vertical pre-activation for a strip of rows: ``v_in`` (B, C, R, W); ``above`` holds the
+        ``k//2`` rows of this layer's input just above the strip (zeros at the top)."""
+        p = self.k // 2
+        if above is None:
+            above = v_in.new_zeros(v_in.shape[0], v_in.shape[1], p, v_in.shape[3])
+        pre = self.v_conv(F.pad(torch.cat([above, v_in], dim=2), (p, p, 0, 0)))
+        return pre, self.gate(pre)
+
+    def horizontal(self, h_in: torch.Tensor, v_pre_above: torch.Tensor) -> torch.Tensor:
+        """Horizontal layer on rows: ``h_in`` (B, C, R, W'), already padded/shifted on the left
+        (``W' = W + k//2``); ``v_pre_above`` the vertical pre-activation of the row above each
+        row (B, 2H, R, W)."""
+        pre = self.h_conv(h_in) + self.link(v_pre_above)
+        return self.h_out(self.gate(pre))
+
+
+class PixelCNN(nn.Module):
+    """Gated PixelCNN with a discretized logistic mixture per channel.
+
+    Arguments:
+        in_channels: image channels (1 for MNIST).
+        image_size: side of the square images (28 for MNIST, 8 for the digits).
+        hidden: channels of each stack.
+        layers: gated layers (the receptive field grows by ``k//2`` rows and columns per layer).
+        mixtures: logistic components per channel.
+        kernel: odd kernel width ``k``.
+        levels: discrete pixel values (256 for 8-bit images, 17 for the digits); data in
+            ``[-1, 1]``.
+        seed: initialisation seed.
+
+    Raises:
+        ValueError: a non-positive size or an even kernel.
+    """
+
+    def __init__(self, in_channels: int = 1, image_size: int = 28, hidden: int = 32,
+                 layers: int = 5, mixtures: int = 5, kernel: int = 3, levels: int = 256,
+                 seed: int = 0):
+        super().__init__()
+        for name, v in [("in_channels", in_channels), ("image_size", image_size),
+                        ("hidden", hidden), ("layers", layers), ("mixtures", mixtures),
+                        ("levels", levels)]:
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if kernel < 3 or kernel % 2 == 0:
+            raise ValueError(f"kernel must be odd and >= 3, got {kernel}")
+        torch.manual_seed(seed)
+        self.config = {"in_channels": in_channels, "image_size": image_size, "hidden": hidden,
+                       "layers": layers, "mixtures": mixtures, "kernel": kernel,
+                       "levels": levels, "seed": seed}
+        self.C, self.size, self.M, self.k, self.levels = (in_channels, image_size, mixtures,
+                                                          kernel, levels)
+        self.layers = nn.ModuleList(
+            _GatedLayer(in_channels if i == 0 else hidden, hidden, kernel, i == 0)
+            for i in range(layers))
+        self.out = nn.Conv2d(hidden, in_channels * 3 * mixtures, 1)
+
+    # -- full forward -------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Mixture parameters for every pixel: ``(B, C, 3M, H, W)`` from images ``(B, C, H, W)``
+        in ``[-1, 1]``; position ``(r, c)`` depends only on pixels before it in raster order."""
+        self._check(x)
+        return self.rows(x, None)
+
+    def rows(self, x: torch.Tensor, ctx: dict | None) -> torch.Tensor:
+        """The network on a strip of rows ``x`` (B, C, R, W), given the context of the rows
+        above (``ctx`` from :meth:`context`, ``None`` at the top of the image)."""
+        p = self.k // 2
+        v_in, h_in = x, x
+        B, _, R, W = x.shape
+        if ctx is None:
+            ctx = self.empty_context(B, W, like=x)
+        for i, layer in enumerate(self.layers):
+            v_pre, v = layer.vertical(v_in, ctx["v_in"][i])
+            top = ctx["v_pre_last"][i]
+            v_above = torch.cat([top, v_pre[:, :, :-1]], dim=2)  # the row above each row
+            if layer.first:  # mask A: shift right by one, then pad on the left
+                h_src = F.pad(h_in, (p + 1, 0))[..., :W + p]
+            else:
+                h_src = F.pad(h_in, (p, 0))
+            h = layer.horizontal(h_src, v_above)
+            h_in = h if layer.first else h_in + h
+            v_in = v
+        out = self.out(torch.relu(h_in))
+        return out.reshape(B, self.C, 3 * self.M, R, W)
+
+    def context(self, x_rows: torch.Tensor, ctx: dict | None = None) -> dict:
+        """The context below the (final) rows ``x_rows`` (B, C, R, W), themselves below ``ctx``
+        (``None``: ``x_rows`` start at the top of the image): for every layer the ``k//2`` rows of
+        its vertical input and the vertical pre-activation of the last row. This is the
+        per-layer cache of fast generation (Ramachandran et al. 2017) for the vertical stack."""
+        p = self.k // 2
+        B, _, R, W = x_rows.shape
+        v_in_rows, v_pre_last = [], []
+        v_in = x_rows
+        for i, layer in enumerate(self.layers):
+            above = None if ctx is None else ctx["v_in"][i]
+            if above is None:
+                above = v_in.new_zeros(B, v_in.shape[1], p, W)
+            v_in_rows.append(torch.cat([above, v_in], dim=2)[:, :, -p:])
+            v_pre, v = layer.vertical(v_in, above)
+            v_pre_last.append(v_pre[:, :, -1:])
+            v_in = v
+        return {"v_in": v_in_rows, "v_pre_last": v_pre_last}
+
+    def empty_context(self, batch: int, width: int | None = None, like=None) -> dict:
+        """The context above row 0 (zeros)."""
+        w = self.size if width is None else width
+        ref = self.out.weight if like is None else like
+        p = self.k // 2
+        chans = [self.C] + [layer.h_out.out_channels for layer in self.layers[:-1]]
+        return {"v_in": [ref.new_zeros(batch, c, p, w) for c in chans],
+                "v_pre_last": [ref.new_zeros(batch, layer.link.in_channels, 1, w)
+                               for layer in self.layers]}
+
+    # -- likelihood ---------------------------------------------------------------------------
+    def split(self, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logit_pi, mean, log_scale)``, each ``(..., M, ...)`` from ``(..., 3M, ...)``."""
+        lp, mu, ls = params.chunk(3, dim=2)
+        return lp, torch.tanh(mu) * 1.2, ls.clamp(min=-7.0)
+
+    def log_prob(self, x: torch.Tensor) -> torch.Tensor:
+        """Discretized logistic mixture log-likelihood per image (nats), ``x`` on the grid of
+        ``levels`` values in ``[-1, 1]``."""
+        logit_pi, mu, log_s = self.split(self(x))
+        xe = x.unsqueeze(2)
+        half = 1.0 / (self.levels - 1)
+        inv_s = torch.exp(-log_s)
+        plus = torch.sigmoid((xe + half - mu) * inv_s)
+        minus = torch.sigmoid((xe - half - mu) * inv_s)
+        cdf_plus = torch.where(xe > 1 - 1e-3, torch.ones_like(plus), plus)
+        cdf_minus = torch.where(xe < -1 + 1e-3, torch.zeros_like(minus), minus)
+        prob = (cdf_plus - cdf_minus).clamp(min=1e-12)
+        lp = torch.logsumexp(torch.log(prob) + torch.log_softmax(logit_pi, dim=2), dim=2)
+        return lp.flatten(1).sum(1)
+
+    # -- sampling as a triangular system ------------------------------------------------------
+    def noise_shape(self, n: int) -> tuple[int, ...]:
+        """Per pixel and channel: ``M`` Gumbel variables (component choice) and one standard
+        logistic variable; layout ``(n, H, W, C, M + 1)``."""
+        return (n, self.size, self.size, self.C, self.M + 1)
+
+    def draw_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        w = self.out.weight
+        u = torch.rand(self.noise_shape(n), generator=generator, dtype=w.dtype, device=w.device)
+        eps = torch.finfo(w.dtype).eps
+        u = u.clamp(eps, 1 - eps)
+        gumbel = -torch.log(-torch.log(u[..., : self.M]))
+        return torch.cat([gumbel, torch.logit(u[..., self.M :])], dim=-1)
+
+    def draw(self, params: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """Pixel values from mixture parameters ``(B, C, 3M, *pos)`` and noise ``(B, *pos, C,
+        M + 1)`` (``pos`` any trailing layout): component by Gumbel-max, then the logistic
+        inverse CDF, clamped and rounded to the grid. Returns ``(B, C, *pos)``."""
+        logit_pi, mu, log_s = self.split(params)
+        nz = noise.movedim(-2, 1).movedim(-1, 2)  # (B, C, M + 1, *pos)
+        choice = (logit_pi + nz[:, :, : self.M]).argmax(dim=2, keepdim=True)
+        m = mu.gather(2, choice).squeeze(2)
+        s = log_s.gather(2, choice).squeeze(2)
+        x = (m + torch.exp(s) * nz[:, :, self.M]).clamp(-1.0, 1.0)
+        q = self.levels - 1
+        return torch.round((x + 1) * (q / 2)) * (2 / q) - 1
+
+    def sampling_map(self, noise: torch.Tensor):
+        """The uncached triangular system (a full forward pass per call), state ``(B, H, W, C)``
+        with ``dim=(1, 2)``; see :mod:`paraprop.sampling.pixelcnn` for the cached samplers."""
+        from paraprop.sampling.pixelcnn import PixelSystem
+
+        return PixelSystem(self, noise)
+
+    def samplers(self) -> dict:
+        """The model-specific methods of :func:`paraprop.sampling.sample` (they take the noise
+        and ``block_size``, the rows per block or window, and return a Solution)."""
+        from paraprop.sampling import pixelcnn as ps
+
+        def no_blocks(noise, block_size):
+            if block_size is not None:
+                raise ValueError("block_size is not used by method='sequential_cached'")
+            return ps.sequential_cached(self, noise)
+
+        return {
+            "sequential_cached": no_blocks,
+            "jacobi_gs": lambda noise, block_size: ps.jacobi_gs(
+                self, noise, ps.DEFAULT_BLOCK_ROWS if block_size is None else block_size),
+            "gs_jacobi": lambda noise, block_size: ps.gs_jacobi(
+                self, noise, ps.DEFAULT_WINDOW_ROWS if block_size is None else block_size),
+        }
+
+    def _check(self, x):
+        want = (self.C, self.size, self.size)
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or tuple(x.shape[1:]) != want:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must have shape (B, {want[0]}, {want[1]}, {want[2]}), got {got}")
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"kind": "PixelCNN", "config": self.config, "state_dict": self.state_dict()},
+                   path)
+
+    @classmethod
+    def load(cls, path: str | Path, map_location="cpu") -> PixelCNN:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        if not isinstance(ckpt, dict) or ckpt.get("kind") != "PixelCNN":
+            raise ValueError(f"{path}: not a paraprop PixelCNN checkpoint")
+        model = cls(**ckpt["config"])
+        model.load_state_dict(ckpt["state_dict"])
+        return model
+
+
+def bits_per_dim(model: PixelCNN, x: torch.Tensor) -> float:
+    """Negative log-likelihood in bits per sub-pixel."""
+    return float(-model.log_prob(x).mean() / (x[0].numel() * math.log(2)))

@@ -1,0 +1,114 @@
+"""PixelCNN: no blind spot, no look-ahead; every sampler returns the same discrete image."""
+
+import pytest
+import torch
+
+from paraprop.cli import main
+from paraprop.models import PixelCNN
+from paraprop.sampling import sample
+
+METHODS = [("sequential_cached", None), ("jacobi", None), ("jacobi_gs", 1), ("jacobi_gs", 3),
+           ("gs_jacobi", 1), ("gs_jacobi", 2), ("gs_jacobi", 5)]
+
+
+def _model(size=6, hidden=8, layers=3, channels=1, seed=0, dtype=torch.float64):
+    m = PixelCNN(channels, size, hidden=hidden, layers=layers, mixtures=3, levels=17, seed=seed)
+    return m.to(dtype).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("channels", [1, 2])
+def test_no_look_ahead_and_no_blind_spot(channels):
+    # with as many layers as rows the receptive field covers every earlier pixel
+    m = _model(size=6, layers=6, channels=channels, seed=1)
+    x = torch.rand(1, channels, 6, 6, dtype=torch.float64, requires_grad=True)
+    with torch.enable_grad():
+        out = m(x)
+        for r in range(6):
+            for c in range(6):
+                (g,) = torch.autograd.grad(out[0, :, :, r, c].sum(), x, retain_graph=True)
+                dep = (g[0] != 0).any(0)
+                earlier = torch.zeros(36, dtype=torch.bool)
+                earlier[: r * 6 + c] = True
+                assert torch.equal(dep.flatten(), earlier), (r, c)
+
+
+@pytest.mark.parametrize(("size", "batch", "seed"), [(5, 1, 0), (6, 3, 1), (7, 2, 2)])
+def test_every_sampler_returns_the_sequential_image(size, batch, seed):
+    m = _model(size=size, seed=seed)
+    noise = m.draw_noise(batch, torch.Generator().manual_seed(seed))
+    ref, seq = sample(m, batch, method="sequential", noise=noise)
+    assert seq.evaluations == size * size
+    assert ref.shape == (batch, 1, size, size)
+    levels = (ref + 1) * 8  # 17 levels on [-1, 1]
+    assert torch.equal(levels, levels.round()) and ref.abs().max() <= 1
+    for method, bs in METHODS:
+        if bs is not None and bs > size:
+            continue
+        x, sol = sample(m, batch, method=method, noise=noise, block_size=bs, tol=0)
+        assert torch.equal(x, ref), (method, bs)
+        assert sol.converged
+
+
+def test_jacobi_gs_needs_at_most_one_iteration_per_block():
+    m = _model(size=6, seed=3)
+    noise = m.draw_noise(2, torch.Generator().manual_seed(0))
+    _, sol = sample(m, 2, method="jacobi_gs", noise=noise, block_size=2)
+    assert sol.iterations <= 3
+    assert sol.evaluations == sol.iterations * 2 * 6  # cached pixel steps per iteration
+
+
+def test_float32_model_agrees():
+    m = _model(size=5, dtype=torch.float32, seed=4)
+    noise = m.draw_noise(4, torch.Generator().manual_seed(0))
+    ref, _ = sample(m, 4, method="sequential", noise=noise)
+    for method, bs in [("sequential_cached", None), ("gs_jacobi", 2), ("jacobi_gs", 2)]:
+        x, _ = sample(m, 4, method=method, noise=noise, block_size=bs)
+        assert torch.equal(x, ref), method
+
+
+def test_bad_block_sizes_and_shapes():
+    m = _model(size=5)
+    with pytest.raises(ValueError, match=r"block_size must be an int in \[1, 5\].*got 0"):
+        sample(m, 2, method="gs_jacobi", block_size=0)
+    with pytest.raises(ValueError, match=r"block_size must be an int in \[1, 5\].*got 9"):
+        sample(m, 2, method="jacobi_gs", block_size=9)
+    with pytest.raises(ValueError, match="block_size is not used by method='sequential_cached'"):
+        sample(m, 2, method="sequential_cached", block_size=2)
+    with pytest.raises(ValueError, match=r"noise must have shape \(2, 5, 5, 1, 4\)"):
+        sample(m, 2, method="jacobi", noise=torch.zeros(2, 5, 5, 1, 3))
+    with pytest.raises(ValueError, match=r"x must have shape \(B, 1, 5, 5\), got \(2, 1, 4, 4\)"):
+        m(torch.zeros(2, 1, 4, 4))
+    with pytest.raises(ValueError, match="kernel must be odd and >= 3, got 4"):
+        PixelCNN(1, 5, kernel=4)
+    with pytest.raises(ValueError, match="unknown method='newton'; choose one of"):
+        sample(m, 2, method="newton")
+
+
+def test_log_prob_is_a_distribution_over_the_grid():
+    # one pixel, one channel: probabilities of all grid values sum to 1
+    m = _model(size=1, layers=1, seed=5)
+    grid = torch.linspace(-1, 1, 17, dtype=torch.float64).reshape(17, 1, 1, 1)
+    total = m.log_prob(grid).exp().sum()
+    assert abs(float(total) - 1.0) < 1e-9
+
+
+def test_train_and_checkpoint(tmp_path, capsys):
+    out = tmp_path / "p.pt"
+    assert main(["train", "pixelcnn", "--data", "digits", "--epochs", "1", "--hidden", "8",
+                 "--layers", "2", "--mixtures", "2", "--out", str(out)]) == 0
+    assert "bits/dim" in capsys.readouterr().out
+    m = PixelCNN.load(out)
+    assert m.size == 8 and m.levels == 17
+    x, sol = sample(m, 2, method="gs_jacobi", block_size=2,
+                    generator=torch.Generator().manual_seed(0))
+    y, _ = sample(m, 2, method="sequential_cached", generator=torch.Generator().manual_seed(0))
+    assert torch.equal(x, y)
+
+
+def test_bench_pixelcnn_quick(tmp_path):
+    from paraprop.bench import pixelcnn
+
+    payload = pixelcnn.run(tmp_path, quick=True, repeats=1)
+    assert all(r["identical"] for r in payload["digits"]["rows"])
+    assert (tmp_path / "pixelcnn.md").exists()
+    assert (tmp_path / "pixelcnn_digits_samples.png").exists()
