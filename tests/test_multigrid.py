@@ -38,15 +38,17 @@ CONFIGS = [  # depth, levels, coarsening, relax: odd depths, depths not divisibl
 ]
 
 
-@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("mode", ["vmap", "loop", "hook"])
 @pytest.mark.parametrize("depth,levels,c,relax", CONFIGS)
-def test_converged_mgrit_equals_serial(depth, levels, c, relax, batched):
+def test_converged_mgrit_equals_serial(depth, levels, c, relax, mode):
+    """vmap over stacked parameters, a loop over blocks, or the blocks' batched_forward."""
     dtype = torch.float64
-    blocks = mlp_blocks(depth, 6, kind="iid", gain=1.5, seed=depth, dtype=dtype)
+    blocks = mlp_blocks(depth, 6, kind="iid", gain=1.5, seed=depth, dtype=dtype,
+                        fast=mode == "hook")
     x = torch.randn(3, 6, dtype=dtype, generator=torch.Generator().manual_seed(1))
     h = 2.0 / depth
     hier = Hierarchy.build(depth, levels=levels, coarsening=c)
-    res = mgrit(ForwardStepper(blocks, batched=batched), x, hier, h, relax=relax,
+    res = mgrit(ForwardStepper(blocks, batched=mode != "loop"), x, hier, h, relax=relax,
                 max_cycles=hier.exact_cycles(), tol=TOL[dtype][1])
     ref = serial_states(blocks, x, h)
     assert res.converged and res.residuals[-1] <= TOL[dtype][1]

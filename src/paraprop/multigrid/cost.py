@@ -72,11 +72,21 @@ class _ClockStepper:
         self.clock, self.per_step, self.conc, self.offset = clock, per_step, concurrency, offset
         self.counts = type("C", (), {"evaluations": 0, "calls": 0})()
 
+    def _advance(self, count: int, steps: int) -> None:
+        self.clock.t += steps * self.per_step * math.ceil(count / self.conc)
+        self.counts.evaluations += count * steps
+        self.counts.calls += steps
+
     def step(self, first, stride, count, u, scale):
-        self.clock.t += self.per_step * math.ceil(count / self.conc)
-        self.counts.evaluations += count
-        self.counts.calls += 1
+        self._advance(count, 1)
         return u.clone()
+
+    def step_one(self, k, u, scale):
+        self._advance(1, 1)
+        return u.clone()
+
+    def sweep(self, first, stride, count, length, u0, scale, g, out_f, out_w):
+        self._advance(count, length - 1 + (out_w is not None))
 
 
 class _ClockLink:

@@ -89,10 +89,6 @@ class MGRITResult:
     stats: dict = field(default_factory=dict)
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class _Solver:
     def __init__(self, stepper, hierarchy: Hierarchy, h: float, relax: str, c_weight: float,
                  link: Link | None, parts: list[tuple[int, int]], me: int):
@@ -102,6 +98,7 @@ class _Solver:
         self.w = c_weight
         self.link = link
         self.levels: list[LocalLevel] = local_levels(hierarchy, parts, me)
+        self._buffers: dict = {}
 
     # -- communication ------------------------------------------------------------------------
     def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
@@ -112,42 +109,47 @@ class _Solver:
 
     # -- kernels ------------------------------------------------------------------------------
     def step1(self, L: LocalLevel, n: int, u: torch.Tensor) -> torch.Tensor:
-        return self.stepper.step(L.layer(n), 1, 1, u[None], self.h * L.stride)[0]
+        return self.stepper.step_one(L.layer(n), u, self.h * L.stride)
 
     def f_relax(self, L: LocalLevel, U: torch.Tensor, G: torch.Tensor | None, with_w: bool
                 ) -> torch.Tensor | None:
         """F-relaxation of this rank's part of level ``L``; with ``with_w`` also the step into
         every owned C-point, ``W_p = Phi(u_{p-1}) + g_p`` (returned, one row per C-point).
 
-        Segments starting at a C-point are relaxed at once, position ``j`` of every segment in
-        one batched step. A segment starting at the ghost F-point ``lo`` continues the left
-        neighbour's segment: it waits for that rank's value of ``lo``, then steps serially.
+        The full intervals that start at a C-point are relaxed at once: one batched sweep takes
+        all of them through their ``c - 1`` F-points (and the step into the next C-point). A
+        segment cut by the end of the rank's range steps alone; a segment starting at the
+        ghost F-point ``lo`` continues the left neighbour's segment: it waits for that rank's
+        value of ``lo``, then steps serially.
         """
         c, lo, hi, tag = L.c, L.lo, L.hi, 4 * L.level + _RELAX_GHOST
         hl = self.h * L.stride
         cs = L.owned_c_points()
-        W = U.new_empty((len(cs), *U.shape[1:])) if with_w else None
+        W = self.buffer(("W", L.level), len(cs), U) if with_w else None
         if L.right is not None and hi % c == 0:
             self._send(U[hi - lo], L.right, tag)
         if L.left is not None and lo % c == 0:
             U[0] = self._recv(U[0], L.left, tag)
         starts = L.local_starts()
         w_off = 0 if lo % c == 0 else 1
+        steps = c if with_w else c - 1
         if len(starts):
-            p0, K = starts[0], len(starts)
+            p0 = starts[0]
             i0 = p0 - lo
-            for j in range(c if with_w else c - 1):
-                count = min(K, _ceil_div(hi - p0 - j, c))
-                if count <= 0:
-                    break
-                out = self.stepper.step(L.layer(p0 + j), c * L.stride, count,
-                                        U[i0 + j :: c][:count], hl)
-                if G is not None:
-                    out += G[i0 + j + 1 :: c][:count]
-                if j < c - 1:
-                    U[i0 + j + 1 :: c][:count] = out
-                else:
-                    W[w_off : w_off + count] = out
+            full = (hi - p0) // c  # intervals [p, p + c] inside the range
+            if full and steps:
+                blk = U[i0 : i0 + full * c].view(full, c, *U.shape[1:])
+                g = None if G is None else \
+                    G[i0 + 1 : i0 + 1 + full * c].view(full, c, *U.shape[1:])[:, :steps]
+                self.stepper.sweep(L.layer(p0), L.stride, full, c, blk[:, 0], hl, g,
+                                   blk[:, 1:], W[w_off : w_off + full] if with_w else None)
+            p = p0 + full * c
+            if p < hi:  # the last segment, cut by the end of the range: F-points only
+                for n in range(p, hi):
+                    out = self.step1(L, n, U[n - lo])
+                    if G is not None:
+                        out += G[n + 1 - lo]
+                    U[n + 1 - lo] = out
         if lo % c != 0:
             if L.left is not None:
                 U[0] = self._recv(U[0], L.left, tag)
@@ -179,7 +181,16 @@ class _Solver:
             uc.mul_(1.0 - self.w).add_(W, alpha=self.w)
 
     def residual_sq(self, L: LocalLevel, U: torch.Tensor, W: torch.Tensor) -> float:
-        return float((W - self.c_view(L, U)).double().pow(2).sum())
+        r = torch.linalg.vector_norm(W - self.c_view(L, U), dtype=torch.float64)
+        return float(r) ** 2
+
+    def buffer(self, key, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """A workspace of ``rows`` states, allocated once per solve and reused (each level's
+        buffers are consumed before the level asks for them again)."""
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape[0] != rows:
+            buf = self._buffers[key] = like.new_empty((rows, *like.shape[1:]))
+        return buf
 
     def serial(self, L: LocalLevel, V: torch.Tensor, G: torch.Tensor | None) -> None:
         """Serial propagation of this rank's part of the coarsest level (a chain over ranks)."""
@@ -200,7 +211,7 @@ class _Solver:
         L, Lc = self.levels[l], self.levels[l + 1]
         if not Lc.active:
             return
-        V = U.new_empty((Lc.n_local, *U.shape[1:]))
+        V = self.buffer(("V", Lc.level), Lc.n_local, U)
         V[1:] = self.c_view(L, U)
         tag = 4 * Lc.level + _COARSE_GHOST
         if Lc.right is not None:
@@ -209,7 +220,7 @@ class _Solver:
             V[0] = self._recv(V[0], Lc.left, tag)
         else:
             V[0] = U[0]  # point 0: the initial condition
-        Gc = torch.empty_like(V)
+        Gc = self.buffer(("G", Lc.level), Lc.n_local, U)
         Gc[0] = V[0]
         Gc[1:] = W - self.stepper.step(Lc.layer(Lc.lo), Lc.stride, Lc.hi - Lc.lo, V[:-1],
                                        self.h * Lc.stride)

@@ -173,6 +173,8 @@ class ParallelResidualStack(nn.Module):
         return self._cache
 
     def _stack(self):
+        """Stacked copies of all parameters and buffers, ``name -> (N, ...)``, made for every
+        solve (a cache keyed on tensor versions would miss updates through ``.data``)."""
         if not self.batched:
             return None
         named, bufs, _ = self._lists()

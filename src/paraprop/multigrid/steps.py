@@ -8,6 +8,11 @@ strided view of the stack, and ``torch.func.vmap`` over ``torch.func.functional_
 all the intervals in one call -- the single-device concurrency that Kirby et al. (2020, §3.2) get
 from CUDA streams. Otherwise the blocks are called one by one.
 
+A block class may also define ``batched_forward(params, buffers, x)``, computing ``F`` for
+``K`` stacked parameter sets and ``K`` states at once with ordinary batched operators; the
+steppers then use it instead of ``vmap`` (and ``torch.func.vjp`` of it for the adjoint), which
+saves ``vmap``'s per-call overhead and its generic batching rules on a CPU.
+
 :class:`ForwardStepper` applies ``u + s F_n(u)``. :class:`AdjointStepper` applies the transposed
 linearised step ``lam + s J_n(u_n)^T lam`` (a vector-Jacobian product at the stored forward state
 ``u_n``), with the steps numbered backwards in depth, and computes the parameter gradients
@@ -57,20 +62,56 @@ def _progression(d: dict, first: int, stride: int, count: int):
 class _Counts:
     def __init__(self):
         self.evaluations = 0  # layer evaluations (hardware-independent work)
-        self.calls = 0  # batched or single calls (sequential launches)
+        self.calls = 0  # dependent steps (sequential launches, batched or not)
 
-    def add(self, count: int) -> None:
+    def add(self, count: int, calls: int = 1) -> None:
         self.evaluations += count
-        self.calls += 1
+        self.calls += calls
 
 
-class ForwardStepper:
+class _Stepper:
+    """What the solver calls; subclasses define ``_step`` and may batch ``sweep``."""
+
+    offset: int
+    counts: _Counts
+
+    def step(self, first: int, stride: int, count: int, u: torch.Tensor, scale: float
+             ) -> torch.Tensor:
+        """``u[k] + scale * F_{first + k*stride}(u[k])`` for ``k < count``; ``u``: (count, *S).
+        """
+        self.counts.add(count)
+        return self._step(first - self.offset, stride, count, u, scale)
+
+    def step_one(self, k: int, u: torch.Tensor, scale: float) -> torch.Tensor:
+        """``u + scale * F_k(u)`` for one state ``u`` (no batch of intervals)."""
+        return self.step(k, 1, 1, u[None], scale)[0]
+
+    def sweep(self, first: int, stride: int, count: int, length: int, u0: torch.Tensor,
+              scale: float, g: torch.Tensor | None, out_f: torch.Tensor,
+              out_w: torch.Tensor | None) -> None:
+        """Relax ``count`` intervals of ``length`` steps, writing the results in place.
+
+        Interval ``k`` starts from ``u0[k]``; its step ``j`` uses layer
+        ``first + (k * length + j) * stride`` and adds ``g[k, j]`` (when given). The states
+        after steps ``0 .. length-2`` (the F-points) go to ``out_f`` ``(count, length-1, *S)``,
+        the state after the last step (into the next C-point) to ``out_w`` ``(count, *S)``;
+        without ``out_w`` the last step is skipped.
+        """
+        x = u0
+        for j in range(length - 1 + (out_w is not None)):
+            x = self.step(first + j * stride, length * stride, count, x, scale)
+            if g is not None:
+                x = x + g[:, j]
+            (out_f[:, j] if j < length - 1 else out_w).copy_(x)
+
+
+class ForwardStepper(_Stepper):
     """``u_k + s F_k(u_k)`` for the local blocks ``blocks[k - offset]``.
 
     Arguments:
         blocks: this rank's blocks, in depth order.
         offset: the global index of ``blocks[0]``.
-        batched: evaluate progressions with one ``vmap`` over stacked parameters (needs blocks
+        batched: evaluate many blocks with one ``vmap`` over stacked parameters (needs blocks
             that share an architecture) or one block at a time.
         stacked: ``(params, buffers)`` stacked by :func:`stack_state` (computed when omitted).
     """
@@ -88,35 +129,89 @@ class ForwardStepper:
             def f(p, b, x):
                 return functional_call(template, (p, b), (x,))
 
-            self._vf = vmap(f)
+            self._f = f
+            self._hook = getattr(template, "batched_forward", None)
+            self._vf = self._hook if self._hook is not None else vmap(f)
+            self._sweeps: dict = {}
 
     def _check(self, out: torch.Tensor, u: torch.Tensor, k: int) -> None:
         if out.shape != u.shape:
-            raise ValueError(f"block {k} maps a state of shape {tuple(u.shape[1:])} to "
-                             f"{tuple(out.shape[1:])}; residual blocks must keep the shape")
+            raise ValueError(f"block {k} maps a state of shape {tuple(u.shape)} to "
+                             f"{tuple(out.shape)}; residual blocks must keep the shape")
 
-    def step(self, first: int, stride: int, count: int, u: torch.Tensor, scale: float
-             ) -> torch.Tensor:
-        """``u[j] + scale * F_{first + j*stride}(u[j])`` for ``j < count``; ``u``: (count, *S)."""
-        self.counts.add(count)
-        i0 = first - self.offset
+    def step_one(self, k: int, u: torch.Tensor, scale: float) -> torch.Tensor:
+        self.counts.add(1)
+        f = self.blocks[k - self.offset](u)
+        self._check(f, u, k)
+        return torch.add(u, f, alpha=scale)
+
+    def _step(self, i0, stride, count, u, scale):
         if count == 1 or not self.batched:
             outs = []
             for j in range(count):
                 f = self.blocks[i0 + j * stride](u[j])
-                if f.shape != u[j].shape:
-                    self._check(f[None], u[j : j + 1], first + j * stride)
+                self._check(f, u[j], i0 + j * stride + self.offset)
                 outs.append(f)
             f = outs[0][None] if count == 1 else torch.stack(outs)
         else:
             f = self._vf(_progression(self.params, i0, stride, count),
                          _progression(self.buffers, i0, stride, count), u)
-            if f.shape != u.shape:
-                self._check(f, u, first)
+            self._check(f[0], u[0], i0 + self.offset)
         return torch.add(u, f, alpha=scale)
 
+    def _sweep_fn(self, length: int, with_g: bool, with_w: bool):
+        key = (length, with_g, with_w)
+        if key not in self._sweeps:
+            f = self._f
 
-class AdjointStepper:
+            def one(p, b, x, g, out_f, out_w, scale):
+                # One interval: dependent residual steps with this interval's layers, each
+                # result written in place (F-points to out_f, the last step to out_w).
+                for j in range(length - 1 + with_w):
+                    pj = {k: v[j] for k, v in p.items()}
+                    bj = {k: v[j] for k, v in b.items()}
+                    fx = f(pj, bj, x)
+                    if fx.shape != x.shape:
+                        raise _ShapeError(j, tuple(x.shape), tuple(fx.shape))
+                    x = torch.add(x, fx, alpha=scale)
+                    if g is not None:
+                        x = x + g[j]
+                    (out_f[j] if j < length - 1 else out_w).copy_(x)
+                return x  # vmap needs an output; the results are already in place
+
+            self._sweeps[key] = vmap(one, in_dims=(0, 0, 0, 0 if with_g else None, 0,
+                                                   0 if with_w else None, None))
+        return self._sweeps[key]
+
+    def sweep(self, first, stride, count, length, u0, scale, g, out_f, out_w):
+        if not self.batched or count == 1 or self._hook is not None:
+            return super().sweep(first, stride, count, length, u0, scale, g, out_f, out_w)
+        steps = length - 1 + (out_w is not None)
+        self.counts.add(count * steps, steps)
+        i0 = first - self.offset
+        p = _intervals(self.params, i0, stride, count, length, steps)
+        b = _intervals(self.buffers, i0, stride, count, length, steps)
+        try:
+            self._sweep_fn(length, g is not None, out_w is not None)(p, b, u0, g, out_f, out_w,
+                                                                     scale)
+        except _ShapeError as e:
+            j, shape_in, shape_out = e.args
+            raise ValueError(f"block {first + j * stride} maps a state of shape {shape_in} to "
+                             f"{shape_out}; residual blocks must keep the shape") from None
+
+
+class _ShapeError(Exception):
+    """Raised inside ``vmap`` (which cannot name the block); re-raised as ``ValueError``."""
+
+
+def _intervals(d: dict, i0: int, stride: int, count: int, length: int, steps: int) -> dict:
+    """Views ``(count, steps, ...)``: ``[k, j]`` is stacked row ``i0 + (k*length + j)*stride``."""
+    stop = i0 + stride * (count * length - 1) + 1
+    return {k: v[i0:stop:stride].view(count, length, *v.shape[1:])[:, :steps]
+            for k, v in d.items()}
+
+
+class AdjointStepper(_Stepper):
     """The adjoint of a residual stack, stepped backwards in depth.
 
     Solve step ``k`` is fine layer ``n = N - 1 - k``: ``lam_k + s J_n(u_n)^T lam_k``, the
@@ -157,17 +252,33 @@ class AdjointStepper:
                 _, pull = vjp(lambda q: functional_call(template, (q, b), (x,)), p)
                 return pull(lam)[0]
 
-            self._vx = vmap(vjp_x)
-            self._vp = vmap(vjp_p)
+            self._vjp_x = vjp_x
+            self._hook = getattr(template, "batched_forward", None)
+            if self._hook is None:
+                self._vx = vmap(vjp_x)
+                self._vp = vmap(vjp_p)
+            else:  # intervals are independent: one VJP of the batched function does them all
+                hook = self._hook
+
+                def vx(p, b, x, lam):
+                    return vjp(lambda y: hook(p, b, y), x)[1](lam)[0]
+
+                def vp(p, b, x, lam):
+                    return vjp(lambda q: hook(q, b, x), p)[1](lam)[0]
+
+                self._vx, self._vp = vx, vp
+            self._sweeps: dict = {}
 
     def _block(self, i: int) -> nn.Module:
         return self.blocks[len(self.blocks) - 1 - i]
 
-    def step(self, first: int, stride: int, count: int, lam: torch.Tensor, scale: float
-             ) -> torch.Tensor:
-        """``lam[j] + scale * J^T lam[j]`` at solve steps ``first + j*stride``."""
-        self.counts.add(count)
-        i0 = first - self.offset
+    def step_one(self, k: int, lam: torch.Tensor, scale: float) -> torch.Tensor:
+        self.counts.add(1)
+        i = k - self.offset
+        _, pull = vjp(self._block(i), self.inputs[i])
+        return torch.add(lam, pull(lam)[0], alpha=scale)
+
+    def _step(self, i0, stride, count, lam, scale):
         stop = i0 + stride * (count - 1) + 1
         x = self.inputs[i0:stop:stride]
         if count == 1 or not self.batched:
@@ -180,6 +291,38 @@ class AdjointStepper:
             g = self._vx(_progression(self.params, i0, stride, count),
                          _progression(self.buffers, i0, stride, count), x, lam)
         return torch.add(lam, g, alpha=scale)
+
+    def _sweep_fn(self, length: int, with_g: bool, with_w: bool):
+        key = (length, with_g, with_w)
+        if key not in self._sweeps:
+            vjp_x = self._vjp_x
+
+            def one(p, b, xs, lam, g, out_f, out_w, scale):
+                # One interval of the adjoint: dependent transposed steps, written in place.
+                for j in range(length - 1 + with_w):
+                    pj = {k: v[j] for k, v in p.items()}
+                    bj = {k: v[j] for k, v in b.items()}
+                    lam = torch.add(lam, vjp_x(pj, bj, xs[j], lam), alpha=scale)
+                    if g is not None:
+                        lam = lam + g[j]
+                    (out_f[j] if j < length - 1 else out_w).copy_(lam)
+                return lam  # vmap needs an output; the results are already in place
+
+            self._sweeps[key] = vmap(one, in_dims=(0, 0, 0, 0, 0 if with_g else None, 0,
+                                                   0 if with_w else None, None))
+        return self._sweeps[key]
+
+    def sweep(self, first, stride, count, length, u0, scale, g, out_f, out_w):
+        if not self.batched or count == 1 or self._hook is not None:
+            return super().sweep(first, stride, count, length, u0, scale, g, out_f, out_w)
+        steps = length - 1 + (out_w is not None)
+        self.counts.add(count * steps, steps)
+        i0 = first - self.offset
+        p = _intervals(self.params, i0, stride, count, length, steps)
+        b = _intervals(self.buffers, i0, stride, count, length, steps)
+        xs = _intervals({"x": self.inputs}, i0, stride, count, length, steps)["x"]
+        self._sweep_fn(length, g is not None, out_w is not None)(p, b, xs, u0, g, out_f, out_w,
+                                                                 scale)
 
     def parameter_grads(self, lam_next: torch.Tensor, scale: float, chunk: int = 256
                         ) -> list[dict[str, torch.Tensor]]:
