@@ -54,3 +54,16 @@ def test_harness_interleaves_and_reports():
 def test_bad_command(argv):
     with pytest.raises(SystemExit):
         main(argv)
+
+
+def test_report_collects_suites(tmp_path):
+    res = tmp_path / "results"
+    res.mkdir()
+    (res / "core.md").write_text("# core\n\nCommand: `x`\n\n## t\n\n![](core_a.png)\n")
+    (res / "core_a.png").write_bytes(b"png")
+    out = tmp_path / "docs" / "benchmarks.md"
+    assert main(["report", str(res), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "## core" in text and "### t" in text and "![](img/core_a.png)" in text
+    assert (tmp_path / "docs" / "img" / "core_a.png").exists()
+    assert main(["report", str(tmp_path / "nothing"), "--out", str(out)]) == 2

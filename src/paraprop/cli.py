@@ -48,6 +48,18 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_report(args) -> int:
+    from paraprop.bench.collect import collect
+
+    try:
+        out = collect(Path(args.results), Path(args.out), args.suites)
+    except ValueError as e:
+        print(f"paraprop report: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
 def _cmd_info(args) -> int:
     info = machine_info()
     print(f"paraprop {paraprop.__version__}")
@@ -81,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         jp = jobs.add_parser(name, help=getattr(job, "HELP", ""))
         job.add_arguments(jp)
         jp.set_defaults(func=job.run)
+
+    r = sub.add_parser("report", help="collect suites' Markdown results into one page")
+    r.add_argument("results", help="results directory (NAME.md and PNG plots)")
+    r.add_argument("--out", default="docs/benchmarks.md", help="the page to write")
+    r.add_argument("--suites", nargs="*", default=None, help="suite names, in order")
+    r.set_defaults(func=_cmd_report)
 
     i = sub.add_parser("info", help="versions, threads, device")
     i.set_defaults(func=_cmd_info)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-_NOT_SUITES = {"harness", "report", "plots", "compare"}
+_NOT_SUITES = {"harness", "report", "plots", "compare", "collect"}
 
 
 def suites() -> dict[str, str]:
