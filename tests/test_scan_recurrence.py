@@ -237,3 +237,9 @@ def test_native_kernel_split_across_threads():
             assert rel_err(got.double(), ref) <= TOL[torch.float32]
     finally:
         torch.set_num_threads(threads)
+
+
+def test_jacobi_recurrence_is_differentiable_by_autograd():
+    A, b, h0 = make("dense", 2, 9, 3, seed=5)
+    inputs = tuple(x.clone().requires_grad_() for x in (A, b, h0))
+    assert torch.autograd.gradcheck(lambda a, bb, h: jacobi_recurrence(a, bb, h).value, inputs)

@@ -73,9 +73,13 @@ def jacobi_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
     converged = False
     # one sweep: shift the iterate by one step (h_prev), apply every A_t at once, add b
     for k in range(1, cap + 1):
-        prev = torch.cat([x[:, 1:], start], 1) if reverse else torch.cat([start, x[:, :-1]], 1)
-        new = op.apply(prev) + bb
-        res = float((new - x).abs().max()) if new.numel() else 0.0
+        prev = torch.empty_like(bb)   # fresh each sweep: autograd may have saved the last one
+        if reverse:
+            prev[:, :-1], prev[:, -1:] = x[:, 1:], start
+        else:
+            prev[:, 1:], prev[:, :1] = x[:, :-1], start
+        new = op.apply(prev).add_(bb)
+        res = float(torch.sub(new, x).abs_().max()) if new.numel() else 0.0
         residuals.append(res)
         x = new
         if res <= tol or k == T:

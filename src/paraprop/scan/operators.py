@@ -102,6 +102,8 @@ class Op:
     def _right(self, x: torch.Tensor, mat: bool) -> torch.Tensor:
         """``R x`` (x: ``(..., H)`` vectors or ``(..., H, M)`` matrices)."""
         reps = self.K // self.H
+        if self.R is None and reps == 1:
+            return x
         if mat:
             return self.R @ x if self.R is not None else x.repeat(*([1] * (x.dim() - 2)), reps, 1)
         return x @ self.R.t() if self.R is not None else x.repeat(*([1] * (x.dim() - 1)), reps)
@@ -111,6 +113,8 @@ class Op:
         if self.L is not None:
             return self.L @ u if mat else u @ self.L.t()
         H = self.H
+        if self.K == H:
+            return u
         if mat:
             return u.unflatten(-2, (-1, H)).sum(-3)
         return u.unflatten(-1, (-1, H)).sum(-2)
