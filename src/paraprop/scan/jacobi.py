@@ -79,7 +79,7 @@ def jacobi_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
         else:
             prev[:, 1:], prev[:, :1] = x[:, :-1], start
         new = op.apply(prev).add_(bb)
-        res = float(torch.sub(new, x).abs_().max()) if new.numel() else 0.0
+        res = float(torch.sub(new.detach(), x.detach()).abs_().max()) if new.numel() else 0.0
         residuals.append(res)
         x = new
         if res <= tol or k == T:
