@@ -2,7 +2,7 @@
 
 For ``h_t = f(z_t)``, ``z_t = W_ih x_t + b_ih + W_hh h_{t-1} + b_hh`` the transposed Jacobian is
 ``J_t^T = W_hh^T diag(f'(z_t))`` with ``f' = 1 - h_t^2`` (tanh) or ``[h_t > 0]`` (ReLU) (BPPSA,
-Wang et al. 2020, §4.1). With ``delta_t = dL/dz_t`` and ``e_t`` the gradient arriving at ``h_t``
+Wang et al. 2020). With ``delta_t = dL/dz_t`` and ``e_t`` the gradient arriving at ``h_t``
 from outside the layer, back-propagation through time is
 
     delta_t = f'_t * (W_hh^T delta_{t+1} + e_t),      t = T-1 .. 0,  delta_T = 0,

@@ -18,7 +18,7 @@ def associative_scan(elems, combine: Callable, *, dim: int = 0, exclusive: bool 
 
     ``⊕`` must be associative; it need not be commutative (matrix products are the typical
     case: back-propagation is the exclusive scan of the transposed Jacobians under
-    ``A ⋄ B = B A``, BPPSA eq. 4). Every algorithm returns the sequential result up to
+    ``A ⋄ B = B A``, BPPSA). Every algorithm returns the sequential result up to
     floating-point reassociation.
 
     Arguments:

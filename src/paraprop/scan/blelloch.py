@@ -5,7 +5,7 @@ in its in-place tree form: an up-sweep that leaves partial reductions at the rig
 pair, the root set to the identity, and a down-sweep that hands every left child its parent's
 prefix and every right child ``parent ⊕ left``. For a non-commutative operator (matrix products)
 the down-sweep must keep that order, ``a[r] <- a[r] ⊕ a[l]``, the reverse of the textbook
-``a[l] + a[r]`` (BPPSA §3.2). ``2 log2 T`` batched combines and ``2 (T - 1)`` combines in all.
+``a[l] + a[r]`` (BPPSA). ``2 log2 T`` batched combines and ``2 (T - 1)`` combines in all.
 
 Two practical changes:
 
@@ -13,7 +13,7 @@ Two practical changes:
   past ``T`` and prefixes that start at position 0 are *empty*. Which slots are empty is known
   from the indices alone, so combines with an empty operand become copies or are skipped and the
   caller never has to supply an identity.
-- **Level cap** (BPPSA §3.3): only ``levels`` tree levels run in parallel; the
+- **Level cap** (as in BPPSA): only ``levels`` tree levels run in parallel; the
   ``ceil(T / 2^levels)`` block reductions left at the top are scanned sequentially. Deep levels
   have fewer pairs than there are workers, so capping trades a few sequential steps for less
   latency; ``levels=0`` is the sequential scan, ``None`` the full tree.

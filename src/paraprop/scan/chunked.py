@@ -4,8 +4,8 @@ Split the ``T`` positions into ``C`` chunks of ``L`` (the last one may be shorte
 the in-chunk pass handles position ``j`` of *every* chunk in one batched call, so a pass costs
 ``L`` calls, not ``T``; the ``C`` chunk carries are scanned sequentially; a fix-up combines each
 chunk with the carry of the chunks before it. About ``2 sqrt(2 T)`` batched calls for
-``L = sqrt(T / 2)``; the work is that of two sequential scans (Blelloch 1990, §1.4 "scan with
-fewer processors"; BPPSA's ``Θ(n/p + log p)`` regime with ``p = C`` workers).
+``L = sqrt(T / 2)``; the work is that of two sequential scans (Blelloch 1990, scans with fewer
+processors than elements; BPPSA's ``Θ(n/p + log p)`` regime with ``p = C`` workers).
 
 For linear recurrences :func:`recurrence` avoids most matrix-matrix products: the in-chunk pass
 carries ``[P | y]`` (the chunk's transition product and its zero-start state) as one

@@ -1,4 +1,4 @@
-"""Jacobi iterations on a linear recurrence (Song et al. 2021, §5.1, Algorithm 1 on eq. 9).
+"""Jacobi iterations on a linear recurrence (Song et al. 2021, §5.1).
 
 The recurrence ``h_t = A_t h_{t-1} + b_t`` is a block bi-diagonal linear system. A Jacobi sweep
 updates every position at once from the previous iterate, ``x_t <- A_t x_{t-1} + b_t``: one

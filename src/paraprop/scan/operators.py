@@ -4,8 +4,8 @@
 - diagonal: a tensor ``(..., T, H)`` (``A_t = diag(a_t)``);
 - :class:`Factored`: ``A_t = diag(d_t) + L diag(s_t) R`` with ``L`` and ``R`` shared by all steps.
   This is the form of the analytic transposed Jacobians of recurrent cells (BPPSA, Wang et al.
-  2020, §3.4 and Appendix E): for a tanh RNN ``J_t^T = W_hh^T diag(1 - h_t^2)``, for a GRU a
-  diagonal plus three scaled copies of ``W_hh^T`` blocks. Applying it costs ``O(H K)`` and needs
+  2020, Appendix E): for a tanh RNN ``J_t^T = W_hh^T diag(1 - h_t^2)``, for a GRU a diagonal
+  plus three scaled copies of ``W_hh^T`` blocks. Applying it costs ``O(H K)`` and needs
   no ``(T, H, H)`` array in memory.
 
 :class:`Op` is the internal, canonical view the algorithms work on: every per-step tensor has the
@@ -36,7 +36,7 @@ class Factored:
             ``K / H`` times). With both ``None``, ``K`` must be a multiple of ``H``.
         diag: ``(..., T, H)`` per-step diagonal ``d_t``, or ``None`` (zero).
 
-    Example (the transposed Jacobians of a tanh RNN, BPPSA §3.4):
+    Example (the transposed Jacobians of a tanh RNN, BPPSA):
         >>> W = torch.randn(20, 20); h = torch.tanh(torch.randn(16, 100, 20))
         >>> A = Factored(scale=1 - h**2, left=W.T)            # J_t^T = W^T diag(1 - h_t^2)
     """

@@ -1,10 +1,10 @@
 """``linear_recurrence``: all states of ``h_t = A_t h_{t-1} + b_t`` by a scan.
 
 A linear recurrence is a scan of the affine maps ``h -> A_t h + b_t`` under composition,
-``(A_1, b_1) ⊕ (A_2, b_2) = (A_2 A_1, A_2 b_1 + b_2)`` (associative, not commutative; Blelloch
-1990, §1.4). Back-propagation through a recurrent network is exactly such a recurrence, run
+``(A_1, b_1) ⊕ (A_2, b_2) = (A_2 A_1, A_2 b_1 + b_2)`` (associative, not commutative;
+Blelloch 1990). Back-propagation through a recurrent network is exactly such a recurrence, run
 backwards with the transposed Jacobians: ``g_t = J_{t+1}^T g_{t+1} + e_t`` (BPPSA, Wang et al.
-2020, eq. 2-4).
+2020, Algorithm 1).
 """
 
 from __future__ import annotations
