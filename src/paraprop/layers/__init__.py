@@ -1,0 +1,32 @@
+"""Network inference as a recurrence over layers (Song et al. 2021, §5.2).
+
+- :func:`as_recurrence`: a network (``nn.Sequential``, torchvision DenseNet or ResNet) as a
+  triangular system whose states are layer outputs.
+- :func:`evaluate`: the network's output by any :func:`paraprop.solve` method, with the error
+  against sequential evaluation after every iteration.
+- :mod:`~paraprop.layers.timing`: per-state times and the parallel-time estimate (the paper's
+  simulation); :mod:`~paraprop.layers.parallel`: real parallel execution with threads.
+"""
+
+from paraprop.layers.convert import UnsupportedModuleError, as_recurrence, register_converter
+from paraprop.layers.evaluate import METRICS, evaluate, max_abs, top5_changes
+from paraprop.layers.parallel import ThreadedJacobiGS
+from paraprop.layers.recurrence import LayerSystem, Recurrence, Step
+from paraprop.layers.timing import estimate_time, partition_time, profile
+
+__all__ = [
+    "METRICS",
+    "LayerSystem",
+    "Recurrence",
+    "Step",
+    "ThreadedJacobiGS",
+    "UnsupportedModuleError",
+    "as_recurrence",
+    "estimate_time",
+    "evaluate",
+    "max_abs",
+    "partition_time",
+    "profile",
+    "register_converter",
+    "top5_changes",
+]

@@ -1,0 +1,295 @@
+"""``paraprop train densenet``: brief training of the networks of ``paraprop bench networks``.
+
+Pretrained ImageNet weights cannot be downloaded here, so the torchvision DenseNets (and the
+ResNet and deep MLP the benchmark compares them with) are trained briefly on the data at hand:
+the MNIST test set (10,000 images; the first 8,000 train, the last 2,000 are held out) or the
+scikit-learn digits (1,500 / 297), resized to ``size x size`` and repeated to three channels for
+the torchvision architectures. A user with a checkpoint passes it with ``--weights FILE``
+(this job's checkpoints, or a plain ``state_dict`` such as torchvision's ImageNet files).
+
+After training the job reports the held-out accuracy and evaluates the network by Jacobi-GS over
+its layers (:func:`paraprop.layers.evaluate`), saying which weights were used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from paraprop.data import load_digits, load_mnist
+
+NAME = "densenet"
+HELP = "train a DenseNet (or the benchmark's ResNet / deep MLP) briefly on digits or MNIST"
+
+ARCHS = ("densenet121", "densenet201", "resnet18", "mlp")
+MEAN, STD = 0.1307, 0.3081  # MNIST pixel statistics, used for both data sets
+SPLITS = {"mnist": 8000, "digits": 1500}  # training images; the rest are held out
+
+
+def make_network(arch: str, num_classes: int = 10, *, size: int = 32, depth: int = 24,
+                 width: int = 256, seed: int = 0) -> nn.Module:
+    """A network of the benchmark, randomly initialised (seeded).
+
+    Arguments:
+        arch: ``"densenet121"``, ``"densenet201"``, ``"resnet18"`` (torchvision architectures,
+            3-channel input) or ``"mlp"`` (``depth`` hidden layers of ``width`` with ReLU on the
+            flattened 1-channel ``size x size`` image).
+        num_classes: outputs.
+        size, depth, width: the MLP's input side, hidden layers and width.
+        seed: seed of the initialisation.
+
+    Returns:
+        The model, in eval mode.
+
+    Raises:
+        ValueError: an unknown ``arch`` or a size below 1.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch={arch!r}; choose one of {', '.join(ARCHS)}")
+    if min(num_classes, size, depth, width) < 1:
+        raise ValueError(f"num_classes, size, depth and width must be >= 1, got {num_classes}, "
+                         f"{size}, {depth}, {width}")
+    torch.manual_seed(seed)
+    if arch == "mlp":
+        layers: list[nn.Module] = [nn.Flatten()]
+        sizes = [size * size] + [width] * depth
+        for a, b in zip(sizes, sizes[1:], strict=False):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        layers.append(nn.Linear(sizes[-1], num_classes))
+        return nn.Sequential(*layers).eval()
+    import torchvision
+
+    return getattr(torchvision.models, arch)(weights=None, num_classes=num_classes).eval()
+
+
+def input_channels(arch: str) -> int:
+    """Image channels the architecture takes (torchvision stems expect 3)."""
+    return 1 if arch == "mlp" else 3
+
+
+def image_data(data: str, *, size: int = 32, channels: int = 3, mnist_dir=None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised images ``(N, channels, size, size)`` and labels ``(N,)``.
+
+    Arguments:
+        data: ``"mnist"`` (the MNIST test set, via :func:`paraprop.data.load_mnist`) or
+            ``"digits"`` (8x8, embedded).
+        size: side after bilinear resizing.
+        channels: the gray channel is repeated this many times.
+        mnist_dir: the MNIST directory (default: found by :func:`paraprop.data.find_mnist_dir`).
+
+    Raises:
+        ValueError: an unknown ``data`` or a bad ``size`` / ``channels``.
+    """
+    if data == "mnist":
+        images, labels = load_mnist(mnist_dir)
+    elif data == "digits":
+        images, labels = load_digits()
+    else:
+        raise ValueError(f"unknown data={data!r}; choose 'mnist' or 'digits'")
+    if size < 1 or channels < 1:
+        raise ValueError(f"size and channels must be >= 1, got {size}, {channels}")
+    x = images[:, None]
+    if x.shape[-1] != size:
+        x = nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+    x = ((x - MEAN) / STD).expand(-1, channels, -1, -1).contiguous()
+    return x, labels
+
+
+def split(data: str, x: torch.Tensor, y: torch.Tensor):
+    """``(x_train, y_train, x_held_out, y_held_out)``: the fixed split of ``data``."""
+    n = SPLITS[data]
+    return x[:n], y[:n], x[n:], y[n:]
+
+
+def train_network(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int,
+                  batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
+                  progress: bool = True, desc: str = "train") -> dict:
+    """Adam on the cross-entropy for ``steps`` mini-batches (reshuffled every epoch).
+
+    Returns ``{"steps", "loss_first", "loss_last", "train_accuracy_last"}`` (the last two over
+    the final 10 batches). The model is left in eval mode.
+
+    Raises:
+        ValueError: ``steps`` or ``batch_size`` below 1.
+    """
+    if steps < 1 or batch_size < 1:
+        raise ValueError(f"steps and batch_size must be >= 1, got {steps}, {batch_size}")
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    model.train()
+    losses, hits = [], []
+    order = torch.randperm(len(x), generator=g)
+    pos = 0
+    bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False)
+    for _ in bar:
+        if pos + batch_size > len(x):
+            order, pos = torch.randperm(len(x), generator=g), 0
+        idx = order[pos : pos + batch_size]
+        pos += batch_size
+        logits = model(x[idx])
+        loss = nn.functional.cross_entropy(logits, y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        hits.append(float((logits.argmax(1) == y[idx]).float().mean()))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    last = min(10, len(losses))
+    return {"steps": steps, "loss_first": losses[0], "loss_last": sum(losses[-last:]) / last,
+            "train_accuracy_last": sum(hits[-last:]) / last}
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 250) -> float:
+    """Top-1 accuracy of ``model`` (eval mode) on ``(x, y)``."""
+    model.eval()
+    hits = sum(int((model(xb).argmax(1) == yb).sum())
+               for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True))
+    return hits / len(x)
+
+
+def save_checkpoint(path: str | Path, model: nn.Module, arch: str, info: dict) -> Path:
+    """Write ``{"arch", "state_dict", "info"}`` to ``path`` (parents created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"arch": arch, "state_dict": model.state_dict(), "info": info}, path)
+    return path
+
+
+_OLD_DENSE_KEY = re.compile(
+    r"^(.*denselayer\d+\.(?:norm|relu|conv))\.((?:[12])\.(?:weight|bias|running_mean|running_var))$")
+
+
+def load_weights(model: nn.Module, path: str | Path) -> dict:
+    """Load a checkpoint into ``model``: this job's format or a plain ``state_dict`` (old
+    torchvision DenseNet key names such as ``norm.1`` are renamed). Returns its ``info``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file holds no state dict, or its tensors do not fit the model (the
+            message lists missing and unexpected keys).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--weights {path}: no such file")
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    state = blob.get("state_dict", blob) if isinstance(blob, dict) else None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{path}: not a checkpoint (expected a state_dict or a dict with one)")
+    state = {_OLD_DENSE_KEY.sub(r"\1\2", k): v for k, v in state.items()}
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: its weights do not fit the model: {e}") from None
+    model.eval()
+    return dict(blob.get("info", {})) if "state_dict" in blob else {}
+
+
+def checkpoint_classes(path: str | Path) -> int | None:
+    """The number of outputs of the checkpoint's last linear layer, if it can be told."""
+    blob = torch.load(Path(path), map_location="cpu", weights_only=True)
+    state = blob.get("state_dict", blob) if isinstance(blob, dict) else {}
+    for key in ("classifier.weight", "fc.weight"):
+        if key in state:
+            return int(state[key].shape[0])
+    weights = [v for k, v in state.items() if k.endswith("weight") and v.dim() == 2]
+    return int(weights[-1].shape[0]) if weights else None
+
+
+def trained_network(arch: str, *, data: str = "mnist", size: int = 32, steps: int = 120,
+                    batch_size: int = 64, lr: float = 1e-3, seed: int = 0, cache_dir=None,
+                    mnist_dir=None, progress: bool = True) -> tuple[nn.Module, dict]:
+    """A network trained briefly here (reusing ``cache_dir``'s checkpoint of the same config).
+
+    Returns ``(model, info)``; ``info["weights"]`` says which weights these are, with the
+    held-out accuracy and the training record.
+    """
+    x, y = image_data(data, size=size, channels=input_channels(arch), mnist_dir=mnist_dir)
+    xt, yt, xh, yh = split(data, x, y)
+    model = make_network(arch, size=size, seed=seed)
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / f"networks_{arch}_{data}{size}_s{steps}_b{batch_size}_{seed}.pt"
+        if path.is_file():
+            info = load_weights(model, path)
+            return model, {**info, "checkpoint": str(path), "trained_now": False}
+    record = train_network(model, xt, yt, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                           progress=progress, desc=f"train {arch}")
+    acc = accuracy(model, xh, yh)
+    info = {"weights": f"trained here: {steps} Adam steps of {batch_size} on {len(xt)} {data} "
+                       f"images ({size}x{size}), held-out accuracy {acc:.3f}",
+            "held_out_accuracy": acc, "training": record, "data": data, "size": size}
+    if path is not None:
+        save_checkpoint(path, model, arch, info)
+        info["checkpoint"] = str(path)
+    return model, {**info, "trained_now": True}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", choices=ARCHS, default="densenet201")
+    p.add_argument("--data", choices=["mnist", "digits"], default="mnist")
+    p.add_argument("--mnist-dir", default=None, help="directory of the MNIST IDX files")
+    p.add_argument("--size", type=int, default=32, help="image side after resizing (>= 32 for "
+                   "the DenseNets)")
+    p.add_argument("--steps", type=int, default=120, help="training steps (0: no training)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weights", default=None, help="start from this checkpoint (this job's "
+                   "format or a plain state_dict, e.g. torchvision's ImageNet weights)")
+    p.add_argument("--out", default=None, help="checkpoint file (default "
+                   "results/networks_ARCH_DATA.pt)")
+    p.add_argument("--eval-batch", type=int, default=16, help="held-out images evaluated by "
+                   "Jacobi-GS after training (0: skip)")
+    p.add_argument("--tol", type=float, default=1e-4, help="forward-difference tolerance of "
+                   "that evaluation")
+
+
+def run(args) -> int:
+    from paraprop.layers import evaluate
+
+    if args.steps < 0 or args.eval_batch < 0:
+        raise SystemExit(f"paraprop train densenet: --steps and --eval-batch must be >= 0, got "
+                         f"{args.steps}, {args.eval_batch}")
+    num_classes = 10
+    if args.weights is not None:
+        num_classes = checkpoint_classes(args.weights) or 10
+    model = make_network(args.arch, num_classes, size=args.size, seed=args.seed)
+    x, y = image_data(args.data, size=args.size, channels=input_channels(args.arch),
+                      mnist_dir=args.mnist_dir)
+    xt, yt, xh, yh = split(args.data, x, y)
+    source = "random initialisation"
+    if args.weights is not None:
+        load_weights(model, args.weights)
+        source = f"loaded from {args.weights}"
+    if args.steps > 0:
+        if num_classes < 10:
+            raise SystemExit(f"paraprop train densenet: the checkpoint has {num_classes} "
+                             "outputs, fewer than the 10 classes to train on")
+        rec = train_network(model, xt, yt, steps=args.steps, batch_size=args.batch_size,
+                            lr=args.lr, seed=args.seed, desc=f"train {args.arch}")
+        source += (f", then trained here: {args.steps} Adam steps of {args.batch_size} on "
+                   f"{len(xt)} {args.data} images ({args.size}x{args.size}); loss "
+                   f"{rec['loss_first']:.3f} -> {rec['loss_last']:.3f}")
+    acc = accuracy(model, xh, yh) if num_classes == 10 else math.nan
+    info = {"weights": source, "held_out_accuracy": acc, "data": args.data, "size": args.size}
+    out = Path(args.out or f"results/networks_{args.arch}_{args.data}.pt")
+    save_checkpoint(out, model, args.arch, info)
+    print(f"{args.arch}: weights = {source}")
+    print(f"held-out accuracy ({len(xh)} {args.data} images): {acc:.4f}; saved {out}")
+    if args.eval_batch > 0:
+        out_y, sol = evaluate(model, xh[: args.eval_batch], tol=args.tol)
+        st = sol.stats
+        print(f"Jacobi-GS over {st['T']} states (block_size 1, tol={args.tol:g}, batch "
+              f"{args.eval_batch}): stopped after {sol.iterations} iterations with "
+              f"{st['output_error']} top-5 changes; top-5 settled at iteration {st['settled']}; "
+              f"max |output - sequential| {st['max_abs_error']:.2e}")
+    return 0
