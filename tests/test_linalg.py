@@ -53,7 +53,7 @@ def random_system(sizes, lower, *, batch=None, diag=True, scale=True, dtype=torc
 
 def dense_solve(A: BlockBidiagonal, r: torch.Tensor) -> torch.Tensor:
     """The reference: torch.linalg.solve_triangular on the dense matrix."""
-    D = A.dense()  # (G, N, N)
+    D = A.dense().to(r.dtype)  # (G, N, N); a system of identities only has no dtype
     R = r.reshape(-1, A.N)
     if A.batch is None:
         X = torch.linalg.solve_triangular(D[0], R.T, upper=not A.lower).T

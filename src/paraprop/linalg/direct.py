@@ -79,7 +79,7 @@ def cyclic_reduction(system: BlockBidiagonal, R: torch.Tensor):
     if system.nested:
         return _cr_nested(system, R)
     G = R.shape[0]
-    S = StackedSystem(system, G)
+    S = StackedSystem(system, G, like=R)
     C = S.to_blocks(R)
     T, C, st = _normalise(S, C)
     S.Mt = None  # T owns (or replaced) the stacked blocks from here on
@@ -120,38 +120,39 @@ def _normalise(S: StackedSystem, C: torch.Tensor):
 # row of x_{k-s} into row k gives x_k = (c_k + c_{k-s} @ T_k) + x_{k-2s} @ (T_{k-s} @ T_k): the
 # same form with stride 2s, so the unknowns split into 2s independent chains. Every row updates in
 # parallel; after ceil(log2 l) levels no row depends on another and c_k = x_k. Rows with k < s
-# are final, so level s updates l - s vectors and l - 2s blocks. The new blocks are written in
-# place (two chunks through a half-size buffer, in increasing index order so that no block is
-# overwritten before it is read): the fill-in never holds more than 1.5x the original blocks.
+# are final, so level s updates l - s vectors and l - 2s blocks. Both updates run in place, in
+# two chunks through one half-size buffer: the solver never holds more than 1.5x the blocks.
 def _doubling(T: torch.Tensor, C: torch.Tensor, lower: bool):
     l, G, Q, p = C.shape
     esize = C.element_size()
     levels = flops = 0
-    tmp = None
-    peak = 0
+    h = math.ceil((l - 1) / 2)  # chunk length: half the largest update
+    tmp = T.new_empty(h, G, p, p) if l > 1 else None
+    peak = 0 if tmp is None else tmp.numel()
     s = 1
     while s < l:
         m = l - s
-        Tm = T[:m].reshape(m * G, p, p)
-        if lower:
-            upd = torch.bmm(C[:m].reshape(m * G, Q, p), Tm).reshape(m, G, Q, p)
-            C[s:] += upd
-        else:
-            upd = torch.bmm(C[s:].reshape(m * G, Q, p), Tm).reshape(m, G, Q, p)
-            C[:m] += upd
+        # vectors: row k gets c_{k-+s} @ T_k. Chunks are ordered so that no row is written
+        # before the chunk that reads it (lower: from the top down; upper: from the bottom up).
+        chunks = [(a, min(a + h, m)) for a in range(0, m, h)]
+        for a, b in (reversed(chunks) if lower else chunks):
+            src = C[a:b] if lower else C[s + a : s + b]
+            dst = C[s + a : s + b] if lower else C[a:b]
+            if Q == 1:  # row vector times matrix: a broadcast product beats 1 x p gemms
+                prod = torch.mul(T[a:b], src.transpose(-1, -2), out=tmp[: b - a])
+                dst += prod.sum(-2, keepdim=True)
+            else:
+                upd = torch.bmm(src.reshape(-1, Q, p), T[a:b].reshape(-1, p, p))
+                dst += upd.reshape(b - a, G, Q, p)
+                peak = max(peak, tmp.numel() + upd.numel())
         flops += 2 * m * G * Q * p * p
-        peak = max(peak, upd.numel() + (0 if tmp is None else tmp.numel()))
-        del upd
         levels += 1
+        # blocks: T'_i = T_i @ T_{i+s} (lower) or T_{i+s} @ T_i (upper), written in place in
+        # increasing index order (a chunk reads only indices at or above its own)
         n2 = l - 2 * s
         if n2 > 0:
-            h = math.ceil(n2 / 2)
-            if tmp is None:
-                tmp = T.new_empty(h, G, p, p)
-                peak = max(peak, tmp.numel())
-            for a, b in ((0, h), (h, n2)):
-                if b <= a:
-                    continue
+            for a in range(0, n2, h):
+                b = min(a + h, n2)
                 out = tmp[: b - a].reshape((b - a) * G, p, p)
                 A1 = T[a:b].reshape((b - a) * G, p, p)
                 A2 = T[a + s : b + s].reshape((b - a) * G, p, p)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 
@@ -72,7 +73,7 @@ def solve(
         >>> sol.stats["levels"], torch.allclose(A.matvec(sol.value), r)
         (4, True)
     """
-    R, out_shape = _validate(system, rhs, method, tol, max_iters, throw)
+    system, R, out_shape = _validate(system, rhs, method, tol, max_iters, throw)
     if method in ITERATIVE:
         tol = DEFAULT_TOL.get(system.dtype, 1e-6) if tol is None else float(tol)
         if max_iters is None:
@@ -111,8 +112,8 @@ def solve(
 
 
 def _validate(system, rhs, method, tol, max_iters, throw):
-    """Check every argument once; return the right-hand sides as ``(G, Q, N)`` and the shape
-    of the value."""
+    """Check every argument once; return the system, the right-hand sides as ``(G, Q, N)`` and
+    the shape of the value."""
     if not isinstance(system, BlockBidiagonal):
         raise TypeError(f"system must be a BlockBidiagonal, got {type(system).__name__}")
     if not isinstance(method, str) or method not in METHODS:
@@ -137,6 +138,11 @@ def _validate(system, rhs, method, tol, max_iters, throw):
         rhs = system.join(rhs)
     if not isinstance(rhs, torch.Tensor):
         raise TypeError(f"rhs must be a tensor or a list of blocks, got {type(rhs).__name__}")
+    if not rhs.is_floating_point():
+        raise TypeError(f"rhs must have a floating-point dtype, got {rhs.dtype}")
+    if system.dtype is None:  # identities only: take the right-hand side's dtype and device
+        system = copy.copy(system)
+        system.dtype, system.device = rhs.dtype, rhs.device
     if rhs.dtype != system.dtype:
         raise TypeError(f"rhs has dtype {rhs.dtype} but the system has {system.dtype}")
     if torch.device(rhs.device) != torch.device(system.device):
@@ -154,4 +160,4 @@ def _validate(system, rhs, method, tol, max_iters, throw):
     system.check_nonsingular()
     B = 1 if rhs.dim() == 1 else rhs.shape[0]
     R = rhs.reshape(B, 1, system.N) if system.batch is not None else rhs.reshape(1, B, system.N)
-    return R, tuple(rhs.shape)
+    return system, R, tuple(rhs.shape)

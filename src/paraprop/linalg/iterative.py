@@ -35,7 +35,7 @@ class Layout:
             self._sum_dims: tuple[int, ...] = (-1,)
             self.flops_matvec = _nested_flops(system, G * Q)
         else:
-            self.S = StackedSystem(system, G)
+            self.S = StackedSystem(system, G, like=R)
             self.b = self.S.to_blocks(R)
             self.d = self.S.diag_rows()  # (l, G, 1, p) or None
             self._sum_dims = (0, 3)

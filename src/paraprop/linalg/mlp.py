@@ -21,6 +21,7 @@ Newton step, iterated by :func:`mlp_forward` to the fixed point.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -80,15 +81,29 @@ class _Parsed:
     lead: tuple[tuple, ...]
     linears: tuple[nn.Linear, ...]
     chains: tuple[tuple[tuple, ...], ...]
+    in_features: tuple[int, ...]
+    out_features: tuple[int, ...]
+    # model.parameters() order: per distinct parameter, its (layer, is_weight) occurrences
+    slots: tuple[tuple[tuple[int, bool], ...], ...]
+    uniform: bool  # every Linear is n x n with the same n
+
+
+_PARSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _parse(model) -> _Parsed:
+    """The Linear layers and activation chains of ``model`` (cached per model while its list
+    of modules is unchanged)."""
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"model must be an nn.Sequential, got {type(model).__name__}")
+    modules = tuple(model)
+    hit = _PARSED.get(model)
+    if hit is not None and hit[0] == modules:
+        return hit[1]
     lead: list[tuple] = []
     linears: list[nn.Linear] = []
     chains: list[list[tuple]] = []
-    for i, m in enumerate(model):
+    for i, m in enumerate(modules):
         if isinstance(m, nn.Linear):
             linears.append(m)
             chains.append([])
@@ -100,8 +115,19 @@ def _parse(model) -> _Parsed:
     if not linears:
         raise ValueError("model must contain at least one nn.Linear")
     interned: dict = {}  # equal chains share one object: grouping compares by identity first
-    return _Parsed(tuple(lead), tuple(linears),
-                   tuple(interned.setdefault(tuple(c), tuple(c)) for c in chains))
+    slots: dict[int, list] = {}
+    for k, lin in enumerate(linears):
+        for p, is_w in ((lin.weight, True), (lin.bias, False)):
+            if p is not None:
+                slots.setdefault(id(p), []).append((k, is_w))
+    ins = tuple(lin.in_features for lin in linears)
+    outs = tuple(lin.out_features for lin in linears)
+    parsed = _Parsed(tuple(lead), tuple(linears),
+                     tuple(interned.setdefault(tuple(c), tuple(c)) for c in chains), ins, outs,
+                     tuple(tuple(v) for v in slots.values()),
+                     len(set(ins) | set(outs)) == 1)
+    _PARSED[model] = (modules, parsed)
+    return parsed
 
 
 def _check_input(x, parsed: _Parsed, name: str = "x") -> torch.Tensor:
@@ -185,10 +211,11 @@ def _check_points(points, parsed: _Parsed, x: torch.Tensor) -> None:
         raise ValueError(f"points has {len(points.pre)} layers but the model has "
                          f"{len(parsed.linears)} Linear layers")
     B = x.shape[0]
-    for k, (y, lin) in enumerate(zip(points.pre, parsed.linears, strict=True)):
-        if tuple(y.shape) != (B, lin.out_features):
-            raise ValueError(f"points.pre[{k}] has shape {tuple(y.shape)}, expected "
-                             f"({B}, {lin.out_features})")
+    if [y.shape for y in points.pre] != [(B, n) for n in parsed.out_features]:
+        for k, (y, n) in enumerate(zip(points.pre, parsed.out_features, strict=True)):
+            if tuple(y.shape) != (B, n):
+                raise ValueError(f"points.pre[{k}] has shape {tuple(y.shape)}, expected "
+                                 f"({B}, {n})")
 
 
 def from_mlp(model: nn.Sequential, x: torch.Tensor, *, grad_output: torch.Tensor | None = None,
@@ -258,20 +285,21 @@ def _backward_system(parsed: _Parsed, x, points: ActivationPoints, grad_output):
     lins, l = parsed.linears, len(parsed.linears)
     B = x.shape[0]
     sizes = [lin.out_features for lin in lins]
-    b_off = [MatrixOperator(lins[k + 1].weight, transposed=True) for k in range(l - 1)]
+    weights = [lin.weight for lin in lins[1:]]  # block (k, k+1) is W_{k+1}^T
     groups = _chain_groups(parsed.chains[:-1], list(points.pre[:-1]))
     _, d_last = chain_value_and_derivative(parsed.chains[-1], points.pre[-1])
     has_d = d_last is not None or any(g[2] is not None for g in groups)
     batch = B if has_d else None
     if len(groups) == 1 and groups[0][2] is not None:
-        bwd = BlockBidiagonal._trusted(False, b_off, [None] * l, None, sizes, batch, x.dtype,
-                                       x.device, stacked_scale=-groups[0][2])
+        bwd = BlockBidiagonal._trusted(False, None, [None] * l, None, sizes, batch, x.dtype,
+                                       x.device, stacked_scale=-groups[0][2],
+                                       transposed_weights=weights, nested=False)
     else:
         D = _per_layer(groups, l - 1, 2)
         neg_one = {n: -torch.ones(n, dtype=x.dtype, device=x.device) for n in set(sizes)}
         b_scale = [neg_one[sizes[k]] if D[k] is None else -D[k] for k in range(l - 1)]
-        bwd = BlockBidiagonal._trusted(False, b_off, [None] * l, b_scale, sizes, batch, x.dtype,
-                                       x.device)
+        bwd = BlockBidiagonal._trusted(False, None, [None] * l, b_scale, sizes, batch, x.dtype,
+                                       x.device, transposed_weights=weights, nested=False)
     b_rhs = None
     if grad_output is not None:
         b_rhs = torch.zeros(B, sum(sizes), dtype=x.dtype, device=x.device)
@@ -307,19 +335,17 @@ def _gradients(parsed: _Parsed, points: ActivationPoints, value: torch.Tensor,
     all layers' weight gradients in one batched product per group of equal shapes."""
     lins, l = parsed.linears, len(parsed.linears)
     B = value.shape[0]
-    uniform = len(set(sizes)) == 1 and all(z.shape == points.inputs[0].shape
-                                           for z in points.inputs)
     gW: list = [None] * l
     gb: list = [None] * l
-    if uniform:
+    if parsed.uniform:
         Us = value.reshape(B, l, sizes[0]).transpose(0, 1)  # (l, B, n), a view
         Xs = torch.stack(points.inputs)
-        gW = list(torch.bmm(Us.transpose(1, 2), Xs).unbind(0))
-        gb = list(Us.sum(1).unbind(0))
+        gW = torch.bmm(Us.transpose(1, 2), Xs).unbind(0)
+        gb = Us.sum(1).unbind(0)
         u0 = Us[0]
     else:
         U = list(torch.split(value, sizes, dim=-1))
-        for _, idx in _groups([(tuple(U[k].shape), tuple(points.inputs[k].shape))
+        for _, idx in _groups([(parsed.out_features[k], parsed.in_features[k])
                                for k in range(l)]).items():
             Us = torch.stack([U[k] for k in idx])
             Xs = torch.stack([points.inputs[k] for k in idx])
@@ -327,24 +353,18 @@ def _gradients(parsed: _Parsed, points: ActivationPoints, value: torch.Tensor,
                                            Us.sum(1).unbind(0), strict=True)):
                 gW[idx[j]], gb[idx[j]] = w, b
         u0 = U[0]
-    # model.parameters() order of a flat Sequential: each Linear's weight then bias, a Linear
-    # that appears twice once (its gradients summed)
-    grads: dict[int, torch.Tensor] = {}
-    order: list[int] = []
-    for k, lin in enumerate(lins):
-        for p, g in ((lin.weight, gW[k]), (lin.bias, gb[k])):
-            if p is None:
-                continue
-            if id(p) in grads:
-                grads[id(p)] = grads[id(p)] + g
-            else:
-                grads[id(p)] = g
-                order.append(id(p))
+    params = []
+    for occ in parsed.slots:  # model.parameters() order; a shared Linear's gradients summed
+        g = None
+        for k, is_w in occ:
+            t = gW[k] if is_w else gb[k]
+            g = t if g is None else g + t
+        params.append(g)
     grad_input = u0 @ lins[0].weight
     if parsed.lead:
         _, d = chain_value_and_derivative(parsed.lead, points.x)
         grad_input = grad_input * d
-    return grad_input, [grads[i] for i in order]
+    return grad_input, params
 
 
 def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tensor, *,

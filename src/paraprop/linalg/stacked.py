@@ -32,6 +32,7 @@ class StackedSystem:
     Arguments:
         system: the system (its diagonal blocks must be scalings, not nested systems).
         G: groups of the right-hand side layout: the system's per-sample batch, or 1.
+        like: a tensor whose dtype and device a system of identities only takes.
 
     Attributes:
         Mt: ``(l-1, p, p)``, ``Mt[j] = M_j^T`` zero-padded; a fresh buffer the caller may consume.
@@ -39,14 +40,15 @@ class StackedSystem:
         diag: ``(l, G, p)`` diagonals, padded with ones (``None`` when all are the identity).
     """
 
-    def __init__(self, system: BlockBidiagonal, G: int):
+    def __init__(self, system: BlockBidiagonal, G: int, like: torch.Tensor | None = None):
         if system.nested:
             raise ValueError("StackedSystem needs scalar diagonal blocks, got a nested system")
         self.lower, self.l, self.sizes = system.lower, system.l, system.sizes
         self.G = G
         self.p = max(self.sizes)
         self.uniform = len(set(self.sizes)) == 1
-        self.dtype, self.device = system.dtype, system.device
+        self.dtype = system.dtype or (like.dtype if like is not None else torch.get_default_dtype())
+        self.device = system.device or (like.device if like is not None else torch.device("cpu"))
         kw = {"dtype": self.dtype, "device": self.device}
         p, l = self.p, self.l
         # flat position of every unknown in the padded (l * p) layout
@@ -54,7 +56,9 @@ class StackedSystem:
         if not self.uniform:
             self.idx = torch.cat([torch.arange(n, device=self.device) + k * p
                                   for k, n in enumerate(self.sizes)])
-        mats = [op.dense_t() for op in system.off]  # M_j^T, (cols, rows)
+        mats = system._transposed_weights  # M_j^T, (cols, rows), when the builder kept them
+        if mats is None:
+            mats = [op.dense_t() for op in system.off]
         shapes = [(m.shape[1], m.shape[0]) for m in mats]
         if not mats:
             self.Mt = torch.zeros(0, p, p, **kw)

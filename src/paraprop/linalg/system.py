@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from paraprop.linalg.operators import LinearOperator, as_operator
+from paraprop.linalg.operators import LinearOperator, MatrixOperator, as_operator
 
 __all__ = ["BlockBidiagonal"]
 
@@ -85,25 +85,28 @@ class BlockBidiagonal:
         sizes_l = _infer_sizes(ops, diag_l, scale_l, sizes, lower)
         dtype, device, batch = _check_tensors(ops, diag_l, scale_l)
         self._set(lower, ops, diag_l, scale_l, sizes_l, batch, dtype, device)
-        self._stacked_scale = None
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
-    def _trusted(cls, lower, ops, diag, scale, sizes, batch, dtype, device,
-                 stacked_scale: torch.Tensor | None = None) -> BlockBidiagonal:
+    def _trusted(cls, lower, ops, diag, scale, sizes, batch, dtype, device, *,
+                 stacked_scale: torch.Tensor | None = None,
+                 transposed_weights: list | None = None,
+                 nested: bool | None = None) -> BlockBidiagonal:
         """Build without validation (for builders whose blocks are consistent by design).
 
-        ``scale`` may be ``None`` when ``stacked_scale`` holds the per-sample row scalings
-        stacked as ``(l-1, batch, n)``; the list is then made only when asked for.
+        Lazy forms for deep systems: ``ops=None`` with ``transposed_weights`` (matrices ``W_j``,
+        block ``j`` being ``W_j^T``), ``scale=None`` with ``stacked_scale`` (``(l-1, batch, n)``
+        per-sample row scalings); the per-block lists are made only when asked for.
         """
         obj = cls.__new__(cls)
-        obj._set(lower, ops, diag, scale, sizes, batch, dtype, device)
+        obj._set(lower, ops, diag, scale, sizes, batch, dtype, device, nested)
         obj._stacked_scale = stacked_scale
+        obj._transposed_weights = transposed_weights
         return obj
 
-    def _set(self, lower, ops, diag, scale, sizes, batch, dtype, device) -> None:
+    def _set(self, lower, ops, diag, scale, sizes, batch, dtype, device, nested=None) -> None:
         self.lower = lower
-        self.off: tuple[LinearOperator, ...] = tuple(ops)
+        self._off = None if ops is None else tuple(ops)
         self.diag = tuple(diag)
         self._off_scale = None if scale is None else tuple(scale)
         self.sizes = tuple(sizes)
@@ -112,8 +115,18 @@ class BlockBidiagonal:
         self.batch: int | None = batch
         self.dtype = dtype
         self.device = device
-        self.nested = any(isinstance(d, BlockBidiagonal) for d in self.diag)
+        self.nested = any(isinstance(d, BlockBidiagonal) for d in self.diag) if nested is None \
+            else nested
         self._stacked_scale: torch.Tensor | None = None
+        self._transposed_weights: list | None = None
+
+    @property
+    def off(self) -> tuple[LinearOperator, ...]:
+        """The off-diagonal blocks ``M_j`` as operators."""
+        if self._off is None:
+            self._off = tuple(MatrixOperator(w, transposed=True)
+                              for w in self._transposed_weights)
+        return self._off
 
     @property
     def off_scale(self) -> tuple:
@@ -175,7 +188,7 @@ class BlockBidiagonal:
         parts = []
         for d, n in zip(self.diag, self.sizes, strict=True):
             if d is None:
-                parts.append(torch.ones(G, n, dtype=self.dtype, device=self.device))
+                parts.append(torch.ones(G, n, **_kw(self)))
             elif isinstance(d, BlockBidiagonal):
                 parts.append(d.point_diagonal().expand(G, n))
             else:
@@ -185,14 +198,15 @@ class BlockBidiagonal:
     def dense(self) -> torch.Tensor:
         """The dense matrix ``(G, N, N)`` (``G`` the batch for per-sample systems, else 1)."""
         G = self.batch or 1
-        A = torch.zeros(G, self.N, self.N, dtype=self.dtype, device=self.device)
+        kw = _kw(self)
+        A = torch.zeros(G, self.N, self.N, **kw)
         off = [0]
         for n in self.sizes:
             off.append(off[-1] + n)
         for k, d in enumerate(self.diag):
             sl = slice(off[k], off[k + 1])
             if d is None:
-                A[:, sl, sl] = torch.eye(self.sizes[k], dtype=self.dtype, device=self.device)
+                A[:, sl, sl] = torch.eye(self.sizes[k], **kw)
             elif isinstance(d, BlockBidiagonal):
                 A[:, sl, sl] = d.dense()
             else:
@@ -244,17 +258,23 @@ class BlockBidiagonal:
         B = shifts.shape[0]
         if self.batch is not None and self.batch != B:
             raise ValueError(f"shifts has {B} entries but the system has batch {self.batch}")
-        sh = shifts.to(self.dtype).reshape(B, 1)
+        sh = shifts.to(self.dtype or shifts.dtype).reshape(B, 1)
         diag = [(1.0 if d is None else d) + sh.expand(B, n)
                 for d, n in zip(self.diag, self.sizes, strict=True)]
         return BlockBidiagonal._trusted(self.lower, self.off, diag, self.off_scale, self.sizes,
-                                        B, self.dtype, self.device)
+                                        B, sh.dtype, sh.device)
 
     def __repr__(self) -> str:
         kind = "lower" if self.lower else "upper"
         b = "" if self.batch is None else f", per-sample batch={self.batch}"
         nest = ", nested" if self.nested else ""
         return f"BlockBidiagonal({kind}, l={self.l}, sizes={_short(self.sizes)}{b}{nest})"
+
+
+def _kw(system) -> dict:
+    """dtype and device of a system (the defaults for one made of identities only)."""
+    return {"dtype": system.dtype or torch.get_default_dtype(),
+            "device": system.device or torch.device("cpu")}
 
 
 def _short(sizes) -> str:
@@ -360,8 +380,8 @@ def _check_tensors(ops, diag, scale):
                 raise ValueError(f"{name} has per-sample batch {t.shape[0]} (shape "
                                  f"{tuple(t.shape)}) but {batch_src} has {batch}")
             batch, batch_src = t.shape[0], name
-    if not tensors:
-        return torch.get_default_dtype(), torch.device("cpu"), None
+    if not tensors:  # the identity: it takes the right-hand side's dtype and device
+        return None, None, None
     name0, t0 = tensors[0]
     dtype, device = t0.dtype, torch.device(t0.device)
     if not dtype.is_floating_point:
