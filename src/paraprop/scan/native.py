@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import os
 import platform
 import shutil
@@ -168,18 +169,31 @@ def _threads(N: int, work_per_row: int) -> int:
 
 
 def _run_split(N: int, work_per_row: int, call) -> None:
-    """Run ``call(n0, n1)`` over batch rows ``[0, N)`` split across threads."""
+    """Run ``call(n0, n1)`` over batch rows ``[0, N)`` on up to ``torch.get_num_threads()``
+    threads (ctypes releases the GIL during the call).
+
+    The rows are cut into about four pieces per thread that the threads take from a shared
+    counter, the calling thread included: on a machine shared with other jobs a descheduled
+    thread then delays only its current piece, not a fixed half of the work.
+    """
     global _pool, _pool_size
     k = _threads(N, work_per_row)
     if k == 1:
         call(0, N)
         return
-    if _pool is None or _pool_size < k - 1:  # the calling thread takes the first share
+    if _pool is None or _pool_size < k - 1:  # the calling thread is one of the k
         _pool = ThreadPoolExecutor(max_workers=k - 1, thread_name_prefix="paraprop-scan")
         _pool_size = k - 1
-    bounds = [N * i // k for i in range(k + 1)]
-    futures = [_pool.submit(call, bounds[i], bounds[i + 1]) for i in range(1, k)]
-    call(bounds[0], bounds[1])
+    pieces = min(N, 4 * k)
+    bounds = [N * i // pieces for i in range(pieces + 1)]
+    counter = itertools.count()  # next() on it is atomic under the GIL
+
+    def worker() -> None:
+        while (i := next(counter)) < pieces:
+            call(bounds[i], bounds[i + 1])
+
+    futures = [_pool.submit(worker) for _ in range(k - 1)]
+    worker()
     for f in futures:
         f.result()
 
