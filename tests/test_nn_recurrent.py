@@ -122,6 +122,15 @@ def test_state_dict_round_trip_and_isinstance():
     assert "backward='scan'" in repr(ours)
 
 
+@pytest.mark.parametrize("cls,tcls,extra", CASES, ids=IDS)
+def test_forward_with_grad_is_bitwise_torch(cls, tcls, extra):
+    """The forward pass is torch's own kernel, layer by layer: bitwise the same outputs."""
+    ref, ours = pair(cls, tcls, extra, dtype=torch.float32, num_layers=2)
+    x = torch.randn(30, 4, 3)
+    (o1, h1), (o2, h2) = ref(x), ours(x)
+    assert o2.grad_fn is not None and torch.equal(o1, o2) and torch.equal(h1, h2)
+
+
 def test_no_grad_is_torch_forward():
     ref, ours = pair(pnn.GRU, torch.nn.GRU, {}, dtype=torch.float32)
     x = torch.randn(20, 2, 3)
