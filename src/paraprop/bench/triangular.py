@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from pathlib import Path
@@ -30,14 +31,16 @@ from paraprop.linalg import activation_points, mlp_backward, mlp_forward, rnn_ba
 DESCRIPTION = ("MLP/RNN backward as block bi-diagonal systems: cyclic reduction vs autograd, "
                "Jacobi, BiCGStab")
 
-MLP_COLUMNS = ["l", "width", "batch", "autograd_ms", "cr_ms", "subst_ms", "cr_speedup",
+MLP_COLUMNS = ["l", "width", "batch", "threads", "autograd_ms", "cr_ms", "subst_ms", "cr_speedup",
                "fwd_bwd_speedup", "cr_levels", "log2_bound", "subst_levels", "cr_mflop",
                "subst_mflop", "autograd_peak_mb", "cr_peak_mb", "subst_peak_mb",
                "cr_vs_subst_mem", "grad_rel_err_f64", "jacobi_iters", "bicgstab_iters"]
-RNN_COLUMNS = ["K", "tau", "hidden", "batch", "autograd_ms", "cr_ms", "subst_ms", "cr_speedup",
-               "cr_levels", "inner_levels", "outer_levels", "subst_levels", "jacobi_iters",
-               "bicgstab_iters", "grad_rel_err_f64"]
-TRAIN_COLUMNS = ["activation", "l", "steps", "loss_first", "loss_last", "newton_iters_mean",
+RNN_COLUMNS = ["K", "tau", "hidden", "batch", "threads", "autograd_ms", "cr_ms", "subst_ms",
+               "cr_speedup", "cr_levels", "inner_levels", "outer_levels", "subst_levels",
+               "jacobi_iters", "bicgstab_iters", "grad_rel_err_f64"]
+THREAD_COLUMNS = ["l", "width", "batch", "threads", "autograd_ms", "cr_ms", "subst_ms",
+                  "cr_speedup", "fwd_bwd_speedup"]
+TRAIN_COLUMNS = ["activation", "l", "steps", "lr", "loss_first", "loss_last", "newton_iters_mean",
                  "newton_iters_max", "levels_per_forward", "sequential_levels",
                  "max_abs_err_vs_pass"]
 
@@ -54,6 +57,18 @@ def deep_mlp(l: int, width: int, *, act=nn.Tanh, seed: int = 0,
         nn.init.zeros_(lin.bias)
         mods += [lin, act()]
     return nn.Sequential(*mods).to(dtype)
+
+
+@contextlib.contextmanager
+def threads(n: int | None):
+    """Run with ``n`` intra-op threads (``None``: unchanged), restoring the setting after."""
+    old = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old)
 
 
 def peak_memory(fn) -> int:
@@ -74,8 +89,10 @@ def _rel_err(ours, ref) -> float:
                zip(ours, ref, strict=True))
 
 
-def mlp_row(l: int, width: int, batch: int, *, repeats: int) -> dict:
-    """Every measurement of one deep MLP."""
+def mlp_row(l: int, width: int, batch: int, *, repeats: int, nthreads: int | None = 1,
+            counters: bool = True) -> dict:
+    """Every measurement of one deep MLP; times with ``nthreads`` intra-op threads (``None``:
+    the process default); ``counters=False`` skips all but the timing."""
     net = deep_mlp(l, width)
     params = list(net.parameters())
     gen = torch.Generator().manual_seed(1)
@@ -101,10 +118,17 @@ def mlp_row(l: int, width: int, batch: int, *, repeats: int) -> dict:
     def cr_full():
         return mlp_backward(net, x, g)
 
-    times = interleaved({"autograd": autograd_bwd, "cr": cr_bwd, "subst": subst_bwd,
-                         "autograd_full": autograd_full, "cr_full": cr_full},
-                        repeats=repeats, warmup=1, desc=f"mlp l={l} w={width} b={batch}")
+    with threads(nthreads) as used:
+        times = interleaved({"autograd": autograd_bwd, "cr": cr_bwd, "subst": subst_bwd,
+                             "autograd_full": autograd_full, "cr_full": cr_full},
+                            repeats=repeats, warmup=1, desc=f"mlp l={l} w={width} b={batch}")
     t = {k: median(v) for k, v in times.items()}
+    row = {"l": l, "width": width, "batch": batch, "threads": used,
+           "autograd_ms": 1e3 * t["autograd"], "cr_ms": 1e3 * t["cr"],
+           "subst_ms": 1e3 * t["subst"], "cr_speedup": t["autograd"] / t["cr"],
+           "fwd_bwd_speedup": t["autograd_full"] / t["cr_full"], "times_s": times}
+    if not counters:
+        return row
     _, _, cr = mlp_backward(net, x, g, points=pts, return_solution=True)
     _, _, sub = mlp_backward(net, x, g, points=pts, method="substitution", return_solution=True)
     mem = {"autograd": peak_memory(autograd_bwd), "cr": peak_memory(cr_bwd),
@@ -126,10 +150,7 @@ def mlp_row(l: int, width: int, batch: int, *, repeats: int) -> dict:
         sol = getattr(e, "solution", None)
         bic_iters = f"no conv. ({sol.iterations if sol is not None else '?'})"
     return {
-        "l": l, "width": width, "batch": batch,
-        "autograd_ms": 1e3 * t["autograd"], "cr_ms": 1e3 * t["cr"], "subst_ms": 1e3 * t["subst"],
-        "cr_speedup": t["autograd"] / t["cr"],
-        "fwd_bwd_speedup": t["autograd_full"] / t["cr_full"],
+        **row,
         "cr_levels": cr.stats["levels"], "log2_bound": math.ceil(math.log2(l)) + 1,
         "subst_levels": sub.stats["levels"],
         "cr_mflop": cr.stats["flops"] / 1e6, "subst_mflop": sub.stats["flops"] / 1e6,
@@ -139,11 +160,11 @@ def mlp_row(l: int, width: int, batch: int, *, repeats: int) -> dict:
         "cr_vs_autograd_mem": mem["cr"] / max(mem["autograd"], 1),
         "grad_rel_err_f64": _rel_err([gx, *gp], ref),
         "jacobi_iters": jac.iterations, "bicgstab_iters": bic_iters,
-        "times_s": times,
     }
 
 
-def rnn_row(K: int, tau: int, hidden: int, batch: int, *, repeats: int) -> dict:
+def rnn_row(K: int, tau: int, hidden: int, batch: int, *, repeats: int,
+            nthreads: int | None = 1) -> dict:
     torch.manual_seed(0)
     rnn = nn.RNN(hidden, hidden, num_layers=K)
     gen = torch.Generator().manual_seed(1)
@@ -152,11 +173,12 @@ def rnn_row(K: int, tau: int, hidden: int, batch: int, *, repeats: int) -> dict:
     xg = x.clone().requires_grad_()
     out, _ = rnn(xg)
     params = list(rnn.parameters())
-    times = interleaved(
-        {"autograd": lambda: torch.autograd.grad(out, [xg, *params], g, retain_graph=True),
-         "cr": lambda: rnn_backward(rnn, x, g),
-         "subst": lambda: rnn_backward(rnn, x, g, method="substitution")},
-        repeats=repeats, warmup=1, desc=f"rnn K={K} tau={tau}")
+    with threads(nthreads) as used:
+        times = interleaved(
+            {"autograd": lambda: torch.autograd.grad(out, [xg, *params], g, retain_graph=True),
+             "cr": lambda: rnn_backward(rnn, x, g),
+             "subst": lambda: rnn_backward(rnn, x, g, method="substitution")},
+            repeats=repeats, warmup=1, desc=f"rnn K={K} tau={tau}")
     t = {k: median(v) for k, v in times.items()}
     rnn64 = copy.deepcopy(rnn).double()
     x64, g64 = x.double(), g.double()
@@ -171,7 +193,7 @@ def rnn_row(K: int, tau: int, hidden: int, batch: int, *, repeats: int) -> dict:
     except Exception as e:
         sol = getattr(e, "solution", None)
         bic_iters = f"no conv. ({sol.iterations if sol is not None else '?'})"
-    return {"K": K, "tau": tau, "hidden": hidden, "batch": batch,
+    return {"K": K, "tau": tau, "hidden": hidden, "batch": batch, "threads": used,
             "autograd_ms": 1e3 * t["autograd"], "cr_ms": 1e3 * t["cr"],
             "subst_ms": 1e3 * t["subst"], "cr_speedup": t["autograd"] / t["cr"],
             "cr_levels": cr.stats["levels"], "inner_levels": cr.stats["inner_levels"],
@@ -180,42 +202,55 @@ def rnn_row(K: int, tau: int, hidden: int, batch: int, *, repeats: int) -> dict:
             "grad_rel_err_f64": _rel_err([gx, *gp], ref), "times_s": times}
 
 
-def training_row(act, l: int, steps: int, *, n: int = 512, hidden: int = 32,
-                 lr: float = 0.1) -> dict:
-    """Full-batch training on the digits; each step's forward is solved by the lower system
-    starting from the previous step's activation points, its backward by cyclic reduction."""
-    from paraprop.data import load_digits
+def training_row(act, l: int, steps: int, *, n: int = 256, hidden: int = 32, lr: float = 0.05,
+                 synthetic: bool = False) -> dict:
+    """Full-batch training (digits, or a synthetic 10-class problem): each step's forward is
+    solved by the lower system linearised at the previous step's activation points (Newton
+    iterations to the pass), its backward by the upper system. The linear solves use
+    substitution (the iteration count does not depend on the solver); ``levels_per_forward``
+    counts what cyclic reduction takes for the same iterations."""
+    if synthetic:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(n, 64, generator=gen)
+        y = (x[:, :10] @ torch.randn(10, 10, generator=gen)).argmax(1)
+    else:
+        from paraprop.data import load_digits
 
-    images, labels = load_digits()
-    x = images[:n].reshape(n, 64)
-    y = labels[:n]
-    torch.manual_seed(0)
+        images, labels = load_digits()
+        x, y = images[:n].reshape(n, 64), labels[:n]
+    g = torch.manual_seed(0)
     mods: list[nn.Module] = [nn.Linear(64, hidden), act()]
     for _ in range(l - 2):
         mods += [nn.Linear(hidden, hidden), act()]
     mods.append(nn.Linear(hidden, 10))
+    gain = nn.init.calculate_gain("tanh" if act is nn.Tanh else "relu")
+    for m in mods:
+        if isinstance(m, nn.Linear):  # orthogonal: a deep net that trains by plain SGD
+            nn.init.orthogonal_(m.weight, gain=gain, generator=g)
+            nn.init.zeros_(m.bias)
     net = nn.Sequential(*mods)
     points = activation_points(net, x)
-    iters, losses, errs, levels = [], [], [], []
+    iters, losses, errs = [], [], []
     for _ in range(steps):
-        sol = mlp_forward(net, x, points=points)
+        sol = mlp_forward(net, x, points=points, method="substitution")
         points = sol.stats["points"]
         iters.append(sol.iterations)
-        levels.append(sol.evaluations)
         with torch.no_grad():
             errs.append(float((sol.value - net(x)).abs().max()))
         logits = sol.value.detach().requires_grad_()
         loss = nn.functional.cross_entropy(logits, y)
         (g,) = torch.autograd.grad(loss, logits)
-        _, grads = mlp_backward(net, x, g, points=points)
+        _, grads = mlp_backward(net, x, g, points=points, method="substitution")
         with torch.no_grad():
             for p, gp in zip(net.parameters(), grads, strict=True):
                 p.sub_(lr * gp)
         losses.append(loss.item())
-    return {"activation": act.__name__, "l": l, "steps": steps, "loss_first": losses[0],
-            "loss_last": losses[-1], "newton_iters_mean": sum(iters) / len(iters),
-            "newton_iters_max": max(iters), "levels_per_forward": sum(levels) / len(levels),
-            "sequential_levels": l, "max_abs_err_vs_pass": max(errs), "iterations": iters}
+    cr_levels = mlp_forward(net, x[:1], method="cyclic_reduction").evaluations
+    mean = sum(iters) / len(iters)
+    return {"activation": act.__name__, "l": l, "steps": steps, "lr": lr, "loss_first": losses[0],
+            "loss_last": losses[-1], "newton_iters_mean": mean, "newton_iters_max": max(iters),
+            "levels_per_forward": mean * (cr_levels + 1), "sequential_levels": l,
+            "max_abs_err_vs_pass": max(errs), "iterations": iters}
 
 
 def steps_plot(path: Path, rows: list[dict]) -> Path:
@@ -249,7 +284,7 @@ def steps_plot(path: Path, rows: list[dict]) -> Path:
 
 def mlp_configs(quick: bool) -> list[tuple[int, int, int]]:
     if quick:
-        return [(16, 16, 1), (64, 16, 1), (32, 32, 4)]
+        return [(16, 16, 1), (64, 16, 1)]
     return [(16, 16, 1), (64, 16, 1), (256, 16, 1), (1024, 16, 1), (1024, 16, 16),
             (256, 32, 8), (64, 64, 16), (16, 128, 64)]
 
@@ -259,30 +294,50 @@ def rnn_configs(quick: bool) -> list[tuple[int, int, int, int]]:
 
 
 def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
+    """Run the suite; timings use 1 intra-op thread except the thread comparison.
+
+    On the shared 2-core machine, batched kernels with 2 threads open OpenMP parallel regions
+    that stall whenever another process holds a core (measured: 10-100x slower); autograd's
+    tiny per-layer kernels never go parallel. One thread keeps the comparison fair; the thread
+    table shows the default as well.
+    """
     repeats = repeats or (2 if quick else 7)
+    default_threads = torch.get_num_threads()
     out_dir.mkdir(parents=True, exist_ok=True)
     sections = []
-    mlp_rows = [mlp_row(l, w, b, repeats=repeats) for l, w, b in mlp_configs(quick)]
-    print("\nDeep tanh MLPs, backward from the activation points of a pass "
+    with threads(1):
+        mlp_rows = [mlp_row(l, w, b, repeats=repeats) for l, w, b in mlp_configs(quick)]
+    print("\nDeep tanh MLPs, backward from the activation points of a pass, 1 intra-op thread "
           "(speedup: autograd's backward time / CR's, same run)")
     print(text_table(mlp_rows, MLP_COLUMNS))
     png = steps_plot(out_dir / "triangular_steps.png", mlp_rows)
-    sections.append(("Deep MLPs: backward by cyclic reduction vs autograd",
+    sections.append(("Deep MLPs: backward by cyclic reduction vs autograd (1 thread)",
                      markdown_table(mlp_rows, MLP_COLUMNS + ["cr_vs_autograd_mem"])
                      + f"\n\n![]({png.name})"))
-    rnn_rows = [rnn_row(*c, repeats=repeats) for c in rnn_configs(quick)]
-    print("\nStacked nn.RNN (tanh), the nested system of eq. 23-24")
+    l, w, b = mlp_configs(quick)[-1 if quick else 3]
+    thread_rows = [mlp_row(l, w, b, repeats=repeats, nthreads=n, counters=False)
+                   for n in sorted({1, default_threads})]
+    print("\nThe same backward with 1 thread and with the default intra-op threads")
+    print(text_table(thread_rows, THREAD_COLUMNS))
+    sections.append(("Intra-op threads (the default opens parallel regions in batched kernels)",
+                     markdown_table(thread_rows, THREAD_COLUMNS)))
+    with threads(1):
+        rnn_rows = [rnn_row(*c, repeats=repeats) for c in rnn_configs(quick)]
+        steps, depth = (5, 8) if quick else (40, 32)
+        train_rows = [training_row(act, depth, steps, lr=lr, synthetic=quick)
+                      for act, lr in ((nn.Tanh, 0.05), (nn.ReLU, 0.01))]
+    print("\nStacked nn.RNN (tanh), the nested system of eq. 23-24, 1 thread")
     print(text_table(rnn_rows, RNN_COLUMNS))
-    sections.append(("Stacked RNN: nested system", markdown_table(rnn_rows, RNN_COLUMNS)))
-    steps = 5 if quick else 40
-    depth = 8 if quick else 32
-    train_rows = [training_row(act, depth, steps) for act in (nn.Tanh, nn.ReLU)]
-    print("\nForward by the lower system from the previous step's points, while training")
+    sections.append(("Stacked RNN: nested system (1 thread)",
+                     markdown_table(rnn_rows, RNN_COLUMNS)))
+    data = "synthetic 10-class data" if quick else "the digits"
+    print(f"\nForward by the lower system from the previous step's points, training on {data}")
     print(text_table(train_rows, TRAIN_COLUMNS))
-    sections.append(("Forward propagation from the previous step's points (training)",
+    sections.append((f"Forward propagation from the previous step's points (training on {data})",
                      markdown_table(train_rows, TRAIN_COLUMNS)))
     payload = {"suite": "triangular", "machine": machine_info(), "repeats": repeats,
-               "quick": quick, "mlp": mlp_rows, "rnn": rnn_rows, "training": train_rows}
+               "quick": quick, "timing_threads": 1, "mlp": mlp_rows, "threads": thread_rows,
+               "rnn": rnn_rows, "training": train_rows}
     write_results(out_dir, "triangular", payload, sections,
                   "paraprop bench triangular" + (" --quick" if quick else ""))
     return payload

@@ -1,0 +1,56 @@
+"""Demo part: back-propagation through deep MLPs as an upper triangular system (Naumov 2017),
+solved by cyclic reduction in ceil(log2 l) + 1 levels, with autograd's gradients."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import torch
+
+from paraprop.bench.harness import interleaved, median
+from paraprop.bench.report import markdown_table, text_table
+from paraprop.bench.triangular import deep_mlp, threads
+from paraprop.linalg import activation_points, mlp_backward
+
+ORDER = 40
+TITLE = "Back-propagation as a triangular system: cyclic reduction in log2(l) + 1 levels"
+COLUMNS = ["l", "width", "batch", "autograd_ms", "cr_ms", "speedup", "cr_levels",
+           "sequential_levels", "grad_rel_err_f64"]
+
+
+def row(l: int, width: int, batch: int, repeats: int) -> dict:
+    net = deep_mlp(l, width)
+    params = list(net.parameters())
+    gen = torch.Generator().manual_seed(1)
+    x, g = torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)
+    xg = x.clone().requires_grad_()
+    out = net(xg)
+    pts = activation_points(net, x)
+    times = interleaved(
+        {"autograd": lambda: torch.autograd.grad(out, [xg, *params], g, retain_graph=True),
+         "cr": lambda: mlp_backward(net, x, g, points=pts)},
+        repeats=repeats, warmup=1, desc=f"demo l={l}")
+    sol = mlp_backward(net, x, g, points=pts, return_solution=True)[2]
+    net64 = copy.deepcopy(net).double()
+    x64 = x.double().requires_grad_()
+    ref = torch.autograd.grad(net64(x64), [x64, *net64.parameters()], g.double())
+    ours = mlp_backward(net64, x.double(), g.double())
+    err = max(float((a - b).norm() / b.norm()) for a, b in zip([ours[0], *ours[1]], ref,
+                                                               strict=True))
+    ta, tc = median(times["autograd"]), median(times["cr"])
+    return {"l": l, "width": width, "batch": batch, "autograd_ms": 1e3 * ta, "cr_ms": 1e3 * tc,
+            "speedup": ta / tc, "cr_levels": sol.stats["levels"], "sequential_levels": l,
+            "grad_rel_err_f64": err, "log2_bound": math.ceil(math.log2(l)) + 1}
+
+
+def run(out_dir: Path, *, quick: bool = False) -> dict:
+    depths = [16, 64] if quick else [16, 64, 256, 1024]
+    with threads(1):  # see paraprop.bench.triangular.run: parallel regions stall on a busy host
+        rows = [row(l, 16, 1, repeats=2 if quick else 5) for l in depths]
+    title = ("tanh MLPs of width 16, batch 1, 1 thread: backward from the points of a pass, "
+             "autograd vs cyclic reduction")
+    print(title)
+    print(text_table(rows, COLUMNS))
+    return {"rows": rows, "sections": [(title, markdown_table(rows, COLUMNS))]}
