@@ -1,5 +1,6 @@
 """paraprop.distributed: 2 gloo processes on localhost give the single-process results."""
 
+import json
 import os
 import time
 
@@ -70,10 +71,23 @@ def _compare(rank, configs):
     return out
 
 
+def _compare_and_time(rank, configs, out):
+    """:func:`_compare`, then the torchrun benchmark worker (``python -m paraprop.distributed``)
+    in the same processes (it finds the process group already initialised)."""
+    from paraprop.distributed.__main__ import main
+
+    res = _compare(rank, configs)
+    code = main(["--depth", "32", "--width", "4", "--batch", "2", "--levels", "2",
+                 "--repeats", "1", "--out", out, "--save-output", out + ".pt"])
+    return res, code
+
+
 @pytest.mark.slow
-def test_two_gloo_ranks_equal_one_process():
-    results = spawn(_compare, 2, CONFIGS, timeout=240, threads=1)
-    for rank, res in enumerate(results):
+def test_two_gloo_ranks_equal_one_process(tmp_path):
+    out = str(tmp_path / "bench.json")
+    results = spawn(_compare_and_time, 2, CONFIGS, out, timeout=240, threads=1)
+    for rank, (res, code) in enumerate(results):
+        assert code == 0
         for cfg, r in zip(CONFIGS, res[:-1], strict=True):
             for key in ("y", "grads", "gx", "partitioned"):
                 assert r[key] <= 1e-12, (rank, cfg, key, r[key])
@@ -82,8 +96,17 @@ def test_two_gloo_ranks_equal_one_process():
         a, b = layer_range(16, rank=rank, world=2)
         assert res[-1] == (f"rank {rank} owns layers [{a}, {b}) of depth=16, so it needs "
                            f"{b - a} blocks, got 3")
-    converged = results[1][3]["residuals"]
+    converged = results[1][0][3]["residuals"]
     assert converged[-1] <= 1e-13
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert record["world"] == 2 and record["layers_per_rank"] == [[0, 16], [16, 32]]
+    assert len(record["times"]["mgrit"]) == 1 and record["link"]["latency_s"] > 0
+    y = torch.load(out + ".pt")
+    one = ParallelResidualStack(mlp_blocks(32, 4, kind="iid", seed=0), 1 / 32, levels=2,
+                                max_cycles=2)
+    with torch.no_grad():
+        ref = one(torch.randn(2, 4, generator=torch.Generator().manual_seed(1)))
+    assert _rel(y, ref) <= 1e-6
 
 
 def _peer_fails(rank, mode):

@@ -45,7 +45,8 @@ class CostModel:
         latency_s: the latency of one message.
         bandwidth_Bps: bytes per second of one link.
         message_bytes: the size of one state (activation) message.
-        concurrency: intervals a worker steps concurrently at the cost of one.
+        concurrency: intervals a worker steps concurrently at the cost of one (a float
+            ``> 0``: ``k > 1`` intervals cost ``ceil(k / concurrency)`` layer times).
     """
 
     forward_s: float
@@ -55,7 +56,18 @@ class CostModel:
     latency_s: float = 0.0
     bandwidth_Bps: float = math.inf
     message_bytes: int = 0
-    concurrency: int = 1
+    concurrency: float = 1
+
+    def __post_init__(self):
+        for name in ("forward_s", "adjoint_s", "param_grad_s", "backprop_s", "latency_s",
+                     "message_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        if not self.bandwidth_Bps > 0:
+            raise ValueError(f"bandwidth_Bps must be > 0, got {self.bandwidth_Bps!r}")
+        if not self.concurrency > 0:
+            raise ValueError(f"concurrency must be > 0, got {self.concurrency!r}")
 
     @property
     def message_s(self) -> float:
@@ -73,7 +85,8 @@ class _ClockStepper:
         self.counts = type("C", (), {"evaluations": 0, "calls": 0})()
 
     def _advance(self, count: int, steps: int) -> None:
-        self.clock.t += steps * self.per_step * math.ceil(count / self.conc)
+        batches = 1 if count == 1 else math.ceil(count / self.conc - 1e-9)
+        self.clock.t += steps * self.per_step * batches
         self.counts.evaluations += count * steps
         self.counts.calls += steps
 
