@@ -218,3 +218,22 @@ def test_bad_init_shape():
         mgrit(ForwardStepper(blocks), torch.randn(2, 3), Hierarchy.build(8, levels=2,
                                                                           coarsening=4),
               0.1, init=torch.zeros(3, 2, 3))
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    ({"step_size": -0.1}, ValueError, "step_size must be a finite number > 0, got -0.1"),
+    ({"relax": "FF"}, ValueError, "relax must be one of"),
+    ({"max_cycles": -1}, ValueError, "max_cycles must be an int >= 0, got -1"),
+    ({"tol": float("nan")}, ValueError, "tol must be None or a number >= 0"),
+    ({"c_weight": 0}, ValueError, r"c_weight must be a number in \(0, 2\], got 0"),
+    ({"parts": [(0, 3), (4, 8)]}, ValueError, "must be contiguous non-empty ranges"),
+    ({"parts": [(0, 8)], "me": 1}, ValueError, "me=1 must index parts"),
+    ({"x": torch.ones(2, 3, dtype=torch.long)}, TypeError, "floating-point torch.Tensor"),
+    ({"hierarchy": 2}, TypeError, "hierarchy must be a Hierarchy"),
+])
+def test_mgrit_argument_errors(kwargs, err, match):
+    args = {"x": torch.randn(2, 3), "hierarchy": Hierarchy.build(8, levels=2, coarsening=2),
+            "step_size": 0.1, **kwargs}
+    with pytest.raises(err, match=match):
+        mgrit(ForwardStepper(mlp_blocks(8, 3)), args.pop("x"), args.pop("hierarchy"),
+              args.pop("step_size"), **args)

@@ -60,3 +60,16 @@ def test_errors():
         simulate(3, 4, MODEL, levels=1)
     with pytest.raises(ValueError, match="needs at least 16 layers"):
         simulate(8, 2, MODEL, levels=3)
+
+
+def test_cost_model_validation_and_fractional_concurrency():
+    with pytest.raises(ValueError, match="forward_s must be a number >= 0, got -1"):
+        dataclasses.replace(MODEL, forward_s=-1)
+    with pytest.raises(ValueError, match="concurrency must be > 0, got 0"):
+        dataclasses.replace(MODEL, concurrency=0)
+    with pytest.raises(ValueError, match="bandwidth_Bps must be > 0"):
+        dataclasses.replace(MODEL, bandwidth_Bps=0)
+    # batching slower than one layer at a time (concurrency < 1) costs more than the loop
+    slow = simulate(256, 1, dataclasses.replace(MODEL, concurrency=0.5), training=False)
+    loop = simulate(256, 1, MODEL, training=False)
+    assert slow["mgrit_s"] > loop["mgrit_s"]

@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"world": world, "threads": threads, "config": vars(args), "times": times,
               "median_s": {k: statistics.median(v) for k, v in times.items()},
               "residuals": stats["residuals"], "messages_rank0": stats["messages"],
+              "wait_s_rank0": stats["wait_s"], "time_s_rank0": stats["time_s"],
               "layers_per_rank": [list(r) for r in stack.parts], "link": link}
     if rank == 0:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,7 @@ class DistLink:
         self.me = dist.get_rank()
         self.messages = 0
         self.bytes = 0
+        self.wait_s = 0.0  # time spent blocked in receives and all-reduces
         self._pending: list = []
         # gloo sends and receives CPU tensors; nccl device tensors.
         backend = dist.get_backend(group)
@@ -80,20 +82,24 @@ class DistLink:
         peer = self.ranks[src]
         buf = torch.empty(like.shape, dtype=like.dtype,
                           device="cpu" if self._cpu else like.device)
+        t0 = time.perf_counter()
         try:
             dist.irecv(buf, peer, group=self.group, tag=tag).wait(_td(self.timeout))
         except RuntimeError as e:
             raise self._fail("receive", peer, e) from None
+        self.wait_s += time.perf_counter() - t0
         return buf.to(like.device)
 
     def sum(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
         if not self._cpu:
             t = t.to(torch.device("cuda", torch.cuda.current_device()))
+        t0 = time.perf_counter()
         try:
             dist.all_reduce(t, group=self.group, async_op=True).wait(_td(self.timeout))
         except RuntimeError as e:
             raise self._fail("all-reduce", None, e) from None
+        self.wait_s += time.perf_counter() - t0
         return float(t)
 
     def flush(self) -> None:

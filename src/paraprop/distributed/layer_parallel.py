@@ -85,7 +85,8 @@ class LayerParallelStack(nn.Module):
 
     Attributes:
         last_stats: ``{"forward": ..., "backward": ...}``: residual history, cycles,
-            ``messages`` and ``bytes`` sent by this rank, ``time_s``.
+            ``messages`` and ``bytes`` sent by this rank, ``wait_s`` (time blocked waiting for
+            peers), ``time_s``.
 
     Raises:
         ValueError / TypeError: bad arguments, or a block count that does not match this rank's
@@ -173,6 +174,7 @@ class LayerParallelStack(nn.Module):
                                 "converged": res.converged,
                                 "convergence_factor": res.convergence_factor,
                                 "messages": link.messages, "bytes": link.bytes,
+                                "wait_s": link.wait_s,
                                 "time_s": time.perf_counter() - t0}
 
     def _broadcast(self, t: torch.Tensor, src: int, what: str) -> torch.Tensor:

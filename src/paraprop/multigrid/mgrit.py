@@ -292,6 +292,7 @@ def mgrit(
         >>> res.states.shape, res.residuals[-1] < 1e-5
         (torch.Size([17, 2, 4]), True)
     """
+    _validate(x, hierarchy, step_size, relax, max_cycles, tol, c_weight, parts, me)
     parts = parts if parts is not None else [(0, hierarchy.n_steps)]
     solver = _Solver(stepper, hierarchy, float(step_size), relax, float(c_weight), link, parts,
                      me)
@@ -337,6 +338,38 @@ def mgrit(
                "time_s": elapsed, "levels": hierarchy.levels,
                "coarsening": list(hierarchy.coarsening), "relax": relax},
     )
+
+
+def _validate(x, hierarchy, step_size, relax, max_cycles, tol, c_weight, parts, me) -> None:
+    """Check :func:`mgrit`'s arguments once; errors name the argument and the value."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point torch.Tensor, got {type(x).__name__}"
+                        + (f" of dtype {x.dtype}" if isinstance(x, torch.Tensor) else ""))
+    if not isinstance(hierarchy, Hierarchy):
+        raise TypeError(f"hierarchy must be a Hierarchy (Hierarchy.build(...)), got "
+                        f"{type(hierarchy).__name__}")
+    if isinstance(step_size, bool) or not isinstance(step_size, int | float) \
+            or not math.isfinite(step_size) or step_size <= 0:
+        raise ValueError(f"step_size must be a finite number > 0, got {step_size!r}")
+    if relax not in RELAX:
+        raise ValueError(f"relax must be one of {RELAX}, got {relax!r}")
+    if isinstance(max_cycles, bool) or not isinstance(max_cycles, int) or max_cycles < 0:
+        raise ValueError(f"max_cycles must be an int >= 0, got {max_cycles!r}")
+    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, int | float)
+                            or not tol >= 0):
+        raise ValueError(f"tol must be None or a number >= 0, got {tol!r}")
+    if isinstance(c_weight, bool) or not isinstance(c_weight, int | float) \
+            or not 0 < c_weight <= 2:
+        raise ValueError(f"c_weight must be a number in (0, 2], got {c_weight!r}")
+    if parts is not None:
+        ok = (len(parts) >= 1 and parts[0][0] == 0 and parts[-1][1] == hierarchy.n_steps
+              and all(a < b for a, b in parts)
+              and all(p[1] == q[0] for p, q in zip(parts, parts[1:], strict=False)))
+        if not ok:
+            raise ValueError(f"parts={parts!r} must be contiguous non-empty ranges covering "
+                             f"[0, {hierarchy.n_steps})")
+        if not 0 <= me < len(parts):
+            raise ValueError(f"me={me!r} must index parts (0 .. {len(parts) - 1})")
 
 
 def residual_norm(stepper, states: torch.Tensor, step_size: float, x: torch.Tensor | None = None
