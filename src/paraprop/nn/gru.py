@@ -91,17 +91,23 @@ class GRUScanFunction(torch.autograd.Function):
                 A = Factored(scale=s[1:].transpose(0, 1), left=w_hh.t(),
                              diag=z[1:].transpose(0, 1))
                 g[:-1] = solve_hidden(cfg, A, e[:-1].transpose(0, 1), g[-1]).transpose(0, 1)
-            dgh = s * g.repeat(1, 1, 3)                              # d gh   (T, B, 3H)
-            dgi = torch.cat([dgh[..., :2 * H], dn * g], -1)          # d gi   (T, B, 3H)
-            dgh2, dgi2 = dgh.reshape(T * B, 3 * H), dgi.reshape(T * B, 3 * H)
-            grads_w[k * per] = dgi2.t() @ inp.reshape(T * B, -1)
-            grads_w[k * per + 1] = dgh2.t() @ hprev.reshape(T * B, H)
+            # d gh = s * [g; g; g]; d gi equals it in the r, z blocks and is dn * g in the n block
+            dgh = (s.unflatten(-1, (3, H)) * g.unsqueeze(-2)).reshape(T * B, 3 * H)
+            dN = (dn * g).reshape(T * B, H)
+            dgi_rz = dgh[:, :2 * H]                                  # a strided view, no copy
+            x2 = inp.reshape(T * B, -1)
+            g_wih = torch.empty_like(w_ih)
+            torch.mm(dgi_rz.t(), x2, out=g_wih[:2 * H])
+            torch.mm(dN.t(), x2, out=g_wih[2 * H:])
+            grads_w[k * per] = g_wih
+            grads_w[k * per + 1] = dgh.t() @ hprev.reshape(T * B, H)
             if cfg["bias"]:
-                grads_w[k * per + 2] = dgi2.sum(0)
-                grads_w[k * per + 3] = dgh2.sum(0)
-            g_h0[k] = z[0] * g[0] + dgh[0] @ w_hh
+                g_bhh = dgh.sum(0)
+                grads_w[k * per + 2] = torch.cat([g_bhh[:2 * H], dN.sum(0)])
+                grads_w[k * per + 3] = g_bhh
+            g_h0[k] = z[0] * g[0] + dgh[:B] @ w_hh
             if k > 0 or ctx.needs_input_grad[1]:
-                e = (dgi2 @ w_ih).reshape(T, B, -1)
+                e = torch.addmm(dN @ w_ih[2 * H:], dgi_rz, w_ih[:2 * H]).reshape(T, B, -1)
                 if k == 0:
                     g_x = e
         return (None, g_x, g_h0 if ctx.needs_input_grad[2] else None, *grads_w)
