@@ -454,7 +454,7 @@ def mlp_forward(model: nn.Sequential, x: torch.Tensor, *, points: ActivationPoin
         >>> x = torch.randn(4, 3).double()
         >>> old = activation_points(net, x)
         >>> with torch.no_grad():
-        ...     net[0].weight.add_(0.01)
+        ...     _ = net[0].weight.add_(0.01)
         >>> sol = mlp_forward(net, x, points=old)
         >>> torch.allclose(sol.value, net(x)), sol.iterations <= 2
         (True, True)
