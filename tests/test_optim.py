@@ -86,8 +86,14 @@ def make_optimizer(name: str, model, impl: str = "for-loop"):
     return cls(param_groups(model), **kw, **IMPLS[impl])
 
 
-def train(name, *, mode=None, impl="for-loop", feature="plain", steps=STEPS, data=None):
-    """Train TinyLM; returns ``(model, optimizer state_dict)``. ``mode=None``: unfused."""
+def train(name, *, mode=None, impl="for-loop", feature="plain", steps=STEPS, data=None,
+          **fuse_kw):
+    """Train TinyLM; returns ``(model, optimizer state_dict)``. ``mode=None``: unfused.
+
+    ``fuse_kw`` go to :func:`fuse`; by default one bucket per module (``bucket_numel=0``), the
+    most buckets TinyLM can have.
+    """
+    fuse_kw = {"bucket_numel": 0} | fuse_kw
     every = feature.startswith("all")
     tied = every or feature == "tied"
     k = 2 if every or feature == "accumulate" else 1
@@ -106,7 +112,7 @@ def train(name, *, mode=None, impl="for-loop", feature="plain", steps=STEPS, dat
             if sched is not None:
                 sched.load_state_dict(state[2])
         if mode is not None:
-            opt = fuse(opt, model, mode=mode, accumulation_steps=k)
+            opt = fuse(opt, model, mode=mode, accumulation_steps=k, **fuse_kw)
         return model, opt, sched
 
     model, opt, sched = build()
@@ -167,6 +173,16 @@ def test_foreach_and_fused_implementations(name, impl, mode):
     feature = "all" if mode == "forward" else "all-but-clip"
     assert_same(train(name, impl=impl, feature=feature),
                 train(name, mode=mode, impl=impl, feature=feature))
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd", "rmsprop"])
+@pytest.mark.parametrize("fuse_kw", [dict(mode="backward", overlap=True),
+                                     dict(mode="backward", bucket_numel=1 << 14),
+                                     dict(mode="forward", bucket_numel=100),
+                                     dict(mode="forward", bucket_numel=1 << 14)])
+def test_merged_buckets_and_overlap(name, fuse_kw):
+    feature = "all" if fuse_kw["mode"] == "forward" else "all-but-clip"
+    assert_same(train(name, feature=feature), train(name, feature=feature, **fuse_kw))
 
 
 def test_learning_rate_is_snapshotted_at_step():
@@ -317,7 +333,7 @@ def test_autocast_forward_mode():
 
 def test_buckets_are_modules_and_root_holds_tied_weights():
     model = TinyLM(tied=True)
-    opt = fuse(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    opt = fuse(torch.optim.SGD(model.parameters(), lr=0.1), model, bucket_numel=0)
     names = [b.name for b in opt.buckets]
     assert names == ["<root>", "mix.0", "mix.2", "norm", "head"]  # emb owns only the tied one
     assert opt.buckets[0].names == ["emb.weight"]  # shared by emb and head
@@ -325,3 +341,5 @@ def test_buckets_are_modules_and_root_holds_tied_weights():
     assert sum(len(b.params) for b in opt.buckets) == len(list(model.parameters()))
     assert isinstance(opt, torch.optim.Optimizer) and isinstance(opt, FusedOptimizer)
     assert opt.param_groups is opt.optimizer.param_groups
+    merged = fuse(opt.unfuse(), model, bucket_numel=150)  # mix.0 (8*16+16) is merged on
+    assert [b.name for b in merged.buckets] == ["<root>", "mix.0..mix.2", "norm..head"]

@@ -51,6 +51,10 @@ def test_closure_is_refused(mode):
     (dict(accumulation_steps=0), ValueError, "accumulation_steps must be >= 1, got 0"),
     (dict(accumulation_steps=2.0), TypeError, "accumulation_steps must be an int, got 2.0"),
     (dict(accumulation_steps=True), TypeError, "accumulation_steps must be an int, got True"),
+    (dict(bucket_numel=-1), ValueError, "bucket_numel must be >= 0, got -1"),
+    (dict(bucket_numel="8"), TypeError, "bucket_numel must be an int, got '8'"),
+    (dict(overlap=1), TypeError, "overlap must be a bool, got 1"),
+    (dict(overlap=True), ValueError, "overlap=True needs mode='backward', got mode='forward'"),
 ])
 def test_bad_arguments(kwargs, error, match):
     model = TinyLM()
@@ -200,7 +204,7 @@ class LateFunctional(nn.Module):
 
 def test_forward_mode_stale_read_raises():
     model = LateFunctional()
-    opt = fuse(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    opt = fuse(torch.optim.SGD(model.parameters(), lr=0.1), model, bucket_numel=0)
     x = torch.randn(3, 4)
     with pytest.raises(FusionError, match="parameter 'proj.weight' received a new gradient"):
         for _ in range(4):
@@ -212,7 +216,7 @@ def test_forward_mode_stale_read_raises():
 def test_forward_mode_first_forward_finds_parameters_read_outside_their_module():
     model = LateFunctional()
     model.calls = 2  # functional from the first forward on
-    opt = fuse(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    opt = fuse(torch.optim.SGD(model.parameters(), lr=0.1), model, bucket_numel=0)
     x = torch.randn(3, 4)
     for _ in range(3):
         model(x).sum().backward()
@@ -333,3 +337,46 @@ def test_fused_optimizer_is_an_optimizer_for_schedulers():
     _step(model, opt, batches(1)[0])
     sched.step()
     assert opt.param_groups[0]["lr"] == 0.25
+
+
+class SignSGD(torch.optim.Optimizer):
+    """A user-written per-parameter optimizer (with state): any such optimizer can be fused."""
+
+    def __init__(self, params, lr=0.01, fail_at=None):
+        super().__init__(params, {"lr": lr})
+        self.fail_at = fail_at
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                st["n"] = st.get("n", 0) + 1
+                if st["n"] == self.fail_at:
+                    raise RuntimeError("custom step failed")
+                p.add_(p.grad.sign(), alpha=-group["lr"] / st["n"])
+
+
+@pytest.mark.parametrize("fuse_kw", [dict(mode="forward"), dict(mode="backward"),
+                                     dict(mode="backward", overlap=True)])
+def test_custom_per_parameter_optimizer(fuse_kw):
+    def run(fused):
+        model = TinyLM()
+        opt = SignSGD(model.parameters())
+        if fused:
+            opt = fuse(opt, model, bucket_numel=0, **fuse_kw)
+        for idx in batches(6):
+            _step(model, opt, idx)
+        return model, opt.state_dict()
+
+    assert_same(run(False), run(True))
+
+
+def test_overlap_worker_errors_surface_in_backward():
+    model = TinyLM()
+    opt = fuse(SignSGD(model.parameters(), fail_at=2), model, mode="backward", overlap=True)
+    _step(model, opt, batches(1)[0])
+    with pytest.raises(RuntimeError, match="custom step failed"):
+        loss_fn(model, batches(1)[0]).backward()

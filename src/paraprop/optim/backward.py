@@ -18,6 +18,11 @@ Algorithm (Jiang et al. 2021, §3.1, "backward-fusion"):
    :class:`~paraprop.optim.FusionError` naming the parameter instead of silently using nothing.
    ``zero_grad()`` clears the placeholders.
 
+With ``overlap=True`` a completed bucket is handed to a background thread
+(:mod:`paraprop.optim.overlap`) and the end-of-backward callback waits for it, so the updates run
+while the autograd engine computes the remaining gradients; ``backward()`` still returns with
+every update applied.
+
 With ``accumulation_steps=k`` the hooks do nothing in the first ``k - 1`` backward passes of each
 window; gradients accumulate as usual and the ``k``-th backward performs the update.
 """
@@ -31,6 +36,7 @@ from torch.autograd import Variable
 
 from paraprop.optim.buckets import Bucket, Stepper, zero_grads
 from paraprop.optim.errors import FusionError
+from paraprop.optim.overlap import Worker
 
 _HINT = ("Global-norm gradient clipping, GradScaler, or reading gradients after backward cannot "
          "be exact in backward mode: use mode='forward'. For gradient accumulation, pass "
@@ -74,8 +80,9 @@ class BackwardEngine:
     """Steps buckets from inside ``backward()`` (see module doc)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket],
-                 stepper: Stepper, update_now):
+                 stepper: Stepper, update_now, overlap: bool = False):
         self.optimizer = optimizer
+        self.worker = Worker() if overlap else None
         self.buckets = buckets
         self.stepper = stepper
         self.update_now = update_now  # () -> bool: is this backward the last of its window?
@@ -103,7 +110,11 @@ class BackwardEngine:
             Variable._execution_engine.queue_callback(self._end)
         b.ready += 1
         if b.ready == b.expected:
-            self._step(b)
+            b.done = True
+            if self.worker is None:
+                self._step(b)
+            else:
+                self.worker.submit(self._step, b)
 
     def _step(self, b: Bucket) -> None:
         b.done = True
@@ -120,6 +131,8 @@ class BackwardEngine:
     def _end(self) -> None:
         """End of backward: step the buckets left incomplete, reset the counts."""
         try:
+            if self.worker is not None:
+                self.worker.drain()
             for b in self.buckets:
                 if not b.done and self._has_grad(b):
                     self._step(b)
@@ -157,6 +170,8 @@ class BackwardEngine:
         """Nothing is ever pending between backward passes."""
 
     def remove(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -80,12 +80,15 @@ def param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[int,
     return names
 
 
-def build_buckets(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[Bucket]:
+def build_buckets(optimizer: torch.optim.Optimizer, model: nn.Module,
+                  bucket_numel: int = 0) -> list[Bucket]:
     """One bucket per module owning optimized parameters, plus the root bucket (first).
 
     Arguments:
         optimizer: the wrapped optimizer.
         model: the module trained with it.
+        bucket_numel: consecutive modules (registration order) are merged into one bucket
+            until it holds at least this many elements; ``0``: one bucket per module.
 
     Returns:
         The buckets; the root bucket is first and may be empty. Every optimized tensor is in
@@ -115,7 +118,16 @@ def build_buckets(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[Bu
         b.names.append(names[pid])
     # module registration order, which is usually the order of first use
     order = {id(m): i for i, m in enumerate(model.modules())}
-    out = [root, *sorted(buckets.values(), key=lambda b: order[id(b.modules[0])])]
+    out = [root]
+    for b in sorted(buckets.values(), key=lambda b: order[id(b.modules[0])]):
+        last = out[-1]
+        if last is not root and sum(p.numel() for p in last.params) < bucket_numel:
+            last.name = f"{last.name.split('..')[0]}..{b.name}"
+            last.params += b.params
+            last.names += b.names
+            last.modules += b.modules
+        else:
+            out.append(b)
     for b in out:
         b.regroup(where)
     return out

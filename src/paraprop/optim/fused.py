@@ -24,10 +24,12 @@ from paraprop.optim.errors import FusionError
 from paraprop.optim.forward import ForwardEngine
 
 MODES = ("forward", "backward")
+DEFAULT_BUCKET_NUMEL = 1 << 14
 
 
 def fuse(optimizer: torch.optim.Optimizer, model: nn.Module, *, mode: str = "forward",
-         accumulation_steps: int = 1) -> FusedOptimizer:
+         accumulation_steps: int = 1, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+         overlap: bool = False) -> FusedOptimizer:
     """Fuse ``optimizer``'s step into ``model``'s forward or backward pass.
 
     The training loop stays the usual one (``loss.backward(); opt.step(); opt.zero_grad()``)
@@ -50,6 +52,11 @@ def fuse(optimizer: torch.optim.Optimizer, model: nn.Module, *, mode: str = "for
         accumulation_steps: ``k >= 1``. With ``k > 1`` call ``step()`` and ``zero_grad()``
             after every ``backward()``; only every ``k``-th call updates (backward mode: the
             ``k``-th backward), the others let the gradients accumulate.
+        bucket_numel: a module whose parameters hold fewer elements than this is merged with
+            the modules registered after it into one bucket (fewer calls of the optimizer's
+            step, each with its fixed cost); ``0``: exactly one bucket per module.
+        overlap: backward mode only: step the finished buckets on a background thread while
+            the backward pass goes on (``backward()`` returns once all updates are applied).
 
     Returns:
         A :class:`FusedOptimizer`.
@@ -71,10 +78,11 @@ def fuse(optimizer: torch.optim.Optimizer, model: nn.Module, *, mode: str = "for
         ...     opt.zero_grad()
         >>> opt.flush()                          # or opt.state_dict(), model.state_dict()
     """
-    return FusedOptimizer(optimizer, model, mode=mode, accumulation_steps=accumulation_steps)
+    return FusedOptimizer(optimizer, model, mode=mode, accumulation_steps=accumulation_steps,
+                          bucket_numel=bucket_numel, overlap=overlap)
 
 
-def _validate(optimizer, model, mode, accumulation_steps) -> None:
+def _validate(optimizer, model, mode, accumulation_steps, bucket_numel, overlap) -> None:
     if isinstance(optimizer, FusedOptimizer):
         raise TypeError("optimizer is already a FusedOptimizer; fuse the plain optimizer once")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -88,6 +96,14 @@ def _validate(optimizer, model, mode, accumulation_steps) -> None:
         raise TypeError(f"accumulation_steps must be an int, got {accumulation_steps!r}")
     if accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int):
+        raise TypeError(f"bucket_numel must be an int, got {bucket_numel!r}")
+    if bucket_numel < 0:
+        raise ValueError(f"bucket_numel must be >= 0, got {bucket_numel}")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be a bool, got {overlap!r}")
+    if overlap and mode != "backward":
+        raise ValueError(f"overlap=True needs mode='backward', got mode={mode!r}")
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
             "LBFGS cannot be fused: its step needs a closure that re-evaluates the loss and a "
@@ -126,12 +142,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         model: the fused module.
         mode: ``"forward"`` or ``"backward"``.
         accumulation_steps: backward passes per update.
+        bucket_numel: the smallest bucket before merging with the next module.
+        overlap: whether backward-mode updates run on a background thread.
         buckets: the parameter buckets (root first), for inspection.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, *,
-                 mode: str = "forward", accumulation_steps: int = 1):
-        _validate(optimizer, model, mode, accumulation_steps)
+                 mode: str = "forward", accumulation_steps: int = 1,
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, overlap: bool = False):
+        _validate(optimizer, model, mode, accumulation_steps, bucket_numel, overlap)
         # Optimizer.__init__ is not called: the groups and state are the wrapped optimizer's
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
@@ -140,19 +159,22 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.model = model
         self.mode = mode
         self.accumulation_steps = accumulation_steps
+        self.bucket_numel = bucket_numel
+        self.overlap = overlap
         self._calls = 0  # step() calls in the current accumulation window
         self._build()
         optimizer._paraprop_fused = True
 
     def _build(self) -> None:
         opt = self.optimizer
-        self.buckets = build_buckets(opt, self.model)
+        self.buckets = build_buckets(opt, self.model, self.bucket_numel)
         devices = {p.device.type for g in opt.param_groups for p in g["params"]}
         stepper = Stepper(opt, devices)
         if self.mode == "forward":
             self._engine = ForwardEngine(opt, self.model, self.buckets, stepper)
         else:
-            self._engine = BackwardEngine(opt, self.buckets, stepper, self._update_now)
+            self._engine = BackwardEngine(opt, self.buckets, stepper, self._update_now,
+                                          self.overlap)
 
     def _update_now(self) -> bool:
         return self._calls == self.accumulation_steps - 1
@@ -256,7 +278,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (f"FusedOptimizer(mode={self.mode!r}, accumulation_steps="
-                f"{self.accumulation_steps}, buckets={len(self.buckets)}, "
+                f"{self.accumulation_steps}, buckets={len(self.buckets)}, overlap={self.overlap}, "
                 f"optimizer={type(self.optimizer).__name__})")
 
 
