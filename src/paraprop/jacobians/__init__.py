@@ -1,0 +1,132 @@
+"""Analytic transposed Jacobians: CSR for convolution, ReLU, max-pooling, linear and flatten
+layers (BPPSA, §3.3-3.4, Table 1, Appendix D), dense for the RNN and GRU cells (Appendix E).
+
+``transposed_jacobian(layer, x)`` takes **one sample** (no batch dim) and returns ``J^T`` of
+shape ``(x.numel(), layer(x).numel())`` with ``J^T[i, j] = d layer(x)_j / d x_i``. For a batch,
+call it once per sample: the CSR pattern is cached per layer configuration (see
+:mod:`paraprop.jacobians.patterns`), so each further sample only fills ``values``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from paraprop.jacobians import patterns
+from paraprop.jacobians.cells import gru_cell, rnn_cell
+
+__all__ = ["SUPPORTED", "patterns", "pattern_of", "transposed_jacobian"]
+
+SUPPORTED = (nn.Conv2d, nn.ReLU, nn.MaxPool2d, nn.Linear, nn.Flatten, nn.RNNCell, nn.GRUCell)
+
+
+def _pair(v) -> tuple[int, int]:
+    return tuple(v) if isinstance(v, tuple | list) else (v, v)
+
+
+def pattern_of(layer: nn.Module, x: torch.Tensor) -> tuple[patterns.Pattern, tuple[int, ...]]:
+    """The cached CSR pattern of ``layer``'s transposed Jacobian at inputs shaped like ``x``,
+    and the output shape (one sample)."""
+    _check(layer, x)
+    if isinstance(layer, nn.Conv2d):
+        pad = layer.padding
+        if isinstance(pad, str):
+            raise ValueError(f"{layer}: string padding {pad!r} is not supported; give numbers")
+        return patterns.conv2d(tuple(x.shape), tuple(layer.weight.shape), _pair(layer.stride),
+                               _pair(pad), _pair(layer.dilation))
+    if isinstance(layer, nn.MaxPool2d):
+        return patterns.max_pool2d(tuple(x.shape), _pair(layer.kernel_size),
+                                   _pair(layer.stride or layer.kernel_size),
+                                   _pair(layer.padding), _pair(layer.dilation),
+                                   bool(layer.ceil_mode))
+    if isinstance(layer, nn.ReLU):
+        return patterns.diagonal(x.numel()), tuple(x.shape)
+    if isinstance(layer, nn.Flatten):
+        return patterns.diagonal(x.numel()), (x.numel(),)
+    if isinstance(layer, nn.Linear):
+        return patterns.dense(layer.in_features, layer.out_features), (layer.out_features,)
+    raise TypeError(_unsupported(layer))
+
+
+def transposed_jacobian(layer: nn.Module, x) -> torch.Tensor:
+    """The transposed Jacobian of ``layer`` at ``x`` (one sample).
+
+    Arguments:
+        layer: ``nn.Conv2d`` (any kernel, stride, padding, dilation; ``groups=1``),
+            ``nn.ReLU``, ``nn.MaxPool2d``, ``nn.Linear``, ``nn.Flatten`` (CSR results), or
+            ``nn.RNNCell`` / ``nn.GRUCell`` (dense, w.r.t. the hidden state; ``x`` is then the
+            pair ``(input, hidden)``).
+        x: the layer's input, one sample: ``(C, H, W)`` for convolution and pooling, ``(F,)``
+            for linear layers, any shape for ReLU and Flatten.
+
+    Returns:
+        ``torch.sparse_csr_tensor`` of shape ``(x.numel(), y.numel())`` (dense ``(H, H)`` for
+        the cells).
+
+    Raises:
+        TypeError: an unsupported layer (named).
+        ValueError: an input of the wrong shape, or an unsupported option (groups, string
+            padding), named with the value.
+
+    Example:
+        >>> conv = nn.Conv2d(3, 8, 3, padding=1)
+        >>> JT = transposed_jacobian(conv, torch.randn(3, 10, 10))
+        >>> JT.shape
+        torch.Size([300, 800])
+    """
+    if isinstance(layer, nn.RNNCell):
+        return rnn_cell(layer, *_pair_input(layer, x))
+    if isinstance(layer, nn.GRUCell):
+        return gru_cell(layer, *_pair_input(layer, x))
+    pat, _ = pattern_of(layer, x)
+    if isinstance(layer, nn.Conv2d):
+        values = layer.weight.detach().flatten().index_select(0, pat.source.to(x.device))
+    elif isinstance(layer, nn.ReLU):
+        values = (x.detach().flatten() > 0).to(x.dtype)
+    elif isinstance(layer, nn.Flatten):
+        values = torch.ones(x.numel(), dtype=x.dtype, device=x.device)
+    elif isinstance(layer, nn.Linear):
+        values = layer.weight.detach().t().flatten()
+    else:  # max-pooling: 1 where the input is its window's argmax
+        _, idx = F.max_pool2d(x.detach()[None], layer.kernel_size, layer.stride,
+                              layer.padding, layer.dilation, layer.ceil_mode,
+                              return_indices=True)
+        C, H, W = x.shape
+        OH, OW = idx.shape[-2:]
+        arg = (idx[0] + torch.arange(C, device=x.device).view(-1, 1, 1) * H * W).flatten()
+        values = (pat.row.to(x.device) == arg.index_select(0, pat.col.to(x.device)))
+        values = values.to(x.dtype)
+        del OH, OW
+    return pat.csr(values)
+
+
+def _check(layer, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a tensor (one sample), got {type(x).__name__}")
+    if isinstance(layer, nn.Conv2d | nn.MaxPool2d) and x.dim() != 3:
+        raise ValueError(f"{type(layer).__name__} expects one sample (C, H, W), got shape "
+                         f"{tuple(x.shape)}")
+    if isinstance(layer, nn.Conv2d):
+        if layer.groups != 1:
+            raise ValueError(f"{layer}: groups={layer.groups} is not supported (groups=1 only)")
+        if x.shape[0] != layer.in_channels:
+            raise ValueError(f"{layer}: input has {x.shape[0]} channels, expected "
+                             f"{layer.in_channels}")
+    if isinstance(layer, nn.Linear) and tuple(x.shape) != (layer.in_features,):
+        raise ValueError(f"{layer}: expects one sample ({layer.in_features},), got shape "
+                         f"{tuple(x.shape)}")
+    if isinstance(layer, nn.MaxPool2d) and layer.return_indices:
+        raise ValueError(f"{layer}: return_indices=True is not supported")
+
+
+def _pair_input(layer, x):
+    if not isinstance(x, tuple | list) or len(x) != 2:
+        raise TypeError(f"{type(layer).__name__}: x must be the pair (input, hidden)")
+    return x
+
+
+def _unsupported(layer) -> str:
+    names = ", ".join(c.__name__ for c in SUPPORTED)
+    return (f"no analytic transposed Jacobian for {type(layer).__name__} ({layer}); supported: "
+            f"{names}")
