@@ -1,0 +1,122 @@
+"""The networks job, benchmark suite and demo part built on paraprop.layers (smoke runs)."""
+
+import json
+
+import pytest
+import torch
+
+from paraprop import bench
+from paraprop.bench import networks as suite
+from paraprop.cli import main
+from paraprop.demos import networks as demo
+from paraprop.layers import as_recurrence, evaluate
+from paraprop.training import jobs
+from paraprop.training.networks import (
+    accuracy,
+    checkpoint_classes,
+    image_data,
+    load_weights,
+    make_network,
+    save_checkpoint,
+    split,
+    train_network,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_networks_are_recurrences_of_the_benchmark_sizes():
+    mlp = make_network("mlp", depth=5, width=16)
+    rec = as_recurrence(mlp)
+    assert len(rec) == 6  # Flatten joins the first Linear; each ReLU its Linear
+    x = torch.randn(2, 1, 32, 32)
+    assert torch.equal(rec(x), mlp(x))
+    with pytest.raises(ValueError, match="unknown arch='vgg'"):
+        make_network("vgg")
+
+
+def test_image_data_resizes_and_repeats_channels():
+    x, y = image_data("digits", size=32, channels=3)
+    assert x.shape == (1797, 3, 32, 32) and y.shape == (1797,)
+    assert torch.equal(x[:, 0], x[:, 2])
+    xt, yt, xh, yh = split("digits", x, y)
+    assert len(xt) == 1500 and len(xh) == 297
+    with pytest.raises(ValueError, match="unknown data='cifar'"):
+        image_data("cifar")
+
+
+def test_brief_training_learns_and_checkpoints_round_trip(tmp_path):
+    x, y = image_data("digits", size=8, channels=1)
+    xt, yt, xh, yh = split("digits", x, y)
+    model = make_network("mlp", size=8, depth=2, width=32)
+    before = accuracy(model, xh, yh)
+    rec = train_network(model, xt, yt, steps=60, batch_size=64, lr=3e-3, progress=False)
+    after = accuracy(model, xh, yh)
+    assert after > max(before, 0.5) and rec["loss_last"] < rec["loss_first"]
+    assert not model.training
+    path = save_checkpoint(tmp_path / "m.pt", model, "mlp", {"weights": "test"})
+    fresh = make_network("mlp", size=8, depth=2, width=32, seed=1)
+    assert load_weights(fresh, path) == {"weights": "test"}
+    assert accuracy(fresh, xh, yh) == after
+    assert checkpoint_classes(path) == 10
+    torch.save(model.state_dict(), tmp_path / "plain.pt")  # a plain state_dict loads too
+    assert load_weights(make_network("mlp", size=8, depth=2, width=32), tmp_path / "plain.pt") == {}
+    with pytest.raises(ValueError, match="its weights do not fit the model"):
+        load_weights(make_network("mlp", size=8, depth=3, width=32), path)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_weights(fresh, tmp_path / "missing.pt")
+
+
+def test_train_job_reports_weights_and_evaluates(tmp_path, capsys):
+    assert "densenet" in jobs()
+    out = tmp_path / "mlp.pt"
+    argv = ["train", "densenet", "--arch", "mlp", "--data", "digits", "--steps", "5",
+            "--out", str(out), "--eval-batch", "4"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "weights = random initialisation, then trained here: 5 Adam steps" in text
+    assert "Jacobi-GS over 25 states" in text and out.is_file()
+    assert main(["train", "densenet", "--arch", "mlp", "--data", "digits", "--steps", "0",
+                 "--weights", str(out), "--out", str(tmp_path / "b.pt"),
+                 "--eval-batch", "0"]) == 0
+    assert f"weights = loaded from {out}" in capsys.readouterr().out
+
+
+def test_evaluate_on_a_trained_mlp_matches_forward():
+    x, y = image_data("digits", size=8, channels=1)
+    model = make_network("mlp", size=8, depth=4, width=16)
+    train_network(model, x[:500], y[:500], steps=20, progress=False)
+    out, sol = evaluate(model, x[-6:], method="gs_jacobi", block_size=2, tol=0)
+    with torch.no_grad():
+        assert torch.equal(out, model(x[-6:]))
+
+
+def test_bench_suite_quick(tmp_path):
+    assert "networks" in bench.suites()
+    payload = suite.run(tmp_path, quick=True, repeats=1)
+    rows = payload["rows"]
+    assert [r["network"] for r in rows] == ["small DenseNet", "MLP 6x32"]
+    for r in rows:
+        assert r["exact"] is True and r["top5@stop"] >= 0
+        assert 1 <= r["iterations"] <= r["states"]
+        assert r["est_speedup"] > 0 and r["measured_speedup"] > 0
+        assert r["threaded_iters"] >= 1
+    assert rows[0]["est_speedup_paper"] is not None and rows[1]["est_speedup_paper"] is None
+    record = json.loads((tmp_path / "networks.json").read_text())
+    assert record["suite"] == "networks" and record["quick"] is True
+    assert (tmp_path / "networks.md").read_text().startswith("# networks")
+    assert len(list(tmp_path.glob("networks_*_fig1d.png"))) == 2
+
+
+def test_demo_part_quick(tmp_path, capsys):
+    assert demo.ORDER == 70 and demo.TITLE
+    res = demo.run(tmp_path, quick=True)
+    assert res["rows"][0]["exact"] is True
+    assert res["sections"] and (tmp_path / "demo_networks_fig1d.png").is_file()
+    assert "Estimated (unlimited workers, no overhead)" in capsys.readouterr().out
