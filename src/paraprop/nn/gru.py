@@ -30,6 +30,42 @@ from paraprop.nn._base import ScanBackwardMixin, check_options
 from paraprop.nn.rnn import solve_hidden
 from paraprop.scan import Factored
 
+# Rows (time steps x batch) per block of the gate recomputation on the CPU: the ~20
+# elementwise passes then run on cache-resident blocks instead of streaming T x B x 3H arrays.
+_BLOCK_ROWS = 4096
+
+
+def jacobian_factors(x, hprev, w_ih, w_hh, b_ih, b_hh):
+    """``z``, ``s`` and ``dn = (1-z)(1-n^2)`` of every step, from the inputs and h_{t-1}.
+
+    The gates of all steps are recomputed in a few batched operations (blocks of time steps on
+    the CPU, one block elsewhere); ``J_t^T = diag(z_t) + W_hh^T diag(s_t) [I; I; I]`` with
+    ``s = [dn gh_n r (1-r); (h_prev - n) z (1-z); dn r]`` (BPPSA Appendix E).
+    """
+    T, B, H = hprev.shape
+    z = hprev.new_empty(T, B, H)
+    dn = hprev.new_empty(T, B, H)
+    s = hprev.new_empty(T, B, 3 * H)
+    step = T if hprev.device.type != "cpu" else max(1, _BLOCK_ROWS // B)
+    for t0 in range(0, T, step):
+        blk = slice(t0, min(T, t0 + step))
+        hp = hprev[blk]
+        gi = F.linear(x[blk], w_ih, b_ih)
+        gh = F.linear(hp, w_hh, b_hh)
+        rz = gi[..., :2 * H].add_(gh[..., :2 * H]).sigmoid_()
+        r, zb = rz[..., :H], rz[..., H:]
+        gh_n = gh[..., 2 * H:]
+        n = torch.addcmul(gi[..., 2 * H:], r, gh_n).tanh_()
+        z[blk] = zb
+        one_z = torch.rsub(zb, 1)
+        dnb = torch.mul(n, n).neg_().add_(1).mul_(one_z)         # dh_t / d(pre-tanh of n)
+        dn[blk] = dnb
+        sb = s[blk]
+        torch.mul(dnb, r, out=sb[..., 2 * H:])
+        torch.mul(sb[..., 2 * H:], gh_n, out=sb[..., :H]).mul_(torch.rsub(r, 1))
+        torch.sub(hp, n, out=sb[..., H:2 * H]).mul_(zb).mul_(one_z)
+    return z, s, dn
+
 
 class GRUScanFunction(torch.autograd.Function):
     """Forward: torch's fused GRU per layer, then the gates of all steps in a few batched ops."""
@@ -42,24 +78,9 @@ class GRUScanFunction(torch.autograd.Function):
         for k in range(cfg["layers"]):
             w = list(weights[k * per:(k + 1) * per])
             out, hn = _VF.gru(layer_in, h0[k:k + 1], w, cfg["bias"], 1, 0.0, False, False, False)
-            H = out.shape[-1]
             hprev = torch.cat([h0[k:k + 1], out[:-1]], 0)
             b_ih, b_hh = (w[2], w[3]) if cfg["bias"] else (None, None)
-            # the gates of all steps at once (few large in-place ops)
-            gi = F.linear(layer_in, w[0], b_ih)
-            gh = F.linear(hprev, w[1], b_hh)
-            rz = gi[..., :2 * H].add_(gh[..., :2 * H]).sigmoid_()
-            r, z = rz[..., :H], rz[..., H:]
-            gh_n = gh[..., 2 * H:]
-            n = torch.addcmul(gi[..., 2 * H:], r, gh_n).tanh_()
-            # the analytic transposed Jacobian: diag(z) + W_hh^T diag(s) [I; I; I] with
-            # s = [dn gh_n r (1-r); (h_prev - n) z (1-z); dn r], dn = (1-z)(1-n^2)
-            one_z = torch.rsub(z, 1)
-            dn = torch.mul(n, n).neg_().add_(1).mul_(one_z)          # dh_t / d(pre-tanh of n)
-            s = torch.empty_like(gh)
-            torch.mul(dn, r, out=s[..., 2 * H:])
-            s[..., :H] = s[..., 2 * H:] * gh_n * torch.rsub(r, 1)
-            s[..., H:2 * H] = (hprev - n).mul_(z).mul_(one_z)
+            z, s, dn = jacobian_factors(layer_in, hprev, w[0], w[1], b_ih, b_hh)
             saved += [layer_in, hprev, z, s, dn]
             last.append(hn)
             layer_in = out
@@ -101,9 +122,10 @@ class GRUScanFunction(torch.autograd.Function):
             torch.mm(dN.t(), x2, out=g_wih[2 * H:])
             grads_w[k * per] = g_wih
             grads_w[k * per + 1] = dgh.t() @ hprev.reshape(T * B, H)
-            if cfg["bias"]:
-                g_bhh = dgh.sum(0)
-                grads_w[k * per + 2] = torch.cat([g_bhh[:2 * H], dN.sum(0)])
+            if cfg["bias"]:  # column sums as matrix-vector products (faster than sum(0))
+                ones = dgh.new_ones(T * B)
+                g_bhh = torch.mv(dgh.t(), ones)
+                grads_w[k * per + 2] = torch.cat([g_bhh[:2 * H], torch.mv(dN.t(), ones)])
                 grads_w[k * per + 3] = g_bhh
             g_h0[k] = z[0] * g[0] + dgh[:B] @ w_hh
             if k > 0 or ctx.needs_input_grad[1]:
