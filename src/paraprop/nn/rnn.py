@@ -76,10 +76,9 @@ class RNNScanFunction(torch.autograd.Function):
         g_x = None
         for k in range(nl - 1, -1, -1):
             w_ih, w_hh = weights[k * per], weights[k * per + 1]
-            e = e.clone()
-            e[-1] += g_hn[k]
             slope = slopes[k]
             b = slope * e                                            # (T, B, H)
+            b[-1] += slope[-1] * g_hn[k]                             # dL/dh_n enters at T-1
             A = Factored(scale=slope.transpose(0, 1), right=w_hh.t())
             delta = solve_hidden(cfg, A, b.transpose(0, 1), None).transpose(0, 1)
             d2 = delta.reshape(T * B, H)
