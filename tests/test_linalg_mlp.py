@@ -182,3 +182,16 @@ def test_mlp_errors_are_reported():
         mlp_backward(net, x, g, points=activation_points(net, torch.randn(5, 3).double()))
     with pytest.raises(ValueError, match=r"unknown method='qr'"):
         mlp_backward(net, x, g, method="qr")
+
+
+def test_model_changes_after_a_call_are_seen():
+    net = make_mlp([3, 4, 4, 2], "tanh")
+    x, g = torch.randn(2, 3, dtype=torch.float64), torch.randn(2, 2, dtype=torch.float64)
+    mlp_backward(net, x, g)  # parses (and caches) the model
+    net[2].bias = None  # a parameter removed
+    net[1] = nn.Sigmoid()  # an activation replaced
+    gx, gp = mlp_backward(net, x, g)
+    ref = autograd_grads(net, x, g)
+    assert len(gp) == len(ref) - 1
+    for a, b in zip([gx, *gp], ref, strict=True):
+        assert rel_err(a, b) <= GRAD_TOL

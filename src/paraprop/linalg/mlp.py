@@ -21,12 +21,14 @@ Newton step, iterated by :func:`mlp_forward` to the fixed point.
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from paraprop.errors import ConvergenceError
 from paraprop.linalg.activations import SUPPORTED, chain_value_and_derivative, signature
 from paraprop.linalg.driver import DEFAULT_TOL, solve
 from paraprop.linalg.operators import MatrixOperator
@@ -92,13 +94,13 @@ _PARSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _parse(model) -> _Parsed:
-    """The Linear layers and activation chains of ``model`` (cached per model while its list
-    of modules is unchanged)."""
+    """The Linear layers and activation chains of ``model`` (cached per model while its modules
+    and their parameters are the same objects)."""
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"model must be an nn.Sequential, got {type(model).__name__}")
     modules = tuple(model)
     hit = _PARSED.get(model)
-    if hit is not None and hit[0] == modules:
+    if hit is not None and hit[0] == modules and hit[2] == _param_ids(hit[1].linears):
         return hit[1]
     lead: list[tuple] = []
     linears: list[nn.Linear] = []
@@ -126,8 +128,13 @@ def _parse(model) -> _Parsed:
                      tuple(interned.setdefault(tuple(c), tuple(c)) for c in chains), ins, outs,
                      tuple(tuple(v) for v in slots.values()),
                      len(set(ins) | set(outs)) == 1)
-    _PARSED[model] = (modules, parsed)
+    _PARSED[model] = (modules, parsed, _param_ids(parsed.linears))
     return parsed
+
+
+def _param_ids(linears) -> tuple:
+    """Identity of every Linear's parameters (a replaced weight or bias invalidates the cache)."""
+    return tuple((id(lin.weight), id(lin.bias)) for lin in linears)
 
 
 def _check_input(x, parsed: _Parsed, name: str = "x") -> torch.Tensor:
@@ -184,6 +191,9 @@ def activation_points(model: nn.Sequential, x: torch.Tensor) -> ActivationPoints
 
     Returns:
         :class:`ActivationPoints`; ``points.output`` equals ``model(x)``.
+
+    Raises:
+        TypeError / ValueError: unsupported modules, bad shapes or dtypes (named).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
@@ -449,6 +459,10 @@ def mlp_forward(model: nn.Sequential, x: torch.Tensor, *, points: ActivationPoin
         ``residuals`` the max change of the points per round; ``stats["points"]`` the final
         :class:`ActivationPoints` (feed them to the next call, or to :func:`mlp_backward`).
 
+    Raises:
+        TypeError / ValueError: unsupported modules, bad shapes, ``tol`` or ``max_iters``;
+        ConvergenceError: not at the fixed point after ``max_iters`` and ``throw=True``.
+
     Example:
         >>> net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).double()
         >>> x = torch.randn(4, 3).double()
@@ -459,10 +473,6 @@ def mlp_forward(model: nn.Sequential, x: torch.Tensor, *, points: ActivationPoin
         >>> torch.allclose(sol.value, net(x)), sol.iterations <= 2
         (True, True)
     """
-    import time
-
-    from paraprop.errors import ConvergenceError
-
     parsed = _parse(model)
     x = _check_input(x, parsed)
     l = len(parsed.linears)

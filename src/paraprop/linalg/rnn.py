@@ -213,6 +213,10 @@ def rnn_backward(rnn: nn.RNN, x: torch.Tensor, grad_output: torch.Tensor | None,
         ``(grad_input, grad_h0, grad_params)`` (``grad_params`` in ``rnn.parameters()`` order),
         equal to autograd's; with ``return_solution`` the solution is appended.
 
+    Raises:
+        TypeError / ValueError: unsupported RNNs, shapes or dtypes (named), no gradient given;
+        ConvergenceError: an iterative method did not converge.
+
     Example:
         >>> rnn = nn.RNN(3, 4, num_layers=2).double()
         >>> x = torch.randn(6, 2, 3, dtype=torch.float64)
