@@ -45,7 +45,8 @@ def solve(
             every right-hand side is ``<= tol`` (Jacobi: of the previous iterate, whose sweep
             gives it for free). ``None``: ``1e-12`` in float64, ``1e-5`` in float32.
         max_iters: iterative methods only: cap on iterations. ``None``: the system's ``depth``
-            for Jacobi (``l`` sweeps for a flat system; exact there), ``N`` for BiCGStab.
+            for Jacobi (``l`` sweeps for a flat system; exact there), ``max(2 N, 20)`` for
+            BiCGStab (in exact arithmetic it would need at most ``N``; rounding can stall it).
         throw: raise :class:`~paraprop.errors.ConvergenceError` when an iterative method stops
             unconverged; with ``False`` the unconverged :class:`~paraprop.Solution` is returned.
 
@@ -77,7 +78,7 @@ def solve(
     if method in ITERATIVE:
         tol = DEFAULT_TOL.get(system.dtype, 1e-6) if tol is None else float(tol)
         if max_iters is None:
-            max_iters = system.depth if method == "jacobi" else system.N
+            max_iters = system.depth if method == "jacobi" else max(2 * system.N, 20)
     start = time.perf_counter()
     with torch.no_grad():
         if method in DIRECT:

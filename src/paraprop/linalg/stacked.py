@@ -96,11 +96,13 @@ class StackedSystem:
     def to_blocks(self, R: torch.Tensor) -> torch.Tensor:
         """``(G, Q, N)`` -> ``(l, G, Q, p)`` (a fresh, zero-padded buffer)."""
         G, Q, _ = R.shape
-        if self.uniform:
-            return R.reshape(G, Q, self.l, self.p).permute(2, 0, 1, 3).contiguous()
-        out = R.new_zeros(G, Q, self.l * self.p)
-        out[..., self.idx] = R
-        return out.reshape(G, Q, self.l, self.p).permute(2, 0, 1, 3).contiguous()
+        if not self.uniform:
+            padded = R.new_zeros(G, Q, self.l * self.p)
+            padded[..., self.idx] = R
+            R = padded
+        out = R.new_empty(self.l, G, Q, self.p)  # always a copy: solvers update it in place
+        out.copy_(R.reshape(G, Q, self.l, self.p).permute(2, 0, 1, 3))
+        return out
 
     def from_blocks(self, X: torch.Tensor) -> torch.Tensor:
         """``(l, G, Q, p)`` -> ``(G, Q, N)``."""
