@@ -167,3 +167,22 @@ def test_block_and_input_errors():
     bad = ParallelResidualStack(growing, 0.1, coarsening=2)
     with pytest.raises(ValueError, match="block 3 maps a state of shape .* must keep the shape"):
         bad(torch.randn(1, 2, 4, 4))
+
+
+def test_frozen_parameters_and_input_only_gradients():
+    blocks = mlp_blocks(12, 4, kind="iid", seed=8, dtype=torch.float64)
+    for b in blocks[::2]:
+        b.linear.bias.requires_grad_(False)
+    net = ParallelResidualStack(blocks, 0.1, coarsening=3, max_cycles=None, tol=1e-14)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    assert len(trainable) == 18
+    g_mg = grads_of(lambda: loss_of(net(x)), [x, *trainable])
+    g_ref = grads_of(lambda: loss_of(serial_net(blocks, x, 0.1)), [x, *trainable])
+    for a, b in zip(g_mg, g_ref, strict=True):
+        assert float((a - b).norm() / b.norm()) <= 1e-10
+    for p in net.parameters():
+        p.requires_grad_(False)
+    (gx,) = grads_of(lambda: loss_of(net(x)), [x])  # only the input needs a gradient
+    (gx_ref,) = grads_of(lambda: loss_of(serial_net(blocks, x, 0.1)), [x])
+    assert float((gx - gx_ref).norm() / gx_ref.norm()) <= 1e-10

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from torch.func import functional_call, vjp, vmap
 
+import paraprop.bench.plots  # noqa: F401  (selects matplotlib's headless backend)
 from paraprop.bench.harness import interleaved, machine_info, median
-from paraprop.bench.plots import bar_plot
 from paraprop.bench.report import markdown_table, text_table, write_results
 from paraprop.data import find_mnist_dir
 from paraprop.distributed.launch import free_port
@@ -161,11 +161,25 @@ def forward_study(out_dir: Path, quick: bool, repeats: int) -> dict:
     md = _print(f"MG forward (2 cycles) vs serial forward, depth {depth}, width 16, "
                 f"{torch.get_num_threads()} thread(s), interleaved medians of {repeats}", rows,
                 cols)
-    labels = [f"B{r['batch']}:{r['method'].split(' (')[0].replace('MG ', '')}"
-              for r in rows if r["method"] != "serial forward"]
-    vals = [r["speedup"] for r in rows if r["method"] != "serial forward"]
-    png = bar_plot(out_dir / "multigrid_forward.png", f"MG forward (2 cycles) / serial, depth "
-                   f"{depth}", labels, vals, "speedup over serial")
+    plt = _plt()
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "serial forward"]
+    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.45 * len(methods) * len(batches)))
+    height = 0.8 / len(batches)
+    for i, batch in enumerate(batches):
+        sp = {r["method"]: r["speedup"] for r in rows if r["batch"] == batch}
+        ys = [k + i * height for k in range(len(methods))]
+        ax.barh(ys, [sp[m] for m in methods], height=height, label=f"batch {batch}")
+        for y, m in zip(ys, methods, strict=True):
+            ax.text(sp[m], y, f" {sp[m]:.2f}", va="center", fontsize=8)
+    ax.set_yticks([k + 0.4 - height / 2 for k in range(len(methods))], methods, fontsize=8)
+    ax.axvline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("speedup over the serial forward (same run, interleaved)")
+    ax.set_title(f"MG forward, 2 cycles, vs serial: depth {depth}, width 16")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = out_dir / "multigrid_forward.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
     best = {b: max(r["speedup"] for r in rows if r["batch"] == b and r["method"].startswith(
         "MG batched_forward (3 lv, c=4, FCF)")) for b in batches}
     return {"rows": rows, "depth": depth, "best_fcf_speedup": best,
@@ -218,10 +232,12 @@ def torchrun_study(quick: bool, repeats: int) -> dict:
                      "threads_per_rank": runs[n][0]["threads"], "runs": len(runs[n]),
                      "mgrit_ms": 1e3 * mg, "partitioned_ms": 1e3 * part,
                      "partitioned/mgrit": part / mg,
+                     "rank0_wait_ms": 1e3 * statistics.median(r["wait_s_rank0"]
+                                                              for r in runs[n]),
                      "residual_after_2": runs[n][0]["residuals"][-1]})
     link = runs[2][0].get("link", {})
     cols = ["ranks", "layers_per_rank", "threads_per_rank", "runs", "mgrit_ms",
-            "partitioned_ms", "partitioned/mgrit", "residual_after_2"]
+            "partitioned_ms", "partitioned/mgrit", "rank0_wait_ms", "residual_after_2"]
     md = _print(f"torchrun, gloo on localhost: depth {depth}, width 16, batch 8, 3 levels, c=4,"
                 f" FCF, 2 cycles; runs in the order {order} ranks, each interleaving MGRIT and "
                 f"model partitioning ({repeats} rounds)", rows, cols)
@@ -234,57 +250,59 @@ def torchrun_study(quick: bool, repeats: int) -> dict:
         summary += (f" MGRIT forward, 2 ranks vs 1 rank: "
                     f"{rows[0]['mgrit_ms'] / rows[1]['mgrit_ms']:.2f}x (medians over runs, "
                     "separate processes).")
+    summary += (" rank0_wait_ms: time rank 0 spent blocked on receives and all-reduces in "
+                "its last MGRIT solve.")
     print(summary)
     return {"rows": rows, "rel_diff": rel, "link": link, "runs": runs,
             "md": md + "\n\n" + summary}
 
 
 # -- 4. cost model -------------------------------------------------------------------------------
-def _time(fn, repeats: int) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def measure_layer(channels: int, side: int, batch: int, repeats: int, group: int) -> dict:
-    """Per-layer times of ``u + h relu(conv3x3(u))`` (forward, adjoint VJP, parameter VJP,
-    ordinary backward) and the concurrency of ``group`` layers batched by ``vmap``."""
+    """Per-layer times of ``u + h relu(conv3x3(u))``: forward, adjoint VJP, parameter VJP and
+    ordinary backward, timed interleaved (medians), and the concurrency of ``group`` layers
+    batched by ``vmap`` (``group`` single-layer times over one batched time)."""
     blk = ConvBlock(channels)
     u = torch.randn(batch, channels, side, side)
     lam = torch.randn_like(u)
     params = {k: v.detach() for k, v in blk.named_parameters()}
-    with torch.no_grad():
-        t_f = _time(lambda: u + 0.1 * blk(u), repeats)
-    t_adj = _time(lambda: vjp(blk, u)[1](lam), repeats)
-    t_par = _time(lambda: vjp(lambda p: functional_call(blk, p, (u,)), params)[1](lam),
-                  repeats)
     uu = u.clone().requires_grad_(True)
-
-    def backprop():
-        y = blk(uu)
-        y.backward(lam)
-
-    t_bp = max(_time(backprop, repeats) - t_f, t_f)
     stacked = {k: v.expand(group, *v.shape).contiguous() for k, v in params.items()}
     vf = vmap(lambda p, x: functional_call(blk, p, (x,)))
     us = u.expand(group, *u.shape).contiguous()
-    with torch.no_grad():
-        t_group = _time(lambda: vf(stacked, us), max(2, repeats // 2))
-    return {"forward_s": t_f, "adjoint_s": t_adj, "param_grad_s": t_par, "backprop_s": t_bp,
+
+    def forward():
+        with torch.no_grad():
+            return u + 0.1 * blk(u)
+
+    def backprop():
+        blk(uu).backward(lam)
+
+    def batched():
+        with torch.no_grad():
+            return vf(stacked, us)
+
+    times = interleaved({
+        "forward": forward,
+        "adjoint": lambda: vjp(blk, u)[1](lam),
+        "param_grad": lambda: vjp(lambda p: functional_call(blk, p, (u,)), params)[1](lam),
+        "forward+backward": backprop,
+        "batched": batched,
+    }, repeats=repeats, warmup=1, desc="layer times")
+    t_f = median(times["forward"])
+    return {"forward_s": t_f, "adjoint_s": median(times["adjoint"]),
+            "param_grad_s": median(times["param_grad"]),
+            "backprop_s": max(median(times["forward+backward"]) - t_f, t_f),
             "params": sum(p.numel() for p in params.values()),
             "state_bytes": u.numel() * u.element_size(),
-            "concurrency": group * t_f / t_group, "group": group}
+            "concurrency": group * t_f / median(times["batched"]), "group": group}
 
 
 def cost_study(out_dir: Path, quick: bool, link: dict) -> dict:
     channels, side, batch = (64, 8, 2) if quick else (236, 8, 4)
     depth = 1024 if quick else 4096
     workers = [4, 8, 16] if quick else [4, 8, 16, 32, 64]
-    meas = measure_layer(channels, side, batch, 3 if quick else 5, 16)
+    meas = measure_layer(channels, side, batch, 3 if quick else 7, 16)
     lat = link.get("latency_s", 50e-6)
     bw = link.get("bandwidth_Bps", 1e9)
     # A worker relaxes its intervals one by one when batching does not pay (concurrency < 1).
@@ -359,7 +377,8 @@ def training_study(out_dir: Path, quick: bool) -> dict:
     mnist = find_mnist_dir() is not None and not quick
     cfg = ({"data": "mnist", "depth": 32, "epochs": 1, "batch_size": 64, "channels": 4}
            if mnist else {"data": "digits", "depth": 24 if quick else 32,
-                          "epochs": 1 if quick else 3, "batch_size": 64, "channels": 4})
+                          "epochs": 1 if quick else 3, "batch_size": 128 if quick else 64,
+                          "channels": 4})
     hist = {}
     for name, serial in (("serial", True), ("MG 2 cycles", False)):
         try:

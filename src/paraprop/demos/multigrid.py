@@ -40,7 +40,7 @@ def _serial(blocks, x, h):
 
 def run(out_dir: Path, *, quick: bool = False) -> dict:
     """Run the demo; returns ``{"rows": [...], "sections": [(heading, markdown)]}``."""
-    depth = 128 if quick else 256
+    depth = 64 if quick else 256
     h = 1.0 / depth
     x = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     blocks = mlp_blocks(depth, 16, kind="smooth", seed=0, dtype=torch.float64, fast=True)

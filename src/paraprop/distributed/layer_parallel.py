@@ -29,6 +29,7 @@ from torch import nn
 from paraprop.distributed.comm import DEFAULT_TIMEOUT_S, DistLink, PeerError
 from paraprop.multigrid.hierarchy import Hierarchy, split_layers
 from paraprop.multigrid.mgrit import RELAX, mgrit
+from paraprop.multigrid.params import BlockParams
 from paraprop.multigrid.steps import AdjointStepper, ForwardStepper, shares_architecture
 
 __all__ = ["LayerParallelStack", "layer_range", "partitioned_forward"]
@@ -51,12 +52,12 @@ class _DistFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, x, *params):
         states, stacked = module._solve_forward(x)
-        ctx.module, ctx.states, ctx.stacked = module, states, stacked
+        ctx.module, ctx.states, ctx.stacked, ctx.params = module, states, stacked, params
         return states[-1].clone()
 
     @staticmethod
     def backward(ctx, grad_out):
-        gx, grads = ctx.module._solve_backward(ctx.states, ctx.stacked, grad_out)
+        gx, grads = ctx.module._solve_backward(ctx.states, ctx.stacked, grad_out, ctx.params)
         return (None, gx, *grads)
 
 
@@ -146,6 +147,7 @@ class LayerParallelStack(nn.Module):
         self.c_weight, self.backward_mode = float(c_weight), backward
         self.timeout = float(timeout)
         self.last_stats: dict = {}
+        self._params = BlockParams(self.blocks)
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -158,16 +160,12 @@ class LayerParallelStack(nn.Module):
     def _cycles(self) -> int:
         return self.max_cycles if self.max_cycles is not None else self.hierarchy.exact_cycles()
 
+    def _apply(self, fn, *args, **kwargs):
+        self._params.reset()
+        return super()._apply(fn, *args, **kwargs)
+
     def _stacked(self):
-        if not self.batched:
-            return None
-        names = [n for n, _ in self.blocks[0].named_parameters()]
-        bnames = [n for n, _ in self.blocks[0].named_buffers()]
-        with torch.no_grad():
-            ps = [dict(b.named_parameters()) for b in self.blocks]
-            bs = [dict(b.named_buffers()) for b in self.blocks]
-            return ({n: torch.stack([p[n] for p in ps]) for n in names},
-                    {n: torch.stack([q[n] for q in bs]) for n in bnames})
+        return self._params.stack() if self.batched else None
 
     def _record(self, key, res, link, t0):
         self.last_stats[key] = {"residuals": res.residuals, "cycles": res.cycles,
@@ -203,7 +201,7 @@ class LayerParallelStack(nn.Module):
         self._record("forward", res, link, t0)
         return res.states, stacked
 
-    def _solve_backward(self, states, stacked, grad_out):
+    def _solve_backward(self, states, stacked, grad_out, params):
         t0 = time.perf_counter()
         a, b = self.layers
         n = self.depth
@@ -221,8 +219,7 @@ class LayerParallelStack(nn.Module):
                     parts=rparts, me=me)
         lam = res.states
         per_block = stepper.parameter_grads(lam[:-1].flip(0), self.step_size)
-        grads = [per_block[i][name] for i, blk in enumerate(self.blocks)
-                 for name, p in blk.named_parameters() if p.requires_grad]
+        grads = self._params.order(per_block, params)
         self._record("backward", res, link, t0)
         gx = lam[-1] if self.rank == 0 else torch.zeros_like(lam[-1])
         return gx, grads
@@ -234,8 +231,8 @@ class LayerParallelStack(nn.Module):
         """
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"x must be a floating-point torch.Tensor, got {type(x).__name__}")
-        params = [p for p in self.blocks.parameters() if p.requires_grad]
-        if torch.is_grad_enabled() and (x.requires_grad or params):
+        params = self._params.trainable() if torch.is_grad_enabled() else []
+        if params or (torch.is_grad_enabled() and x.requires_grad):
             return _DistFunction.apply(self, x, *params)
         states, _ = self._solve_forward(x)
         return states[-1].clone()

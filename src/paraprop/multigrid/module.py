@@ -19,6 +19,7 @@ from torch import nn
 
 from paraprop.multigrid.hierarchy import Hierarchy
 from paraprop.multigrid.mgrit import RELAX, MGRITResult, mgrit
+from paraprop.multigrid.params import BlockParams
 from paraprop.multigrid.steps import AdjointStepper, ForwardStepper, shares_architecture
 
 __all__ = ["BACKWARD", "ParallelResidualStack"]
@@ -32,12 +33,12 @@ class _MGRITFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, x, *params):
         states, stacked = module._solve_forward(x)
-        ctx.module, ctx.states, ctx.stacked = module, states, stacked
+        ctx.module, ctx.states, ctx.stacked, ctx.params = module, states, stacked, params
         return states[-1].clone()
 
     @staticmethod
     def backward(ctx, grad_out):
-        gx, grads = ctx.module._solve_backward(ctx.states, ctx.stacked, grad_out)
+        gx, grads = ctx.module._solve_backward(ctx.states, ctx.stacked, grad_out, ctx.params)
         return (None, gx, *grads)
 
 
@@ -141,7 +142,7 @@ class ParallelResidualStack(nn.Module):
         self.batched = bool(batched)
         self.last_stats: dict = {}
         self._warm: dict[str, torch.Tensor] = {}
-        self._cache = None
+        self._params = BlockParams(self.blocks)
 
     @property
     def levels(self) -> int:
@@ -159,31 +160,12 @@ class ParallelResidualStack(nn.Module):
 
     # -- parameter bookkeeping ----------------------------------------------------------------
     def _apply(self, fn, *args, **kwargs):
-        self._cache = None
+        self._params.reset()
         self._warm = {}
         return super()._apply(fn, *args, **kwargs)
 
-    def _lists(self):
-        """Per-block (name, parameter) lists and the flat list of trainable parameters."""
-        if self._cache is None:
-            named = [list(b.named_parameters()) for b in self.blocks]
-            bufs = [list(b.named_buffers()) for b in self.blocks]
-            flat = [p for blk in named for _, p in blk if p.requires_grad]
-            self._cache = (named, bufs, flat)
-        return self._cache
-
     def _stack(self):
-        """Stacked copies of all parameters and buffers, ``name -> (N, ...)``, made for every
-        solve (a cache keyed on tensor versions would miss updates through ``.data``)."""
-        if not self.batched:
-            return None
-        named, bufs, _ = self._lists()
-        with torch.no_grad():
-            params = {n: torch.stack([blk[i][1] for blk in named])
-                      for i, (n, _) in enumerate(named[0])}
-            buffers = {n: torch.stack([blk[i][1] for blk in bufs])
-                       for i, (n, _) in enumerate(bufs[0])}
-        return params, buffers
+        return self._params.stack() if self.batched else None
 
     # -- solves -------------------------------------------------------------------------------
     def _record(self, key: str, res: MGRITResult, t0: float) -> None:
@@ -217,9 +199,8 @@ class ParallelResidualStack(nn.Module):
         self._record("forward", res, t0)
         return res.states, stacked
 
-    def _solve_backward(self, states, stacked, grad_out):
+    def _solve_backward(self, states, stacked, grad_out, params):
         t0 = time.perf_counter()
-        named, _, _ = self._lists()
         n = len(self.blocks)
         stepper = AdjointStepper(self.blocks, 0, n, states, batched=self.batched,
                                  stacked=stacked)
@@ -235,8 +216,7 @@ class ParallelResidualStack(nn.Module):
             self._keep("backward", res.states, hier)
         lam = res.states  # lam[k] is the adjoint at depth N - k
         per_block = stepper.parameter_grads(lam[:-1].flip(0), self.step_size)
-        grads = [per_block[i][name] for i, blk in enumerate(named) for name, p in blk
-                 if p.requires_grad]
+        grads = self._params.order(per_block, params)
         self._record("backward", res, t0)
         self.last_stats["backward"]["evaluations"] = stepper.counts.evaluations
         return lam[-1], grads
@@ -247,9 +227,9 @@ class ParallelResidualStack(nn.Module):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
             raise TypeError(f"x must have a floating-point dtype, got {x.dtype}")
-        _, _, flat = self._lists()
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in flat)):
-            return _MGRITFunction.apply(self, x, *flat)
+        params = self._params.trainable() if torch.is_grad_enabled() else []
+        if params or (torch.is_grad_enabled() and x.requires_grad):
+            return _MGRITFunction.apply(self, x, *params)
         states, _ = self._solve_forward(x)
         return states[-1].clone()
 
