@@ -177,6 +177,8 @@ def test_foreach_and_fused_implementations(name, impl, mode):
 
 @pytest.mark.parametrize("name", ["adam", "sgd", "rmsprop"])
 @pytest.mark.parametrize("fuse_kw", [dict(mode="backward", overlap=True),
+                                     dict(mode="forward", overlap=True),
+                                     dict(mode="forward", overlap=True, bucket_numel=1 << 14),
                                      dict(mode="backward", bucket_numel=1 << 14),
                                      dict(mode="forward", bucket_numel=100),
                                      dict(mode="forward", bucket_numel=1 << 14)])
@@ -250,11 +252,12 @@ class Branchy(nn.Module):
         return out
 
 
-def _train_branchy(mode, set_to_none=True, zero_via_model=False, functional_from=0):
+def _train_branchy(mode, set_to_none=True, zero_via_model=False, functional_from=0,
+                   overlap=False):
     model = Branchy(functional_from)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     if mode:
-        opt = fuse(opt, model, mode=mode)
+        opt = fuse(opt, model, mode=mode, overlap=overlap, bucket_numel=0)
     g = torch.Generator().manual_seed(3)
     for i in range(12):
         x = torch.randn(4, 5, generator=g)
@@ -270,6 +273,14 @@ def _train_branchy(mode, set_to_none=True, zero_via_model=False, functional_from
                 model(x, use_b=True)
                 model.train()
     return model, opt.state_dict()
+
+
+@pytest.mark.parametrize("mode", ["forward", "backward"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_unused_modules_frozen_params_functional_use_and_eval(mode, set_to_none, overlap):
+    ref = _train_branchy(None, set_to_none)
+    assert_same(ref, _train_branchy(mode, set_to_none, overlap=overlap))
 
 
 @pytest.mark.parametrize("mode", ["forward", "backward"])

@@ -54,7 +54,6 @@ def test_closure_is_refused(mode):
     (dict(bucket_numel=-1), ValueError, "bucket_numel must be >= 0, got -1"),
     (dict(bucket_numel="8"), TypeError, "bucket_numel must be an int, got '8'"),
     (dict(overlap=1), TypeError, "overlap must be a bool, got 1"),
-    (dict(overlap=True), ValueError, "overlap=True needs mode='backward', got mode='forward'"),
 ])
 def test_bad_arguments(kwargs, error, match):
     model = TinyLM()

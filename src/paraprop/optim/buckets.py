@@ -42,8 +42,12 @@ class Bucket:
     names: list[str]
     groups: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)
     modules: list[nn.Module] = field(default_factory=list)
-    # forward mode: the recorded update, or None
+    # forward mode: the recorded update, or None; who applies it ("queued": the background
+    # thread will, "running": it is, "main": the forward is); zero_grad() asked meanwhile
     pending: object | None = None
+    state: str | None = None
+    event: object | None = None
+    zero_request: str | None = None
     # backward mode: gradients accumulated in this backward, expected count, stepped already
     ready: int = 0
     expected: int = 0

@@ -17,14 +17,21 @@ Algorithm (Jiang et al. 2021, §3.2, "forward-fusion"):
    the step: a pending parameter that received a new gradient was read stale, and
    :class:`~paraprop.optim.FusionError` says so instead of training on.
 
+With ``overlap=True``, ``step()`` also hands the pending buckets, in module order, to a
+background thread (:mod:`paraprop.optim.overlap`) that applies them while the next forward runs;
+a module's pre-hook applies its bucket itself if the thread has not started it, or waits for it.
+The first forward after the first step (the trace) is always synchronous.
+
 Each update sees the same parameter, gradient, state and hyperparameters as the unfused step
 (the updates of different parameters are independent), so the result is bitwise the same.
 ``zero_grad(set_to_none=True)`` drops ``.grad`` at once (the pending update holds its own
-references); ``set_to_none=False`` zeroes a pending gradient right after its update.
+references; with ``overlap=True`` a gradient is dropped right after its update instead);
+``set_to_none=False`` zeroes a pending gradient right after its update.
 """
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 
 import torch
@@ -33,33 +40,35 @@ from torch.overrides import TorchFunctionMode
 
 from paraprop.optim.buckets import Bucket, Stepper, param_index, snapshot, zero_grads
 from paraprop.optim.errors import FusionError
+from paraprop.optim.overlap import Worker
 
 
 class _Pending:
     """A recorded update: hyperparameters, gradients and their versions at ``step()``."""
 
-    __slots__ = ("hparams", "grads", "versions", "zero")
+    __slots__ = ("hparams", "grads", "versions")
 
     def __init__(self, hparams, grads):
         self.hparams = hparams
         self.grads = grads
         self.versions = [-1 if g is None else g._version for g in grads]
-        self.zero = False  # zero_grad(set_to_none=False) asked while pending
 
 
 class ForwardEngine:
     """Records updates at ``step()`` and applies them in the next forward (see module doc)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module,
-                 buckets: list[Bucket], stepper: Stepper):
+                 buckets: list[Bucket], stepper: Stepper, overlap: bool = False):
         self.optimizer = optimizer
         self.model = model
         self.buckets = buckets
         self.stepper = stepper
+        self.worker = Worker() if overlap else None
+        self.lock = threading.Lock()  # bucket.pending / state / zero_request, n_pending
         self.n_pending = 0
-        self.applying = False  # inside apply(): the tracer must not look at the step's own ops
         self.trace_next = True  # watch the first forward after the first step
         self.moved: list[str] = []  # parameters found used outside their module
+        self._local = threading.local()  # .applying: the tracer must skip the step's own ops
         self._tracer: _UseTracer | None = None
         self._owner = {id(p): b for b in buckets for p in b.params}
         self._handles = []
@@ -75,40 +84,84 @@ class ForwardEngine:
             self._handles.append(m.register_state_dict_pre_hook(self._flush_hook))
             self._handles.append(m.register_load_state_dict_pre_hook(self._flush_hook))
 
+    @property
+    def applying(self) -> bool:
+        return getattr(self._local, "applying", False)
+
     # -- recording ------------------------------------------------------------------------
     def step(self) -> None:
         """Record one update per bucket that has a gradient (leftovers are applied first)."""
+        self.flush()
         hparams = snapshot(self.optimizer.param_groups)
         for b in self.buckets:
-            if b.pending is not None:
-                self.apply(b)
             grads = [p.grad for p in b.params]
             if all(g is None for g in grads):
                 continue
             b.pending = _Pending(hparams, grads)
             self.n_pending += 1
+        if self.worker is not None and not self.trace_next:  # the trace runs synchronously
+            for b in self.buckets:
+                if b.pending is not None:
+                    b.state = "queued"
+                    b.event = threading.Event()
+                    self.worker.submit(self._background, b)
 
     def zero_grad(self, set_to_none: bool) -> None:
-        for b in self.buckets:
-            if set_to_none:
-                for p in b.params:
-                    p.grad = None
-            elif b.pending is not None:
-                b.pending.zero = True
-            else:
-                zero_grads([p.grad for p in b.params if p.grad is not None])
+        with self.lock:
+            for b in self.buckets:
+                if b.state is not None or (b.pending is not None and not set_to_none):
+                    # not applied yet: its gradients are reset right after its update
+                    b.zero_request = "none" if set_to_none else "zero"
+                elif set_to_none:  # a pending update holds its own references
+                    for p in b.params:
+                        p.grad = None
+                else:
+                    zero_grads([p.grad for p in b.params if p.grad is not None])
 
     # -- applying -------------------------------------------------------------------------
+    def ensure_applied(self, b: Bucket) -> None:
+        """Return once ``b`` has no pending update: apply it here or wait for the thread."""
+        if b.state is None:
+            if b.pending is not None:
+                self.apply(b)
+            return
+        with self.lock:
+            state = b.state
+            if state == "queued":
+                b.state = "main"
+        if state == "queued":
+            try:
+                self.apply(b)
+            finally:
+                b.event.set()
+        elif state is not None:
+            b.event.wait()
+            self.worker.raise_error()
+
+    def _background(self, b: Bucket) -> None:
+        with self.lock:
+            if b.state != "queued":
+                return  # the forward got there first
+            b.state = "running"
+        try:
+            self.apply(b)
+        finally:
+            b.event.set()
+
     def apply(self, b: Bucket) -> None:
         """Apply ``b``'s pending update now, with the gradients recorded at ``step()``."""
-        pend = b.pending
-        self.applying = True
+        self._local.applying = True
         try:
-            self._apply(b, pend)
+            self._apply(b)
         finally:
-            self.applying = False
+            self._local.applying = False
+            with self.lock:
+                b.state = None
 
-    def _apply(self, b: Bucket, pend: _Pending) -> None:
+    def _apply(self, b: Bucket) -> None:
+        pend = b.pending
+        if pend is None:
+            return
         swapped = []
         for p, name, g, v in zip(b.params, b.names, pend.grads, pend.versions, strict=True):
             if g is None:
@@ -128,21 +181,40 @@ class ForwardEngine:
                     "zero_grad() or set_to_none=True, not model.zero_grad(set_to_none=False).")
             if cur is None:
                 swapped.append((p, g))
-        b.pending = None
-        self.n_pending -= 1
+        with self.lock:
+            b.pending = None
+            self.n_pending -= 1
         for p, g in swapped:
             p.grad = g
         try:
             self.stepper.step(b.groups, pend.hparams)
+            if self.worker is not None:
+                for p, name, g in zip(b.params, b.names, pend.grads, strict=True):
+                    if g is not None and p.grad is not g:
+                        raise FusionError(
+                            f"the gradient of parameter {name!r} was replaced while its update "
+                            "ran on the background thread (overlap=True), so the update may "
+                            "have skipped it. Reset gradients only with the fused optimizer's "
+                            "zero_grad() and do not touch .grad between step() and the next "
+                            "forward.")
         finally:
             for p, _ in swapped:
                 p.grad = None
-        if pend.zero:
-            zero_grads([g for (p, g) in zip(b.params, pend.grads, strict=True)
-                        if g is not None and p.grad is g])
+        with self.lock:  # a zero_grad() that came while this update was pending
+            request, b.zero_request = b.zero_request, None
+            attached = [(p, g) for p, g in zip(b.params, pend.grads, strict=True)
+                        if g is not None and p.grad is g]
+            if request == "none":
+                for p, _ in attached:
+                    p.grad = None
+            elif request == "zero":
+                zero_grads([g for _, g in attached])
+            b.state = None
 
     def flush(self) -> None:
-        """Apply every pending update."""
+        """Apply every pending update (waiting for the background thread first)."""
+        if self.worker is not None:
+            self.worker.drain()
         if self.n_pending:
             for b in self.buckets:
                 if b.pending is not None:
@@ -150,12 +222,12 @@ class ForwardEngine:
 
     # -- hooks ----------------------------------------------------------------------------
     def _pre(self, b: Bucket, module, args) -> None:
-        if b.pending is not None:
-            self.apply(b)
+        if b.pending is not None or b.state is not None:
+            self.ensure_applied(b)
 
     def _root_pre(self, root: Bucket, module, args) -> None:
-        if root.pending is not None:
-            self.apply(root)
+        if root.pending is not None or root.state is not None:
+            self.ensure_applied(root)
         if self.trace_next and self.n_pending and self._tracer is None:
             self._tracer = _UseTracer(self)
             self._tracer.__enter__()
@@ -192,6 +264,8 @@ class ForwardEngine:
 
     def remove(self) -> None:
         self.flush()
+        if self.worker is not None:
+            self.worker.close()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -222,9 +296,9 @@ class _UseTracer(TorchFunctionMode):
                 and getattr(getattr(func, "__self__", None), "__name__", None) in _METADATA):
             for t in _tensors(args, kwargs):
                 b = eng._owner.get(id(t))
-                if b is not None and b.pending is not None:
+                if b is not None and (b.pending is not None or b.state is not None):
                     self.found.append(b)
-                    eng.apply(b)
+                    eng.ensure_applied(b)
         return func(*args, **kwargs)
 
 

@@ -55,8 +55,11 @@ def fuse(optimizer: torch.optim.Optimizer, model: nn.Module, *, mode: str = "for
         bucket_numel: a module whose parameters hold fewer elements than this is merged with
             the modules registered after it into one bucket (fewer calls of the optimizer's
             step, each with its fixed cost); ``0``: exactly one bucket per module.
-        overlap: backward mode only: step the finished buckets on a background thread while
-            the backward pass goes on (``backward()`` returns once all updates are applied).
+        overlap: apply the updates on a background thread while the pass goes on: backward
+            mode steps each finished bucket there (``backward()`` returns once all are
+            applied); forward mode starts applying the pending buckets at ``step()`` and each
+            module waits for its own. Parameters are then being written between ``step()`` and
+            the next forward: call ``flush()`` before reading them there.
 
     Returns:
         A :class:`FusedOptimizer`.
@@ -102,8 +105,6 @@ def _validate(optimizer, model, mode, accumulation_steps, bucket_numel, overlap)
         raise ValueError(f"bucket_numel must be >= 0, got {bucket_numel}")
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be a bool, got {overlap!r}")
-    if overlap and mode != "backward":
-        raise ValueError(f"overlap=True needs mode='backward', got mode={mode!r}")
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
             "LBFGS cannot be fused: its step needs a closure that re-evaluates the loss and a "
@@ -143,7 +144,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         mode: ``"forward"`` or ``"backward"``.
         accumulation_steps: backward passes per update.
         bucket_numel: the smallest bucket before merging with the next module.
-        overlap: whether backward-mode updates run on a background thread.
+        overlap: whether the updates run on a background thread.
         buckets: the parameter buckets (root first), for inspection.
     """
 
@@ -171,7 +172,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         devices = {p.device.type for g in opt.param_groups for p in g["params"]}
         stepper = Stepper(opt, devices)
         if self.mode == "forward":
-            self._engine = ForwardEngine(opt, self.model, self.buckets, stepper)
+            self._engine = ForwardEngine(opt, self.model, self.buckets, stepper, self.overlap)
         else:
             self._engine = BackwardEngine(opt, self.buckets, stepper, self._update_now,
                                           self.overlap)

@@ -1,11 +1,12 @@
-"""A background thread that steps buckets while the backward pass goes on.
+"""A background thread that steps buckets while the forward or backward pass goes on.
 
-Backward-fusion makes each bucket's update independent of the rest of the backward: no later
-node of the backward reads the bucket's parameters (see :mod:`paraprop.optim.backward`). The
-autograd engine runs its CPU kernels with the GIL released, so a second thread can run the
-optimizer's Python and kernels for the finished buckets meanwhile: the parallelism half of
-Jiang et al. 2021 on a CPU (on a GPU the kernels of both threads go to the same stream, in the
-order they are issued). The thread is started on first use and stopped by ``close()``.
+Fusion makes each bucket's update independent of the rest of the pass: in backward mode no later
+node of the backward reads the bucket's parameters (:mod:`paraprop.optim.backward`); in forward
+mode a module waits for its own bucket only (:mod:`paraprop.optim.forward`). PyTorch runs its
+kernels (and the autograd engine) with the GIL released, so a second thread can run the
+optimizer's Python and kernels meanwhile: the parallelism half of Jiang et al. 2021 on a CPU (on
+a GPU the kernels of both threads go to the same stream, in the order they are issued). The
+thread is started on first use and stopped by ``close()``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ class Worker:
             done = threading.Event()
             self._queue.put(done)
             done.wait()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def raise_error(self) -> None:
+        """Re-raise a stored error without waiting."""
         if self._error is not None:
             err, self._error = self._error, None
             raise err
