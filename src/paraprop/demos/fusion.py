@@ -25,7 +25,7 @@ from paraprop.optim import fuse
 ORDER = 60
 TITLE = "Optimizer fusion: the optimizer step inside forward or backward, the same model"
 
-MODES = ("unfused", "forward", "backward", "backward+overlap")
+MODES = ("unfused", "forward", "forward+overlap", "backward", "backward+overlap")
 COLUMNS = ["mode", "steps", "final_loss", "test_acc", "bitwise_equal", "forward_ms",
            "backward_ms", "optimizer_ms", "step_ms", "opt_share", "speedup"]
 
