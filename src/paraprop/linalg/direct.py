@@ -115,7 +115,7 @@ def _normalise(S: StackedSystem, C: torch.Tensor):
     return T.contiguous(), C, {"flops": flops, "memory_bytes": mem}
 
 
-# Recursive doubling ("odd-even" decoupling, Naumov 2017 eq. 25-35 in the bi-diagonal case).
+# Recursive doubling ("odd-even" decoupling, Naumov 2017 eq. 23-35 in the bi-diagonal case).
 # Rows are x_k = c_k + x_{k-s} @ T_k (lower; upper: x_{k+s}) with stride s = 1. Substituting the
 # row of x_{k-s} into row k gives x_k = (c_k + c_{k-s} @ T_k) + x_{k-2s} @ (T_{k-s} @ T_k): the
 # same form with stride 2s, so the unknowns split into 2s independent chains. Every row updates in

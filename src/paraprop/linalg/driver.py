@@ -39,7 +39,7 @@ def solve(
         rhs: ``(N,)``, ``(B, N)`` or a list of ``l`` blocks ``(n_k,)``/``(B, n_k)``; a
             per-sample system (``system.batch == B``) needs ``(B, N)``.
         method: ``"substitution"`` (sequential, ``l`` dependent steps), ``"cyclic_reduction"``
-            (``ceil(log2 l) + 1`` levels, Naumov 2017 eq. 25-35), ``"jacobi"`` (eq. 36-37) or
+            (``ceil(log2 l) + 1`` levels, Naumov 2017 eq. 23-35), ``"jacobi"`` (eq. 36-37) or
             ``"bicgstab"`` (diagonally preconditioned, eq. 38-41).
         tol: iterative methods only: stop when the relative residual ``||r - A x|| / ||r||`` of
             every right-hand side is ``<= tol`` (Jacobi: of the previous iterate, whose sweep
