@@ -148,3 +148,33 @@ def test_errors():
     bad[3] = torch.randn(4, 5, 5)
     with pytest.raises(ValueError, match=r"layer 2 \(MaxPool2d\) outputs 64 values but layer 3"):
         bppsa.backward(net, bad, torch.ones(3))
+
+
+def test_pruned_weights_leave_the_pattern():
+    torch.manual_seed(2)
+    conv = nn.Conv2d(2, 3, 3, padding=1).double()
+    with torch.no_grad():
+        conv.weight[conv.weight.abs() < 0.15] = 0
+    x = torch.randn(2, 6, 6, dtype=torch.float64)
+    full = transposed_jacobian(conv, x)
+    pruned = transposed_jacobian(conv, x, drop_zero_weights=True)
+    assert pruned._nnz() < full._nnz()
+    assert torch.equal(pruned.to_dense(), full.to_dense())
+    net = [conv, nn.ReLU(), nn.Flatten(), nn.Linear(108, 2).double()]
+    acts, _ = bppsa.record(net, x)
+    g = torch.randn(2, dtype=torch.float64)
+    a = bppsa.backward(net, acts, g, drop_zero_weights=True)
+    b = _autograd_grads(net, acts, g)
+    assert all(torch.allclose(u, v, atol=1e-12) for u, v in zip(a, b, strict=True))
+
+
+def test_bench_jacobians_quick(tmp_path):
+    from paraprop.bench import jacobians
+
+    payload = jacobians.run(tmp_path, quick=True, repeats=1)
+    rows = {r["layer"]: r for r in payload["table1"]}
+    assert rows["relu"]["sparsity"] == round(1 - 1 / (8 * 12 * 12), 5)
+    pruned = next(r for r in payload["fig10"] if r["weights"] == "pruned 97%")
+    dense = next(r for r in payload["fig10"] if r["weights"] == "dense")
+    assert pruned["bp total flops (csr)"] < dense["bp total flops (csr)"]
+    assert (tmp_path / "jacobians.md").exists()

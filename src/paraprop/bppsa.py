@@ -124,19 +124,21 @@ def record(layers: Sequence[nn.Module], x: torch.Tensor) -> tuple[list[torch.Ten
     return acts, h
 
 
-def _jacobians(layers: Sequence[nn.Module], activations: Sequence[torch.Tensor]) -> list:
+def _jacobians(layers: Sequence[nn.Module], activations: Sequence[torch.Tensor],
+               drop_zero_weights: bool = False) -> list:
     if len(layers) != len(activations):
         raise ValueError(f"{len(layers)} layers but {len(activations)} activations (one input "
                          "per layer)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
-        return [transposed_jacobian(layer, a) for layer, a in zip(layers, activations,
-                                                                   strict=True)]
+        return [transposed_jacobian(layer, a, drop_zero_weights=drop_zero_weights)
+                for layer, a in zip(layers, activations, strict=True)]
 
 
 def backward(layers: Sequence[nn.Module], activations: Sequence[torch.Tensor],
              grad_output: torch.Tensor, *, levels: int | None = None,
-             stats: ScanStats | None = None) -> list[torch.Tensor]:
+             stats: ScanStats | None = None, drop_zero_weights: bool = False
+             ) -> list[torch.Tensor]:
     """The gradient w.r.t. the input of every layer, by a Blelloch scan (BPPSA).
 
     Arguments:
@@ -147,6 +149,7 @@ def backward(layers: Sequence[nn.Module], activations: Sequence[torch.Tensor],
         levels: tree levels run as a tree (BPPSA §5.3); ``None``: all of them (``ceil(log2
             (L + 1))``); ``0``: a linear scan, i.e. ordinary back-propagation.
         stats: a :class:`ScanStats` to fill with the per-step FLOPs and nnz.
+        drop_zero_weights: leave pruned (exactly zero) weights out of the Jacobians' patterns.
 
     Returns:
         ``[g_0, ..., g_{L-1}]``: ``g_i`` shaped like ``activations[i]``.
@@ -161,7 +164,7 @@ def backward(layers: Sequence[nn.Module], activations: Sequence[torch.Tensor],
     """
     if levels is not None and (not isinstance(levels, int) or levels < 0):
         raise ValueError(f"levels must be a non-negative int or None, got {levels!r}")
-    jts = _jacobians(layers, activations)
+    jts = _jacobians(layers, activations, drop_zero_weights)
     n_out = jts[-1].shape[1]
     if grad_output.numel() != n_out:
         raise ValueError(f"grad_output has {grad_output.numel()} elements, the last layer's "
@@ -180,20 +183,22 @@ def backward(layers: Sequence[nn.Module], activations: Sequence[torch.Tensor],
 
 
 def analyze(layers: Sequence[nn.Module], activations: Sequence[torch.Tensor], *,
-            levels: int | None = None) -> dict:
+            levels: int | None = None, drop_zero_weights: bool = False) -> dict:
     """FLOPs and nnz of every BPPSA scan step vs the per-operator FLOPs of back-propagation.
 
     Returns ``{"steps": [...], "critical_flops", "bp": [per-layer dict], "bp_total_flops",
     "bp_max_flops"}``; a BP operator costs ``2 nnz(J_i^T)`` (its VJP as a sparse
-    matrix-vector product) and, for convolutions and linear layers, also its dense FLOPs.
+    matrix-vector product) and, for convolutions and linear layers, also its dense FLOPs
+    (``drop_zero_weights`` as in :func:`backward`).
     """
     stats = ScanStats()
     with torch.no_grad():
         x_out = layers[-1](activations[-1][None])[0]
-    backward(layers, activations, torch.ones_like(x_out), levels=levels, stats=stats)
+    backward(layers, activations, torch.ones_like(x_out), levels=levels, stats=stats,
+             drop_zero_weights=drop_zero_weights)
     bp = []
     for layer, a in zip(layers, activations, strict=True):
-        jt = _jacobians([layer], [a])[0]
+        jt = _jacobians([layer], [a], drop_zero_weights)[0]
         sparse_flops = 2 * _nnz(jt)
         dense = None
         if isinstance(layer, nn.Conv2d):

@@ -49,7 +49,8 @@ def pattern_of(layer: nn.Module, x: torch.Tensor) -> tuple[patterns.Pattern, tup
     raise TypeError(_unsupported(layer))
 
 
-def transposed_jacobian(layer: nn.Module, x) -> torch.Tensor:
+def transposed_jacobian(layer: nn.Module, x, *, drop_zero_weights: bool = False
+                        ) -> torch.Tensor:
     """The transposed Jacobian of ``layer`` at ``x`` (one sample).
 
     Arguments:
@@ -57,6 +58,8 @@ def transposed_jacobian(layer: nn.Module, x) -> torch.Tensor:
             ``nn.ReLU``, ``nn.MaxPool2d``, ``nn.Linear``, ``nn.Flatten`` (CSR results), or
             ``nn.RNNCell`` / ``nn.GRUCell`` (dense, w.r.t. the hidden state; ``x`` is then the
             pair ``(input, hidden)``).
+        drop_zero_weights: for convolutions and linear layers, leave the entries of exactly
+            zero weights out of the pattern (pruned networks, BPPSA §5.3).
         x: the layer's input, one sample: ``(C, H, W)`` for convolution and pooling, ``(F,)``
             for linear layers, any shape for ReLU and Flatten.
 
@@ -80,6 +83,10 @@ def transposed_jacobian(layer: nn.Module, x) -> torch.Tensor:
     if isinstance(layer, nn.GRUCell):
         return gru_cell(layer, *_pair_input(layer, x))
     pat, _ = pattern_of(layer, x)
+    if drop_zero_weights and isinstance(layer, nn.Conv2d):
+        pat = patterns.without_zero_weights(pat, layer.weight)
+    elif drop_zero_weights and isinstance(layer, nn.Linear):
+        pat = patterns.without_zero_weights(pat, layer.weight.t())
     if isinstance(layer, nn.Conv2d):
         values = layer.weight.detach().flatten().index_select(0, pat.source.to(x.device))
     elif isinstance(layer, nn.ReLU):

@@ -139,3 +139,22 @@ def dense(n_rows: int, n_cols: int) -> Pattern:
     cols = torch.arange(n_cols).repeat(n_rows)
     crow = torch.arange(0, n_rows * n_cols + 1, n_cols)
     return Pattern((n_rows, n_cols), crow, cols, rows, torch.arange(n_rows * n_cols))
+
+
+_MASKED: dict = {}
+
+
+def without_zero_weights(base: Pattern, weight: torch.Tensor) -> Pattern:
+    """``base`` minus the entries whose weight is exactly zero (a pruned layer: the pruning
+    mask is fixed during retraining, so this pattern too is built once per mask)."""
+    nz = weight.detach().flatten() != 0
+    key = (id(base), weight.shape, hash(nz.cpu().numpy().tobytes()))
+    if key not in _MASKED:
+        if len(_MASKED) > 64:
+            _MASKED.clear()
+        keep = nz.cpu()[base.source]
+        rows, cols, src = base.row[keep], base.col[keep], base.source[keep]
+        crow = torch.zeros(base.shape[0] + 1, dtype=torch.long)
+        crow[1:] = torch.bincount(rows, minlength=base.shape[0]).cumsum(0)
+        _MASKED[key] = Pattern(base.shape, crow, cols, rows, src)  # still sorted by (row, col)
+    return _MASKED[key]
