@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from paraprop.multigrid import (
+    AdjointStepper,
     ForwardStepper,
     Hierarchy,
     mgrit,
@@ -237,3 +238,30 @@ def test_mgrit_argument_errors(kwargs, err, match):
     with pytest.raises(err, match=match):
         mgrit(ForwardStepper(mlp_blocks(8, 3)), args.pop("x"), args.pop("hierarchy"),
               args.pop("step_size"), **args)
+
+
+@pytest.mark.parametrize("mode", ["vmap", "loop", "hook"])
+@pytest.mark.parametrize("levels,c,relax,cycles", [
+    (1, 2, "F", 1), (2, 4, "FCF", 2), (3, 2, "F", 3), (2, 3, "FCF", 0)])
+def test_gradients_accumulated_in_the_final_relaxation(mode, levels, c, relax, cycles):
+    """The final adjoint relaxation's parameter cotangents equal a separate pass over the
+    returned adjoint states (after any number of cycles, converged or not)."""
+    depth, h = 23, 0.08
+    blocks = mlp_blocks(depth, 4, kind="iid", seed=9, dtype=torch.float64,
+                        fast=mode == "hook")
+    x = torch.randn(3, 4, dtype=torch.float64)
+    states = serial_states(blocks, x, h)
+    g = torch.randn(3, 4, dtype=torch.float64)
+    hier = Hierarchy.build(depth, levels=levels, coarsening=c)
+
+    def stepper():
+        return AdjointStepper(blocks, 0, depth, states, batched=mode != "loop")
+
+    res = mgrit(stepper(), g, hier, h, relax=relax, max_cycles=cycles, collect=True)
+    assert res.parameter_grads is not None and len(res.parameter_grads) == depth
+    ref = stepper().parameter_grads(res.states[:-1].flip(0), h)
+    for got, want in zip(res.parameter_grads, ref, strict=True):
+        for k in want:
+            assert float((got[k] - want[k]).abs().max()) <= 1e-13
+    with_tol = mgrit(stepper(), g, hier, h, max_cycles=2, tol=1e-3, collect=True)
+    assert (with_tol.parameter_grads is None) == (levels > 1)  # not known to be final

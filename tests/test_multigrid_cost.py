@@ -73,3 +73,16 @@ def test_cost_model_validation_and_fractional_concurrency():
     slow = simulate(256, 1, dataclasses.replace(MODEL, concurrency=0.5), training=False)
     loop = simulate(256, 1, MODEL, training=False)
     assert slow["mgrit_s"] > loop["mgrit_s"]
+
+
+def test_fused_gradient_sweep_replaces_the_parameter_pass():
+    """With fused_s, the adjoint's last relaxation costs fused_s per step and no separate
+    parameter sweep follows (one worker: the difference is exactly the work that moved)."""
+    fused = dataclasses.replace(MODEL, fused_s=3e-3)
+    depth, hier = 64, Hierarchy.build(64, levels=2, coarsening=4)
+    a = simulate(depth, 1, MODEL, levels=2, coarsening=4, cycles=2)
+    b = simulate(depth, 1, fused, levels=2, coarsening=4, cycles=2)
+    # the final relaxation steps every layer once: 64 steps at 3 ms instead of 2 ms, and the
+    # 64 parameter VJPs at 2 ms are gone
+    assert b["mgrit_s"] == pytest.approx(a["mgrit_s"] + 64 * (3e-3 - 2e-3) - 64 * 2e-3)
+    assert hier.sizes == (64, 16)

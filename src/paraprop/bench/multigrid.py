@@ -259,9 +259,10 @@ def torchrun_study(quick: bool, repeats: int) -> dict:
 
 # -- 4. cost model -------------------------------------------------------------------------------
 def measure_layer(channels: int, side: int, batch: int, repeats: int, group: int) -> dict:
-    """Per-layer times of ``u + h relu(conv3x3(u))``: forward, adjoint VJP, parameter VJP and
-    ordinary backward, timed interleaved (medians), and the concurrency of ``group`` layers
-    batched by ``vmap`` (``group`` single-layer times over one batched time)."""
+    """Per-layer times of ``u + h relu(conv3x3(u))``: forward, adjoint VJP, parameter VJP, the
+    VJP of both at once (the final adjoint relaxation's step) and the ordinary backward, timed
+    interleaved (medians), and the concurrency of ``group`` layers batched by ``vmap``
+    (``group`` single-layer times over one batched time)."""
     blk = ConvBlock(channels)
     u = torch.randn(batch, channels, side, side)
     lam = torch.randn_like(u)
@@ -286,12 +287,13 @@ def measure_layer(channels: int, side: int, batch: int, repeats: int, group: int
         "forward": forward,
         "adjoint": lambda: vjp(blk, u)[1](lam),
         "param_grad": lambda: vjp(lambda p: functional_call(blk, p, (u,)), params)[1](lam),
+        "fused": lambda: vjp(lambda y, p: functional_call(blk, p, (y,)), u, params)[1](lam),
         "forward+backward": backprop,
         "batched": batched,
     }, repeats=repeats, warmup=1, desc="layer times")
     t_f = median(times["forward"])
     return {"forward_s": t_f, "adjoint_s": median(times["adjoint"]),
-            "param_grad_s": median(times["param_grad"]),
+            "param_grad_s": median(times["param_grad"]), "fused_s": median(times["fused"]),
             "backprop_s": max(median(times["forward+backward"]) - t_f, t_f),
             "params": sum(p.numel() for p in params.values()),
             "state_bytes": u.numel() * u.element_size(),
@@ -309,7 +311,7 @@ def cost_study(out_dir: Path, quick: bool, link: dict) -> dict:
     base = CostModel(forward_s=meas["forward_s"], adjoint_s=meas["adjoint_s"],
                      param_grad_s=meas["param_grad_s"], backprop_s=meas["backprop_s"],
                      latency_s=lat, bandwidth_Bps=bw, message_bytes=meas["state_bytes"],
-                     concurrency=max(1.0, meas["concurrency"]))
+                     concurrency=max(1.0, meas["concurrency"]), fused_s=meas["fused_s"])
     measured = "measured (this CPU)"
     assumed = "assumed 4 (GPU streams)"
     configs = [  # label, levels, relaxation, concurrency

@@ -216,9 +216,10 @@ class LayerParallelStack(nn.Module):
         g = self._broadcast(grad_out.to(states.dtype), self.ranks[-1], "backward")
         res = mgrit(stepper, g, hier, self.step_size, relax=self.relax,
                     max_cycles=self._cycles(), tol=self.tol, c_weight=self.c_weight, link=link,
-                    parts=rparts, me=me)
+                    parts=rparts, me=me, collect=True)
         lam = res.states
-        per_block = stepper.parameter_grads(lam[:-1].flip(0), self.step_size)
+        per_block = res.parameter_grads if res.parameter_grads is not None else \
+            stepper.parameter_grads(lam[:-1].flip(0), self.step_size)
         grads = self._params.order(per_block, params)
         self._record("backward", res, link, t0)
         gx = lam[-1] if self.rank == 0 else torch.zeros_like(lam[-1])

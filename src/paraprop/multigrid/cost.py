@@ -47,6 +47,9 @@ class CostModel:
         message_bytes: the size of one state (activation) message.
         concurrency: intervals a worker steps concurrently at the cost of one (a float
             ``> 0``: ``k > 1`` intervals cost ``ceil(k / concurrency)`` layer times).
+        fused_s: one VJP with respect to state and parameters together: the step of the
+            adjoint's final relaxation, which then accumulates the parameter gradients
+            (``None``: a separate parameter-gradient sweep of ``param_grad_s`` per layer).
     """
 
     forward_s: float
@@ -57,6 +60,7 @@ class CostModel:
     bandwidth_Bps: float = math.inf
     message_bytes: int = 0
     concurrency: float = 1
+    fused_s: float | None = None
 
     def __post_init__(self):
         for name in ("forward_s", "adjoint_s", "param_grad_s", "backprop_s", "latency_s",
@@ -66,6 +70,8 @@ class CostModel:
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
         if not self.bandwidth_Bps > 0:
             raise ValueError(f"bandwidth_Bps must be > 0, got {self.bandwidth_Bps!r}")
+        if self.fused_s is not None and not self.fused_s >= 0:
+            raise ValueError(f"fused_s must be None or a number >= 0, got {self.fused_s!r}")
         if not self.concurrency > 0:
             raise ValueError(f"concurrency must be > 0, got {self.concurrency!r}")
 
@@ -80,9 +86,21 @@ class _Clock:
 
 
 class _ClockStepper:
-    def __init__(self, clock: _Clock, per_step: float, concurrency: int, offset: int):
+    def __init__(self, clock: _Clock, per_step: float, concurrency: float, offset: int,
+                 fused: float | None = None):
         self.clock, self.per_step, self.conc, self.offset = clock, per_step, concurrency, offset
+        self.fused, self._normal = fused, per_step
         self.counts = type("C", (), {"evaluations": 0, "calls": 0})()
+        if fused is not None:  # the adjoint: its final relaxation accumulates the gradients
+            self.begin_collect = self._begin
+            self.end_collect = self._end
+
+    def _begin(self):
+        self.per_step = self.fused
+
+    def _end(self):
+        self.per_step = self._normal
+        return []
 
     def _advance(self, count: int, steps: int) -> None:
         batches = 1 if count == 1 else math.ceil(count / self.conc - 1e-9)
@@ -195,12 +213,13 @@ def simulate(
             # The adjoint runs backwards in depth: ranks in reverse order, reversed ranges.
             rparts = [(depth - b, depth - a) for a, b in reversed(parts)]
             me = workers - 1 - r
-            adj = _ClockStepper(clock, m.adjoint_s, m.concurrency, rparts[me][0])
+            adj = _ClockStepper(clock, m.adjoint_s, m.concurrency, rparts[me][0], m.fused_s)
             rlink = _ReversedLink(link, workers)
-            mgrit(adj, x, hier, 1.0, relax=relax, max_cycles=cycles, link=rlink, parts=rparts,
-                  me=me)
-            n_local = parts[r][1] - parts[r][0]
-            clock.t += m.param_grad_s * math.ceil(n_local / m.concurrency)
+            res = mgrit(adj, x, hier, 1.0, relax=relax, max_cycles=cycles, link=rlink,
+                        parts=rparts, me=me, collect=m.fused_s is not None)
+            if res.parameter_grads is None:  # a separate, fully parallel sweep
+                n_local = parts[r][1] - parts[r][0]
+                clock.t += m.param_grad_s * math.ceil(n_local / m.concurrency)
         with lock:
             messages[0] += link.messages
         return clock.t

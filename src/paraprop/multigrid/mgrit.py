@@ -79,6 +79,10 @@ class MGRITResult:
         stats: ``evaluations`` (layer evaluations, the hardware-independent work), ``calls``
             (sequential launches, batched or not), ``time_s``, ``levels``, ``coarsening``,
             ``relax``.
+        parameter_grads: with ``collect=True`` and an adjoint stepper, the parameter gradients
+            accumulated during the final relaxation (one dict per local block in depth order),
+            when that relaxation was known to be the last (``tol=None`` or one level); else
+            ``None``.
     """
 
     states: torch.Tensor
@@ -87,6 +91,7 @@ class MGRITResult:
     converged: bool
     convergence_factor: float
     stats: dict = field(default_factory=dict)
+    parameter_grads: list[dict[str, torch.Tensor]] | None = None
 
 
 class _Solver:
@@ -258,6 +263,7 @@ def mgrit(
     link: Link | None = None,
     parts: list[tuple[int, int]] | None = None,
     me: int = 0,
+    collect: bool = False,
 ) -> MGRITResult:
     """Solve ``u_{n+1} = u_n + h F_n(u_n)``, ``u_0 = x`` by FAS/MGRIT V-cycles.
 
@@ -280,6 +286,8 @@ def mgrit(
         link: the exchange between ranks (``None`` for one process).
         parts: every rank's step range ``[a, b)`` in solve order (``None``: ``[(0, N)]``).
         me: this rank's position in ``parts``.
+        collect: with an :class:`~paraprop.multigrid.steps.AdjointStepper`, accumulate the
+            parameter gradients during the final relaxation (see ``parameter_grads``).
 
     Returns:
         An :class:`MGRITResult`.
@@ -302,8 +310,15 @@ def mgrit(
     U[0] = x
     residuals: list[float] = []
     cycles = 0
+    # The parameter gradients of the adjoint can be accumulated during the final relaxation
+    # (one VJP per layer with respect to state and parameters) when it is known to be final.
+    collect = collect and callable(getattr(stepper, "begin_collect", None))
+    collected = False
     with torch.no_grad():
         if hierarchy.levels == 1:
+            if collect:
+                stepper.begin_collect()
+                collected = True
             solver.serial(L0, U, None)
         else:
             uc = solver.c_view(L0, U)
@@ -314,6 +329,15 @@ def mgrit(
                 uc.copy_(init)
             else:
                 uc.copy_(x.expand_as(uc))
+
+            def final(k: int) -> bool:  # is the relaxation after cycle k the last one?
+                nonlocal collected
+                if collect and tol is None and k == max_cycles:
+                    stepper.begin_collect()
+                    collected = True
+                return collected
+
+            final(0)
             W = solver.f_relax(L0, U, None, True)
             residuals.append(solver.norm(solver.residual_sq(L0, U, W)))
             while cycles < max_cycles and not (tol is not None and residuals[-1] <= tol):
@@ -321,11 +345,13 @@ def mgrit(
                     solver.c_relax(L0, U, W)
                     W = solver.f_relax(L0, U, None, True)
                 solver.coarse_correct(0, U, W)
+                final(cycles + 1)
                 W = solver.f_relax(L0, U, None, True)
                 residuals.append(solver.norm(solver.residual_sq(L0, U, W)))
                 cycles += 1
         if link is not None:
             link.flush()
+    grads = stepper.end_collect() if collected else None
     elapsed = time.perf_counter() - t0
     converged = tol is None or not residuals or residuals[-1] <= tol
     factor = float("nan")
@@ -337,6 +363,7 @@ def mgrit(
         stats={"evaluations": stepper.counts.evaluations, "calls": stepper.counts.calls,
                "time_s": elapsed, "levels": hierarchy.levels,
                "coarsening": list(hierarchy.coarsening), "relax": relax},
+        parameter_grads=grads,
     )
 
 

@@ -207,15 +207,16 @@ class ParallelResidualStack(nn.Module):
         g = grad_out.detach().to(states.dtype).contiguous()
         if self.backward_mode == "serial":
             hier = Hierarchy.build(n, levels=1, coarsening=2)
-            res = mgrit(stepper, g, hier, self.step_size)
+            res = mgrit(stepper, g, hier, self.step_size, collect=True)
         else:
             hier = self.hierarchy
             res = mgrit(stepper, g, hier, self.step_size, relax=self.relax,
                         max_cycles=self.cycles, tol=self.tol, c_weight=self.c_weight,
-                        init=self._init_for("backward", g))
+                        init=self._init_for("backward", g), collect=True)
             self._keep("backward", res.states, hier)
         lam = res.states  # lam[k] is the adjoint at depth N - k
-        per_block = stepper.parameter_grads(lam[:-1].flip(0), self.step_size)
+        per_block = res.parameter_grads if res.parameter_grads is not None else \
+            stepper.parameter_grads(lam[:-1].flip(0), self.step_size)
         grads = self._params.order(per_block, params)
         self._record("backward", res, t0)
         self.last_stats["backward"]["evaluations"] = stepper.counts.evaluations

@@ -252,11 +252,14 @@ class AdjointStepper(_Stepper):
                 _, pull = vjp(lambda q: functional_call(template, (q, b), (x,)), p)
                 return pull(lam)[0]
 
-            self._vjp_x = vjp_x
+            def vjp_xp(p, b, x, lam):
+                _, pull = vjp(lambda y, q: functional_call(template, (q, b), (y,)), x, p)
+                return pull(lam)
+
+            self._vjp_x, self._vjp_xp = vjp_x, vjp_xp
             self._hook = getattr(template, "batched_forward", None)
             if self._hook is None:
-                self._vx = vmap(vjp_x)
-                self._vp = vmap(vjp_p)
+                self._vx, self._vp, self._vxp = vmap(vjp_x), vmap(vjp_p), vmap(vjp_xp)
             else:  # intervals are independent: one VJP of the batched function does them all
                 hook = self._hook
 
@@ -266,50 +269,106 @@ class AdjointStepper(_Stepper):
                 def vp(p, b, x, lam):
                     return vjp(lambda q: hook(q, b, x), p)[1](lam)[0]
 
-                self._vx, self._vp = vx, vp
+                def vxp(p, b, x, lam):
+                    return vjp(lambda y, q: hook(q, b, y), x, p)[1](lam)
+
+                self._vx, self._vp, self._vxp = vx, vp, vxp
             self._sweeps: dict = {}
+        self._collect: dict | list | None = None
+
+    # -- parameter gradients accumulated during the final relaxation -------------------------
+    def begin_collect(self) -> None:
+        """From now on every step also stores ``s (dF_n/dtheta_n)^T lam`` for its layer (one
+        VJP with respect to state and parameters instead of the state alone)."""
+        n = len(self.blocks)
+        if self.batched:
+            self._collect = {k: torch.zeros_like(v) for k, v in self.params.items()}
+        else:
+            self._collect = [None] * n
+
+    def end_collect(self) -> list[dict[str, torch.Tensor]]:
+        """The collected gradients, one dict per local block in depth order."""
+        got, self._collect = self._collect, None
+        n = len(self.blocks)
+        if isinstance(got, dict):
+            fwd = {k: v.flip(0) for k, v in got.items()}
+            return [{k: v[i] for k, v in fwd.items()} for i in range(n)]
+        if any(g is None for g in got):
+            raise RuntimeError("the final relaxation did not visit every layer")
+        return list(reversed(got))
+
+    def _store(self, i0: int, stride: int, count: int, grads, scale: float) -> None:
+        if isinstance(self._collect, dict):
+            for k, v in grads.items():
+                _progression({k: self._collect[k]}, i0, stride, count)[k].copy_(v).mul_(scale)
+        else:
+            for j in range(count):
+                self._collect[i0 + j * stride] = {k: v[j] * scale for k, v in grads.items()}
+
+    def _block_vjp(self, i: int, x: torch.Tensor, lam: torch.Tensor):
+        """``(J^T lam, (dF/dtheta)^T lam or None)`` of local solve index ``i`` at ``x``."""
+        blk = self._block(i)
+        if self._collect is None:
+            return vjp(blk, x)[1](lam)[0], None
+        p = {k: v.detach() for k, v in blk.named_parameters()}
+        gx, gp = vjp(lambda y, q: functional_call(blk, q, (y,)), x, p)[1](lam)
+        return gx, gp
 
     def _block(self, i: int) -> nn.Module:
         return self.blocks[len(self.blocks) - 1 - i]
 
     def step_one(self, k: int, lam: torch.Tensor, scale: float) -> torch.Tensor:
-        self.counts.add(1)
-        i = k - self.offset
-        _, pull = vjp(self._block(i), self.inputs[i])
-        return torch.add(lam, pull(lam)[0], alpha=scale)
+        return self.step(k, 1, 1, lam[None], scale)[0]
 
     def _step(self, i0, stride, count, lam, scale):
         stop = i0 + stride * (count - 1) + 1
         x = self.inputs[i0:stop:stride]
         if count == 1 or not self.batched:
-            outs = []
+            outs, grads = [], []
             for j in range(count):
-                _, pull = vjp(self._block(i0 + j * stride), x[j])
-                outs.append(pull(lam[j])[0])
-            g = outs[0][None] if count == 1 else torch.stack(outs)
+                gx, gp = self._block_vjp(i0 + j * stride, x[j], lam[j])
+                outs.append(gx)
+                grads.append(gp)
+            g = torch.stack(outs)
+            if self._collect is not None:
+                self._store(i0, stride, count, {k: torch.stack([d[k] for d in grads])
+                                                for k in grads[0]}, scale)
         else:
-            g = self._vx(_progression(self.params, i0, stride, count),
-                         _progression(self.buffers, i0, stride, count), x, lam)
+            p = _progression(self.params, i0, stride, count)
+            b = _progression(self.buffers, i0, stride, count)
+            if self._collect is None:
+                g = self._vx(p, b, x, lam)
+            else:
+                g, gp = self._vxp(p, b, x, lam)
+                self._store(i0, stride, count, gp, scale)
         return torch.add(lam, g, alpha=scale)
 
-    def _sweep_fn(self, length: int, with_g: bool, with_w: bool):
-        key = (length, with_g, with_w)
+    def _sweep_fn(self, length: int, with_g: bool, with_w: bool, collect: bool):
+        key = (length, with_g, with_w, collect)
         if key not in self._sweeps:
-            vjp_x = self._vjp_x
+            vjp_x, vjp_xp = self._vjp_x, self._vjp_xp
 
-            def one(p, b, xs, lam, g, out_f, out_w, scale):
-                # One interval of the adjoint: dependent transposed steps, written in place.
+            def one(p, b, xs, lam, g, out_f, out_w, out_p, scale):
+                # One interval of the adjoint: dependent transposed steps, written in place;
+                # when collecting, the parameter cotangent of each step goes to out_p.
                 for j in range(length - 1 + with_w):
                     pj = {k: v[j] for k, v in p.items()}
                     bj = {k: v[j] for k, v in b.items()}
-                    lam = torch.add(lam, vjp_x(pj, bj, xs[j], lam), alpha=scale)
+                    if collect:
+                        gx, gp = vjp_xp(pj, bj, xs[j], lam)
+                        for k, v in gp.items():
+                            out_p[k][j].copy_(v * scale)
+                    else:
+                        gx = vjp_x(pj, bj, xs[j], lam)
+                    lam = torch.add(lam, gx, alpha=scale)
                     if g is not None:
                         lam = lam + g[j]
                     (out_f[j] if j < length - 1 else out_w).copy_(lam)
                 return lam  # vmap needs an output; the results are already in place
 
             self._sweeps[key] = vmap(one, in_dims=(0, 0, 0, 0, 0 if with_g else None, 0,
-                                                   0 if with_w else None, None))
+                                                   0 if with_w else None,
+                                                   0 if collect else None, None))
         return self._sweeps[key]
 
     def sweep(self, first, stride, count, length, u0, scale, g, out_f, out_w):
@@ -321,8 +380,10 @@ class AdjointStepper(_Stepper):
         p = _intervals(self.params, i0, stride, count, length, steps)
         b = _intervals(self.buffers, i0, stride, count, length, steps)
         xs = _intervals({"x": self.inputs}, i0, stride, count, length, steps)["x"]
-        self._sweep_fn(length, g is not None, out_w is not None)(p, b, xs, u0, g, out_f, out_w,
-                                                                 scale)
+        out_p = None if self._collect is None else \
+            _intervals(self._collect, i0, stride, count, length, steps)
+        self._sweep_fn(length, g is not None, out_w is not None, out_p is not None)(
+            p, b, xs, u0, g, out_f, out_w, out_p, scale)
 
     def parameter_grads(self, lam_next: torch.Tensor, scale: float, chunk: int = 256
                         ) -> list[dict[str, torch.Tensor]]:
