@@ -187,6 +187,27 @@ def test_merged_buckets_and_overlap(name, fuse_kw):
     assert_same(train(name, feature=feature), train(name, feature=feature, **fuse_kw))
 
 
+@pytest.mark.parametrize("mode", ["forward", "backward"])
+@pytest.mark.parametrize("cls", [torch.optim.ASGD, torch.optim.Rprop, torch.optim.SparseAdam])
+def test_other_per_parameter_optimizers(cls, mode):
+    def run(fused):
+        model = TinyLM()
+        if cls is torch.optim.SparseAdam:  # sparse gradients: an embedding-only model
+            model.emb = nn.Embedding(VOCAB, WIDTH, sparse=True)
+            opt = cls(model.emb.parameters(), lr=1e-2)
+        else:
+            opt = cls(model.parameters(), lr=1e-2)
+        if fused:
+            opt = fuse(opt, model, mode=mode, bucket_numel=0)
+        for idx in batches(8):
+            loss_fn(model, idx).backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt.state_dict()
+
+    assert_same(run(False), run(True))
+
+
 def test_learning_rate_is_snapshotted_at_step():
     """Forward mode applies after scheduler.step(): the recorded LR must be used, not the new."""
     model = TinyLM()
