@@ -12,7 +12,9 @@ from paraprop.layers import (
     ThreadedJacobiGS,
     UnsupportedModuleError,
     as_recurrence,
+    balanced_blocks,
     evaluate,
+    jacobi_gs_blocks,
     register_converter,
     top5_changes,
 )
@@ -154,19 +156,71 @@ def test_stopping_on_forward_difference_then_max_abs_metric():
     assert float((out - ref).abs().max()) == pytest.approx(sol.stats["errors"][-1])
 
 
-def test_threaded_jacobi_gs_matches_solve():
+def test_threaded_jacobi_gs_matches_the_sequential_drivers():
     model = small_densenet()
     x = torch.randn(2, 3, 32, 32)
     system = as_recurrence(model).bind(x)
-    for block in (1, 3):
-        sol = paraprop.solve(system, system.x0, method="jacobi_gs", block_size=block, dim=1,
-                             tol=0)
-        times = [1.0] * system.T
-        with ThreadedJacobiGS(system, block_size=block, workers=2, times=times) as par:
-            xs, k, res = par.run(tol=0)
-        assert torch.equal(xs, sol.value) and k == sol.iterations
-        assert res == pytest.approx(sol.residuals.tolist())
-        assert torch.equal(system.output(xs), system.reference[-1])
+    # one state per block: Jacobi, the iterates of paraprop.solve
+    sol = paraprop.solve(system, system.x0, method="jacobi", dim=1, tol=0)
+    with ThreadedJacobiGS(system, workers=2, times=[1.0] * system.T) as par:
+        xs, k, res = par.run(tol=0)
+    assert torch.equal(xs, sol.value) and k == sol.iterations
+    assert res == pytest.approx(sol.residuals.tolist())
+    # any partition: the iterates of jacobi_gs_blocks (Algorithm 2)
+    blocks = [range(0, 1), range(1, 5), range(5, 6), range(6, 12), range(12, system.T)]
+    sol = jacobi_gs_blocks(system, blocks, tol=0)
+    with ThreadedJacobiGS(system, blocks=blocks, workers=2) as par:
+        xs, k, res = par.run(tol=0)
+    assert torch.equal(xs, sol.value) and k == sol.iterations <= len(blocks)
+    assert torch.equal(system.output(xs), system.reference[-1])
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_jacobi_gs_over_any_partition_is_exact_within_its_bound(name):
+    make, shape = MODELS[name]
+    model = make()
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    system = as_recurrence(model).bind(x)
+    g = torch.Generator().manual_seed(3)
+    times = torch.rand(system.T, generator=g, dtype=torch.float64)
+    blocks = balanced_blocks(times, budget=2 * float(times.max()))
+    assert [i for b in blocks for i in b] == list(range(system.T))
+    out, sol = evaluate(model, x, blocks=blocks, tol=0)
+    with torch.no_grad():
+        assert torch.equal(out, model(x))
+    assert sol.iterations <= len(blocks) == sol.stats["bound"]
+    assert sol.stats["blocks"] == [[b.start, b.stop] for b in blocks]
+    # per iteration, one more block is final: a cap of k iterations leaves blocks >= k unsolved
+    capped = jacobi_gs_blocks(system, blocks, tol=0, max_iters=1, throw=False)
+    first = blocks[0].stop
+    assert torch.equal(capped.value[:, :first], system.pack(system.reference)[:, :first])
+
+
+def test_balanced_blocks_respect_the_budget():
+    assert balanced_blocks([1.0, 1.0, 3.0, 1.0, 2.0]) == [range(0, 2), range(2, 3), range(3, 5)]
+    assert balanced_blocks([1.0, 1.0, 1.0], budget=10) == [range(0, 3)]
+    assert balanced_blocks([5.0, 1.0], budget=1) == [range(0, 1), range(1, 2)]
+    with pytest.raises(ValueError, match="budget must be a positive number"):
+        balanced_blocks([1.0], budget=0)
+    with pytest.raises(ValueError, match="times must be a non-empty sequence"):
+        balanced_blocks([])
+
+
+def test_partition_errors():
+    model = mlp(depth=2)
+    x = torch.randn(2, 3, 4)
+    system = as_recurrence(model).bind(x)
+    with pytest.raises(ValueError, match=r"blocks must split the states 0\.\.3 into non-empty "
+                                         r"contiguous blocks in order, got \[\[0, 2\], \[1, 3\]\]"):
+        jacobi_gs_blocks(system, [[0, 2], [1, 3]])
+    with pytest.raises(TypeError, match="blocks must be a sequence of sequences"):
+        jacobi_gs_blocks(system, [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="blocks is only used by method='jacobi_gs'"):
+        evaluate(model, x, method="jacobi", blocks=[[0, 1, 2, 3]])
+    with pytest.raises(ValueError, match="pass block_size or blocks, not both"):
+        ThreadedJacobiGS(system, block_size=2, blocks=[[0, 1, 2, 3]])
+    with pytest.raises(paraprop.ConvergenceError, match="jacobi_gs over 4 blocks"):
+        jacobi_gs_blocks(system, [[0], [1], [2], [3]], tol=0, max_iters=1)
 
 
 def test_top5_changes_counts_ranked_entries():

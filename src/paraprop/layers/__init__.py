@@ -4,10 +4,13 @@
   triangular system whose states are layer outputs.
 - :func:`evaluate`: the network's output by any :func:`paraprop.solve` method, with the error
   against sequential evaluation after every iteration.
+- :func:`jacobi_gs_blocks` / :func:`balanced_blocks`: Jacobi-GS over any partition of the
+  states, e.g. blocks of equal time.
 - :mod:`~paraprop.layers.timing`: per-state times and the parallel-time estimate (the paper's
   simulation); :mod:`~paraprop.layers.parallel`: real parallel execution with threads.
 """
 
+from paraprop.layers.blocks import balanced_blocks, jacobi_gs_blocks
 from paraprop.layers.convert import UnsupportedModuleError, as_recurrence, register_converter
 from paraprop.layers.evaluate import METRICS, evaluate, max_abs, top5_changes
 from paraprop.layers.parallel import ThreadedJacobiGS
@@ -22,8 +25,10 @@ __all__ = [
     "ThreadedJacobiGS",
     "UnsupportedModuleError",
     "as_recurrence",
+    "balanced_blocks",
     "estimate_time",
     "evaluate",
+    "jacobi_gs_blocks",
     "max_abs",
     "partition_time",
     "profile",

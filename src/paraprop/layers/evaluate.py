@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from paraprop.layers.blocks import jacobi_gs_blocks
 from paraprop.layers.convert import as_recurrence
 from paraprop.layers.recurrence import LayerSystem
 from paraprop.solve import Solution, solve
@@ -63,13 +64,15 @@ _METRIC_FNS = {"top5_changes": top5_changes, "max_abs": max_abs}
 
 def trace(system: LayerSystem, *, method: str, block_size: int | None, tol: float,
           norm: str = "max", max_iters: int | None = None, throw: bool = True,
-          metric: str = "top5_changes") -> Solution:
+          metric: str = "top5_changes", blocks=None) -> Solution:
     """Solve ``system`` and record the output error after every iteration.
 
     Arguments:
         system: a bound :class:`LayerSystem`; its ``reference`` is the sequential evaluation.
         method, block_size, tol, norm, max_iters, throw: as for :func:`paraprop.solve`.
         metric: ``"top5_changes"`` or ``"max_abs"``.
+        blocks: a partition of the states for ``method="jacobi_gs"`` instead of ``block_size``
+            (solved by :func:`~paraprop.layers.jacobi_gs_blocks`).
 
     Returns:
         The :class:`~paraprop.Solution`, its ``stats`` extended by ``metric``, ``errors`` (the
@@ -94,8 +97,12 @@ def trace(system: LayerSystem, *, method: str, block_size: int | None, tol: floa
         changes.append(fn(out, prev[0]))
         prev[0] = out
 
-    sol = solve(system, system.x0, method=method, dim=1, tol=tol, norm=norm,
-                max_iters=max_iters, block_size=block_size, throw=throw, callback=record)
+    if blocks is not None:
+        sol = jacobi_gs_blocks(system, blocks, tol=tol, norm=norm, max_iters=max_iters,
+                               throw=throw, callback=record)
+    else:
+        sol = solve(system, system.x0, method=method, dim=1, tol=tol, norm=norm,
+                    max_iters=max_iters, block_size=block_size, throw=throw, callback=record)
     out = system.output(sol.value)
     settled = len(errors) + 1
     while settled > 1 and errors[settled - 2] == 0:
@@ -127,6 +134,7 @@ def evaluate(
     metric: str = "top5_changes",
     max_iters: int | None = None,
     throw: bool = True,
+    blocks=None,
 ) -> tuple[torch.Tensor, Solution]:
     """Evaluate ``model(x)`` as a triangular system over its layer outputs.
 
@@ -147,6 +155,9 @@ def evaluate(
             ``"top5_changes"`` (:func:`top5_changes`; needs outputs ``(batch, classes)``) or
             ``"max_abs"``.
         max_iters, throw: as for :func:`paraprop.solve`.
+        blocks: for ``method="jacobi_gs"``, any partition of the states into contiguous blocks
+            instead of ``block_size`` (e.g. :func:`~paraprop.layers.balanced_blocks` of the
+            per-state times), solved by :func:`~paraprop.layers.jacobi_gs_blocks` (Algorithm 2).
 
     Returns:
         ``(output, solution)``: the network output at the stopping point and the
@@ -175,7 +186,10 @@ def evaluate(
         raise ValueError(f"unknown method={method!r}; choose one of {', '.join(METHODS)}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if block_size is None and method in ("jacobi_gs", "gs_jacobi"):
+    if blocks is not None and (method != "jacobi_gs" or block_size is not None):
+        raise ValueError(f"blocks is only used by method='jacobi_gs' without block_size, got "
+                         f"method={method!r}, block_size={block_size!r}")
+    if block_size is None and blocks is None and method in ("jacobi_gs", "gs_jacobi"):
         block_size = 1
     rec = as_recurrence(model)
     system = rec.bind(x)
@@ -183,5 +197,5 @@ def evaluate(
         raise ValueError(f"metric='top5_changes' needs network outputs shaped (batch, classes), "
                          f"got {tuple(system.reference[-1].shape)}; use metric='max_abs'")
     sol = trace(system, method=method, block_size=block_size, tol=tol, norm=norm,
-                max_iters=max_iters, throw=throw, metric=metric)
+                max_iters=max_iters, throw=throw, metric=metric, blocks=blocks)
     return system.output(sol.value), sol

@@ -1,46 +1,51 @@
 """Real parallel execution of Jacobi-GS over a network's states, with threads.
 
-The parallel-time estimate (:mod:`paraprop.layers.timing`) assumes unlimited workers and no
-overhead. This module measures what the same iteration actually takes on the machine at hand:
-the states of one Jacobi-GS step are split among worker threads (PyTorch operators release the
-GIL, so the threads' kernels run at the same time), each thread computes its share one state
-after another, and the step ends when all are done.
+The parallel-time estimate (:mod:`paraprop.layers.timing`) assumes a worker per block and no
+overhead. This module measures what the same iteration actually takes on the machine at hand: the
+blocks of one iteration are shared among worker threads (PyTorch operators release the GIL, so the
+threads' kernels run at the same time), each thread runs its blocks state after state, and the
+iteration ends when all are done.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from paraprop.layers.blocks import check_blocks
 from paraprop.layers.recurrence import LayerSystem
+from paraprop.layers.timing import uniform_blocks
 
 __all__ = ["ThreadedJacobiGS"]
 
 
 class ThreadedJacobiGS:
-    """Jacobi-GS over a :class:`~paraprop.layers.LayerSystem` on a pool of threads.
+    """Jacobi-GS (Algorithm 2) over a :class:`~paraprop.layers.LayerSystem` on a pool of threads.
 
-    The iterates are those of ``paraprop.solve(system, system.x0, method="jacobi_gs",
-    block_size=block_size, dim=1)``: one iteration updates offset ``j`` of every block at once,
-    for ``j = 0 .. block_size-1``, each from the newest values (``block_size=1`` is Jacobi). The
-    states of one offset are shared among ``workers`` threads, balanced by ``times`` when given
-    (longest first, each to the least loaded thread), else round-robin. It stops when the forward
-    difference (largest absolute change over the whole batch) is ``<= tol``, or at the exactness
-    bound ``ceil(T / block_size)``; unlike :func:`paraprop.solve` it has no per-sample stopping.
+    The iterates are those of :func:`~paraprop.layers.jacobi_gs_blocks` with the same blocks: in
+    one iteration every block computes its states in order from its own new values and the
+    previous values of the blocks before it (blocks of one state: Jacobi, the iterates of
+    ``paraprop.solve(..., method="jacobi")``). The blocks are shared among ``workers`` threads,
+    balanced by ``times`` when given (slowest block first, each to the least loaded thread), else
+    round-robin. It stops when the forward difference (largest absolute change over the whole
+    batch) is ``<= tol``, or after ``len(blocks)`` iterations, where the result is exact; unlike
+    :func:`paraprop.solve` it has no per-sample stopping.
 
     Arguments:
         system: the bound system.
-        block_size: states per block (``>= 1``).
+        block_size: states per block, for uniform blocks (default 1).
+        blocks: an explicit partition into contiguous blocks instead (e.g.
+            :func:`~paraprop.layers.balanced_blocks`).
         workers: threads (default: the CPU count).
         intra_op_threads: PyTorch threads inside each worker (default 1: the workers are the
             parallelism).
         times: optional seconds per state (:func:`~paraprop.layers.profile`) to balance the work.
 
     Raises:
-        ValueError: a bad ``block_size``, ``workers``, ``intra_op_threads`` or ``times``.
+        ValueError: a bad ``block_size``, ``blocks``, ``workers``, ``intra_op_threads`` or
+            ``times``, or both ``block_size`` and ``blocks``.
 
     Example:
         >>> with ThreadedJacobiGS(system, workers=2) as par:
@@ -50,10 +55,13 @@ class ThreadedJacobiGS:
     Song et al. 2021, Algorithm 2 (Jacobi-GS).
     """
 
-    def __init__(self, system: LayerSystem, *, block_size: int = 1, workers: int | None = None,
-                 intra_op_threads: int = 1, times=None):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    def __init__(self, system: LayerSystem, *, block_size: int | None = None, blocks=None,
+                 workers: int | None = None, intra_op_threads: int = 1, times=None):
+        if block_size is not None and blocks is not None:
+            raise ValueError("pass block_size or blocks, not both")
+        if blocks is None:
+            blocks = uniform_blocks(system.T, 1 if block_size is None else block_size)
+        self.blocks = check_blocks(blocks, system.T)
         if workers is None:
             workers = os.cpu_count() or 1
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -67,13 +75,11 @@ class ThreadedJacobiGS:
                 raise ValueError(f"times must have one entry per state ({system.T}), got "
                                  f"{len(times)}")
         self.system = system
-        self.block_size = min(block_size, system.T)
         self.workers = workers
         self.intra_op_threads = intra_op_threads
-        self.bound = math.ceil(system.T / self.block_size)
-        # offset j of every block: states j, j + b, j + 2b, ...; each split among the workers
-        self.groups = [_share(list(range(j, system.T, self.block_size)), workers, times)
-                       for j in range(self.block_size)]
+        self.bound = len(self.blocks)
+        cost = [sum(times[t] for t in b) if times else len(b) for b in self.blocks]
+        self.shares = _share(self.blocks, cost, workers, balanced=times is not None)
         self._pool: ThreadPoolExecutor | None = None
 
     def __enter__(self) -> ThreadedJacobiGS:
@@ -96,13 +102,12 @@ class ThreadedJacobiGS:
             self._pool.shutdown()
             self._pool = None
 
-    def _compute(self, states: list[int], work: torch.Tensor) -> torch.Tensor:
+    def _run_blocks(self, blocks: list[range], prev: torch.Tensor, work: torch.Tensor) -> None:
         s = self.system
-        out = work.new_zeros(s.B, len(states), s.F)
         with torch.no_grad():
-            for j, t in enumerate(states):
-                out[:, j, : s.sizes[t]] = s.compute(t, work)
-        return out
+            for blk in blocks:
+                for t in blk:  # own block: new values in work; earlier blocks: prev
+                    work[:, t, : s.sizes[t]] = s.compute(t, work, before=prev, start=blk.start)
 
     @torch.no_grad()
     def run(self, *, tol: float = 0.0, max_iters: int | None = None
@@ -111,7 +116,7 @@ class ThreadedJacobiGS:
 
         Arguments:
             tol: stop when the forward difference is ``<= tol`` (``0``: a bitwise fixed point).
-            max_iters: cap on iterations (default: the exactness bound).
+            max_iters: cap on iterations (default: the exactness bound, ``len(blocks)``).
 
         Raises:
             ValueError: a negative ``tol`` or a bad ``max_iters``.
@@ -128,12 +133,11 @@ class ThreadedJacobiGS:
         k = 0
         while k < cap:
             k += 1
-            work = x.clone()
-            for shares in self.groups:
-                futures = [(idx, self._pool.submit(self._compute, idx, work)) for idx in shares]
-                done = [(idx, f.result()) for idx, f in futures]  # the offset's barrier
-                for idx, vals in done:
-                    work.index_copy_(1, torch.tensor(idx, device=work.device), vals)
+            work = torch.zeros_like(x)
+            futures = [self._pool.submit(self._run_blocks, share, x, work)
+                       for share in self.shares]
+            for f in futures:  # the iteration's barrier
+                f.result()
             residuals.append(float((work - x).abs().max()))
             x = work
             if residuals[-1] <= tol:
@@ -141,17 +145,19 @@ class ThreadedJacobiGS:
         return x, k, residuals
 
 
-def _share(states: list[int], workers: int, times) -> list[list[int]]:
-    """Split ``states`` among at most ``workers`` threads, each share kept in order."""
-    n = min(workers, len(states))
-    if times is None:
-        shares = [states[i::n] for i in range(n)]
+def _share(blocks: list[range], cost: list[float], workers: int, *, balanced: bool
+           ) -> list[list[range]]:
+    """Split the blocks among at most ``workers`` threads, each share in state order."""
+    n = min(workers, len(blocks))
+    if not balanced:
+        shares = [blocks[i::n] for i in range(n)]
     else:
         load = [0.0] * n
         shares = [[] for _ in range(n)]
-        for t in sorted(states, key=lambda s: -times[s]):
+        for i in sorted(range(len(blocks)), key=lambda j: -cost[j]):
             w = min(range(n), key=load.__getitem__)
-            shares[w].append(t)
-            load[w] += times[t]
-        shares = [sorted(s) for s in shares]
+            shares[w].append(blocks[i])
+            load[w] += cost[i]
+        shares = [sorted(s, key=lambda b: b.start) for s in shares]
     return [s for s in shares if s]
+

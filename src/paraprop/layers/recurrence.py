@@ -194,8 +194,11 @@ class LayerSystem:
         return torch.zeros(self.B, self.T, self.F, dtype=self.dtype, device=self.device)
 
     def state(self, x: torch.Tensor, t: int) -> torch.Tensor:
-        """State ``t`` of ``x``, shaped ``(B, *shapes[t])`` and contiguous, as the layers see it."""
-        return x[:, t, : self.sizes[t]].reshape(self.B, *self.shapes[t]).contiguous()
+        """State ``t`` of ``x``, shaped ``(B, *shapes[t])``: a contiguous copy, as the layers see
+        it (a copy, so that no layer can change ``x`` and concurrent writes to other states of
+        ``x`` do not touch the tensors a layer is reading)."""
+        return x[:, t, : self.sizes[t]].reshape(self.B, *self.shapes[t]).clone(
+            memory_format=torch.contiguous_format)
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
         """The network output (the last state) held in ``x``."""
@@ -208,9 +211,18 @@ class LayerSystem:
             x[:, t, : self.sizes[t]] = s.reshape(self.B, -1)
         return x
 
-    def compute(self, t: int, x: torch.Tensor) -> torch.Tensor:
-        """State ``t`` computed from the states held in ``x``, shaped ``(B, sizes[t])``."""
-        y = self.recurrence.run_step(t, lambda i: self.input if i < 0 else self.state(x, i))
+    def compute(self, t: int, x: torch.Tensor, *, before: torch.Tensor | None = None,
+                start: int = 0) -> torch.Tensor:
+        """State ``t`` computed from the states held in ``x``, shaped ``(B, sizes[t])``; states
+        ``< start`` are read from ``before`` instead when it is given (a Jacobi-GS block reads
+        the blocks before it from the previous iterate)."""
+
+        def fetch(i: int) -> torch.Tensor:
+            if i < 0:
+                return self.input
+            return self.state(before if before is not None and i < start else x, i)
+
+        y = self.recurrence.run_step(t, fetch)
         if y.shape[1:] != self.shapes[t] or y.dtype != self.dtype:
             raise RuntimeError(
                 f"step {t} ({self.recurrence.steps[t].name!r}) returned shape "

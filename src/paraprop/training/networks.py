@@ -60,12 +60,20 @@ def make_network(arch: str, num_classes: int = 10, *, size: int = 32, depth: int
         layers: list[nn.Module] = [nn.Flatten()]
         sizes = [size * size] + [width] * depth
         for a, b in zip(sizes, sizes[1:], strict=False):
-            layers += [nn.Linear(a, b), nn.ReLU()]
+            lin = nn.Linear(a, b)
+            nn.init.kaiming_normal_(lin.weight, nonlinearity="relu")  # keeps deep ReLU stacks
+            nn.init.zeros_(lin.bias)  # trainable (PyTorch's default init shrinks activations)
+            layers += [lin, nn.ReLU()]
         layers.append(nn.Linear(sizes[-1], num_classes))
         return nn.Sequential(*layers).eval()
     import torchvision
 
     return getattr(torchvision.models, arch)(weights=None, num_classes=num_classes).eval()
+
+
+def default_lr(arch: str) -> float:
+    """Adam's learning rate for a brief training of ``arch`` (the deep MLP needs a smaller one)."""
+    return 3e-4 if arch == "mlp" else 1e-3
 
 
 def input_channels(arch: str) -> int:
@@ -205,19 +213,21 @@ def checkpoint_classes(path: str | Path) -> int | None:
 
 
 def trained_network(arch: str, *, data: str = "mnist", size: int = 32, steps: int = 120,
-                    batch_size: int = 64, lr: float = 1e-3, seed: int = 0, cache_dir=None,
+                    batch_size: int = 64, lr: float | None = None, seed: int = 0, cache_dir=None,
                     mnist_dir=None, progress: bool = True) -> tuple[nn.Module, dict]:
     """A network trained briefly here (reusing ``cache_dir``'s checkpoint of the same config).
 
     Returns ``(model, info)``; ``info["weights"]`` says which weights these are, with the
     held-out accuracy and the training record.
     """
+    lr = default_lr(arch) if lr is None else lr
     x, y = image_data(data, size=size, channels=input_channels(arch), mnist_dir=mnist_dir)
     xt, yt, xh, yh = split(data, x, y)
     model = make_network(arch, size=size, seed=seed)
     path = None
     if cache_dir is not None:
-        path = Path(cache_dir) / f"networks_{arch}_{data}{size}_s{steps}_b{batch_size}_{seed}.pt"
+        path = Path(cache_dir) / (f"networks_{arch}_{data}{size}_s{steps}_b{batch_size}_"
+                                  f"lr{lr:g}_{seed}.pt")
         if path.is_file():
             info = load_weights(model, path)
             return model, {**info, "checkpoint": str(path), "trained_now": False}
@@ -241,7 +251,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the DenseNets)")
     p.add_argument("--steps", type=int, default=120, help="training steps (0: no training)")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=None, help="Adam's learning rate (default 1e-3; "
+                   "3e-4 for the MLP)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weights", default=None, help="start from this checkpoint (this job's "
                    "format or a plain state_dict, e.g. torchvision's ImageNet weights)")
@@ -274,8 +285,9 @@ def run(args) -> int:
         if num_classes < 10:
             raise SystemExit(f"paraprop train densenet: the checkpoint has {num_classes} "
                              "outputs, fewer than the 10 classes to train on")
+        lr = default_lr(args.arch) if args.lr is None else args.lr
         rec = train_network(model, xt, yt, steps=args.steps, batch_size=args.batch_size,
-                            lr=args.lr, seed=args.seed, desc=f"train {args.arch}")
+                            lr=lr, seed=args.seed, desc=f"train {args.arch}")
         source += (f", then trained here: {args.steps} Adam steps of {args.batch_size} on "
                    f"{len(xt)} {args.data} images ({args.size}x{args.size}); loss "
                    f"{rec['loss_first']:.3f} -> {rec['loss_last']:.3f}")
