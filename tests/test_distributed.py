@@ -137,8 +137,8 @@ def test_dead_or_hung_rank_gives_a_clear_error(mode):
     name, msg, waited = results[0]
     assert name == "PeerError"
     assert msg.startswith("rank 0 (forward): ") and "died or hangs" in msg
-    if mode == "hangs":  # the broadcast went through; rank 0 then waits for rank 1 in vain
-        assert "all-reduce with a peer rank failed after at most 1 s" in msg
+    if mode == "hangs":  # rank 0 waits for rank 1 in vain (normally in the first all-reduce)
+        assert "failed after at most 1 s" in msg
     assert waited < 10
 
 

@@ -91,6 +91,8 @@ class DistLink:
         return buf.to(like.device)
 
     def sum(self, value: float) -> float:
+        if len(self.ranks) == 1:
+            return value
         t = torch.tensor([value], dtype=torch.float64)
         if not self._cpu:
             t = t.to(torch.device("cuda", torch.cuda.current_device()))
@@ -121,6 +123,10 @@ def init_from_env(backend: str | None = None, *, timeout: float = DEFAULT_TIMEOU
 
     Raises:
         RuntimeError: the environment variables are missing (not launched by torchrun).
+
+    Example (in a script started by ``torchrun --nproc_per_node=2 script.py``)::
+
+        rank = init_from_env(timeout=30)   # gloo on a CPU-only machine
     """
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                if k not in os.environ]

@@ -74,6 +74,14 @@ def spawn(fn: Callable, world: int, *args, timeout: float = 120.0, backend: str 
 
     Raises:
         SpawnError: a child raised (unless ``allow_errors``), died, or the time ran out.
+
+    Example (``fn`` must live in an importable module; guard the call with
+    ``if __name__ == "__main__":`` in scripts)::
+
+        def world_size(rank):
+            return torch.distributed.get_world_size()
+
+        spawn(world_size, 2)   # [2, 2]
     """
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world)

@@ -254,6 +254,11 @@ def partitioned_forward(blocks: Sequence[nn.Module], x: torch.Tensor, step_size:
 
     Raises:
         PeerError: the previous or next rank died or hangs.
+
+    Example (under ``torchrun --nproc_per_node=2``)::
+
+        a, b = layer_range(64)
+        y = partitioned_forward(blocks[a:b], x, 1 / 64)   # u_64 on rank 1
     """
     world = dist.get_world_size(group)
     me = dist.get_rank(group)

@@ -292,6 +292,11 @@ def mgrit(
     Returns:
         An :class:`MGRITResult`.
 
+    Raises:
+        ValueError / TypeError: a bad argument (named, with its value), an ``init`` of the wrong
+            shape, or a block that changes the state's shape.
+        paraprop.distributed.PeerError: (across ranks) a peer died or hangs.
+
     Example:
         >>> blocks = [torch.nn.Linear(4, 4) for _ in range(16)]
         >>> stepper = ForwardStepper(blocks)
