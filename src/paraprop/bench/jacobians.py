@@ -62,7 +62,8 @@ def table1(size: int, channels: int, *, repeats: int, columns: int) -> list[dict
         k = min(columns, n_out)
         xr = x.clone().requires_grad_(True)
         y = layer(xr[None])[0].flatten()
-        eye = torch.eye(n_out)[:k]
+        eye = torch.zeros(k, n_out)  # the first k unit vectors (never the full identity)
+        eye[torch.arange(k), torch.arange(k)] = 1.0
 
         def autograd_cols(y=y, xr=xr, k=k, eye=eye):  # the paper's baseline: a VJP per output
             return [torch.autograd.grad(y, xr, eye[j].reshape(y.shape), retain_graph=True)[0]
