@@ -32,7 +32,7 @@ from paraprop.scan import Factored
 
 # Rows (time steps x batch) per block of the gate recomputation on the CPU: the ~20
 # elementwise passes then run on cache-resident blocks instead of streaming T x B x 3H arrays.
-_BLOCK_ROWS = 4096
+_BLOCK_ROWS = 8192
 
 
 def jacobian_factors(x, hprev, w_ih, w_hh, b_ih, b_hh):
