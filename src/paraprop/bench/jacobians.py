@@ -2,10 +2,11 @@
 
 1. Table 1: sparsity of the transposed Jacobians of VGG-11's first convolution, ReLU and
    max-pool at 32x32, and the time to generate them analytically (pattern build + fill, and
-   fill only: the pattern depends only on the architecture, so a training step only fills) vs column by column with autograd (the paper's baseline: one VJP per output) and
-   vs ``torch.func.jacrev`` with ``vmap``. The two autograd baselines would take minutes at full
-   size, so they are timed on a slice of the columns and scaled by the column count (stated in
-   the table).
+   fill only: the pattern depends only on the architecture, so a training step only fills) vs
+   column by column with autograd (the paper's baseline: one VJP per output) and vs
+   ``torch.func`` (vjp + vmap). The two autograd baselines would take minutes at full size, so
+   they are timed on a slice of the columns and scaled by the column count (stated in the
+   table).
 2. Fig. 10: per-step FLOPs of the BPPSA scan on torchvision's VGG-11 convolutional part (random
    weights, and 97%-pruned by magnitude with ``torch.nn.utils.prune``) vs the per-operator FLOPs
    of back-propagation, with the tree capped at ``levels`` (BPPSA §5.3).
