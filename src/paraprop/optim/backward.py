@@ -60,8 +60,9 @@ class ConsumedGrad(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         names = [a.param_name for a in _flat(args, kwargs) if isinstance(a, ConsumedGrad)]
+        name = names[0] if names else "?"
         raise FusionError(
-            f"{func.__name__} read the gradient of parameter {names[0]!r}, which the optimizer "
+            f"{func.__name__} read the gradient of parameter {name!r}, which the optimizer "
             f"update fused into backward (mode='backward') has already consumed. {_HINT}")
 
     def __repr__(self) -> str:  # printing must not dispatch
