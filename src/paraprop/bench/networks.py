@@ -211,11 +211,14 @@ def fig1d(path: Path, title: str, curves: dict[str, dict], tol: float) -> Path:
     return path
 
 
-def small_densenet(seed: int = 0):
-    """torchvision's DenseNet class at a small configuration (17 states), random weights."""
+def small_densenet(seed: int = 0, *, growth_rate: int = 8, block_config=(2, 3, 4, 3),
+                   num_init_features: int = 8, bn_size: int = 2) -> torch.nn.Module:
+    """torchvision's DenseNet class at a small configuration (by default 17 states), random
+    weights (seeded), eval mode."""
     torch.manual_seed(seed)
-    return torchvision.models.DenseNet(growth_rate=8, block_config=(2, 3, 4, 3),
-                                       num_init_features=8, bn_size=2, num_classes=10).eval()
+    return torchvision.models.DenseNet(growth_rate=growth_rate, block_config=tuple(block_config),
+                                       num_init_features=num_init_features, bn_size=bn_size,
+                                       num_classes=10).eval()
 
 
 def configs(quick: bool) -> list[dict]:
@@ -226,9 +229,9 @@ def configs(quick: bool) -> list[dict]:
             {"name": "MLP 6x32", "arch": "mlp_small", "steps": 0, "data": "digits"},
         ]
     return [
-        {"name": "DenseNet-201", "arch": "densenet201", "steps": 60, "data": "mnist"},
+        {"name": "DenseNet-201", "arch": "densenet201", "steps": 80, "data": "mnist"},
         {"name": "DenseNet-201", "arch": "densenet201", "steps": 0, "data": "mnist"},
-        {"name": "DenseNet-121", "arch": "densenet121", "steps": 60, "data": "mnist"},
+        {"name": "DenseNet-121", "arch": "densenet121", "steps": 80, "data": "mnist"},
         {"name": "ResNet-18", "arch": "resnet18", "steps": 60, "data": "mnist"},
         {"name": "MLP 24x256", "arch": "mlp", "steps": 300, "data": "mnist"},
     ]

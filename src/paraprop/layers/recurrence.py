@@ -166,6 +166,14 @@ class LayerSystem:
     Raises (at construction):
         TypeError: a state that is not floating point, or whose dtype differs from the first
             state's, or that lost the batch dim (the step is named).
+
+    Example:
+        >>> system = as_recurrence(torchvision.models.densenet121(num_classes=10).eval()).bind(x)
+        >>> sol = paraprop.solve(system, system.x0, method="jacobi", dim=1, tol=0)
+        >>> torch.equal(system.output(sol.value), system.reference[-1])
+        True
+
+    Song et al. 2021, eq. 2 (the triangular system) and §5.2 (DenseNets).
     """
 
     def __init__(self, recurrence: Recurrence, u: torch.Tensor, states: list[torch.Tensor]):
