@@ -64,6 +64,17 @@ def test_sequential_states_group_parameter_free_modules():
     assert len(rec.states(x)) == len(rec) == 5
 
 
+def test_leading_in_place_module_gets_a_copy_of_the_input():
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(3, 2)).eval()
+    rec = as_recurrence(model)
+    assert len(rec) == 1 and rec.steps[0].clone_input
+    x = torch.randn(4, 3)
+    keep = x.clone()
+    out = rec(x)
+    assert torch.equal(x, keep)  # the network input is not changed
+    assert torch.equal(out, model(keep.clone()))
+
+
 def test_densenet121_recurrence_equals_forward():
     torch.manual_seed(0)
     model = torchvision.models.densenet121(num_classes=10).eval()

@@ -212,7 +212,7 @@ def checkpoint_classes(path: str | Path) -> int | None:
     return int(weights[-1].shape[0]) if weights else None
 
 
-def trained_network(arch: str, *, data: str = "mnist", size: int = 32, steps: int = 120,
+def trained_network(arch: str, *, data: str = "mnist", size: int = 32, steps: int = 80,
                     batch_size: int = 64, lr: float | None = None, seed: int = 0, cache_dir=None,
                     mnist_dir=None, progress: bool = True) -> tuple[nn.Module, dict]:
     """A network trained briefly here (reusing ``cache_dir``'s checkpoint of the same config).
@@ -249,7 +249,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mnist-dir", default=None, help="directory of the MNIST IDX files")
     p.add_argument("--size", type=int, default=32, help="image side after resizing (>= 32 for "
                    "the DenseNets)")
-    p.add_argument("--steps", type=int, default=120, help="training steps (0: no training)")
+    p.add_argument("--steps", type=int, default=80, help="training steps (0: no training)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=None, help="Adam's learning rate (default 1e-3; "
                    "3e-4 for the MLP)")
