@@ -118,7 +118,7 @@ def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> di
                                             "gs_jacobi window rows": DEFAULT_WINDOW_ROWS}}
     sections = []
     configs = ([("digits", 16, 3, 1, None, [1, 2, 4])] if quick else
-               [("mnist", 32, 5, 2, None, [1, 2, 4, 7, 14]), ("digits", 32, 5, 10, None,
+               [("mnist", 32, 5, 1, None, [1, 2, 4, 7, 14]), ("digits", 32, 5, 10, None,
                                                                 [1, 2, 4])])
     for data, hidden, layers, epochs, subset, sizes in configs:
         model, info = trained_pixelcnn(out_dir, data, hidden=hidden, layers=layers,
