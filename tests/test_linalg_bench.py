@@ -2,9 +2,13 @@
 
 import json
 
+import pytest
+import torch
+
 from paraprop import bench
 from paraprop.bench import triangular
 from paraprop.demos import triangular as demo
+from paraprop.errors import ConvergenceError
 
 
 def test_bench_triangular_quick(tmp_path):
@@ -35,3 +39,24 @@ def test_demo_part_quick(tmp_path, capsys):
     for row in res["rows"]:
         assert row["cr_levels"] == row["log2_bound"]
         assert row["grad_rel_err_f64"] <= 1e-10
+
+
+def test_bench_records_non_convergence_but_not_other_errors(monkeypatch):
+    real = triangular.mlp_backward
+    state = {}
+
+    def fake(*args, method="cyclic_reduction", **kw):
+        if method == "bicgstab":
+            raise state["error"]
+        return real(*args, method=method, **kw)
+
+    monkeypatch.setattr(triangular, "mlp_backward", fake)
+    state["error"] = ConvergenceError("no", solution=None)
+    row = triangular.mlp_row(2, 4, 1, repeats=1)
+    assert row["bicgstab_iters"] == "no conv. (?)"
+    state["error"] = TypeError("a bug, not a result")
+    with pytest.raises(TypeError, match="a bug, not a result"):
+        triangular.mlp_row(2, 4, 1, repeats=1)
+    before = torch.random.get_rng_state()
+    triangular.deep_mlp(3, 4, seed=5)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the global state is left alone

@@ -101,3 +101,49 @@ def test_rnn_errors_are_reported():
     drop = nn.RNN(3, 4, num_layers=2, dropout=0.5).double()
     with pytest.raises(ValueError, match=r"dropout=0.5 in training mode"):
         rnn_backward(drop, x, g)
+
+
+def test_rnn_argument_checks_name_the_argument():
+    rnn = make_rnn(2, "tanh", False, True)
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    g = torch.randn(5, 2, 4, dtype=torch.float64)
+    h = torch.zeros(2, 2, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"grad_hn must have shape \(2, 2, 4\), got \(2, 4\)"):
+        rnn_backward(rnn, x, g, grad_hn=h[0])
+    for name in ("h0", "grad_hn"):
+        with pytest.raises(TypeError, match=rf"{name} has dtype torch.float32 but the rnn has"):
+            rnn_backward(rnn, x, g, **{name: h.float()})
+        with pytest.raises(TypeError, match=rf"{name} is on meta but the rnn is on cpu"):
+            rnn_backward(rnn, x, g, **{name: torch.empty(2, 2, 4, dtype=torch.float64,
+                                                          device="meta")})
+        with pytest.raises(TypeError, match=rf"{name} must be a torch.Tensor or None, got list"):
+            rnn_backward(rnn, x, g, **{name: [0.0]})
+    with pytest.raises(TypeError, match=r"grad_output has dtype torch.float32 but the rnn has"):
+        rnn_backward(rnn, x, g.float())
+    with pytest.raises(TypeError, match=r"grad_output is on meta but the rnn is on cpu"):
+        rnn_backward(rnn, x, torch.empty(5, 2, 4, dtype=torch.float64, device="meta"))
+    with pytest.raises(TypeError, match=r"x is on meta but the rnn is on cpu"):
+        rnn_backward(rnn, torch.empty(5, 2, 3, dtype=torch.float64, device="meta"), g)
+    bad = g.clone()
+    bad[4, 1, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"grad_output must be finite; entry \(4, 1, 3\)"):
+        rnn_backward(rnn, x, bad)
+    with pytest.raises(ValueError, match=r"x must have at least one time step"):
+        rnn_backward(rnn, x[:0], g[:0])
+    with pytest.raises(ValueError, match=r"tol is only used by the iterative methods"):
+        rnn_backward(rnn, x, g, method="cyclic_reduction", tol=1e-3)
+
+
+@pytest.mark.parametrize("bf", [False, True])
+def test_rnn_empty_batch_gives_empty_gradients_like_autograd(bf):
+    rnn = make_rnn(2, "tanh", bf, True)
+    x = torch.randn((0, 5, 3) if bf else (5, 0, 3), dtype=torch.float64)
+    h0 = torch.randn(2, 0, 4, dtype=torch.float64)
+    xr, h0r = x.clone().requires_grad_(), h0.clone().requires_grad_()
+    out, _ = rnn(xr, h0r)
+    g = torch.randn_like(out)
+    ref = torch.autograd.grad(out, [xr, h0r, *rnn.parameters()], g)
+    gx, gh0, gp, sol = rnn_backward(rnn, x, g, h0=h0, return_solution=True)
+    for a, b in zip([gx, gh0, *gp], ref, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert sol.converged and sol.value.shape == (0, 5 * 2 * 4)

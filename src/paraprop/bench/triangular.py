@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from paraprop.bench.harness import interleaved, machine_info, median
 from paraprop.bench.plots import plt
 from paraprop.bench.report import markdown_table, text_table, write_results
+from paraprop.errors import ConvergenceError, NonFiniteError
 from paraprop.linalg import activation_points, mlp_backward, mlp_forward, rnn_backward
 
 DESCRIPTION = ("MLP/RNN backward as block bi-diagonal systems: cyclic reduction vs autograd, "
@@ -48,14 +49,16 @@ TRAIN_COLUMNS = ["activation", "l", "steps", "lr", "loss_first", "loss_last", "n
 def deep_mlp(l: int, width: int, *, act=nn.Tanh, seed: int = 0,
              dtype=torch.float32) -> nn.Sequential:
     """``l`` Linear(width, width) layers, each followed by ``act``; orthogonal weights, zero
-    biases (a depth-``l`` network whose gradients stay O(1))."""
-    g = torch.manual_seed(seed)
-    mods: list[nn.Module] = []
-    for _ in range(l):
-        lin = nn.Linear(width, width)
-        nn.init.orthogonal_(lin.weight, generator=g)
-        nn.init.zeros_(lin.bias)
-        mods += [lin, act()]
+    biases (a depth-``l`` network whose gradients stay O(1)). The global random state is left
+    as it was (the weights are those of the recorded runs, drawn from a forked state)."""
+    with torch.random.fork_rng(devices=[]):
+        g = torch.manual_seed(seed)
+        mods: list[nn.Module] = []
+        for _ in range(l):
+            lin = nn.Linear(width, width)
+            nn.init.orthogonal_(lin.weight, generator=g)
+            nn.init.zeros_(lin.bias)
+            mods += [lin, act()]
     return nn.Sequential(*mods).to(dtype)
 
 
@@ -146,7 +149,7 @@ def mlp_row(l: int, width: int, batch: int, *, repeats: int, nthreads: int | Non
         bic = mlp_backward(net64, x64, g64, points=pts64, method="bicgstab", tol=1e-10,
                            max_iters=4 * l, return_solution=True)[2]
         bic_iters = bic.iterations
-    except Exception as e:  # a breakdown or non-convergence is a result here, not a crash
+    except (ConvergenceError, NonFiniteError) as e:  # a result here, not a crash
         sol = getattr(e, "solution", None)
         bic_iters = f"no conv. ({sol.iterations if sol is not None else '?'})"
     return {
@@ -165,8 +168,9 @@ def mlp_row(l: int, width: int, batch: int, *, repeats: int, nthreads: int | Non
 
 def rnn_row(K: int, tau: int, hidden: int, batch: int, *, repeats: int,
             nthreads: int | None = 1) -> dict:
-    torch.manual_seed(0)
-    rnn = nn.RNN(hidden, hidden, num_layers=K)
+    with torch.random.fork_rng(devices=[]):  # leave the global random state alone
+        torch.manual_seed(0)
+        rnn = nn.RNN(hidden, hidden, num_layers=K)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(tau, batch, hidden, generator=gen)
     g = torch.randn(tau, batch, hidden, generator=gen)
@@ -190,7 +194,7 @@ def rnn_row(K: int, tau: int, hidden: int, batch: int, *, repeats: int,
     try:
         bic_iters = rnn_backward(rnn64, x64, g64, method="bicgstab", tol=1e-10,
                                  max_iters=4 * K * tau, return_solution=True)[3].iterations
-    except Exception as e:
+    except (ConvergenceError, NonFiniteError) as e:
         sol = getattr(e, "solution", None)
         bic_iters = f"no conv. ({sol.iterations if sol is not None else '?'})"
     return {"K": K, "tau": tau, "hidden": hidden, "batch": batch, "threads": used,
@@ -218,16 +222,17 @@ def training_row(act, l: int, steps: int, *, n: int = 256, hidden: int = 32, lr:
 
         images, labels = load_digits()
         x, y = images[:n].reshape(n, 64), labels[:n]
-    g = torch.manual_seed(0)
-    mods: list[nn.Module] = [nn.Linear(64, hidden), act()]
-    for _ in range(l - 2):
-        mods += [nn.Linear(hidden, hidden), act()]
-    mods.append(nn.Linear(hidden, 10))
-    gain = nn.init.calculate_gain("tanh" if act is nn.Tanh else "relu")
-    for m in mods:
-        if isinstance(m, nn.Linear):  # orthogonal: a deep net that trains by plain SGD
-            nn.init.orthogonal_(m.weight, gain=gain, generator=g)
-            nn.init.zeros_(m.bias)
+    with torch.random.fork_rng(devices=[]):  # leave the global random state alone
+        g = torch.manual_seed(0)
+        mods: list[nn.Module] = [nn.Linear(64, hidden), act()]
+        for _ in range(l - 2):
+            mods += [nn.Linear(hidden, hidden), act()]
+        mods.append(nn.Linear(hidden, 10))
+        gain = nn.init.calculate_gain("tanh" if act is nn.Tanh else "relu")
+        for m in mods:
+            if isinstance(m, nn.Linear):  # orthogonal: a deep net that trains by plain SGD
+                nn.init.orthogonal_(m.weight, gain=gain, generator=g)
+                nn.init.zeros_(m.bias)
     net = nn.Sequential(*mods)
     points = activation_points(net, x)
     iters, losses, errs = [], [], []
@@ -245,7 +250,7 @@ def training_row(act, l: int, steps: int, *, n: int = 256, hidden: int = 32, lr:
             for p, gp in zip(net.parameters(), grads, strict=True):
                 p.sub_(lr * gp)
         losses.append(loss.item())
-    cr_levels = mlp_forward(net, x[:1], method="cyclic_reduction").evaluations
+    cr_levels = mlp_forward(net, x[:1], method="cyclic_reduction").stats["solve_levels"]
     mean = sum(iters) / len(iters)
     return {"activation": act.__name__, "l": l, "steps": steps, "lr": lr, "loss_first": losses[0],
             "loss_last": losses[-1], "newton_iters_mean": mean, "newton_iters_max": max(iters),

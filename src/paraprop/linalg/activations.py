@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SUPPORTED", "chain_value_and_derivative", "signature"]
+__all__ = ["SUPPORTED", "WITH_SETTINGS", "chain_value_and_derivative", "signature"]
 
 SUPPORTED = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.GELU, nn.Identity)
+# the activations whose signature depends on their settings (the others: on their type alone)
+WITH_SETTINGS = (nn.LeakyReLU, nn.GELU)
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)

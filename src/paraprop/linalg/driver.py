@@ -14,7 +14,7 @@ from paraprop.linalg.iterative import bicgstab, jacobi
 from paraprop.linalg.system import BlockBidiagonal
 from paraprop.solve import Solution
 
-__all__ = ["DIRECT", "ITERATIVE", "METHODS", "solve"]
+__all__ = ["DIRECT", "ITERATIVE", "METHODS", "check_solver_args", "solve"]
 
 DIRECT = ("substitution", "cyclic_reduction")
 ITERATIVE = ("jacobi", "bicgstab")
@@ -117,25 +117,14 @@ def _validate(system, rhs, method, tol, max_iters, throw):
     the shape of the value."""
     if not isinstance(system, BlockBidiagonal):
         raise TypeError(f"system must be a BlockBidiagonal, got {type(system).__name__}")
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"unknown method={method!r}; choose one of {', '.join(METHODS)}")
-    if method in DIRECT:
-        if tol is not None:
-            raise ValueError(f"tol is only used by the iterative methods, not method={method!r}")
-        if max_iters is not None:
-            raise ValueError(f"max_iters is only used by the iterative methods, not "
-                             f"method={method!r}")
-    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, int | float)
-                            or not tol >= 0):
-        raise ValueError(f"tol must be a number >= 0 or None, got {tol!r}")
-    if max_iters is not None and (isinstance(max_iters, bool) or not isinstance(max_iters, int)
-                                  or max_iters < 1):
-        raise ValueError(f"max_iters must be a positive int or None, got {max_iters!r}")
+    check_solver_args(method, tol, max_iters)
     if not isinstance(throw, bool):
         raise TypeError(f"throw must be a bool, got {type(throw).__name__}")
     if isinstance(rhs, Sequence) and not isinstance(rhs, torch.Tensor):
-        if not all(isinstance(b, torch.Tensor) for b in rhs):
-            raise TypeError("rhs blocks must be tensors")
+        for k, b in enumerate(rhs):
+            if not isinstance(b, torch.Tensor):
+                raise TypeError(f"rhs[{k}] must be a tensor (one block of a list of blocks), "
+                                f"got {type(b).__name__}")
         rhs = system.join(rhs)
     if not isinstance(rhs, torch.Tensor):
         raise TypeError(f"rhs must be a tensor or a list of blocks, got {type(rhs).__name__}")
@@ -156,9 +145,31 @@ def _validate(system, rhs, method, tol, max_iters, throw):
                          f"must have shape ({system.batch}, {system.N}); got {tuple(rhs.shape)}")
     if rhs.numel() == 0:
         raise ValueError(f"rhs must not be empty, got shape {tuple(rhs.shape)}")
-    if not bool(torch.isfinite(rhs).all()):
-        raise ValueError("rhs must be finite")
+    bad = ~torch.isfinite(rhs)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"rhs must be finite; entry {idx} of shape {tuple(rhs.shape)} is "
+                         f"{float(rhs[idx])}")
     system.check_nonsingular()
     B = 1 if rhs.dim() == 1 else rhs.shape[0]
     R = rhs.reshape(B, 1, system.N) if system.batch is not None else rhs.reshape(1, B, system.N)
     return system, R, tuple(rhs.shape)
+
+
+def check_solver_args(method, tol, max_iters) -> None:
+    """Check ``method``, ``tol`` and ``max_iters`` as :func:`solve` does (for callers that
+    validate before they have a system to solve)."""
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"unknown method={method!r}; choose one of {', '.join(METHODS)}")
+    if method in DIRECT:
+        if tol is not None:
+            raise ValueError(f"tol is only used by the iterative methods, not method={method!r}")
+        if max_iters is not None:
+            raise ValueError(f"max_iters is only used by the iterative methods, not "
+                             f"method={method!r}")
+    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, int | float)
+                            or not tol >= 0):
+        raise ValueError(f"tol must be a number >= 0 or None, got {tol!r}")
+    if max_iters is not None and (isinstance(max_iters, bool) or not isinstance(max_iters, int)
+                                  or max_iters < 1):
+        raise ValueError(f"max_iters must be a positive int or None, got {max_iters!r}")

@@ -29,8 +29,13 @@ import torch
 from torch import nn
 
 from paraprop.errors import ConvergenceError
-from paraprop.linalg.activations import SUPPORTED, chain_value_and_derivative, signature
-from paraprop.linalg.driver import DEFAULT_TOL, solve
+from paraprop.linalg.activations import (
+    SUPPORTED,
+    WITH_SETTINGS,
+    chain_value_and_derivative,
+    signature,
+)
+from paraprop.linalg.driver import DEFAULT_TOL, check_solver_args, solve
 from paraprop.linalg.operators import MatrixOperator
 from paraprop.linalg.system import BlockBidiagonal
 from paraprop.solve import Solution
@@ -95,12 +100,13 @@ _PARSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _parse(model) -> _Parsed:
     """The Linear layers and activation chains of ``model`` (cached per model while its modules
-    and their parameters are the same objects)."""
+    and their parameters are the same objects and its activations keep their settings)."""
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"model must be an nn.Sequential, got {type(model).__name__}")
     modules = tuple(model)
     hit = _PARSED.get(model)
-    if hit is not None and hit[0] == modules and hit[2] == _param_ids(hit[1].linears):
+    if hit is not None and hit[0] == modules and hit[2] == _param_ids(hit[1].linears) and \
+            hit[4] == tuple(signature(modules[i]) for i in hit[3]):
         return hit[1]
     lead: list[tuple] = []
     linears: list[nn.Linear] = []
@@ -128,7 +134,11 @@ def _parse(model) -> _Parsed:
                      tuple(interned.setdefault(tuple(c), tuple(c)) for c in chains), ins, outs,
                      tuple(tuple(v) for v in slots.values()),
                      len(set(ins) | set(outs)) == 1)
-    _PARSED[model] = (modules, parsed, _param_ids(parsed.linears))
+    # activations with settings (LeakyReLU's slope, GELU's approximation): their signatures are
+    # part of the cache key, so changing a setting after a call re-parses the model
+    settable = tuple(i for i, m in enumerate(modules) if isinstance(m, WITH_SETTINGS))
+    _PARSED[model] = (modules, parsed, _param_ids(parsed.linears), settable,
+                      tuple(signature(modules[i]) for i in settable))
     return parsed
 
 
@@ -148,7 +158,17 @@ def _check_input(x, parsed: _Parsed, name: str = "x") -> torch.Tensor:
         raise TypeError(f"{name} has dtype {x.dtype} but the model has {w.dtype}")
     if torch.device(x.device) != torch.device(w.device):
         raise TypeError(f"{name} is on {x.device} but the model is on {w.device}")
+    _check_finite(x, name)
     return x.detach()
+
+
+def _check_finite(t: torch.Tensor, name: str) -> None:
+    """Raise ``ValueError`` naming ``name`` and its first NaN or inf entry."""
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} must be finite; entry {idx} of shape {tuple(t.shape)} is "
+                         f"{float(t[idx])}")
 
 
 def _groups(keys: list) -> dict:
@@ -193,7 +213,8 @@ def activation_points(model: nn.Sequential, x: torch.Tensor) -> ActivationPoints
         :class:`ActivationPoints`; ``points.output`` equals ``model(x)``.
 
     Raises:
-        TypeError / ValueError: unsupported modules, bad shapes or dtypes (named).
+        TypeError / ValueError: unsupported modules, bad shapes, dtypes or devices, a
+            non-finite ``x`` (named).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
@@ -244,7 +265,8 @@ def from_mlp(model: nn.Sequential, x: torch.Tensor, *, grad_output: torch.Tensor
         output); solving ``backward`` gives ``u_k = dL/dy_k``.
 
     Raises:
-        TypeError / ValueError: unsupported modules, shapes or dtypes (named).
+        TypeError / ValueError: unsupported modules, shapes, dtypes or devices, a non-finite
+            ``x`` or ``grad_output`` (named).
 
     Example (Naumov 2017, eq. 13-14):
         >>> net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
@@ -261,52 +283,67 @@ def from_mlp(model: nn.Sequential, x: torch.Tensor, *, grad_output: torch.Tensor
     else:
         _check_points(points, parsed, x)
     if grad_output is not None:
-        _check_grad_output(grad_output, parsed, x)
+        grad_output = _check_grad_output(grad_output, parsed, x)
     with torch.no_grad():
         return _build(parsed, x, points, grad_output)
 
 
-def _check_grad_output(grad_output, parsed: _Parsed, x: torch.Tensor) -> None:
+def _check_grad_output(grad_output, parsed: _Parsed, x: torch.Tensor) -> torch.Tensor:
     out = parsed.linears[-1].out_features
-    if not isinstance(grad_output, torch.Tensor) or tuple(grad_output.shape) != \
-            (x.shape[0], out):
+    if not isinstance(grad_output, torch.Tensor):
+        raise TypeError(f"grad_output must be a torch.Tensor, got {type(grad_output).__name__}")
+    if tuple(grad_output.shape) != (x.shape[0], out):
         raise ValueError(f"grad_output must have shape ({x.shape[0]}, {out}), got "
-                         f"{tuple(getattr(grad_output, 'shape', ()))}")
+                         f"{tuple(grad_output.shape)}")
     if grad_output.dtype != x.dtype:
         raise TypeError(f"grad_output has dtype {grad_output.dtype} but x has {x.dtype}")
+    if torch.device(grad_output.device) != torch.device(x.device):
+        raise TypeError(f"grad_output is on {grad_output.device} but x is on {x.device}")
+    _check_finite(grad_output, "grad_output")
+    return grad_output.detach()
 
 
 def _build(parsed: _Parsed, x, points: ActivationPoints, grad_output) -> MLPSystems:
     l = len(parsed.linears)
     groups = _chain_groups(parsed.chains, list(points.pre))
-    values, D = _per_layer(groups, l, 1), _per_layer(groups, l, 2)
-    sizes = [lin.out_features for lin in parsed.linears]
-    batch = x.shape[0] if any(d is not None for d in D) else None
-    neg_one = {n: -torch.ones(n, dtype=x.dtype, device=x.device) for n in set(sizes)}
-    fwd, fwd_rhs = _forward_system(parsed, x, points, values, D, sizes, batch, neg_one)
-    bwd, b_rhs = _backward_system(parsed, x, points, grad_output)
+    D = _per_layer(groups, l, 2)
+    neg_one = _NegOnes(x)
+    fwd, fwd_rhs = _forward_system(parsed, x, points, _per_layer(groups, l, 1), D, neg_one)
+    bwd, b_rhs = _backward_system(parsed, x, groups, D, grad_output, neg_one)
     return MLPSystems(points, fwd, fwd_rhs, bwd, b_rhs, tuple(D))
 
 
-def _backward_system(parsed: _Parsed, x, points: ActivationPoints, grad_output):
+class _NegOnes(dict):
+    """``-1`` scalings ``(n,)`` for layers without activation, made once per width on demand."""
+
+    def __init__(self, x: torch.Tensor):
+        super().__init__()
+        self.kw = {"dtype": x.dtype, "device": x.device}
+
+    def __missing__(self, n: int) -> torch.Tensor:
+        t = self[n] = -torch.ones(n, **self.kw)
+        return t
+
+
+def _backward_system(parsed: _Parsed, x, groups, D, grad_output, neg_one: _NegOnes):
     """Block (k, k+1) = -E_k W_{k+1}^T, identity diagonal; right-hand side E_l g in the last
-    block. When layers 1..l-1 share one activation chain and width (a deep MLP), their scalings
-    are computed and kept stacked."""
+    block. ``groups``/``D``: the chain groups of all ``l`` layers and the per-layer derivatives
+    (:func:`_chain_groups`, :func:`_per_layer`). When layers 1..l-1 share one activation chain
+    and width (a deep MLP), their scalings are kept stacked."""
     lins, l = parsed.linears, len(parsed.linears)
     B = x.shape[0]
     sizes = [lin.out_features for lin in lins]
     weights = [lin.weight for lin in lins[1:]]  # block (k, k+1) is W_{k+1}^T
-    groups = _chain_groups(parsed.chains[:-1], list(points.pre[:-1]))
-    _, d_last = chain_value_and_derivative(parsed.chains[-1], points.pre[-1])
-    has_d = d_last is not None or any(g[2] is not None for g in groups)
-    batch = B if has_d else None
-    if len(groups) == 1 and groups[0][2] is not None:
+    d_last = D[-1]
+    # E_l only scales the right-hand side: per-sample blocks only if some E_k, k < l, exists
+    batch = B if any(d is not None for d in D[:-1]) else None
+    first = list(range(l - 1))
+    stacked = [g for g in groups if g[2] is not None and g[0][:l - 1] == first]
+    if l > 1 and stacked:  # indices ascend, so rows :l-1 are layers 0..l-2
         bwd = BlockBidiagonal._trusted(False, None, [None] * l, None, sizes, batch, x.dtype,
-                                       x.device, stacked_scale=-groups[0][2],
+                                       x.device, stacked_scale=-stacked[0][2][:l - 1],
                                        transposed_weights=weights, nested=False)
     else:
-        D = _per_layer(groups, l - 1, 2)
-        neg_one = {n: -torch.ones(n, dtype=x.dtype, device=x.device) for n in set(sizes)}
         b_scale = [neg_one[sizes[k]] if D[k] is None else -D[k] for k in range(l - 1)]
         bwd = BlockBidiagonal._trusted(False, None, [None] * l, b_scale, sizes, batch, x.dtype,
                                        x.device, transposed_weights=weights, nested=False)
@@ -317,10 +354,22 @@ def _backward_system(parsed: _Parsed, x, points: ActivationPoints, grad_output):
     return bwd, b_rhs
 
 
-def _forward_system(parsed, x, points, values, D, sizes, batch, neg_one):
+def _forward_only(parsed: _Parsed, x, points: ActivationPoints):
+    """The forward system and its right-hand side alone (what each round of
+    :func:`mlp_forward` needs); the inputs are trusted."""
+    l = len(parsed.linears)
+    groups = _chain_groups(parsed.chains, list(points.pre))
+    return _forward_system(parsed, x, points, _per_layer(groups, l, 1), _per_layer(groups, l, 2),
+                           _NegOnes(x))
+
+
+def _forward_system(parsed, x, points, values, D, neg_one: _NegOnes):
     """Block (k, k-1) = -D_k W_k; right-hand side D_k b_k + e_k (plus D_1 W_1 z_0 in block 1)."""
     lins, l = parsed.linears, len(parsed.linears)
     B = x.shape[0]
+    sizes = [lin.out_features for lin in lins]
+    # D_1 only scales the right-hand side: per-sample blocks only if some D_k, k > 1, exists
+    batch = B if any(d is not None for d in D[1:]) else None
     z0, _ = chain_value_and_derivative(parsed.lead, x)
     f_off = [MatrixOperator(lins[k].weight) for k in range(1, l)]
     f_scale = [neg_one[sizes[k]] if D[k] is None else -D[k] for k in range(1, l)]
@@ -401,7 +450,10 @@ def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tenso
         ``(grad_input, grad_params, solution)``.
 
     Raises:
-        TypeError / ValueError: unsupported modules, bad shapes or dtypes (named);
+        TypeError / ValueError: unsupported modules, bad shapes, dtypes or devices, a
+            non-finite ``x`` or ``grad_output``, bad solver options (as
+            :func:`paraprop.linalg.solve`: ``tol``/``max_iters`` with a direct method)
+            (named); an empty batch gives zero gradients, as autograd does;
         ConvergenceError: an iterative method did not converge.
 
     Example:
@@ -416,16 +468,27 @@ def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tenso
         raise ValueError("grad_output is required (dL/d model(x), shape (B, out_features))")
     parsed = _parse(model)
     x = _check_input(x, parsed)
-    _check_grad_output(grad_output, parsed, x)
+    grad_output = _check_grad_output(grad_output, parsed, x)
+    if points is not None:
+        _check_points(points, parsed, x)
+    if x.shape[0] == 0:  # an empty batch: zero gradients, as autograd gives
+        check_solver_args(method, tol, max_iters)
+        grads = (torch.zeros_like(x), [torch.zeros_like(p.detach()) for p in model.parameters()])
+        if not return_solution:
+            return grads
+        N = sum(parsed.out_features)
+        st = {"levels": 0, "flops": 0, "memory_bytes": 0, "time_s": 0.0,
+              "l": len(parsed.linears), "N": N}
+        return (*grads, Solution(x.new_zeros(0, N), method, 0, 0, True,
+                                 torch.zeros(0, dtype=torch.float64), st))
     with torch.no_grad():
         if points is None:
             points = activation_points(model, x)
-        else:
-            _check_points(points, parsed, x)
-        bwd, b_rhs = _backward_system(parsed, x, points, grad_output)
-    kw = {} if method in ("substitution", "cyclic_reduction") else {"tol": tol,
-                                                                    "max_iters": max_iters}
-    sol = solve(bwd, b_rhs, method=method, **kw)
+        l = len(parsed.linears)
+        groups = _chain_groups(parsed.chains, list(points.pre))
+        bwd, b_rhs = _backward_system(parsed, x, groups, _per_layer(groups, l, 2), grad_output,
+                                      _NegOnes(x))
+    sol = solve(bwd, b_rhs, method=method, tol=tol, max_iters=max_iters)
     with torch.no_grad():
         grad_input, params = _gradients(parsed, points, sol.value, list(bwd.sizes))
     return (grad_input, params, sol) if return_solution else (grad_input, params)
@@ -455,12 +518,17 @@ def mlp_forward(model: nn.Sequential, x: torch.Tensor, *, points: ActivationPoin
 
     Returns:
         A :class:`~paraprop.Solution`: ``value`` the output ``(B, out_features)``,
-        ``iterations`` the linearise-and-solve rounds, ``evaluations`` the levels in total,
-        ``residuals`` the max change of the points per round; ``stats["points"]`` the final
+        ``iterations`` the linearise-and-solve rounds, ``evaluations`` the sequential levels in
+        total (``stats["levels"]``: per round the solve's levels plus one for the batched layer
+        evaluation; with ``points=None`` the ``l`` layers of the pass plus the solve's levels),
+        ``residuals`` the max change of the points per round; ``stats``: ``solve_levels`` (the
+        solves' levels alone), ``flops`` (of the solves), ``layer_evaluations`` (Linear layers
+        evaluated: ``l`` per round, or ``l`` for the pass), ``time_s`` and ``points``, the final
         :class:`ActivationPoints` (feed them to the next call, or to :func:`mlp_backward`).
 
     Raises:
-        TypeError / ValueError: unsupported modules, bad shapes, ``tol`` or ``max_iters``;
+        TypeError / ValueError: unsupported modules, bad shapes, ``method``, ``tol``,
+            ``max_iters`` or ``throw``, a non-finite ``x``;
         ConvergenceError: not at the fixed point after ``max_iters`` and ``throw=True``.
 
     Example:
@@ -476,39 +544,53 @@ def mlp_forward(model: nn.Sequential, x: torch.Tensor, *, points: ActivationPoin
     parsed = _parse(model)
     x = _check_input(x, parsed)
     l = len(parsed.linears)
+    check_solver_args(method, None, None)
     tol = DEFAULT_TOL.get(x.dtype, 1e-6) if tol is None else tol
     if isinstance(tol, bool) or not isinstance(tol, int | float) or not tol >= 0:
         raise ValueError(f"tol must be a number >= 0 or None, got {tol!r}")
     if max_iters is not None and (isinstance(max_iters, bool) or not isinstance(max_iters, int)
                                   or max_iters < 1):
         raise ValueError(f"max_iters must be a positive int or None, got {max_iters!r}")
+    if not isinstance(throw, bool):
+        raise TypeError(f"throw must be a bool, got {type(throw).__name__}")
+    if points is not None:
+        _check_points(points, parsed, x)
     cap = l if max_iters is None else max_iters
+    start = time.perf_counter()
+    if x.shape[0] == 0:  # an empty batch: an empty output, nothing to solve
+        if points is None:
+            points = activation_points(model, x)
+        st = {"levels": 0, "solve_levels": 0, "flops": 0, "points": points,
+              "time_s": time.perf_counter() - start, "layer_evaluations": 0}
+        return Solution(points.output, method, 0, 0, True, torch.zeros(0, dtype=torch.float64), st)
+    if points is None:
+        # the sequential pass (l dependent layer evaluations) gives the points; the solve then
+        # reproduces its output, so the counters include both
+        points = activation_points(model, x)
+        with torch.no_grad():
+            fwd, rhs = _forward_only(parsed, x, points)
+        sol = solve(fwd, rhs, method=method)
+        z = fwd.split(sol.value)
+        st = {"levels": l + sol.stats["levels"], "solve_levels": sol.stats["levels"],
+              "flops": sol.stats["flops"], "points": points,
+              "time_s": time.perf_counter() - start, "layer_evaluations": l}
+        return Solution(z[-1], method, 1, l + sol.stats["levels"], True,
+                        torch.zeros(0, dtype=torch.float64), st)
     with torch.no_grad():
         z0, _ = chain_value_and_derivative(parsed.lead, x)
-    kw = {} if method in ("substitution", "cyclic_reduction") else {"tol": None}
-    start = time.perf_counter()
-    if points is None:
-        points = activation_points(model, x)
-        S = from_mlp(model, x, points=points)
-        sol = solve(S.forward, S.forward_rhs, method=method, **kw)
-        z = S.forward.split(sol.value)
-        st = {"levels": sol.stats["levels"], "flops": sol.stats["flops"], "points": points,
-              "time_s": time.perf_counter() - start, "layer_evaluations": 0}
-        return Solution(z[-1], method, 1, sol.stats["levels"], True,
-                        torch.zeros(0, dtype=torch.float64), st)
-    _check_points(points, parsed, x)
-    levels = flops = 0
+    levels = solve_levels = flops = 0
     residuals: list[float] = []
     converged = False
     it = 0
     with torch.no_grad():
         while it < cap:
             it += 1
-            S = from_mlp(model, x, points=points)
-            sol = solve(S.forward, S.forward_rhs, method=method, **kw)
-            levels += sol.stats["levels"] + 1
+            fwd, rhs = _forward_only(parsed, x, points)
+            sol = solve(fwd, rhs, method=method)
+            solve_levels += sol.stats["levels"]
+            levels += sol.stats["levels"] + 1  # + the batched evaluation of all layers
             flops += sol.stats["flops"]
-            z = S.forward.split(sol.value)
+            z = fwd.split(sol.value)
             inputs = (z0, *z[:-1])
             pre = _linear_batched(parsed.linears, inputs)
             change = max(float((a - b).abs().max()) for a, b in zip(pre, points.pre,
@@ -521,8 +603,8 @@ def mlp_forward(model: nn.Sequential, x: torch.Tensor, *, points: ActivationPoin
                 continue
             converged = True
             break
-    st = {"levels": levels, "flops": flops, "points": points,
-          "time_s": time.perf_counter() - start, "layer_evaluations": it}
+    st = {"levels": levels, "solve_levels": solve_levels, "flops": flops, "points": points,
+          "time_s": time.perf_counter() - start, "layer_evaluations": it * l}
     out = Solution(points.output, method, it, levels, converged,
                    torch.tensor(residuals, dtype=torch.float64), st)
     if not converged and throw:

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paraprop.linalg.driver import solve
+from paraprop.linalg.driver import check_solver_args, solve
 from paraprop.linalg.operators import BlockDiagonalOperator, MatrixOperator
 from paraprop.linalg.system import BlockBidiagonal
+from paraprop.solve import Solution
 
 __all__ = ["RNNSystems", "from_rnn", "rnn_backward"]
 
@@ -75,6 +76,8 @@ def _weights(rnn: nn.RNN):
 
 
 def _validate(rnn, x, h0, grad_output, grad_hn):
+    """Check every argument once; return ``x`` detached, time-major ``(tau, B, input_size)``,
+    and ``h0``, ``grad_output``, ``grad_hn`` detached (``None`` stays ``None``)."""
     if not isinstance(rnn, nn.RNN):
         raise TypeError(f"rnn must be an nn.RNN, got {type(rnn).__name__}")
     if rnn.bidirectional:
@@ -88,22 +91,38 @@ def _validate(rnn, x, h0, grad_output, grad_hn):
     w = rnn.weight_ih_l0
     if x.dtype != w.dtype:
         raise TypeError(f"x has dtype {x.dtype} but the rnn has {w.dtype}")
+    if torch.device(x.device) != torch.device(w.device):
+        raise TypeError(f"x is on {x.device} but the rnn is on {w.device}")
     xs = x.detach().transpose(0, 1) if rnn.batch_first else x.detach()
     tau, B, _ = xs.shape
+    if tau == 0:
+        raise ValueError(f"x must have at least one time step, got shape {tuple(x.shape)}")
     K, n = rnn.num_layers, rnn.hidden_size
-    if h0 is not None and (not isinstance(h0, torch.Tensor) or tuple(h0.shape) != (K, B, n)):
-        raise ValueError(f"h0 must have shape ({K}, {B}, {n}), got "
-                         f"{tuple(getattr(h0, 'shape', ()))}")
     out_shape = (B, tau, n) if rnn.batch_first else (tau, B, n)
-    if grad_output is not None and (not isinstance(grad_output, torch.Tensor)
-                                    or tuple(grad_output.shape) != out_shape):
-        raise ValueError(f"grad_output must have shape {out_shape}, got "
-                         f"{tuple(getattr(grad_output, 'shape', ()))}")
-    if grad_hn is not None and (not isinstance(grad_hn, torch.Tensor)
-                                or tuple(grad_hn.shape) != (K, B, n)):
-        raise ValueError(f"grad_hn must have shape ({K}, {B}, {n}), got "
-                         f"{tuple(getattr(grad_hn, 'shape', ()))}")
-    return xs
+    checked = [_check_tensor("x", x, tuple(x.shape), w)]
+    for name, t, shape in (("h0", h0, (K, B, n)), ("grad_output", grad_output, out_shape),
+                           ("grad_hn", grad_hn, (K, B, n))):
+        checked.append(None if t is None else _check_tensor(name, t, shape, w))
+    return xs, *checked[1:]
+
+
+def _check_tensor(name: str, t, shape: tuple, w: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, after checking its type, shape, dtype and device (against the weight
+    ``w``) and that it is finite."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.dtype != w.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but the rnn has {w.dtype}")
+    if torch.device(t.device) != torch.device(w.device):
+        raise TypeError(f"{name} is on {t.device} but the rnn is on {w.device}")
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} must be finite; entry {idx} of shape {shape} is "
+                         f"{float(t[idx])}")
+    return t.detach()
 
 
 def from_rnn(rnn: nn.RNN, x: torch.Tensor, *, h0: torch.Tensor | None = None,
@@ -123,7 +142,8 @@ def from_rnn(rnn: nn.RNN, x: torch.Tensor, *, h0: torch.Tensor | None = None,
         :class:`RNNSystems` (Naumov 2017, eq. 23-24).
 
     Raises:
-        TypeError / ValueError: unsupported RNNs, shapes or dtypes (named).
+        TypeError / ValueError: unsupported RNNs; shapes, dtypes or devices of ``x``, ``h0``,
+            ``grad_output``, ``grad_hn``, or a NaN/inf in them (named).
 
     Example:
         >>> rnn = nn.RNN(3, 4, num_layers=2).double()
@@ -133,7 +153,7 @@ def from_rnn(rnn: nn.RNN, x: torch.Tensor, *, h0: torch.Tensor | None = None,
         >>> torch.allclose(h[:, :, -1].transpose(0, 1), rnn(x)[0])
         True
     """
-    xs = _validate(rnn, x, h0, grad_output, grad_hn)
+    xs, h0, grad_output, grad_hn = _validate(rnn, x, h0, grad_output, grad_hn)
     with torch.no_grad():
         return _build(rnn, xs, h0, grad_output, grad_hn)
 
@@ -214,7 +234,9 @@ def rnn_backward(rnn: nn.RNN, x: torch.Tensor, grad_output: torch.Tensor | None,
         equal to autograd's; with ``return_solution`` the solution is appended.
 
     Raises:
-        TypeError / ValueError: unsupported RNNs, shapes or dtypes (named), no gradient given;
+        TypeError / ValueError: unsupported RNNs; shapes, dtypes, devices or NaN/inf of the
+            tensors (named); no gradient given; bad solver options (as
+            :func:`paraprop.linalg.solve`). An empty batch gives zero gradients;
         ConvergenceError: an iterative method did not converge.
 
     Example:
@@ -228,12 +250,21 @@ def rnn_backward(rnn: nn.RNN, x: torch.Tensor, grad_output: torch.Tensor | None,
     """
     if grad_output is None and grad_hn is None:
         raise ValueError("give grad_output and/or grad_hn")
-    xs = _validate(rnn, x, h0, grad_output, grad_hn)
+    xs, h0, grad_output, grad_hn = _validate(rnn, x, h0, grad_output, grad_hn)
+    if xs.shape[1] == 0:  # an empty batch: zero gradients, as autograd gives
+        check_solver_args(method, tol, max_iters)
+        K, n = rnn.num_layers, rnn.hidden_size
+        out = (torch.zeros_like(x), xs.new_zeros(K, 0, n),
+               [torch.zeros_like(p.detach()) for p in rnn.parameters()])
+        if not return_solution:
+            return out
+        st = {"levels": 0, "flops": 0, "memory_bytes": 0, "time_s": 0.0,
+              "l": xs.shape[0], "N": xs.shape[0] * K * n}
+        return (*out, Solution(xs.new_zeros(0, xs.shape[0] * K * n), method, 0, 0, True,
+                               torch.zeros(0, dtype=torch.float64), st))
     with torch.no_grad():
         S = _build(rnn, xs, h0, grad_output, grad_hn)
-    kw = {} if method in ("substitution", "cyclic_reduction") else {"tol": tol,
-                                                                    "max_iters": max_iters}
-    sol = solve(S.backward, S.backward_rhs, method=method, **kw)
+    sol = solve(S.backward, S.backward_rhs, method=method, tol=tol, max_iters=max_iters)
     tau, K, B, n = S.hidden.shape
     with torch.no_grad():
         delta = sol.value.reshape(B, tau, K, n).permute(1, 2, 0, 3)  # (tau, K, B, n)

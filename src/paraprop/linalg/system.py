@@ -24,7 +24,12 @@ from collections.abc import Sequence
 
 import torch
 
-from paraprop.linalg.operators import LinearOperator, MatrixOperator, as_operator
+from paraprop.linalg.operators import (
+    BlockDiagonalOperator,
+    LinearOperator,
+    MatrixOperator,
+    as_operator,
+)
 
 __all__ = ["BlockBidiagonal"]
 
@@ -83,6 +88,12 @@ class BlockBidiagonal:
         diag_l = _entries(diag, l, "diag")
         scale_l = _entries(off_scale, l - 1, "off_scale")
         sizes_l = _infer_sizes(ops, diag_l, scale_l, sizes, lower)
+        for k, d in enumerate(diag_l):
+            if isinstance(d, BlockBidiagonal) and d.lower != lower:
+                raise ValueError(
+                    f"diag[{k}] is a nested {'lower' if d.lower else 'upper'} system but the "
+                    f"outer system is {'lower' if lower else 'upper'}; nested systems must have "
+                    "the outer system's orientation (both lower or both upper)")
         dtype, device, batch = _check_tensors(ops, diag_l, scale_l)
         self._set(lower, ops, diag_l, scale_l, sizes_l, batch, dtype, device)
 
@@ -154,9 +165,33 @@ class BlockBidiagonal:
     # -- the matrix -----------------------------------------------------------------------
     @property
     def depth(self) -> int:
-        """Longest chain of dependent unknowns: Jacobi is exact after this many sweeps."""
-        inner = max(d.depth if isinstance(d, BlockBidiagonal) else 1 for d in self.diag)
-        return self.l - 1 + inner
+        """Longest chain of dependent unknowns: Jacobi is exact after this many sweeps.
+
+        A chain crosses each block row at most once and, inside it, follows at most the depth of
+        a nested diagonal block: at most the sum of those depths. When every coupling block is a
+        :class:`~paraprop.linalg.operators.BlockDiagonalOperator` that maps inner block ``k`` to
+        inner block ``k`` of flat nested systems (the RNN's ``blockdiag_k(U^k)``), a chain moves
+        one step in time or one layer at a time: ``l - 1 + K``.
+        """
+        inner = [d.depth if isinstance(d, BlockBidiagonal) else 1 for d in self.diag]
+        if not self.nested or self._aligned_coupling():
+            return self.l - 1 + max(inner)
+        return sum(inner)
+
+    def _aligned_coupling(self) -> bool:
+        """Whether every off-diagonal block couples inner block ``k`` only to inner block ``k``
+        of flat nested systems with the same number of blocks."""
+        if not all(isinstance(d, BlockBidiagonal) and not d.nested for d in self.diag):
+            return False
+        if len({d.l for d in self.diag}) != 1:
+            return False
+        for j, op in enumerate(self.off):
+            r, c = (j + 1, j) if self.lower else (j, j + 1)
+            if not isinstance(op, BlockDiagonalOperator) or \
+                    list(op.rows) != list(self.diag[r].sizes) or \
+                    list(op.cols) != list(self.diag[c].sizes):
+                return False
+        return True
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         """``A x`` for ``x`` of shape ``(N,)`` or ``(B, N)``."""
