@@ -13,7 +13,7 @@ from paraprop.multigrid import (
     split_layers,
 )
 from paraprop.multigrid.examples import ConvBlock, conv_blocks, mlp_blocks
-from paraprop.multigrid.threads import run_threads
+from paraprop.multigrid.threads import PeerFailed, run_threads
 
 # (allowed max |mgrit - serial| relative to max |serial|, solve tolerance) per dtype.
 TOL = {torch.float64: (1e-12, 1e-13), torch.float32: (1e-5, 1e-6)}
@@ -109,7 +109,9 @@ def test_tol_stops_early_and_history_decreases():
     assert all(b < a for a, b in zip(res.residuals, res.residuals[1:], strict=False))
     assert 0 < res.convergence_factor < 1
     capped = mgrit(ForwardStepper(blocks), x, hier, 1 / 64, max_cycles=1, tol=1e-8)
-    assert capped.cycles == 1 and not capped.converged
+    assert capped.cycles == 1 and capped.converged is False
+    unchecked = mgrit(ForwardStepper(blocks), x, hier, 1 / 64, max_cycles=1)
+    assert unchecked.cycles == 1 and unchecked.converged is None  # tol=None: not checked
 
 
 def test_convergence_does_not_depend_on_depth():
@@ -265,3 +267,41 @@ def test_gradients_accumulated_in_the_final_relaxation(mode, levels, c, relax, c
             assert float((got[k] - want[k]).abs().max()) <= 1e-13
     with_tol = mgrit(stepper(), g, hier, h, max_cycles=2, tol=1e-3, collect=True)
     assert (with_tol.parameter_grads is None) == (levels > 1)  # not known to be final
+
+
+def test_threads_check_message_tags():
+    def rank(r, link):
+        if r == 0:
+            link.send(torch.zeros(2), 1, tag=1)
+        else:
+            link.recv(torch.zeros(2), 0, tag=2)
+
+    with pytest.raises(RuntimeError, match="rank 1: expected tag 2 from rank 0, got 1"):
+        run_threads(2, rank, timeout=30)
+
+
+@pytest.mark.parametrize("wait", ["recv", "sum"])
+def test_a_failing_thread_releases_the_others(wait):
+    """The failing rank's error comes back at once; the waiting ranks stop on the poison
+    message (or the broken barrier) instead of running into the timeout."""
+    stopped = []
+
+    def rank(r, link):
+        if r == 1:
+            raise ValueError("rank 1 broke")
+        try:
+            if wait == "recv":
+                link.recv(torch.zeros(2), 1, tag=0)
+            else:
+                link.sum(1.0)
+        except PeerFailed as e:
+            stopped.append(str(e))
+            raise
+
+    with pytest.raises(ValueError, match="rank 1 broke"):
+        run_threads(3, rank, timeout=30)
+    assert len(stopped) == 2
+    if wait == "recv":
+        assert all(m.endswith("rank 1 failed (waiting for rank 1, tag 0)") for m in stopped)
+    else:
+        assert all("the all-reduce was abandoned" in m for m in stopped)

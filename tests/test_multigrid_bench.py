@@ -2,13 +2,16 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from paraprop.bench import multigrid as suite
 from paraprop.bench import suites
 from paraprop.cli import main
+from paraprop.data import IDXError
 from paraprop.demos import multigrid as demo
 from paraprop.training import jobs
+from paraprop.training.resnet_mg import load_data, train
 
 
 @pytest.mark.slow
@@ -60,6 +63,44 @@ def test_train_job_digits(tmp_path, capsys):
 
 def test_train_job_errors(capsys):
     assert main(["train", "resnet-mg", "--depth", "3", "--levels", "3"]) == 2
-    assert "needs at least 16 layers, got 3" in capsys.readouterr().out
+    assert "needs at least 16 layers, got 3" in capsys.readouterr().err
     assert main(["train", "resnet-mg", "--threads", "-1"]) == 2
-    assert "--threads must be >= 0" in capsys.readouterr().out
+    assert "--threads must be >= 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown data set 'cifar'; choose 'digits' or 'mnist'"):
+        load_data("cifar")
+
+
+def _write_idx(path, array):
+    codes = {np.dtype(np.uint8): 0x08}
+    head = bytes([0, 0, codes[array.dtype], array.ndim])
+    head += b"".join(int(n).to_bytes(4, "big") for n in array.shape)
+    path.write_bytes(head + array.tobytes())
+
+
+def _fake_mnist(directory, n=30):
+    rng = np.random.default_rng(0)
+    directory.mkdir()
+    _write_idx(directory / "t10k-images-idx3-ubyte",
+               rng.integers(0, 256, (n, 28, 28), dtype=np.uint8))
+    _write_idx(directory / "t10k-labels-idx1-ubyte", (np.arange(n) % 10).astype(np.uint8))
+    return directory
+
+
+def test_mnist_without_training_files_splits_the_test_files(tmp_path):
+    d = _fake_mnist(tmp_path / "mnist")
+    tx, _, vx, _, split = load_data("mnist", mnist_dir=str(d), seed=3)
+    assert (len(tx), len(vx)) == (24, 6)
+    assert split == "MNIST t10k files (no training files), seeded split (seed 3): 24 train / 6 test"
+    hist = train(data="mnist", mnist_dir=str(d), depth=4, levels=2, coarsening=2, channels=2,
+                 epochs=1, batch_size=12, progress=False)
+    assert hist["config"]["split"] == split.replace("seed 3", "seed 0")
+    assert (hist["config"]["train_size"], hist["config"]["test_size"]) == (24, 6)
+
+
+def test_corrupt_mnist_training_files_are_an_error(tmp_path):
+    """A corrupt training file must not fall back to splitting the test files."""
+    d = _fake_mnist(tmp_path / "mnist")
+    (d / "train-images-idx3-ubyte").write_bytes(b"\x12\x34\x56\x78 not an IDX file")
+    _write_idx(d / "train-labels-idx1-ubyte", np.zeros(3, dtype=np.uint8))
+    with pytest.raises(IDXError, match="train-images-idx3-ubyte: bad magic number 12345678"):
+        load_data("mnist", mnist_dir=str(d))

@@ -186,3 +186,41 @@ def test_frozen_parameters_and_input_only_gradients():
     (gx,) = grads_of(lambda: loss_of(net(x)), [x])  # only the input needs a gradient
     (gx_ref,) = grads_of(lambda: loss_of(serial_net(blocks, x, 0.1)), [x])
     assert float((gx - gx_ref).norm() / gx_ref.norm()) <= 1e-10
+
+
+@pytest.mark.parametrize("batched,backward,tol", [
+    (None, "adjoint", None),  # gradients accumulated in the final relaxation
+    (None, "adjoint", 1e-14),  # a separate parameter-gradient sweep
+    (False, "adjoint", None),
+    (None, "serial", None),
+])
+def test_reused_blocks_sum_their_gradients(batched, backward, tol):
+    """A block used at several depths (and a parameter shared by two blocks) gets the sum of
+    the gradients of all its uses, as autograd through the serial stack gives."""
+    base = mlp_blocks(4, 5, kind="iid", gain=1.5, seed=11, dtype=torch.float64)
+    base[3].linear.weight = base[2].linear.weight  # one parameter in two blocks
+    blocks = [base[i % 4] for i in range(18)]
+    net = ParallelResidualStack(blocks, 0.08, coarsening=3, levels=2, max_cycles=None, tol=tol,
+                                backward=backward, batched=batched)
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    params = [x, *net.parameters()]
+    assert len(params) == 1 + 7  # distinct parameters only
+    g_mg = grads_of(lambda: loss_of(net(x)), params)
+    g_ref = grads_of(lambda: loss_of(serial_net(blocks, x, 0.08)), params)
+    for a, b in zip(g_mg, g_ref, strict=True):
+        assert float((a - b).norm() / b.norm()) <= 1e-10
+    # .backward() accumulates each shared parameter's gradient once, too
+    loss_of(net(x)).backward()
+    for p, b in zip(net.parameters(), g_ref[1:], strict=True):
+        assert float((p.grad - b).norm() / b.norm()) <= 1e-10
+
+
+def test_converged_is_not_checked_without_tol():
+    net = ParallelResidualStack(mlp_blocks(16, 3), 0.1, max_cycles=1)
+    with torch.no_grad():
+        net(torch.randn(2, 3))
+    assert net.last_stats["forward"]["converged"] is None
+    net = ParallelResidualStack(mlp_blocks(16, 3), 0.1, max_cycles=1, tol=1e-30)
+    with torch.no_grad():
+        net(torch.randn(2, 3))
+    assert net.last_stats["forward"]["converged"] is False

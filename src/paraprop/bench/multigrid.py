@@ -33,7 +33,6 @@ import paraprop.bench.plots  # noqa: F401  (selects matplotlib's headless backen
 from paraprop.bench.harness import interleaved, machine_info, median
 from paraprop.bench.report import markdown_table, text_table, write_results
 from paraprop.data import find_mnist_dir
-from paraprop.distributed.launch import free_port
 from paraprop.multigrid import (
     CostModel,
     ForwardStepper,
@@ -46,7 +45,6 @@ from paraprop.multigrid.examples import ConvBlock, mlp_blocks
 
 DESCRIPTION = ("MGRIT: residual per cycle vs depth, batched MG vs serial forward, torchrun "
                "ranks vs model partitioning, simulated speedups, training accuracy")
-
 
 
 def _plt():
@@ -131,8 +129,6 @@ def forward_study(out_dir: Path, quick: bool, repeats: int) -> dict:
         if not quick:
             nets["MG loop, unbatched (3 lv, c=4, FCF)"] = ParallelResidualStack(
                 plain, h, levels=3, batched=False)
-        for n in nets.values():
-            n.max_cycles = 2
         ref = nets["MG vmap (3 lv, c=4, FCF)"]
 
         def serial(ref=ref, x=x):
@@ -188,8 +184,9 @@ def forward_study(out_dir: Path, quick: bool, repeats: int) -> dict:
 
 # -- 3. torchrun: 1 and 2 gloo ranks, MGRIT vs model partitioning -------------------------------
 def _torchrun(n: int, args: list[str], out: Path, timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
-           "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+    # --standalone: a c10d rendezvous on localhost:0 whose store the workers share, so no
+    # port is picked in advance (a bind-close-reuse "free port" could be taken meanwhile)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            "-m", "paraprop.distributed", *args, "--out", str(out),
            "--save-output", str(out.with_suffix(".pt"))]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -415,7 +412,7 @@ def training_study(out_dir: Path, quick: bool) -> dict:
     c = hist["serial"]["config"]
     cols = ["epoch", "serial_acc", "mg_acc", "diff_points", "serial_loss", "mg_loss",
             "serial_s", "mg_s", "mg_residual"]
-    md = _print(f"Training {cfg['data']} ({c['train_size']} train / {c['test_size']} test), "
+    md = _print(f"Training {cfg['data']} ({c['split']}), "
                 f"depth {cfg['depth']}, {cfg['channels']} channels, Adam, batch "
                 f"{cfg['batch_size']}; MG: 2 levels, c=4, FCF, 2 cycles forward and adjoint",
                 rows, cols)

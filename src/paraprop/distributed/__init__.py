@@ -3,8 +3,8 @@
 - :class:`LayerParallelStack`: each rank owns a contiguous range of layers; forward and backward
   are MGRIT solves whose ranks exchange only boundary values (gloo on CPU, nccl on GPU).
 - :func:`partitioned_forward`: the model-partitioned baseline (activations passed on serially).
-- :class:`DistLink`, :class:`PeerError`: point-to-point exchange with timeouts: a dead or hung
-  rank makes the others raise, never hang.
+- :class:`DistLink`, :class:`PeerError`: point-to-point exchange with timeouts: with gloo, a
+  dead or hung rank makes the others raise, never hang (not guaranteed or tested with nccl).
 - :func:`init_from_env` (under ``torchrun``) and :func:`spawn` (local processes, for tests and
   benchmarks).
 
@@ -12,7 +12,7 @@ Run the benchmark worker with ``torchrun --nproc_per_node=2 -m paraprop.distribu
 """
 
 from paraprop.distributed.comm import DEFAULT_TIMEOUT_S, DistLink, PeerError, init_from_env
-from paraprop.distributed.launch import SpawnError, free_port, spawn
+from paraprop.distributed.launch import SpawnError, spawn
 from paraprop.distributed.layer_parallel import (
     LayerParallelStack,
     layer_range,
@@ -25,7 +25,6 @@ __all__ = [
     "LayerParallelStack",
     "PeerError",
     "SpawnError",
-    "free_port",
     "init_from_env",
     "layer_range",
     "partitioned_forward",

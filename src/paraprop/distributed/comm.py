@@ -2,9 +2,13 @@
 
 :class:`DistLink` implements the :class:`paraprop.multigrid.mgrit.Link` protocol: non-blocking
 sends (``isend`` of a private copy, completed at :meth:`DistLink.flush`), receives that wait at
-most ``timeout`` seconds, and the all-reduce of the residual norm. A peer that died or hangs makes
-the waiting rank raise :class:`PeerError` naming the peer, the operation and the time waited,
-instead of blocking forever.
+most ``timeout`` seconds, and the all-reduce of the residual norm. With the gloo backend, a peer
+that died or hangs makes the waiting rank raise :class:`PeerError` naming the peer, the
+operation and the time waited, instead of blocking forever (the tests check this).
+
+With nccl the same calls run, but whether a wait gives up after ``timeout`` is up to NCCL and
+its watchdog (``Work.wait(timeout)`` is not honoured the same way by every backend and
+version); that guarantee is not made or tested for nccl.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DistLink", "PeerError", "init_from_env"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DistLink", "PeerError", "check_timeout", "init_from_env"]
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -29,25 +33,32 @@ def _td(seconds: float) -> _dt.timedelta:
     return _dt.timedelta(seconds=seconds)
 
 
+def check_timeout(timeout) -> None:
+    """Raises ``ValueError`` unless ``timeout`` is a finite number of seconds ``> 0``."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) \
+            or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+
+
 class DistLink:
     """Exchange for one rank of a solve over a ``torch.distributed`` process group.
 
     Arguments:
         ranks: the global rank at each position of the solve order (e.g. ``[0, 1]`` forward,
             ``[1, 0]`` for the adjoint, which runs backwards in depth).
-        timeout: seconds to wait for any single message or collective.
+        timeout: seconds to wait for any single message or collective (a guarantee with gloo;
+            with nccl, see the module notes).
         group: the process group (``None``: the default group).
         what: a label for error messages (e.g. ``"forward"``).
     """
 
     def __init__(self, ranks: list[int], *, timeout: float = DEFAULT_TIMEOUT_S, group=None,
                  what: str = "solve"):
+        check_timeout(timeout)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised; call "
                                "paraprop.distributed.init_from_env() or "
                                "torch.distributed.init_process_group() first")
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.ranks = list(ranks)
         self.timeout = float(timeout)
         self.group = group
@@ -115,11 +126,14 @@ class DistLink:
 
 def init_from_env(backend: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> int:
     """Initialise ``torch.distributed`` from torchrun's environment (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``); returns this rank.
+    ``MASTER_ADDR``, ``MASTER_PORT``); returns this rank. When the process group is already
+    initialised (e.g. by :func:`paraprop.distributed.spawn`), returns this rank and changes
+    nothing.
 
     Arguments:
         backend: ``"gloo"`` or ``"nccl"``; ``None``: nccl when CUDA is available, else gloo.
-        timeout: seconds before a collective or a rendezvous gives up.
+        timeout: seconds before a collective or a rendezvous gives up (the process group's own
+            timeout; with nccl, how it is enforced is NCCL's business).
 
     Raises:
         RuntimeError: the environment variables are missing (not launched by torchrun).
@@ -128,6 +142,8 @@ def init_from_env(backend: str | None = None, *, timeout: float = DEFAULT_TIMEOU
 
         rank = init_from_env(timeout=30)   # gloo on a CPU-only machine
     """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                if k not in os.environ]
     if missing:
@@ -137,6 +153,5 @@ def init_from_env(backend: str | None = None, *, timeout: float = DEFAULT_TIMEOU
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=_td(timeout))
+    dist.init_process_group(backend, timeout=_td(timeout))
     return dist.get_rank()

@@ -1,10 +1,12 @@
 """Start ``world`` local processes joined in a gloo (or nccl) group and collect their results.
 
 For tests, benchmarks and demos on one machine; production runs use
-``torchrun --nproc_per_node=N``. Each child initialises ``torch.distributed`` on a free localhost
-port, calls ``fn(rank, *args)`` and sends back its (picklable) result or its error. The parent
-waits at most ``timeout`` seconds, then kills what is left: a dead or hung child makes
-:func:`spawn` raise, it never blocks forever.
+``torchrun --nproc_per_node=N``. The children meet through a file rendezvous
+(``init_method="file://..."`` in a fresh temporary directory), so no TCP port is picked in
+advance and two concurrent :func:`spawn` calls cannot collide. Each child calls
+``fn(rank, *args)`` and sends back its (picklable) result or its error. The parent waits at
+most ``timeout`` seconds, then kills what is left: a dead or hung child makes :func:`spawn`
+raise, it never blocks forever.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import queue
-import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -20,29 +22,21 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["SpawnError", "free_port", "spawn"]
+__all__ = ["SpawnError", "spawn"]
 
 
 class SpawnError(RuntimeError):
     """A child process failed, died or did not finish in time (the message says which)."""
 
 
-def free_port() -> int:
-    """A TCP port on localhost that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world, port, backend, threads, group_timeout, fn, args, results):
+def _entry(rank, world, rendezvous, backend, threads, group_timeout, fn, args, results):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=_dt.timedelta(seconds=group_timeout))
+        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank,
+                                world_size=world, timeout=_dt.timedelta(seconds=group_timeout))
         out = fn(rank, *args)
         results.put((rank, True, out))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -87,12 +81,26 @@ def spawn(fn: Callable, world: int, *args, timeout: float = 120.0, backend: str 
         threads = max(1, (os.cpu_count() or 1) // world)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, threads, group_timeout,
-                                              fn, args, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
+    with tempfile.TemporaryDirectory(prefix="paraprop-spawn-") as tmp:
+        # the store's file must not exist yet; it lives (and dies) with this directory
+        rendezvous = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_entry, args=(r, world, rendezvous, backend, threads,
+                                                  group_timeout, fn, args, results),
+                             daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        got = _collect(procs, results, world, timeout)
+    errors = {r: out for r, (ok, out) in got.items() if not ok}
+    if errors and not allow_errors:
+        msg = "; ".join(f"rank {r}: {str(e).splitlines()[0]}" for r, e in sorted(errors.items()))
+        detail = "\n".join(str(e) for e in errors.values())
+        raise SpawnError(f"{msg}\n{detail}")
+    return [got[r][1] if got[r][0] else f"ERROR: {got[r][1]}" for r in range(world)]
+
+
+def _collect(procs, results, world: int, timeout: float) -> dict[int, tuple[bool, object]]:
+    """Every rank's ``(ok, result)``; kills what is left after ``timeout`` seconds."""
     got: dict[int, tuple[bool, object]] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -124,9 +132,4 @@ def spawn(fn: Callable, world: int, *args, timeout: float = 120.0, backend: str 
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-    errors = {r: out for r, (ok, out) in got.items() if not ok}
-    if errors and not allow_errors:
-        msg = "; ".join(f"rank {r}: {str(e).splitlines()[0]}" for r, e in sorted(errors.items()))
-        detail = "\n".join(str(e) for e in errors.values())
-        raise SpawnError(f"{msg}\n{detail}")
-    return [got[r][1] if got[r][0] else f"ERROR: {got[r][1]}" for r in range(world)]
+    return got

@@ -8,8 +8,9 @@ all-reduce of the residual norm per cycle; every rank runs the single-process al
 control flow, so the result equals the single-process run up to rounding (Kirby et al. 2020,
 §3; Günther et al. 2020 for layer-parallel training with XBraid).
 
-The backward pass is the adjoint MGRIT solve over the same ranks in reverse order, followed by
-the parameter gradients of each rank's own layers; nothing but boundary values crosses ranks.
+The backward pass is the adjoint MGRIT solve over the same ranks in reverse order; each rank
+gets the parameter gradients of its own layers (accumulated in the final relaxation with
+``tol=None``, else by a separate sweep); nothing but boundary values crosses ranks.
 
 Model partitioning (the paper's baseline) also gives each rank its layers, but propagates the
 activation through them serially: rank ``r`` waits for rank ``r - 1``.
@@ -18,7 +19,6 @@ activation through them serially: rank ``r`` waits for rank ``r - 1``.
 from __future__ import annotations
 
 import datetime as _dt
-import math
 import time
 from collections.abc import Sequence
 
@@ -26,11 +26,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paraprop.distributed.comm import DEFAULT_TIMEOUT_S, DistLink, PeerError
+from paraprop.distributed.comm import DEFAULT_TIMEOUT_S, DistLink, PeerError, check_timeout
+from paraprop.multigrid.common import (
+    as_coarsening,
+    check_blocks,
+    check_settings,
+    resolve_batched,
+    solve_through,
+)
 from paraprop.multigrid.hierarchy import Hierarchy, split_layers
-from paraprop.multigrid.mgrit import RELAX, mgrit
+from paraprop.multigrid.mgrit import mgrit
 from paraprop.multigrid.params import BlockParams
-from paraprop.multigrid.steps import AdjointStepper, ForwardStepper, shares_architecture
+from paraprop.multigrid.steps import AdjointStepper, ForwardStepper
 
 __all__ = ["LayerParallelStack", "layer_range", "partitioned_forward"]
 
@@ -48,19 +55,6 @@ def layer_range(depth: int, sizes: Sequence[int] | None = None, *, rank: int | N
     return split_layers(depth, world, list(sizes) if sizes is not None else None)[rank]
 
 
-class _DistFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, module, x, *params):
-        states, stacked = module._solve_forward(x)
-        ctx.module, ctx.states, ctx.stacked, ctx.params = module, states, stacked, params
-        return states[-1].clone()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        gx, grads = ctx.module._solve_backward(ctx.states, ctx.stacked, grad_out, ctx.params)
-        return (None, gx, *grads)
-
-
 class LayerParallelStack(nn.Module):
     """This rank's part of a residual stack solved by layer-parallel MGRIT.
 
@@ -72,16 +66,19 @@ class LayerParallelStack(nn.Module):
     blocks, and rank 0 the gradient of ``x``.
 
     Arguments:
-        blocks: this rank's residual branches ``F_a .. F_{b-1}``.
+        blocks: this rank's residual branches ``F_a .. F_{b-1}`` (a module used at several of
+            this rank's depths gets the sum over its uses; weights shared across ranks are
+            separate copies, whose gradients the caller must add up, e.g. by an all-reduce).
         step_size: ``h > 0``.
         depth: ``N``, the number of layers over all ranks.
         sizes: layers per rank (``None``: even split); the same on every rank.
-        coarsening, levels, relax, max_cycles, tol, c_weight: as for
+        coarsening, levels, relax, max_cycles, tol, c_weight, batched: as for
             :class:`paraprop.multigrid.ParallelResidualStack` (``max_cycles=None``: ``N // c``).
         backward: ``"adjoint"`` (MGRIT on the adjoint across ranks) or ``"serial"`` (the
             adjoint propagated serially through the ranks).
         timeout: seconds any rank waits for a message before raising
-            :class:`paraprop.distributed.PeerError`.
+            :class:`paraprop.distributed.PeerError` (guaranteed and tested with gloo; with
+            nccl the wait is left to NCCL, see :class:`paraprop.distributed.DistLink`).
         group: the process group (``None``: the default group).
 
     Attributes:
@@ -90,8 +87,9 @@ class LayerParallelStack(nn.Module):
             peers), ``time_s``.
 
     Raises:
-        ValueError / TypeError: bad arguments, or a block count that does not match this rank's
-            share of ``depth``.
+        ValueError / TypeError: bad arguments (checked before the process group), or a block
+            count that does not match this rank's share of ``depth``.
+        RuntimeError: ``torch.distributed`` is not initialised.
         PeerError: (in forward/backward) a peer rank died or hangs.
 
     Example (under ``torchrun --nproc_per_node=2``)::
@@ -108,23 +106,14 @@ class LayerParallelStack(nn.Module):
                  tol: float | None = None, c_weight: float = 1.0, backward: str = "adjoint",
                  timeout: float = DEFAULT_TIMEOUT_S, group=None, batched: bool | None = None):
         super().__init__()
+        blocks = check_blocks(blocks)
+        check_settings(step_size=step_size, relax=relax, max_cycles=max_cycles, tol=tol,
+                       c_weight=c_weight, backward=backward)
+        check_timeout(timeout)
+        batched = resolve_batched(blocks, batched)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised; call "
                                "paraprop.distributed.init_from_env() first")
-        blocks = list(blocks)
-        if isinstance(step_size, bool) or not isinstance(step_size, int | float) \
-                or not math.isfinite(step_size) or step_size <= 0:
-            raise ValueError(f"step_size must be a finite number > 0, got {step_size!r}")
-        if relax not in RELAX:
-            raise ValueError(f"relax must be one of {RELAX}, got {relax!r}")
-        if backward not in ("adjoint", "serial"):
-            raise ValueError(f"backward must be 'adjoint' or 'serial', got {backward!r}")
-        if max_cycles is not None and (isinstance(max_cycles, bool)
-                                       or not isinstance(max_cycles, int) or max_cycles < 1):
-            raise ValueError(f"max_cycles must be an int >= 1 or None, got {max_cycles!r}")
-        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, int | float)
-                                or not tol >= 0):
-            raise ValueError(f"tol must be None or a number >= 0, got {tol!r}")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -135,12 +124,9 @@ class LayerParallelStack(nn.Module):
         if len(blocks) != b - a:
             raise ValueError(f"rank {self.rank} owns layers [{a}, {b}) of depth={depth}, so it "
                              f"needs {b - a} blocks, got {len(blocks)}")
-        self.hierarchy = Hierarchy.build(depth, levels=levels, coarsening=(
-            tuple(coarsening) if isinstance(coarsening, list | tuple) else coarsening))
-        shared = shares_architecture(blocks)
-        if batched and not shared:
-            raise ValueError("batched=True needs blocks that share an architecture")
-        self.batched = shared if batched is None else bool(batched)
+        self.hierarchy = Hierarchy.build(depth, levels=levels,
+                                         coarsening=as_coarsening(coarsening))
+        self.batched = batched
         self.blocks = nn.ModuleList(blocks)
         self.depth, self.step_size = depth, float(step_size)
         self.relax, self.max_cycles, self.tol = relax, max_cycles, tol
@@ -233,10 +219,7 @@ class LayerParallelStack(nn.Module):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"x must be a floating-point torch.Tensor, got {type(x).__name__}")
         params = self._params.trainable() if torch.is_grad_enabled() else []
-        if params or (torch.is_grad_enabled() and x.requires_grad):
-            return _DistFunction.apply(self, x, *params)
-        states, _ = self._solve_forward(x)
-        return states[-1].clone()
+        return solve_through(self, x, params)
 
 
 def partitioned_forward(blocks: Sequence[nn.Module], x: torch.Tensor, step_size: float, *,

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from paraprop.multigrid.common import check_relax
 from paraprop.multigrid.hierarchy import Hierarchy, split_layers
-from paraprop.multigrid.mgrit import RELAX, mgrit
+from paraprop.multigrid.mgrit import mgrit
 from paraprop.multigrid.threads import run_threads
 
 __all__ = ["CostModel", "simulate"]
@@ -70,7 +71,8 @@ class CostModel:
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
         if not self.bandwidth_Bps > 0:
             raise ValueError(f"bandwidth_Bps must be > 0, got {self.bandwidth_Bps!r}")
-        if self.fused_s is not None and not self.fused_s >= 0:
+        f = self.fused_s
+        if f is not None and (isinstance(f, bool) or not isinstance(f, int | float) or not f >= 0):
             raise ValueError(f"fused_s must be None or a number >= 0, got {self.fused_s!r}")
         if not self.concurrency > 0:
             raise ValueError(f"concurrency must be > 0, got {self.concurrency!r}")
@@ -171,8 +173,9 @@ def simulate(
         model: the per-layer times and the communication model (:class:`CostModel`).
         coarsening, levels, relax: the MGRIT hierarchy and relaxation.
         cycles: V-cycles of the forward solve (and of the adjoint solve).
-        training: forward and backward (adjoint solve plus the parameter-gradient sweep), or
-            the forward pass only.
+        training: forward and backward (the adjoint solve, whose final relaxation accumulates
+            the parameter gradients when ``model.fused_s`` is set, else followed by a separate
+            parameter-gradient sweep), or the forward pass only.
 
     Returns:
         ``{"serial_s", "partition_s", "mgrit_s", "speedup_vs_partition",
@@ -187,8 +190,7 @@ def simulate(
         True
     """
     hier = Hierarchy.build(depth, levels=levels, coarsening=coarsening)
-    if relax not in RELAX:
-        raise ValueError(f"relax must be one of {RELAX}, got {relax!r}")
+    check_relax(relax)
     if isinstance(cycles, bool) or not isinstance(cycles, int) or cycles < 1:
         raise ValueError(f"cycles must be an int >= 1, got {cycles!r}")
     parts = split_layers(depth, workers)
@@ -224,7 +226,7 @@ def simulate(
             messages[0] += link.messages
         return clock.t
 
-    ends = run_threads(workers, rank, timeout=600.0)
+    ends = run_threads(workers, rank, timeout=60.0)
     mg = max(ends)
     return {"serial_s": serial, "partition_s": partition, "mgrit_s": mg,
             "speedup_vs_partition": partition / mg, "speedup_vs_serial": serial / mg,

@@ -42,11 +42,18 @@ from typing import Protocol
 
 import torch
 
+from paraprop.multigrid.common import (
+    RELAX,
+    check_c_weight,
+    check_max_cycles,
+    check_relax,
+    check_step_size,
+    check_tol,
+)
 from paraprop.multigrid.hierarchy import Hierarchy, LocalLevel, local_levels
 
 __all__ = ["RELAX", "Link", "MGRITResult", "mgrit", "residual_norm"]
 
-RELAX = ("F", "FCF")
 _RELAX_GHOST, _COARSE_GHOST = 0, 1
 
 
@@ -73,7 +80,9 @@ class MGRITResult:
         residuals: ``[r_0, r_1, ..., r_K]``: the residual norm of the initial guess and after
             each cycle (empty for one level, which is exact serial propagation).
         cycles: V-cycles done.
-        converged: ``residuals[-1] <= tol`` (``True`` with ``tol=None`` or one level).
+        converged: ``residuals[-1] <= tol``; ``True`` for one level (exact serial
+            propagation); ``None`` with ``tol=None`` on two or more levels (not checked:
+            ``max_cycles`` cycles were done whatever the residual; see ``residuals``).
         convergence_factor: ``(r_K / r_0) ** (1 / K)``, the mean reduction per cycle (nan when
             undefined).
         stats: ``evaluations`` (layer evaluations, the hardware-independent work), ``calls``
@@ -88,7 +97,7 @@ class MGRITResult:
     states: torch.Tensor
     residuals: list[float]
     cycles: int
-    converged: bool
+    converged: bool | None
     convergence_factor: float
     stats: dict = field(default_factory=dict)
     parameter_grads: list[dict[str, torch.Tensor]] | None = None
@@ -358,7 +367,12 @@ def mgrit(
             link.flush()
     grads = stepper.end_collect() if collected else None
     elapsed = time.perf_counter() - t0
-    converged = tol is None or not residuals or residuals[-1] <= tol
+    if hierarchy.levels == 1:
+        converged: bool | None = True
+    elif tol is None:
+        converged = None  # not checked
+    else:
+        converged = residuals[-1] <= tol
     factor = float("nan")
     if cycles and residuals[0] > 0:
         factor = (residuals[-1] / residuals[0]) ** (1.0 / cycles)
@@ -380,19 +394,11 @@ def _validate(x, hierarchy, step_size, relax, max_cycles, tol, c_weight, parts, 
     if not isinstance(hierarchy, Hierarchy):
         raise TypeError(f"hierarchy must be a Hierarchy (Hierarchy.build(...)), got "
                         f"{type(hierarchy).__name__}")
-    if isinstance(step_size, bool) or not isinstance(step_size, int | float) \
-            or not math.isfinite(step_size) or step_size <= 0:
-        raise ValueError(f"step_size must be a finite number > 0, got {step_size!r}")
-    if relax not in RELAX:
-        raise ValueError(f"relax must be one of {RELAX}, got {relax!r}")
-    if isinstance(max_cycles, bool) or not isinstance(max_cycles, int) or max_cycles < 0:
-        raise ValueError(f"max_cycles must be an int >= 0, got {max_cycles!r}")
-    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, int | float)
-                            or not tol >= 0):
-        raise ValueError(f"tol must be None or a number >= 0, got {tol!r}")
-    if isinstance(c_weight, bool) or not isinstance(c_weight, int | float) \
-            or not 0 < c_weight <= 2:
-        raise ValueError(f"c_weight must be a number in (0, 2], got {c_weight!r}")
+    check_step_size(step_size)
+    check_relax(relax)
+    check_max_cycles(max_cycles, minimum=0, allow_none=False)
+    check_tol(tol)
+    check_c_weight(c_weight)
     if parts is not None:
         ok = (len(parts) >= 1 and parts[0][0] == 0 and parts[-1][1] == hierarchy.n_steps
               and all(a < b for a, b in parts)

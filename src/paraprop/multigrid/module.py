@@ -4,42 +4,36 @@ Kirby et al. (2020, "Layer-Parallel Training with GPU Concurrency of Deep Residu
 via Nonlinear Multigrid"): the stack ``u_{n+1} = u_n + h F_n(u_n; theta_n)`` is an initial value
 problem in depth. The forward pass solves it with FAS/MGRIT (Algorithm 1); the backward pass
 solves the adjoint problem ``lam_n = lam_{n+1} + h J_n(u_n)^T lam_{n+1}``, ``lam_N = dL/du_N``
-with the same MGRIT (or exactly, serially), and the parameter gradients
-``dL/dtheta_n = h (dF_n/dtheta_n)^T lam_{n+1}`` follow in one parallel sweep over all layers.
+with the same MGRIT (or exactly, serially). The parameter gradients
+``dL/dtheta_n = h (dF_n/dtheta_n)^T lam_{n+1}`` are accumulated during the adjoint solve's final
+relaxation (each step there takes one VJP with respect to state and parameters) when that
+relaxation is known to be the last: with ``tol=None``, or for the serial backward. With a
+``tol`` the solve may stop after any cycle, so they follow in a separate batched sweep over all
+layers at the converged adjoint.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from paraprop.multigrid.common import (
+    BACKWARD,
+    as_coarsening,
+    check_blocks,
+    check_settings,
+    resolve_batched,
+    solve_through,
+)
 from paraprop.multigrid.hierarchy import Hierarchy
-from paraprop.multigrid.mgrit import RELAX, MGRITResult, mgrit
+from paraprop.multigrid.mgrit import MGRITResult, mgrit
 from paraprop.multigrid.params import BlockParams
-from paraprop.multigrid.steps import AdjointStepper, ForwardStepper, shares_architecture
+from paraprop.multigrid.steps import AdjointStepper, ForwardStepper
 
 __all__ = ["BACKWARD", "ParallelResidualStack"]
-
-BACKWARD = ("adjoint", "serial")
-
-
-class _MGRITFunction(torch.autograd.Function):
-    """Forward: MGRIT states; backward: the adjoint solve and the parameter-gradient sweep."""
-
-    @staticmethod
-    def forward(ctx, module, x, *params):
-        states, stacked = module._solve_forward(x)
-        ctx.module, ctx.states, ctx.stacked, ctx.params = module, states, stacked, params
-        return states[-1].clone()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        gx, grads = ctx.module._solve_backward(ctx.states, ctx.stacked, grad_out, ctx.params)
-        return (None, gx, *grads)
 
 
 class ParallelResidualStack(nn.Module):
@@ -47,7 +41,8 @@ class ParallelResidualStack(nn.Module):
 
     Arguments:
         blocks: the residual branches ``F_0 .. F_{N-1}`` (modules mapping a state to a tensor of
-            the same shape; deterministic: no dropout, no buffer updates).
+            the same shape; deterministic: no dropout, no buffer updates). The same module may
+            occur at several depths (shared weights); its gradient sums over its uses.
         step_size: ``h > 0``.
         coarsening: ``c``, the coarsening factor (``>= 2``), or one per coarsening.
         levels: grid levels; ``1`` is exact serial propagation.
@@ -66,7 +61,8 @@ class ParallelResidualStack(nn.Module):
 
     Attributes:
         last_stats: ``{"forward": ..., "backward": ...}`` of the latest solves: ``residuals``
-            (per cycle, starting with the initial guess), ``cycles``, ``converged``,
+            (per cycle, starting with the initial guess), ``cycles``, ``converged`` (``None``
+            when not checked: ``tol=None``),
             ``convergence_factor``, ``evaluations``, ``calls``, ``time_s``.
 
     Raises:
@@ -97,40 +93,12 @@ class ParallelResidualStack(nn.Module):
         batched: bool | None = None,
     ):
         super().__init__()
-        if isinstance(blocks, nn.Module) and not isinstance(blocks, nn.ModuleList | nn.Sequential):
-            raise TypeError("blocks must be a sequence of nn.Module (e.g. a list or "
-                            f"nn.ModuleList), got a single {type(blocks).__name__}")
-        blocks = list(blocks)
-        if not blocks:
-            raise ValueError("blocks must not be empty")
-        for i, b in enumerate(blocks):
-            if not isinstance(b, nn.Module):
-                raise TypeError(f"blocks[{i}] must be an nn.Module, got {type(b).__name__}")
-        if isinstance(step_size, bool) or not isinstance(step_size, int | float) \
-                or not math.isfinite(step_size) or step_size <= 0:
-            raise ValueError(f"step_size must be a finite number > 0, got {step_size!r}")
-        if isinstance(coarsening, list | tuple):
-            coarsening = tuple(coarsening)
-        self.hierarchy = Hierarchy.build(len(blocks), levels=levels, coarsening=coarsening)
-        if relax not in RELAX:
-            raise ValueError(f"relax must be one of {RELAX}, got {relax!r}")
-        if max_cycles is not None and (isinstance(max_cycles, bool)
-                                       or not isinstance(max_cycles, int) or max_cycles < 1):
-            raise ValueError(f"max_cycles must be an int >= 1 or None, got {max_cycles!r}")
-        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, int | float)
-                                or not tol >= 0):
-            raise ValueError(f"tol must be None or a number >= 0, got {tol!r}")
-        if backward not in BACKWARD:
-            raise ValueError(f"backward must be one of {BACKWARD}, got {backward!r}")
-        if isinstance(c_weight, bool) or not isinstance(c_weight, int | float) \
-                or not 0 < c_weight <= 2:
-            raise ValueError(f"c_weight must be a number in (0, 2], got {c_weight!r}")
-        shared = shares_architecture(blocks)
-        if batched is None:
-            batched = shared
-        elif batched and not shared:
-            raise ValueError("batched=True needs blocks that share an architecture (same class, "
-                             "structure, parameter and buffer shapes); pass batched=None")
+        blocks = check_blocks(blocks)
+        check_settings(step_size=step_size, relax=relax, max_cycles=max_cycles, tol=tol,
+                       c_weight=c_weight, backward=backward)
+        self.hierarchy = Hierarchy.build(len(blocks), levels=levels,
+                                         coarsening=as_coarsening(coarsening))
+        batched = resolve_batched(blocks, batched)
         self.blocks = nn.ModuleList(blocks)
         self.step_size = float(step_size)
         self.relax = relax
@@ -229,10 +197,7 @@ class ParallelResidualStack(nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"x must have a floating-point dtype, got {x.dtype}")
         params = self._params.trainable() if torch.is_grad_enabled() else []
-        if params or (torch.is_grad_enabled() and x.requires_grad):
-            return _MGRITFunction.apply(self, x, *params)
-        states, _ = self._solve_forward(x)
-        return states[-1].clone()
+        return solve_through(self, x, params)
 
     @torch.no_grad()
     def serial_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,8 @@ class BlockParams:
 
     Arguments:
         blocks: the residual branches (their parameter objects must not be replaced; in-place
-            updates are fine; call :meth:`reset` after replacing any).
+            updates are fine; call :meth:`reset` after replacing any). A block, or a
+            parameter, may occur at several depths: its gradient is the sum over its uses.
     """
 
     def __init__(self, blocks: Sequence[nn.Module]):
@@ -38,9 +39,17 @@ class BlockParams:
             self._bufs = [list(b.named_buffers()) for b in self.blocks]
 
     def trainable(self) -> list[torch.Tensor]:
-        """Every parameter that requires a gradient, block by block."""
+        """Every distinct parameter that requires a gradient, in order of first use (a block,
+        or a parameter, used at several depths is listed once)."""
         self._build()
-        return [p for blk in self._named for _, p in blk if p.requires_grad]
+        seen: set[int] = set()
+        out = []
+        for blk in self._named:
+            for _, p in blk:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
 
     def stack(self) -> tuple[dict, dict]:
         """Detached stacked copies ``name -> (n_blocks, ...)`` of parameters and buffers."""
@@ -55,7 +64,20 @@ class BlockParams:
 
     def order(self, per_block: list[dict[str, torch.Tensor]], params: Sequence[torch.Tensor]
               ) -> list[torch.Tensor]:
-        """The gradients in ``per_block`` (one dict per block) in the order of ``params``."""
+        """The gradient of each of ``params`` from ``per_block`` (one dict per block): the sum
+        over every depth (and name) at which the parameter occurs."""
         self._build()
-        index = {id(p): (i, n) for i, blk in enumerate(self._named) for n, p in blk}
-        return [per_block[i][n] for i, n in (index[id(p)] for p in params)]
+        uses: dict[int, list[tuple[int, str]]] = {}
+        for i, blk in enumerate(self._named):
+            for n, p in blk:
+                uses.setdefault(id(p), []).append((i, n))
+        out = []
+        for p in params:
+            (i, n), *rest = uses[id(p)]
+            g = per_block[i][n]
+            if rest:
+                g = g.clone()
+                for j, m in rest:
+                    g += per_block[j][m]
+            out.append(g)
+        return out

@@ -27,8 +27,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
 
-__all__ = ["AdjointStepper", "ForwardStepper", "block_signature", "shares_architecture",
-           "stack_state"]
+from paraprop.multigrid.params import BlockParams
+
+__all__ = ["AdjointStepper", "ForwardStepper", "block_signature", "shares_architecture"]
 
 
 def block_signature(block: nn.Module) -> tuple:
@@ -42,15 +43,6 @@ def block_signature(block: nn.Module) -> tuple:
 def shares_architecture(blocks: Sequence[nn.Module]) -> bool:
     first = block_signature(blocks[0])
     return all(block_signature(b) == first for b in blocks[1:])
-
-
-def stack_state(blocks: Sequence[nn.Module]) -> tuple[dict, dict]:
-    """Stacked (detached) parameters and buffers of identically shaped blocks: name -> (n, ...)."""
-    params = {n: torch.stack([dict(b.named_parameters())[n].detach() for b in blocks])
-              for n, _ in blocks[0].named_parameters()}
-    bufs = {n: torch.stack([dict(b.named_buffers())[n] for b in blocks])
-            for n, _ in blocks[0].named_buffers()}
-    return params, bufs
 
 
 def _progression(d: dict, first: int, stride: int, count: int):
@@ -113,7 +105,8 @@ class ForwardStepper(_Stepper):
         offset: the global index of ``blocks[0]``.
         batched: evaluate many blocks with one ``vmap`` over stacked parameters (needs blocks
             that share an architecture) or one block at a time.
-        stacked: ``(params, buffers)`` stacked by :func:`stack_state` (computed when omitted).
+        stacked: ``(params, buffers)`` stacked by
+            :meth:`paraprop.multigrid.params.BlockParams.stack` (computed when omitted).
     """
 
     def __init__(self, blocks: Sequence[nn.Module], offset: int = 0, *, batched: bool = True,
@@ -123,7 +116,8 @@ class ForwardStepper(_Stepper):
         self.batched = batched
         self.counts = _Counts()
         if batched:
-            self.params, self.buffers = stacked if stacked is not None else stack_state(blocks)
+            self.params, self.buffers = stacked if stacked is not None else \
+                BlockParams(self.blocks).stack()
             template = self.blocks[0]
 
             def f(p, b, x):
@@ -238,7 +232,8 @@ class AdjointStepper(_Stepper):
         # Reversed layout: local solve index i <-> local layer n - 1 - i.
         self.inputs = states[:n].flip(0)
         if batched:
-            params, bufs = stacked if stacked is not None else stack_state(self.blocks)
+            params, bufs = stacked if stacked is not None else \
+                BlockParams(self.blocks).stack()
             self.params_fwd, self.buffers_fwd = params, bufs
             self.params = {k: v.flip(0) for k, v in params.items()}
             self.buffers = {k: v.flip(0) for k, v in bufs.items()}

@@ -4,6 +4,10 @@
 and a barrier. It runs the exact code path of a layer-parallel solve across ranks (ghost
 exchange, uneven splits, ranks without coarse points) in a test or a demo without starting
 processes, and it drives the cost model's event clock (:mod:`paraprop.multigrid.cost`).
+
+When a rank fails, :func:`run_threads` puts a poison message on every queue and breaks the
+barrier, so the other ranks stop at their next receive or all-reduce (raising
+:class:`PeerFailed`) instead of waiting for the timeout; the failing rank's error is re-raised.
 """
 
 from __future__ import annotations
@@ -14,7 +18,13 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["QueueLink", "run_threads"]
+__all__ = ["PeerFailed", "QueueLink", "run_threads"]
+
+_POISON = "poison"  # the tag of the message run_threads sends when a rank failed
+
+
+class PeerFailed(RuntimeError):
+    """Another rank of :func:`run_threads` failed (its own error is the one re-raised)."""
 
 
 class QueueLink:
@@ -37,15 +47,22 @@ class QueueLink:
         except queue.Empty:
             raise TimeoutError(f"rank {self.me}: nothing from rank {src} within "
                                f"{self.timeout} s (tag {tag})") from None
+        if got == _POISON:
+            raise PeerFailed(f"rank {self.me}: rank {t} failed (waiting for rank {src}, "
+                             f"tag {tag})")
         if got != tag:
             raise RuntimeError(f"rank {self.me}: expected tag {tag} from rank {src}, got {got}")
         return t
 
     def sum(self, value: float) -> float:
         self._board[self.me] = value
-        self._barrier.wait(self.timeout)
-        total = sum(self._board)
-        self._barrier.wait(self.timeout)
+        try:
+            self._barrier.wait(self.timeout)
+            total = sum(self._board)
+            self._barrier.wait(self.timeout)
+        except threading.BrokenBarrierError:
+            raise PeerFailed(f"rank {self.me}: the all-reduce was abandoned (a rank failed or "
+                             f"did not arrive within {self.timeout} s)") from None
         return total
 
     def flush(self) -> None:
@@ -56,9 +73,15 @@ def run_threads(world: int, fn: Callable[[int, QueueLink], object], *, timeout: 
                 ) -> list:
     """Call ``fn(rank, link)`` in ``world`` threads; return their results in rank order.
 
+    Arguments:
+        world: the number of ranks (threads).
+        fn: called as ``fn(rank, link)``.
+        timeout: seconds any receive or all-reduce waits for a rank that neither answers nor
+            fails.
+
     Raises:
-        The first exception raised by any rank (the others are released by the barrier
-        timeout or the queue timeout).
+        The exception of the rank that failed first (the others are stopped by a poison
+        message on every queue and a broken barrier, not by the timeout).
     """
     queues = {(i, j): queue.Queue() for i in range(world) for j in range(world)}
     barrier = threading.Barrier(world)
@@ -71,6 +94,10 @@ def run_threads(world: int, fn: Callable[[int, QueueLink], object], *, timeout: 
             results[r] = fn(r, QueueLink(r, world, queues, barrier, board, timeout))
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors[r] = e
+            if not isinstance(e, PeerFailed):
+                for (_, dest), q in queues.items():
+                    if dest != r:
+                        q.put((_POISON, r))
             barrier.abort()
 
     threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(world)]
@@ -79,7 +106,7 @@ def run_threads(world: int, fn: Callable[[int, QueueLink], object], *, timeout: 
     for t in threads:
         t.join()
     for e in errors:
-        if e is not None and not isinstance(e, threading.BrokenBarrierError):
+        if e is not None and not isinstance(e, PeerFailed | threading.BrokenBarrierError):
             raise e
     for e in errors:
         if e is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from paraprop.data import load_digits, load_mnist
+from paraprop.data import IDXError, load_digits, load_mnist
 from paraprop.multigrid import ParallelResidualStack
 from paraprop.multigrid.examples import ConvBlock
 
@@ -60,27 +61,38 @@ class ResNetMG(nn.Module):
 
 def load_data(name: str, *, mnist_dir: str | None = None, seed: int = 0,
               test_fraction: float = 0.2):
-    """``(train_x, train_y, test_x, test_y)`` for ``"digits"`` or ``"mnist"``.
+    """``(train_x, train_y, test_x, test_y, split)`` for ``"digits"`` or ``"mnist"``.
 
-    MNIST uses the official training files when present, else splits the official test set
-    (10,000 images, a seeded ``1 - test_fraction`` : ``test_fraction`` split), which is what the
-    shared data directory holds.
+    MNIST uses the official training and test files when the training files are present;
+    when they are missing (not when they are corrupt), it splits the official test set (10,000
+    images, a seeded ``1 - test_fraction`` : ``test_fraction`` split), which is what the shared
+    data directory holds. ``split`` says which was used.
+
+    Raises:
+        ValueError: unknown data set.
+        paraprop.data.IDXError: missing test files, or any corrupt file.
     """
     if name == "digits":
         x, y = load_digits()
+        source = "digits"
     elif name == "mnist":
         try:
             tx, ty = load_mnist(mnist_dir, split="train")
-            vx, vy = load_mnist(mnist_dir, split="test")
-            return tx, ty, vx, vy
-        except (OSError, ValueError):
+        except IDXError as e:
+            if not str(e).endswith("no such file"):
+                raise  # a corrupt or truncated file is an error, not a reason to fall back
             x, y = load_mnist(mnist_dir, split="test")
+            source = "MNIST t10k files (no training files)"
+        else:
+            vx, vy = load_mnist(mnist_dir, split="test")
+            return tx, ty, vx, vy, "MNIST official train / t10k files"
     else:
         raise ValueError(f"unknown data set {name!r}; choose 'digits' or 'mnist'")
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     n_test = int(round(len(x) * test_fraction))
     te, tr = perm[:n_test], perm[n_test:]
-    return x[tr], y[tr], x[te], y[te]
+    split = (f"{source}, seeded split (seed {seed}): {len(tr)} train / {n_test} test")
+    return x[tr], y[tr], x[te], y[te], split
 
 
 @torch.no_grad()
@@ -107,13 +119,14 @@ def train(*, data: str = "digits", depth: int = 32, cycles: int = 2, levels: int
         progress: show a tqdm bar per epoch.
 
     Raises:
-        ValueError: bad sizes (e.g. too few layers for the levels), unknown data set.
+        ValueError: bad sizes (e.g. too few layers for the levels), unknown data set, or
+            (:class:`paraprop.data.IDXError`) missing or corrupt MNIST files.
     """
     for name, v in (("depth", depth), ("cycles", cycles), ("epochs", epochs),
                     ("batch_size", batch_size), ("channels", channels)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
-    tx, ty, vx, vy = load_data(data, mnist_dir=mnist_dir, seed=seed)
+    tx, ty, vx, vy, split = load_data(data, mnist_dir=mnist_dir, seed=seed)
     torch.manual_seed(seed)
     mg = {"levels": 1} if serial else {"levels": levels, "coarsening": coarsening,
                                        "max_cycles": cycles, "backward": backward,
@@ -126,7 +139,8 @@ def train(*, data: str = "digits", depth: int = 32, cycles: int = 2, levels: int
                           "levels": 1 if serial else levels, "coarsening": coarsening,
                           "channels": channels, "epochs": epochs, "batch_size": batch_size,
                           "lr": lr, "final_time": final_time, "seed": seed,
-                          "backward": backward, "train_size": len(tx), "test_size": len(vx)},
+                          "backward": backward, "split": split, "train_size": len(tx),
+                          "test_size": len(vx)},
                "epochs": []}
     for epoch in range(1, epochs + 1):
         model.train()
@@ -185,7 +199,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     if args.threads < 0:
-        print(f"paraprop train resnet-mg: --threads must be >= 0, got {args.threads}")
+        print(f"paraprop train resnet-mg: --threads must be >= 0, got {args.threads}",
+              file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -196,7 +211,7 @@ def run(args) -> int:
                      seed=args.seed, serial=args.serial, backward=args.backward,
                      warm_start=args.warm_start, mnist_dir=args.mnist_dir)
     except (ValueError, OSError) as e:
-        print(f"paraprop train resnet-mg: {e}")
+        print(f"paraprop train resnet-mg: {e}", file=sys.stderr)
         return 2
     hist.pop("model")
     if args.out:
