@@ -160,6 +160,24 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
     state.residual = float(res.max())
 
 
+def verify_fixed_point(system: System, state: State, lo: int, new: torch.Tensor,
+                       tol: float) -> None:
+    """At the exactness bound every position is final, so one more evaluation (``new``, the
+    positions ``[lo, lo + n)``) must not move any of them by more than ``tol``; otherwise some
+    position depends on itself or on a later one. Costs one evaluation, and only when the bound
+    was reached with a forward difference still above ``tol``."""
+    old = state.x[:, lo : lo + new.shape[1]]
+    moved = ((new - old).abs().amax(dim=2) > tol) & state.active[:, None]
+    if bool(moved.any()):
+        b, t = (int(i) for i in moved.nonzero()[0])
+        raise NotTriangularError(
+            f"fn is not autoregressive along dim: position {system.unravel_position(lo + t)} "
+            f"of sample {system.unravel_sample(b)} still changes after {system.iteration} "
+            "iterations, the bound by which every position of a triangular system is final; "
+            "some position depends on itself or on a later one"
+        )
+
+
 def _unravel(i: int, shape: torch.Size) -> tuple[int, ...]:
     out = []
     for n in reversed(shape):

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from paraprop.solvers.base import State, System, accept
+from paraprop.solvers.base import State, System, accept, verify_fixed_point
 
 
 class GSJacobi:
@@ -37,6 +37,8 @@ class GSJacobi:
         system.check_finite(vals, index)
         e["sweep"] += 1
         accept(system, state, lo, hi, vals, tol, norm, exact=e["sweep"] - 1)
+        if e["sweep"] >= hi - lo and bool(state.active.any()):  # block bound, still moving
+            verify_fixed_point(system, state, lo, system.update(state.x, index), tol)
         if e["sweep"] >= hi - lo or not bool(state.active.any()):
             e["block"] += 1
             e["sweep"] = 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paraprop.solvers.base import State, System, accept
+from paraprop.solvers.base import State, System, accept, verify_fixed_point
 
 
 class Jacobi:
@@ -10,7 +10,8 @@ class Jacobi:
 
     After sweep ``k`` the positions ``< k`` equal the sequential result exactly (Song et al. 2021,
     Proposition 1), so at most ``T`` sweeps are needed, and a position ``< k - 1`` that still moves
-    at sweep ``k`` proves that ``fn`` is not triangular.
+    at sweep ``k`` proves that ``fn`` is not triangular. If sweep ``T`` still moved a sample, one
+    more evaluation checks that the result is a fixed point.
     """
 
     name = "jacobi"
@@ -28,3 +29,5 @@ class Jacobi:
         accept(system, state, 0, system.T, y, tol, norm, exact=k - 1)
         state.extra["k"] = k
         state.finished = k >= system.T or not bool(state.active.any())
+        if k >= system.T and bool(state.active.any()):  # the bound, still moving: verify
+            verify_fixed_point(system, state, 0, system.evaluate(state.x), tol)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from paraprop.solvers.base import State, System, accept
+from paraprop.solvers.base import State, System, accept, verify_fixed_point
 
 
 class JacobiGS:
@@ -33,14 +33,21 @@ class JacobiGS:
         state.extra["offsets"] = [torch.arange(j, system.T, bs, device=device) for j in range(bs)]
         state.extra["k"] = 0
 
-    def step(self, system: System, state: State, tol: float, norm: str) -> None:
-        k = state.extra["k"] + 1
+    def _sweep(self, system: System, state: State) -> torch.Tensor:
         work = state.x.clone()
         for index in state.extra["offsets"]:
             vals = system.update(work, index)
             system.check_finite(vals, index)
             work.index_copy_(1, index, vals)
+        return work
+
+    def step(self, system: System, state: State, tol: float, norm: str) -> None:
+        k = state.extra["k"] + 1
+        work = self._sweep(system, state)
         exact = min((k - 1) * self.block_size, system.T)
         accept(system, state, 0, system.T, work, tol, norm, exact=exact)
         state.extra["k"] = k
-        state.finished = k >= self.bound(system) or not bool(state.active.any())
+        at_bound = k >= self.bound(system)
+        state.finished = at_bound or not bool(state.active.any())
+        if at_bound and bool(state.active.any()):  # still moving at the bound: verify
+            verify_fixed_point(system, state, 0, self._sweep(system, state), tol)
