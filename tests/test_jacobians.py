@@ -118,6 +118,17 @@ def test_csr_vjp_equals_autograd_float32():
     assert ((got - ref).norm() / ref.norm()) <= 1e-6
 
 
+def test_combine_flops_counts_the_nonzero_products():
+    torch.manual_seed(3)
+    a = (torch.rand(6, 5) < 0.4).double() * torch.randn(6, 5, dtype=torch.float64)
+    b = (torch.rand(7, 6) < 0.4).double() * torch.randn(7, 6, dtype=torch.float64)
+    # b @ a multiplies b[i, k] by a[k, j] for every stored pair: count them densely
+    pairs = int(((b != 0).double() @ (a != 0).double()).sum())
+    assert bppsa.combine_flops(a.to_sparse_csr(), b.to_sparse_csr()) == 2 * pairs
+    assert bppsa.combine_flops(torch.randn(6, dtype=torch.float64), b.to_sparse_csr()) == \
+        2 * int((b != 0).sum())
+
+
 def test_analysis_counts_flops():
     net = _net()
     acts, _ = bppsa.record(net, torch.randn(2, 8, 8))
@@ -134,6 +145,11 @@ def test_errors():
         transposed_jacobian(nn.Conv2d(2, 2, 3, groups=2), torch.randn(2, 5, 5))
     with pytest.raises(ValueError, match=r"one sample \(C, H, W\), got shape \(1, 2, 5, 5\)"):
         transposed_jacobian(nn.Conv2d(2, 2, 3), torch.randn(1, 2, 5, 5))
+    with pytest.raises(ValueError, match="padding_mode='reflect' is not supported"):
+        transposed_jacobian(nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"),
+                            torch.randn(2, 5, 5))
+    with pytest.raises(TypeError, match=r"x must be the pair \(input, hidden\), got Tensor"):
+        transposed_jacobian(nn.GRUCell(2, 3), torch.randn(2))
     with pytest.raises(ValueError, match="input has 3 channels, expected 2"):
         transposed_jacobian(nn.Conv2d(2, 2, 3), torch.randn(3, 5, 5))
     net = _net()
@@ -148,6 +164,17 @@ def test_errors():
     bad[3] = torch.randn(4, 5, 5)
     with pytest.raises(ValueError, match=r"layer 2 \(MaxPool2d\) outputs 64 values but layer 3"):
         bppsa.backward(net, bad, torch.ones(3))
+
+
+def test_pruned_linear_weights_leave_the_pattern():
+    lin = nn.Linear(4, 3).double()
+    with torch.no_grad():
+        lin.weight[0, 1] = 0.0
+        lin.weight[2, 3] = 0.0
+    x = torch.randn(4, dtype=torch.float64)
+    JT = transposed_jacobian(lin, x, drop_zero_weights=True)
+    assert JT._nnz() == 10
+    assert torch.equal(JT.to_dense(), lin.weight.detach().t())
 
 
 def test_pruned_weights_leave_the_pattern():

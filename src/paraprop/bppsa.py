@@ -61,18 +61,14 @@ def combine_flops(a: torch.Tensor, b: torch.Tensor) -> int:
         col_counts = torch.bincount(b.col_indices(), minlength=b.shape[1])
         row_counts = a.crow_indices().diff()
         return 2 * int((col_counts * row_counts).sum())
-    return 2 * b.shape[0] * b.shape[1] * (1 if a.dim() == 1 else a.shape[1])
+    return 2 * _nnz(b) * a.shape[1]  # every stored entry of b meets a dense row of a
 
 
 def _combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a ⋄ b = b a`` (``a`` the earlier element of the scan)."""
-    if a.dim() == 1:
-        return b @ a
-    if b.layout == torch.sparse_csr and a.layout == torch.sparse_csr:
-        return b @ a
-    if b.layout == torch.sparse_csr:
-        return (b @ a)
-    return b @ (a.to_dense() if a.layout == torch.sparse_csr else a)
+    if b.layout != torch.sparse_csr and a.layout == torch.sparse_csr:
+        a = a.to_dense()  # dense @ sparse is not supported; the cells' Jacobians are small
+    return b @ a
 
 
 def _scan(xs: list, levels: int | None, level: int, stats: ScanStats | None) -> list:
@@ -162,9 +158,13 @@ def backward(layers: Sequence[nn.Module], activations: Sequence[torch.Tensor],
         >>> acts, y = record(net, torch.randn(1, 8, 8))
         >>> grads = backward(net, acts, torch.ones(2))
     """
+    jts = _jacobians(layers, activations, drop_zero_weights)
+    return _scan_backward(layers, activations, jts, grad_output, levels, stats)
+
+
+def _scan_backward(layers, activations, jts, grad_output, levels, stats):
     if levels is not None and (not isinstance(levels, int) or levels < 0):
         raise ValueError(f"levels must be a non-negative int or None, got {levels!r}")
-    jts = _jacobians(layers, activations, drop_zero_weights)
     n_out = jts[-1].shape[1]
     if grad_output.numel() != n_out:
         raise ValueError(f"grad_output has {grad_output.numel()} elements, the last layer's "
@@ -194,11 +194,10 @@ def analyze(layers: Sequence[nn.Module], activations: Sequence[torch.Tensor], *,
     stats = ScanStats()
     with torch.no_grad():
         x_out = layers[-1](activations[-1][None])[0]
-    backward(layers, activations, torch.ones_like(x_out), levels=levels, stats=stats,
-             drop_zero_weights=drop_zero_weights)
+    jts = _jacobians(layers, activations, drop_zero_weights)
+    _scan_backward(layers, activations, jts, torch.ones_like(x_out), levels, stats)
     bp = []
-    for layer, a in zip(layers, activations, strict=True):
-        jt = _jacobians([layer], [a], drop_zero_weights)[0]
+    for layer, a, jt in zip(layers, activations, jts, strict=True):
         sparse_flops = 2 * _nnz(jt)
         dense = None
         if isinstance(layer, nn.Conv2d):

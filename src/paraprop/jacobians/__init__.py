@@ -87,24 +87,23 @@ def transposed_jacobian(layer: nn.Module, x, *, drop_zero_weights: bool = False
         pat = patterns.without_zero_weights(pat, layer.weight)
     elif drop_zero_weights and isinstance(layer, nn.Linear):
         pat = patterns.without_zero_weights(pat, layer.weight.t())
+    source = pat.on(x.device)[3]
     if isinstance(layer, nn.Conv2d):
-        values = layer.weight.detach().flatten().index_select(0, pat.source.to(x.device))
+        values = layer.weight.detach().flatten().index_select(0, source)
     elif isinstance(layer, nn.ReLU):
         values = (x.detach().flatten() > 0).to(x.dtype)
     elif isinstance(layer, nn.Flatten):
         values = torch.ones(x.numel(), dtype=x.dtype, device=x.device)
     elif isinstance(layer, nn.Linear):
-        values = layer.weight.detach().t().flatten()
+        values = layer.weight.detach().t().flatten().index_select(0, source)
     else:  # max-pooling: 1 where the input is its window's argmax
         _, idx = F.max_pool2d(x.detach()[None], layer.kernel_size, layer.stride,
                               layer.padding, layer.dilation, layer.ceil_mode,
                               return_indices=True)
         C, H, W = x.shape
-        OH, OW = idx.shape[-2:]
         arg = (idx[0] + torch.arange(C, device=x.device).view(-1, 1, 1) * H * W).flatten()
-        values = (pat.row.to(x.device) == arg.index_select(0, pat.col.to(x.device)))
-        values = values.to(x.dtype)
-        del OH, OW
+        _, col, row, _ = pat.on(x.device)
+        values = (row == arg.index_select(0, col)).to(x.dtype)
     return pat.csr(values)
 
 
@@ -115,6 +114,9 @@ def _check(layer, x) -> None:
         raise ValueError(f"{type(layer).__name__} expects one sample (C, H, W), got shape "
                          f"{tuple(x.shape)}")
     if isinstance(layer, nn.Conv2d):
+        if layer.padding_mode != "zeros":
+            raise ValueError(f"{layer}: padding_mode={layer.padding_mode!r} is not supported "
+                             "(zeros only)")
         if layer.groups != 1:
             raise ValueError(f"{layer}: groups={layer.groups} is not supported (groups=1 only)")
         if x.shape[0] != layer.in_channels:
@@ -129,7 +131,8 @@ def _check(layer, x) -> None:
 
 def _pair_input(layer, x):
     if not isinstance(x, tuple | list) or len(x) != 2:
-        raise TypeError(f"{type(layer).__name__}: x must be the pair (input, hidden)")
+        got = type(x).__name__ + (f" of length {len(x)}" if isinstance(x, tuple | list) else "")
+        raise TypeError(f"{type(layer).__name__}: x must be the pair (input, hidden), got {got}")
     return x
 
 

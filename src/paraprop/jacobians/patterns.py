@@ -14,7 +14,7 @@ of ``x`` and ``y``.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -30,6 +30,17 @@ class Pattern:
     col: torch.Tensor
     row: torch.Tensor
     source: torch.Tensor
+    # per-device copies of the index tensors, and sub-patterns without pruned weights
+    _devices: dict = field(default_factory=dict, compare=False, repr=False)
+    _pruned: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``(crow, col, row, source)`` on ``device``, copied once per device."""
+        key = str(device)
+        if key not in self._devices:
+            self._devices[key] = tuple(t.to(device) for t in (self.crow, self.col, self.row,
+                                                              self.source))
+        return self._devices[key]
 
     @property
     def nnz(self) -> int:
@@ -43,10 +54,10 @@ class Pattern:
     def csr(self, values: torch.Tensor) -> torch.Tensor:
         """The CSR tensor with this pattern and ``values`` (the pattern is valid by
         construction, so torch's invariant checks are skipped)."""
+        crow, col, _, _ = self.on(values.device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
-            return torch.sparse_csr_tensor(self.crow.to(values.device),
-                                           self.col.to(values.device), values, self.shape,
+            return torch.sparse_csr_tensor(crow, col, values, self.shape,
                                            check_invariants=False)
 
 
@@ -141,20 +152,18 @@ def dense(n_rows: int, n_cols: int) -> Pattern:
     return Pattern((n_rows, n_cols), crow, cols, rows, torch.arange(n_rows * n_cols))
 
 
-_MASKED: dict = {}
-
-
 def without_zero_weights(base: Pattern, weight: torch.Tensor) -> Pattern:
     """``base`` minus the entries whose weight is exactly zero (a pruned layer: the pruning
-    mask is fixed during retraining, so this pattern too is built once per mask)."""
-    nz = weight.detach().flatten() != 0
-    key = (id(base), weight.shape, hash(nz.cpu().numpy().tobytes()))
-    if key not in _MASKED:
-        if len(_MASKED) > 64:
-            _MASKED.clear()
-        keep = nz.cpu()[base.source]
+    mask is fixed during retraining, so this pattern too is built once per mask). The
+    sub-patterns are cached on ``base``, keyed by the mask's bytes."""
+    nz = (weight.detach().flatten() != 0).cpu()
+    key = nz.numpy().tobytes()
+    if key not in base._pruned:
+        if len(base._pruned) >= 8:
+            base._pruned.clear()
+        keep = nz[base.source]
         rows, cols, src = base.row[keep], base.col[keep], base.source[keep]
         crow = torch.zeros(base.shape[0] + 1, dtype=torch.long)
         crow[1:] = torch.bincount(rows, minlength=base.shape[0]).cumsum(0)
-        _MASKED[key] = Pattern(base.shape, crow, cols, rows, src)  # still sorted by (row, col)
-    return _MASKED[key]
+        base._pruned[key] = Pattern(base.shape, crow, cols, rows, src)  # still row-sorted
+    return base._pruned[key]
