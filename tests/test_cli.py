@@ -30,6 +30,13 @@ def test_bench_lists_suites_and_rejects_unknown(capsys):
     assert main(["bench", "nosuch"]) == 2
     assert "unknown benchmark suite 'nosuch'" in capsys.readouterr().err
     assert main(["bench", "core", "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_train_with_missing_data_exits_2(tmp_path, capsys):
+    assert main(["train", "made", "--data", "mnist", "--mnist-dir", str(tmp_path),
+                 "--epochs", "1"]) == 2
+    assert "no such file" in capsys.readouterr().err
 
 
 def test_info(capsys):

@@ -70,6 +70,20 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _guarded(run):
+    """A training job whose data cannot be read exits 2 with the reason, not a traceback."""
+    from paraprop.data import IDXError
+
+    def wrapped(args) -> int:
+        try:
+            return run(args)
+        except IDXError as e:
+            print(f"paraprop train: {e}", file=sys.stderr)
+            return 2
+
+    return wrapped
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paraprop", description=paraprop.__doc__)
     p.add_argument("--version", action="version", version=f"paraprop {paraprop.__version__}")
@@ -92,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, job in training.jobs().items():
         jp = jobs.add_parser(name, help=getattr(job, "HELP", ""))
         job.add_arguments(jp)
-        jp.set_defaults(func=job.run)
+        jp.set_defaults(func=_guarded(job.run))
 
     r = sub.add_parser("report", help="collect suites' Markdown results into one page")
     r.add_argument("results", help="results directory (NAME.md and PNG plots)")
