@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from paraprop import ConvergenceError
 from paraprop.cli import main
 from paraprop.models import PixelCNN
 from paraprop.sampling import sample
@@ -112,3 +113,97 @@ def test_bench_pixelcnn_quick(tmp_path):
     assert all(r["identical"] for r in payload["digits"]["rows"])
     assert (tmp_path / "pixelcnn.md").exists()
     assert (tmp_path / "pixelcnn_digits_samples.png").exists()
+
+
+def test_max_iters_tol_and_throw_reach_the_cached_samplers():
+    m = _model(size=6, seed=3)
+    noise = m.draw_noise(2, torch.Generator().manual_seed(0))
+    ref, _ = sample(m, 2, method="sequential", noise=noise)
+    # jacobi_gs: max_iters caps the iterations; fewer than the blocks is not converged
+    _, sol = sample(m, 2, method="jacobi_gs", noise=noise, block_size=1, max_iters=1,
+                    throw=False)
+    assert sol.iterations == 1 and not sol.converged
+    with pytest.raises(ConvergenceError, match="method='jacobi_gs' did not converge") as err:
+        sample(m, 2, method="jacobi_gs", noise=noise, block_size=1, max_iters=1)
+    assert err.value.solution.iterations == 1
+    # gs_jacobi: max_iters caps the sweeps of every window (3 windows of 2 rows)
+    _, sol = sample(m, 2, method="gs_jacobi", noise=noise, block_size=2, max_iters=1,
+                    throw=False)
+    assert sol.iterations == 3 and sol.stats["window_sweeps"] == [1, 1, 1]
+    assert not sol.converged
+    with pytest.raises(ConvergenceError, match="method='gs_jacobi' did not converge"):
+        sample(m, 2, method="gs_jacobi", noise=noise, block_size=2, max_iters=1)
+    # a cap at the exactness bound converges; a tol as large as the image range stops at once
+    x, sol = sample(m, 2, method="jacobi_gs", noise=noise, block_size=2, max_iters=3)
+    assert sol.converged and torch.equal(x, ref)
+    _, sol = sample(m, 2, method="gs_jacobi", noise=noise, block_size=6, tol=2.0)
+    assert sol.iterations == 1 and sol.converged
+
+
+def test_arguments_a_sampler_cannot_use_are_refused():
+    m = _model(size=5)
+    with pytest.raises(ValueError, match="max_iters is not used by method='sequential_cached'"):
+        sample(m, 2, method="sequential_cached", max_iters=3)
+    with pytest.raises(ValueError, match="tol must be a number >= 0, got -1"):
+        sample(m, 2, method="gs_jacobi", tol=-1)
+    with pytest.raises(ValueError, match="max_iters must be a positive int or None, got 0"):
+        sample(m, 2, method="jacobi_gs", max_iters=0)
+
+
+def _device_checking(fn):
+    """Emulate CUDA's refusal of a generator on another device (meta has no such check)."""
+    def wrapped(*args, generator=None, device=None, **kw):
+        gdev = (generator.device if generator is not None else torch.device("cpu")).type
+        if torch.device(device or "cpu").type != gdev:
+            raise RuntimeError(f"generator on {gdev}, tensor on {device}")
+        return fn(*args, generator=generator, device=device, **kw)
+    return wrapped
+
+
+def test_noise_is_drawn_on_the_generator_device_then_moved(monkeypatch):
+    m = _model(size=4)  # float64
+    expected = m.draw_noise(2, torch.Generator().manual_seed(7))
+    assert expected.dtype == torch.float64
+    monkeypatch.setattr(torch, "rand", _device_checking(torch.rand))
+    meta = _model(size=4).to("meta")
+    noise = meta.draw_noise(2, torch.Generator().manual_seed(7))
+    assert noise.device.type == "meta" and noise.dtype == torch.float64
+    assert noise.shape == expected.shape
+
+
+def test_init_leaves_the_global_rng_alone():
+    state = torch.get_rng_state()
+    a = PixelCNN(1, 4, hidden=4, layers=1, seed=3)
+    assert torch.equal(torch.get_rng_state(), state)
+    b = PixelCNN(1, 4, hidden=4, layers=1, seed=3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_log_prob_gradient_survives_in_the_tails():
+    # one pixel, one component: the mean far from x with a tiny scale (the sigmoids underflow)
+    m = PixelCNN(1, 1, hidden=4, layers=1, mixtures=1, levels=17).double()
+    with torch.no_grad():
+        m.out.weight.zero_()
+        m.out.bias.copy_(torch.tensor([0.0, 3.0, -7.0]))  # logit_pi, mean (tanh), log_scale
+    for value in (0.0, -1.0, 1.0):  # inner bin, left edge, right edge
+        x = torch.full((1, 1, 1, 1), value, dtype=torch.float64)
+        lp = m.log_prob(x)
+        (g,) = torch.autograd.grad(lp.sum(), m.out.bias)
+        assert torch.isfinite(lp).all() and torch.isfinite(g).all(), value
+        if value < 1:
+            assert g[1] != 0, value  # the mean is pulled towards x
+
+
+def test_pixelcnn_argument_and_checkpoint_errors(tmp_path):
+    for name in ("in_channels", "image_size", "hidden", "layers", "mixtures", "levels"):
+        with pytest.raises(ValueError, match=f"{name} must be a positive int, got 0"):
+            PixelCNN(**{name: 0})
+    with pytest.raises(ValueError, match="hidden must be a positive int, got True"):
+        PixelCNN(hidden=True)
+    torch.save({"kind": "MADE"}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="other.pt: not a paraprop PixelCNN checkpoint"):
+        PixelCNN.load(tmp_path / "other.pt")
+    from paraprop.training.pixelcnn import train_pixelcnn
+
+    with pytest.raises(ValueError, match="epochs and batch_size must be >= 1, got 0, 64"):
+        train_pixelcnn(_model(size=4), torch.zeros(2, 1, 4, 4), epochs=0)

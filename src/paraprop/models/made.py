@@ -46,7 +46,7 @@ class MADE(nn.Module):
     def __init__(self, features: int, hidden: tuple[int, ...] = (512, 512),
                  conditional: str = "logistic", order=None, seed: int = 0):
         super().__init__()
-        if not isinstance(features, int) or features < 1:
+        if isinstance(features, bool) or not isinstance(features, int) or features < 1:
             raise ValueError(f"features must be a positive int, got {features!r}")
         hidden = tuple(hidden)
         if not hidden or not all(isinstance(h, int) and h >= 1 for h in hidden):
@@ -60,7 +60,8 @@ class MADE(nn.Module):
             order_t = torch.as_tensor(order, dtype=torch.long)
             if order_t.shape != (features,) or not torch.equal(order_t.sort().values,
                                                                torch.arange(features)):
-                raise ValueError(f"order must be a permutation of 0..{features - 1}")
+                raise ValueError(f"order must be a permutation of 0..{features - 1}, got "
+                                 f"{order_t.tolist()}")
         self.config = {"features": features, "hidden": list(hidden),
                        "conditional": conditional, "order": order_t.tolist(), "seed": seed}
         self.features, self.conditional = features, conditional
@@ -124,12 +125,16 @@ class MADE(nn.Module):
 
     def draw_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """The noise of ``n`` samples: standard logistic, standard normal, or uniform (the
-        inverse-CDF noise of a Bernoulli)."""
+        inverse-CDF noise of a Bernoulli). Drawn on the generator's device (CPU without one) in
+        the model's dtype, then moved to the model's device: the same seed gives the same
+        sample on every device."""
         p = self.out.weight
         shape = self.noise_shape(n)
+        where = generator.device if generator is not None else torch.device("cpu")
         if self.conditional == "gaussian":
-            return torch.randn(shape, generator=generator, dtype=p.dtype, device=p.device)
-        u = torch.rand(shape, generator=generator, dtype=p.dtype, device=p.device)
+            return torch.randn(shape, generator=generator, dtype=p.dtype,
+                               device=where).to(p.device)
+        u = torch.rand(shape, generator=generator, dtype=p.dtype, device=where).to(p.device)
         if self.conditional == "bernoulli":
             return u
         eps = torch.finfo(p.dtype).eps
@@ -183,6 +188,7 @@ class _MADESampler:
         m = self.m
         feats = index if m.natural else m.perm.index_select(0, index)
         rows = torch.cat([feats + j * m.features for j in range(m.k)])
-        w = (m.out.weight * m.out.mask).index_select(0, rows)
+        # only the selected rows of the masked weight (the same products as the full one)
+        w = m.out.weight.index_select(0, rows) * m.out.mask.index_select(0, rows)
         raw = F.linear(m._features(self.to_data(xo)), w, m.out.bias.index_select(0, rows))
         return self._transform(m._params(raw), self.noise.index_select(-1, feats))

@@ -81,20 +81,22 @@ class PixelCNN(nn.Module):
         for name, v in [("in_channels", in_channels), ("image_size", image_size),
                         ("hidden", hidden), ("layers", layers), ("mixtures", mixtures),
                         ("levels", levels)]:
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if kernel < 3 or kernel % 2 == 0:
-            raise ValueError(f"kernel must be odd and >= 3, got {kernel}")
-        torch.manual_seed(seed)
+        if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 3 or kernel % 2 == 0:
+            raise ValueError(f"kernel must be odd and >= 3, got {kernel!r}")
         self.config = {"in_channels": in_channels, "image_size": image_size, "hidden": hidden,
                        "layers": layers, "mixtures": mixtures, "kernel": kernel,
                        "levels": levels, "seed": seed}
         self.C, self.size, self.M, self.k, self.levels = (in_channels, image_size, mixtures,
                                                           kernel, levels)
-        self.layers = nn.ModuleList(
-            _GatedLayer(in_channels if i == 0 else hidden, hidden, kernel, i == 0)
-            for i in range(layers))
-        self.out = nn.Conv2d(hidden, in_channels * 3 * mixtures, 1)
+        # seeded initialisation without touching the caller's global RNG state
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.layers = nn.ModuleList(
+                _GatedLayer(in_channels if i == 0 else hidden, hidden, kernel, i == 0)
+                for i in range(layers))
+            self.out = nn.Conv2d(hidden, in_channels * 3 * mixtures, 1)
 
     # -- full forward -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,15 +166,8 @@ class PixelCNN(nn.Module):
         """Discretized logistic mixture log-likelihood per image (nats), ``x`` on the grid of
         ``levels`` values in ``[-1, 1]``."""
         logit_pi, mu, log_s = self.split(self(x))
-        xe = x.unsqueeze(2)
-        half = 1.0 / (self.levels - 1)
-        inv_s = torch.exp(-log_s)
-        plus = torch.sigmoid((xe + half - mu) * inv_s)
-        minus = torch.sigmoid((xe - half - mu) * inv_s)
-        cdf_plus = torch.where(xe > 1 - 1e-3, torch.ones_like(plus), plus)
-        cdf_minus = torch.where(xe < -1 + 1e-3, torch.zeros_like(minus), minus)
-        prob = (cdf_plus - cdf_minus).clamp(min=1e-12)
-        lp = torch.logsumexp(torch.log(prob) + torch.log_softmax(logit_pi, dim=2), dim=2)
+        lp = discretized_logistic_log_prob(x.unsqueeze(2), mu, log_s, self.levels)
+        lp = torch.logsumexp(lp + torch.log_softmax(logit_pi, dim=2), dim=2)
         return lp.flatten(1).sum(1)
 
     # -- sampling as a triangular system ------------------------------------------------------
@@ -182,8 +177,13 @@ class PixelCNN(nn.Module):
         return (n, self.size, self.size, self.C, self.M + 1)
 
     def draw_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The noise of ``n`` images, drawn on the generator's device (CPU without one) in the
+        model's dtype and moved to the model's device: the same seed gives the same image on
+        every device."""
         w = self.out.weight
-        u = torch.rand(self.noise_shape(n), generator=generator, dtype=w.dtype, device=w.device)
+        where = generator.device if generator is not None else torch.device("cpu")
+        u = torch.rand(self.noise_shape(n), generator=generator, dtype=w.dtype,
+                       device=where).to(w.device)
         eps = torch.finfo(w.dtype).eps
         u = u.clamp(eps, 1 - eps)
         gumbel = -torch.log(-torch.log(u[..., : self.M]))
@@ -210,22 +210,30 @@ class PixelCNN(nn.Module):
         return PixelSystem(self, noise)
 
     def samplers(self) -> dict:
-        """The model-specific methods of :func:`paraprop.sampling.sample` (they take the noise
-        and ``block_size``, the rows per block or window, and return a Solution)."""
+        """The model-specific methods of :func:`paraprop.sampling.sample`: each is called as
+        ``f(noise, block_size=..., tol=..., max_iters=..., throw=...)`` (``block_size``: rows
+        per block or window) and returns a Solution. ``sequential_cached`` is exact in one pass
+        and refuses ``block_size`` and ``max_iters`` (``tol`` does not apply, as for
+        ``"sequential"``); ``jacobi_gs`` caps its iterations at ``max_iters``, ``gs_jacobi``
+        the sweeps of each window."""
         from paraprop.sampling import pixelcnn as ps
 
-        def no_blocks(noise, block_size):
-            if block_size is not None:
-                raise ValueError("block_size is not used by method='sequential_cached'")
+        def cached(noise, *, block_size, tol, max_iters, throw):
+            for name, value in (("block_size", block_size), ("max_iters", max_iters)):
+                if value is not None:
+                    raise ValueError(f"{name} is not used by method='sequential_cached', "
+                                     f"got {name}={value!r}")
             return ps.sequential_cached(self, noise)
 
-        return {
-            "sequential_cached": no_blocks,
-            "jacobi_gs": lambda noise, block_size: ps.jacobi_gs(
-                self, noise, ps.DEFAULT_BLOCK_ROWS if block_size is None else block_size),
-            "gs_jacobi": lambda noise, block_size: ps.gs_jacobi(
-                self, noise, ps.DEFAULT_WINDOW_ROWS if block_size is None else block_size),
-        }
+        def jacobi_gs(noise, *, block_size, tol, max_iters, throw):
+            rows = ps.DEFAULT_BLOCK_ROWS if block_size is None else block_size
+            return ps.jacobi_gs(self, noise, rows, tol=tol, max_iters=max_iters, throw=throw)
+
+        def gs_jacobi(noise, *, block_size, tol, max_iters, throw):
+            rows = ps.DEFAULT_WINDOW_ROWS if block_size is None else block_size
+            return ps.gs_jacobi(self, noise, rows, tol=tol, max_iters=max_iters, throw=throw)
+
+        return {"sequential_cached": cached, "jacobi_gs": jacobi_gs, "gs_jacobi": gs_jacobi}
 
     def _check(self, x):
         want = (self.C, self.size, self.size)
@@ -247,6 +255,30 @@ class PixelCNN(nn.Module):
         model = cls(**ckpt["config"])
         model.load_state_dict(ckpt["state_dict"])
         return model
+
+
+def discretized_logistic_log_prob(x: torch.Tensor, mu: torch.Tensor, log_s: torch.Tensor,
+                                  levels: int) -> torch.Tensor:
+    """``log P(x)`` of a logistic ``(mu, exp(log_s))`` discretized to ``levels`` bins on
+    ``[-1, 1]``, computed in log space as in PixelCNN++ (Salimans et al. 2017, eq. 2 and their
+    ``discretized_mix_logistic_loss``): the edge bins use ``log sigmoid(a) = a - softplus(a)``
+    and ``log(1 - sigmoid(b)) = -softplus(b)``; an inner bin whose probability is below
+    ``1e-5`` (the difference of two sigmoids would underflow and lose its gradient) uses the
+    density at the bin centre times the bin width."""
+    half = 1.0 / (levels - 1)
+    inv_s = torch.exp(-log_s)
+    centred = x - mu
+    plus_in = (centred + half) * inv_s
+    min_in = (centred - half) * inv_s
+    log_cdf_plus = plus_in - F.softplus(plus_in)  # left edge: log P(X <= -1 + half)
+    log_one_minus_cdf_min = -F.softplus(min_in)  # right edge: log P(X > 1 - half)
+    delta = torch.sigmoid(plus_in) - torch.sigmoid(min_in)
+    mid_in = centred * inv_s
+    log_pdf_mid = mid_in - log_s - 2.0 * F.softplus(mid_in)
+    inner = torch.where(delta > 1e-5, torch.log(delta.clamp(min=1e-12)),
+                        log_pdf_mid + math.log(2 * half))
+    return torch.where(x < -1 + 1e-3, log_cdf_plus,
+                       torch.where(x > 1 - 1e-3, log_one_minus_cdf_min, inner))
 
 
 def bits_per_dim(model: PixelCNN, x: torch.Tensor) -> float:

@@ -7,12 +7,12 @@ in far fewer network evaluations than ``D``.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
-from paraprop.solve import Solution, solve
-from paraprop.solvers.base import System
+from paraprop.solve import Solution, _normalise_dims, solve
 
 SAMPLING_METHODS = ("sequential", "jacobi", "jacobi_gs", "gs_jacobi", "fixed_passes")
 
@@ -31,15 +31,22 @@ def sample(model, n: int, *, method: str = "jacobi", tol: float = 1e-5, noise=No
         method: ``"sequential"`` (ancestral sampling), ``"jacobi"``, ``"jacobi_gs"``,
             ``"gs_jacobi"``, or ``"fixed_passes"`` (``D`` Jacobi passes without a stop: what the
             flow libraries do today). A model may provide its own implementations (and extra
-            methods) through ``model.samplers()``, a dict of ``name -> f(noise, block_size)``;
+            methods) through ``model.samplers()``, a dict of
+            ``name -> f(noise, *, block_size, tol, max_iters, throw)``;
             :class:`paraprop.models.PixelCNN` does, with cached samplers.
         tol: forward-difference tolerance of the iterative methods (``0``: bitwise fixed point).
+            Not used by ``"sequential"``, ``"sequential_cached"`` and ``"fixed_passes"`` (they
+            are exact by construction). For the discrete PixelCNN any ``tol`` below the grid
+            step ``2 / (levels - 1)`` means "stop when no pixel changes" (the exact image).
         noise: the noise to use (shape ``model.noise_shape(n)``); drawn with ``generator`` if
             ``None``. The same noise gives the same sample with every method.
         generator: random generator for the noise.
         block_size: block length of the hybrid methods.
-        max_iters: iteration cap (default: the method's exactness bound).
-        throw: raise :class:`paraprop.ConvergenceError` if ``max_iters`` stops the solve first.
+        max_iters: iteration cap (default: the method's exactness bound); for the PixelCNN's
+            ``gs_jacobi`` a cap on the sweeps of each window. ``"fixed_passes"`` and
+            ``"sequential_cached"`` refuse it (``ValueError``).
+        throw: raise :class:`paraprop.ConvergenceError` (its ``.solution`` holds the result)
+            if ``max_iters`` stops the solve first; ``False`` returns the unconverged Solution.
 
     Returns:
         ``(x, solution)``: samples in data order and the :class:`paraprop.Solution`.
@@ -68,8 +75,12 @@ def sample(model, n: int, *, method: str = "jacobi", tol: float = 1e-5, noise=No
     with torch.no_grad():
         system = model.sampling_map(noise)
         if method in special:  # the model's own sampler (e.g. a cached one)
-            sol = special[method](noise, block_size)
+            sol = special[method](noise, block_size=block_size, tol=tol, max_iters=max_iters,
+                                  throw=throw)
         elif method == "fixed_passes":
+            if max_iters is not None:
+                raise ValueError("max_iters is not used by method='fixed_passes' (always D "
+                                 f"passes), got max_iters={max_iters!r}")
             sol = _fixed_passes(system)
         else:
             sol = solve(system, system.x0, method=method, dim=system.dim, tol=tol,
@@ -80,18 +91,12 @@ def sample(model, n: int, *, method: str = "jacobi", tol: float = 1e-5, noise=No
 def _fixed_passes(system) -> Solution:
     """``T`` Jacobi passes from ``x0`` without a stopping rule (nflows/zuko-style inverse)."""
     x = system.x0
-    view = System(system, x.shape, x.dtype, _dims(system.dim, x.dim()))
+    first, last = _normalise_dims(system.dim, x.dim())
+    T = math.prod(x.shape[first : last + 1])
     start = time.perf_counter()
-    for _ in range(view.T):
+    for _ in range(T):
         x = system(x)
-    return Solution(value=x, method="fixed_passes", iterations=view.T, evaluations=view.T,
+    return Solution(value=x, method="fixed_passes", iterations=T, evaluations=T,
                     converged=True, residuals=torch.empty(0, dtype=torch.float64),
-                    stats={"positions": view.T * view.T, "sequential_steps": view.T,
-                           "bound": view.T, "T": view.T, "block_size": None,
-                           "time_s": time.perf_counter() - start})
-
-
-def _dims(dim, ndim):
-    dims = dim if isinstance(dim, tuple) else (dim,)
-    dims = [d % ndim for d in dims]
-    return dims[0], dims[-1]
+                    stats={"positions": T * T, "sequential_steps": T, "bound": T, "T": T,
+                           "block_size": None, "time_s": time.perf_counter() - start})

@@ -22,6 +22,7 @@ import time
 import torch
 from torch.nn import functional as F
 
+from paraprop.errors import ConvergenceError
 from paraprop.solve import Solution
 
 DEFAULT_BLOCK_ROWS = 4  # Jacobi-GS: rows per block (7 blocks on 28 rows)
@@ -46,10 +47,27 @@ class PixelSystem:
         return self.m.draw(params, self.noise).permute(0, 2, 3, 1)
 
 
-def _solution(method, x, iterations, evaluations, residuals, start, **stats) -> Solution:
-    return Solution(value=x, method=method, iterations=iterations, evaluations=evaluations,
-                    converged=True, residuals=torch.tensor(residuals, dtype=torch.float64),
-                    stats={"time_s": time.perf_counter() - start, **stats})
+def _solution(method, x, iterations, evaluations, residuals, start, *, converged=True,
+              throw=False, tol=0.0, max_iters=None, **stats) -> Solution:
+    sol = Solution(value=x, method=method, iterations=iterations, evaluations=evaluations,
+                   converged=converged, residuals=torch.tensor(residuals, dtype=torch.float64),
+                   stats={"time_s": time.perf_counter() - start, **stats})
+    if throw and not converged:
+        last = residuals[-1] if residuals else float("nan")
+        raise ConvergenceError(
+            f"method={method!r} did not converge within max_iters={max_iters} iterations (last "
+            f"forward difference {last:.3g} > tol={tol}); pass throw=False to inspect the "
+            "unconverged Solution", solution=sol)
+    return sol
+
+
+def check_stopping(tol, max_iters) -> None:
+    """Validate ``tol`` (a number >= 0) and ``max_iters`` (a positive int or ``None``)."""
+    if isinstance(tol, bool) or not isinstance(tol, int | float) or not tol >= 0:
+        raise ValueError(f"tol must be a number >= 0, got {tol!r}")
+    if max_iters is not None and (
+            isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1):
+        raise ValueError(f"max_iters must be a positive int or None, got {max_iters!r}")
 
 
 class _Cache:
@@ -146,15 +164,19 @@ def _check_rows(name: str, rows, H: int) -> None:
         raise ValueError(f"{name} must be an int in [1, {H}] (rows of the image), got {rows!r}")
 
 
-def jacobi_gs(model, noise: torch.Tensor, block_rows: int, max_iters: int | None = None
-              ) -> Solution:
+def jacobi_gs(model, noise: torch.Tensor, block_rows: int, *, tol: float = 0.0,
+              max_iters: int | None = None, throw: bool = True) -> Solution:
     """Blocks of ``block_rows`` rows in parallel (stacked along the batch), each generated pixel
     by pixel with the cache from the previous iterate's rows above it; repeated until an
-    iteration changes no pixel, at most ``ceil(H / block_rows)`` iterations (the first ``k``
-    blocks are final after iteration ``k``)."""
+    iteration changes no pixel by more than ``tol`` (any ``tol`` below the grid step
+    ``2 / (levels - 1)`` means "no pixel changed": the exact image), at most
+    ``ceil(H / block_rows)`` iterations (the first ``k`` blocks are final after iteration
+    ``k``) or ``max_iters``. Not converged (``ConvergenceError`` with ``throw``) when
+    ``max_iters`` ends it first."""
     start = time.perf_counter()
     B, H, W, C, M1 = noise.shape
     _check_rows("block_size", block_rows, H)
+    check_stopping(tol, max_iters)
     nb = math.ceil(H / block_rows)
     pad = nb * block_rows - H
     noise_p = F.pad(noise, (0, 0, 0, 0, 0, 0, 0, pad)) if pad else noise
@@ -180,37 +202,49 @@ def jacobi_gs(model, noise: torch.Tensor, block_rows: int, max_iters: int | None
         changed = float((new - x).abs().max())
         residuals.append(changed)
         x = new
-        if changed == 0.0:
+        if changed <= tol:
             break
+    converged = it >= nb or residuals[-1] <= tol
     return _solution("jacobi_gs", x.permute(0, 2, 3, 1), it, steps, residuals, start,
+                     converged=converged, throw=throw, tol=tol, max_iters=max_iters,
                      T=H * W, positions=steps * nb, sequential_steps=steps, bound=nb,
                      block_size=block_rows)
 
 
-def gs_jacobi(model, noise: torch.Tensor, window_rows: int) -> Solution:
+def gs_jacobi(model, noise: torch.Tensor, window_rows: int, *, tol: float = 0.0,
+              max_iters: int | None = None, throw: bool = True) -> Solution:
     """Windows of ``window_rows`` rows in order; inside a window, Jacobi sweeps (one forward
     pass of the window's rows each, the frozen rows above entering through the cached context)
-    until a sweep changes no pixel or the window has had as many sweeps as pixels."""
+    until a sweep changes no pixel by more than ``tol`` (below the grid step: no pixel changed),
+    or the window has had as many sweeps as pixels (its exactness bound), or ``max_iters``
+    sweeps (a cap *per window*). Not converged (``ConvergenceError`` with ``throw``) when the
+    cap ends some window first; ``iterations`` counts the sweeps of all windows."""
     start = time.perf_counter()
     B, H, W, C, _ = noise.shape
     _check_rows("block_size", window_rows, H)
+    check_stopping(tol, max_iters)
     x = noise.new_zeros(B, C, H, W)
     ctx = model.empty_context(B, like=noise)
-    residuals, sweeps = [], 0
+    residuals, sweeps, converged, window_sweeps = [], 0, True, []
     for r0 in range(0, H, window_rows):
         r1 = min(H, r0 + window_rows)
         win_noise = noise[:, r0:r1]
         win = x[:, :, r0:r1]
-        for _ in range((r1 - r0) * W):
+        bound = (r1 - r0) * W
+        cap = bound if max_iters is None else min(bound, max_iters)
+        k, changed = 0, math.inf
+        while k < cap and changed > tol:
             new = model.draw(model.rows(win, ctx), win_noise)
-            sweeps += 1
+            k += 1
             changed = float((new - win).abs().max())
             residuals.append(changed)
             win = new
-            if changed == 0.0:
-                break
+        sweeps += k
+        window_sweeps.append(k)
+        converged = converged and (k >= bound or changed <= tol)
         x[:, :, r0:r1] = win
         ctx = model.context(win, ctx)
     return _solution("gs_jacobi", x.permute(0, 2, 3, 1), sweeps, sweeps, residuals, start,
+                     converged=converged, throw=throw, tol=tol, max_iters=max_iters,
                      T=H * W, positions=sweeps * window_rows * W, sequential_steps=sweeps,
-                     bound=H * W, block_size=window_rows)
+                     bound=H * W, block_size=window_rows, window_sweeps=window_sweeps)
