@@ -1,6 +1,7 @@
 """Data: the embedded digits and the MNIST IDX reader, including broken files."""
 
 import gzip
+import struct
 
 import numpy as np
 import pytest
@@ -73,3 +74,40 @@ def test_official_mnist_test_set():
     x, y = load_mnist(directory)
     assert x.shape == (10000, 28, 28) and y.shape == (10000,)
     assert y[:5].tolist() == [7, 2, 1, 0, 4]
+
+
+def test_corrupt_deflate_stream_names_the_file(tmp_path):
+    # a valid gzip header (magic, deflate, no flags) followed by an invalid deflate block
+    g = tmp_path / "c-idx3-ubyte.gz"
+    g.write_bytes(b"\x1f\x8b\x08\x00" + struct.pack("<I", 0) + b"\x00\xff" + b"\xff" * 16)
+    with pytest.raises(IDXError, match=r"c-idx3-ubyte.gz: cannot be read as gzip"):
+        read_idx(g)
+
+
+def test_truncated_header(tmp_path):
+    p = tmp_path / "h-idx3-ubyte"
+    p.write_bytes(bytes([0, 0, 0x08, 3]) + (5).to_bytes(4, "big"))
+    with pytest.raises(IDXError, match=r"h-idx3-ubyte: truncated header \(8 bytes, 3 dims\)"):
+        read_idx(p)
+
+
+def test_loader_rejects_bad_contents(tmp_path):
+    _write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.arange(2))
+    imgs = tmp_path / "t10k-images-idx3-ubyte"
+    arr = np.zeros((2, 3, 3), dtype=">i2")
+    imgs.write_bytes(bytes([0, 0, 0x0B, 3]) + b"".join(int(n).to_bytes(4, "big")
+                                                        for n in arr.shape) + arr.tobytes())
+    with pytest.raises(IDXError, match=r"t10k-images-idx3-ubyte: expected uint8 images"):
+        load_mnist(tmp_path)
+    _write_idx(imgs, np.zeros((2, 3, 3)))
+    _write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.array([3, 12]))
+    with pytest.raises(IDXError, match=r"t10k-labels-idx1-ubyte: label 12 out of range 0-9"):
+        load_mnist(tmp_path)
+
+
+def test_no_mnist_directory(monkeypatch):
+    import paraprop.data.mnist as mnist
+
+    monkeypatch.setattr(mnist, "find_mnist_dir", lambda mnist_dir=None: None)
+    with pytest.raises(IDXError, match=r"no MNIST directory: pass mnist_dir, set \$PARAPROP"):
+        load_mnist()

@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 import zuko
-from problems import TOLERANCES
 
 import paraprop
 from paraprop.cli import main
 from paraprop.models import MADE
 from paraprop.sampling import parallel_inverse, sample
+from problems import TOLERANCES
 
 CONDITIONALS = ["logistic", "gaussian", "bernoulli"]
 METHODS = [("jacobi", None), ("jacobi_gs", 5), ("gs_jacobi", 7), ("fixed_passes", None)]
@@ -127,7 +127,8 @@ def test_bad_arguments():
         sample(m, 0)
     with pytest.raises(ValueError, match="unknown conditional='poisson'"):
         MADE(4, (8,), conditional="poisson")
-    with pytest.raises(ValueError, match=r"order must be a permutation of 0..3, got \[0, 0, 1, 2\]"):
+    with pytest.raises(ValueError,
+                       match=r"order must be a permutation of 0..3, got \[0, 0, 1, 2\]"):
         MADE(4, (8,), order=[0, 0, 1, 2])
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match=f"features must be a positive int, got {bad!r}"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     except FileNotFoundError:
         raise IDXError(f"{path}: no such file") from None
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         raise IDXError(f"{path}: cannot be read as {'gzip' if path.suffix == '.gz' else 'IDX'}"
                        f" ({e})") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _DTYPES:
