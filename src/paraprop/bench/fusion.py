@@ -13,8 +13,10 @@ the next call's forward, so in the steady state every call contains as many upda
 Each fused mode also runs with ``overlap=True`` (updates on a background thread); a call of
 ``forward+overlap`` waits for its thread at the end (counted), so no work runs on into the next
 case, and its last step per call is not overlapped: with ``steps`` steps per call the figure is a
-lower bound. A second plain copy (``unfused-again``) in the target configuration shows the noise
-of the measurement: its ratio to ``unfused`` should be 1. After timing, all copies must hold
+lower bound. ``speedup`` and ``saved_of_opt`` are medians over rounds of ratios taken within one
+round (which saw one machine load); ``step_ms`` and the phases are plain medians. A second plain
+copy (``unfused-again``) in the target configuration shows the noise of the measurement: its
+ratio to ``unfused`` should be 1. After timing, all copies must hold
 bitwise the same parameters. Peak memory of one steady-state step is the
 live tensors at its start plus the largest allocation high-water mark the profiler sees during it.
 """
@@ -182,7 +184,7 @@ def measure(model_name, opt_name, impl, batch, res, *, steps, repeats, budget_s,
         tr.run(steps)
     per_round = time.perf_counter() - t0
     if repeats is None:
-        repeats = int(max(5, min(25, budget_s / max(per_round, 1e-9))))
+        repeats = int(max(7, min(25, budget_s / max(per_round, 1e-9))))
     for tr in trainers.values():
         tr.phases.clear()
     cases = {m: (lambda tr=tr: tr.run(steps)) for m, tr in trainers.items()}
@@ -194,6 +196,8 @@ def measure(model_name, opt_name, impl, batch, res, *, steps, repeats, budget_s,
     ref = list(trainers["unfused"].model.parameters())
     rows = []
     base = None
+    first = next(iter(trainers))
+    base_t, base_opt = times[first], [ph[2] for ph in trainers[first].phases]
     for mode, tr in trainers.items():
         same = all(torch.equal(p, q) for p, q in zip(ref, tr.model.parameters(), strict=True))
         fwd, bwd, opt = (median([ph[i] for ph in tr.phases]) * 1e3 for i in range(3))
@@ -205,9 +209,11 @@ def measure(model_name, opt_name, impl, batch, res, *, steps, repeats, budget_s,
             base = row
             row["opt_share"] = opt / (fwd + bwd + opt)
         else:
-            row["speedup"] = base["step_ms"] / total
+            # paired per round (the same round saw the same machine load), median over rounds
+            row["speedup"] = median([b / t for b, t in zip(base_t, times[mode], strict=True)])
             # the unfused optimizer time this mode saves (1.0: the whole optimizer step hidden)
-            row["saved_of_opt"] = (base["step_ms"] - total) / base["optimizer_ms"]
+            row["saved_of_opt"] = median([(b - t) / steps / o for b, t, o in
+                                          zip(base_t, times[mode], base_opt, strict=True)])
         rows.append(row)
     del trainers
     return rows
@@ -247,7 +253,7 @@ def plan(quick: bool) -> dict:
     grid += [("vgg11", 1, "adam", "foreach", ("unfused", "forward+overlap", "backward"))]
     return {"res": 64, "steps": 3, "budget_s": 2.0, "model_kw": {},
             "target": {"model": "mobilenet_v2", "res": 224, "batch": 1, "optimizer": "adam",
-                       "budget_s": 10.0, "steps": 6},
+                       "budget_s": 10.0, "steps": 3},
             "grid": grid,
             "memory": [("mobilenet_v2", 1), ("mobilenet_v2", 32), ("resnet18", 32),
                        ("mlp", 32)]}
