@@ -203,7 +203,9 @@ def test_pixelcnn_argument_and_checkpoint_errors(tmp_path):
     torch.save({"kind": "MADE"}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="other.pt: not a paraprop PixelCNN checkpoint"):
         PixelCNN.load(tmp_path / "other.pt")
-    from paraprop.training.pixelcnn import train_pixelcnn
+    from paraprop.training.pixelcnn import pixel_data, train_pixelcnn
 
+    with pytest.raises(ValueError, match="unknown data='cifar'; choose 'digits' or 'mnist'"):
+        pixel_data("cifar")
     with pytest.raises(ValueError, match="epochs and batch_size must be >= 1, got 0, 64"):
         train_pixelcnn(_model(size=4), torch.zeros(2, 1, 4, 4), epochs=0)

@@ -34,7 +34,8 @@ COLUMNS = ["method", "iterations", "evaluations", "time_ms", "speedup", "max_abs
 
 def trained_made(out_dir: Path, data: str, *, hidden=(512, 512), epochs: int = 20,
                  seed: int = 0) -> tuple[MADE, dict]:
-    """Train (or reuse the checkpoint ``out_dir/made_DATA.pt`` of the same config) a MADE."""
+    """Train (or reuse the checkpoint ``out_dir/made_DATA_HIDDEN_eEPOCHS.pt``, e.g.
+    ``made_digits_512x512_e20.pt``, of the same config) a MADE."""
     path = out_dir / f"made_{data}_{'x'.join(map(str, hidden))}_e{epochs}.pt"
     if path.exists():
         model = MADE.load(path)
@@ -98,17 +99,17 @@ def sampling_rows(model: MADE, n: int, *, repeats: int, seed: int = 0, hybrids: 
     return rows, {"curves": curves, "iterates": iterates, "ref": ref, "oracle": k_oracle}
 
 
-def image_grid(path: Path, ref: torch.Tensor, iterates: list[torch.Tensor], side: int,
-               title: str, n: int = 8) -> Path:
-    """Rows: Jacobi iterates 1, 2, 4, ... and the final one; last row: ancestral samples."""
-    steps = sorted({1, 2, 4, 8, len(iterates)} & set(range(1, len(iterates) + 1)))
-    rows = [(f"Jacobi iter {k}", iterates[k - 1]) for k in steps] + [("ancestral", ref)]
-    fig, axes = plt.subplots(len(rows), n, figsize=(n * 0.9, len(rows) * 0.95))
+def image_rows(path: Path, rows: list[tuple[str, torch.Tensor]], title: str, n: int = 8
+               ) -> Path:
+    """A figure with one labelled row of ``n`` grey images per entry of ``rows``; each entry is
+    ``(label, images)`` with images ``(N, H, W)`` in ``[0, 1]`` (shared by the MADE and PixelCNN
+    suites)."""
+    fig, axes = plt.subplots(len(rows), n, figsize=(n * 0.9, len(rows) * 0.95), squeeze=False)
     for r, (label, x) in enumerate(rows):
         for c in range(n):
             ax = axes[r, c]
-            img = x[c].reshape(side, side).clamp(0, 1).cpu().numpy()
-            ax.imshow(img, cmap="gray", vmin=0, vmax=1)
+            if c < len(x):
+                ax.imshow(x[c].clamp(0, 1).cpu().numpy(), cmap="gray", vmin=0, vmax=1)
             ax.set_xticks([])
             ax.set_yticks([])
         axes[r, 0].set_ylabel(label, rotation=0, ha="right", va="center", fontsize=7)
@@ -117,6 +118,14 @@ def image_grid(path: Path, ref: torch.Tensor, iterates: list[torch.Tensor], side
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def image_grid(path: Path, ref: torch.Tensor, iterates: list[torch.Tensor], side: int,
+               title: str, n: int = 8) -> Path:
+    """Rows: Jacobi iterates 1, 2, 4, ... and the final one; last row: ancestral samples."""
+    steps = sorted({1, 2, 4, 8, len(iterates)} & set(range(1, len(iterates) + 1)))
+    rows = [(f"Jacobi iter {k}", iterates[k - 1]) for k in steps] + [("ancestral", ref)]
+    return image_rows(path, [(label, x.reshape(-1, side, side)) for label, x in rows], title, n)
 
 
 def flow_rows(features: int, n: int, *, repeats: int) -> list[dict]:

@@ -12,18 +12,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+import torch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+from paraprop.bench.harness import interleaved, machine_info, median
+from paraprop.bench.made import image_rows
+from paraprop.bench.report import markdown_table, text_table, write_results
+from paraprop.models import PixelCNN
+from paraprop.sampling import sample
+from paraprop.sampling.pixelcnn import DEFAULT_BLOCK_ROWS, DEFAULT_WINDOW_ROWS
+from paraprop.training.pixelcnn import pixel_data, train_pixelcnn
 
-from paraprop.bench.harness import interleaved, machine_info, median  # noqa: E402
-from paraprop.bench.report import markdown_table, text_table, write_results  # noqa: E402
-from paraprop.models import PixelCNN  # noqa: E402
-from paraprop.sampling import sample  # noqa: E402
-from paraprop.sampling.pixelcnn import DEFAULT_BLOCK_ROWS, DEFAULT_WINDOW_ROWS  # noqa: E402
-from paraprop.training.pixelcnn import pixel_data, train_pixelcnn  # noqa: E402
+SWEEP_REPEATS = 3  # at least this many timed runs per sweep row (after one warm-up run)
 
 DESCRIPTION = "PixelCNN sampling: sequential with/without cache vs Jacobi, GS-Jacobi, Jacobi-GS"
 COLUMNS = ["method", "block_size", "iterations", "evaluations", "time_s", "vs uncached",
@@ -62,7 +61,7 @@ def table(model: PixelCNN, n: int, *, repeats: int, block_rows: int, window_rows
                for k, (m, b) in specs.items()}
     runs = {k: (lambda m=m, b=b: sample(model, n, method=m, noise=noise, block_size=b, tol=0))
             for k, (m, b) in specs.items()}
-    times = interleaved(runs, repeats=repeats, warmup=0, desc=desc)
+    times = interleaved(runs, repeats=repeats, warmup=1, desc=desc)
     ref = results["sequential (no cache)"][0]
     t_unc, t_cac = median(times["sequential (no cache)"]), median(times["sequential (cache)"])
     rows = []
@@ -74,8 +73,10 @@ def table(model: PixelCNN, n: int, *, repeats: int, block_rows: int, window_rows
     return rows, {k: v[0] for k, v in results.items()}
 
 
-def sweep(model: PixelCNN, n: int, sizes: list[int]) -> list[dict]:
-    """Block / window sizes: time (one run each, next to one cached run) and iterations."""
+def sweep(model: PixelCNN, n: int, sizes: list[int], *, repeats: int = SWEEP_REPEATS
+          ) -> list[dict]:
+    """Block / window sizes: time (median of ``repeats`` runs after a warm-up, interleaved with
+    the cached sampler: its ratio comes from the same run) and iterations."""
     noise = model.draw_noise(n, torch.Generator().manual_seed(0))
     rows = []
     for method in ("gs_jacobi", "jacobi_gs"):
@@ -85,29 +86,19 @@ def sweep(model: PixelCNN, n: int, sizes: list[int]) -> list[dict]:
             times = interleaved({
                 "cached": lambda: sample(model, n, method="sequential_cached", noise=noise),
                 method: lambda m=method, b=b: sample(model, n, method=m, noise=noise,
-                                                     block_size=b)},
-                repeats=1, warmup=0, desc=f"{method} {b}")
-            _, sol = sample(model, n, method=method, noise=noise, block_size=b)
+                                                     block_size=b, tol=0)},
+                repeats=repeats, warmup=1, desc=f"{method} {b}")
+            _, sol = sample(model, n, method=method, noise=noise, block_size=b, tol=0)
+            t = median(times[method])
             rows.append({"method": method, "block_size": b, "iterations": sol.iterations,
-                         "evaluations": sol.evaluations, "time_s": times[method][0],
-                         "vs cached": times["cached"][0] / times[method][0]})
+                         "evaluations": sol.evaluations, "time_s": t,
+                         "vs cached": median(times["cached"]) / t})
     return rows
 
 
 def samples_figure(path: Path, images: dict[str, torch.Tensor], title: str, n: int = 8) -> Path:
-    fig, axes = plt.subplots(len(images), n, figsize=(n * 0.9, len(images) * 0.95))
-    for r, (label, x) in enumerate(images.items()):
-        for c in range(min(n, len(x))):
-            ax = axes[r, c]
-            ax.imshow(((x[c, 0] + 1) / 2).cpu().numpy(), cmap="gray", vmin=0, vmax=1)
-            ax.set_xticks([])
-            ax.set_yticks([])
-        axes[r, 0].set_ylabel(label, rotation=0, ha="right", va="center", fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    """One row of samples per sampler (images ``(N, 1, S, S)`` in ``[-1, 1]``)."""
+    return image_rows(path, [(k, (x[:, 0] + 1) / 2) for k, x in images.items()], title, n)
 
 
 def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
@@ -117,7 +108,8 @@ def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> di
                "quick": quick, "defaults": {"jacobi_gs block rows": DEFAULT_BLOCK_ROWS,
                                             "gs_jacobi window rows": DEFAULT_WINDOW_ROWS}}
     sections = []
-    configs = ([("digits", 16, 3, 1, None, [1, 2, 4])] if quick else
+    # quick (CI): a small model on 256 digits, sizes 1 and 2; still every sampler and the sweep
+    configs = ([("digits", 16, 3, 1, 256, [1, 2])] if quick else
                [("mnist", 32, 5, 1, None, [1, 2, 4, 7, 14]), ("digits", 32, 5, 10, None,
                                                                 [1, 2, 4])])
     for data, hidden, layers, epochs, subset, sizes in configs:
@@ -131,7 +123,7 @@ def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> di
                  f"{model.size}x{model.size}, batch 16")
         print(f"\n{title}")
         print(text_table(rows, COLUMNS))
-        sw = sweep(model, 16, sizes)
+        sw = sweep(model, 16, sizes, repeats=max(SWEEP_REPEATS, repeats))
         cols = ["method", "block_size", "iterations", "evaluations", "time_s", "vs cached"]
         print(f"\nblock / window sizes ({data})")
         print(text_table(sw, cols))

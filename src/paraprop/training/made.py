@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from paraprop.data import load_digits, load_mnist
 from paraprop.models import MADE
+from paraprop.training._common import fit, load_images
 
 NAME = "made"
 HELP = "train a MADE (Germain et al. 2015) on digits or MNIST"
@@ -19,14 +17,7 @@ HELP = "train a MADE (Germain et al. 2015) on digits or MNIST"
 def made_data(data: str, conditional: str, *, mnist_dir=None, seed: int = 0) -> torch.Tensor:
     """Flattened training data for a MADE: dequantized pixels (continuous conditionals) or
     binarized pixels (Bernoulli), shape ``(N, D)``."""
-    if data == "digits":
-        images, _ = load_digits()
-        levels = 17
-    elif data == "mnist":
-        images, _ = load_mnist(mnist_dir)
-        levels = 256
-    else:
-        raise ValueError(f"unknown data={data!r}; choose 'digits' or 'mnist'")
+    images, levels = load_images(data, mnist_dir=mnist_dir)
     x = images.reshape(len(images), -1)
     if conditional == "bernoulli":
         return (x > 0.5).float()
@@ -37,27 +28,14 @@ def made_data(data: str, conditional: str, *, mnist_dir=None, seed: int = 0) -> 
 def train_made(model: MADE, x: torch.Tensor, *, epochs: int, batch_size: int = 100,
                lr: float = 1e-3, seed: int = 0, progress: bool = True) -> list[float]:
     """Maximum likelihood with Adam; returns the mean negative log-likelihood per dimension
-    (nats) of every epoch."""
-    if epochs < 1 or batch_size < 1:
-        raise ValueError(f"epochs and batch_size must be >= 1, got {epochs}, {batch_size}")
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    g = torch.Generator().manual_seed(seed)
-    history = []
-    steps = math.ceil(len(x) / batch_size)
-    bar = tqdm(total=epochs * steps, desc="train made", disable=not progress, leave=False)
-    for _ in range(epochs):
-        total = 0.0
-        for idx in torch.randperm(len(x), generator=g).split(batch_size):
-            loss = -model.log_prob(x[idx]).mean() / x.shape[1]
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            total += loss.item() * len(idx)
-            bar.update()
-        history.append(total / len(x))
-        bar.set_postfix(nll=f"{history[-1]:.4f}")
-    bar.close()
-    return history
+    (nats) of every epoch.
+
+    Raises:
+        ValueError: ``epochs`` or ``batch_size`` below 1.
+    """
+    return fit(model, x, lambda xb: -model.log_prob(xb).mean() / x.shape[1], epochs=epochs,
+               batch_size=batch_size, lr=lr, seed=seed, progress=progress, desc="train made",
+               label="nll")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

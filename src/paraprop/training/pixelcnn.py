@@ -7,10 +7,9 @@ import math
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from paraprop.data import load_digits, load_mnist
 from paraprop.models import PixelCNN
+from paraprop.training._common import fit, load_images
 
 NAME = "pixelcnn"
 HELP = "train a gated PixelCNN (discretized logistic mixture) on digits or MNIST"
@@ -18,14 +17,7 @@ HELP = "train a gated PixelCNN (discretized logistic mixture) on digits or MNIST
 
 def pixel_data(data: str, *, mnist_dir=None) -> tuple[torch.Tensor, int]:
     """Images ``(N, 1, S, S)`` on the grid of ``levels`` values in ``[-1, 1]``, and ``levels``."""
-    if data == "digits":
-        images, _ = load_digits()
-        levels = 17
-    elif data == "mnist":
-        images, _ = load_mnist(mnist_dir)
-        levels = 256
-    else:
-        raise ValueError(f"unknown data={data!r}; choose 'digits' or 'mnist'")
+    images, levels = load_images(data, mnist_dir=mnist_dir)
     q = levels - 1
     x = torch.round(images * q) / q * 2 - 1
     return x[:, None], levels
@@ -33,30 +25,15 @@ def pixel_data(data: str, *, mnist_dir=None) -> tuple[torch.Tensor, int]:
 
 def train_pixelcnn(model: PixelCNN, x: torch.Tensor, *, epochs: int, batch_size: int = 64,
                    lr: float = 2e-3, seed: int = 0, progress: bool = True) -> list[float]:
-    """Maximum likelihood with Adam; returns bits per dimension of every epoch."""
-    if epochs < 1 or batch_size < 1:
-        raise ValueError(f"epochs and batch_size must be >= 1, got {epochs}, {batch_size}")
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    g = torch.Generator().manual_seed(seed)
+    """Maximum likelihood with Adam; returns bits per dimension of every epoch.
+
+    Raises:
+        ValueError: ``epochs`` or ``batch_size`` below 1.
+    """
     dims = x[0].numel() * math.log(2)
-    history = []
-    steps = math.ceil(len(x) / batch_size)
-    bar = tqdm(total=epochs * steps, desc="train pixelcnn", disable=not progress, leave=False)
-    model.train()
-    for _ in range(epochs):
-        total = 0.0
-        for idx in torch.randperm(len(x), generator=g).split(batch_size):
-            loss = -model.log_prob(x[idx]).mean() / dims
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            total += loss.item() * len(idx)
-            bar.update()
-        history.append(total / len(x))
-        bar.set_postfix(bpd=f"{history[-1]:.3f}")
-    bar.close()
-    model.eval()
-    return history
+    return fit(model, x, lambda xb: -model.log_prob(xb).mean() / dims, epochs=epochs,
+               batch_size=batch_size, lr=lr, seed=seed, progress=progress,
+               desc="train pixelcnn", label="bpd")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
