@@ -189,6 +189,6 @@ class _MADESampler:
         feats = index if m.natural else m.perm.index_select(0, index)
         rows = torch.cat([feats + j * m.features for j in range(m.k)])
         # only the selected rows of the masked weight (the same products as the full one)
-        w = m.out.weight.index_select(0, rows) * m.out.mask.index_select(0, rows)
+        w = m.out.masked_weight().index_select(0, rows)
         raw = F.linear(m._features(self.to_data(xo)), w, m.out.bias.index_select(0, rows))
         return self._transform(m._params(raw), self.noise.index_select(-1, feats))

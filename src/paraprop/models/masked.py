@@ -30,11 +30,27 @@ def made_masks(features: int, hidden: tuple[int, ...],
 
 
 class MaskedLinear(nn.Linear):
-    """``nn.Linear`` whose weight is multiplied by a fixed 0/1 mask (out, in)."""
+    """``nn.Linear`` whose weight is multiplied by a fixed 0/1 mask (out, in).
+
+    Outside autograd (sampling, evaluation) the masked weight is computed once and reused until
+    the weight or the mask changes (tracked by their version counters and storage), so an
+    iterative sampler does not redo ``weight * mask`` at every network evaluation.
+    """
 
     def __init__(self, in_features: int, out_features: int, mask: torch.Tensor):
         super().__init__(in_features, out_features)
         self.register_buffer("mask", mask)
+        self._cache: tuple | None = None
+
+    def masked_weight(self) -> torch.Tensor:
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return self.weight * self.mask
+        key = (self.weight._version, self.weight.data_ptr(), self.mask._version,
+               self.mask.data_ptr(), self.weight.dtype, self.weight.device)
+        if self._cache is None or self._cache[0] != key:
+            with torch.no_grad():
+                self._cache = (key, self.weight * self.mask)
+        return self._cache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight * self.mask, self.bias)
+        return nn.functional.linear(x, self.masked_weight(), self.bias)

@@ -138,6 +138,6 @@ class MaskedAffineMap(nn.Module):
     def update(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         h = self._hidden(x)
         rows = torch.cat([index, index + self.features])
-        w = self.out.weight.index_select(0, rows) * self.out.mask.index_select(0, rows)
+        w = self.out.masked_weight().index_select(0, rows)
         mu, a = nn.functional.linear(h, w, self.out.bias.index_select(0, rows)).chunk(2, dim=-1)
         return self._affine(mu, a, self.z.index_select(-1, index))
