@@ -101,18 +101,24 @@ def test_bench_suite_quick(tmp_path):
     assert "networks" in bench.suites()
     payload = suite.run(tmp_path, quick=True, repeats=1)
     rows = payload["rows"]
-    # the small DenseNet has a balanced partition besides one state per block; the MLP's states
-    # take alike, so its balanced partition is the same and is not repeated
-    assert [(r["network"], r["variant"]) for r in rows] == [
-        ("small DenseNet", "one state per block"), ("small DenseNet", "balanced"),
-        ("MLP 6x32", "one state per block")]
+    # every network has one state per block; a time-balanced partition is added only when it
+    # merges states (it comes from measured layer times, so which networks get one varies)
+    by_net: dict = {}
+    for r in rows:
+        by_net.setdefault(r["network"], []).append(r)
+    assert list(by_net) == ["small DenseNet", "MLP 6x32"]
+    for net, rs in by_net.items():
+        assert rs[0]["variant"] == "one state per block"
+        assert [r["variant"] for r in rs[1:]] in ([], ["balanced"]), net
+        if len(rs) == 2:
+            assert rs[1]["n_blocks"] < rs[0]["n_blocks"]
     for r in rows:
         assert r["exact"] is True and r["top5@stop"] >= 0
         assert 1 <= r["iterations"] <= r["n_blocks"] <= r["states"]
         assert r["par_ms_est"] > 0 and r["est_speedup"] == pytest.approx(
             r["seq_ms_est"] / r["par_ms_est"])
-    assert rows[1]["n_blocks"] < rows[0]["n_blocks"]
-    assert rows[0]["est_speedup_paper"] is not None and rows[2]["est_speedup_paper"] is None
+    assert by_net["small DenseNet"][0]["est_speedup_paper"] is not None
+    assert by_net["MLP 6x32"][0]["est_speedup_paper"] is None
     for m in payload["measured"]:
         assert m["threaded_iters"] >= 1 and m["measured_speedup"] > 0
     record = json.loads((tmp_path / "networks.json").read_text())
