@@ -2,6 +2,7 @@
 sequential result."""
 
 from paraprop.errors import ConvergenceError, NonFiniteError, NotTriangularError
+from paraprop.recurrence import Recurrence
 from paraprop.solve import Solution, solve
 
 __version__ = "0.1.0"
@@ -10,6 +11,7 @@ __all__ = [
     "ConvergenceError",
     "NonFiniteError",
     "NotTriangularError",
+    "Recurrence",
     "Solution",
     "__version__",
     "solve",

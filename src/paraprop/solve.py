@@ -4,11 +4,15 @@ A computation ``s_t = f_t(s_<t)`` over ``T`` positions is the system ``x = fn(x)
 ``t`` of ``fn(x)`` depends only on positions ``< t`` of ``x`` (Song et al. 2021, "Accelerating
 Feedforward Computation via Parallel Nonlinear Equation Solving", eq. 2). Its unique solution is
 what evaluating the positions one by one produces; Jacobi and the two hybrid solvers reach the
-same solution in fewer parallel steps (Algorithms 1-3, Propositions 1-2).
+same solution in fewer parallel steps (Algorithms 1-3, Propositions 1-2). For Markov recurrences
+(position ``t`` reads position ``t - 1`` only, e.g. :class:`paraprop.Recurrence`) the Newton-type
+methods solve one linear recurrence per iteration instead (DEER, quasi-DEER, ELK; see
+:mod:`paraprop.solvers.newton`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,7 +49,9 @@ class Solution:
         stats: hardware-independent counters and the wall time: ``positions`` (positions
             computed, the work), ``sequential_steps``, ``bound`` (iterations that guarantee the
             exact result), ``sample_iterations`` (per sample, shaped like the batch dims),
-            ``T``, ``block_size``, ``time_s``.
+            ``T``, ``block_size``, ``time_s``; the Newton-type methods add ``jacobian`` (the
+            form used), ``resets`` (diverging steps replaced by the Jacobi update), and for
+            ``"elk"`` ``rejections`` and ``damping``; with a plain ``fn`` also ``jvps``.
     """
 
     value: torch.Tensor
@@ -67,6 +73,7 @@ def solve(
     norm: str = "max",
     max_iters: int | None = None,
     block_size: int | None = None,
+    damping: float | None = None,
     throw: bool = True,
     callback: Callable[[int, torch.Tensor, float], None] | None = None,
 ) -> Solution:
@@ -82,7 +89,14 @@ def solve(
             independent samples, each stopping on its own; dims after ``dim`` are the values of
             one position.
         method: ``"sequential"`` (the reference: ``T`` dependent steps), ``"jacobi"``
-            (Algorithm 1), ``"jacobi_gs"`` (Algorithm 2) or ``"gs_jacobi"`` (Algorithm 3).
+            (Algorithm 1), ``"jacobi_gs"`` (Algorithm 2), ``"gs_jacobi"`` (Algorithm 3), or for
+            Markov recurrences ``"newton"`` (DEER: exact Jacobians), ``"quasi_newton"`` (their
+            diagonals) and ``"elk"`` (damped Newton, Levenberg-Marquardt). The Newton-type
+            methods take the Jacobians ``d fn_t / d x_{t-1}`` from a
+            :class:`paraprop.Recurrence` (analytic for torch RNN/GRU cells), or, for a plain
+            ``fn`` assumed Markov along ``dim``, by one forward-mode product per feature.
+            They stop a sample when its residual ``|fn(x) - x|`` is ``<= tol`` and return
+            ``fn(x)`` for it.
         dim: the autoregressive dim, or consecutive dims taken together in row-major order,
             e.g. ``(-2, -1)`` for pixels in raster order.
         tol: a sample stops when its forward difference is ``<= tol``; ``0`` iterates to a
@@ -91,13 +105,17 @@ def solve(
         norm: ``"max"`` (largest absolute change) or ``"l2"``, per sample.
         max_iters: cap on iterations; ``None`` means the method's exactness bound.
         block_size: block length for ``"jacobi_gs"`` and ``"gs_jacobi"`` (required there).
+        damping: ``"elk"`` only: the initial Levenberg-Marquardt damping ``lambda > 0``
+            (default 1); it then adapts per sample.
         throw: raise :class:`ConvergenceError` if ``max_iters`` ends the solve before
             convergence; with ``False`` the unconverged :class:`Solution` is returned.
         callback: called as ``callback(iteration, value, residual)`` after each iteration;
             ``value`` is the current iterate (do not modify it).
 
     Returns:
-        A :class:`Solution`.
+        A :class:`Solution`. With a :class:`paraprop.Recurrence` whose inputs, ``h0`` or
+        parameters require grad, ``value`` is differentiable (implicit differentiation at the
+        solution, whatever the method); otherwise it carries no graph.
 
     Raises:
         ValueError / TypeError: bad arguments (the message names the argument and value).
@@ -114,7 +132,12 @@ def solve(
         (True, True)
     """
     dims = _validate(fn, x0, method, dim, tol, norm, max_iters, block_size, callback)
-    solver = make_solver(method, block_size)
+    if damping is not None:
+        if method != "elk":
+            raise ValueError(f"damping is only used by method='elk', not method={method!r}")
+        if isinstance(damping, bool) or not isinstance(damping, int | float) or not damping > 0:
+            raise ValueError(f"damping must be a number > 0, got {damping!r}")
+    solver = make_solver(method, block_size, damping)
     system = System(fn, x0.shape, x0.dtype, dims)
     device = x0.device
     state = State(
@@ -127,8 +150,8 @@ def solve(
     residuals: list[float] = []
     iterations = 0
     start = time.perf_counter()
-    solver.init(system, state)
     with torch.no_grad():
+        solver.init(system, state)
         while not state.finished and iterations < cap:
             iterations += 1
             system.iteration = iterations
@@ -154,8 +177,11 @@ def solve(
             "T": system.T,
             "block_size": block_size,
             "time_s": elapsed,
+            **state.extra.get("stats", {}),
         },
     )
+    if getattr(fn, "markov", False) and callable(getattr(fn, "attach", None)):
+        sol = dataclasses.replace(sol, value=fn.attach(sol.value))
     if not sol.converged and throw:
         raise ConvergenceError(
             f"method={method!r} did not converge within max_iters={max_iters} iterations "

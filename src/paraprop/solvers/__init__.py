@@ -7,13 +7,17 @@ Each class has ``bound(system)`` (iterations that guarantee the exact result), `
 from paraprop.solvers.gs_jacobi import GSJacobi
 from paraprop.solvers.jacobi import Jacobi
 from paraprop.solvers.jacobi_gs import JacobiGS
+from paraprop.solvers.newton import Newton
 from paraprop.solvers.sequential import Sequential
 
-METHODS = ("sequential", "jacobi", "jacobi_gs", "gs_jacobi")
+METHODS = ("sequential", "jacobi", "jacobi_gs", "gs_jacobi", "newton", "quasi_newton", "elk")
+NEWTON_METHODS = ("newton", "quasi_newton", "elk")
 
 
-def make_solver(method: str, block_size: int | None = None):
+def make_solver(method: str, block_size: int | None = None, damping: float | None = None):
     """The solver object for ``method`` (arguments already validated by ``solve``)."""
+    if method in NEWTON_METHODS:
+        return Newton(method, damping)
     if method == "sequential":
         return Sequential()
     if method == "jacobi":
@@ -23,4 +27,5 @@ def make_solver(method: str, block_size: int | None = None):
     return GSJacobi(block_size)
 
 
-__all__ = ["METHODS", "GSJacobi", "Jacobi", "JacobiGS", "Sequential", "make_solver"]
+__all__ = ["METHODS", "NEWTON_METHODS", "GSJacobi", "Jacobi", "JacobiGS", "Newton", "Sequential",
+           "make_solver"]

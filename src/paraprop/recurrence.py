@@ -1,0 +1,439 @@
+"""``paraprop.Recurrence``: a Markov recurrence ``s_t = cell(u_t, s_{t-1})`` as a triangular system.
+
+Seen as the system ``x = fn(x)`` of :func:`paraprop.solve` (Song et al. 2021, eq. 2) with
+``fn(x)_t = cell(u_t, x_{t-1})`` and ``x_{-1} = h0``, a recurrent network's forward pass is the
+Markov special case: position ``t`` depends on position ``t - 1`` only. Every method of
+:func:`paraprop.solve` applies to it; the Newton-type methods (``"newton"``, ``"quasi_newton"``,
+``"elk"``, :mod:`paraprop.solvers.newton`) also use its Jacobians ``J_t = d s_t / d s_{t-1}``:
+
+- analytic for :class:`torch.nn.RNNCell` and :class:`torch.nn.GRUCell` (the GRU's in the factored
+  form ``diag(z_t) + [I I I] diag(c_t) W_hh`` of BPPSA, Wang et al. 2020, Appendix E, so no
+  ``T x H x H`` array is formed for Newton), computed together with the cell in one blocked pass;
+- from a ``jacobian(input, hidden)`` method of the cell when it has one (dense ``(N, H, H)``);
+- otherwise by reverse-mode autograd on ``H`` stacked copies of the rows (any differentiable
+  cell; :class:`torch.nn.LSTMCell` runs on the concatenated state ``[h, c]``).
+
+The solution is differentiable: gradients with respect to ``inputs``, ``h0`` and the cell's
+parameters come from implicit differentiation at the solution, one reverse
+:func:`paraprop.scan.linear_recurrence` with ``J_{t+1}^T`` and one batched vector-Jacobian
+product of the cell over all steps, whichever method produced the solution.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import _VF, nn
+
+from paraprop.scan import Factored, linear_recurrence
+
+__all__ = ["Recurrence"]
+
+FORMS = ("dense", "diag", "any")
+# Rows (samples x steps) per block of the fused cell + Jacobian pass on the CPU: the ~20
+# elementwise operations then run on cache-resident blocks instead of streaming the whole array.
+_BLOCK_ROWS = 8192
+
+
+class Recurrence:
+    """The states ``s_t = cell(u_t, s_{t-1})``, ``t = 0 .. T-1``, ``s_{-1} = h0``, as ``fn``.
+
+    Pass it as ``fn`` to :func:`paraprop.solve` with ``x0`` of shape :attr:`shape` (zeros, or a
+    previous solution as a warm start) and ``dim=-2``.
+
+    Arguments:
+        cell: ``cell(input, hidden) -> hidden`` on rows (``(N, I)``, ``(N, H)`` -> ``(N, H)``),
+            in the argument order of :class:`torch.nn.RNNCell`; a torch ``RNNCell``,
+            ``GRUCell`` or ``LSTMCell`` (whose state is ``[h, c]`` concatenated, ``H = 2 *
+            hidden_size``), or any callable. With ``inputs=None`` it is called as
+            ``cell(None, hidden)`` (an autonomous recurrence). An optional
+            ``cell.jacobian(input, hidden)`` returning ``(N, H, H)`` with ``J[n, i, j] =
+            d out_i / d hidden_j`` replaces the autograd Jacobians.
+        inputs: ``(*batch, T, I)``, or ``None`` with ``length`` given.
+        h0: ``(*batch, H)`` initial state; ``None`` for zeros (then ``H`` comes from the cell's
+            ``hidden_size`` or from ``hidden_size``).
+        length: ``T`` when ``inputs`` is ``None``.
+        hidden_size: ``H`` when neither ``h0`` nor the cell tells it.
+        params: tensors the cell uses besides ``cell.parameters()`` (for gradients of a plain
+            function closing over tensors); by default the parameters of an ``nn.Module`` cell.
+
+    Attributes:
+        shape: ``(*batch, T, H)``, the shape of the states (and of ``x0``).
+
+    Example:
+        >>> cell = torch.nn.GRUCell(4, 8)
+        >>> rec = paraprop.Recurrence(cell, torch.randn(16, 1000, 4))
+        >>> sol = paraprop.solve(rec, torch.zeros(rec.shape), method="newton", dim=-2)
+        >>> ref = paraprop.solve(rec, torch.zeros(rec.shape), method="sequential", dim=-2)
+        >>> bool((sol.value - ref.value).abs().max() < 1e-5)
+        True
+    """
+
+    markov = True
+
+    def __init__(self, cell, inputs: torch.Tensor | None = None, h0: torch.Tensor | None = None,
+                 *, length: int | None = None, hidden_size: int | None = None, params=None):
+        if not callable(cell):
+            raise TypeError(f"cell must be callable, got {type(cell).__name__}")
+        for name, t in (("inputs", inputs), ("h0", h0)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if inputs is not None:
+            if inputs.dim() < 2 or inputs.shape[-2] < 1:
+                raise ValueError(f"inputs must have shape (*batch, T, I) with T >= 1, got "
+                                 f"{tuple(inputs.shape)}")
+            if length is not None and length != inputs.shape[-2]:
+                raise ValueError(f"length={length} does not match inputs of shape "
+                                 f"{tuple(inputs.shape)} (T={inputs.shape[-2]})")
+            batch, T = inputs.shape[:-2], inputs.shape[-2]
+            ref = inputs
+        else:
+            if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+                raise ValueError(f"without inputs, length must be a positive int, got {length!r}")
+            if h0 is None:
+                raise ValueError("without inputs, h0 is needed (it gives the batch shape)")
+            batch, T, ref = h0.shape[:-1], length, h0
+        if not ref.is_floating_point():
+            raise TypeError(f"inputs and h0 must be floating point, got {ref.dtype}")
+        self.cell = cell
+        self._adapter = _adapter_for(cell)
+        if inputs is None and not isinstance(self._adapter, _Generic):
+            raise ValueError(f"a torch {type(cell).__name__} needs inputs")
+        H = self._adapter.state_size if self._adapter.state_size is not None else None
+        if h0 is not None:
+            if h0.dim() < 1 or h0.shape[:-1] != batch:
+                raise ValueError(f"h0 must have shape (*batch, H) with batch {tuple(batch)}, "
+                                 f"got {tuple(h0.shape)}")
+            if H is not None and h0.shape[-1] != H:
+                raise ValueError(f"h0 has {h0.shape[-1]} features but the cell's state has {H}")
+            if h0.dtype != ref.dtype or h0.device != ref.device:
+                raise TypeError(f"h0 ({h0.dtype}, {h0.device}) must match inputs "
+                                f"({ref.dtype}, {ref.device})")
+            H = h0.shape[-1]
+        if H is None:
+            H = hidden_size
+        if isinstance(H, bool) or not isinstance(H, int) or H < 1:
+            raise ValueError("the state size is unknown: pass h0 or hidden_size "
+                             f"(got hidden_size={hidden_size!r})")
+        if hidden_size is not None and hidden_size != H:
+            raise ValueError(f"hidden_size={hidden_size} does not match the state size {H}")
+        self.batch_shape, self.T, self.H = torch.Size(batch), T, H
+        self.shape = torch.Size((*batch, T, H))
+        self.dtype, self.device = ref.dtype, ref.device
+        self.B = self.batch_shape.numel()
+        self.inputs = inputs
+        self.h0 = h0
+        self._u = None if inputs is None else inputs.detach().reshape(self.B, T, -1)
+        self._h0 = (torch.zeros(self.B, H, dtype=ref.dtype, device=ref.device) if h0 is None
+                    else h0.detach().reshape(self.B, H))
+        if params is None:
+            params = list(cell.parameters()) if isinstance(cell, nn.Module) else []
+        self.params = [p for p in params if isinstance(p, torch.Tensor)]
+        self._pre = None  # per-step input terms of the analytic cells, computed once
+
+    # -- the triangular system ------------------------------------------------------------
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``fn(x)``: every position at once from the previous states ``x_{t-1}``."""
+        xc = self._canon(x)
+        return self.evaluate_from(xc, 0).reshape(x.shape)
+
+    def update(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Positions ``index`` of ``fn(x)``, ``(*batch, len(index), H)`` (the sequential path)."""
+        xc = self._canon(x)
+        idx = index.to(xc.device)
+        prev = torch.cat([self._h0[:, None], xc], 1).index_select(1, idx)
+        y = self._adapter.rows(self._inputs_at(idx), prev.reshape(-1, self.H), self)
+        return y.reshape(*self.batch_shape, idx.numel(), self.H)
+
+    def evaluate_from(self, xc: torch.Tensor, lo: int) -> torch.Tensor:
+        """``fn(x)`` at positions ``[lo, T)`` from canonical ``xc`` ``(B, T, H)``."""
+        return self.linearize(xc, lo, None)[0]
+
+    def linearize(self, xc: torch.Tensor, lo: int, form: str | None):
+        """``fn(x)`` at positions ``[lo, T)`` and, unless ``form`` is ``None``, the Jacobians
+        ``J_t = d fn_t / d x_{t-1}`` there: ``"dense"`` ``(B, n, H, H)``, ``"diag"`` (their
+        diagonals, ``(B, n, H)``) or ``"any"`` (the cheapest exact form: a
+        :class:`paraprop.scan.Factored` for the analytic cells, dense otherwise)."""
+        prev = self._previous(xc, lo)
+        return self._adapter.linearize(self, prev, lo, form)
+
+    def zeros(self) -> torch.Tensor:
+        """An initial guess of zeros, shaped like the states."""
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+    # -- helpers --------------------------------------------------------------------------
+    def _canon(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape) != tuple(self.shape):
+            raise ValueError(f"Recurrence: states must have shape {tuple(self.shape)} "
+                             f"(*batch, T, H), got {tuple(x.shape)}")
+        return x.reshape(self.B, self.T, self.H)
+
+    def _previous(self, xc: torch.Tensor, lo: int) -> torch.Tensor:
+        """``x_{t-1}`` for ``t`` in ``[lo, T)``, ``(B, T - lo, H)``."""
+        if lo == 0:
+            return torch.cat([self._h0[:, None], xc[:, :-1]], 1)
+        return xc[:, lo - 1:-1]
+
+    def _inputs_at(self, idx) -> torch.Tensor | None:
+        if self._u is None:
+            return None
+        return self._u.index_select(1, idx).reshape(-1, self._u.shape[-1])
+
+    def _inputs_from(self, lo: int) -> torch.Tensor | None:
+        if self._u is None:
+            return None
+        return self._u[:, lo:].reshape(-1, self._u.shape[-1])
+
+    def attach(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (the solution) made differentiable with respect to ``inputs``, ``h0`` and
+        the parameters by implicit differentiation; ``value`` itself when nothing needs a
+        gradient or grad mode is off."""
+        leaves = [t for t in (self.inputs, self.h0, *self.params) if t is not None]
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in leaves):
+            return value
+        inputs = self.inputs if self.inputs is not None else value.new_empty(0)
+        h0 = self.h0 if self.h0 is not None else value.new_empty(0)
+        return _Implicit.apply(self, value.detach(), inputs, h0, *self.params)
+
+
+class _Implicit(torch.autograd.Function):
+    """Gradients of the solution ``s`` of ``s_t = f(u_t, s_{t-1}; theta)`` at the solution.
+
+    With ``G_t = dL/ds_t`` (direct), the total ``lambda_t = dL/ds_t`` obeys the reverse linear
+    recurrence ``lambda_t = G_t + J_{t+1}^T lambda_{t+1}``; then ``dL/dtheta = sum_t lambda_t^T
+    df_t/dtheta``, ``dL/du_t = lambda_t^T df_t/du_t`` and ``dL/dh0 = J_0^T lambda_0`` come from
+    one batched vector-Jacobian product of the cell over all steps.
+    """
+
+    @staticmethod
+    def forward(ctx, rec, value, inputs, h0, *params):
+        ctx.rec = rec
+        ctx.save_for_backward(value)
+        return value.clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, G):
+        rec = ctx.rec
+        (value,) = ctx.saved_tensors
+        B, T, H = rec.B, rec.T, rec.H
+        xc = value.reshape(B, T, H)
+        g = G.reshape(B, T, H)
+        lam = torch.empty_like(g)
+        lam[:, -1] = g[:, -1]
+        if T > 1:
+            _, J = rec.linearize(xc, 1, "any")          # J_t for t = 1 .. T-1
+            lam[:, :-1] = linear_recurrence(_transpose(J), g[:, :-1], g[:, -1], reverse=True)
+        need = ctx.needs_input_grad
+        prev = rec._previous(xc, 0).reshape(-1, H).detach().requires_grad_(True)
+        u = rec._inputs_from(0)
+        wrt = [prev]
+        if u is not None and need[2]:
+            u = u.detach().requires_grad_(True)
+            wrt.append(u)
+        params = [p for p, n in zip(rec.params, need[4:], strict=True) if n]
+        with torch.enable_grad():
+            y = rec._adapter.rows(u, prev, rec)
+            grads = torch.autograd.grad(y, [*wrt, *params], lam.reshape(-1, H),
+                                        allow_unused=True)
+        g_prev = grads[0].reshape(B, T, H)
+        g_u = grads[1].reshape(rec.inputs.shape) if len(wrt) > 1 else None
+        pit = iter(grads[len(wrt):])
+        g_params = [next(pit) if n else None for n in need[4:]]
+        g_h0 = g_prev[:, 0].reshape(rec.h0.shape) if need[3] else None
+        return (None, None, g_u, g_h0, *g_params)
+
+
+def _transpose(J):
+    """``J_t^T`` for every step, in the form of ``J``."""
+    if isinstance(J, Factored):   # (diag(d) + L diag(s) R)^T = diag(d) + R^T diag(s) L^T
+        return Factored(scale=J.scale, diag=J.diag,
+                        left=None if J.right is None else J.right.t(),
+                        right=None if J.left is None else J.left.t())
+    return J.transpose(-1, -2)
+
+
+# -- cells ------------------------------------------------------------------------------------
+def _adapter_for(cell):
+    if isinstance(cell, nn.GRUCell):
+        return _GRUCell(cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
+    if isinstance(cell, nn.RNNCell):
+        return _RNNCell(cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh,
+                        cell.nonlinearity)
+    if isinstance(cell, nn.LSTMCell):
+        return _Generic(_LSTMRows(cell), 2 * cell.hidden_size)
+    return _Generic(cell, getattr(cell, "hidden_size", None)
+                    if not isinstance(getattr(cell, "hidden_size", None), bool) else None)
+
+
+class _LSTMRows:
+    """An ``nn.LSTMCell`` on the concatenated state ``[h, c]``."""
+
+    def __init__(self, cell: nn.LSTMCell):
+        self.cell = cell
+        self.jacobian = None
+
+    def __call__(self, u, s):
+        h, c = s.chunk(2, dim=-1)
+        h2, c2 = self.cell(u, (h.contiguous(), c.contiguous()))
+        return torch.cat([h2, c2], -1)
+
+
+class _Generic:
+    """Any cell: values by calling it, Jacobians from ``cell.jacobian`` or autograd."""
+
+    def __init__(self, cell, state_size):
+        self.cell, self.state_size = cell, state_size
+
+    def rows(self, u, h, rec):
+        y = self.cell(u, h)
+        if not isinstance(y, torch.Tensor) or y.shape != h.shape:
+            raise ValueError(f"cell(input, hidden) must return a tensor shaped like hidden "
+                             f"{tuple(h.shape)}, got "
+                             f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y)}")
+        return y
+
+    def linearize(self, rec, prev, lo, form):
+        B, n, H = prev.shape
+        u = rec._inputs_from(lo)
+        h = prev.reshape(-1, H)
+        y = self.rows(u, h, rec).reshape(B, n, H)
+        if form is None:
+            return y, None
+        jac = getattr(self.cell, "jacobian", None)
+        if callable(jac):
+            J = jac(u, h)
+            if not isinstance(J, torch.Tensor) or tuple(J.shape) != (h.shape[0], H, H):
+                raise ValueError(f"cell.jacobian(input, hidden) must return ({h.shape[0]}, {H}, "
+                                 f"{H}), got {getattr(J, 'shape', type(J))}")
+        else:
+            J = _autograd_jacobian(lambda hh, uu: self.cell(uu, hh), h, u)
+        J = J.reshape(B, n, H, H)
+        return y, (J.diagonal(dim1=-2, dim2=-1) if form == "diag" else J)
+
+
+def _autograd_jacobian(f, h, u):
+    """``J[n] = d f(h_n, u_n) / d h_n`` by one batched backward over ``H`` copies of the rows."""
+    N, H = h.shape
+    hr = h.detach().repeat(H, 1).requires_grad_(True)
+    ur = None if u is None else u.detach().repeat(H, 1)
+    eye = torch.eye(H, dtype=h.dtype, device=h.device)
+    with torch.enable_grad():
+        y = f(hr, ur)
+        (g,) = torch.autograd.grad(y, hr, eye[:, None, :].expand(H, N, H).reshape(H * N, H))
+    return g.reshape(H, N, H).transpose(0, 1)          # [n, i, j] = d y_i / d h_j
+
+
+class _RNNCell:
+    """``h' = act(W_ih u + b_ih + W_hh h + b_hh)``: ``J = diag(act') W_hh``."""
+
+    def __init__(self, w_ih, w_hh, b_ih, b_hh, nonlinearity):
+        self.w_ih, self.w_hh, self.b_ih, self.b_hh = w_ih, w_hh, b_ih, b_hh
+        self.tanh = nonlinearity == "tanh"
+        self.state_size = w_hh.shape[0]
+
+    def rows(self, u, h, rec):
+        run = _VF.rnn_tanh_cell if self.tanh else _VF.rnn_relu_cell
+        return run(u, h, self.w_ih, self.w_hh, self.b_ih, self.b_hh)
+
+    def linearize(self, rec, prev, lo, form):
+        with torch.no_grad():
+            pre = _precompute(rec, lambda u: F.linear(u, self.w_ih, self.b_ih))
+            z = F.linear(prev, self.w_hh, self.b_hh).add_(pre[:, lo:])
+            y = torch.tanh(z) if self.tanh else torch.relu(z)
+            if form is None:
+                return y, None
+            slope = (1 - y * y) if self.tanh else (z > 0).to(y.dtype)
+            if form == "diag":
+                return y, slope * self.w_hh.diagonal()
+            J = Factored(scale=slope, right=self.w_hh)   # diag(slope) W_hh, K = H
+            return y, (J if form == "any" else _dense(J))
+
+
+class _GRUCell:
+    """torch's GRU cell; ``J = diag(z) + [I I I] diag(c) W_hh`` (BPPSA Appendix E, transposed):
+    ``c = [dn * gh_n * r(1-r); (h - n) z(1-z); dn * r]`` with ``dn = (1-z)(1-n^2)``."""
+
+    def __init__(self, w_ih, w_hh, b_ih, b_hh):
+        self.w_ih, self.w_hh, self.b_ih, self.b_hh = w_ih, w_hh, b_ih, b_hh
+        self.state_size = w_hh.shape[1]
+
+    def rows(self, u, h, rec):
+        return _VF.gru_cell(u, h, self.w_ih, self.w_hh, self.b_ih, self.b_hh)
+
+    def linearize(self, rec, prev, lo, form):
+        with torch.no_grad():
+            pre = _precompute(rec, lambda u: F.linear(u, self.w_ih, self.b_ih))
+            return gru_linearize(pre[:, lo:], prev, self.w_hh, self.b_hh, form)
+
+
+def gru_linearize(gi, prev, w_hh, b_hh, form):
+    """GRU states ``y = cell(prev)`` and their Jacobians in ``form`` from the input terms
+    ``gi = W_ih u + b_ih`` ``(B, n, 3H)`` and the previous states ``prev`` ``(B, n, H)``."""
+    B, n, H = prev.shape
+    N = B * n
+    gi2, hp = gi.reshape(N, 3 * H), prev.reshape(N, H)
+    y = prev.new_empty(N, H)
+    z = s = a = None
+    if form is not None:
+        if form == "diag":
+            a = prev.new_empty(N, H)
+            wd = w_hh.reshape(3, H, H).diagonal(dim1=-2, dim2=-1)      # (3, H) diag of blocks
+        else:
+            z, s = prev.new_empty(N, H), prev.new_empty(N, 3 * H)
+    wt = w_hh.t()
+    step = N if prev.device.type != "cpu" else _BLOCK_ROWS
+    for r0 in range(0, N, step):
+        blk = slice(r0, min(N, r0 + step))
+        h = hp[blk]
+        g = gi2[blk]
+        gh = torch.addmm(b_hh, h, wt) if b_hh is not None else h @ wt
+        rz = g[:, :2 * H].add(gh[:, :2 * H]).sigmoid_()
+        r, zb = rz[:, :H], rz[:, H:]
+        ghn = gh[:, 2 * H:]
+        nn_ = torch.addcmul(g[:, 2 * H:], r, ghn).tanh_()
+        d = torch.sub(h, nn_)
+        torch.addcmul(nn_, zb, d, out=y[blk])
+        if form is None:
+            continue
+        omz = torch.rsub(zb, 1)
+        dn = torch.mul(nn_, nn_).neg_().add_(1).mul_(omz)
+        if form == "diag":   # z + sum over the three blocks of c_k * diag(W_hh block k)
+            cn = dn.mul_(r)
+            cr = torch.mul(cn, ghn).mul_(torch.rsub(r, 1))
+            cz = d.mul_(zb).mul_(omz)
+            ab = a[blk]
+            torch.addcmul(zb, cr, wd[0], out=ab).addcmul_(cz, wd[1]).addcmul_(cn, wd[2])
+            continue
+        z[blk] = zb
+        sb = s[blk]
+        torch.mul(dn, r, out=sb[:, 2 * H:])
+        torch.mul(sb[:, 2 * H:], ghn, out=sb[:, :H]).mul_(torch.rsub(r, 1))
+        torch.mul(d, zb, out=sb[:, H:2 * H]).mul_(omz)
+    y = y.reshape(B, n, H)
+    if form is None:
+        return y, None
+    if form == "diag":
+        return y, a.reshape(B, n, H)
+    J = Factored(scale=s.reshape(B, n, 3 * H), right=w_hh, diag=z.reshape(B, n, H))
+    return y, (J if form == "any" else _dense(J))
+
+
+def _dense(J: Factored) -> torch.Tensor:
+    """``diag(d) + L diag(s) R`` as ``(B, n, H, H)`` (L = None: identity blocks side by side)."""
+    s, R = J.scale, J.right
+    K, H = R.shape
+    if J.left is None:
+        out = (s.unflatten(-1, (K // H, H)).unsqueeze(-1) * R.reshape(K // H, H, H)).sum(-3)
+    else:
+        out = torch.einsum("hk,bnk,kj->bnhj", J.left, s, R)
+    if J.diag is not None:
+        out = out + torch.diag_embed(J.diag)
+    return out
+
+
+def _precompute(rec: Recurrence, fn):
+    """The per-step input terms ``fn(u)`` ``(B, T, .)``, computed once per Recurrence."""
+    if rec._pre is None:
+        rec._pre = fn(rec._u)
+    return rec._pre
