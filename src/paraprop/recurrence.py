@@ -369,31 +369,29 @@ class _GRUCell:
 
 def gru_linearize(gi, prev, w_hh, b_hh, form):
     """GRU states ``y = cell(prev)`` and their Jacobians in ``form`` from the input terms
-    ``gi = W_ih u + b_ih`` ``(B, n, 3H)`` and the previous states ``prev`` ``(B, n, H)``."""
+    ``gi = W_ih u + b_ih`` ``(B, n, 3H)`` and the previous states ``prev`` ``(B, n, H)`` (both
+    may be strided views; they are read block by block along time, never copied whole)."""
     B, n, H = prev.shape
-    N = B * n
-    gi2, hp = gi.reshape(N, 3 * H), prev.reshape(N, H)
-    y = prev.new_empty(N, H)
+    y = prev.new_empty(B, n, H)
     z = s = a = None
     if form is not None:
         if form == "diag":
-            a = prev.new_empty(N, H)
+            a = prev.new_empty(B, n, H)
             wd = w_hh.reshape(3, H, H).diagonal(dim1=-2, dim2=-1)      # (3, H) diag of blocks
         else:
-            z, s = prev.new_empty(N, H), prev.new_empty(N, 3 * H)
-    wt = w_hh.t()
-    step = N if prev.device.type != "cpu" else _BLOCK_ROWS
-    for r0 in range(0, N, step):
-        blk = slice(r0, min(N, r0 + step))
-        h = hp[blk]
-        g = gi2[blk]
-        gh = torch.addmm(b_hh, h, wt) if b_hh is not None else h @ wt
-        rz = g[:, :2 * H].add(gh[:, :2 * H]).sigmoid_()
-        r, zb = rz[:, :H], rz[:, H:]
-        ghn = gh[:, 2 * H:]
-        nn_ = torch.addcmul(g[:, 2 * H:], r, ghn).tanh_()
+            z, s = prev.new_empty(B, n, H), prev.new_empty(B, n, 3 * H)
+    step = n if prev.device.type != "cpu" else max(1, _BLOCK_ROWS // B)
+    for t0 in range(0, n, step):
+        blk = slice(t0, min(n, t0 + step))
+        h = prev[:, blk]
+        g = gi[:, blk]
+        gh = F.linear(h, w_hh, b_hh)
+        rz = g[..., :2 * H].add(gh[..., :2 * H]).sigmoid_()
+        r, zb = rz[..., :H], rz[..., H:]
+        ghn = gh[..., 2 * H:]
+        nn_ = torch.addcmul(g[..., 2 * H:], r, ghn).tanh_()
         d = torch.sub(h, nn_)
-        torch.addcmul(nn_, zb, d, out=y[blk])
+        torch.addcmul(nn_, zb, d, out=y[:, blk])
         if form is None:
             continue
         omz = torch.rsub(zb, 1)
@@ -402,20 +400,18 @@ def gru_linearize(gi, prev, w_hh, b_hh, form):
             cn = dn.mul_(r)
             cr = torch.mul(cn, ghn).mul_(torch.rsub(r, 1))
             cz = d.mul_(zb).mul_(omz)
-            ab = a[blk]
-            torch.addcmul(zb, cr, wd[0], out=ab).addcmul_(cz, wd[1]).addcmul_(cn, wd[2])
+            torch.addcmul(zb, cr, wd[0], out=a[:, blk]).addcmul_(cz, wd[1]).addcmul_(cn, wd[2])
             continue
-        z[blk] = zb
-        sb = s[blk]
-        torch.mul(dn, r, out=sb[:, 2 * H:])
-        torch.mul(sb[:, 2 * H:], ghn, out=sb[:, :H]).mul_(torch.rsub(r, 1))
-        torch.mul(d, zb, out=sb[:, H:2 * H]).mul_(omz)
-    y = y.reshape(B, n, H)
+        z[:, blk] = zb
+        sb = s[:, blk]
+        torch.mul(dn, r, out=sb[..., 2 * H:])
+        torch.mul(sb[..., 2 * H:], ghn, out=sb[..., :H]).mul_(torch.rsub(r, 1))
+        torch.mul(d, zb, out=sb[..., H:2 * H]).mul_(omz)
     if form is None:
         return y, None
     if form == "diag":
-        return y, a.reshape(B, n, H)
-    J = Factored(scale=s.reshape(B, n, 3 * H), right=w_hh, diag=z.reshape(B, n, H))
+        return y, a
+    J = Factored(scale=s, right=w_hh, diag=z)
     return y, (J if form == "any" else _dense(J))
 
 

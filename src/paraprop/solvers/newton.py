@@ -88,14 +88,17 @@ class Newton:
             if self.name == "elk":
                 trial = self._elk(ex, x, y, r, J, lo)
             else:
-                trial = seg + linear_recurrence(J, r)
-            bad = ~torch.isfinite(trial).flatten(1).all(1) & cont
+                trial = linear_recurrence(J, r).add_(seg)
+            bad = _non_finite_rows(trial) & cont
             if bool(bad.any()):     # a diverging step: the Jacobi update keeps the guarantees
                 ex["stats"]["resets"] += int(bad.sum())
                 trial = torch.where(bad[:, None, None], y, trial)
             trial[:, 0] = y[:, 0]   # exact: computed from the exact prefix
-            seg.copy_(torch.where(cont[:, None, None], trial, torch.where(done[:, None, None],
-                                                                          y, seg)))
+            if bool(cont.all()):
+                seg.copy_(trial)
+            else:
+                seg.copy_(torch.where(cont[:, None, None], trial,
+                                      torch.where(done[:, None, None], y, seg)))
         elif bool(done.any()):
             seg.copy_(torch.where(done[:, None, None], y, seg))
         state.active = cont
@@ -128,6 +131,14 @@ class Newton:
         acc["lo"] = lo
         ex["acc"], ex["lam"] = acc, lam
         return acc["x"] + _lm_step(acc["J"], acc["r"], lam.to(r.dtype))
+
+
+def _non_finite_rows(t: torch.Tensor) -> torch.Tensor:
+    """``(B,)``: samples of ``t`` ``(B, n, F)`` holding NaN or inf (one reduction when none do)."""
+    sums = t.sum(dim=(1, 2))
+    if bool(torch.isfinite(sums).all()):
+        return torch.zeros_like(sums, dtype=torch.bool)
+    return ~torch.isfinite(t).flatten(1).all(1)
 
 
 def _lm_step(J: torch.Tensor, r: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
