@@ -127,7 +127,7 @@ class Recurrence:
         self._h0 = (torch.zeros(self.B, H, dtype=ref.dtype, device=ref.device) if h0 is None
                     else h0.detach().reshape(self.B, H))
         if params is None:
-            params = list(cell.parameters()) if isinstance(cell, nn.Module) else []
+            params = list(cell.parameters()) if isinstance(cell, nn.Module | _Analytic) else []
         self.params = [p for p in params if isinstance(p, torch.Tensor)]
         self._pre = None  # per-step input terms of the analytic cells, computed once
 
@@ -255,6 +255,8 @@ def _transpose(J):
 
 # -- cells ------------------------------------------------------------------------------------
 def _adapter_for(cell):
+    if isinstance(cell, _RNNCell | _GRUCell):   # weights handed over by paraprop.nn
+        return cell
     if isinstance(cell, nn.GRUCell):
         return _GRUCell(cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
     if isinstance(cell, nn.RNNCell):
@@ -324,7 +326,17 @@ def _autograd_jacobian(f, h, u):
     return g.reshape(H, N, H).transpose(0, 1)          # [n, i, j] = d y_i / d h_j
 
 
-class _RNNCell:
+class _Analytic:
+    """Cells with analytic Jacobians; callable like a torch cell."""
+
+    def __call__(self, u, h):
+        return self.rows(u, h, None)
+
+    def parameters(self):
+        return [t for t in (self.w_ih, self.w_hh, self.b_ih, self.b_hh) if t is not None]
+
+
+class _RNNCell(_Analytic):
     """``h' = act(W_ih u + b_ih + W_hh h + b_hh)``: ``J = diag(act') W_hh``."""
 
     def __init__(self, w_ih, w_hh, b_ih, b_hh, nonlinearity):
@@ -350,7 +362,7 @@ class _RNNCell:
             return y, (J if form == "any" else _dense(J))
 
 
-class _GRUCell:
+class _GRUCell(_Analytic):
     """torch's GRU cell; ``J = diag(z) + [I I I] diag(c) W_hh`` (BPPSA Appendix E, transposed):
     ``c = [dn * gh_n * r(1-r); (h - n) z(1-z); dn * r]`` with ``dn = (1-z)(1-n^2)``."""
 

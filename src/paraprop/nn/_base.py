@@ -6,10 +6,12 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 BACKWARDS = ("scan", "jacobi", "autograd")
+FORWARDS = ("sequential", "newton", "quasi_newton", "elk", "jacobi")
 
 
 def check_options(cls_name: str, *, dropout, bidirectional, proj_size, backward, jacobi_iters,
-                  jacobi_tol, scan_algorithm) -> None:
+                  jacobi_tol, scan_algorithm, forward="sequential", forward_tol=1e-6,
+                  forward_max_iters=None, damping=None) -> None:
     """Reject what the scan backward does not implement, and bad values of the extra options."""
     from paraprop.scan import ALGORITHMS
 
@@ -39,6 +41,41 @@ def check_options(cls_name: str, *, dropout, bidirectional, proj_size, backward,
     if scan_algorithm not in ALGORITHMS:
         raise ValueError(f"unknown scan_algorithm={scan_algorithm!r}; choose one of "
                          f"{', '.join(ALGORITHMS)}")
+    if forward not in FORWARDS:
+        raise ValueError(f"unknown forward={forward!r}; choose one of {', '.join(FORWARDS)}")
+    if forward != "sequential" and backward == "autograd":
+        raise ValueError(f"forward={forward!r} differentiates implicitly at the solution, with "
+                         "backward='scan' or 'jacobi'; backward='autograd' needs "
+                         "forward='sequential'")
+    if isinstance(forward_tol, bool) or not isinstance(forward_tol, int | float) \
+            or not forward_tol >= 0:
+        raise ValueError(f"forward_tol must be a number >= 0, got {forward_tol!r}")
+    if forward_max_iters is not None and (isinstance(forward_max_iters, bool) or not isinstance(
+            forward_max_iters, int) or forward_max_iters < 1):
+        raise ValueError(f"forward_max_iters must be a positive int or None, got "
+                         f"{forward_max_iters!r}")
+    if damping is not None and forward != "elk":
+        raise ValueError(f"damping is only used with forward='elk', not forward={forward!r}")
+    if damping is not None and (isinstance(damping, bool) or not isinstance(damping, int | float)
+                                or not damping > 0):
+        raise ValueError(f"damping must be a number > 0, got {damping!r}")
+
+
+def solve_layer(cfg: dict, adapter, x: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+    """One layer's outputs ``(T, B, H)`` for time-major inputs ``x`` by ``cfg["forward"]``:
+    :func:`paraprop.solve` on the layer's :class:`paraprop.Recurrence` (no graph)."""
+    from paraprop.recurrence import Recurrence
+    from paraprop.solve import solve
+
+    rec = Recurrence(adapter, x.transpose(0, 1), h0)
+    sol = solve(rec, rec.zeros(), method=cfg["forward"], dim=-2, tol=cfg["forward_tol"],
+                max_iters=cfg["forward_max_iters"], damping=cfg["damping"])
+    st = sol.stats
+    cfg["forward_stats"].setdefault("iterations", []).append(sol.iterations)
+    cfg["forward_stats"].setdefault("residual", []).append(
+        float(sol.residuals[-1]) if len(sol.residuals) else 0.0)
+    cfg["forward_stats"].setdefault("resets", []).append(st.get("resets", 0))
+    return sol.value.transpose(0, 1)
 
 
 class ScanBackwardMixin:
@@ -67,7 +104,7 @@ class ScanBackwardMixin:
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or (hx is not None and hx.requires_grad)
             or any(w.requires_grad for w in weights))
-        if self.backward == "autograd" or not needs_grad:
+        if self.forward_method == "sequential" and (self.backward == "autograd" or not needs_grad):
             return super().forward(input, hx)
         if input.dim() not in (2, 3):
             raise ValueError(f"{type(self).__name__}: expected input to be 2D or 3D, got "
@@ -98,14 +135,31 @@ class ScanBackwardMixin:
                             f"{weights[0].dtype}")
         cfg = {"mode": self.mode, "layers": self.num_layers, "bias": self.bias,
                "backward": self.backward, "iters": self.jacobi_iters, "tol": self.jacobi_tol,
-               "algorithm": self.scan_algorithm, "stats": self.backward_stats}
-        out, hn = self._function.apply(cfg, x, h0, *weights)
+               "algorithm": self.scan_algorithm, "stats": self.backward_stats,
+               "forward": self.forward_method, "forward_tol": self.forward_tol,
+               "forward_max_iters": self.forward_max_iters, "damping": self.damping,
+               "forward_stats": self.forward_stats}
+        self.forward_stats.clear()
+        if needs_grad:
+            out, hn = self._function.apply(cfg, x, h0, *weights)
+        else:
+            with torch.no_grad():
+                out, hn, _ = self._function.layers(cfg, x, h0, weights, save=False)
         if not batched:
             return out.squeeze(1), hn.squeeze(1)
         return (out.transpose(0, 1) if self.batch_first else out), hn
 
+    def _init_forward(self, forward, forward_tol, forward_max_iters, damping) -> None:
+        self.forward_method = forward
+        self.forward_tol = forward_tol
+        self.forward_max_iters = forward_max_iters
+        self.damping = damping
+        self.forward_stats: dict = {}
+
     def extra_repr(self) -> str:
         s = super().extra_repr() + f", backward={self.backward!r}"
+        if self.forward_method != "sequential":
+            s += f", forward={self.forward_method!r}, forward_tol={self.forward_tol}"
         if self.backward == "jacobi":
             s += f", jacobi_iters={self.jacobi_iters}, jacobi_tol={self.jacobi_tol}"
         if self.scan_algorithm != "auto":

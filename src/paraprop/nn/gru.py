@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import _VF
 
-from paraprop.nn._base import ScanBackwardMixin, check_options
+from paraprop.nn._base import ScanBackwardMixin, check_options, solve_layer
 from paraprop.nn.rnn import solve_hidden
+from paraprop.recurrence import _GRUCell
 from paraprop.scan import Factored
 
 # Rows (time steps x batch) per block of the gate recomputation on the CPU: the ~20
@@ -71,22 +72,35 @@ class GRUScanFunction(torch.autograd.Function):
     """Forward: torch's fused GRU per layer, then the gates of all steps in a few batched ops."""
 
     @staticmethod
-    def forward(ctx, cfg, x, h0, *weights):
+    def layers(cfg, x, h0, weights, save: bool):
+        """Every layer's outputs (torch's fused kernel, or ``cfg["forward"]`` by
+        :func:`paraprop.solve`), the last states and, with ``save``, what backward needs."""
         per = 4 if cfg["bias"] else 2
         saved, last = [], []
         layer_in = x
         for k in range(cfg["layers"]):
             w = list(weights[k * per:(k + 1) * per])
-            out, hn = _VF.gru(layer_in, h0[k:k + 1], w, cfg["bias"], 1, 0.0, False, False, False)
-            hprev = torch.cat([h0[k:k + 1], out[:-1]], 0)
             b_ih, b_hh = (w[2], w[3]) if cfg["bias"] else (None, None)
-            z, s, dn = jacobian_factors(layer_in, hprev, w[0], w[1], b_ih, b_hh)
-            saved += [layer_in, hprev, z, s, dn]
+            if cfg["forward"] == "sequential":
+                out, hn = _VF.gru(layer_in, h0[k:k + 1], w, cfg["bias"], 1, 0.0, False, False,
+                                  False)
+            else:
+                out = solve_layer(cfg, _GRUCell(w[0], w[1], b_ih, b_hh), layer_in, h0[k])
+                hn = out[-1:]
+            if save:
+                hprev = torch.cat([h0[k:k + 1], out[:-1]], 0)
+                z, s, dn = jacobian_factors(layer_in, hprev, w[0], w[1], b_ih, b_hh)
+                saved += [layer_in, hprev, z, s, dn]
             last.append(hn)
             layer_in = out
+        return layer_in, torch.cat(last, 0), saved
+
+    @staticmethod
+    def forward(ctx, cfg, x, h0, *weights):
+        out, hn, saved = GRUScanFunction.layers(cfg, x, h0, weights, True)
         ctx.cfg = cfg
         ctx.save_for_backward(*weights, *saved)
-        return layer_in, torch.cat(last, 0)
+        return out, hn
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -136,7 +150,8 @@ class GRUScanFunction(torch.autograd.Function):
 
 
 class GRU(ScanBackwardMixin, torch.nn.GRU):
-    """torch.nn.GRU with back-propagation through time as one linear recurrence per layer.
+    """torch.nn.GRU with back-propagation through time as one linear recurrence per layer, and
+    optionally a forward pass parallel over time (``forward="newton"`` and others).
 
     Same constructor arguments, parameters, state dict and outputs as :class:`torch.nn.GRU`
     (the forward pass is torch's own kernel, followed by a batched recomputation of the gates to
@@ -147,12 +162,15 @@ class GRU(ScanBackwardMixin, torch.nn.GRU):
             :class:`torch.nn.GRU`.
         dropout, bidirectional, proj_size: only the defaults (0, False, 0) are supported.
         backward, jacobi_iters, jacobi_tol, scan_algorithm: as :class:`paraprop.nn.RNN`.
+        forward, forward_tol, forward_max_iters, damping: as :class:`paraprop.nn.RNN`; with
+            ``forward="newton"`` each layer's states come from a few linear recurrences over
+            the factored GRU Jacobians (DEER) instead of ``T`` dependent steps.
 
     Raises:
         NotImplementedError: ``bidirectional=True``, ``dropout > 0``, ``proj_size > 0``,
             PackedSequence inputs.
-        ValueError: unknown ``backward`` or ``scan_algorithm``, bad Jacobi options, and the
-            shape errors of torch.nn.GRU.
+        ValueError: unknown ``backward``, ``forward`` or ``scan_algorithm``, bad Jacobi or
+            forward options, and the shape errors of torch.nn.GRU.
 
     Example:
         >>> ref = torch.nn.GRU(12, 20, batch_first=True)
@@ -168,10 +186,13 @@ class GRU(ScanBackwardMixin, torch.nn.GRU):
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
                  device=None, dtype=None, *, proj_size: int = 0, backward: str = "scan",
                  jacobi_iters: int | None = None, jacobi_tol: float = 0.0,
-                 scan_algorithm: str = "auto"):
+                 scan_algorithm: str = "auto", forward: str = "sequential",
+                 forward_tol: float = 1e-6, forward_max_iters: int | None = None,
+                 damping: float | None = None):
         check_options("GRU", dropout=dropout, bidirectional=bidirectional, proj_size=proj_size,
                       backward=backward, jacobi_iters=jacobi_iters, jacobi_tol=jacobi_tol,
-                      scan_algorithm=scan_algorithm)
+                      scan_algorithm=scan_algorithm, forward=forward, forward_tol=forward_tol,
+                      forward_max_iters=forward_max_iters, damping=damping)
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout,
                          bidirectional, device=device, dtype=dtype)
         self.backward = backward
@@ -179,3 +200,4 @@ class GRU(ScanBackwardMixin, torch.nn.GRU):
         self.jacobi_tol = jacobi_tol
         self.scan_algorithm = scan_algorithm
         self.backward_stats: dict = {}
+        self._init_forward(forward, forward_tol, forward_max_iters, damping)

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import _VF
 
-from paraprop.nn._base import ScanBackwardMixin, check_options
+from paraprop.nn._base import ScanBackwardMixin, check_options, solve_layer
+from paraprop.recurrence import _RNNCell
 from paraprop.scan import Factored, jacobi_recurrence, linear_recurrence
 
 
@@ -39,24 +40,39 @@ class RNNScanFunction(torch.autograd.Function):
     """Forward: torch's own fused loop per layer (no graph). Backward: see the module doc."""
 
     @staticmethod
-    def forward(ctx, cfg, x, h0, *weights):
+    def layers(cfg, x, h0, weights, save: bool):
+        """Every layer's outputs (torch's fused loop, or ``cfg["forward"]`` by
+        :func:`paraprop.solve`), the last states and, with ``save``, what backward needs."""
         per = 4 if cfg["bias"] else 2
         run = _VF.rnn_tanh if cfg["mode"] == "RNN_TANH" else _VF.rnn_relu
         inputs, outs, slopes, last = [], [], [], []
         layer_in = x
         for k in range(cfg["layers"]):
             w = list(weights[k * per:(k + 1) * per])
-            out, hn = run(layer_in, h0[k:k + 1], w, cfg["bias"], 1, 0.0, False, False, False)
-            # the analytic transposed Jacobian J_t^T = W_hh^T diag(slope_t), slope = f'(z_t)
-            slope = 1 - out * out if cfg["mode"] == "RNN_TANH" else (out > 0).to(out.dtype)
-            inputs.append(layer_in)
-            outs.append(out)
-            slopes.append(slope)
+            if cfg["forward"] == "sequential":
+                out, hn = run(layer_in, h0[k:k + 1], w, cfg["bias"], 1, 0.0, False, False, False)
+            else:
+                b_ih, b_hh = (w[2], w[3]) if cfg["bias"] else (None, None)
+                cell = _RNNCell(w[0], w[1], b_ih, b_hh,
+                                "tanh" if cfg["mode"] == "RNN_TANH" else "relu")
+                out = solve_layer(cfg, cell, layer_in, h0[k])
+                hn = out[-1:]
+            if save:
+                # the analytic transposed Jacobian J_t^T = W_hh^T diag(slope_t), slope = f'(z_t)
+                slope = 1 - out * out if cfg["mode"] == "RNN_TANH" else (out > 0).to(out.dtype)
+                inputs.append(layer_in)
+                outs.append(out)
+                slopes.append(slope)
             last.append(hn)
             layer_in = out
+        return layer_in, torch.cat(last, 0), (inputs, outs, slopes)
+
+    @staticmethod
+    def forward(ctx, cfg, x, h0, *weights):
+        out, hn, (inputs, outs, slopes) = RNNScanFunction.layers(cfg, x, h0, weights, True)
         ctx.cfg = cfg
         ctx.save_for_backward(h0, *weights, *inputs, *outs, *slopes)
-        return layer_in, torch.cat(last, 0)
+        return out, hn
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -118,16 +134,29 @@ class RNN(ScanBackwardMixin, torch.nn.RNN):
         jacobi_iters: ``"jacobi"`` only: at most this many sweeps (``None``: up to ``T``).
         jacobi_tol: ``"jacobi"`` only: stop when a sweep changes no gradient by more than this.
         scan_algorithm: the ``algorithm`` of :func:`paraprop.scan.linear_recurrence`.
+        forward: ``"sequential"`` (torch's own kernel) or a method of :func:`paraprop.solve`
+            run on each layer's :class:`paraprop.Recurrence` in parallel over time:
+            ``"newton"`` (DEER), ``"quasi_newton"``, ``"elk"`` or ``"jacobi"``. The outputs then
+            equal torch's within ``forward_tol``-sized differences, and gradients come from the
+            same backward at the computed solution (implicit differentiation). Runs even under
+            ``torch.no_grad()``.
+        forward_tol: residual tolerance per sample of the parallel forward (``|fn(h) - h|``).
+        forward_max_iters: at most this many iterations per layer (``None``: up to ``T``, where
+            every method is exact); :class:`paraprop.ConvergenceError` if not converged.
+        damping: ``forward="elk"`` only: the initial Levenberg-Marquardt damping.
 
     Attributes:
         backward_stats: after a ``"jacobi"`` backward, ``{"jacobi_iterations": [...]}`` (one
             entry per layer, top layer first).
+        forward_stats: after a parallel forward, ``{"iterations": [...], "residual": [...],
+            "resets": [...]}``, one entry per layer (bottom layer first).
 
     Raises:
         NotImplementedError: ``bidirectional=True``, ``dropout > 0``, ``proj_size > 0``,
             PackedSequence inputs.
-        ValueError: unknown ``backward`` or ``scan_algorithm``, bad Jacobi options, and the
-            shape errors of torch.nn.RNN.
+        ValueError: unknown ``backward``, ``forward`` or ``scan_algorithm``, bad Jacobi or
+            forward options, ``backward="autograd"`` with a parallel ``forward``, and the shape
+            errors of torch.nn.RNN.
 
     Example:
         >>> ref = torch.nn.RNN(1, 20, num_layers=2)
@@ -143,10 +172,13 @@ class RNN(ScanBackwardMixin, torch.nn.RNN):
                  nonlinearity: str = "tanh", bias: bool = True, batch_first: bool = False,
                  dropout: float = 0.0, bidirectional: bool = False, device=None, dtype=None, *,
                  proj_size: int = 0, backward: str = "scan", jacobi_iters: int | None = None,
-                 jacobi_tol: float = 0.0, scan_algorithm: str = "auto"):
+                 jacobi_tol: float = 0.0, scan_algorithm: str = "auto",
+                 forward: str = "sequential", forward_tol: float = 1e-6,
+                 forward_max_iters: int | None = None, damping: float | None = None):
         check_options("RNN", dropout=dropout, bidirectional=bidirectional, proj_size=proj_size,
                       backward=backward, jacobi_iters=jacobi_iters, jacobi_tol=jacobi_tol,
-                      scan_algorithm=scan_algorithm)
+                      scan_algorithm=scan_algorithm, forward=forward, forward_tol=forward_tol,
+                      forward_max_iters=forward_max_iters, damping=damping)
         super().__init__(input_size, hidden_size, num_layers, nonlinearity, bias, batch_first,
                          dropout, bidirectional, device=device, dtype=dtype)
         self.backward = backward
@@ -154,3 +186,4 @@ class RNN(ScanBackwardMixin, torch.nn.RNN):
         self.jacobi_tol = jacobi_tol
         self.scan_algorithm = scan_algorithm
         self.backward_stats: dict = {}
+        self._init_forward(forward, forward_tol, forward_max_iters, damping)

@@ -14,9 +14,11 @@ diagonal recurrence, cheaper per iteration, linear instead of quadratic converge
 minimises ``sum_t |delta_t - J_t delta_{t-1} - r_t|^2 + lambda |delta_t|^2``, a symmetric positive
 definite block tridiagonal system solved by cyclic reduction in ``ceil(log2 T)`` batched levels
 (:func:`paraprop.linalg.tridiagonal_solve`; the same minimiser ELK computes with a parallel
-Kalman smoother). ``lambda`` adapts per sample: a step that lowers the merit
-``|fn(x) - x|^2`` is accepted and ``lambda`` shrinks, otherwise the step is retried from the last
-accepted iterate with a larger ``lambda``.
+Kalman smoother). The step is always taken, as in ELK; ``lambda`` adapts per sample, shrinking
+(x 1/3) while the merit ``|fn(x) - x|^2`` falls and growing (x 4) when it rises, so that steps
+near the solution become Newton steps (quadratic convergence) and steps that overshoot get
+damped. (A classic accept/reject rule does not fit here: fixing the exact prefix changes the
+merit of every trial, so it would reject good steps.)
 
 Guarantees shared by the three (and by Jacobi): after iteration ``k`` the positions ``< k`` hold
 the sequential result, because position ``k - 1`` is set to ``fn(x)_{k-1}``, computed from an
@@ -35,7 +37,8 @@ from paraprop.scan import linear_recurrence
 from paraprop.solvers.base import State, System, verify_fixed_point
 
 FORMS = {"newton": "any", "quasi_newton": "diag", "elk": "dense"}
-SHRINK, GROW = 1 / 3, 4.0       # Levenberg-Marquardt damping on accepted / rejected steps
+SHRINK, GROW = 1 / 3, 4.0       # Levenberg-Marquardt damping after a falling / rising merit
+LAM_MIN, LAM_MAX = 1e-12, 1e12
 
 
 class Newton:
@@ -57,8 +60,7 @@ class Newton:
         if self.name == "elk":
             ex["lam"] = torch.full((system.B,), self.damping, dtype=torch.float64,
                                    device=state.x.device)
-            ex["acc"] = None
-            ex["stats"].update(rejections=0, damping=self.damping)
+            ex["stats"].update(increases=0, damping=self.damping)
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
         ex = state.extra
@@ -86,7 +88,7 @@ class Newton:
         seg = x[:, lo:]
         if bool(cont.any()):
             if self.name == "elk":
-                trial = self._elk(ex, x, y, r, J, lo)
+                trial = self._elk(ex, x, r, J, lo)
             else:
                 trial = linear_recurrence(J, r).add_(seg)
             bad = _non_finite_rows(trial) & cont
@@ -107,30 +109,22 @@ class Newton:
         if lo + 1 >= T and bool(cont.any()) and not self.access.markov:
             verify_fixed_point(system, state, 0, system.evaluate(state.x), tol)
 
-    def _elk(self, ex, x, y, r, J, lo):
-        """The damped step from the last accepted iterate (Levenberg-Marquardt with per-sample
-        accept/reject on the merit ``|r|^2``)."""
-        lam, acc = ex["lam"], ex["acc"]
-        merit = (r * r).sum(dim=(1, 2))
-        if acc is None:
-            accept = torch.ones_like(merit, dtype=torch.bool)
-        else:
-            k = lo - acc["lo"]
-            acc = {"x": acc["x"][:, k:], "r": acc["r"][:, k:], "J": acc["J"][:, k:]}
-            accept = merit <= (acc["r"] * acc["r"]).sum(dim=(1, 2))
-        if acc is not None and not bool(accept.all()):
-            ex["stats"]["rejections"] += int((~accept).sum())
-            m3, m4 = accept[:, None, None], accept[:, None, None, None]
-            acc = {"x": torch.where(m3, x[:, lo:], acc["x"]), "r": torch.where(m3, r, acc["r"]),
-                   "J": torch.where(m4, J, acc["J"])}
-            lam = torch.where(accept, lam * SHRINK, lam * GROW)
-        else:
-            acc = {"x": x[:, lo:].clone(), "r": r, "J": J}
-            if ex["acc"] is not None:
-                lam = lam * SHRINK
-        acc["lo"] = lo
-        ex["acc"], ex["lam"] = acc, lam
-        return acc["x"] + _lm_step(acc["J"], acc["r"], lam.to(r.dtype))
+    def _elk(self, ex, x, r, J, lo):
+        """The damped step from the current iterate. ``lambda`` adapts per sample: it shrinks
+        when the merit ``sum |fn(x) - x|^2`` (over the positions after the first free one) fell
+        since the last iteration, and grows when it rose; the step is always taken (as in ELK),
+        the exact prefix guarantees termination whatever the damping."""
+        # The merit skips position lo: its residual measures the jump made by fixing the exact
+        # value at lo - 1 (the same fix would make every comparison including it unfair).
+        sq = (r * r).sum(dim=2)                                  # (B, n) per position
+        prev = ex.get("prev_sq")
+        lam = ex["lam"]
+        if prev is not None:                                     # lo advanced by exactly one
+            rose = sq[:, 1:].sum(dim=1) > prev[:, 2:].sum(dim=1)
+            lam = torch.where(rose, lam * GROW, lam * SHRINK).clamp_(LAM_MIN, LAM_MAX)
+            ex["stats"]["increases"] += int(rose.sum())
+        ex["prev_sq"], ex["lam"] = sq, lam
+        return x[:, lo:] + _lm_step(J, r, lam.to(r.dtype))
 
 
 def _non_finite_rows(t: torch.Tensor) -> torch.Tensor:
