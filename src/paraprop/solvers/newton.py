@@ -10,15 +10,14 @@ solved in parallel by :func:`paraprop.scan.linear_recurrence`; ``x + delta`` is 
 iterate. ``"newton"`` uses the exact Jacobians (dense, or the factored form of the analytic GRU
 and RNN cells), ``"quasi_newton"`` only their diagonals (quasi-DEER, Gonzalez et al. 2024: a
 diagonal recurrence, cheaper per iteration, linear instead of quadratic convergence), and
-``"elk"`` damps the exact step Levenberg-Marquardt style (ELK, Gonzalez et al. 2024): the step
-minimises ``sum_t |delta_t - J_t delta_{t-1} - r_t|^2 + lambda |delta_t|^2``, a symmetric positive
-definite block tridiagonal system solved by cyclic reduction in ``ceil(log2 T)`` batched levels
-(:func:`paraprop.linalg.tridiagonal_solve`; the same minimiser ELK computes with a parallel
-Kalman smoother). The step is always taken, as in ELK; ``lambda`` adapts per sample, shrinking
-(x 1/3) while the merit ``|fn(x) - x|^2`` falls and growing (x 4) when it rises, so that steps
-near the solution become Newton steps (quadratic convergence) and steps that overshoot get
-damped. (A classic accept/reject rule does not fit here: fixing the exact prefix changes the
-merit of every trial, so it would reject good steps.)
+``"elk"`` damps the exact step (ELK, Gonzalez et al. 2024, "Towards scalable and stable
+parallelization of nonlinear RNNs"): the step is the Kalman-filtered mean of the linearised
+recurrence seen as a linear Gaussian model whose states are observed at zero with variance
+``1 / lambda`` (the filter form of the authors' reference code), computed by the parallel Kalman
+filter of Sarkka and Garcia-Fernandez (2021), one associative scan. ``lambda -> 0`` is Newton;
+larger ``lambda`` damps each step by its accumulated uncertainty, most where products of
+Jacobians grow and Newton's linear recurrence overflows. With diagonal Jacobians (the
+``"quasi_newton"`` form) the same scan is quasi-ELK.
 
 Guarantees shared by the three (and by Jacobi): after iteration ``k`` the positions ``< k`` hold
 the sequential result, because position ``k - 1`` is set to ``fn(x)_{k-1}``, computed from an
@@ -37,8 +36,7 @@ from paraprop.scan import linear_recurrence
 from paraprop.solvers.base import State, System, verify_fixed_point
 
 FORMS = {"newton": "any", "quasi_newton": "diag", "elk": "dense"}
-SHRINK, GROW = 1 / 3, 4.0       # Levenberg-Marquardt damping after a falling / rising merit
-LAM_MIN, LAM_MAX = 1e-12, 1e12
+DEFAULT_DAMPING = 1e-2
 
 
 class Newton:
@@ -47,7 +45,7 @@ class Newton:
     def __init__(self, name: str, damping: float | None = None):
         self.name = name
         self.form = FORMS[name]
-        self.damping = 1.0 if damping is None else float(damping)
+        self.damping = DEFAULT_DAMPING if damping is None else float(damping)
 
     def bound(self, system: System) -> int:
         return system.T
@@ -58,9 +56,7 @@ class Newton:
         ex["lo"] = 0                # positions < lo are exact for every active sample
         ex["stats"] = {"resets": 0, "jacobian": self.form}
         if self.name == "elk":
-            ex["lam"] = torch.full((system.B,), self.damping, dtype=torch.float64,
-                                   device=state.x.device)
-            ex["stats"].update(increases=0, damping=self.damping)
+            ex["stats"]["damping"] = self.damping
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
         ex = state.extra
@@ -88,7 +84,7 @@ class Newton:
         seg = x[:, lo:]
         if bool(cont.any()):
             if self.name == "elk":
-                trial = self._elk(ex, x, r, J, lo)
+                trial = self._elk(x, r, J, lo)
             else:
                 trial = linear_recurrence(J, r).add_(seg)
             bad = _non_finite_rows(trial) & cont
@@ -109,22 +105,15 @@ class Newton:
         if lo + 1 >= T and bool(cont.any()) and not self.access.markov:
             verify_fixed_point(system, state, 0, system.evaluate(state.x), tol)
 
-    def _elk(self, ex, x, r, J, lo):
-        """The damped step from the current iterate. ``lambda`` adapts per sample: it shrinks
-        when the merit ``sum |fn(x) - x|^2`` (over the positions after the first free one) fell
-        since the last iteration, and grows when it rose; the step is always taken (as in ELK),
-        the exact prefix guarantees termination whatever the damping."""
-        # The merit skips position lo: its residual measures the jump made by fixing the exact
-        # value at lo - 1 (the same fix would make every comparison including it unfair).
-        sq = (r * r).sum(dim=2)                                  # (B, n) per position
-        prev = ex.get("prev_sq")
-        lam = ex["lam"]
-        if prev is not None:                                     # lo advanced by exactly one
-            rose = sq[:, 1:].sum(dim=1) > prev[:, 2:].sum(dim=1)
-            lam = torch.where(rose, lam * GROW, lam * SHRINK).clamp_(LAM_MIN, LAM_MAX)
-            ex["stats"]["increases"] += int(rose.sum())
-        ex["prev_sq"], ex["lam"] = sq, lam
-        return x[:, lo:] + _lm_step(J, r, lam.to(r.dtype))
+    def _elk(self, x, r, J, lo):
+        """The damped step from ``x``: ``delta_lo = r_lo`` (the exact value at ``lo``), then the
+        filtered means of ``delta_t = J_t delta_{t-1} + r_t + q_t`` observed as ``0 = delta_t +
+        v_t`` (``q ~ N(0, I)``, ``v ~ N(0, I / lambda)``), in float64 (the covariances grow
+        like the Jacobian products where the linearisation is unstable)."""
+        wide = torch.float64 if r.dtype in (torch.float32, torch.float16, torch.bfloat16) \
+            and r.device.type != "mps" else r.dtype
+        step = kalman_step(J.to(wide), r.to(wide), self.damping)
+        return x[:, lo:] + step.to(r.dtype)
 
 
 def _non_finite_rows(t: torch.Tensor) -> torch.Tensor:
@@ -135,26 +124,93 @@ def _non_finite_rows(t: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(t).flatten(1).all(1)
 
 
-def _lm_step(J: torch.Tensor, r: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
-    """``argmin_delta sum_t |delta_t - J_t delta_{t-1} - r_t|^2 + lam |delta_t|^2`` with
-    ``delta_{-1} = 0``: the normal equations are block tridiagonal,
-    ``D_t = (1 + lam) I + J_{t+1}^T J_{t+1}``, ``L_t = -J_t``, ``U_t = -J_{t+1}^T``,
-    ``rhs_t = r_t - J_{t+1}^T r_{t+1}``."""
-    from paraprop.linalg.tridiagonal import tridiagonal_solve  # linalg imports paraprop.solve
+def kalman_step(J: torch.Tensor, r: torch.Tensor, lam: float) -> torch.Tensor:
+    """ELK's damped Newton step (Gonzalez et al. 2024, in the filter form of their reference
+    code): ``delta_0 = r_0`` and, for ``t >= 1``, the Kalman-filtered means of the linear
+    Gaussian model ``delta_t = J_t delta_{t-1} + r_t + q_t``, ``0 = delta_t + v_t`` with
+    ``q ~ N(0, I)`` and ``v ~ N(0, I / lam)``, by the parallel filter of Sarkka and
+    Garcia-Fernandez (2021): one associative scan over the elements ``(A, b, C, eta, Jm)``.
+
+    ``lam -> 0`` gives Newton's step, ``lam -> inf`` no step; in between the gain damps each
+    step by the accumulated uncertainty, i.e. most where the Jacobian products grow.
+    ``J`` is dense ``(B, n, H, H)`` or diagonal ``(B, n, H)`` (quasi-ELK); ``r`` is ``(B, n, H)``.
+    """
+    from paraprop.scan import associative_scan
 
     B, n, H = r.shape
-    eye = torch.eye(H, dtype=r.dtype, device=r.device)
-    JT = J.transpose(-1, -2)
-    D = (1 + lam)[:, None, None, None] * eye
-    D = D.expand(B, n, H, H).clone()
-    rhs = r.clone()
-    if n > 1:
-        D[:, :-1] += JT[:, 1:] @ J[:, 1:]
-        rhs[:, :-1] -= (JT[:, 1:] @ r[:, 1:, :, None]).squeeze(-1)
-    L = -J
-    U = torch.zeros_like(J)
-    U[:, :-1] = -JT[:, 1:]
-    return tridiagonal_solve(D, L, U, rhs)
+    if n == 1:
+        return r.clone()
+    k = _Dense if J.dim() == 4 else _Diag
+    c = 1.0 / (1.0 + lam)             # (I - K) for a unit prior: sigma^2 / (1 + sigma^2)
+    w = 1.0 - c                       # the gain K = 1 / (1 + sigma^2)
+    eye = k.eye(H, r)
+    Jn, rn = J[:, 1:], r[:, 1:]
+    A = c * Jn
+    b = c * rn
+    C = (c * eye).expand_as(Jn).clone()
+    eta = -w * k.mv(k.t(Jn), rn)
+    Jm = w * k.mm(k.t(Jn), Jn)
+    # the first free position: prior mean J_1 delta_0 + r_1 with delta_0 = r_0 exact, cov I
+    b[:, 0] = c * (k.mv(Jn[:, 0], r[:, 0]) + rn[:, 0])
+    A[:, 0] = 0
+    eta[:, 0] = 0
+    Jm[:, 0] = 0
+
+    def combine(x, y):
+        Ai, bi, Ci, ei, Ji = x
+        Aj, bj, Cj, ej, Jj = y
+        AjM = k.mm(Aj, k.inv(eye + k.mm(Ci, Jj)))
+        AiN = k.mm(k.t(Ai), k.inv(eye + k.mm(Jj, Ci)))
+        return [k.mm(AjM, Ai), k.mv(AjM, bi + k.mv(Ci, ej)) + bj,
+                k.mm(k.mm(AjM, Ci), k.t(Aj)) + Cj, k.mv(AiN, ej - k.mv(Jj, bi)) + ei,
+                k.mm(k.mm(AiN, Jj), Ai) + Ji]
+
+    means = associative_scan([A, b, C, eta, Jm], combine, dim=1)[1]
+    return torch.cat([r[:, :1], means], 1)
+
+
+class _Dense:
+    @staticmethod
+    def eye(H, like):
+        return torch.eye(H, dtype=like.dtype, device=like.device)
+
+    @staticmethod
+    def t(a):
+        return a.transpose(-1, -2)
+
+    @staticmethod
+    def mm(a, b):
+        return a @ b
+
+    @staticmethod
+    def mv(a, v):
+        return (a @ v.unsqueeze(-1)).squeeze(-1)
+
+    @staticmethod
+    def inv(a):
+        return torch.linalg.inv(a)
+
+
+class _Diag:
+    @staticmethod
+    def eye(H, like):
+        return torch.ones(H, dtype=like.dtype, device=like.device)
+
+    @staticmethod
+    def t(a):
+        return a
+
+    @staticmethod
+    def mm(a, b):
+        return a * b
+
+    @staticmethod
+    def mv(a, v):
+        return a * v
+
+    @staticmethod
+    def inv(a):
+        return a.reciprocal()
 
 
 class _MarkovAccess:
