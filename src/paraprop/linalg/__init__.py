@@ -22,10 +22,8 @@ from paraprop.linalg.mlp import (
 from paraprop.linalg.operators import BlockDiagonalOperator, LinearOperator, MatrixOperator
 from paraprop.linalg.rnn import RNNSystems, from_rnn, rnn_backward
 from paraprop.linalg.system import BlockBidiagonal
-from paraprop.linalg.tridiagonal import tridiagonal_solve
 
 __all__ = [
-    "tridiagonal_solve",
     "METHODS",
     "ActivationPoints",
     "BlockBidiagonal",
