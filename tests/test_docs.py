@@ -15,7 +15,7 @@ def _python_blocks(path: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/solve.md"])
+@pytest.mark.parametrize("doc", ["README.md", "docs/solve.md", "docs/recurrences.md"])
 def test_examples_run(doc, capsys):
     blocks = _python_blocks(ROOT / doc)
     assert blocks, f"{doc} has no python example"
