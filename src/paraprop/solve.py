@@ -50,8 +50,8 @@ class Solution:
             computed, the work), ``sequential_steps``, ``bound`` (iterations that guarantee the
             exact result), ``sample_iterations`` (per sample, shaped like the batch dims),
             ``T``, ``block_size``, ``time_s``; the Newton-type methods add ``jacobian`` (the
-            form used), ``resets`` (diverging steps replaced by the Jacobi update), and for
-            ``"elk"`` ``rejections`` and ``damping``; with a plain ``fn`` also ``jvps``.
+            form used), ``resets`` (diverging steps replaced by the Jacobi update), ``damping``
+            for the ELK methods, and with a plain ``fn`` also ``jvps``.
     """
 
     value: torch.Tensor
@@ -91,7 +91,8 @@ def solve(
         method: ``"sequential"`` (the reference: ``T`` dependent steps), ``"jacobi"``
             (Algorithm 1), ``"jacobi_gs"`` (Algorithm 2), ``"gs_jacobi"`` (Algorithm 3), or for
             Markov recurrences ``"newton"`` (DEER: exact Jacobians), ``"quasi_newton"`` (their
-            diagonals) and ``"elk"`` (damped Newton, Levenberg-Marquardt). The Newton-type
+            diagonals), ``"elk"`` (damped Newton, ELK's Kalman filter) and ``"quasi_elk"`` (the
+            same on the diagonals). The Newton-type
             methods take the Jacobians ``d fn_t / d x_{t-1}`` from a
             :class:`paraprop.Recurrence` (analytic for torch RNN/GRU cells), or, for a plain
             ``fn`` assumed Markov along ``dim``, by one forward-mode product per feature.
@@ -105,8 +106,9 @@ def solve(
         norm: ``"max"`` (largest absolute change) or ``"l2"``, per sample.
         max_iters: cap on iterations; ``None`` means the method's exactness bound.
         block_size: block length for ``"jacobi_gs"`` and ``"gs_jacobi"`` (required there).
-        damping: ``"elk"`` only: the initial Levenberg-Marquardt damping ``lambda > 0``
-            (default 1); it then adapts per sample.
+        damping: ``"elk"`` and ``"quasi_elk"`` only: ELK's ``lambda > 0`` (default ``1e-2``):
+            the inverse variance with which the filter holds each step at zero; ``lambda -> 0``
+            is Newton.
         throw: raise :class:`ConvergenceError` if ``max_iters`` ends the solve before
             convergence; with ``False`` the unconverged :class:`Solution` is returned.
         callback: called as ``callback(iteration, value, residual)`` after each iteration;
@@ -133,8 +135,9 @@ def solve(
     """
     dims = _validate(fn, x0, method, dim, tol, norm, max_iters, block_size, callback)
     if damping is not None:
-        if method != "elk":
-            raise ValueError(f"damping is only used by method='elk', not method={method!r}")
+        if method not in ("elk", "quasi_elk"):
+            raise ValueError(f"damping is only used by method='elk' or 'quasi_elk', not "
+                             f"method={method!r}")
         if isinstance(damping, bool) or not isinstance(damping, int | float) or not damping > 0:
             raise ValueError(f"damping must be a number > 0, got {damping!r}")
     solver = make_solver(method, block_size, damping)

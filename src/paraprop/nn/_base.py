@@ -6,7 +6,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 BACKWARDS = ("scan", "jacobi", "autograd")
-FORWARDS = ("sequential", "newton", "quasi_newton", "elk", "jacobi")
+FORWARDS = ("sequential", "newton", "quasi_newton", "elk", "quasi_elk", "jacobi")
 
 
 def check_options(cls_name: str, *, dropout, bidirectional, proj_size, backward, jacobi_iters,
@@ -54,8 +54,9 @@ def check_options(cls_name: str, *, dropout, bidirectional, proj_size, backward,
             forward_max_iters, int) or forward_max_iters < 1):
         raise ValueError(f"forward_max_iters must be a positive int or None, got "
                          f"{forward_max_iters!r}")
-    if damping is not None and forward != "elk":
-        raise ValueError(f"damping is only used with forward='elk', not forward={forward!r}")
+    if damping is not None and forward not in ("elk", "quasi_elk"):
+        raise ValueError(f"damping is only used with forward='elk' or 'quasi_elk', not "
+                         f"forward={forward!r}")
     if damping is not None and (isinstance(damping, bool) or not isinstance(damping, int | float)
                                 or not damping > 0):
         raise ValueError(f"damping must be a number > 0, got {damping!r}")

@@ -136,14 +136,15 @@ class RNN(ScanBackwardMixin, torch.nn.RNN):
         scan_algorithm: the ``algorithm`` of :func:`paraprop.scan.linear_recurrence`.
         forward: ``"sequential"`` (torch's own kernel) or a method of :func:`paraprop.solve`
             run on each layer's :class:`paraprop.Recurrence` in parallel over time:
-            ``"newton"`` (DEER), ``"quasi_newton"``, ``"elk"`` or ``"jacobi"``. The outputs then
+            ``"newton"`` (DEER), ``"quasi_newton"``, ``"elk"``, ``"quasi_elk"`` or ``"jacobi"``
+            (see docs/recurrences.md). The outputs then
             equal torch's within ``forward_tol``-sized differences, and gradients come from the
             same backward at the computed solution (implicit differentiation). Runs even under
             ``torch.no_grad()``.
         forward_tol: residual tolerance per sample of the parallel forward (``|fn(h) - h|``).
         forward_max_iters: at most this many iterations per layer (``None``: up to ``T``, where
             every method is exact); :class:`paraprop.ConvergenceError` if not converged.
-        damping: ``forward="elk"`` only: the initial Levenberg-Marquardt damping.
+        damping: ``forward="elk"`` / ``"quasi_elk"`` only: ELK's ``lambda``.
 
     Attributes:
         backward_stats: after a ``"jacobi"`` backward, ``{"jacobi_iterations": [...]}`` (one

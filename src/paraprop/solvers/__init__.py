@@ -10,8 +10,8 @@ from paraprop.solvers.jacobi_gs import JacobiGS
 from paraprop.solvers.newton import Newton
 from paraprop.solvers.sequential import Sequential
 
-METHODS = ("sequential", "jacobi", "jacobi_gs", "gs_jacobi", "newton", "quasi_newton", "elk")
-NEWTON_METHODS = ("newton", "quasi_newton", "elk")
+NEWTON_METHODS = ("newton", "quasi_newton", "elk", "quasi_elk")
+METHODS = ("sequential", "jacobi", "jacobi_gs", "gs_jacobi", *NEWTON_METHODS)
 
 
 def make_solver(method: str, block_size: int | None = None, damping: float | None = None):

@@ -16,8 +16,8 @@ recurrence seen as a linear Gaussian model whose states are observed at zero wit
 ``1 / lambda`` (the filter form of the authors' reference code), computed by the parallel Kalman
 filter of Sarkka and Garcia-Fernandez (2021), one associative scan. ``lambda -> 0`` is Newton;
 larger ``lambda`` damps each step by its accumulated uncertainty, most where products of
-Jacobians grow and Newton's linear recurrence overflows. With diagonal Jacobians (the
-``"quasi_newton"`` form) the same scan is quasi-ELK.
+Jacobians grow and Newton's linear recurrence overflows. ``"quasi_elk"`` runs the same filter on
+the diagonal Jacobians of ``"quasi_newton"`` (quasi-ELK: elementwise, as cheap as quasi-DEER).
 
 Guarantees shared by the three (and by Jacobi): after iteration ``k`` the positions ``< k`` hold
 the sequential result, because position ``k - 1`` is set to ``fn(x)_{k-1}``, computed from an
@@ -35,7 +35,7 @@ from paraprop.errors import NonFiniteError, NotTriangularError
 from paraprop.scan import linear_recurrence
 from paraprop.solvers.base import State, System, verify_fixed_point
 
-FORMS = {"newton": "any", "quasi_newton": "diag", "elk": "dense"}
+FORMS = {"newton": "any", "quasi_newton": "diag", "elk": "dense", "quasi_elk": "diag"}
 DEFAULT_DAMPING = 1e-2
 
 
@@ -46,6 +46,7 @@ class Newton:
         self.name = name
         self.form = FORMS[name]
         self.damping = DEFAULT_DAMPING if damping is None else float(damping)
+        self.damped = name in ("elk", "quasi_elk")
 
     def bound(self, system: System) -> int:
         return system.T
@@ -55,7 +56,7 @@ class Newton:
         ex = state.extra
         ex["lo"] = 0                # positions < lo are exact for every active sample
         ex["stats"] = {"resets": 0, "jacobian": self.form}
-        if self.name == "elk":
+        if self.damped:
             ex["stats"]["damping"] = self.damping
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
@@ -83,7 +84,7 @@ class Newton:
         state.residual = float(res.max())
         seg = x[:, lo:]
         if bool(cont.any()):
-            if self.name == "elk":
+            if self.damped:
                 trial = self._elk(x, r, J, lo)
             else:
                 trial = linear_recurrence(J, r).add_(seg)
