@@ -12,14 +12,14 @@ from paraprop.bench.report import markdown_table, text_table
 from paraprop.nn import GRU
 
 ORDER = 35
-TITLE = "Recurrences by Newton's method: a GRU forward pass at T = 30000 (DEER, quasi-DEER, ELK)"
+TITLE = "Recurrences by Newton's method: a GRU forward pass at T = 30000 (DEER, quasi-DEER)"
 COLUMNS = ["method", "fwd_ms", "speedup", "iterations", "max_abs_err"]
 
 
 def run(out_dir: Path, *, quick: bool = False) -> dict:
     """Time the forward pass of a GRU (input 1, hidden 8, batch 16; DEER's setup) over
     ``T = 30000`` steps (3000 with ``quick``): torch.nn.GRU's fused sequential kernel against
-    :class:`paraprop.nn.GRU` with ``forward="newton"``, ``"quasi_newton"`` and ``"elk"`` (same
+    :class:`paraprop.nn.GRU` with ``forward="newton"`` and ``"quasi_newton"`` (same
     weights, interleaved rounds). ``iterations`` is what each method needed to reach a residual
     of ``1e-6``; ``max_abs_err`` is the largest difference from torch's states.
     """
@@ -29,7 +29,7 @@ def run(out_dir: Path, *, quick: bool = False) -> dict:
     ref = torch.nn.GRU(1, hidden)
     x = torch.randn(T, batch, 1)
     variants = {"torch.nn.GRU": ref}
-    for method in ("newton", "quasi_newton", "elk"):
+    for method in ("newton", "quasi_newton"):
         m = GRU(1, hidden, forward=method)
         m.load_state_dict(ref.state_dict())
         variants[method] = m
