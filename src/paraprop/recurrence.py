@@ -141,7 +141,10 @@ class Recurrence:
         """Positions ``index`` of ``fn(x)``, ``(*batch, len(index), H)`` (the sequential path)."""
         xc = self._canon(x)
         idx = index.to(xc.device)
-        prev = torch.cat([self._h0[:, None], xc], 1).index_select(1, idx)
+        prev = xc.index_select(1, (idx - 1).clamp_(min=0))
+        first = idx == 0
+        if bool(first.any()):
+            prev = torch.where(first[None, :, None], self._h0[:, None], prev)
         y = self._adapter.rows(self._inputs_at(idx), prev.reshape(-1, self.H), self)
         return y.reshape(*self.batch_shape, idx.numel(), self.H)
 
