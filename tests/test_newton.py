@@ -385,12 +385,12 @@ def test_damping_accepts_ints():
 
 @pytest.mark.parametrize("method", NEWTON)
 @pytest.mark.parametrize("shape,dim,want", [
-    ((2, 13, 3), -1, "(26, 3, 1)"),
-    ((2, 3, 13), -2, "(2, 3, 13)"),
+    ((2, 13, 3), -1, "x0 has shape (2, 13, 3) with positions along dims of size (3,)"),
+    ((2, 3, 13), -2, "x0 has shape (2, 3, 13) with positions along dims of size (3,)"),
 ], ids=["dim=-1", "transposed"])
 def test_recurrence_needs_x0_of_rec_shape(method, shape, dim, want):
     rec, _ = elementwise_problem()
-    match = (r"the Recurrence has \(batch, T, H\) = \(2, 13, 3\) but x0 and dim give "
+    match = (r"the Recurrence's states have shape \(2, 13, 3\) \(\*batch, T, H\) but "
              + re.escape(want) + r"; pass x0 of shape rec.shape and dim=-2")
     with pytest.raises(ValueError, match=match):
         paraprop.solve(rec, torch.zeros(shape, dtype=torch.float64), method=method, dim=dim)
@@ -403,10 +403,6 @@ def test_recurrence_with_wrong_x0_shape_for_the_other_methods():
                        dim=-2)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the Newton methods accept an x0 that only has the "
-                   "canonical layout (B, T, H) of the Recurrence, e.g. (4, 5, 3) or "
-                   "(2, 2, 5, 3, 1) for rec.shape (2, 2, 5, 3) (the other methods refuse it), and "
-                   "return a value not shaped like rec.shape")
 @pytest.mark.parametrize("shape,dim", [((4, 5, H), -2), ((2, 2, 5, H, 1), -3)],
                          ids=["flattened-batch", "extra-dim"])
 def test_newton_refuses_x0_not_shaped_like_rec(shape, dim):
@@ -415,9 +411,6 @@ def test_newton_refuses_x0_not_shaped_like_rec(shape, dim):
         paraprop.solve(rec, torch.zeros(shape, dtype=torch.float64), method="newton", dim=dim)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: x0 of another dtype than the Recurrence fails "
-                   "inside the Newton step with a bare RuntimeError (the other methods raise a "
-                   "TypeError naming the dtypes)")
 def test_newton_refuses_x0_of_another_dtype():
     torch.manual_seed(0)
     cell = torch.nn.GRUCell(3, 4, dtype=torch.float64)

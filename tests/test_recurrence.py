@@ -387,9 +387,6 @@ def test_gradient_only_where_asked():
     assert rel_err(g, g_ref) <= 1e-10
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the autograd Jacobian of a cell whose output does "
-                   "not depend on its state raises 'element 0 of tensors does not require grad' "
-                   "instead of giving J = 0")
 @pytest.mark.parametrize("method", ["newton", "sequential"])
 def test_cell_that_ignores_its_state(method):
     u = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
@@ -400,9 +397,6 @@ def test_cell_that_ignores_its_state(method):
     assert max_err(g, 1 - torch.tanh(u) ** 2) <= 1e-14
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: _Implicit.backward calls .reshape on the None "
-                   "gradient of inputs that the cell uses only non-differentiably "
-                   "(AttributeError) instead of returning a zero or None gradient")
 def test_inputs_used_only_as_a_mask():
     g = torch.Generator().manual_seed(0)
     W = torch.randn(3, 3, generator=g, dtype=torch.float64)
@@ -445,11 +439,7 @@ def _u(*shape, dtype=torch.float64):
      "a torch GRUCell needs inputs"),
     pytest.param(lambda: paraprop.Recurrence(torch.nn.LSTMCell(3, 4, dtype=torch.float64),
                                              None, _u(2, 8), length=5), ValueError,
-                 "a torch LSTMCell needs inputs",
-                 marks=pytest.mark.xfail(strict=True, reason="BUG: a torch LSTMCell without "
-                                         "inputs is accepted; solve then fails with "
-                                         "AttributeError 'NoneType' object has no attribute "
-                                         "'dim'"), id="lstm-without-inputs"),
+                 "a torch LSTMCell needs inputs", id="lstm-without-inputs"),
     (lambda: paraprop.Recurrence(lambda u, h: h, _u(2, 5, 3)), ValueError,
      r"the state size is unknown: pass h0 or hidden_size \(got hidden_size=None\)"),
     (lambda: paraprop.Recurrence(lambda u, h: h, _u(2, 5, 3), hidden_size=0), ValueError,

@@ -97,7 +97,7 @@ class Recurrence:
             raise TypeError(f"inputs and h0 must be floating point, got {ref.dtype}")
         self.cell = cell
         self._adapter = _adapter_for(cell)
-        if inputs is None and not isinstance(self._adapter, _Generic):
+        if inputs is None and isinstance(cell, nn.RNNCellBase | _Analytic):
             raise ValueError(f"a torch {type(cell).__name__} needs inputs")
         H = self._adapter.state_size if self._adapter.state_size is not None else None
         if h0 is not None:
@@ -237,10 +237,17 @@ class _Implicit(torch.autograd.Function):
         params = [p for p, n in zip(rec.params, need[4:], strict=True) if n]
         with torch.enable_grad():
             y = rec._adapter.rows(u, prev, rec)
-            grads = torch.autograd.grad(y, [*wrt, *params], lam.reshape(-1, H),
-                                        allow_unused=True)
-        g_prev = grads[0].reshape(B, T, H)
-        g_u = grads[1].reshape(rec.inputs.shape) if len(wrt) > 1 else None
+            if y.requires_grad:
+                grads = torch.autograd.grad(y, [*wrt, *params], lam.reshape(-1, H),
+                                            allow_unused=True)
+            else:                                       # nothing reaches the output
+                grads = [None] * (len(wrt) + len(params))
+        g_prev = torch.zeros_like(prev) if grads[0] is None else grads[0]
+        g_prev = g_prev.reshape(B, T, H)
+        g_u = None
+        if len(wrt) > 1:
+            g_u = (torch.zeros_like(u) if grads[1] is None else grads[1]).reshape(
+                rec.inputs.shape)
         pit = iter(grads[len(wrt):])
         g_params = [next(pit) if n else None for n in need[4:]]
         g_h0 = g_prev[:, 0].reshape(rec.h0.shape) if need[3] else None
@@ -325,7 +332,12 @@ def _autograd_jacobian(f, h, u):
     eye = torch.eye(H, dtype=h.dtype, device=h.device)
     with torch.enable_grad():
         y = f(hr, ur)
-        (g,) = torch.autograd.grad(y, hr, eye[:, None, :].expand(H, N, H).reshape(H * N, H))
+        if not y.requires_grad:                         # the output ignores the state
+            return h.new_zeros(N, H, H)
+        (g,) = torch.autograd.grad(y, hr, eye[:, None, :].expand(H, N, H).reshape(H * N, H),
+                                   allow_unused=True)
+    if g is None:
+        return h.new_zeros(N, H, H)
     return g.reshape(H, N, H).transpose(0, 1)          # [n, i, j] = d y_i / d h_j
 
 

@@ -279,12 +279,17 @@ class _FullAccess:
 def _access(system: System):
     fn = system.fn
     if getattr(fn, "markov", False) and callable(getattr(fn, "linearize", None)):
-        want = (system.B, system.T, system.F)
-        got = (getattr(fn, "B", None), getattr(fn, "T", None), getattr(fn, "H", None))
-        if got != want:
+        shape = tuple(getattr(fn, "shape", ()))
+        layout = (tuple(system.batch_shape), tuple(system.pos_shape), tuple(system.feature_shape))
+        if tuple(system.shape) != shape or layout != (shape[:-2], shape[-2:-1], shape[-1:]):
             raise ValueError(
-                f"the Recurrence has (batch, T, H) = {got} but x0 and dim give {want}; pass x0 "
-                "of shape rec.shape and dim=-2")
+                f"the Recurrence's states have shape {shape} (*batch, T, H) but x0 has shape "
+                f"{tuple(system.shape)} with positions along dims of size "
+                f"{tuple(system.pos_shape)}; pass x0 of shape rec.shape and dim=-2")
+        dtype = getattr(fn, "dtype", system.dtype)
+        if dtype != system.dtype:
+            raise TypeError(f"x0 has dtype {system.dtype} but the Recurrence computes in {dtype}; "
+                            "use one dtype")
         return _MarkovAccess(system)
     return _FullAccess(system)
 
