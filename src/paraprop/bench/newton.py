@@ -72,9 +72,9 @@ class Config:
 
 
 FULL = Config(hidden=[1, 2, 4, 8, 16, 32, 64], lengths=[1000, 3000, 10000, 30000, 100000],
-              head=(8, 100000), fb_max_T=10000, budget_s=800.0, reserve_s=450.0,
+              head=(8, 100000), fb_max_T=10000, budget_s=850.0, reserve_s=400.0,
               sine_T=[2000, 10000], sine_steps=300, sine_max_iters=300,
-              dampings=[1e-4, 1e-3, 1e-2], elk_seconds={2000: 15.0, 10000: 75.0})
+              dampings=[1e-4, 1e-3, 1e-2], elk_seconds={2000: 25.0, 10000: 75.0})
 QUICK = Config(hidden=[2, 8], lengths=[64, 256], head=(8, 256), fb_max_T=256, budget_s=None,
                reserve_s=0.0, sine_T=[150], sine_steps=5, sine_max_iters=40,
                dampings=[1e-3, 1e-2])
@@ -211,7 +211,10 @@ def gru_section(cfg: Config, budget: Budget, quick: bool, repeats: int | None) -
     """The forward grid (every cell the budget allows), then forward+backward."""
     fwd, fb, coverage = [], [], {}
     head_H, head_T = cfg.head
-    fb_cells = [(H, T) for T in cfg.lengths if T <= cfg.fb_max_T for H in cfg.hidden]
+    # forward+backward: the headline hidden size first (its curve against T), the others by T
+    fb_cells = [(head_H, T) for T in cfg.lengths if T <= cfg.fb_max_T]
+    fb_cells += [(H, T) for T in cfg.lengths if T <= cfg.fb_max_T for H in cfg.hidden
+                 if H != head_H]
     if cfg.head not in fb_cells:
         fb_cells.append(cfg.head)
     skipped = set()     # (kind, hidden) once a cell was skipped: longer T are skipped too
@@ -235,6 +238,7 @@ def gru_section(cfg: Config, budget: Budget, quick: bool, repeats: int | None) -
             coverage.setdefault((H, T), []).append(kind)
     grid = [{"hidden": H, **{f"T={T}": ", ".join(coverage.get((H, T), ["-"]))
                              for T in cfg.lengths}} for H in cfg.hidden]
+    fb.sort(key=lambda r: (r["T"], r["hidden"]))
     return {"forward": fwd, "backward": fb, "coverage": grid,
             "head": {"hidden": head_H, "T": head_T, "batch": BATCH}}
 
