@@ -160,8 +160,9 @@ def kalman_step(J: torch.Tensor, r: torch.Tensor, lam: float) -> torch.Tensor:
     def combine(x, y):
         Ai, bi, Ci, ei, Ji = x
         Aj, bj, Cj, ej, Jj = y
-        AjM = k.mm(Aj, k.inv(eye + k.mm(Ci, Jj)))
-        AiN = k.mm(k.t(Ai), k.inv(eye + k.mm(Jj, Ci)))
+        M = k.inv(eye + k.mm(Ci, Jj))     # C and Jm are symmetric: (I + Jj Ci)^-1 = M^T
+        AjM = k.mm(Aj, M)
+        AiN = k.mm(k.t(Ai), k.t(M))
         return [k.mm(AjM, Ai), k.mv(AjM, bi + k.mv(Ci, ej)) + bj,
                 k.mm(k.mm(AjM, Ci), k.t(Aj)) + Cj, k.mv(AiN, ej - k.mv(Jj, bi)) + ei,
                 k.mm(k.mm(AiN, Jj), Ai) + Ji]
