@@ -73,7 +73,7 @@ class Config:
 
 
 FULL = Config(hidden=[1, 2, 4, 8, 16, 32, 64], lengths=[1000, 3000, 10000, 30000, 100000],
-              head=(8, 100000), fb_max_T=10000, budget_s=850.0, reserve_s=400.0,
+              head=(8, 100000), fb_max_T=10000, budget_s=900.0, reserve_s=450.0,
               sine_T=[2000, 10000], sine_steps=300, sine_max_iters=300,
               dampings=[1e-4, 1e-3, 1e-2], elk_seconds={2000: 25.0, 10000: 180.0},
               long_dampings=1)
