@@ -277,6 +277,11 @@ class _FullAccess:
         return torch.stack(cols, -1)   # [b, t, i, j] = d fn_{t,i} / d x_{t-1,j}
 
 
+# A plain fn costs one forward-mode product per feature and iteration, and a (B, T, F, F)
+# Jacobian: beyond this many features that is never the better deal (use a Recurrence or Jacobi).
+MAX_PLAIN_FEATURES = 256
+
+
 def _access(system: System):
     fn = system.fn
     if getattr(fn, "markov", False) and callable(getattr(fn, "linearize", None)):
@@ -292,6 +297,12 @@ def _access(system: System):
             raise TypeError(f"x0 has dtype {system.dtype} but the Recurrence computes in {dtype}; "
                             "use one dtype")
         return _MarkovAccess(system)
+    if system.F > MAX_PLAIN_FEATURES:
+        raise ValueError(
+            f"the Newton-type methods on a plain fn form the Jacobian blocks from one "
+            f"forward-mode product per feature and a (batch, T, F, F) array; F={system.F} "
+            f"features per position is more than {MAX_PLAIN_FEATURES}: wrap a recurrent cell in "
+            "paraprop.Recurrence (analytic or per-row Jacobians), or use method='jacobi'")
     return _FullAccess(system)
 
 
