@@ -22,6 +22,7 @@ from paraprop.bench.harness import machine_info
 from paraprop.bench.plots import convergence_plot
 from paraprop.bench.report import markdown_table, text_table, write_results
 from paraprop.models import LayerChain, MaskedAffineMap
+from paraprop.solvers import GSJacobi, JacobiGS
 
 DESCRIPTION = "sequential vs Jacobi vs hybrids on a MADE-shaped map and an MLP-depth recurrence"
 
@@ -60,8 +61,8 @@ def methods_for(T: int) -> list[MethodSpec]:
     """
     return [
         MethodSpec("jacobi", {"method": "jacobi"}),
-        MethodSpec("jacobi_gs", {"method": "jacobi_gs", "block_size": math.ceil(T / 8)}),
-        MethodSpec("gs_jacobi", {"method": "gs_jacobi", "block_size": math.ceil(T / 16)}),
+        MethodSpec("jacobi_gs", {"method": JacobiGS(block_size=math.ceil(T / 8))}),
+        MethodSpec("gs_jacobi", {"method": GSJacobi(block_size=math.ceil(T / 16))}),
     ]
 
 

@@ -25,6 +25,7 @@ from paraprop.bench.report import markdown_table, text_table, write_results  # n
 from paraprop.models import MADE  # noqa: E402
 from paraprop.sampling import parallel_inverse, sample  # noqa: E402
 from paraprop.solve import solve  # noqa: E402
+from paraprop.solvers import GSJacobi, JacobiGS  # noqa: E402
 from paraprop.training.made import made_data, train_made  # noqa: E402
 
 DESCRIPTION = "MADE sampling: ancestral vs Jacobi (online / oracle stop) vs fixed passes; flows"
@@ -77,8 +78,8 @@ def sampling_rows(model: MADE, n: int, *, repeats: int, seed: int = 0, hybrids: 
         "fixed D passes": {"method": "fixed_passes"},
     }
     if hybrids:
-        specs["gs_jacobi"] = {"method": "gs_jacobi", "tol": TOL, "block_size": math.ceil(D / 8)}
-        specs["jacobi_gs"] = {"method": "jacobi_gs", "tol": TOL, "block_size": math.ceil(D / 8)}
+        specs["gs_jacobi"] = {"method": GSJacobi(block_size=math.ceil(D / 8)), "tol": TOL}
+        specs["jacobi_gs"] = {"method": JacobiGS(block_size=math.ceil(D / 8)), "tol": TOL}
 
     def runner(kw):
         return lambda: sample(model, n, noise=noise, **kw)

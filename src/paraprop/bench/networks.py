@@ -82,10 +82,10 @@ def variant_row(rec, images: torch.Tensor, times: torch.Tensor, blocks: list[ran
                 tol: float, exact_images: int) -> tuple[dict, dict]:
     """Convergence and the estimate of Jacobi-GS over ``blocks``; ``(row, curves)``."""
     system = rec.bind(images)
-    sol = trace(system, method="jacobi_gs", block_size=None, tol=tol, blocks=blocks)
+    sol = trace(system, method="jacobi_gs", tol=tol, blocks=blocks)
     st = sol.stats
     k = sol.iterations
-    exact = trace(rec.bind(images[:exact_images]), method="jacobi_gs", block_size=None,
+    exact = trace(rec.bind(images[:exact_images]), method="jacobi_gs",
                   tol=0.0, blocks=blocks)
     seq = float(times.sum())
     par = partition_time(times, blocks, k)

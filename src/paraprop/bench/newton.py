@@ -44,6 +44,7 @@ from paraprop.bench.plots import plt
 from paraprop.bench.report import markdown_table, text_table, write_results
 from paraprop.errors import NonFiniteError
 from paraprop.nn import GRU
+from paraprop.solvers import ELK
 
 DESCRIPTION = "Newton / quasi-Newton / ELK forward: GRU vs torch.nn.GRU (T, hidden); sine-wave GRU"
 
@@ -287,8 +288,9 @@ def _solve_row(rec, ref, T: int, method: str, damping: float | None, max_iters: 
            "max_iters": max_iters}
     t0 = time.perf_counter()
     try:
-        sol = paraprop.solve(rec, rec.zeros(), method=method, dim=-2, tol=SINE_TOL,
-                             max_iters=max_iters, damping=damping, throw=False)
+        solver = ELK(damping=damping) if method == "elk" else method
+        sol = paraprop.solve(rec, rec.zeros(), method=solver, dim=-2, tol=SINE_TOL,
+                             max_iters=max_iters, throw=False)
     except NonFiniteError as e:     # a diverged iterate overflowed the cell itself
         row.update(time_s=time.perf_counter() - t0, converged=False, note=f"NonFiniteError: {e}",
                    residuals=[])
@@ -326,8 +328,9 @@ def sine_section(cfg: Config, quick: bool) -> dict:
                 cap = cfg.sine_max_iters
                 if cfg.elk_seconds.get(T):   # a time cap per ELK solve, from a 2-step probe
                     p0 = time.perf_counter()
-                    paraprop.solve(rec, rec.zeros(), method="elk", dim=-2, tol=SINE_TOL,
-                                   max_iters=2, damping=lam, throw=False)
+                    paraprop.solve(rec, rec.zeros(), method=ELK(damping=lam), dim=-2,
+                                   tol=SINE_TOL,
+                                   max_iters=2, throw=False)
                     per = (time.perf_counter() - p0) / 2
                     cap = max(10, min(cap, int(cfg.elk_seconds[T] / per)))
                 runs.append(("elk", lam, cap))

@@ -20,6 +20,7 @@ from paraprop.bench.report import markdown_table, text_table, write_results
 from paraprop.models import PixelCNN
 from paraprop.sampling import sample
 from paraprop.sampling.pixelcnn import DEFAULT_BLOCK_ROWS, DEFAULT_WINDOW_ROWS
+from paraprop.solvers import GSJacobi, JacobiGS
 from paraprop.training.pixelcnn import pixel_data, train_pixelcnn
 
 SWEEP_REPEATS = 3  # at least this many timed runs per sweep row (after one warm-up run)
@@ -57,9 +58,9 @@ def table(model: PixelCNN, n: int, *, repeats: int, block_rows: int, window_rows
         "gs_jacobi": ("gs_jacobi", window_rows),
         "jacobi_gs": ("jacobi_gs", block_rows),
     }
-    results = {k: sample(model, n, method=m, noise=noise, block_size=b, tol=0)
+    results = {k: sample(model, n, method=_method(m, b), noise=noise, tol=0)
                for k, (m, b) in specs.items()}
-    runs = {k: (lambda m=m, b=b: sample(model, n, method=m, noise=noise, block_size=b, tol=0))
+    runs = {k: (lambda m=m, b=b: sample(model, n, method=_method(m, b), noise=noise, tol=0))
             for k, (m, b) in specs.items()}
     times = interleaved(runs, repeats=repeats, warmup=1, desc=desc)
     ref = results["sequential (no cache)"][0]
@@ -71,6 +72,13 @@ def table(model: PixelCNN, n: int, *, repeats: int, block_rows: int, window_rows
                      "evaluations": sol.evaluations, "time_s": t, "vs uncached": t_unc / t,
                      "vs cached": t_cac / t, "identical": bool(torch.equal(x, ref))})
     return rows, {k: v[0] for k, v in results.items()}
+
+
+def _method(name: str, rows: int | None):
+    """The method argument of :func:`sample`: a name, or a hybrid with its rows per block."""
+    if rows is None:
+        return name
+    return {"jacobi_gs": JacobiGS, "gs_jacobi": GSJacobi}[name](block_size=rows)
 
 
 def sweep(model: PixelCNN, n: int, sizes: list[int], *, repeats: int = SWEEP_REPEATS
@@ -85,10 +93,10 @@ def sweep(model: PixelCNN, n: int, sizes: list[int], *, repeats: int = SWEEP_REP
                 continue
             times = interleaved({
                 "cached": lambda: sample(model, n, method="sequential_cached", noise=noise),
-                method: lambda m=method, b=b: sample(model, n, method=m, noise=noise,
-                                                     block_size=b, tol=0)},
+                method: lambda m=method, b=b: sample(model, n, method=_method(m, b),
+                                                     noise=noise, tol=0)},
                 repeats=repeats, warmup=1, desc=f"{method} {b}")
-            _, sol = sample(model, n, method=method, noise=noise, block_size=b, tol=0)
+            _, sol = sample(model, n, method=_method(method, b), noise=noise, tol=0)
             t = median(times[method])
             rows.append({"method": method, "block_size": b, "iterations": sol.iterations,
                          "evaluations": sol.evaluations, "time_s": t,

@@ -17,7 +17,7 @@ from paraprop.layers.blocks import jacobi_gs_blocks
 from paraprop.layers.convert import as_recurrence
 from paraprop.layers.recurrence import LayerSystem
 from paraprop.solve import Solution, solve
-from paraprop.solvers import METHODS
+from paraprop.solvers import make_solver
 
 __all__ = ["METRICS", "evaluate", "max_abs", "top5_changes", "trace"]
 
@@ -62,16 +62,17 @@ def max_abs(output: torch.Tensor, reference: torch.Tensor) -> float:
 _METRIC_FNS = {"top5_changes": top5_changes, "max_abs": max_abs}
 
 
-def trace(system: LayerSystem, *, method: str, block_size: int | None, tol: float,
+def trace(system: LayerSystem, *, method, tol: float,
           norm: str = "max", max_iters: int | None = None, throw: bool = True,
           metric: str = "top5_changes", blocks=None) -> Solution:
     """Solve ``system`` and record the output error after every iteration.
 
     Arguments:
         system: a bound :class:`LayerSystem`; its ``reference`` is the sequential evaluation.
-        method, block_size, tol, norm, max_iters, throw: as for :func:`paraprop.solve`.
+        method, tol, norm, max_iters, throw: as for :func:`paraprop.solve` (a name or a solver
+            object).
         metric: ``"top5_changes"`` or ``"max_abs"``.
-        blocks: a partition of the states for ``method="jacobi_gs"`` instead of ``block_size``
+        blocks: a partition of the states for ``method="jacobi_gs"`` instead of a block size
             (solved by :func:`~paraprop.layers.jacobi_gs_blocks`).
 
     Returns:
@@ -87,7 +88,7 @@ def trace(system: LayerSystem, *, method: str, block_size: int | None, tol: floa
         The errors of :func:`paraprop.solve` or :func:`~paraprop.layers.jacobi_gs_blocks`.
 
     Example:
-        >>> sol = trace(as_recurrence(net).bind(x), method="jacobi", block_size=None, tol=1e-3)
+        >>> sol = trace(as_recurrence(net).bind(x), method="jacobi", tol=1e-3)
         >>> sol.stats["errors"]  # top-5 label changes after each iteration
 
     Song et al. 2021, §5.2 and Fig. 1d.
@@ -111,7 +112,7 @@ def trace(system: LayerSystem, *, method: str, block_size: int | None, tol: floa
                                throw=throw, callback=record)
     else:
         sol = solve(system, system.x0, method=method, dim=1, tol=tol, norm=norm,
-                    max_iters=max_iters, block_size=block_size, throw=throw, callback=record)
+                    max_iters=max_iters, throw=throw, callback=record)
     out = system.output(sol.value)
     settled = len(errors) + 1
     while settled > 1 and errors[settled - 2] == 0:
@@ -136,8 +137,7 @@ def evaluate(
     model,
     x: torch.Tensor,
     *,
-    method: str = "jacobi_gs",
-    block_size: int | None = None,
+    method="jacobi_gs",
     tol: float = 1e-4,
     norm: str = "max",
     metric: str = "top5_changes",
@@ -151,13 +151,14 @@ def evaluate(
         model: anything :func:`~paraprop.layers.as_recurrence` accepts (eval mode), or a
             :class:`~paraprop.layers.Recurrence`.
         x: the input batch (leading batch dim; samples stop independently).
-        method: any :func:`paraprop.solve` method: ``"jacobi_gs"`` (default; Algorithm 2),
-            ``"jacobi"``, ``"gs_jacobi"`` or ``"sequential"``.
-        block_size: states per block for the hybrid methods; ``None`` means 1 there (every state,
-            e.g. one dense layer with its two convolutions, is its own block, as in the paper's
-            DenseNet experiment) and nothing for the other methods.
-        tol: stop when the forward difference of the whole state (all layer outputs) is
-            ``<= tol``; ``0`` iterates to a bitwise fixed point, which is the sequential result.
+        method: any :func:`paraprop.solve` method, by name or as a solver object:
+            ``"jacobi_gs"`` (default; Algorithm 2), ``"jacobi"``, ``"gs_jacobi"`` or
+            ``"sequential"``. Here the names of the two hybrids mean blocks of one state (every
+            state, e.g. one dense layer with its two convolutions, is its own block, as in the
+            paper's DenseNet experiment); pass ``JacobiGS(block_size=k)`` for others.
+        tol: stop when the estimated error of the whole state (all layer outputs) is
+            ``<= tol`` (see :func:`paraprop.solve`); ``0`` iterates to a bitwise fixed point,
+            which is the sequential result.
             Every method stops at its exactness bound anyway.
         norm: ``"max"`` or ``"l2"`` (of the forward difference, per sample).
         metric: the error recorded per iteration against the sequential output:
@@ -165,7 +166,7 @@ def evaluate(
             ``"max_abs"``.
         max_iters, throw: as for :func:`paraprop.solve`.
         blocks: for ``method="jacobi_gs"``, any partition of the states into contiguous blocks
-            instead of ``block_size`` (e.g. :func:`~paraprop.layers.balanced_blocks` of the
+            instead of equal ones (e.g. :func:`~paraprop.layers.balanced_blocks` of the
             per-state times), solved by :func:`~paraprop.layers.jacobi_gs_blocks` (Algorithm 2).
 
     Returns:
@@ -191,20 +192,19 @@ def evaluate(
     """
     if metric not in METRICS:
         raise ValueError(f"unknown metric={metric!r}; choose one of {', '.join(METRICS)}")
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"unknown method={method!r}; choose one of {', '.join(METHODS)}")
+    solver = make_solver(method)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if blocks is not None and (method != "jacobi_gs" or block_size is not None):
-        raise ValueError(f"blocks is only used by method='jacobi_gs' without block_size, got "
-                         f"method={method!r}, block_size={block_size!r}")
-    if block_size is None and blocks is None and method in ("jacobi_gs", "gs_jacobi"):
-        block_size = 1
+    if blocks is not None and method != "jacobi_gs":
+        raise ValueError(f"blocks is only used by method='jacobi_gs' (by name), got "
+                         f"method={method!r}")
+    if isinstance(method, str) and method in ("jacobi_gs", "gs_jacobi"):
+        solver = type(solver)(block_size=1)
     rec = as_recurrence(model)
     system = rec.bind(x)
     if metric == "top5_changes" and system.reference[-1].dim() != 2:
         raise ValueError(f"metric='top5_changes' needs network outputs shaped (batch, classes), "
                          f"got {tuple(system.reference[-1].shape)}; use metric='max_abs'")
-    sol = trace(system, method=method, block_size=block_size, tol=tol, norm=norm,
+    sol = trace(system, method=solver, tol=tol, norm=norm,
                 max_iters=max_iters, throw=throw, metric=metric, blocks=blocks)
     return system.output(sol.value), sol

@@ -67,10 +67,14 @@ def solve_layer(cfg: dict, adapter, x: torch.Tensor, h0: torch.Tensor) -> torch.
     :func:`paraprop.solve` on the layer's :class:`paraprop.Recurrence` (no graph)."""
     from paraprop.recurrence import Recurrence
     from paraprop.solve import solve
+    from paraprop.solvers import SOLVERS
 
     rec = Recurrence(adapter, x.transpose(0, 1), h0)
-    sol = solve(rec, rec.zeros(), method=cfg["forward"], dim=-2, tol=cfg["forward_tol"],
-                max_iters=cfg["forward_max_iters"], damping=cfg["damping"])
+    method = cfg["forward"]
+    if cfg["damping"] is not None:
+        method = SOLVERS[method](damping=cfg["damping"])
+    sol = solve(rec, rec.zeros(), method=method, dim=-2, tol=cfg["forward_tol"],
+                max_iters=cfg["forward_max_iters"])
     st = sol.stats
     cfg["forward_stats"].setdefault("iterations", []).append(sol.iterations)
     cfg["forward_stats"].setdefault("residual", []).append(

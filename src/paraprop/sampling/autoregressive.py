@@ -13,12 +13,14 @@ import time
 import torch
 
 from paraprop.solve import Solution, _normalise_dims, solve
+from paraprop.solvers import is_solver
 
-SAMPLING_METHODS = ("sequential", "jacobi", "jacobi_gs", "gs_jacobi", "fixed_passes")
+SAMPLING_METHODS = ("sequential", "jacobi", "jacobi_gs", "gs_jacobi", "sliding_jacobi",
+                    "fixed_passes")
 
 
-def sample(model, n: int, *, method: str = "jacobi", tol: float = 1e-5, noise=None,
-           generator: torch.Generator | None = None, block_size: int | None = None,
+def sample(model, n: int, *, method="jacobi", tol: float = 1e-5, noise=None,
+           generator: torch.Generator | None = None,
            max_iters: int | None = None, throw: bool = True) -> tuple[torch.Tensor, Solution]:
     """Draw ``n`` samples from an autoregressive ``model``.
 
@@ -29,19 +31,21 @@ def sample(model, n: int, *, method: str = "jacobi", tol: float = 1e-5, noise=No
             :class:`paraprop.models.MADE`.
         n: number of samples.
         method: ``"sequential"`` (ancestral sampling), ``"jacobi"``, ``"jacobi_gs"``,
-            ``"gs_jacobi"``, or ``"fixed_passes"`` (``D`` Jacobi passes without a stop: what the
-            flow libraries do today). A model may provide its own implementations (and extra
-            methods) through ``model.samplers()``, a dict of
-            ``name -> f(noise, *, block_size, tol, max_iters, throw)``;
-            :class:`paraprop.models.PixelCNN` does, with cached samplers.
-        tol: forward-difference tolerance of the iterative methods (``0``: bitwise fixed point).
+            ``"gs_jacobi"``, ``"sliding_jacobi"``, a configured solver object of
+            :mod:`paraprop.solvers` (e.g. ``JacobiGS(block_size=8)``), or ``"fixed_passes"``
+            (``D`` Jacobi passes without a stop: what the flow libraries do today). A model may
+            provide its own implementations (and extra methods) through ``model.samplers()``, a
+            dict of ``name -> f(noise, *, block_size, tol, max_iters, throw)``;
+            :class:`paraprop.models.PixelCNN` does, with cached samplers (a solver object's
+            ``block_size`` is passed on as the rows per block or window).
+        tol: the error bound of the iterative methods (see :func:`paraprop.solve`; ``0``:
+            bitwise fixed point).
             Not used by ``"sequential"``, ``"sequential_cached"`` and ``"fixed_passes"`` (they
             are exact by construction). For the discrete PixelCNN any ``tol`` below the grid
             step ``2 / (levels - 1)`` means "stop when no pixel changes" (the exact image).
         noise: the noise to use (shape ``model.noise_shape(n)``); drawn with ``generator`` if
             ``None``. The same noise gives the same sample with every method.
         generator: random generator for the noise.
-        block_size: block length of the hybrid methods.
         max_iters: iteration cap (default: the method's exactness bound); for the PixelCNN's
             ``gs_jacobi`` a cap on the sweeps of each window. ``"fixed_passes"`` and
             ``"sequential_cached"`` refuse it (``ValueError``).
@@ -63,6 +67,13 @@ def sample(model, n: int, *, method: str = "jacobi", tol: float = 1e-5, noise=No
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
     special = model.samplers() if callable(getattr(model, "samplers", None)) else {}
+    solver, block_size = None, None
+    if is_solver(method):
+        solver, block_size = method, getattr(method, "block_size", None)
+        method = method.name
+    elif not isinstance(method, str):
+        raise TypeError("method must be a method name or a solver object from "
+                        f"paraprop.solvers, got {type(method).__name__}")
     if method not in SAMPLING_METHODS and method not in special:
         known = dict.fromkeys([*SAMPLING_METHODS, *special])
         raise ValueError(f"unknown method={method!r}; choose one of {', '.join(known)}")
@@ -83,8 +94,8 @@ def sample(model, n: int, *, method: str = "jacobi", tol: float = 1e-5, noise=No
                                  f"passes), got max_iters={max_iters!r}")
             sol = _fixed_passes(system)
         else:
-            sol = solve(system, system.x0, method=method, dim=system.dim, tol=tol,
-                        block_size=block_size, max_iters=max_iters, throw=throw)
+            sol = solve(system, system.x0, method=solver or method, dim=system.dim, tol=tol,
+                        max_iters=max_iters, throw=throw)
     return system.to_data(sol.value), sol
 
 
@@ -99,4 +110,4 @@ def _fixed_passes(system) -> Solution:
     return Solution(value=x, method="fixed_passes", iterations=T, evaluations=T,
                     converged=True, residuals=torch.empty(0, dtype=torch.float64),
                     stats={"positions": T * T, "sequential_steps": T, "bound": T, "T": T,
-                           "block_size": None, "time_s": time.perf_counter() - start})
+                           "error_estimate": 0.0, "time_s": time.perf_counter() - start})

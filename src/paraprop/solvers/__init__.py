@@ -1,31 +1,52 @@
-"""Solvers of nonlinear triangular systems, one small class per method.
+"""Solvers of nonlinear triangular systems: one small class per method, carrying its settings.
+
+Pass a name (defaults apply) or a configured object as ``method`` to :func:`paraprop.solve`::
+
+    paraprop.solve(fn, x0, method="jacobi")
+    paraprop.solve(fn, x0, method=JacobiGS(block_size=4))
+    paraprop.solve(rec, x0, method=ELK(damping=1e-3), dim=-2)
 
 Each class has ``bound(system)`` (iterations that guarantee the exact result), ``init`` and
-``step``; the shared driver in :mod:`paraprop.solve` owns the loop.
+``step``; the one driver in :mod:`paraprop.solve` owns the loop, and the stopping rules live in
+:mod:`paraprop.solvers.stopping`.
 """
 
 from paraprop.solvers.gs_jacobi import GSJacobi
 from paraprop.solvers.jacobi import Jacobi
 from paraprop.solvers.jacobi_gs import JacobiGS
-from paraprop.solvers.newton import Newton
+from paraprop.solvers.newton import ELK, Newton, QuasiELK, QuasiNewton
 from paraprop.solvers.sequential import Sequential
+from paraprop.solvers.sliding import SlidingJacobi
 
+SOLVERS = {cls.name: cls for cls in (Sequential, Jacobi, JacobiGS, GSJacobi, SlidingJacobi,
+                                     Newton, QuasiNewton, ELK, QuasiELK)}
+METHODS = tuple(SOLVERS)
 NEWTON_METHODS = ("newton", "quasi_newton", "elk", "quasi_elk")
-METHODS = ("sequential", "jacobi", "jacobi_gs", "gs_jacobi", *NEWTON_METHODS)
 
 
-def make_solver(method: str, block_size: int | None = None, damping: float | None = None):
-    """The solver object for ``method`` (arguments already validated by ``solve``)."""
-    if method in NEWTON_METHODS:
-        return Newton(method, damping)
-    if method == "sequential":
-        return Sequential()
-    if method == "jacobi":
-        return Jacobi()
-    if method == "jacobi_gs":
-        return JacobiGS(block_size)
-    return GSJacobi(block_size)
+def is_solver(obj) -> bool:
+    """Whether ``obj`` follows the solver protocol (``name``, ``bound``, ``init``, ``step``)."""
+    return all(callable(getattr(obj, a, None)) for a in ("bound", "init", "step")) and \
+        isinstance(getattr(obj, "name", None), str)
 
 
-__all__ = ["METHODS", "NEWTON_METHODS", "GSJacobi", "Jacobi", "JacobiGS", "Newton", "Sequential",
+def make_solver(method, *, argument: str = "method", names=METHODS):
+    """The solver object for ``method``: a name from ``names`` (defaults apply) or an object
+    following the solver protocol (returned as is)."""
+    if isinstance(method, str):
+        if method not in names:
+            raise ValueError(f"unknown {argument}={method!r}; choose one of {', '.join(names)}, "
+                             "or pass a solver object from paraprop.solvers")
+        return SOLVERS[method]()
+    if is_solver(method):
+        if method.name not in names:
+            raise ValueError(f"{argument}={method!r} is not supported here; choose one of "
+                             f"{', '.join(names)}")
+        return method
+    raise TypeError(f"{argument} must be a method name or a solver object from paraprop.solvers,"
+                    f" got {type(method).__name__}")
+
+
+__all__ = ["ELK", "METHODS", "NEWTON_METHODS", "SOLVERS", "GSJacobi", "Jacobi", "JacobiGS",
+           "Newton", "QuasiELK", "QuasiNewton", "Sequential", "SlidingJacobi", "is_solver",
            "make_solver"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paraprop.errors import NonFiniteError, NotTriangularError
+from paraprop.solvers.stopping import ContractionRule
 
 
 class System:
@@ -39,6 +40,8 @@ class System:
         self.T = math.prod(self.pos_shape)
         self.F = math.prod(self.feature_shape)
         self.fast = callable(getattr(fn, "update", None))
+        self.windowed = callable(getattr(fn, "window", None))
+        self.cache = None  # fn.window's cache of the frozen prefix, kept between calls
         self.evaluations = 0
         self.positions = 0
         self.iteration = 0  # set by the driver, used in error messages
@@ -79,6 +82,28 @@ class System:
         self.positions += index.numel()
         return y.reshape(self.B, index.numel(), self.F)
 
+    def window(self, xc: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Positions ``[start, stop)`` (flat) of ``fn(x)``, shape ``(B, stop - start, F)``.
+
+        The cached-prefix protocol: with ``fn.window(x, start, stop, cache)`` the driver promises
+        that the positions ``< start`` of ``x`` are final, and passes back the cache ``fn``
+        returned last time (``None`` at first); ``fn`` returns ``(values, cache)``. Without it,
+        ``fn.update`` (or a full evaluation) computes the window.
+        """
+        n = stop - start
+        if not self.windowed:
+            return self.update(xc, torch.arange(start, stop, device=xc.device))
+        out = self.fn.window(self.user(xc), start, stop, self.cache)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError("fn.window(x, start, stop, cache) must return a tuple (values, "
+                            f"cache), got {type(out).__name__}")
+        y, self.cache = out
+        expected = torch.Size((*self.batch_shape, n, *self.feature_shape))
+        self._check_output(y, expected, "fn.window(x, start, stop, cache)")
+        self.evaluations += 1
+        self.positions += n
+        return y.reshape(self.B, n, self.F)
+
     def _check_output(self, y, shape, what: str) -> None:
         if not isinstance(y, torch.Tensor):
             raise TypeError(f"fn: {what} must return a torch.Tensor, got {type(y).__name__}")
@@ -115,22 +140,35 @@ class State:
     x: torch.Tensor  # (B, T, F), owned by the solver
     active: torch.Tensor  # (B,) bool: samples still iterating
     sample_iterations: torch.Tensor  # (B,) long: sweeps each sample took part in
-    residual: float = math.inf  # forward difference of the last iteration (max over samples)
+    residual: float = math.inf  # convergence measure of the last iteration (max over samples)
     finished: bool = False
     extra: dict = field(default_factory=dict)
+    rule: ContractionRule | None = None  # the per-sample contraction estimate
+    estimate: torch.Tensor | None = None  # (B,) float64: error estimate where a sample stopped
+
+    def __post_init__(self):
+        B, device = self.active.shape[0], self.active.device
+        if self.rule is None:
+            self.rule = ContractionRule(B, device)
+        if self.estimate is None:
+            self.estimate = torch.zeros(B, dtype=torch.float64, device=device)
 
 
 def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, tol: float,
-           norm: str, exact: int = 0) -> None:
+           norm: str, exact: int = 0, budget: float | None = None) -> None:
     """Write ``new`` into positions ``[lo, hi)`` of the active samples, with per-sample stopping.
 
     Arguments:
         system, state: the system and the solver state (``state.x`` is updated in place).
         lo, hi: the positions ``new`` holds (canonical layout ``(B, hi - lo, F)``).
-        tol, norm: a sample whose forward difference is ``<= tol`` stops; its values are frozen.
+        tol, norm: a sample stops when the contraction estimate of its error
+            (:class:`~paraprop.solvers.stopping.ContractionRule`) and its forward difference are
+            ``<= tol``, or when it did not move at all; its values are then frozen.
         exact: the first ``exact`` positions of ``[lo, hi)`` are final already. For an
             autoregressive ``fn`` they cannot move (Song et al. 2021, Prop. 1-2), so a change
             larger than ``tol`` there proves that ``fn`` is not triangular.
+        budget: the bound the error estimate must meet (default ``tol``; windowed methods pass
+            their share of it).
     """
     old = state.x[:, lo:hi]
     d = new - old
@@ -155,8 +193,10 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
     else:
         res = torch.where(active, res, torch.zeros_like(res))
         old.copy_(torch.where(active[:, None, None], new, old))
+    stop, est = state.rule.update(res, tol, active, budget)
     state.sample_iterations += active.long()
-    state.active = active & ~(res <= tol)
+    state.estimate = torch.where(stop, est, state.estimate)
+    state.active = active & ~stop
     state.residual = float(res.max())
 
 

@@ -6,41 +6,63 @@ import math
 
 import torch
 
+from paraprop.solvers._settings import positive_int_or_none
 from paraprop.solvers.base import State, System, accept, verify_fixed_point
 
 
 class GSJacobi:
-    """Blocks of ``block_size`` positions are solved in order; the current block is iterated
-    by Jacobi (one call of ``fn``, or of ``fn.update`` with the block's positions, per sweep)
-    until its forward difference is ``<= tol`` or it has had as many sweeps as positions, then
-    frozen. Each block needs at most ``block_size`` sweeps, so at most ``T`` sweeps in all
-    (Song et al. 2021, Proposition 2). Per-sample stopping applies inside each block.
+    """Blocks of ``block_size`` positions solved in order (Song et al. 2021, Algorithm 3).
+
+    The current block is iterated by Jacobi (one call of ``fn``, or of ``fn.update`` with the
+    block's positions, per sweep) until the contraction estimate of its error is within its share
+    of ``tol`` (``tol * len(block) / T``: the frozen blocks' errors add up along the sequence) or
+    it has had as many sweeps as positions, then frozen. Each block needs at most ``block_size``
+    sweeps, so at most ``T`` sweeps in all (Proposition 2). Per-sample stopping applies inside
+    each block.
+
+    Arguments:
+        block_size: positions per block; ``None``: ``ceil(sqrt(T))``.
     """
 
     name = "gs_jacobi"
 
-    def __init__(self, block_size: int):
-        self.block_size = block_size
+    def __init__(self, block_size: int | None = None):
+        self.block_size = positive_int_or_none("block_size", block_size, "GSJacobi")
+
+    def __repr__(self) -> str:
+        return f"GSJacobi(block_size={self.block_size!r})"
+
+    def size(self, system: System) -> int:
+        bs = self.block_size or math.ceil(math.sqrt(system.T))
+        return min(bs, system.T)
 
     def bound(self, system: System) -> int:
         return system.T
 
     def init(self, system: System, state: State) -> None:
-        state.extra.update(block=0, sweep=0, blocks=math.ceil(system.T / self.block_size))
+        bs = self.size(system)
+        state.extra.update(block=0, sweep=0, blocks=math.ceil(system.T / bs), bs=bs,
+                           stats={"block_size": bs})
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
         e = state.extra
-        lo = e["block"] * self.block_size
-        hi = min(system.T, lo + self.block_size)
+        lo = e["block"] * e["bs"]
+        hi = min(system.T, lo + e["bs"])
         index = torch.arange(lo, hi, device=state.x.device)
         vals = system.update(state.x, index)
         system.check_finite(vals, index)
         e["sweep"] += 1
-        accept(system, state, lo, hi, vals, tol, norm, exact=e["sweep"] - 1)
+        accept(system, state, lo, hi, vals, tol, norm, exact=e["sweep"] - 1,
+               budget=tol * (hi - lo) / system.T)
         if e["sweep"] >= hi - lo and bool(state.active.any()):  # block bound, still moving
             verify_fixed_point(system, state, lo, system.update(state.x, index), tol)
         if e["sweep"] >= hi - lo or not bool(state.active.any()):
             e["block"] += 1
             e["sweep"] = 0
+            e.setdefault("estimates", []).append(state.estimate.clone())
+            state.estimate.zero_()
             state.active[:] = True  # every sample starts the next block
+            state.rule.reset()
             state.finished = e["block"] == e["blocks"]
+            if state.finished:  # the frozen blocks' estimates add up along the sequence
+                state.estimate = torch.stack(e["estimates"]).sum(0)

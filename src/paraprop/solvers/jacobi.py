@@ -6,15 +6,26 @@ from paraprop.solvers.base import State, System, accept, verify_fixed_point
 
 
 class Jacobi:
-    """``x_k = fn(x_{k-1})``, one call of ``fn`` per sweep.
+    """``x_k = fn(x_{k-1})``, one call of ``fn`` per sweep (Song et al. 2021, Algorithm 1).
 
-    After sweep ``k`` the positions ``< k`` equal the sequential result exactly (Song et al. 2021,
-    Proposition 1), so at most ``T`` sweeps are needed, and a position ``< k - 1`` that still moves
-    at sweep ``k`` proves that ``fn`` is not triangular. If sweep ``T`` still moved a sample, one
+    After sweep ``k`` the positions ``< k`` equal the sequential result exactly (Proposition 1),
+    so at most ``T`` sweeps are needed, and a position ``< k - 1`` that still moves at sweep
+    ``k`` proves that ``fn`` is not triangular. A sample stops early on the contraction estimate
+    of its error (:mod:`paraprop.solvers.stopping`). If sweep ``T`` still moved a sample, one
     more evaluation checks that the result is a fixed point.
+
+    Example:
+        >>> W = torch.randn(6, 6).tril(-1)
+        >>> sol = paraprop.solve(lambda x: torch.tanh(x @ W.T), torch.zeros(6),
+        ...                      method=paraprop.solvers.Jacobi(), tol=0)
+        >>> sol.iterations <= 6
+        True
     """
 
     name = "jacobi"
+
+    def __repr__(self) -> str:
+        return "Jacobi()"
 
     def bound(self, system: System) -> int:
         return system.T

@@ -22,9 +22,11 @@ the diagonal Jacobians of ``"quasi_newton"`` (quasi-ELK: elementwise, as cheap a
 Guarantees shared by the three (and by Jacobi): after iteration ``k`` the positions ``< k`` hold
 the sequential result, because position ``k - 1`` is set to ``fn(x)_{k-1}``, computed from an
 exact prefix. Those positions are frozen and the work shrinks to the suffix, so at most ``T``
-iterations are needed. A sample stops when its residual ``|fn(x) - x|`` is ``<= tol`` and keeps
-``fn(x)``. A step that overflows (Newton can diverge) is replaced by the Jacobi update for that
-sample and counted in ``stats["resets"]``; it never reaches the result.
+iterations are needed. A sample stops on an estimate of its error, never on the residual
+``|fn(x) - x|`` (which does not bound it): exact Newton on the size of its step, the others on
+the contraction of successive steps (:mod:`paraprop.solvers.stopping`). A step that overflows
+(Newton can diverge) is replaced by the Jacobi update for that sample and counted in
+``stats["resets"]``; it never reaches the result.
 """
 
 from __future__ import annotations
@@ -33,27 +35,41 @@ import torch
 
 from paraprop.errors import NonFiniteError, NotTriangularError
 from paraprop.scan import linear_recurrence
+from paraprop.solvers._settings import positive_float
 from paraprop.solvers.base import State, System, verify_fixed_point
 
 FORMS = {"newton": "any", "quasi_newton": "diag", "elk": "dense", "quasi_elk": "diag"}
 DEFAULT_DAMPING = 1e-2
 
 
-class Newton:
-    """One class for ``"newton"``, ``"quasi_newton"`` and ``"elk"`` (see the module doc)."""
+class _NewtonFamily:
+    """The shared implementation of :class:`Newton`, :class:`QuasiNewton`, :class:`ELK` and
+    :class:`QuasiELK` (see the module doc).
 
-    def __init__(self, name: str, damping: float | None = None):
-        self.name = name
-        self.form = FORMS[name]
-        self.damping = DEFAULT_DAMPING if damping is None else float(damping)
-        self.damped = name in ("elk", "quasi_elk")
+    Stopping: exact Newton stops a sample when its step ``||delta||`` is ``<= tol`` (the step
+    is the linearised error of the iterate, accumulation included). The approximate and damped
+    steps estimate the error by the contraction of successive steps
+    (:class:`~paraprop.solvers.stopping.ContractionRule`).
+    """
+
+    name = "newton"
+    damped = False
+
+    def __init__(self, damping: float | None = None):
+        self.form = FORMS[self.name]
+        self.damping = (DEFAULT_DAMPING if damping is None
+                        else positive_float("damping", damping, type(self).__name__))
+
+    def __repr__(self) -> str:
+        extra = f"damping={self.damping!r}" if self.damped else ""
+        return f"{type(self).__name__}({extra})"
 
     def bound(self, system: System) -> int:
         return system.T
 
     def init(self, system: System, state: State) -> None:
-        self.access = _access(system)
         ex = state.extra
+        ex["access"] = _access(system)
         ex["lo"] = 0                # positions < lo are exact for every active sample
         ex["stats"] = {"resets": 0, "jacobian": self.form}
         if self.damped:
@@ -61,10 +77,11 @@ class Newton:
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
         ex = state.extra
+        access = ex["access"]
         lo, T, x, act = ex["lo"], system.T, state.x, state.active
-        y, J = self.access.linearize(x, lo, self.form, state, tol)
-        if not self.access.markov:
-            ex["stats"]["jvps"] = self.access.jvps
+        y, J = access.linearize(x, lo, self.form, state, tol)
+        if not access.markov:
+            ex["stats"]["jvps"] = access.jvps
         try:
             system.check_finite(y, torch.arange(lo, T, device=y.device))
         except NonFiniteError as e:
@@ -73,37 +90,40 @@ class Newton:
             raise NonFiniteError(f"{e}; the iterate came from a {self.name} step, which can "
                                  "diverge: try method='elk' (damped) or 'jacobi'") from None
         r = y - x[:, lo:]
-        if norm == "max":
-            res = r.abs().amax(dim=(1, 2))
-        else:
-            res = torch.linalg.vector_norm(r.reshape(r.shape[0], -1), dim=1)
-        res = torch.where(act, res, torch.zeros_like(res))
-        done = act & (res <= tol)
-        cont = act & ~done
         state.sample_iterations += act.long()
-        state.residual = float(res.max())
         seg = x[:, lo:]
-        if bool(cont.any()):
-            if self.damped:
-                trial = self._elk(x, r, J, lo)
-            else:
-                trial = linear_recurrence(J, r).add_(seg)
-            bad = _non_finite_rows(trial) & cont
-            if bool(bad.any()):     # a diverging step: the Jacobi update keeps the guarantees
-                ex["stats"]["resets"] += int(bad.sum())
-                trial = torch.where(bad[:, None, None], y, trial)
-            trial[:, 0] = y[:, 0]   # exact: computed from the exact prefix
-            if bool(cont.all()):
-                seg.copy_(trial)
-            else:
-                seg.copy_(torch.where(cont[:, None, None], trial,
-                                      torch.where(done[:, None, None], y, seg)))
-        elif bool(done.any()):
-            seg.copy_(torch.where(done[:, None, None], y, seg))
+        if self.damped:
+            trial = self._elk(x, r, J, lo)
+        else:
+            trial = linear_recurrence(J, r).add_(seg)
+        bad = _non_finite_rows(trial) & act
+        if bool(bad.any()):     # a diverging step: the Jacobi update keeps the guarantees
+            ex["stats"]["resets"] += int(bad.sum())
+            trial = torch.where(bad[:, None, None], y, trial)
+        trial[:, 0] = y[:, 0]   # exact: computed from the exact prefix
+        delta = trial - seg
+        if norm == "max":
+            size = delta.abs().amax(dim=(1, 2))
+        else:
+            size = torch.linalg.vector_norm(delta.reshape(delta.shape[0], -1), dim=1)
+        size = torch.where(act, size, torch.zeros_like(size)).to(torch.float64)
+        if bool(act.all()):
+            seg.copy_(trial)
+        else:
+            seg.copy_(torch.where(act[:, None, None], trial, seg))
+        if self.form == "any" and not self.damped and access.markov:
+            stop = act & (size <= tol) & ~bad
+            est = size
+        else:
+            stop, est = state.rule.update(size, tol, act)
+            stop = stop & ~bad
+        state.estimate = torch.where(stop, est, state.estimate)
+        state.residual = float(size.max())
+        cont = act & ~stop
         state.active = cont
         ex["lo"] = lo + 1
         state.finished = not bool(cont.any()) or lo + 1 >= T
-        if lo + 1 >= T and bool(cont.any()) and not self.access.markov:
+        if lo + 1 >= T and bool(cont.any()) and not access.markov:
             verify_fixed_point(system, state, 0, system.evaluate(state.x), tol)
 
     def _elk(self, x, r, J, lo):
@@ -306,4 +326,49 @@ def _access(system: System):
     return _FullAccess(system)
 
 
-__all__ = ["FORMS", "Newton"]
+class Newton(_NewtonFamily):
+    """DEER (Lim et al. 2023): Newton's method with the exact Jacobians ``d fn_t / d x_{t-1}``,
+    one parallel linear recurrence per iteration; quadratic convergence. Stops on the size of
+    the Newton step."""
+
+    name = "newton"
+
+    def __init__(self):
+        super().__init__()
+
+
+class QuasiNewton(_NewtonFamily):
+    """Quasi-DEER (Gonzalez et al. 2024): the diagonals of the Jacobians only (an elementwise
+    recurrence, cheaper per iteration, linear convergence). Stops on the contraction estimate of
+    its steps."""
+
+    name = "quasi_newton"
+
+    def __init__(self):
+        super().__init__()
+
+
+class ELK(_NewtonFamily):
+    """ELK (Gonzalez et al. 2024): the Newton step damped by a Kalman filter whose states are
+    observed at zero with precision ``damping`` (lambda); ``damping -> 0`` is Newton.
+
+    Arguments:
+        damping: lambda ``> 0`` (default ``1e-2``).
+    """
+
+    name = "elk"
+    damped = True
+
+
+class QuasiELK(_NewtonFamily):
+    """Quasi-ELK: ELK's filter on the diagonal Jacobians of :class:`QuasiNewton`.
+
+    Arguments:
+        damping: lambda ``> 0`` (default ``1e-2``).
+    """
+
+    name = "quasi_elk"
+    damped = True
+
+
+__all__ = ["ELK", "FORMS", "Newton", "QuasiELK", "QuasiNewton"]

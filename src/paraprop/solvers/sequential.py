@@ -17,6 +17,9 @@ class Sequential:
 
     name = "sequential"
 
+    def __repr__(self) -> str:
+        return "Sequential()"
+
     def bound(self, system: System) -> int:
         return system.T
 

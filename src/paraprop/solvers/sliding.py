@@ -1,0 +1,125 @@
+"""Sliding-window Jacobi: Jacobi on a window of positions that advances past the final ones.
+
+Song et al. (2021) sample PixelCNN++ with GS-Jacobi over a sliding window of rows; ParaDiGMS
+(Shih et al. 2023) slides a window of denoising steps. Both iterate Jacobi on the positions
+``[start, start + window)`` only and move ``start`` past the leading positions that are done.
+Here "done" is certified, not guessed:
+
+* after a sweep, position ``p`` (the first one not yet final) is exact, since it was computed
+  from final positions only; so is every following position whose value did not change in the
+  sweep, and the one after that run (by induction: a position computed from final, unchanged
+  inputs is final). With ``tol=0`` only these are frozen, and the result is the sequential one
+  in at most ``T`` sweeps;
+* with ``tol > 0`` the window may also freeze leading positions whose contraction estimate
+  (:mod:`paraprop.solvers.stopping`) fits the freeze's share ``tol * m / T`` of the tolerance.
+
+``fn`` computes only the window through ``fn.window(x, start, stop, cache)`` (the cached-prefix
+protocol of :meth:`paraprop.solvers.base.System.window`) or ``fn.update(x, index)``; otherwise
+each sweep evaluates every position and keeps the window's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paraprop.solvers._settings import positive_int_or_none
+from paraprop.solvers.base import State, System
+from paraprop.solvers.stopping import freeze_budget
+
+
+class SlidingJacobi:
+    """Jacobi over a sliding window of ``window`` positions (see the module doc).
+
+    Arguments:
+        window: positions iterated at once (``None``: 64); ``1`` is sequential evaluation,
+            ``T`` is Jacobi restricted to the positions not yet final.
+
+    Counters: ``stats["positions"]`` (positions computed) and ``iterations`` (parallel sweeps).
+    It does not check that ``fn`` is triangular (run ``"jacobi"`` for that).
+
+    Example:
+        >>> W = torch.randn(16, 16).tril(-1) * 0.3
+        >>> fn = lambda x: torch.tanh(x @ W.T + 1)
+        >>> sol = paraprop.solve(fn, torch.zeros(16), method=paraprop.solvers.SlidingJacobi(4),
+        ...                      tol=0)
+        >>> ref = paraprop.solve(fn, torch.zeros(16), method="sequential")
+        >>> bool((sol.value - ref.value).abs().max() < 1e-6)
+        True
+    """
+
+    name = "sliding_jacobi"
+    DEFAULT_WINDOW = 64
+
+    def __init__(self, window: int | None = None):
+        self.window = positive_int_or_none("window", window, "SlidingJacobi")
+
+    def __repr__(self) -> str:
+        return f"SlidingJacobi(window={self.window!r})"
+
+    def size(self, system: System) -> int:
+        return min(self.window or self.DEFAULT_WINDOW, system.T)
+
+    def bound(self, system: System) -> int:
+        return system.T
+
+    def init(self, system: System, state: State) -> None:
+        B, T = system.B, system.T
+        dev = state.x.device
+        state.extra.update(
+            final=torch.zeros(B, dtype=torch.long, device=dev),  # positions < final are final
+            d_prev=torch.full((B, T), float("nan"), dtype=torch.float64, device=dev),
+            stats={"window": self.size(system)},
+        )
+
+    def step(self, system: System, state: State, tol: float, norm: str) -> None:
+        e = state.extra
+        final, T = e["final"], system.T
+        act = final < T
+        start = int(final[act].min()) if bool(act.any()) else T
+        stop = min(T, start + self.size(system))
+        n = stop - start
+        vals = system.window(state.x, start, stop)
+        system.check_finite(vals, torch.arange(start, stop, device=vals.device))
+        old = state.x[:, start:stop]
+        pos = torch.arange(start, stop, device=vals.device)
+        # only positions that are not final yet (recomputing a final one may differ by rounding)
+        writable = (pos[None, :] >= final[:, None]) & act[:, None]          # (B, n)
+        d = (vals - old).abs()
+        d_pos = (d.amax(dim=2) if norm == "max" else d.pow(2).sum(2).sqrt()).to(torch.float64)
+        d_pos = torch.where(writable, d_pos, torch.zeros_like(d_pos))
+        old.copy_(torch.where(writable[:, :, None], vals, old))
+
+        # certified: the first writable position, plus a leading run of unchanged ones, plus one
+        off = (final - start).clamp(min=0)                                  # (B,)
+        rel = torch.arange(n, device=vals.device)[None, :] - off[:, None]   # position - final
+        unchanged = (d_pos == 0) | (rel < 0)
+        run = torch.where(unchanged, 0, 1).cumsum(1)                        # changes so far
+        first_change = (run == 0).sum(1)                                    # leading unchanged
+        exact_to = torch.minimum(torch.maximum(first_change + 1, off + 1),
+                                 torch.full_like(off, n))
+        new_final = start + exact_to
+        if tol > 0:   # estimated: contraction of each position over the last two sweeps
+            prev = e["d_prev"][:, start:stop]
+            rate = d_pos / prev
+            est = torch.where(rate < 1, rate / (1 - rate) * d_pos,
+                              torch.full_like(d_pos, float("inf")))
+            est = torch.where(d_pos == 0, torch.zeros_like(est), est)
+            est = torch.where(d_pos <= tol, est, torch.full_like(est, float("inf")))
+            # candidates: the positions from new_final on
+            shift = (new_final - start)
+            idx = (torch.arange(n, device=vals.device)[None, :] + shift[:, None]).clamp(max=n - 1)
+            cand = est.gather(1, idx)
+            cand = torch.where(torch.arange(n, device=vals.device)[None, :] + shift[:, None] < n,
+                               cand, torch.full_like(cand, float("inf")))
+            m = freeze_budget(cand, tol, T)
+            if bool((m > 0).any()):
+                ok = torch.arange(n, device=vals.device)[None, :] < m[:, None]
+                worst = torch.where(ok, cand, torch.zeros_like(cand)).amax(1)
+                state.estimate = state.estimate + torch.where(act, worst, 0.0)
+            new_final = new_final + m
+            e["d_prev"][:, start:stop] = d_pos
+        e["final"] = torch.where(act, torch.maximum(final, new_final), final)
+        state.sample_iterations += act.long()
+        state.active = e["final"] < T
+        state.residual = float(d_pos.max()) if n else 0.0
+        state.finished = not bool(state.active.any())

@@ -1,0 +1,90 @@
+"""Stopping rules that bound the error, not the last step.
+
+A rule that stops when the last step is small (``||x_k - x_{k-1}|| <= tol``) is wrong for maps
+that accumulate small steps: on ``h_t = h_{t-1} + tanh(W h_{t-1} + b) / T`` every Jacobi sweep
+moves the iterate by about ``1 / T``, so that rule stops after one sweep with an error of almost
+the whole answer. paraprop's rules estimate the distance to the exact (sequential) solution:
+
+* **Contraction estimate** (Jacobi family; quasi-Newton and the damped methods on their steps).
+  With ``d_k = ||x_k - x_{k-1}||`` and the observed rate ``q = max(d_k / d_{k-1},
+  d_{k-1} / d_{k-2})``, an iteration that contracts by ``q < 1`` is within
+  ``q / (1 - q) * d_k`` of its fixed point. A sample stops when that estimate and ``d_k`` itself
+  are ``<= tol``, or when ``d_k == 0`` (a bitwise fixed point of a triangular system is its
+  unique solution). A map that accumulates small steps has ``q ~ 1`` and never stops early: it
+  runs to the exactness bound, where the value is the sequential result.
+* **Newton step** (exact Newton): the step ``delta = (I - J)^{-1} r`` is the linearised error of
+  the iterate, accumulation included, and the new iterate's error is far below it
+  (quadratic convergence). A sample stops when ``||delta|| <= tol``.
+* **Exact prefix** (all of them): after ``k`` iterations the first positions are exact by the
+  triangular structure (Song et al. 2021, Prop. 1-2); at the bound everything is.
+
+Windowed methods freeze positions before the whole sample is done. Each freeze may introduce its
+error estimate into the positions after it, so a freeze of ``m`` of the ``T`` positions is allowed
+only with an estimate ``<= tol * m / T``: the errors added by all freezes sum to at most ``tol``
+when the map does not amplify errors along the sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ContractionRule", "freeze_budget"]
+
+
+class ContractionRule:
+    """Per-sample contraction estimate over successive differences ``d_k`` (shape ``(B,)``).
+
+    Call :meth:`update` once per iteration with the new differences of the samples that iterated;
+    it returns ``(stop, estimate)``: which samples may stop, and the estimated error of each.
+    """
+
+    def __init__(self, B: int, device, dtype=torch.float64):
+        nan = torch.full((B,), float("nan"), dtype=dtype, device=device)
+        self.d_prev = nan                  # d_{k-1}
+        self.q_prev = torch.zeros_like(nan)  # d_{k-1} / d_{k-2} (0 before it exists)
+
+    def reset(self, mask: torch.Tensor | None = None) -> None:
+        """Forget the history (all samples, or where ``mask``): a new problem starts."""
+        if mask is None:
+            self.d_prev.fill_(float("nan"))
+            self.q_prev.zero_()
+        else:
+            self.d_prev[mask] = float("nan")
+            self.q_prev[mask] = 0.0
+
+    def update(self, d: torch.Tensor, tol: float, active: torch.Tensor,
+               budget: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record ``d`` (``(B,)``) for the ``active`` samples; return ``(stop, estimate)``.
+
+        ``budget`` (default ``tol``) is the bound the estimate must meet; ``d`` itself must also
+        be ``<= tol``.
+        """
+        d = d.to(self.d_prev.dtype)
+        q = d / self.d_prev                       # NaN on the first iteration
+        rate = torch.maximum(q, self.q_prev)      # NaN propagates: no estimate yet
+        est = torch.where(rate < 1, rate / (1 - rate) * d, torch.full_like(d, float("inf")))
+        est = torch.where(d == 0, torch.zeros_like(d), est)
+        limit = tol if budget is None else budget
+        stop = (d == 0) | ((d <= tol) & (est <= limit))
+        self.q_prev = torch.where(active, torch.nan_to_num(q, nan=0.0), self.q_prev)
+        self.d_prev = torch.where(active, d, self.d_prev)
+        return stop & active, est
+
+
+def freeze_budget(est: torch.Tensor, tol: float, T: int) -> torch.Tensor:
+    """How many leading positions may be frozen by the rule of the module doc.
+
+    ``est`` is ``(B, n)``: the error estimate of each of the ``n`` leading candidate positions
+    (``inf`` where there is none). Returns ``(B,)`` long: the largest ``m`` with
+    ``max(est[:, :m]) <= tol * m / T`` (``0`` if none).
+    """
+    B, n = est.shape
+    if n == 0 or tol <= 0:
+        return torch.zeros(B, dtype=torch.long, device=est.device)
+    running = est.cummax(dim=1).values
+    m = torch.arange(1, n + 1, device=est.device, dtype=est.dtype)
+    ok = running <= tol * m / T
+    # the largest m where ok holds (ok need not be monotone in m)
+    idx = torch.where(ok, m.to(torch.long).expand(B, n), torch.zeros(B, n, dtype=torch.long,
+                                                                      device=est.device))
+    return idx.amax(dim=1)
