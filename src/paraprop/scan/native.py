@@ -12,6 +12,14 @@ else ``$XDG_CACHE_HOME/paraprop``, else ``~/.cache/paraprop``) and loaded with :
 Nothing needs to be installed: when no compiler is found or the build fails, :func:`available`
 is ``False`` (``status()`` says why) and every caller falls back to the pure-PyTorch
 algorithms. ``PARAPROP_NATIVE=0`` disables the kernels.
+
+Every cached library ``scan_kernels_<key>.so`` has a manifest ``scan_kernels_<key>.json``
+written at build time with its size and sha256. A library is loaded only when it matches its
+manifest: mapping a truncated shared library kills the process with SIGBUS, so a damaged one
+(truncated, overwritten, no manifest, a manifest that is not what this module writes) is
+rebuilt, and if the rebuild fails it is ignored; ``status()`` says which. Builders write to a
+temporary directory in the cache and rename into place, so concurrent processes never see a
+partial file.
 """
 
 from __future__ import annotations
@@ -19,9 +27,11 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import itertools
+import json
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -47,6 +57,7 @@ _lock = threading.Lock()
 _lib = None
 _special: dict[tuple[int, int], ctypes.CDLL] = {}
 _status = "not built yet"
+_notes: list[str] = []  # what status() adds to "ok": cached libraries rebuilt, fallbacks taken
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
@@ -66,8 +77,145 @@ def _compiler() -> str | None:
     return None
 
 
+_MANIFEST_VERSION = 1
+_MANIFEST_MAX_BYTES = 1 << 16
+
+
+def _digest(path: Path) -> tuple[int, str]:
+    """Size in bytes and sha256 (hex) of the file at ``path``; ``OSError`` if it cannot be read."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _verify(target: Path, manifest: Path) -> str | None:
+    """Check a cached library against the manifest written when it was built.
+
+    Arguments:
+        target: the cached library ``scan_kernels_<key>.so``.
+        manifest: its manifest ``scan_kernels_<key>.json``.
+
+    Returns:
+        ``None`` when the library has the size and sha256 its manifest records, else what is
+        wrong (a missing, unreadable or garbage manifest counts as wrong). Never raises.
+    """
+    try:
+        if not stat.S_ISREG(os.stat(manifest).st_mode):  # a FIFO would block open()
+            return "its manifest is not a regular file"
+        with open(manifest, "rb") as f:
+            raw = f.read(_MANIFEST_MAX_BYTES + 1)
+    except FileNotFoundError:
+        return "its manifest is missing"
+    except OSError as e:
+        return f"its manifest cannot be read ({e.strerror or e})"
+    if len(raw) > _MANIFEST_MAX_BYTES:
+        return f"its manifest is malformed (over {_MANIFEST_MAX_BYTES} bytes)"
+    try:
+        rec = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return "its manifest is not valid JSON"
+    if not (isinstance(rec, dict) and rec.get("version") == _MANIFEST_VERSION
+            and rec.get("library") == target.name and type(rec.get("size")) is int
+            and isinstance(rec.get("sha256"), str)):
+        return "its manifest is malformed (not a version-1 record of this library)"
+    try:
+        if not stat.S_ISREG(os.stat(target).st_mode):
+            return "the library is not a regular file"
+        size, sha = _digest(target)
+    except FileNotFoundError:
+        return "the library is missing (its manifest is there)"
+    except OSError as e:
+        return f"the library cannot be read ({e.strerror or e})"
+    if size != rec["size"]:
+        return f"its size is {size} bytes, its manifest says {rec['size']}"
+    if sha != rec["sha256"]:
+        return "its sha256 does not match its manifest (same size, other bytes)"
+    return None
+
+
+def _compile(cc: str, args: list[str]) -> None:
+    """Run the C compiler ``cc`` with ``args``.
+
+    Raises:
+        RuntimeError: the compiler exits non-zero (the message ends with its stderr).
+        OSError, subprocess.TimeoutExpired: it cannot be started, or runs over 300 s.
+    """
+    proc = subprocess.run([cc, *args], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compiling the scan kernels failed: {proc.stderr[-2000:]}")
+
+
+def _compile_into(cc: str, flags: list[str], target: Path, manifest: Path) -> None:
+    """Compile the kernels into ``target`` and record its size and sha256 in ``manifest``.
+
+    Everything is written in a temporary directory inside the cache and renamed into place
+    (atomic on one file system): the library first, then its manifest. A concurrent reader
+    therefore sees either complete old files or complete new ones; a library paired with another
+    builder's manifest fails verification and is rebuilt, never loaded unchecked.
+
+    Raises:
+        RuntimeError: the compilation failed.
+        OSError: the cache directory cannot be written.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+        tmpd = Path(tmp)
+        (tmpd / "body.h").write_text(BODY)
+        sources = []
+        for suffix, defs in UNITS.items():
+            src = tmpd / f"kernels_{suffix}.c"
+            src.write_text(defs + '#include "body.h"\n')
+            sources.append(str(src))
+        out = tmpd / "lib.so"
+        _compile(cc, [*flags, "-o", str(out), *sources])
+        size, sha = _digest(out)
+        man = tmpd / "manifest.json"
+        man.write_text(json.dumps({"version": _MANIFEST_VERSION, "library": target.name,
+                                   "size": size, "sha256": sha}) + "\n")
+        os.replace(out, target)
+        os.replace(man, manifest)
+
+
+def _open(target: Path) -> ctypes.CDLL:
+    """Load a verified library and declare its kernels' signatures.
+
+    Raises:
+        OSError: the dynamic loader refuses the file.
+        AttributeError: a kernel symbol is missing.
+    """
+    lib = ctypes.CDLL(str(target))
+    i64, ci, vp = ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p
+    plain = [i64, i64, i64, ci, vp, i64, i64, vp, i64, i64, vp, i64, vp, i64, i64]
+    fact = [i64, i64, i64, i64, ci, vp, i64, i64, vp, i64, i64, vp, vp, vp, i64, i64, vp, i64,
+            vp, i64, i64]
+    for suffix in UNITS:
+        for kind, argtypes in (("dense", plain), ("diag", plain), ("factored", fact)):
+            fn = getattr(lib, f"pp_{kind}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
 def _build(defines: tuple[tuple[str, int], ...] = ()) -> ctypes.CDLL:
-    """Compile (once per source, compiler, CPU and ``defines``) and load a kernel library."""
+    """Compile (once per source, compiler, CPU and ``defines``) and load a kernel library.
+
+    A cached library is loaded only after :func:`_verify` accepts it. One that fails (or that
+    the dynamic loader refuses) is rebuilt, and the rebuild is noted for :func:`status`; when
+    the rebuild fails the cached file is left alone and never loaded. Call with ``_lock`` held.
+
+    Arguments:
+        defines: ``-D`` macros, e.g. ``(("PP_FIXED_H", 8), ("PP_FIXED_K", 0))``.
+
+    Returns:
+        The loaded library, its kernel signatures declared.
+
+    Raises:
+        RuntimeError: no compiler, the compilation failed, or a damaged cached library could
+            not be rebuilt (the message says what was wrong with it and why the rebuild failed).
+    """
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC)")
@@ -83,32 +231,23 @@ def _build(defines: tuple[tuple[str, int], ...] = ()) -> ctypes.CDLL:
     key = hashlib.sha256("\n".join([BODY, *UNITS.values(), *flags, cc, *version, cpu,
                                     platform.machine()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"scan_kernels_{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            tmpd = Path(tmp)
-            (tmpd / "body.h").write_text(BODY)
-            sources = []
-            for suffix, defs in UNITS.items():
-                src = tmpd / f"kernels_{suffix}.c"
-                src.write_text(defs + '#include "body.h"\n')
-                sources.append(str(src))
-            out = tmpd / "lib.so"
-            proc = subprocess.run([cc, *flags, "-o", str(out), *sources],
-                                  capture_output=True, text=True, timeout=300)
-            if proc.returncode != 0:
-                raise RuntimeError(f"compiling the scan kernels failed: {proc.stderr[-2000:]}")
-            os.replace(out, target)  # atomic: concurrent builders never see a partial file
-    lib = ctypes.CDLL(str(target))
-    i64, ci, vp = ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p
-    plain = [i64, i64, i64, ci, vp, i64, i64, vp, i64, i64, vp, i64, vp, i64, i64]
-    fact = [i64, i64, i64, i64, ci, vp, i64, i64, vp, i64, i64, vp, vp, vp, i64, i64, vp, i64,
-            vp, i64, i64]
-    for suffix in UNITS:
-        for kind, argtypes in (("dense", plain), ("diag", plain), ("factored", fact)):
-            fn = getattr(lib, f"pp_{kind}_{suffix}")
-            fn.argtypes, fn.restype = argtypes, None
-    return lib
+    manifest = target.with_suffix(".json")
+    if not (os.path.lexists(target) or os.path.lexists(manifest)):
+        _compile_into(cc, flags, target, manifest)  # first build: failures propagate as is
+        return _open(target)
+    problem = _verify(target, manifest)
+    if problem is None:
+        try:
+            return _open(target)
+        except OSError as e:  # verified bytes the loader refuses: try a fresh build once
+            problem = f"the dynamic loader refuses it ({e})"
+    try:
+        _compile_into(cc, flags, target, manifest)
+    except Exception as e:
+        raise RuntimeError(f"the cached kernel library {target} is damaged ({problem}) and "
+                           f"rebuilding it failed ({e}); it is ignored") from e
+    _notes.append(f"rebuilt the damaged cached {target.name}: {problem}")
+    return _open(target)
 
 
 def _load():
@@ -140,7 +279,8 @@ def _library(H: int, K: int, work: int):
             if key not in _special:
                 try:
                     _special[key] = _build((("PP_FIXED_H", H), ("PP_FIXED_K", K)))
-                except Exception:  # keep the generic kernels
+                except Exception as e:  # keep the generic kernels
+                    _notes.append(f"generic kernels for H={H}, K={K}: {e}")
                     _special[key] = lib
     return _special[key]
 
@@ -151,8 +291,18 @@ def available() -> bool:
 
 
 def status() -> str:
-    """``"ok"``, or why the native kernels are not used."""
+    """``"ok"``, or why the native kernels are not used.
+
+    Returns:
+        ``"ok"`` when the kernels are loaded and nothing went wrong; ``"ok (...)"`` when they
+        are loaded but this process rebuilt a damaged cached library or fell back to the
+        generic kernels for a specialised build (the parentheses say which and why);
+        ``"disabled by PARAPROP_NATIVE=0"`` or ``"unavailable: <reason>"`` otherwise, e.g. no
+        compiler, a failed build, or a damaged cached library that could not be rebuilt.
+    """
     _load()
+    if _status == "ok" and _notes:
+        return f"ok ({'; '.join(_notes)})"
     return _status
 
 
