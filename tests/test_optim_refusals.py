@@ -184,20 +184,26 @@ def test_backward_mode_updates_inside_backward():
 
 # -- forward mode: stale reads are errors, not silent ----------------------------------------
 class LateFunctional(nn.Module):
-    """Reads ``proj.weight`` functionally only from the third forward on (after the trace)."""
+    """Reads ``proj``'s parameters functionally only from the third forward on (after the trace).
 
-    def __init__(self):
+    ``held=True``: through references kept since construction, which nothing can intercept;
+    ``held=False``: as ``self.proj.weight``, which applies the pending update on the spot.
+    """
+
+    def __init__(self, held: bool = True):
         super().__init__()
         torch.manual_seed(0)
         self.a = nn.Linear(4, 4)
         self.proj = nn.Linear(4, 2)
+        self.held = (self.proj.weight, self.proj.bias) if held else None  # a plain attribute
         self.calls = 0
 
     def forward(self, x):
         self.calls += 1
         h = self.a(x)
         if self.calls >= 3:
-            return torch.nn.functional.linear(h, self.proj.weight, self.proj.bias)
+            w, b = self.held or (self.proj.weight, self.proj.bias)
+            return torch.nn.functional.linear(h, w, b)
         return self.proj(h)
 
 
@@ -210,6 +216,23 @@ def test_forward_mode_stale_read_raises():
             model(x).sum().backward()
             opt.step()
             opt.zero_grad()
+
+
+def test_forward_mode_read_through_the_module_is_never_stale():
+    x = torch.randn(3, 4)
+    models = []
+    for fused in (False, True):
+        model = LateFunctional(held=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if fused:
+            opt = fuse(opt, model, bucket_numel=0)
+        for _ in range(4):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        models.append((model, opt.state_dict()))
+    assert_same(*models)
+    assert [b.name for b in opt.buckets] == ["<root>", "a", "proj"]  # nothing had to move
 
 
 def test_forward_mode_first_forward_finds_parameters_read_outside_their_module():
@@ -233,7 +256,8 @@ def test_forward_mode_model_state_dict_and_flush_apply_pending_updates():
     idx = batches(1)[0]
     _step(model, opt, idx)
     _step(ref_model, ref, idx)
-    assert not torch.equal(model.head.bias, ref_model.head.bias)  # still pending
+    bias = opt.param_groups[0]["params"][-1]  # a reference, not a read through the module
+    assert not torch.equal(bias, ref_model.head.bias)  # still pending
     sd = model.state_dict()  # flushes first
     assert torch.equal(sd["head.bias"], ref_model.head.bias)
     _step(model, opt, idx)

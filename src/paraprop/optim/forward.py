@@ -8,11 +8,14 @@ Algorithm (Jiang et al. 2021, §3.2, "forward-fusion"):
    before the module runs: the wrapped optimizer's own step on the bucket, with the recorded
    gradients and hyperparameters. The root bucket (tied weights, tensors outside the model) is
    applied in the model's own pre-hook, before anything else.
-3. The first forward after the first step runs under a ``TorchFunctionMode`` that watches every
+3. A read through a module (``other.weight``, ``model.parameters()``, ``copy.deepcopy``)
+   applies the pending update of what it reads, at any time (:mod:`paraprop.optim.reads`): an
+   EMA right after ``step()``, or ``F.linear(x, other.weight)`` inside the forward.
+4. The first forward after the first step runs under a ``TorchFunctionMode`` that watches every
    operation for a parameter whose update is still pending, i.e. one read before its module's
-   pre-hook ran (``F.linear(x, other.weight)``, a ``module.forward(...)`` call that skips
-   hooks). It applies such a bucket on the spot and moves the parameter to the root bucket.
-4. Anything still pending at the next ``step()``, ``flush()`` or ``state_dict()`` (a module
+   pre-hook ran through a reference held elsewhere (a list, a plain attribute). It applies such
+   a bucket on the spot and moves the parameter to the root bucket.
+5. Anything still pending at the next ``step()``, ``flush()`` or ``state_dict()`` (a module
    that did not run) is applied then, after checking that its gradient was not touched since
    the step: a pending parameter that received a new gradient was read stale, and
    :class:`~paraprop.optim.FusionError` says so instead of training on.
@@ -32,7 +35,6 @@ references; with ``overlap=True`` a gradient is dropped right after its update i
 from __future__ import annotations
 
 import threading
-from functools import partial
 
 import torch
 from torch import nn
@@ -41,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from paraprop.optim.buckets import Bucket, Stepper, param_index, snapshot, zero_grads
 from paraprop.optim.errors import FusionError
 from paraprop.optim.overlap import Worker
+from paraprop.optim.reads import Hook, install, uninstall
 
 
 class _Pending:
@@ -75,14 +78,17 @@ class ForwardEngine:
         root = buckets[0]
         for b in buckets[1:]:
             for m in b.modules:
-                self._handles.append(m.register_forward_pre_hook(partial(self._pre, b),
+                self._handles.append(m.register_forward_pre_hook(Hook(self._pre, b),
                                                                  prepend=True))
-        self._handles.append(model.register_forward_pre_hook(partial(self._root_pre, root),
+        self._handles.append(model.register_forward_pre_hook(Hook(self._root_pre, root),
                                                              prepend=True))
-        self._handles.append(model.register_forward_hook(self._root_post, always_call=True))
-        for m in model.modules():  # model.state_dict() / load_state_dict() see applied values
-            self._handles.append(m.register_state_dict_pre_hook(self._flush_hook))
-            self._handles.append(m.register_load_state_dict_pre_hook(self._flush_hook))
+        self._handles.append(model.register_forward_hook(Hook(self._root_post),
+                                                         always_call=True))
+        # model.state_dict() / load_state_dict() apply every update, also of tensors outside
+        # the model; any other read through a module applies its own (paraprop.optim.reads)
+        self._handles.append(model.register_state_dict_pre_hook(Hook(self._flush_hook)))
+        self._handles.append(model.register_load_state_dict_pre_hook(Hook(self._flush_hook)))
+        install(model, self)
 
     @property
     def applying(self) -> bool:
@@ -119,6 +125,21 @@ class ForwardEngine:
                     zero_grads([p.grad for p in b.params if p.grad is not None])
 
     # -- applying -------------------------------------------------------------------------
+    def is_pending(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s update is recorded and not applied yet (or being applied)."""
+        b = self._owner.get(id(p))
+        return b is not None and (b.pending is not None or b.state is not None)
+
+    def ensure_fresh(self, p: torch.Tensor) -> None:
+        """Return once ``p`` holds its updated value (a read of ``p`` through its module)."""
+        b = self._owner.get(id(p))
+        if b is not None and (b.pending is not None or b.state is not None):
+            self.ensure_applied(b)
+
+    def handle_ids(self) -> set[int]:
+        """The ids of this engine's hooks in the modules' hook dicts."""
+        return {h.id for h in self._handles}
+
     def ensure_applied(self, b: Bucket) -> None:
         """Return once ``b`` has no pending update: apply it here or wait for the thread."""
         if b.state is None:
@@ -266,6 +287,7 @@ class ForwardEngine:
         self.flush()
         if self.worker is not None:
             self.worker.close()
+        uninstall(self.model, self)
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -59,7 +59,8 @@ def fuse(optimizer: torch.optim.Optimizer, model: nn.Module, *, mode: str = "for
             mode steps each finished bucket there (``backward()`` returns once all are
             applied); forward mode starts applying the pending buckets at ``step()`` and each
             module waits for its own. Parameters are then being written between ``step()`` and
-            the next forward: call ``flush()`` before reading them there.
+            the next forward; reads through the model wait for them
+            (:mod:`paraprop.optim.reads`).
 
     Returns:
         A :class:`FusedOptimizer`.
@@ -232,8 +233,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     def flush(self) -> None:
         """Apply every pending update now (forward mode; a no-op in backward mode).
 
-        Called by ``state_dict()``, ``load_state_dict()`` and by the model's ``state_dict()`` /
-        ``load_state_dict()``; call it before reading parameters outside the model's forward.
+        Reads through the model apply the updates they need by themselves (``model.parameters()``,
+        ``model.head.weight``, ``state_dict()``, ``copy.deepcopy(model)``, so an EMA or
+        ``AveragedModel``; see :mod:`paraprop.optim.reads`). Call it before reading parameters
+        through references taken earlier (a list of the parameters, ``param_groups``).
         """
         self._engine.flush()
 
@@ -255,7 +258,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._build()
 
     def unfuse(self) -> torch.optim.Optimizer:
-        """Apply pending updates, remove every hook, and return the wrapped optimizer."""
+        """Apply pending updates, remove every hook (and, forward mode, the read guards of
+        :mod:`paraprop.optim.reads`), and return the wrapped optimizer."""
         self._engine.remove()
         self.optimizer._paraprop_fused = False
         return self.optimizer
