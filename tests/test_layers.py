@@ -1,5 +1,7 @@
 """paraprop.layers: networks as recurrences over their layers, evaluated by every method."""
 
+import math
+
 import pytest
 import torch
 import torchvision
@@ -18,7 +20,8 @@ from paraprop.layers import (
     register_converter,
     top5_changes,
 )
-from paraprop.solvers import METHODS, NEWTON_METHODS
+from paraprop.layers.evaluate import trace
+from paraprop.solvers import METHODS, NEWTON_METHODS, GSJacobi, Jacobi, JacobiGS, SlidingJacobi
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -132,8 +135,9 @@ def test_every_method_returns_the_sequential_output(name, method):
     make, shape = MODELS[name]
     model = make()
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
-    block = 3 if method in ("jacobi_gs", "gs_jacobi") else None
-    out, sol = evaluate(model, x, method=method, block_size=block, tol=0)
+    configured = {"jacobi_gs": JacobiGS(block_size=3), "gs_jacobi": GSJacobi(block_size=3),
+                  "sliding_jacobi": SlidingJacobi(window=3)}
+    out, sol = evaluate(model, x, method=configured.get(method, method), tol=0)
     with torch.no_grad():
         ref = model(x)
     assert torch.equal(out, ref)
@@ -147,7 +151,7 @@ def test_densenet121_jacobi_gs_exact_at_the_end_and_records_errors():
     torch.manual_seed(0)
     model = torchvision.models.densenet121(num_classes=10).eval()
     x = torch.randn(2, 3, 32, 32)
-    out, sol = evaluate(model, x, method="jacobi_gs", block_size=8, tol=0)
+    out, sol = evaluate(model, x, method=JacobiGS(block_size=8), tol=0)
     with torch.no_grad():
         assert torch.equal(out, model(x))
     st = sol.stats
@@ -231,6 +235,9 @@ def test_partition_errors():
         jacobi_gs_blocks(system, [0, 1, 2, 3])
     with pytest.raises(ValueError, match="blocks is only used by method='jacobi_gs'"):
         evaluate(model, x, method="jacobi", blocks=[[0, 1, 2, 3]])
+    with pytest.raises(ValueError, match=r"blocks is only used by method='jacobi_gs' \(by name\), "
+                                         r"got method=JacobiGS\(block_size=2\)"):
+        evaluate(model, x, method=JacobiGS(block_size=2), blocks=[[0, 1, 2, 3]])
     with pytest.raises(ValueError, match="pass block_size or blocks, not both"):
         ThreadedJacobiGS(system, block_size=2, blocks=[[0, 1, 2, 3]])
     with pytest.raises(paraprop.ConvergenceError, match="jacobi_gs over 4 blocks"):
@@ -358,8 +365,15 @@ def test_evaluate_validates_its_arguments():
         evaluate(model, x, method="multigrid")
     with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
         evaluate(model, [1.0])
-    with pytest.raises(ValueError, match="block_size is only used by the hybrid methods"):
+    # block sizes are settings of the solver objects now: evaluate itself takes none
+    with pytest.raises(TypeError, match="unexpected keyword argument 'block_size'"):
         evaluate(model, x, method="jacobi", block_size=2)
+    with pytest.raises(TypeError, match="method must be a method name or a solver object"):
+        evaluate(model, x, method=object())
+    with pytest.raises(ValueError, match=r"tol must be a number >= 0, got -1"):
+        evaluate(model, x, method="jacobi", tol=-1)
+    with pytest.raises(ValueError, match=r"max_iters must be a positive int or None, got 0"):
+        evaluate(model, x, method="jacobi", max_iters=0)
     with pytest.raises(ValueError, match=r"top5_changes' needs network outputs shaped "
                                          r"\(batch, classes\), got \(2, 3, 4\)"):
         evaluate(nn.Sequential(nn.Tanh()), x)
@@ -377,3 +391,33 @@ def test_newton_methods_refuse_wide_layer_states(method):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="forward-mode product per feature"):
         evaluate(make(), x, method=method, tol=0)
+
+
+@pytest.mark.parametrize(("method", "cls"), [("jacobi_gs", JacobiGS), ("gs_jacobi", GSJacobi)])
+def test_hybrid_names_mean_one_state_per_block_in_evaluate(method, cls):
+    # by name the hybrids use blocks of one state (the paper's DenseNet setting); an object
+    # keeps its own block size, and its default is ceil(sqrt(T)) as in paraprop.solve
+    model = mlp(depth=6)
+    x = torch.randn(3, 3, 4, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = model(x)
+    out, sol = evaluate(model, x, method=method, tol=0)
+    assert torch.equal(out, ref) and sol.stats["block_size"] == 1
+    assert sol.method == method
+    out, sol = evaluate(model, x, method=cls(block_size=2), tol=0)
+    assert torch.equal(out, ref) and sol.stats["block_size"] == 2
+    T = sol.stats["T"]
+    out, sol = evaluate(model, x, method=cls(), tol=0)
+    assert torch.equal(out, ref) and sol.stats["block_size"] == math.ceil(math.sqrt(T))
+
+
+def test_evaluate_and_trace_accept_solver_objects():
+    model = mlp(depth=4)
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(5))
+    system = as_recurrence(model).bind(x)
+    for solver in (Jacobi(), JacobiGS(block_size=2), GSJacobi(block_size=2),
+                   SlidingJacobi(window=2)):
+        sol = trace(system, method=solver, tol=0)
+        assert sol.method == solver.name and sol.converged
+        assert torch.equal(system.output(sol.value), system.reference[-1])
+        assert sol.stats["bitwise_equal"]

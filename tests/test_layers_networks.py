@@ -10,6 +10,7 @@ from paraprop.bench import networks as suite
 from paraprop.cli import main
 from paraprop.demos import networks as demo
 from paraprop.layers import as_recurrence, evaluate
+from paraprop.solvers import GSJacobi
 from paraprop.training import jobs
 from paraprop.training.networks import (
     accuracy,
@@ -92,7 +93,7 @@ def test_evaluate_on_a_trained_mlp_matches_forward():
     x, y = image_data("digits", size=8, channels=1)
     model = make_network("mlp", size=8, depth=4, width=16)
     train_network(model, x[:500], y[:500], steps=20, progress=False)
-    out, sol = evaluate(model, x[-6:], method="gs_jacobi", block_size=2, tol=0)
+    out, sol = evaluate(model, x[-6:], method=GSJacobi(block_size=2), tol=0)
     with torch.no_grad():
         assert torch.equal(out, model(x[-6:]))
 

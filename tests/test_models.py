@@ -4,6 +4,7 @@ import torch
 
 import paraprop
 from paraprop.models import LayerChain, MaskedAffineMap, made_masks
+from paraprop.solvers import GSJacobi, JacobiGS
 
 
 def test_layer_chain_solutions_equal_the_forward_pass():
@@ -12,9 +13,8 @@ def test_layer_chain_solutions_equal_the_forward_pass():
     chain.bind(u)
     expected = chain.forward_sequential(u)
     x0 = torch.zeros(5, 40, 6, dtype=torch.float64)
-    for method, bs in [("sequential", None), ("jacobi", None), ("jacobi_gs", 7),
-                       ("gs_jacobi", 9)]:
-        sol = paraprop.solve(chain, x0, method=method, dim=1, tol=0, block_size=bs)
+    for method in ["sequential", "jacobi", JacobiGS(block_size=7), GSJacobi(block_size=9)]:
+        sol = paraprop.solve(chain, x0, method=method, dim=1, tol=0)
         assert (sol.value - expected).abs().max() <= 1e-12, method
 
 
@@ -43,6 +43,6 @@ def test_masked_affine_map_sampling_all_methods_agree():
     m.bind(torch.randn(8, 30, dtype=torch.float64))
     x0 = torch.zeros(8, 30, dtype=torch.float64)
     ref = paraprop.solve(m, x0, method="sequential")
-    for method, bs in [("jacobi", None), ("jacobi_gs", 6), ("gs_jacobi", 10)]:
-        sol = paraprop.solve(m, x0, method=method, tol=0, block_size=bs)
+    for method in ["jacobi", JacobiGS(block_size=6), GSJacobi(block_size=10)]:
+        sol = paraprop.solve(m, x0, method=method, tol=0)
         assert (sol.value - ref.value).abs().max() <= 1e-12

@@ -7,9 +7,18 @@ from paraprop import ConvergenceError
 from paraprop.cli import main
 from paraprop.models import PixelCNN
 from paraprop.sampling import sample
+from paraprop.solvers import GSJacobi, JacobiGS
 
 METHODS = [("sequential_cached", None), ("jacobi", None), ("jacobi_gs", 1), ("jacobi_gs", 3),
            ("gs_jacobi", 1), ("gs_jacobi", 2), ("gs_jacobi", 5)]
+
+
+def _method(method, rows):
+    """``method`` as passed to sample: the hybrids as solver objects whose block_size is the
+    rows per block or window of PixelCNN's own samplers."""
+    if rows is None:
+        return method
+    return {"jacobi_gs": JacobiGS, "gs_jacobi": GSJacobi}[method](block_size=rows)
 
 
 def _model(size=6, hidden=8, layers=3, channels=1, seed=0, dtype=torch.float64):
@@ -45,7 +54,7 @@ def test_every_sampler_returns_the_sequential_image(size, batch, seed):
     for method, bs in METHODS:
         if bs is not None and bs > size:
             continue
-        x, sol = sample(m, batch, method=method, noise=noise, block_size=bs, tol=0)
+        x, sol = sample(m, batch, method=_method(method, bs), noise=noise, tol=0)
         assert torch.equal(x, ref), (method, bs)
         assert sol.converged
 
@@ -53,8 +62,8 @@ def test_every_sampler_returns_the_sequential_image(size, batch, seed):
 def test_jacobi_gs_needs_at_most_one_iteration_per_block():
     m = _model(size=6, seed=3)
     noise = m.draw_noise(2, torch.Generator().manual_seed(0))
-    _, sol = sample(m, 2, method="jacobi_gs", noise=noise, block_size=2)
-    assert sol.iterations <= 3
+    _, sol = sample(m, 2, method=JacobiGS(block_size=2), noise=noise)
+    assert sol.iterations <= 3 and sol.stats["block_size"] == 2
     assert sol.evaluations == sol.iterations * 2 * 6  # cached pixel steps per iteration
 
 
@@ -63,18 +72,28 @@ def test_float32_model_agrees():
     noise = m.draw_noise(4, torch.Generator().manual_seed(0))
     ref, _ = sample(m, 4, method="sequential", noise=noise)
     for method, bs in [("sequential_cached", None), ("gs_jacobi", 2), ("jacobi_gs", 2)]:
-        x, _ = sample(m, 4, method=method, noise=noise, block_size=bs)
+        x, _ = sample(m, 4, method=_method(method, bs), noise=noise)
         assert torch.equal(x, ref), method
 
 
 def test_bad_block_sizes_and_shapes():
     m = _model(size=5)
-    with pytest.raises(ValueError, match=r"block_size must be an int in \[1, 5\].*got 0"):
-        sample(m, 2, method="gs_jacobi", block_size=0)
+    # a block size below 1 is refused by the solver object, one above the rows by the sampler
+    with pytest.raises(ValueError, match=r"GSJacobi: block_size must be a positive int or None, "
+                                         r"got 0"):
+        sample(m, 2, method=GSJacobi(block_size=0))
     with pytest.raises(ValueError, match=r"block_size must be an int in \[1, 5\].*got 9"):
-        sample(m, 2, method="jacobi_gs", block_size=9)
+        sample(m, 2, method=JacobiGS(block_size=9))
+    with pytest.raises(ValueError, match=r"block_size must be an int in \[1, 5\].*got 6"):
+        sample(m, 2, method=GSJacobi(block_size=6))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'block_size'"):
+        sample(m, 2, method="jacobi_gs", block_size=2)
+    # sample passes no block size to sequential_cached (it has no solver object); the model's
+    # sampler itself still refuses one
+    noise = m.draw_noise(2, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="block_size is not used by method='sequential_cached'"):
-        sample(m, 2, method="sequential_cached", block_size=2)
+        m.samplers()["sequential_cached"](noise, block_size=2, tol=0, max_iters=None,
+                                          throw=True)
     with pytest.raises(ValueError, match=r"noise must have shape \(2, 5, 5, 1, 4\)"):
         sample(m, 2, method="jacobi", noise=torch.zeros(2, 5, 5, 1, 3))
     with pytest.raises(ValueError, match=r"x must have shape \(B, 1, 5, 5\), got \(2, 1, 4, 4\)"):
@@ -100,7 +119,7 @@ def test_train_and_checkpoint(tmp_path, capsys):
     assert "bits/dim" in capsys.readouterr().out
     m = PixelCNN.load(out)
     assert m.size == 8 and m.levels == 17
-    x, sol = sample(m, 2, method="gs_jacobi", block_size=2,
+    x, sol = sample(m, 2, method=GSJacobi(block_size=2),
                     generator=torch.Generator().manual_seed(0))
     y, _ = sample(m, 2, method="sequential_cached", generator=torch.Generator().manual_seed(0))
     assert torch.equal(x, y)
@@ -120,23 +139,23 @@ def test_max_iters_tol_and_throw_reach_the_cached_samplers():
     noise = m.draw_noise(2, torch.Generator().manual_seed(0))
     ref, _ = sample(m, 2, method="sequential", noise=noise)
     # jacobi_gs: max_iters caps the iterations; fewer than the blocks is not converged
-    _, sol = sample(m, 2, method="jacobi_gs", noise=noise, block_size=1, max_iters=1,
+    _, sol = sample(m, 2, method=JacobiGS(block_size=1), noise=noise, max_iters=1,
                     throw=False)
     assert sol.iterations == 1 and not sol.converged
     with pytest.raises(ConvergenceError, match="method='jacobi_gs' did not converge") as err:
-        sample(m, 2, method="jacobi_gs", noise=noise, block_size=1, max_iters=1)
+        sample(m, 2, method=JacobiGS(block_size=1), noise=noise, max_iters=1)
     assert err.value.solution.iterations == 1
     # gs_jacobi: max_iters caps the sweeps of every window (3 windows of 2 rows)
-    _, sol = sample(m, 2, method="gs_jacobi", noise=noise, block_size=2, max_iters=1,
+    _, sol = sample(m, 2, method=GSJacobi(block_size=2), noise=noise, max_iters=1,
                     throw=False)
     assert sol.iterations == 3 and sol.stats["window_sweeps"] == [1, 1, 1]
     assert not sol.converged
     with pytest.raises(ConvergenceError, match="method='gs_jacobi' did not converge"):
-        sample(m, 2, method="gs_jacobi", noise=noise, block_size=2, max_iters=1)
+        sample(m, 2, method=GSJacobi(block_size=2), noise=noise, max_iters=1)
     # a cap at the exactness bound converges; a tol as large as the image range stops at once
-    x, sol = sample(m, 2, method="jacobi_gs", noise=noise, block_size=2, max_iters=3)
+    x, sol = sample(m, 2, method=JacobiGS(block_size=2), noise=noise, max_iters=3)
     assert sol.converged and torch.equal(x, ref)
-    _, sol = sample(m, 2, method="gs_jacobi", noise=noise, block_size=6, tol=2.0)
+    _, sol = sample(m, 2, method=GSJacobi(block_size=6), noise=noise, tol=2.0)
     assert sol.iterations == 1 and sol.converged
 
 

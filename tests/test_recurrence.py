@@ -13,9 +13,9 @@ from paraprop import solvers
 from paraprop.scan import linear_recurrence
 
 I_SIZE, HID = 3, 4          # input size; hidden size of the cells (the LSTM state [h, c] has 2H)
-BLOCK = 3                   # block_size of the hybrid methods
-METHODS = ["sequential", "jacobi", "jacobi_gs", "gs_jacobi", "newton", "quasi_newton", "elk",
-           "quasi_elk"]
+BLOCK = 3                   # block_size of the hybrid methods, window of sliding_jacobi
+METHODS = ["sequential", "jacobi", "jacobi_gs", "gs_jacobi", "sliding_jacobi", "newton",
+           "quasi_newton", "elk", "quasi_elk"]
 NEWTON = ["newton", "quasi_newton", "elk", "quasi_elk"]
 JACOBIAN_FORM = {"newton": "any", "quasi_newton": "diag", "elk": "dense", "quasi_elk": "diag"}
 PARALLEL = METHODS[1:]
@@ -38,8 +38,12 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def method_kwargs(method):
-    return {"block_size": BLOCK} if method in ("jacobi_gs", "gs_jacobi") else {}
+def solver(method):
+    """``method`` as passed to solve: the windowed ones configured with ``BLOCK``."""
+    configured = {"jacobi_gs": solvers.JacobiGS(block_size=BLOCK),
+                  "gs_jacobi": solvers.GSJacobi(block_size=BLOCK),
+                  "sliding_jacobi": solvers.SlidingJacobi(window=BLOCK)}
+    return configured.get(method, method)
 
 
 def bound(method, T):
@@ -187,8 +191,8 @@ def test_sequential_equals_a_plain_loop_over_the_cell(kind, T, batch):
 def test_every_method_returns_the_sequential_result(method, kind, T, batch):
     case, rec, ref, _ = reference(kind, T, batch)
     tol = TOL[torch.float64]
-    sol = paraprop.solve(rec, rec.zeros(), method=method, dim=-2, tol=tol["solve"],
-                         **method_kwargs(method))
+    sol = paraprop.solve(rec, rec.zeros(), method=solver(method), dim=-2,
+                         tol=tol["solve"])
     assert sol.converged and sol.method == method
     assert sol.value.shape == rec.shape and sol.value.dtype == torch.float64
     assert max_err(sol.value, ref.value) <= tol["value"]
@@ -205,8 +209,8 @@ def test_every_method_returns_the_sequential_result(method, kind, T, batch):
 def test_float32_within_tolerance_of_sequential(method, kind):
     case, rec, ref, loop = reference(kind, 13, (3,), torch.float32)
     tol = TOL[torch.float32]
-    sol = paraprop.solve(rec, rec.zeros(), method=method, dim=-2, tol=tol["solve"],
-                         **method_kwargs(method))
+    sol = paraprop.solve(rec, rec.zeros(), method=solver(method), dim=-2,
+                         tol=tol["solve"])
     assert sol.converged and sol.value.dtype == torch.float32
     assert max_err(sol.value, ref.value) <= tol["value"]
     assert max_err(ref.value, loop) <= tol["value"]
@@ -300,8 +304,8 @@ def grads_of(case, method, T, batch, dtype=torch.float64, with_h0=True):
     u.requires_grad_(True)
     leaves = [u] + ([h0.requires_grad_(True)] if with_h0 else []) + case.params
     rec = paraprop.Recurrence(case.cell, u, h0, **case.rec_kwargs)
-    sol = paraprop.solve(rec, rec.zeros(), method=method, dim=-2, tol=TOL[dtype]["solve"],
-                         **method_kwargs(method))
+    sol = paraprop.solve(rec, rec.zeros(), method=solver(method), dim=-2,
+                         tol=TOL[dtype]["solve"])
     w = torch.randn(sol.value.shape, dtype=dtype, generator=torch.Generator().manual_seed(4))
     assert sol.value.requires_grad
     ours = torch.autograd.grad((sol.value * w).sum(), leaves)

@@ -8,13 +8,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import paraprop
+from paraprop.solvers import (
+    ELK,
+    GSJacobi,
+    Jacobi,
+    JacobiGS,
+    Newton,
+    QuasiELK,
+    QuasiNewton,
+    Sequential,
+    SlidingJacobi,
+)
 from problems import TOLERANCES, FastTriangular, RandomTriangular
 
 METHODS = ["sequential", "jacobi", "jacobi_gs", "gs_jacobi"]
 
 
-def _kwargs(method, block_size):
-    return {"block_size": block_size} if method in ("jacobi_gs", "gs_jacobi") else {}
+def _method(method, block_size):
+    """The solver for ``method``: the hybrids configured with ``block_size``, others by name."""
+    return {"jacobi_gs": JacobiGS, "gs_jacobi": GSJacobi}[method](block_size) \
+        if method in ("jacobi_gs", "gs_jacobi") else method
 
 
 def _bound(method, T, block_size):
@@ -56,7 +69,7 @@ def test_every_method_returns_the_sequential_result(case):
     bs = block if method in ("jacobi_gs", "gs_jacobi") else None
     # tol=0: a bitwise fixed point. Plain callables compute every position with the same
     # operations whatever else is asked, so the result is bitwise the sequential one.
-    sol = paraprop.solve(prob, x0, method=method, dim=dim, tol=0, **_kwargs(method, bs))
+    sol = paraprop.solve(prob, x0, method=_method(method, bs), dim=dim, tol=0)
     assert sol.converged
     assert sol.value.shape == x0.shape and sol.value.dtype == dtype
     if fast:
@@ -65,8 +78,7 @@ def test_every_method_returns_the_sequential_result(case):
         assert torch.equal(sol.value, ref)
     assert sol.iterations <= _bound(method, prob.T, bs)
     # a small positive tol stops earlier but stays within the table's tolerance
-    sol = paraprop.solve(prob, x0, method=method, dim=dim, tol=tol["solve_tol"],
-                         **_kwargs(method, bs))
+    sol = paraprop.solve(prob, x0, method=_method(method, bs), dim=dim, tol=tol["solve_tol"])
     assert (sol.value - ref).abs().max() <= tol["max_err"]
     assert sol.iterations <= _bound(method, prob.T, bs)
 
@@ -76,7 +88,7 @@ def test_strongly_coupled_map_is_exact_within_the_bound(method):
     # large weights: no early convergence, every method runs to its bound and is still exact
     prob = RandomTriangular((2,), (12,), (), seed=3, gain=30.0)
     x0 = prob.x0()
-    sol = paraprop.solve(prob, x0, method=method, tol=0, **_kwargs(method, 4))
+    sol = paraprop.solve(prob, x0, method=_method(method, 4), tol=0)
     assert torch.equal(sol.value, prob.reference(x0))
     assert sol.iterations <= _bound(method, 12, 4)
     assert sol.converged
@@ -97,7 +109,7 @@ def test_jacobi_gs_proposition_2_blocks_final_after_k_iterations():
     x0 = prob.x0()
     ref = prob.reference(x0)
     for k in range(1, 4):
-        sol = paraprop.solve(prob, x0, method="jacobi_gs", block_size=4, tol=0, max_iters=k,
+        sol = paraprop.solve(prob, x0, method=JacobiGS(block_size=4), tol=0, max_iters=k,
                              throw=False)
         assert torch.equal(sol.value[:, : 4 * k], ref[:, : 4 * k])
         # 4 sequential steps per iteration; at the bound (k = 3) one more sweep verifies the
@@ -124,11 +136,11 @@ def test_fast_path_computes_only_requested_positions():
     seq = paraprop.solve(prob, x0, method="sequential", dim=1)
     assert prob.calls == [1] * 20 and seq.stats["positions"] == 20
     prob.calls.clear()
-    sol = paraprop.solve(prob, x0, method="gs_jacobi", block_size=5, dim=1, tol=0)
+    sol = paraprop.solve(prob, x0, method=GSJacobi(block_size=5), dim=1, tol=0)
     assert set(prob.calls) == {5} and sol.stats["positions"] == 5 * sol.evaluations
     assert (sol.value - ref).abs().max() <= 1e-12
     prob.calls.clear()
-    sol = paraprop.solve(prob, x0, method="jacobi_gs", block_size=8, dim=1, tol=0)
+    sol = paraprop.solve(prob, x0, method=JacobiGS(block_size=8), dim=1, tol=0)
     assert sorted(set(prob.calls)) == [2, 3]  # 20 positions in blocks of 8: offsets 0-3 hit 3
     assert (sol.value - ref).abs().max() <= 1e-12
 
@@ -175,18 +187,26 @@ def _prob():
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [
-        ({"method": "newtonish"}, ValueError, r"unknown method='newtonish'"),
-        ({"method": "jacobi_gs"}, ValueError, r"block_size is required for method='jacobi_gs'"),
-        ({"method": "gs_jacobi", "block_size": 0}, ValueError, r"block_size must be a positive"),
-        ({"method": "jacobi_gs", "block_size": -3}, ValueError, r"got -3"),
-        ({"method": "jacobi", "block_size": 4}, ValueError, r"only used by the hybrid"),
+        ({"method": "newtonish"}, ValueError,
+         r"unknown method='newtonish'; choose one of sequential, jacobi, .*solver object"),
+        ({"method": object()}, TypeError,
+         r"method must be a method name or a solver object from paraprop.solvers, got object"),
+        ({"method": 3}, TypeError, r"method must be a method name or a solver object.*got int"),
+        # settings belong to the solver objects now; solve() itself no longer takes them
+        ({"method": "jacobi_gs", "block_size": 4}, TypeError, r"unexpected keyword.*block_size"),
+        ({"method": "elk", "damping": 1e-3}, TypeError, r"unexpected keyword.*damping"),
         ({"dim": 2}, ValueError, r"dim=2 is out of range for x0 with 2 dims"),
         ({"dim": -3}, ValueError, r"dim=-3 is out of range"),
         ({"dim": (0, 0)}, ValueError, r"consecutive dims"),
         ({"dim": "x"}, TypeError, r"dim must be an int"),
         ({"tol": -1e-3}, ValueError, r"tol must be a number >= 0, got -0.001"),
         ({"norm": "l1"}, ValueError, r"unknown norm='l1'"),
+        ({"tol": float("nan")}, ValueError, r"tol must be a number >= 0, got nan"),
+        ({"tol": "1e-5"}, ValueError, r"tol must be a number >= 0, got '1e-5'"),
         ({"max_iters": 0}, ValueError, r"max_iters must be a positive int or None, got 0"),
+        ({"max_iters": -2}, ValueError, r"max_iters must be a positive int or None, got -2"),
+        ({"max_iters": 2.5}, ValueError, r"max_iters must be a positive int or None, got 2.5"),
+        ({"max_iters": True}, ValueError, r"max_iters must be a positive int or None, got True"),
         ({"callback": 3}, TypeError, r"callback must be callable"),
     ],
 )
@@ -230,7 +250,7 @@ def test_non_finite_values_name_iteration_and_position(method):
         return y
 
     with pytest.raises(paraprop.NonFiniteError, match=r"sample \(1,\), position \(4,\)"):
-        paraprop.solve(fn, prob.x0(), method=method, **_kwargs(method, 3))
+        paraprop.solve(fn, prob.x0(), method=_method(method, 3))
 
 
 @pytest.mark.parametrize("method", ["jacobi", "jacobi_gs", "gs_jacobi"])
@@ -238,7 +258,7 @@ def test_not_triangular_is_detected(method):
     prob = RandomTriangular((2,), (10,), (), seed=0, gain=3.0, strict=False)
     with pytest.raises(paraprop.NotTriangularError,
                        match="depends on itself or on a later one"):
-        paraprop.solve(prob, prob.x0(), method=method, tol=0, **_kwargs(method, 5))
+        paraprop.solve(prob, prob.x0(), method=_method(method, 5), tol=0)
 
 
 def test_multi_dim_positions_in_raster_order():
@@ -274,7 +294,7 @@ class _SelfDependent:
 def test_self_dependence_at_the_end_is_caught(method, T, t_self, bs):
     fn = _SelfDependent(T, t_self)
     with pytest.raises(paraprop.NotTriangularError, match="depends on itself or on a later one"):
-        paraprop.solve(fn, fn.prob.x0(), method=method, tol=0, **_kwargs(method, bs))
+        paraprop.solve(fn, fn.prob.x0(), method=_method(method, bs), tol=0)
 
 
 def test_verification_costs_one_evaluation_and_no_iteration():
@@ -288,3 +308,145 @@ def test_verification_costs_one_evaluation_and_no_iteration():
 def test_empty_x0_is_rejected():
     with pytest.raises(ValueError, match=r"x0 must not be empty, got shape \(2, 0\)"):
         paraprop.solve(lambda x: x, torch.zeros(2, 0))
+
+
+@pytest.mark.parametrize("cls", [JacobiGS, ELK, Jacobi])
+def test_solver_class_instead_of_an_instance_is_rejected(cls):
+    # a class is not a solver object: the TypeError must say so, not fail later inside bound()
+    prob = _prob()
+    with pytest.raises(TypeError, match=r"method must be a method name or a solver object"):
+        paraprop.solve(prob, prob.x0(), method=cls)
+
+
+# -- solver objects: settings, validation, repr ------------------------------------------------
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda: JacobiGS(block_size=0), r"^JacobiGS: block_size must be a positive int or None, "
+                                     r"got 0$"),
+    (lambda: JacobiGS(block_size=-3), r"^JacobiGS: block_size must be .*got -3$"),
+    (lambda: JacobiGS(block_size=2.0), r"^JacobiGS: block_size must be .*got 2.0$"),
+    (lambda: JacobiGS(block_size=True), r"^JacobiGS: block_size must be .*got True$"),
+    (lambda: GSJacobi(block_size=0), r"^GSJacobi: block_size must be a positive int or None, "
+                                     r"got 0$"),
+    (lambda: GSJacobi(block_size="4"), r"^GSJacobi: block_size must be .*got '4'$"),
+    (lambda: SlidingJacobi(window=0), r"^SlidingJacobi: window must be a positive int or None, "
+                                      r"got 0$"),
+    (lambda: SlidingJacobi(window=-1), r"^SlidingJacobi: window must be .*got -1$"),
+    (lambda: ELK(damping=0), r"^ELK: damping must be a number > 0, got 0$"),
+    (lambda: ELK(damping=-1.0), r"^ELK: damping must be a number > 0, got -1.0$"),
+    (lambda: QuasiELK(damping=True), r"^QuasiELK: damping must be a number > 0, got True$"),
+    (lambda: QuasiELK(damping=float("nan")), r"^QuasiELK: damping must be .*got nan$"),
+])
+def test_solver_settings_are_validated_in_the_constructor(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize("cls", [Sequential, Jacobi, Newton, QuasiNewton])
+def test_solvers_without_settings_take_no_arguments(cls):
+    with pytest.raises(TypeError):
+        cls(3)
+
+
+@pytest.mark.parametrize(("solver", "text"), [
+    (Sequential(), "Sequential()"),
+    (Jacobi(), "Jacobi()"),
+    (JacobiGS(), "JacobiGS(block_size=None)"),
+    (JacobiGS(block_size=4), "JacobiGS(block_size=4)"),
+    (GSJacobi(), "GSJacobi(block_size=None)"),
+    (GSJacobi(block_size=7), "GSJacobi(block_size=7)"),
+    (SlidingJacobi(), "SlidingJacobi(window=None)"),
+    (SlidingJacobi(window=16), "SlidingJacobi(window=16)"),
+    (Newton(), "Newton()"),
+    (QuasiNewton(), "QuasiNewton()"),
+    (ELK(), "ELK(damping=0.01)"),
+    (ELK(damping=1e-3), "ELK(damping=0.001)"),
+    (QuasiELK(), "QuasiELK(damping=0.01)"),
+    (QuasiELK(damping=2), "QuasiELK(damping=2.0)"),
+])
+def test_solver_repr_names_the_class_and_its_settings(solver, text):
+    assert repr(solver) == text
+    # the repr is a constructor call that rebuilds an equivalent solver
+    assert repr(eval(text)) == text  # noqa: S307
+
+
+def test_names_and_solver_objects_agree():
+    names = {Sequential: "sequential", Jacobi: "jacobi", JacobiGS: "jacobi_gs",
+             GSJacobi: "gs_jacobi", SlidingJacobi: "sliding_jacobi", Newton: "newton",
+             QuasiNewton: "quasi_newton", ELK: "elk", QuasiELK: "quasi_elk"}
+    assert paraprop.solvers.SOLVERS == {name: cls for cls, name in names.items()}
+    for cls, name in names.items():
+        assert cls.name == name
+
+
+PLAIN_SOLVERS = [Sequential(), Jacobi(), JacobiGS(), JacobiGS(block_size=3), GSJacobi(),
+                 GSJacobi(block_size=3), SlidingJacobi(), SlidingJacobi(window=4)]
+
+
+@pytest.mark.parametrize("solver", PLAIN_SOLVERS, ids=repr)
+def test_solve_accepts_each_solver_object(solver):
+    prob = RandomTriangular((2,), (10,), (2,), seed=12, gain=2.0)
+    x0 = prob.x0()
+    ref = prob.reference(x0)
+    sol = paraprop.solve(prob, x0, method=solver, dim=1, tol=0)
+    assert sol.converged and sol.method == solver.name
+    assert torch.equal(sol.value, ref)
+    assert sol.iterations <= sol.stats["bound"]
+    by_name = paraprop.solve(prob, x0, method=solver.name, dim=1, tol=0)
+    assert torch.equal(by_name.value, ref)
+
+
+@pytest.mark.parametrize("solver", [Newton(), QuasiNewton(), ELK(), ELK(damping=1e-3),
+                                    QuasiELK(), QuasiELK(damping=0.5)], ids=repr)
+def test_solve_accepts_each_newton_solver_object(solver):
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(3, 3, generator=g, dtype=torch.float64) * 0.5
+    u = torch.randn(2, 9, 3, generator=g, dtype=torch.float64)
+    rec = paraprop.Recurrence(lambda x, h: torch.tanh(x + h @ W.T), u,
+                              torch.zeros(2, 3, dtype=torch.float64))
+    ref = paraprop.solve(rec, rec.zeros(), method="sequential", dim=-2).value
+    sol = paraprop.solve(rec, rec.zeros(), method=solver, dim=-2, tol=1e-12)
+    assert sol.converged and sol.method == solver.name
+    assert (sol.value - ref).abs().max() <= 1e-10
+    if solver.damped:
+        assert sol.stats["damping"] == solver.damping
+
+
+def test_default_block_size_is_ceil_sqrt_T_and_reported():
+    prob = RandomTriangular((2,), (10,), (), seed=3, gain=2.0)
+    x0 = prob.x0()
+    for method in ("jacobi_gs", JacobiGS(), "gs_jacobi", GSJacobi()):
+        sol = paraprop.solve(prob, x0, method=method, tol=0)
+        assert sol.stats["block_size"] == 4  # ceil(sqrt(10))
+        assert torch.equal(sol.value, prob.reference(x0))
+    sol = paraprop.solve(prob, x0, method=JacobiGS(block_size=3), tol=0)
+    assert sol.stats["block_size"] == 3 and sol.stats["bound"] == 4
+    # a block larger than T is clipped to T
+    sol = paraprop.solve(prob, x0, method=GSJacobi(block_size=50), tol=0)
+    assert sol.stats["block_size"] == 10
+    sol = paraprop.solve(prob, x0, method="sliding_jacobi", tol=0)
+    assert sol.stats["window"] == 10  # the default 64, clipped to T
+    assert "block_size" not in paraprop.solve(prob, x0, method="jacobi", tol=0).stats
+
+
+def test_solver_objects_are_reusable_across_problems():
+    solver = JacobiGS(block_size=3)
+    for T in (5, 12):
+        prob = RandomTriangular((2,), (T,), (), seed=T, gain=2.0)
+        x0 = prob.x0()
+        sol = paraprop.solve(prob, x0, method=solver, tol=0)
+        assert torch.equal(sol.value, prob.reference(x0))
+        assert sol.stats["block_size"] == 3 and sol.stats["bound"] == math.ceil(T / 3)
+    assert repr(solver) == "JacobiGS(block_size=3)"
+
+
+def test_error_estimate_is_reported():
+    prob = RandomTriangular((3,), (30,), (), seed=4, gain=0.5)
+    x0 = prob.x0()
+    ref = prob.reference(x0)
+    sol = paraprop.solve(prob, x0, tol=1e-8)
+    est = sol.stats["error_estimate"]
+    assert 0 <= est <= 1e-8
+    assert (sol.value - ref).abs().max() <= 1e-8
+    unconv = paraprop.solve(prob, x0, tol=0, max_iters=1, throw=False)
+    assert not unconv.converged and unconv.stats["error_estimate"] == math.inf
