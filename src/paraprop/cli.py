@@ -1,4 +1,10 @@
-"""The ``paraprop`` command: ``demo``, ``bench SUITE``, ``info``."""
+"""The ``paraprop`` command: ``demo``, ``bench SUITE``, ``train JOB``, ``report``, ``info``.
+
+A user error (an unknown suite or job, a bad option value, a missing or unreadable file or data
+directory, an argument the library refuses) prints one line ``paraprop: error: MESSAGE`` to
+stderr and exits with status 2, without a traceback; ``--debug`` shows the traceback instead.
+Other exceptions are bugs and keep their traceback.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +19,15 @@ import paraprop
 from paraprop import bench, demos, training
 from paraprop.bench.harness import machine_info
 from paraprop.bench.report import write_results
+from paraprop.errors import ConvergenceError, NonFiniteError
+from paraprop.optim.errors import FusionError
+
+# Exceptions that report a user error (bad arguments, files or data): one line, exit status 2.
+USER_ERRORS = (ValueError, TypeError, OSError, ConvergenceError, NonFiniteError, FusionError)
 
 
 def _cmd_demo(args) -> int:
-    out = Path(args.out)
+    out = _out_dir(args.out)
     t0 = time.perf_counter()
     sections, summary = [], {}
     for part in demos.parts():
@@ -37,12 +48,10 @@ def _cmd_bench(args) -> int:
         for name, desc in bench.suites().items():
             print(f"{name:12s} {desc}")
         return 0
-    try:
-        suite = bench.load(args.suite)
-    except ValueError as e:
-        print(f"paraprop bench: {e}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
+    if args.repeats is not None and args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    suite = bench.load(args.suite)
+    out = _out_dir(args.out)
     suite.run(out, quick=args.quick, repeats=args.repeats)
     print(f"\nResults: {out}/{args.suite}.json, {out}/{args.suite}.md and PNG plots in {out}/")
     return 0
@@ -51,11 +60,7 @@ def _cmd_bench(args) -> int:
 def _cmd_report(args) -> int:
     from paraprop.bench.collect import collect
 
-    try:
-        out = collect(Path(args.results), Path(args.out), args.suites)
-    except ValueError as e:
-        print(f"paraprop report: {e}", file=sys.stderr)
-        return 2
+    out = collect(Path(args.results), Path(args.out), args.suites)
     print(f"wrote {out}")
     return 0
 
@@ -70,23 +75,34 @@ def _cmd_info(args) -> int:
     return 0
 
 
-def _guarded(run):
-    """A training job whose data cannot be read exits 2 with the reason, not a traceback."""
-    from paraprop.data import IDXError
+def _out_dir(out: str) -> Path:
+    """The results directory, created before any work (an unusable ``--out`` fails at once)."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"--out {out}: cannot create the results directory ({e.strerror})") from e
+    return path
 
-    def wrapped(args) -> int:
-        try:
-            return run(args)
-        except IDXError as e:
-            print(f"paraprop train: {e}", file=sys.stderr)
-            return 2
 
-    return wrapped
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``paraprop: error: MESSAGE (see 'PROG --help')``."""
+
+    def error(self, message: str):
+        self.exit(2, f"paraprop: error: {message} (see '{self.prog} --help')\n")
+
+
+_EPILOG = ("Errors: a user error (an unknown suite or job, a bad option value, a missing or "
+           "unreadable file or data directory, an argument the library refuses) prints one line "
+           "'paraprop: error: MESSAGE' to stderr and exits with status 2; --debug shows its "
+           "traceback instead. Any other exception is a bug and shows its traceback.")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="paraprop", description=paraprop.__doc__)
+    p = _Parser(prog="paraprop", description=paraprop.__doc__, epilog=_EPILOG)
     p.add_argument("--version", action="version", version=f"paraprop {paraprop.__version__}")
+    p.add_argument("--debug", action="store_true",
+                   help="on a user error, show the traceback instead of one line")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="the main job: every capability on the embedded data")
@@ -106,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, job in training.jobs().items():
         jp = jobs.add_parser(name, help=getattr(job, "HELP", ""))
         job.add_arguments(jp)
-        jp.set_defaults(func=_guarded(job.run))
+        jp.set_defaults(func=job.run)
 
     r = sub.add_parser("report", help="collect suites' Markdown results into one page")
     r.add_argument("results", help="results directory (NAME.md and PNG plots)")
@@ -120,11 +136,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+
+    Bad command lines exit through argparse (``SystemExit(2)``, one line on stderr); a user error
+    raised while running (:data:`USER_ERRORS`) prints ``paraprop: error: MESSAGE`` and returns
+    2, or propagates with ``--debug``.
+    """
     args = build_parser().parse_args(argv)
-    if getattr(args, "repeats", None) is not None and args.repeats < 1:
-        print(f"paraprop: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:
+        if args.debug:
+            raise
+        print(f"paraprop: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    return args.func(args)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return text or type(e).__name__
 
 
 if __name__ == "__main__":

@@ -60,6 +60,14 @@ class Recurrence:
     Attributes:
         shape: ``(*batch, T, H)``, the shape of the states (and of ``x0``).
 
+    Raises:
+        TypeError: a cell that is not callable; ``inputs`` / ``h0`` not tensors, not floating
+            point, of different dtypes, or of another dtype than the parameters of an
+            ``nn.Module`` (or torch) cell.
+        ValueError: shapes that do not fit (``T``, the batch shape of ``h0``, the state size,
+            a torch cell's ``input_size``); ``h0`` on another device than ``inputs``, or either
+            on another device than the cell's parameters.
+
     Example:
         >>> cell = torch.nn.GRUCell(4, 8)
         >>> rec = paraprop.Recurrence(cell, torch.randn(16, 1000, 4))
@@ -99,6 +107,7 @@ class Recurrence:
         self._adapter = _adapter_for(cell)
         if inputs is None and isinstance(cell, nn.RNNCellBase | _Analytic):
             raise ValueError(f"a torch {type(cell).__name__} needs inputs")
+        _check_cell(cell, inputs, "inputs" if inputs is not None else "h0", ref)
         H = self._adapter.state_size if self._adapter.state_size is not None else None
         if h0 is not None:
             if h0.dim() < 1 or h0.shape[:-1] != batch:
@@ -107,8 +116,9 @@ class Recurrence:
             if H is not None and h0.shape[-1] != H:
                 raise ValueError(f"h0 has {h0.shape[-1]} features but the cell's state has {H}")
             if h0.dtype != ref.dtype or h0.device != ref.device:
-                raise TypeError(f"h0 ({h0.dtype}, {h0.device}) must match inputs "
-                                f"({ref.dtype}, {ref.device})")
+                err = TypeError if h0.dtype != ref.dtype else ValueError
+                raise err(f"h0 ({h0.dtype}, {h0.device}) must match inputs "
+                          f"({ref.dtype}, {ref.device})")
             H = h0.shape[-1]
         if H is None:
             H = hidden_size
@@ -197,6 +207,28 @@ class Recurrence:
         inputs = self.inputs if self.inputs is not None else value.new_empty(0)
         h0 = self.h0 if self.h0 is not None else value.new_empty(0)
         return _Implicit.apply(self, value.detach(), inputs, h0, *self.params)
+
+
+def _check_cell(cell, inputs, name: str, ref: torch.Tensor) -> None:
+    """``inputs`` / ``h0`` against the cell: the dtype and device of its parameters (an
+    ``nn.Module`` cell or a torch cell), the input size of a torch cell."""
+    if isinstance(cell, nn.Module | _Analytic):
+        p = next((t for t in cell.parameters() if t.is_floating_point()), None)
+        if p is not None and p.dtype != ref.dtype:
+            raise TypeError(f"{name} must have the dtype of the cell's parameters, {p.dtype}, "
+                            f"got {ref.dtype}")
+        if p is not None and p.device != ref.device:
+            raise ValueError(f"{name} must be on the device of the cell's parameters, "
+                             f"{p.device}, got {ref.device}")
+    if isinstance(cell, nn.RNNCellBase):
+        size = cell.input_size
+    elif isinstance(cell, _Analytic):
+        size = cell.w_ih.shape[-1]
+    else:
+        return
+    if inputs is not None and inputs.shape[-1] != size:
+        raise ValueError(f"inputs must have {size} features (the cell's input_size), got shape "
+                         f"{tuple(inputs.shape)}")
 
 
 class _Implicit(torch.autograd.Function):

@@ -83,20 +83,30 @@ def load_mnist(mnist_dir: str | os.PathLike | None = None, *, split: str = "test
         split: ``"test"`` (t10k files, 10,000 images) or ``"train"``.
 
     Raises:
-        IDXError: missing, truncated or inconsistent files (the message names the file).
+        IDXError: missing, truncated or inconsistent files, a header announcing 0 images or 0
+            rows or columns (the message names the file).
         ValueError: unknown split.
     """
-    if split not in _FILES:
+    if not isinstance(split, str) or split not in _FILES:
         raise ValueError(f"unknown split={split!r}; choose 'test' or 'train'")
     directory = find_mnist_dir(mnist_dir)
     if directory is None:
         raise IDXError(f"no MNIST directory: pass mnist_dir, set ${ENV}, or put the IDX files "
                        "in ../shared/data/mnist")
+    if not directory.is_dir():
+        where = "mnist_dir" if mnist_dir is not None else f"${ENV}"
+        raise IDXError(f"{directory}: no such MNIST directory (from {where})")
     img_path, lab_path = (_locate(directory, s) for s in _FILES[split])
     images, labels = read_idx(img_path), read_idx(lab_path)
     if images.ndim != 3 or images.dtype != np.uint8:
         raise IDXError(f"{img_path}: expected uint8 images (N, rows, cols), got "
                        f"{images.dtype} {images.shape}")
+    n, rows, cols = images.shape
+    if n == 0:
+        raise IDXError(f"{img_path}: the header announces 0 images; expected at least 1")
+    if rows == 0 or cols == 0:
+        raise IDXError(f"{img_path}: the header announces images of {rows} x {cols} pixels "
+                       "(rows x cols); expected at least 1 x 1")
     if labels.ndim != 1 or len(labels) != len(images):
         raise IDXError(f"{lab_path}: {labels.shape} labels for {len(images)} images")
     if labels.max(initial=0) > 9:

@@ -10,6 +10,7 @@ of the ``d``-th conditional at its noise. :meth:`MADE.sampling_map` builds that 
 from __future__ import annotations
 
 import math
+import pickle
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ class MADE(nn.Module):
         seed: seed of the weight initialisation.
 
     Raises:
-        ValueError: bad ``features``, ``hidden``, ``conditional`` or ``order``.
+        ValueError: bad ``features``, ``hidden``, ``conditional``, ``order`` or ``seed``.
 
     Example:
         >>> m = MADE(64, hidden=(128, 128))
@@ -46,22 +47,21 @@ class MADE(nn.Module):
     def __init__(self, features: int, hidden: tuple[int, ...] = (512, 512),
                  conditional: str = "logistic", order=None, seed: int = 0):
         super().__init__()
-        if isinstance(features, bool) or not isinstance(features, int) or features < 1:
+        if not _is_int(features) or features < 1:
             raise ValueError(f"features must be a positive int, got {features!r}")
-        hidden = tuple(hidden)
-        if not hidden or not all(isinstance(h, int) and h >= 1 for h in hidden):
+        if not isinstance(hidden, tuple | list) or not hidden or not all(
+                _is_int(h) and h >= 1 for h in hidden):
             raise ValueError(f"hidden must be a non-empty tuple of positive ints, got {hidden!r}")
-        if conditional not in CONDITIONALS:
+        hidden = tuple(hidden)
+        if not isinstance(conditional, str) or conditional not in CONDITIONALS:
             raise ValueError(f"unknown conditional={conditional!r}; choose one of "
                              f"{', '.join(CONDITIONALS)}")
+        if not _is_int(seed) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         if order is None:
             order_t = torch.arange(features)
         else:
-            order_t = torch.as_tensor(order, dtype=torch.long)
-            if order_t.shape != (features,) or not torch.equal(order_t.sort().values,
-                                                               torch.arange(features)):
-                raise ValueError(f"order must be a permutation of 0..{features - 1}, got "
-                                 f"{order_t.tolist()}")
+            order_t = _as_order(order, features)
         self.config = {"features": features, "hidden": list(hidden),
                        "conditional": conditional, "order": order_t.tolist(), "seed": seed}
         self.features, self.conditional = features, conditional
@@ -152,14 +152,85 @@ class MADE(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, map_location="cpu") -> MADE:
+        """The model saved by :meth:`save` at ``path``.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            ValueError: the file is not a MADE checkpoint (not a torch file, another model's,
+                or a config or weights that do not fit); the message names the file.
+        """
+        return load_checkpoint(cls, "MADE", path, map_location)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _as_order(order, features: int) -> torch.Tensor:
+    """``order`` as a long tensor, checked to be a permutation of ``0 .. features-1``."""
+    if isinstance(order, torch.Tensor):
+        ok = not order.is_floating_point() and not order.is_complex() \
+            and order.dtype != torch.bool
+    else:
+        try:
+            items = list(order)
+        except TypeError:
+            items = None
+        ok = items is not None and all(_is_int(i) for i in items)
+    if not ok:
+        raise ValueError(f"order must be a permutation of 0..{features - 1} (ints), got "
+                         f"{order!r}")
+    order_t = torch.as_tensor(order if isinstance(order, torch.Tensor) else items,
+                              dtype=torch.long)
+    if order_t.shape != (features,) or not torch.equal(order_t.sort().values,
+                                                       torch.arange(features)):
+        raise ValueError(f"order must be a permutation of 0..{features - 1}, got "
+                         f"{order_t.tolist()}")
+    return order_t
+
+
+def load_checkpoint(cls, kind: str, path, map_location):
+    """A model of class ``cls`` from the checkpoint ``{"kind", "config", "state_dict"}`` that
+    ``cls.save`` wrote at ``path``; every failure names the file."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file (expected a paraprop {kind} checkpoint)")
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory, not a paraprop {kind} checkpoint")
+    try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
-        if not isinstance(ckpt, dict) or ckpt.get("kind") != "MADE":
-            raise ValueError(f"{path}: not a paraprop MADE checkpoint")
-        cfg = dict(ckpt["config"])
-        model = cls(cfg["features"], tuple(cfg["hidden"]), cfg["conditional"], cfg["order"],
-                    cfg["seed"])
-        model.load_state_dict(ckpt["state_dict"])
-        return model
+    except OSError:
+        raise
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path}: cannot be read as a paraprop {kind} checkpoint (torch.load "
+                         "with weights_only=True: not a torch file of tensors and plain "
+                         "containers)") from None
+    except Exception as e:  # torch.load fails in many ways on a foreign file
+        lines = str(e).strip().splitlines()
+        reason = f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+        raise ValueError(f"{path}: cannot be read as a paraprop {kind} checkpoint "
+                         f"(torch.load: {reason})") from None
+    found = ckpt.get("kind") if isinstance(ckpt, dict) else None
+    if found != kind:
+        what = f"a {found} checkpoint" if isinstance(found, str) else \
+            f"a {type(ckpt).__name__} without a model kind"
+        raise ValueError(f"{path}: not a paraprop {kind} checkpoint (it holds {what})")
+    cfg, state = ckpt.get("config"), ckpt.get("state_dict")
+    if not isinstance(cfg, dict) or not isinstance(state, dict):
+        raise ValueError(f"{path}: not a paraprop {kind} checkpoint (config or state_dict "
+                         "missing)")
+    try:
+        model = cls(**cfg)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: bad {kind} config in the checkpoint: {e}") from None
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        errors = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()] or [str(e)]
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ValueError(f"{path}: the weights do not fit the {kind} config: "
+                         f"{errors[0].rstrip('.')}{more}") from None
+    return model
 
 
 class _MADESampler:

@@ -39,6 +39,10 @@ class MaskedLinear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, mask: torch.Tensor):
         super().__init__(in_features, out_features)
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (out_features, in_features):
+            got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"mask must have shape (out_features, in_features) = "
+                             f"({out_features}, {in_features}), got {got}")
         self.register_buffer("mask", mask)
         self._cache: tuple | None = None
 

@@ -71,7 +71,8 @@ class PixelCNN(nn.Module):
         seed: initialisation seed.
 
     Raises:
-        ValueError: a non-positive size or an even kernel.
+        ValueError: a size that is not a positive int, ``levels`` below 2, an even kernel or
+            one below 3, a negative or non-int seed.
     """
 
     def __init__(self, in_channels: int = 1, image_size: int = 28, hidden: int = 32,
@@ -83,8 +84,12 @@ class PixelCNN(nn.Module):
                         ("levels", levels)]:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if levels < 2:
+            raise ValueError(f"levels must be >= 2 (the discrete pixel values), got {levels}")
         if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 3 or kernel % 2 == 0:
             raise ValueError(f"kernel must be odd and >= 3, got {kernel!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         self.config = {"in_channels": in_channels, "image_size": image_size, "hidden": hidden,
                        "layers": layers, "mixtures": mixtures, "kernel": kernel,
                        "levels": levels, "seed": seed}
@@ -249,12 +254,16 @@ class PixelCNN(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, map_location="cpu") -> PixelCNN:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-        if not isinstance(ckpt, dict) or ckpt.get("kind") != "PixelCNN":
-            raise ValueError(f"{path}: not a paraprop PixelCNN checkpoint")
-        model = cls(**ckpt["config"])
-        model.load_state_dict(ckpt["state_dict"])
-        return model
+        """The model saved by :meth:`save` at ``path``.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            ValueError: the file is not a PixelCNN checkpoint (not a torch file, another
+                model's, or a config or weights that do not fit); the message names the file.
+        """
+        from paraprop.models.made import load_checkpoint
+
+        return load_checkpoint(cls, "PixelCNN", path, map_location)
 
 
 def discretized_logistic_log_prob(x: torch.Tensor, mu: torch.Tensor, log_s: torch.Tensor,
