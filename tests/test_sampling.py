@@ -10,10 +10,18 @@ import paraprop
 from paraprop.cli import main
 from paraprop.models import MADE
 from paraprop.sampling import parallel_inverse, sample
+from paraprop.solve import solve
+from paraprop.solvers import GSJacobi, JacobiGS, SlidingJacobi
 from problems import TOLERANCES
 
 CONDITIONALS = ["logistic", "gaussian", "bernoulli"]
-METHODS = [("jacobi", None), ("jacobi_gs", 5), ("gs_jacobi", 7), ("fixed_passes", None)]
+METHODS = [("jacobi", None), ("jacobi_gs", 5), ("gs_jacobi", 7), ("sliding_jacobi", 4),
+           ("fixed_passes", None)]
+SOLVER = {"jacobi_gs": JacobiGS, "gs_jacobi": GSJacobi, "sliding_jacobi": SlidingJacobi}
+
+
+def _method(name, size):
+    return name if size is None else SOLVER[name](size)
 
 
 def _made(cond, dtype=torch.float64, order=True, seed=0):
@@ -28,12 +36,20 @@ def test_every_method_returns_the_ancestral_sample(cond, method, bs):
     noise = m.draw_noise(6, torch.Generator().manual_seed(1))
     ref, seq = sample(m, 6, method="sequential", noise=noise)
     assert seq.evaluations == 24
-    x, sol = sample(m, 6, method=method, noise=noise, tol=0, block_size=bs)
-    assert torch.equal(x, ref)  # float64, tol=0: bitwise
+    x, sol = sample(m, 6, method=_method(method, bs), noise=noise, tol=0)
+    # The ancestral sampler computes one position per call through MADE's row-subset fast path;
+    # a BLAS kernel may round a row subset differently from the full product (it does on
+    # AVX-512 machines), so against it the sample agrees to the rounding table ...
+    assert (x - ref).abs().max() <= TOLERANCES[torch.float64]["max_err"]
+    if method in ("jacobi", "fixed_passes"):
+        # ... and bitwise against the sequential solve that evaluates the same full map
+        system = m.sampling_map(noise)
+        full = solve(lambda z: system(z), system.x0, method="sequential", dim=system.dim)
+        assert torch.equal(x, system.to_data(full.value))
     m32 = _made(cond, torch.float32)
     noise32 = noise.float()
     ref32, _ = sample(m32, 6, method="sequential", noise=noise32)
-    x32, _ = sample(m32, 6, method=method, noise=noise32, block_size=bs)
+    x32, _ = sample(m32, 6, method=_method(method, bs), noise=noise32)
     assert (x32 - ref32).abs().max() <= 1e-5
 
 
@@ -48,7 +64,7 @@ def test_same_generator_seed_same_sample_and_per_sample_stopping():
     tols = TOLERANCES[torch.float64]
     m = _made("logistic")
     a, sa = sample(m, 8, tol=tols["solve_tol"], generator=torch.Generator().manual_seed(3))
-    b, _ = sample(m, 8, method="gs_jacobi", block_size=6, tol=tols["solve_tol"],
+    b, _ = sample(m, 8, method=GSJacobi(block_size=6), tol=tols["solve_tol"],
                   generator=torch.Generator().manual_seed(3))
     assert (a - b).abs().max() <= tols["max_err"]
     it = sa.stats["sample_iterations"]
@@ -221,6 +237,8 @@ def test_bench_made_quick(tmp_path):
     payload = made.run(tmp_path, quick=True, repeats=1)
     rows = {r["method"]: r for r in payload["digits"]["rows"]}
     assert rows["jacobi (online stop)"]["max_abs_err"] <= 1e-4
-    assert rows["fixed D passes"]["max_abs_err"] == 0
+    # D full passes reach the fixed point of the full map; the reference is the row-subset
+    # ancestral sampler, which a BLAS kernel may round differently (float32 here)
+    assert rows["fixed D passes"]["max_abs_err"] <= TOLERANCES[torch.float32]["max_err"]
     assert all(r["bitwise equal"] for r in payload["flows"])
     assert (tmp_path / "made.md").exists() and (tmp_path / "made_digits_samples.png").exists()

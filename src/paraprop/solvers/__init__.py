@@ -26,8 +26,8 @@ NEWTON_METHODS = ("newton", "quasi_newton", "elk", "quasi_elk")
 
 def is_solver(obj) -> bool:
     """Whether ``obj`` follows the solver protocol (``name``, ``bound``, ``init``, ``step``)."""
-    return all(callable(getattr(obj, a, None)) for a in ("bound", "init", "step")) and \
-        isinstance(getattr(obj, "name", None), str)
+    return not isinstance(obj, type) and isinstance(getattr(obj, "name", None), str) and \
+        all(callable(getattr(obj, a, None)) for a in ("bound", "init", "step"))
 
 
 def make_solver(method, *, argument: str = "method", names=METHODS):
@@ -38,6 +38,9 @@ def make_solver(method, *, argument: str = "method", names=METHODS):
             raise ValueError(f"unknown {argument}={method!r}; choose one of {', '.join(names)}, "
                              "or pass a solver object from paraprop.solvers")
         return SOLVERS[method]()
+    if isinstance(method, type):
+        raise TypeError(f"{argument} must be a method name or a solver object, got the class "
+                        f"{method.__name__}; pass an instance, e.g. {method.__name__}()")
     if is_solver(method):
         if method.name not in names:
             raise ValueError(f"{argument}={method!r} is not supported here; choose one of "

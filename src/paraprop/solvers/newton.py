@@ -37,6 +37,7 @@ from paraprop.errors import NonFiniteError, NotTriangularError
 from paraprop.scan import linear_recurrence
 from paraprop.solvers._settings import positive_float
 from paraprop.solvers.base import State, System, verify_fixed_point
+from paraprop.solvers.stopping import rounding_floor
 
 FORMS = {"newton": "any", "quasi_newton": "diag", "elk": "dense", "quasi_elk": "diag"}
 DEFAULT_DAMPING = 1e-2
@@ -107,16 +108,19 @@ class _NewtonFamily:
         else:
             size = torch.linalg.vector_norm(delta.reshape(delta.shape[0], -1), dim=1)
         size = torch.where(act, size, torch.zeros_like(size)).to(torch.float64)
-        if bool(act.all()):
-            seg.copy_(trial)
-        else:
-            seg.copy_(torch.where(act[:, None, None], trial, seg))
         if self.form == "any" and not self.damped and access.markov:
             stop = act & (size <= tol) & ~bad
             est = size
         else:
-            stop, est = state.rule.update(size, tol, act)
+            stop, est = state.rule.update(size, tol, act, floor=rounding_floor(trial))
             stop = stop & ~bad
+        # A stopping sample keeps fn(x), a value the cell produces (ReLU outputs stay >= 0):
+        # within L * (est + |delta|) of the solution for a step map with Lipschitz constant L.
+        new = torch.where(stop[:, None, None], y, trial) if bool(stop.any()) else trial
+        if bool(act.all()):
+            seg.copy_(new)
+        else:
+            seg.copy_(torch.where(act[:, None, None], new, seg))
         state.estimate = torch.where(stop, est, state.estimate)
         state.residual = float(size.max())
         cont = act & ~stop

@@ -10,8 +10,11 @@ Here "done" is certified, not guessed:
   sweep, and the one after that run (by induction: a position computed from final, unchanged
   inputs is final). With ``tol=0`` only these are frozen, and the result is the sequential one
   in at most ``T`` sweeps;
-* with ``tol > 0`` the window may also freeze leading positions whose contraction estimate
-  (:mod:`paraprop.solvers.stopping`) fits the freeze's share ``tol * m / T`` of the tolerance.
+* with ``tol > 0`` the window may also freeze the next ``m`` positions when their error bound
+  fits the freeze's share ``tol * m / T`` of the tolerance. The bound of position ``j`` is the
+  sum of the sweep's changes at the non-final positions before it, which bounds its error when
+  the map does not expand differences (``|f_j(x) - f_j(y)| <= max_{i<j} |x_i - y_i|``, e.g. a
+  residual or diffusion step with a contracting increment); for expanding maps use ``tol=0``.
 
 ``fn`` computes only the window through ``fn.window(x, start, stop, cache)`` (the cached-prefix
 protocol of :meth:`paraprop.solvers.base.System.window`) or ``fn.update(x, index)``; otherwise
@@ -63,11 +66,10 @@ class SlidingJacobi:
         return system.T
 
     def init(self, system: System, state: State) -> None:
-        B, T = system.B, system.T
+        B = system.B
         dev = state.x.device
         state.extra.update(
             final=torch.zeros(B, dtype=torch.long, device=dev),  # positions < final are final
-            d_prev=torch.full((B, T), float("nan"), dtype=torch.float64, device=dev),
             stats={"window": self.size(system)},
         )
 
@@ -98,26 +100,22 @@ class SlidingJacobi:
         exact_to = torch.minimum(torch.maximum(first_change + 1, off + 1),
                                  torch.full_like(off, n))
         new_final = start + exact_to
-        if tol > 0:   # estimated: contraction of each position over the last two sweeps
-            prev = e["d_prev"][:, start:stop]
-            rate = d_pos / prev
-            est = torch.where(rate < 1, rate / (1 - rate) * d_pos,
-                              torch.full_like(d_pos, float("inf")))
-            est = torch.where(d_pos == 0, torch.zeros_like(est), est)
-            est = torch.where(d_pos <= tol, est, torch.full_like(est, float("inf")))
-            # candidates: the positions from new_final on
-            shift = (new_final - start)
-            idx = (torch.arange(n, device=vals.device)[None, :] + shift[:, None]).clamp(max=n - 1)
-            cand = est.gather(1, idx)
-            cand = torch.where(torch.arange(n, device=vals.device)[None, :] + shift[:, None] < n,
-                               cand, torch.full_like(cand, float("inf")))
+        if tol > 0:   # estimated: the changes before a position bound its error
+            # A position computed from inputs with errors e_i has an error <= max_i e_i when the
+            # map does not expand differences; the input errors are at most the changes of the
+            # sweep plus the new values' own errors, so error(x_new[j]) <= sum_{i<j} d_i over
+            # the non-final positions (the final ones have d = 0).
+            est = d_pos.cumsum(1) - d_pos
+            shift = new_final - start
+            ar = torch.arange(n, device=vals.device)[None, :]
+            idx = (ar + shift[:, None]).clamp(max=n - 1)
+            cand = torch.where(ar + shift[:, None] < n, est.gather(1, idx),
+                               torch.full_like(est, float("inf")))
             m = freeze_budget(cand, tol, T)
             if bool((m > 0).any()):
-                ok = torch.arange(n, device=vals.device)[None, :] < m[:, None]
-                worst = torch.where(ok, cand, torch.zeros_like(cand)).amax(1)
+                worst = torch.where(ar < m[:, None], cand, torch.zeros_like(cand)).amax(1)
                 state.estimate = state.estimate + torch.where(act, worst, 0.0)
             new_final = new_final + m
-            e["d_prev"][:, start:stop] = d_pos
         e["final"] = torch.where(act, torch.maximum(final, new_final), final)
         state.sample_iterations += act.long()
         state.active = e["final"] < T

@@ -28,7 +28,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ContractionRule", "freeze_budget"]
+__all__ = ["ContractionRule", "freeze_budget", "rounding_floor"]
+
+# Changes within this many units in the last place of a sample's largest value are rounding.
+ROUNDING_ULPS = 16
+
+
+def rounding_floor(values: torch.Tensor) -> torch.Tensor:
+    """``(B,)``: the rounding level of each sample of ``values`` ``(B, ...)``:
+    ``ROUNDING_ULPS * eps * max |value|``."""
+    eps = torch.finfo(values.dtype).eps
+    return values.detach().abs().flatten(1).amax(1).to(torch.float64) * (ROUNDING_ULPS * eps)
 
 
 class ContractionRule:
@@ -53,13 +63,18 @@ class ContractionRule:
             self.q_prev[mask] = 0.0
 
     def update(self, d: torch.Tensor, tol: float, active: torch.Tensor,
-               budget: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               budget: float | None = None, floor: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Record ``d`` (``(B,)``) for the ``active`` samples; return ``(stop, estimate)``.
 
         ``budget`` (default ``tol``) is the bound the estimate must meet; ``d`` itself must also
-        be ``<= tol``.
+        be ``<= tol``. ``floor`` (``(B,)``, optional) is the rounding level of the values: with
+        ``tol > 0`` a change at or below it is rounding noise, not progress, and counts as no
+        change (a warm start at the solution stops instead of running to the bound).
         """
         d = d.to(self.d_prev.dtype)
+        if floor is not None and tol > 0:
+            d = torch.where(d <= floor.to(d.dtype), torch.zeros_like(d), d)
         q = d / self.d_prev                       # NaN on the first iteration
         rate = torch.maximum(q, self.q_prev)      # NaN propagates: no estimate yet
         est = torch.where(rate < 1, rate / (1 - rate) * d, torch.full_like(d, float("inf")))
