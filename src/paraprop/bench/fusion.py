@@ -137,11 +137,14 @@ def live_bytes(model: nn.Module, opt) -> int:
                 seen.add(s.data_ptr())
                 total += s.nbytes()
 
-    for p in model.parameters():
-        add(p)
-        add(p.grad)
-    for buf in model.buffers():
-        add(buf)
+    from paraprop.optim.reads import without_applying
+
+    with without_applying():   # counting storages must not apply the pending updates
+        for p in model.parameters():
+            add(p)
+            add(p.grad)
+        for buf in model.buffers():
+            add(buf)
     for st in opt.state.values():
         for v in st.values():
             add(v)

@@ -42,7 +42,7 @@ def recurrence(op: Op, b: torch.Tensor, h0: torch.Tensor | None, reverse: bool,
     if use_native:
         raise RuntimeError(
             "native=True but the native scan kernels cannot run here: "
-            f"{native.status() if native.status() != 'ok' else 'they need CPU float32/float64 '}"
+            f"{native.status() if not native.available() else 'they need CPU float32/float64 '}"
             "tensors of one dtype")
     return _torch_loop(op, b, h0, reverse)
 
