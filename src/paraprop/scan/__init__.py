@@ -13,7 +13,7 @@ One file per algorithm: :mod:`.sequential`, :mod:`.blelloch`, :mod:`.hillis_stee
 """
 
 from paraprop.scan.associative import SCAN_ALGORITHMS, associative_scan
-from paraprop.scan.jacobi import JacobiResult, jacobi_recurrence
+from paraprop.scan.jacobi import jacobi_recurrence
 from paraprop.scan.operators import Factored
 from paraprop.scan.recurrence import ALGORITHMS, linear_recurrence
 
@@ -21,7 +21,6 @@ __all__ = [
     "ALGORITHMS",
     "SCAN_ALGORITHMS",
     "Factored",
-    "JacobiResult",
     "associative_scan",
     "jacobi_recurrence",
     "linear_recurrence",

@@ -5,47 +5,39 @@ updates every position at once from the previous iterate, ``x_t <- A_t x_{t-1} +
 batched matrix-vector product over all ``T`` steps. After ``k`` sweeps positions ``t < k`` are
 exact, so ``T`` sweeps give the sequential result; stopping earlier (``max_iters``, ``tol``)
 gives an approximation whose error decays with the products of the ``A_t`` (a truncated
-back-propagation when the recurrence is a backward pass).
+back-propagation when the recurrence is a backward pass). The ``tol`` stop is the contraction
+estimate of :mod:`paraprop.solvers.stopping`: a recurrence that accumulates (``A_t`` near the
+identity) is never stopped on a small step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
 
 import torch
 
+from paraprop.result import Solution
 from paraprop.scan.recurrence import canonicalise
-
-
-@dataclass(frozen=True)
-class JacobiResult:
-    """The result of :func:`jacobi_recurrence`.
-
-    Attributes:
-        value: the last iterate, ``(*batch, T, H)``.
-        iterations: sweeps taken.
-        converged: the forward difference reached ``tol``, or ``T`` sweeps made it exact.
-        residuals: ``max |x_k - x_{k-1}|`` after each sweep (1-D float64 tensor).
-    """
-
-    value: torch.Tensor
-    iterations: int
-    converged: bool
-    residuals: torch.Tensor
 
 
 def jacobi_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
                       reverse: bool = False, max_iters: int | None = None,
-                      tol: float = 0.0) -> JacobiResult:
+                      tol: float = 0.0) -> Solution:
     """Solve ``h_t = A_t h_{t-1} + b_t`` (or its reverse) by Jacobi sweeps from ``x = 0``.
 
     Arguments:
         A, b, h0, reverse: as for :func:`paraprop.scan.linear_recurrence`.
         max_iters: at most this many sweeps; ``None`` means ``T`` (exact).
-        tol: stop once ``max |x_k - x_{k-1}| <= tol``; ``0`` stops at an exact fixed point.
+        tol: stop once the estimated error ``q / (1 - q) * d_k`` and the forward difference
+            ``d_k = max |x_k - x_{k-1}|`` are ``<= tol`` (``q``: the observed contraction of
+            ``d``); ``0`` stops at an exact fixed point.
 
     Returns:
-        A :class:`JacobiResult`.
+        A :class:`paraprop.Solution` (``method="jacobi"``): ``value`` the last iterate
+        ``(*batch, T, H)`` (differentiable by autograd), ``iterations`` the sweeps,
+        ``converged`` (the error estimate reached ``tol``, or ``T`` sweeps made it exact),
+        ``residuals`` the forward differences, ``stats`` with ``error_estimate``, ``bound``
+        (``T``), ``T`` and ``time_s``.
 
     Raises:
         TypeError / ValueError: as :func:`linear_recurrence`; bad ``max_iters`` or ``tol``.
@@ -71,6 +63,12 @@ def jacobi_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
     x = torch.zeros_like(bb)
     residuals = []
     converged = False
+    from paraprop.solvers.stopping import ContractionRule  # the solvers package imports scan
+
+    rule = ContractionRule(1, bb.device)
+    always = torch.ones(1, dtype=torch.bool, device=bb.device)
+    estimate = float("inf")
+    t0 = time.perf_counter()
     # one sweep: shift the iterate by one step (h_prev), apply every A_t at once, add b
     for k in range(1, cap + 1):
         prev = torch.empty_like(bb)   # fresh each sweep: autograd may have saved the last one
@@ -82,8 +80,14 @@ def jacobi_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
         res = float(torch.sub(new.detach(), x.detach()).abs_().max()) if new.numel() else 0.0
         residuals.append(res)
         x = new
-        if res <= tol or k == T:
+        stop, est = rule.update(torch.tensor([res], dtype=torch.float64, device=bb.device), tol,
+                                always)
+        if k == T or bool(stop):
             converged = True
+            estimate = 0.0 if k == T else float(est)
             break
-    return JacobiResult(c.user(x), len(residuals), converged,
-                        torch.tensor(residuals, dtype=torch.float64))
+    return Solution(value=c.user(x), method="jacobi", iterations=len(residuals),
+                    evaluations=len(residuals), converged=converged,
+                    residuals=torch.tensor(residuals, dtype=torch.float64),
+                    stats={"error_estimate": estimate, "bound": T, "T": T,
+                           "time_s": time.perf_counter() - t0})
