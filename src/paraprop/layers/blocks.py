@@ -11,21 +11,20 @@ computing its states in order; a state reads its own block's new values and ever
 values from the previous iterate. After iteration ``k`` the first ``k`` blocks are exact
 (Proposition 2), so at most ``len(blocks)`` iterations give the sequential result. The sequential
 driver emulates the parallel blocks by visiting them last to first, so that a block still sees the
-previous values of the blocks before it; :class:`~paraprop.layers.ThreadedJacobiGS` runs the same
-iteration on threads.
+previous values of the blocks before it (:class:`paraprop.solvers.JacobiGS` with ``blocks=``);
+:class:`~paraprop.layers.ThreadedJacobiGS` runs the same iteration on threads.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from paraprop.errors import ConvergenceError
 from paraprop.layers.recurrence import LayerSystem
-from paraprop.solve import NORMS, Solution
-from paraprop.solvers.base import State, System, accept
+from paraprop.result import Solution
+from paraprop.solve import solve
+from paraprop.solvers import JacobiGS
 
 __all__ = ["balanced_blocks", "check_blocks", "jacobi_gs_blocks"]
 
@@ -100,9 +99,9 @@ def jacobi_gs_blocks(
 ) -> Solution:
     """Jacobi-GS (Algorithm 2) over any contiguous partition of the states of ``system``.
 
-    The stopping rule, per-sample freezing and the checks (non-finite values, triangularity) are
-    those of :func:`paraprop.solve` (its shared ``accept`` rule), with the positions of the first
-    ``k - 1`` blocks counted as final at iteration ``k``.
+    :func:`paraprop.solve` with ``method=JacobiGS(blocks=blocks)``: the stopping rule,
+    per-sample freezing and the checks (non-finite values, triangularity) are the driver's, with
+    the positions of the first ``k - 1`` blocks counted as final at iteration ``k``.
 
     Arguments:
         system: a bound :class:`~paraprop.layers.LayerSystem` (or any ``fn`` with ``update``
@@ -132,54 +131,5 @@ def jacobi_gs_blocks(
         raise ValueError(f"system.x0 must be shaped (batch, states, features), got "
                          f"{tuple(x0.shape)}")
     blocks = check_blocks(blocks, x0.shape[1])
-    if norm not in NORMS:
-        raise ValueError(f"unknown norm={norm!r}; choose one of {', '.join(NORMS)}")
-    if isinstance(tol, bool) or not isinstance(tol, int | float) or not tol >= 0:
-        raise ValueError(f"tol must be a number >= 0, got {tol!r}")
-    if max_iters is not None and (isinstance(max_iters, bool) or not isinstance(max_iters, int)
-                                  or max_iters < 1):
-        raise ValueError(f"max_iters must be a positive int or None, got {max_iters!r}")
-    if callback is not None and not callable(callback):
-        raise TypeError(f"callback must be callable, got {type(callback).__name__}")
-
-    sys_ = System(system, x0.shape, x0.dtype, (1, 1))
-    state = State(x=x0.clone(), active=torch.ones(sys_.B, dtype=torch.bool, device=x0.device),
-                  sample_iterations=torch.zeros(sys_.B, dtype=torch.long, device=x0.device))
-    index = [torch.tensor([t], device=x0.device) for t in range(sys_.T)]
-    bound = len(blocks)
-    cap = bound if max_iters is None else max_iters
-    residuals: list[float] = []
-    k = 0
-    start = time.perf_counter()
-    with torch.no_grad():
-        while not state.finished and k < cap:
-            k += 1
-            sys_.iteration = k
-            work = state.x.clone()
-            # last block first: a block then still reads the previous values of earlier blocks
-            for blk in reversed(blocks):
-                for t in blk:
-                    vals = sys_.update(work, index[t])
-                    sys_.check_finite(vals, index[t])
-                    work[:, t : t + 1] = vals
-            exact = blocks[k - 2].stop if k >= 2 else 0
-            accept(sys_, state, 0, sys_.T, work, tol, norm, exact=min(exact, sys_.T))
-            residuals.append(state.residual)
-            state.finished = k >= bound or not bool(state.active.any())
-            if callback is not None:
-                callback(k, state.x, state.residual)
-    elapsed = time.perf_counter() - start
-    sol = Solution(
-        value=state.x, method="jacobi_gs", iterations=k, evaluations=sys_.evaluations,
-        converged=state.finished,
-        residuals=torch.tensor(residuals, dtype=torch.float64),
-        stats={"positions": sys_.positions, "sequential_steps": sys_.evaluations,
-               "bound": bound, "sample_iterations": state.sample_iterations.cpu(),
-               "T": sys_.T, "block_size": None, "blocks": [[b.start, b.stop] for b in blocks],
-               "time_s": elapsed})
-    if not sol.converged and throw:
-        raise ConvergenceError(
-            f"jacobi_gs over {bound} blocks did not converge within max_iters={max_iters} "
-            f"iterations (last forward difference {residuals[-1]:.3g} > tol={tol}); pass "
-            "throw=False to inspect the unconverged Solution", solution=sol)
-    return sol
+    return solve(system, x0, method=JacobiGS(blocks=blocks), dim=1, tol=tol, norm=norm,
+                 max_iters=max_iters, throw=throw, callback=callback)

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 import torch
 
-from paraprop.errors import ConvergenceError, NonFiniteError
+from paraprop.errors import NonFiniteError
 from paraprop.linalg.direct import cyclic_reduction, substitution
 from paraprop.linalg.iterative import bicgstab, jacobi
 from paraprop.linalg.system import BlockBidiagonal
-from paraprop.solve import Solution
+from paraprop.result import Solution, ensure_converged
 
 __all__ = ["DIRECT", "ITERATIVE", "METHODS", "check_solver_args", "solve"]
 
@@ -103,13 +103,9 @@ def solve(
     sol = Solution(value=value, method=method, iterations=info["iterations"],
                    evaluations=info["evaluations"], converged=info["converged"],
                    residuals=torch.tensor(info["residuals"], dtype=torch.float64), stats=stats)
-    if not sol.converged and throw:
-        last = info["residuals"][-1] if info["residuals"] else float("nan")
-        raise ConvergenceError(
-            f"method={method!r} did not converge within max_iters={max_iters} iterations (last "
-            f"relative residual {last:.3g} > tol={tol}); pass throw=False to inspect the "
-            "unconverged Solution", solution=sol)
-    return sol
+    return ensure_converged(sol, throw, entry="linalg.solve", max_iters=max_iters, tol=tol,
+                            measure="relative residual",
+                            last=info["residuals"][-1] if info["residuals"] else None)
 
 
 def _validate(system, rhs, method, tol, max_iters, throw):

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paraprop.errors import ConvergenceError
 from paraprop.linalg.activations import (
     SUPPORTED,
     WITH_SETTINGS,
@@ -38,7 +37,7 @@ from paraprop.linalg.activations import (
 from paraprop.linalg.driver import DEFAULT_TOL, check_solver_args, solve
 from paraprop.linalg.operators import MatrixOperator
 from paraprop.linalg.system import BlockBidiagonal
-from paraprop.solve import Solution
+from paraprop.result import Solution, ensure_converged
 
 __all__ = ["ActivationPoints", "MLPSystems", "activation_points", "from_mlp", "mlp_backward",
            "mlp_forward"]
@@ -607,12 +606,9 @@ def mlp_forward(model: nn.Sequential, x: torch.Tensor, *, points: ActivationPoin
           "time_s": time.perf_counter() - start, "layer_evaluations": it * l}
     out = Solution(points.output, method, it, levels, converged,
                    torch.tensor(residuals, dtype=torch.float64), st)
-    if not converged and throw:
-        raise ConvergenceError(
-            f"mlp_forward did not reach the fixed point within max_iters={max_iters} iterations "
-            f"(last change of the points {residuals[-1]:.3g}); pass throw=False to inspect",
-            solution=out)
-    return out
+    return ensure_converged(out, throw, entry="mlp_forward", max_iters=max_iters, tol=tol,
+                            measure="relative change of the points (the Newton step)",
+                            last=residuals[-1] / scale if residuals else None)
 
 
 def _linear_batched(linears, inputs) -> list[torch.Tensor]:

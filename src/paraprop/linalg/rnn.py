@@ -28,7 +28,7 @@ from torch import nn
 from paraprop.linalg.driver import check_solver_args, solve
 from paraprop.linalg.operators import BlockDiagonalOperator, MatrixOperator
 from paraprop.linalg.system import BlockBidiagonal
-from paraprop.solve import Solution
+from paraprop.result import Solution
 
 __all__ = ["RNNSystems", "from_rnn", "rnn_backward"]
 

@@ -22,14 +22,24 @@ class JacobiGS:
     Arguments:
         block_size: positions per block; ``None``: ``ceil(sqrt(T))``, which balances the
             ``block_size`` calls per iteration against the ``T / block_size`` iterations.
+        blocks: instead of ``block_size``, any partition of the positions into contiguous
+            blocks of any lengths (e.g. a network's states grouped by cost,
+            :func:`paraprop.layers.balanced_blocks`), as ranges or lists of flat positions. The
+            iteration then visits the blocks last to first, each position in order, so that a
+            block reads its own new values and the previous values of the blocks before it.
     """
 
     name = "jacobi_gs"
 
-    def __init__(self, block_size: int | None = None):
+    def __init__(self, block_size: int | None = None, *, blocks=None):
         self.block_size = positive_int_or_none("block_size", block_size, "JacobiGS")
+        if blocks is not None and block_size is not None:
+            raise ValueError("JacobiGS: pass block_size or blocks, not both")
+        self.blocks = None if blocks is None else _as_ranges(blocks)
 
     def __repr__(self) -> str:
+        if self.blocks is not None:
+            return f"JacobiGS(blocks={[[b.start, b.stop] for b in self.blocks]!r})"
         return f"JacobiGS(block_size={self.block_size!r})"
 
     def size(self, system: System) -> int:
@@ -37,14 +47,26 @@ class JacobiGS:
         return min(bs, system.T)
 
     def bound(self, system: System) -> int:
+        if self.blocks is not None:
+            return len(self.blocks)
         return math.ceil(system.T / self.size(system))
 
     def init(self, system: System, state: State) -> None:
         device = state.x.device
+        state.extra["k"] = 0
+        if self.blocks is not None:
+            if self.blocks[-1].stop != system.T:
+                raise ValueError(f"JacobiGS: blocks cover positions 0..{self.blocks[-1].stop - 1}"
+                                 f" but the system has T={system.T} positions")
+            index = [torch.tensor([t], device=device) for t in range(system.T)]
+            # last block first, positions in order: each block reads the earlier blocks' old
+            # values (the parallel semantics of Algorithm 2)
+            state.extra["offsets"] = [index[t] for b in reversed(self.blocks) for t in b]
+            state.extra["stats"] = {"blocks": [[b.start, b.stop] for b in self.blocks]}
+            return
         bs = self.size(system)
         # offset j of every block: positions j, j + bs, j + 2 bs, ... below T
         state.extra["offsets"] = [torch.arange(j, system.T, bs, device=device) for j in range(bs)]
-        state.extra["k"] = 0
         state.extra["stats"] = {"block_size": bs}
 
     def _sweep(self, system: System, state: State) -> torch.Tensor:
@@ -55,13 +77,33 @@ class JacobiGS:
             work.index_copy_(1, index, vals)
         return work
 
+    def _exact(self, system: System, k: int) -> int:
+        """Positions final before iteration ``k`` (the first ``k - 1`` blocks)."""
+        if self.blocks is not None:
+            return self.blocks[k - 2].stop if k >= 2 else 0
+        return min((k - 1) * self.size(system), system.T)
+
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
         k = state.extra["k"] + 1
         work = self._sweep(system, state)
-        exact = min((k - 1) * self.size(system), system.T)
+        exact = self._exact(system, k)
         accept(system, state, 0, system.T, work, tol, norm, exact=exact)
         state.extra["k"] = k
         at_bound = k >= self.bound(system)
         state.finished = at_bound or not bool(state.active.any())
         if at_bound and bool(state.active.any()):  # still moving at the bound: verify
             verify_fixed_point(system, state, 0, self._sweep(system, state), tol)
+
+
+def _as_ranges(blocks) -> list[range]:
+    """``blocks`` as ranges, after checking they are contiguous and cover ``0 .. T-1``."""
+    try:
+        lists = [[int(i) for i in b] for b in blocks]
+    except TypeError:
+        raise TypeError(f"JacobiGS: blocks must be a sequence of sequences of positions, got "
+                        f"{blocks!r}") from None
+    flat = [i for b in lists for i in b]
+    if not lists or any(not b for b in lists) or flat != list(range(len(flat))):
+        raise ValueError(f"JacobiGS: blocks must split the positions 0..T-1 into non-empty "
+                         f"contiguous blocks in order, got {lists}")
+    return [range(b[0], b[-1] + 1) for b in lists]
