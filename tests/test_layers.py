@@ -240,7 +240,8 @@ def test_partition_errors():
         evaluate(model, x, method=JacobiGS(block_size=2), blocks=[[0, 1, 2, 3]])
     with pytest.raises(ValueError, match="pass block_size or blocks, not both"):
         ThreadedJacobiGS(system, block_size=2, blocks=[[0, 1, 2, 3]])
-    with pytest.raises(paraprop.ConvergenceError, match=r"method='jacobi_gs' did not converge within max_iters=1"):
+    with pytest.raises(paraprop.ConvergenceError,
+                       match=r"method='jacobi_gs' did not converge within max_iters=1"):
         jacobi_gs_blocks(system, [[0], [1], [2], [3]], tol=0, max_iters=1)
 
 

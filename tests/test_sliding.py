@@ -1,0 +1,170 @@
+"""SlidingJacobi and the cached-prefix protocol (``fn.window(x, start, stop, cache)``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paraprop
+from paraprop.bench.core import made_problem
+from paraprop.solvers import Jacobi, SlidingJacobi
+from problems import TOLERANCES, FastTriangular, RandomTriangular
+
+
+class RunningMean:
+    """``x_t = tanh(a * mean(x_<t) + c_t)`` per feature: position ``t`` reads every earlier one.
+
+    ``window`` keeps the running sum of the final prefix as its cache, so a window costs only its
+    own positions plus the positions that became final since the last call. It records what it
+    computed and checks the driver's promise that the positions below ``start`` are final (they
+    never change once cached).
+    """
+
+    def __init__(self, B=3, T=40, F=2, seed=0, dtype=torch.float64):
+        g = torch.Generator().manual_seed(seed)
+        self.a = 2.5
+        self.c = torch.randn(T, F, generator=g, dtype=dtype)
+        self.shape = (B, T, F)
+        self.computed = 0      # window positions evaluated
+        self.extended = 0      # prefix positions folded into the cache
+        self.calls = []
+
+    def __call__(self, x):
+        T = x.shape[-2]
+        csum = torch.cat([torch.zeros_like(x[..., :1, :]),      # sum over s < t, exactly
+                          torch.cumsum(x[..., :-1, :], dim=-2)], dim=-2)
+        n = torch.arange(T, dtype=x.dtype).clamp(min=1)[:, None]
+        return torch.tanh(self.a * csum / n + self.c)
+
+    def window(self, x, start, stop, cache):
+        if cache is None:
+            cache = {"upto": 0, "sum": torch.zeros_like(x[:, 0]), "prefix": x[:, :0].clone()}
+        upto = cache["upto"]
+        assert upto <= start, "the driver moved start backwards"
+        # the promise: what was cached as final is still there, unchanged
+        assert torch.equal(x[:, :upto], cache["prefix"]), "a final position changed"
+        s = cache["sum"] + x[:, upto:start].sum(dim=1)
+        self.extended += start - upto
+        self.computed += stop - start
+        self.calls.append((start, stop))
+        seg = x[:, start:stop]
+        csum = s[:, None] + torch.cumsum(seg, dim=1) - seg
+        n = torch.arange(start, stop, dtype=x.dtype).clamp(min=1)[:, None]
+        vals = torch.tanh(self.a * csum / n + self.c[start:stop])
+        return vals, {"upto": start, "sum": s, "prefix": x[:, :start].clone()}
+
+    def sequential(self):
+        x = torch.zeros(self.shape, dtype=self.c.dtype)
+        for t in range(self.shape[1]):
+            x[:, t] = self(x)[:, t]
+        return x
+
+
+class NoWindow:
+    """The same map without the protocol (a plain callable)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("window", [1, 2, 7, 40])
+@pytest.mark.parametrize("protocol", [True, False])
+def test_sliding_equals_sequential(window, protocol):
+    m = RunningMean()
+    fn = m if protocol else NoWindow(m)
+    x0 = torch.zeros(m.shape, dtype=torch.float64)
+    ref = paraprop.solve(fn, x0, method="sequential", dim=-2).value
+    sol = paraprop.solve(fn, x0, method=SlidingJacobi(window), dim=-2, tol=0)
+    assert sol.converged and sol.iterations <= m.shape[1]
+    if protocol:  # the window arithmetic differs from the full pass: rounding only
+        assert float((sol.value - ref).abs().max()) <= TOLERANCES[torch.float64]["max_err"]
+    else:         # the same evaluations: bitwise
+        assert torch.equal(sol.value, ref)
+    assert float((sol.value - m.sequential()).abs().max()) <= 1e-12
+    if window == 1:   # one position per sweep: sequential evaluation
+        assert sol.iterations == m.shape[1]
+
+
+@pytest.mark.parametrize("window", [1, 2, 7, 40])
+def test_protocol_computes_only_the_window_and_extends_the_cache_once(window):
+    m = RunningMean()
+    x0 = torch.zeros(m.shape, dtype=torch.float64)
+    sol = paraprop.solve(m, x0, method=SlidingJacobi(window), dim=-2, tol=0)
+    T = m.shape[1]
+    assert m.computed == sol.stats["positions"]
+    assert all(stop - start <= window for start, stop in m.calls)
+    assert sol.evaluations == len(m.calls) == sol.iterations
+    assert m.extended <= T          # each final position is folded in at most once
+    starts = [s for s, _ in m.calls]
+    assert starts == sorted(starts)
+    if window < T:   # fewer positions than plain Jacobi to the same point
+        jac = paraprop.solve(NoWindow(m), x0, method=Jacobi(), dim=-2, tol=0)
+        assert sol.stats["positions"] < jac.stats["positions"]
+
+
+@pytest.mark.parametrize("window", [1, 2, 7, 13])
+@pytest.mark.parametrize("fast", [True, False])
+def test_random_triangular_maps(window, fast):
+    cls = FastTriangular if fast else RandomTriangular
+    prob = cls((2, 3), (13,), (2,), seed=window)
+    x0 = prob.x0()
+    ref = prob.reference(x0)
+    sol = paraprop.solve(prob, x0, method=SlidingJacobi(window), dim=2, tol=0)
+    assert float((sol.value - ref).abs().max()) <= TOLERANCES[torch.float64]["max_err"]
+    if not fast:
+        assert torch.equal(sol.value, ref)
+    for tol in (1e-3, 1e-6):
+        approx = paraprop.solve(prob, x0, method=SlidingJacobi(window), dim=2, tol=tol)
+        assert float((approx.value - ref).abs().max()) <= 10 * tol
+
+
+def test_per_sample_progress_and_counters():
+    prob = FastTriangular((4,), (30,), (), seed=2, scale=[0.1, 0.5, 1.0, 3.0])
+    x0 = prob.x0()
+    sol = paraprop.solve(prob, x0, method=SlidingJacobi(8), dim=1, tol=0)
+    it = sol.stats["sample_iterations"]
+    assert it.shape == (4,) and int(it.max()) == sol.iterations
+    assert sol.stats["window"] == 8 and sol.stats["error_estimate"] == 0.0
+    assert float((sol.value - prob.reference(x0)).abs().max()) <= 1e-12
+
+
+def test_made_shaped_map_fewer_positions_than_jacobi():
+    """The issue's target problem at a small size: fewer positions than Jacobi, the same result
+    to rounding (its fast path rounds row subsets differently from the full pass)."""
+    m, x0, _ = made_problem(64, (64, 64), 8)
+    m = m.double().bind(m.z.double())
+    x0 = x0.double()
+    ref = paraprop.solve(m, x0, method="sequential")
+    sl = paraprop.solve(m, x0, method=SlidingJacobi(16), tol=0)
+    jac = paraprop.solve(m, x0, method="jacobi", tol=0)
+    assert float((sl.value - ref.value).abs().max()) <= TOLERANCES[torch.float64]["max_err"]
+    assert sl.stats["positions"] < jac.stats["positions"]
+
+
+def test_window_protocol_errors():
+    class Bad:
+        def __call__(self, x):
+            return x
+
+        def window(self, x, start, stop, cache):
+            return x[:, start:stop]        # not a (values, cache) tuple
+
+    with pytest.raises(TypeError, match=r"fn.window\(x, start, stop, cache\) must return a "
+                                        r"tuple \(values, cache\), got Tensor"):
+        paraprop.solve(Bad(), torch.zeros(2, 5, 1), method=SlidingJacobi(2), dim=-2)
+
+    class Short(Bad):
+        def window(self, x, start, stop, cache):
+            return x[:, start:start + 1], None
+
+    with pytest.raises(ValueError, match=r"fn.window\(x, start, stop, cache\) returned shape"):
+        paraprop.solve(Short(), torch.zeros(2, 5, 1), method=SlidingJacobi(3), dim=-2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4"])
+def test_window_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match=r"SlidingJacobi: window must be a positive int or None"):
+        SlidingJacobi(bad)
