@@ -1,11 +1,41 @@
 """paraprop: the sequential parts of neural-network computation, solved in parallel, with the
-sequential result."""
+sequential result.
 
+The two cores are :func:`paraprop.solve` (nonlinear triangular systems, with the solver objects
+of :mod:`paraprop.solvers`) and :mod:`paraprop.scan` / :mod:`paraprop.linalg` (linear ones).
+Every documented subpackage is reachable as an attribute after ``import paraprop`` (imported on
+first use, so that ``import paraprop`` stays light).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from paraprop import solvers
 from paraprop.errors import ConvergenceError, NonFiniteError, NotTriangularError
 from paraprop.recurrence import Recurrence
-from paraprop.solve import Solution, solve
+from paraprop.result import Solution
+from paraprop.solve import solve
 
 __version__ = "0.1.0"
+
+# documented subpackages and modules, imported on first attribute access
+SUBPACKAGES = ("bench", "bppsa", "cli", "data", "demos", "distributed", "flows", "jacobians",
+               "layers", "linalg", "models", "multigrid", "nn", "optim", "result", "sampling",
+               "scan", "solvers", "training")
+
+
+def __getattr__(name: str):
+    if name in SUBPACKAGES:
+        module = importlib.import_module(f"paraprop.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'paraprop' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *SUBPACKAGES})
+
 
 __all__ = [
     "ConvergenceError",
@@ -15,4 +45,5 @@ __all__ = [
     "Solution",
     "__version__",
     "solve",
+    "solvers",
 ]
