@@ -25,6 +25,7 @@ from paraprop.layers.recurrence import LayerSystem
 from paraprop.result import Solution
 from paraprop.solve import solve
 from paraprop.solvers import JacobiGS
+from paraprop.solvers.jacobi_gs import as_ranges
 
 __all__ = ["balanced_blocks", "check_blocks", "jacobi_gs_blocks"]
 
@@ -75,16 +76,7 @@ def check_blocks(blocks, T: int) -> list[range]:
         TypeError: ``blocks`` is not a sequence of sequences of ints.
         ValueError: empty blocks, gaps, overlaps or a wrong order (the blocks are shown).
     """
-    try:
-        lists = [[int(i) for i in b] for b in blocks]
-    except TypeError:
-        raise TypeError(f"blocks must be a sequence of sequences of state indices, got "
-                        f"{blocks!r}") from None
-    flat = [i for b in lists for i in b]
-    if any(not b for b in lists) or flat != list(range(T)):
-        raise ValueError(f"blocks must split the states 0..{T - 1} into non-empty contiguous "
-                         f"blocks in order, got {lists}")
-    return [range(b[0], b[-1] + 1) for b in lists]
+    return as_ranges(blocks, "blocks", T, "states")
 
 
 def jacobi_gs_blocks(

@@ -175,15 +175,7 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
     per_pos = d.abs().amax(dim=2)  # (B, n): one pass over the difference serves both checks
     active = state.active
     if exact > 0:
-        moved = (per_pos[:, :exact] > tol) & active[:, None]
-        if bool(moved.any()):
-            b, t = (int(i) for i in moved.nonzero()[0])
-            raise NotTriangularError(
-                f"fn is not autoregressive along dim: position "
-                f"{system.unravel_position(lo + t)} of sample {system.unravel_sample(b)} "
-                f"changed at iteration {system.iteration} although every position it may "
-                "depend on was already final; some position depends on itself or on a later one"
-            )
+        check_final(system, per_pos[:, :exact], tol, active, lo)
     if norm == "max":
         res = per_pos.amax(dim=1)
     else:
@@ -198,6 +190,21 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
     state.estimate = torch.where(stop, est, state.estimate)
     state.active = active & ~stop
     state.residual = float(res.max())
+
+
+def check_final(system: System, moved_by: torch.Tensor, tol: float, active: torch.Tensor,
+                lo: int = 0) -> None:
+    """Raise :class:`NotTriangularError` if a final position moved: ``moved_by`` ``(B, n)`` is
+    the change of the final positions ``[lo, lo + n)``; by the triangular structure (Song et al.
+    2021, Prop. 1-2) none may move by more than ``tol``."""
+    moved = (moved_by > tol) & active[:, None]
+    if bool(moved.any()):
+        b, t = (int(i) for i in moved.nonzero()[0])
+        raise NotTriangularError(
+            f"fn is not autoregressive along dim: position {system.unravel_position(lo + t)} of "
+            f"sample {system.unravel_sample(b)} changed at iteration {system.iteration} although "
+            "every position it may depend on was already final; some position depends on itself "
+            "or on a later one")
 
 
 def verify_fixed_point(system: System, state: State, lo: int, new: torch.Tensor,

@@ -35,7 +35,7 @@ class JacobiGS:
         self.block_size = positive_int_or_none("block_size", block_size, "JacobiGS")
         if blocks is not None and block_size is not None:
             raise ValueError("JacobiGS: pass block_size or blocks, not both")
-        self.blocks = None if blocks is None else _as_ranges(blocks)
+        self.blocks = None if blocks is None else as_ranges(blocks, "JacobiGS: blocks")
 
     def __repr__(self) -> str:
         if self.blocks is not None:
@@ -95,15 +95,19 @@ class JacobiGS:
             verify_fixed_point(system, state, 0, self._sweep(system, state), tol)
 
 
-def _as_ranges(blocks) -> list[range]:
-    """``blocks`` as ranges, after checking they are contiguous and cover ``0 .. T-1``."""
+def as_ranges(blocks, name: str = "blocks", T: int | None = None,
+              unit: str = "positions") -> list[range]:
+    """``blocks`` as ranges, after checking they are contiguous and cover ``0 .. T-1`` in order
+    (``name`` starts the error messages; ``T=None``: any length)."""
     try:
         lists = [[int(i) for i in b] for b in blocks]
     except TypeError:
-        raise TypeError(f"JacobiGS: blocks must be a sequence of sequences of positions, got "
+        raise TypeError(f"{name} must be a sequence of sequences of positions, got "
                         f"{blocks!r}") from None
     flat = [i for b in lists for i in b]
-    if not lists or any(not b for b in lists) or flat != list(range(len(flat))):
-        raise ValueError(f"JacobiGS: blocks must split the positions 0..T-1 into non-empty "
-                         f"contiguous blocks in order, got {lists}")
+    n = len(flat) if T is None else T
+    if not lists or any(not b for b in lists) or flat != list(range(n)):
+        span = "0..T-1" if T is None else f"0..{T - 1}"
+        raise ValueError(f"{name} must split the {unit} {span} into non-empty contiguous "
+                         f"blocks in order, got {lists}")
     return [range(b[0], b[-1] + 1) for b in lists]

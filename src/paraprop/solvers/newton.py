@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import torch
 
-from paraprop.errors import NonFiniteError, NotTriangularError
+from paraprop.errors import NonFiniteError
 from paraprop.scan import linear_recurrence
 from paraprop.solvers._settings import positive_float
-from paraprop.solvers.base import State, System, verify_fixed_point
+from paraprop.solvers.base import State, System, check_final, verify_fixed_point
 from paraprop.solvers.stopping import rounding_floor
 
 FORMS = {"newton": "any", "quasi_newton": "diag", "elk": "dense", "quasi_elk": "diag"}
@@ -271,14 +271,7 @@ class _FullAccess:
         system = self.system
         y = system.evaluate(x)
         if lo > 0:   # the exact prefix must not move: otherwise fn is not triangular
-            moved = ((y[:, :lo] - x[:, :lo]).abs().amax(dim=2) > tol) & state.active[:, None]
-            if bool(moved.any()):
-                b, t = (int(i) for i in moved.nonzero()[0])
-                raise NotTriangularError(
-                    f"fn is not autoregressive along dim: position "
-                    f"{system.unravel_position(t)} of sample {system.unravel_sample(b)} changed "
-                    f"at iteration {system.iteration} although every position it may depend on "
-                    "was already final; some position depends on itself or on a later one")
+            check_final(system, (y[:, :lo] - x[:, :lo]).abs().amax(dim=2), tol, state.active)
         return y[:, lo:], self._jacobian(x, lo, form)
 
     def _jacobian(self, x, lo, form):
