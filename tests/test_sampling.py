@@ -191,9 +191,11 @@ def test_zuko_inverse_equals_library():
         y = torch.randn(20, 12)
         with torch.no_grad():
             expected = t.inv(y)
-        x, sols = parallel_inverse(t, y)
+        x, sol = parallel_inverse(t, y)
         assert torch.equal(x, expected)
-        assert len(sols) == 3 and all(s.converged for s in sols)
+        parts = sol.stats["parts"]
+        assert len(parts) == 3 and all(s.converged for s in parts) and sol.converged
+        assert sol.evaluations == sum(s.evaluations for s in parts)
     spline = zuko.flows.NSF(6, transforms=2)().transform
     y = torch.randn(10, 6)
     with torch.no_grad():
@@ -222,9 +224,9 @@ def test_nflows_inverse_equals_library():
     y, c = torch.randn(16, 10), torch.randn(16, 3)
     with torch.no_grad():
         expected, _ = t.inverse(y, c)
-    x, sols = parallel_inverse(t, y, context=c)
+    x, sol = parallel_inverse(t, y, context=c)
     assert torch.equal(x, expected)
-    assert sum(s.evaluations for s in sols) < 20
+    assert sol.evaluations < 20
     with pytest.raises(TypeError, match="must be a zuko or nflows transform, got Linear"):
         parallel_inverse(torch.nn.Linear(2, 2), y)
     with pytest.raises(ValueError, match=r"y must be a tensor of shape \(N, D\)"):
@@ -242,3 +244,25 @@ def test_bench_made_quick(tmp_path):
     assert rows["fixed D passes"]["max_abs_err"] <= TOLERANCES[torch.float32]["max_err"]
     assert all(r["bitwise equal"] for r in payload["flows"])
     assert (tmp_path / "made.md").exists() and (tmp_path / "made_digits_samples.png").exists()
+
+
+def test_parallel_inverse_methods_caps_and_errors():
+    t = zuko.flows.MAF(6, transforms=2)().transform
+    y = torch.randn(5, 6)
+    with torch.no_grad():
+        expected = t.inv(y)
+    for method in ("jacobi", SlidingJacobi(2), GSJacobi(3)):
+        x, sol = parallel_inverse(t, y, method=method)
+        assert torch.equal(x, expected) if method == "jacobi" else \
+            float((x - expected).abs().max()) <= 1e-5
+        assert sol.converged
+    with pytest.raises(paraprop.ConvergenceError, match="did not converge within max_iters=1"):
+        parallel_inverse(t, y, max_iters=1)
+    x, sol = parallel_inverse(t, y, max_iters=1, throw=False)
+    assert not sol.converged
+    with pytest.raises(ValueError, match="unknown method='newtonx'"):
+        parallel_inverse(t, y, method="newtonx")
+    with pytest.raises(ValueError, match="tol must be a number >= 0, got -1"):
+        parallel_inverse(t, y, tol=-1)
+    with pytest.raises(ValueError, match="max_iters must be a positive int or None, got 0"):
+        parallel_inverse(t, y, max_iters=0)

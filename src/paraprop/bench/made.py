@@ -152,10 +152,10 @@ def flow_rows(features: int, n: int, *, repeats: int) -> list[dict]:
     with torch.no_grad():
         for name, (lib, par, k) in cases.items():
             x_lib = lib()
-            x_par, sols = par()
+            x_par, sol = par()
             times = interleaved({"library": lib, "paraprop": par}, repeats=repeats, warmup=1,
                                 desc=name)
-            passes = sum(s.evaluations for s in sols)
+            passes = sol.evaluations
             rows.append({"flow": name, "D": features, "library passes": k * features,
                          "paraprop passes": passes,
                          "fewer passes": k * features / passes,

@@ -15,16 +15,19 @@ context features its autoregressive networks were built with.
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 from torch import nn
 
-from paraprop.solve import Solution, solve
+from paraprop.result import Solution
+from paraprop.solve import check_max_iters, check_tol, solve
+from paraprop.solvers import make_solver
 
 
 def parallel_inverse(transform, y: torch.Tensor, *, context: torch.Tensor | None = None,
-                     tol: float = 0.0, max_iters: int | None = None
-                     ) -> tuple[torch.Tensor, list[Solution]]:
+                     method="jacobi", tol: float = 0.0, max_iters: int | None = None,
+                     throw: bool = True) -> tuple[torch.Tensor, Solution]:
     """Invert ``transform`` at ``y`` with early-stopping Jacobi passes.
 
     Supported: zuko's ``AutoregressiveTransform`` (as built by ``MaskedAutoregressiveTransform``,
@@ -45,13 +48,19 @@ def parallel_inverse(transform, y: torch.Tensor, *, context: torch.Tensor | None
         context: conditioning input ``(N, C)`` of an nflows transform or flow, or of a zuko
             ``Flow`` / lazy transform; ``None`` for a zuko transform (already bound to its
             context) and for unconditional transforms.
-        tol: forward-difference tolerance; ``0`` (default) stops at the bitwise fixed point,
-            i.e. returns exactly what the library's inverse returns.
+        method: the :func:`paraprop.solve` method for each autoregressive transform, by name or
+            as a solver object (default ``"jacobi"``: the library's own passes, stopped early).
+        tol: error bound of the early stop (see :func:`paraprop.solve`); ``0`` (default) stops
+            at the bitwise fixed point, i.e. returns exactly what the library's inverse returns.
         max_iters: cap on passes per transform (default: ``D``, the exactness bound).
+        throw: raise :class:`paraprop.ConvergenceError` if ``max_iters`` stops a transform
+            first; ``False`` returns the unconverged result.
 
     Returns:
-        ``(x, solutions)``: the preimage and one :class:`paraprop.Solution` per autoregressive
-        transform inverted (``.evaluations`` is the number of passes it needed).
+        ``(x, solution)``: the preimage and one :class:`paraprop.Solution` for the whole
+        inverse: ``iterations`` and ``evaluations`` summed over the autoregressive transforms
+        (``evaluations`` is the number of passes), ``converged`` when all converged,
+        ``stats["parts"]`` the Solution of each transform in the order they were inverted.
 
     Raises:
         TypeError: a transform of neither library; ``y`` or ``context`` not a tensor or of
@@ -63,8 +72,10 @@ def parallel_inverse(transform, y: torch.Tensor, *, context: torch.Tensor | None
 
     Example:
         >>> flow = zuko.flows.MAF(5, transforms=2)
-        >>> x, sols = parallel_inverse(flow().transform, torch.randn(8, 5))
-        >>> x, sols = parallel_inverse(flow, torch.randn(8, 5))   # the same
+        >>> x, sol = parallel_inverse(flow().transform, torch.randn(8, 5))
+        >>> x, sol = parallel_inverse(flow, torch.randn(8, 5))   # the same
+        >>> sol.evaluations < 2 * 5, len(sol.stats["parts"])
+        (True, 2)
     """
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         shape = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
@@ -73,21 +84,46 @@ def parallel_inverse(transform, y: torch.Tensor, *, context: torch.Tensor | None
         raise TypeError(f"y must have a floating-point dtype, got {y.dtype}")
     if context is not None and not isinstance(context, torch.Tensor):
         raise TypeError(f"context must be a torch.Tensor or None, got {type(context).__name__}")
+    solver = make_solver(method)
+    check_tol(tol)
+    check_max_iters(max_iters)
     mod = type(transform).__module__
     sols: list[Solution] = []
+    start = time.perf_counter()
+
+    def run(h, y0):
+        sol = solve(h, torch.zeros_like(y0), method=solver, tol=tol, max_iters=max_iters,
+                    throw=throw)
+        sols.append(sol)
+        return sol.value
+
     with torch.no_grad():
         if mod.startswith("zuko"):
             transform = _zuko_bind(transform, y, context)
             _zuko_check(transform, y)
-            x = _zuko(transform, y, tol, max_iters, sols)
+            x = _zuko(transform, y, run)
         elif mod.startswith("nflows"):
             transform, context = _nflows_bind(transform, y, context)
             _nflows_check(transform, y, context)
-            x = _nflows(transform, y, context, tol, max_iters, sols)
+            x = _nflows(transform, y, context, run)
         else:
             raise TypeError(f"transform must be a zuko or nflows transform, got "
                             f"{type(transform).__name__}")
-    return x, sols
+    return x, combine(sols, solver.name, x, time.perf_counter() - start)
+
+
+def combine(parts: list[Solution], method: str, value: torch.Tensor, time_s: float) -> Solution:
+    """One Solution for solves run one after another (e.g. the transforms of a flow)."""
+    return Solution(
+        value=value, method=method,
+        iterations=sum(p.iterations for p in parts),
+        evaluations=sum(p.evaluations for p in parts),
+        converged=all(p.converged for p in parts),
+        residuals=torch.cat([p.residuals for p in parts]) if parts
+        else torch.empty(0, dtype=torch.float64),
+        stats={"parts": parts, "positions": sum(p.stats.get("positions", 0) for p in parts),
+               "error_estimate": sum(p.stats.get("error_estimate", 0.0) for p in parts),
+               "time_s": time_s})
 
 
 # -- validation -------------------------------------------------------------------------------
@@ -250,29 +286,25 @@ def _nflows_check(t, y, context):
 
 
 # -- inversion --------------------------------------------------------------------------------
-def _run(h, y, order, tol, max_iters, sols):
+def _ordered(h, y, order, run):
     """Solve ``x = h(x)`` in the order given by ``order`` (rank of each feature)."""
     if order is None or torch.equal(order, torch.arange(len(order), device=order.device)):
-        sol = solve(h, torch.zeros_like(y), method="jacobi", tol=tol, max_iters=max_iters)
-        sols.append(sol)
-        return sol.value
+        return run(h, y)
     perm = torch.argsort(order, stable=True)  # position k of the solve is feature perm[k]
     inv = torch.argsort(perm)
 
     def hp(xp):
         return h(xp.index_select(-1, inv)).index_select(-1, perm)
 
-    sol = solve(hp, torch.zeros_like(y), method="jacobi", tol=tol, max_iters=max_iters)
-    sols.append(sol)
-    return sol.value.index_select(-1, inv)
+    return run(hp, y).index_select(-1, inv)
 
 
-def _zuko(t, y, tol, max_iters, sols):
+def _zuko(t, y, run):
     from zuko.transforms import AutoregressiveTransform, ComposedTransform
 
     if isinstance(t, ComposedTransform):
         for part in reversed(t.transforms):
-            y = _zuko(part, y, tol, max_iters, sols)
+            y = _zuko(part, y, run)
         return y
     if not isinstance(t, AutoregressiveTransform):
         return t.inv(y)
@@ -281,16 +313,16 @@ def _zuko(t, y, tol, max_iters, sols):
     if order is None:
         raise NotImplementedError("zuko AutoregressiveTransform without a feature order (built "
                                   "from an adjacency matrix) is not supported")
-    return _run(lambda x: t.meta(x).inv(y), y, order.to(y.device), tol, max_iters, sols)
+    return _ordered(lambda x: t.meta(x).inv(y), y, order.to(y.device), run)
 
 
-def _nflows(t, y, context, tol, max_iters, sols):
+def _nflows(t, y, context, run):
     from nflows.transforms import CompositeTransform
     from nflows.transforms.autoregressive import AutoregressiveTransform
 
     if isinstance(t, CompositeTransform):
         for part in reversed(list(t._transforms)):
-            y = _nflows(part, y, context, tol, max_iters, sols)
+            y = _nflows(part, y, context, run)
         return y
     if not isinstance(t, AutoregressiveTransform):
         return t.inverse(y, context)[0]
@@ -299,4 +331,4 @@ def _nflows(t, y, context, tol, max_iters, sols):
         return t._elementwise_inverse(y, t.autoregressive_net(x, context))[0]
 
     # nflows' MADE gives input i the degree i + 1: the natural order.
-    return _run(h, y, None, tol, max_iters, sols)
+    return _ordered(h, y, None, run)
