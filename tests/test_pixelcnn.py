@@ -3,11 +3,13 @@
 import pytest
 import torch
 
+import paraprop
 from paraprop import ConvergenceError
 from paraprop.cli import main
 from paraprop.models import PixelCNN
 from paraprop.sampling import sample
-from paraprop.solvers import GSJacobi, JacobiGS
+from paraprop.sampling.pixelcnn import CachedPixels, PixelSystem
+from paraprop.solvers import GSJacobi, JacobiGS, SlidingJacobi
 
 METHODS = [("sequential_cached", None), ("jacobi", None), ("jacobi_gs", 1), ("jacobi_gs", 3),
            ("gs_jacobi", 1), ("gs_jacobi", 2), ("gs_jacobi", 5)]
@@ -63,8 +65,97 @@ def test_jacobi_gs_needs_at_most_one_iteration_per_block():
     m = _model(size=6, seed=3)
     noise = m.draw_noise(2, torch.Generator().manual_seed(0))
     _, sol = sample(m, 2, method=JacobiGS(block_size=2), noise=noise)
-    assert sol.iterations <= 3 and sol.stats["block_size"] == 2
-    assert sol.evaluations == sol.iterations * 2 * 6  # cached pixel steps per iteration
+    # the solver's block_size counts pixels: 2 rows of 6
+    assert sol.iterations <= 3 and sol.stats["block_size"] == 2 * 6
+    # one call per pixel of a block per iteration (plus one sweep if JacobiGS checks its bound)
+    assert sol.evaluations in (sol.iterations * 12, (sol.iterations + 1) * 12)
+    assert sol.stats["positions"] == sol.evaluations * 3  # 3 blocks per call
+
+
+class _Counting:
+    """Passes the protocol calls on to a :class:`CachedPixels` map, counting the positions asked
+    for. Its window cache is a fake one that wraps the map's and counts the positions computed so
+    far; it checks that the driver hands back the last cache and that the map's per-layer caches
+    cover exactly the final rows above each window."""
+
+    def __init__(self, fn: CachedPixels):
+        self.fn, self.x0, self.dim = fn, fn.x0, fn.dim
+        self.positions, self.last, self.windows = 0, None, []
+
+    def __call__(self, x):
+        raise AssertionError("the cached samplers never evaluate the whole map")
+
+    def update(self, x, index):
+        self.positions += index.numel()
+        return self.fn.update(x, index)
+
+    def window(self, x, start, stop, cache):
+        assert cache is self.last, "the driver must hand back the cache returned last"
+        inner, counted = (None, 0) if cache is None else (cache["map"], cache["positions"])
+        vals, inner = self.fn.window(x, start, stop, inner)
+        assert inner["row"] == start // self.fn.W  # the frozen rows above the window
+        self.windows.append((start, stop))
+        self.positions += stop - start
+        self.last = {"map": inner, "positions": counted + stop - start}
+        return vals, self.last
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_positions_computed_through_the_protocol(rows):
+    m = _model(size=6, seed=3)
+    noise = m.draw_noise(3, torch.Generator().manual_seed(1))
+    ref, _ = sample(m, 3, method="sequential_cached", noise=noise)
+    T = 36
+    # gs_jacobi: fn.window on windows of whole rows in order, the cache carried between calls
+    fn = _Counting(CachedPixels(m, noise))
+    sol = paraprop.solve(fn, fn.x0, method=GSJacobi(block_size=rows * 6), dim=fn.dim, tol=0)
+    assert torch.equal(sol.value.permute(0, 3, 1, 2), ref)
+    assert sol.stats["positions"] == fn.last["positions"] == fn.positions == fn.fn.computed
+    assert sol.evaluations == len(fn.windows)
+    assert all(a % 6 == 0 and (b % 6 == 0 or b == T) for a, b in fn.windows)
+    assert [a for a, _ in fn.windows] == sorted(a for a, _ in fn.windows)
+    assert sol.stats["positions"] == sum(b - a for a, b in fn.windows)
+    _, via_sample = sample(m, 3, method=GSJacobi(block_size=rows), noise=noise, tol=0)
+    assert via_sample.stats["positions"] == sol.stats["positions"]
+    # jacobi_gs: fn.update at each pixel offset of the blocks; every iteration generates the
+    # whole image once with the cache; a sweep from unchanged rows above reuses its values
+    fn = _Counting(CachedPixels(m, noise, rows))
+    sol = paraprop.solve(fn, fn.x0, method=JacobiGS(block_size=rows * 6), dim=fn.dim, tol=0)
+    assert torch.equal(sol.value.permute(0, 3, 1, 2), ref)
+    assert sol.stats["positions"] == fn.positions == fn.fn.computed + fn.fn.reused
+    assert fn.fn.computed == sol.iterations * T and fn.fn.reused in (0, T)
+    assert sol.evaluations == (sol.iterations + fn.fn.reused // T) * rows * 6
+
+
+def test_cached_map_serves_other_calls_with_the_full_pass():
+    m = _model(size=5, seed=2)
+    noise = m.draw_noise(2, torch.Generator().manual_seed(3))
+    ref, _ = sample(m, 2, method="sequential_cached", noise=noise)
+    x = ref.permute(0, 2, 3, 1).contiguous()  # the solution, state layout
+    full = PixelSystem(m, noise)(x).reshape(2, 25, 1)
+    fn = CachedPixels(m, noise, 2)
+    for index in (torch.tensor([3, 13, 23]), torch.tensor([0, 1, 2]), torch.tensor([7])):
+        assert torch.equal(fn.update(x, index), full[:, index])  # not the sweep's next offset
+    assert fn.computed == 3 * 25
+    # a sweep's offset whose x does not hold the value returned for the offset before it
+    first = fn.update(x, torch.tensor([0, 10, 20]))
+    y = x.clone()
+    y.reshape(2, 25, 1)[:, 0] = first[:, 0] + 2
+    assert torch.equal(fn.update(y, torch.tensor([1, 11, 21])),
+                       PixelSystem(m, noise)(y).reshape(2, 25, 1)[:, [1, 11, 21]])
+    # windows need not be whole rows (SlidingJacobi)
+    fn = CachedPixels(m, noise)
+    sol = paraprop.solve(fn, fn.x0, method=SlidingJacobi(7), dim=fn.dim, tol=0)
+    assert torch.equal(sol.value.permute(0, 3, 1, 2), ref)
+
+
+def test_sequential_cached_solution_comes_from_the_driver():
+    m = _model(size=5, seed=2)
+    noise = m.draw_noise(2, torch.Generator().manual_seed(3))
+    _, sol = sample(m, 2, method="sequential_cached", noise=noise)
+    assert sol.method == "sequential_cached" and sol.converged
+    assert sol.iterations == sol.evaluations == sol.stats["positions"] == 25
+    assert sol.stats["bound"] == 25 and sol.residuals.numel() == 0
 
 
 def test_float32_model_agrees():
@@ -145,18 +236,21 @@ def test_max_iters_tol_and_throw_reach_the_cached_samplers():
     with pytest.raises(ConvergenceError, match="method='jacobi_gs' did not converge") as err:
         sample(m, 2, method=JacobiGS(block_size=1), noise=noise, max_iters=1)
     assert err.value.solution.iterations == 1
-    # gs_jacobi: max_iters caps the sweeps of every window (3 windows of 2 rows)
+    # gs_jacobi: max_iters caps the sweeps of all windows together, as in paraprop.solve
     _, sol = sample(m, 2, method=GSJacobi(block_size=2), noise=noise, max_iters=1,
                     throw=False)
-    assert sol.iterations == 3 and sol.stats["window_sweeps"] == [1, 1, 1]
+    assert sol.iterations == 1 and sol.stats["positions"] == 2 * 6  # one sweep of 2 rows
     assert not sol.converged
     with pytest.raises(ConvergenceError, match="method='gs_jacobi' did not converge"):
         sample(m, 2, method=GSJacobi(block_size=2), noise=noise, max_iters=1)
-    # a cap at the exactness bound converges; a tol as large as the image range stops at once
+    # a cap at the exactness bound converges; a tol as large as the image range stops as soon
+    # as the stopping rule has a contraction estimate (two sweeps), tol=0 only at no change
     x, sol = sample(m, 2, method=JacobiGS(block_size=2), noise=noise, max_iters=3)
     assert sol.converged and torch.equal(x, ref)
-    _, sol = sample(m, 2, method=GSJacobi(block_size=6), noise=noise, tol=2.0)
-    assert sol.iterations == 1 and sol.converged
+    _, loose = sample(m, 2, method=GSJacobi(block_size=6), noise=noise, tol=2.0)
+    x, exact = sample(m, 2, method=GSJacobi(block_size=6), noise=noise, tol=0)
+    assert loose.iterations == 2 and loose.converged and loose.stats["error_estimate"] <= 2.0
+    assert exact.iterations > 2 and exact.residuals[-1] == 0 and torch.equal(x, ref)
 
 
 def test_arguments_a_sampler_cannot_use_are_refused():

@@ -217,10 +217,12 @@ class PixelCNN(nn.Module):
     def samplers(self) -> dict:
         """The model-specific methods of :func:`paraprop.sampling.sample`: each is called as
         ``f(noise, block_size=..., tol=..., max_iters=..., throw=...)`` (``block_size``: rows
-        per block or window) and returns a Solution. ``sequential_cached`` is exact in one pass
-        and refuses ``block_size`` and ``max_iters`` (``tol`` does not apply, as for
-        ``"sequential"``); ``jacobi_gs`` caps its iterations at ``max_iters``, ``gs_jacobi``
-        the sweeps of each window."""
+        per block or window) and returns the Solution of :func:`paraprop.solve` on the cached
+        map (:class:`paraprop.sampling.pixelcnn.CachedPixels`). ``sequential_cached`` is exact
+        in one pass and refuses ``block_size`` and ``max_iters`` (``tol`` does not apply, as for
+        ``"sequential"``); ``jacobi_gs`` and ``gs_jacobi`` take ``tol``, ``max_iters`` (for
+        ``gs_jacobi`` the sweeps of all windows together) and ``throw`` as ``paraprop.solve``
+        does."""
         from paraprop.sampling import pixelcnn as ps
 
         def cached(noise, *, block_size, tol, max_iters, throw):

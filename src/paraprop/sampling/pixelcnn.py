@@ -2,28 +2,32 @@
 
 The state is all channels of one pixel, in raster order; the noise (Gumbel variables for the
 mixture component, a logistic variable for the value) is fixed up front, so every sampler returns
-the same discrete image for the same noise.
+the same discrete image for the same noise. Every sampler runs through :func:`paraprop.solve`:
 
-- ``sequential``: a full forward pass per pixel (through :func:`paraprop.solve`);
-- ``sequential_cached``: fast generation (Ramachandran et al. 2017): per-layer caches, each new
-  pixel computes only the one column of every layer that depends on it;
-- ``jacobi``: full forward passes of the whole image (through :func:`paraprop.solve`);
-- ``jacobi_gs``: blocks of rows in parallel (stacked along the batch), pixels inside a block one
-  by one with the cache; the rows above a block come from the previous iterate;
-- ``gs_jacobi``: windows of rows one after another, Jacobi inside the window with forward passes
-  of the window only (the frozen rows above enter through the cached context).
+- ``sequential``: a full forward pass per pixel (:class:`PixelSystem`);
+- ``sequential_cached``: fast generation (Ramachandran et al. 2017): ``Sequential()`` on
+  :class:`CachedPixels`, whose per-layer caches let each new pixel compute only the one column of
+  every layer that depends on it;
+- ``jacobi``: full forward passes of the whole image (:class:`PixelSystem`);
+- ``jacobi_gs``: ``JacobiGS`` with blocks of rows on :class:`CachedPixels`: the blocks are
+  stacked along the batch and generated pixel by pixel with the cache, the rows above a block
+  coming from the previous iterate;
+- ``gs_jacobi``: ``GSJacobi`` with windows of rows on :class:`CachedPixels`: Jacobi inside the
+  window with forward passes of the window only, the frozen rows above entering through the
+  per-layer caches that the cached-prefix protocol (``window(x, start, stop, cache)``) carries.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import time
 
 import torch
 from torch.nn import functional as F
 
-from paraprop.errors import ConvergenceError
-from paraprop.solve import Solution
+from paraprop.result import Solution
+from paraprop.solve import solve
+from paraprop.solvers import GSJacobi, JacobiGS, Sequential
 
 DEFAULT_BLOCK_ROWS = 4  # Jacobi-GS: rows per block (7 blocks on 28 rows)
 DEFAULT_WINDOW_ROWS = 4  # GS-Jacobi: rows per window (fastest in the bench's sweep)
@@ -45,29 +49,6 @@ class PixelSystem:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         params = self.m(x.permute(0, 3, 1, 2))  # (B, C, 3M, H, W)
         return self.m.draw(params, self.noise).permute(0, 2, 3, 1)
-
-
-def _solution(method, x, iterations, evaluations, residuals, start, *, converged=True,
-              throw=False, tol=0.0, max_iters=None, **stats) -> Solution:
-    sol = Solution(value=x, method=method, iterations=iterations, evaluations=evaluations,
-                   converged=converged, residuals=torch.tensor(residuals, dtype=torch.float64),
-                   stats={"time_s": time.perf_counter() - start, **stats})
-    if throw and not converged:
-        last = residuals[-1] if residuals else float("nan")
-        raise ConvergenceError(
-            f"method={method!r} did not converge within max_iters={max_iters} iterations (last "
-            f"forward difference {last:.3g} > tol={tol}); pass throw=False to inspect the "
-            "unconverged Solution", solution=sol)
-    return sol
-
-
-def check_stopping(tol, max_iters) -> None:
-    """Validate ``tol`` (a number >= 0) and ``max_iters`` (a positive int or ``None``)."""
-    if isinstance(tol, bool) or not isinstance(tol, int | float) or not tol >= 0:
-        raise ValueError(f"tol must be a number >= 0, got {tol!r}")
-    if max_iters is not None and (
-            isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1):
-        raise ValueError(f"max_iters must be a positive int or None, got {max_iters!r}")
 
 
 class _Cache:
@@ -150,13 +131,121 @@ def cached_strip(model, noise: torch.Tensor, ctx: dict) -> tuple[torch.Tensor, i
     return x, R * W
 
 
-def sequential_cached(model, noise: torch.Tensor) -> Solution:
-    """Fast generation: every pixel in order, each computing one column of every layer."""
-    start = time.perf_counter()
-    B = noise.shape[0]
-    x, steps = cached_strip(model, noise, model.empty_context(B, like=noise))
-    return _solution("sequential_cached", x.permute(0, 2, 3, 1), steps, steps, [], start,
-                     T=steps, positions=steps, sequential_steps=steps)
+class CachedPixels(PixelSystem):
+    """The sampling map with the per-layer caches of fast generation, for :func:`paraprop.solve`.
+
+    State ``(B, H, W, C)`` with ``dim=(1, 2)``: flat position ``t = r * W + c``. Besides the full
+    forward pass (``__call__``) it computes parts of the image from caches:
+
+    - ``update(x, index)`` at the offsets of a Jacobi-GS sweep over blocks of ``block_rows`` rows
+      (``index = j, j + bs, j + 2 bs, ...`` below ``T`` with ``bs = block_rows * W``, called for
+      ``j = 0, 1, ..., bs - 1`` in order, each result written back into ``x``; with one block,
+      ``block_rows=None``, these are the single positions of ``Sequential()``): offset ``j`` of
+      every block, as Algorithm 2's parallel blocks compute it: from the rows above the block as
+      they were at offset ``0`` (the previous iterate) and the block's own new pixels ``< j``.
+      Those pixels are the values returned for the earlier offsets, so the whole sweep is known
+      at offset ``0``: it is generated there, the blocks stacked along the batch, pixel by pixel
+      with the per-layer caches (:func:`cached_strip`), and each offset returns its part after
+      checking that ``x`` holds the value returned for the offset before it. A sweep depends only
+      on the rows above the last block: one that starts from the same rows as the previous sweep
+      (e.g. the fixed-point check of ``JacobiGS`` at its bound) reuses its values. Any other call
+      (another ``index``, an offset out of order, ``x`` not holding the returned values) is
+      served by a full forward pass.
+    - ``window(x, start, stop, cache)`` (the cached-prefix protocol): the rows covering
+      ``[start, stop)`` in one forward pass of those rows, given the context of the final rows
+      above them. ``cache`` holds the per-layer caches of the frozen rows ``< cache["row"]``
+      (:meth:`PixelCNN.context`); the rows that became final since the last call are folded in.
+
+    Counters: ``computed`` (positions the network computed) and ``reused`` (positions served
+    again from the previous sweep).
+    """
+
+    def __init__(self, model, noise: torch.Tensor, block_rows: int | None = None):
+        super().__init__(model, noise)
+        B, H, W, C, M1 = noise.shape
+        R = H if block_rows is None else block_rows
+        self.B, self.W, self.C, self.T = B, W, C, H * W
+        self.block_rows, self.nb, self.bs = R, math.ceil(H / R), R * W
+        pad = self.nb * R - H
+        noise_p = F.pad(noise, (0, 0, 0, 0, 0, 0, 0, pad)) if pad else noise
+        # (B, nb, R, ...) -> (nb * B, R, ...): block b of sample s is batch row b * B + s
+        self.strips = noise_p.reshape(B, self.nb, R, W, C, M1).transpose(0, 1).reshape(
+            self.nb * B, R, W, C, M1)
+        self.computed = 0
+        self.reused = 0
+        self._offsets: dict[int, tuple[torch.Tensor, int]] = {}  # id(index) -> (index, j)
+        self._sweep: dict | None = None  # the sweep being served: its rows above, its values
+
+    # -- update: the offsets of a Jacobi-GS sweep ---------------------------------------------
+    def _offset(self, index: torch.Tensor) -> int | None:
+        """``j`` if ``index`` is offset ``j`` of a sweep (``j, j + bs, ...`` below ``T``)."""
+        hit = self._offsets.get(id(index))
+        if hit is not None and hit[0] is index:
+            return hit[1]
+        if index.dim() != 1 or index.numel() == 0:
+            return None
+        j = int(index[0])
+        if not 0 <= j < self.bs or index.numel() != len(range(j, self.T, self.bs)):
+            return None
+        if index.numel() > 1 and not torch.equal(
+                index, torch.arange(j, self.T, self.bs, device=index.device)):
+            return None
+        self._offsets[id(index)] = (index, j)
+        return j
+
+    def update(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        j = self._offset(index)
+        s = self._sweep
+        if j == 0:
+            s = self._start_sweep(x)
+        elif j is None or s is None or s["next"] != j or not torch.equal(
+                x.reshape(self.B, self.T, self.C)[:, j - 1 :: self.bs], s["values"][j - 1]):
+            self._sweep = None  # not the next offset of the sweep: the full forward pass
+            self.computed += self.T
+            return self(x).reshape(self.B, self.T, self.C).index_select(1, index)
+        s["next"] = j + 1
+        return s["values"][j]
+
+    def _start_sweep(self, x: torch.Tensor) -> dict:
+        m, B, R, nb = self.m, self.B, self.block_rows, self.nb
+        xd = x.permute(0, 3, 1, 2)  # (B, C, H, W)
+        above = xd[:, :, : (nb - 1) * R]  # the rows that enter the blocks' contexts
+        last = self._sweep
+        if last is not None and torch.equal(above, last["above"]):
+            last["next"] = 1
+            self.reused += self.T
+            return last
+        ctxs = [m.empty_context(B, like=self.noise)]
+        running = ctxs[0]
+        for b in range(1, nb):
+            running = m.context(xd[:, :, (b - 1) * R : b * R].contiguous(), running)
+            ctxs.append(running)
+        ctx = {key: [torch.cat([cx[key][i] for cx in ctxs], dim=0) for i in range(len(m.layers))]
+               for key in ctxs[0]}
+        out, _ = cached_strip(m, self.strips, ctx)  # (nb * B, C, R, W)
+        self.computed += self.T
+        # offset-major: values[j] is (B, blocks at offset j, C), the positions j, j + bs, ...
+        by_offset = out.reshape(nb, B, self.C, self.bs).permute(3, 1, 0, 2).contiguous()
+        values = [by_offset[j, :, : len(range(j, self.T, self.bs))] for j in range(self.bs)]
+        self._sweep = {"above": above.clone(), "values": values, "next": 1}
+        return self._sweep
+
+    # -- window: the cached-prefix protocol ---------------------------------------------------
+    def window(self, x: torch.Tensor, start: int, stop: int, cache: dict | None
+               ) -> tuple[torch.Tensor, dict]:
+        m, B, W = self.m, self.B, self.W
+        r0, r1 = start // W, -(-stop // W)
+        xd = x.permute(0, 3, 1, 2)  # (B, C, H, W)
+        if cache is None or cache["row"] > r0:
+            cache = {"row": 0, "ctx": m.empty_context(B, like=self.noise)}
+        if cache["row"] < r0:  # fold the rows that became final into the per-layer caches
+            ctx = m.context(xd[:, :, cache["row"] : r0].contiguous(), cache["ctx"])
+            cache = {"row": r0, "ctx": ctx}
+        vals = m.draw(m.rows(xd[:, :, r0:r1].contiguous(), cache["ctx"]), self.noise[:, r0:r1])
+        self.computed += (r1 - r0) * W
+        lo = r0 * W
+        return vals.permute(0, 2, 3, 1).reshape(B, (r1 - r0) * W, self.C)[
+            :, start - lo : stop - lo], cache
 
 
 def _check_rows(name: str, rows, H: int) -> None:
@@ -164,87 +253,40 @@ def _check_rows(name: str, rows, H: int) -> None:
         raise ValueError(f"{name} must be an int in [1, {H}] (rows of the image), got {rows!r}")
 
 
+def sequential_cached(model, noise: torch.Tensor) -> Solution:
+    """Fast generation: every pixel in order, each computing one column of every layer
+    (``Sequential()`` on :class:`CachedPixels`; the Solution's method is
+    ``"sequential_cached"``)."""
+    fn = CachedPixels(model, noise)
+    sol = solve(fn, fn.x0, method=Sequential(), dim=fn.dim)
+    return dataclasses.replace(sol, method="sequential_cached")
+
+
 def jacobi_gs(model, noise: torch.Tensor, block_rows: int, *, tol: float = 0.0,
               max_iters: int | None = None, throw: bool = True) -> Solution:
     """Blocks of ``block_rows`` rows in parallel (stacked along the batch), each generated pixel
-    by pixel with the cache from the previous iterate's rows above it; repeated until an
-    iteration changes no pixel by more than ``tol`` (any ``tol`` below the grid step
-    ``2 / (levels - 1)`` means "no pixel changed": the exact image), at most
-    ``ceil(H / block_rows)`` iterations (the first ``k`` blocks are final after iteration
-    ``k``) or ``max_iters``. Not converged (``ConvergenceError`` with ``throw``) when
-    ``max_iters`` ends it first."""
-    start = time.perf_counter()
-    B, H, W, C, M1 = noise.shape
+    by pixel with the cache from the previous iterate's rows above it: ``JacobiGS`` with blocks
+    of ``block_rows * W`` pixels on :class:`CachedPixels`. At most ``ceil(H / block_rows)``
+    iterations (the first ``k`` blocks are final after iteration ``k``); stopping, ``max_iters``
+    and ``throw`` are those of :func:`paraprop.solve` (any ``tol`` below the grid step
+    ``2 / (levels - 1)`` means "no pixel changed": the exact image)."""
+    H, W = noise.shape[1:3]
     _check_rows("block_size", block_rows, H)
-    check_stopping(tol, max_iters)
-    nb = math.ceil(H / block_rows)
-    pad = nb * block_rows - H
-    noise_p = F.pad(noise, (0, 0, 0, 0, 0, 0, 0, pad)) if pad else noise
-    # (B, nb, R, ...) -> (nb * B, R, ...): block b of sample s is batch row b * B + s
-    strips = noise_p.reshape(B, nb, block_rows, W, C, M1).transpose(0, 1).reshape(
-        nb * B, block_rows, W, C, M1)
-    x = noise.new_zeros(B, C, H, W)
-    residuals, steps, it = [], 0, 0
-    bound = nb if max_iters is None else min(nb, max_iters)
-    while it < bound:
-        it += 1
-        ctxs = [model.empty_context(B, like=noise)]
-        running = ctxs[0]
-        for b in range(1, nb):
-            running = model.context(x[:, :, (b - 1) * block_rows : b * block_rows], running)
-            ctxs.append(running)
-        ctx = {key: [torch.cat([c[key][i] for c in ctxs], dim=0)
-                     for i in range(len(model.layers))] for key in ctxs[0]}
-        out, n = cached_strip(model, strips, ctx)
-        steps += n
-        new = out.reshape(nb, B, C, block_rows, W).permute(1, 2, 0, 3, 4).reshape(
-            B, C, nb * block_rows, W)[:, :, :H]
-        changed = float((new - x).abs().max())
-        residuals.append(changed)
-        x = new
-        if changed <= tol:
-            break
-    converged = it >= nb or residuals[-1] <= tol
-    return _solution("jacobi_gs", x.permute(0, 2, 3, 1), it, steps, residuals, start,
-                     converged=converged, throw=throw, tol=tol, max_iters=max_iters,
-                     T=H * W, positions=steps * nb, sequential_steps=steps, bound=nb,
-                     block_size=block_rows)
+    fn = CachedPixels(model, noise, block_rows)
+    return solve(fn, fn.x0, method=JacobiGS(block_size=block_rows * W), dim=fn.dim, tol=tol,
+                 max_iters=max_iters, throw=throw)
 
 
 def gs_jacobi(model, noise: torch.Tensor, window_rows: int, *, tol: float = 0.0,
               max_iters: int | None = None, throw: bool = True) -> Solution:
     """Windows of ``window_rows`` rows in order; inside a window, Jacobi sweeps (one forward
-    pass of the window's rows each, the frozen rows above entering through the cached context)
-    until a sweep changes no pixel by more than ``tol`` (below the grid step: no pixel changed),
-    or the window has had as many sweeps as pixels (its exactness bound), or ``max_iters``
-    sweeps (a cap *per window*). Not converged (``ConvergenceError`` with ``throw``) when the
-    cap ends some window first; ``iterations`` counts the sweeps of all windows."""
-    start = time.perf_counter()
-    B, H, W, C, _ = noise.shape
+    pass of the window's rows each, the frozen rows above entering through the per-layer caches)
+    until no pixel changes, or the window has had as many sweeps as pixels (its exactness
+    bound): ``GSJacobi`` with blocks of ``window_rows * W`` pixels on :class:`CachedPixels`
+    through the cached-prefix protocol. Stopping, ``max_iters`` (a cap on the sweeps of all
+    windows together) and ``throw`` are those of :func:`paraprop.solve`."""
+    H, W = noise.shape[1:3]
     _check_rows("block_size", window_rows, H)
-    check_stopping(tol, max_iters)
-    x = noise.new_zeros(B, C, H, W)
-    ctx = model.empty_context(B, like=noise)
-    residuals, sweeps, converged, window_sweeps = [], 0, True, []
-    for r0 in range(0, H, window_rows):
-        r1 = min(H, r0 + window_rows)
-        win_noise = noise[:, r0:r1]
-        win = x[:, :, r0:r1]
-        bound = (r1 - r0) * W
-        cap = bound if max_iters is None else min(bound, max_iters)
-        k, changed = 0, math.inf
-        while k < cap and changed > tol:
-            new = model.draw(model.rows(win, ctx), win_noise)
-            k += 1
-            changed = float((new - win).abs().max())
-            residuals.append(changed)
-            win = new
-        sweeps += k
-        window_sweeps.append(k)
-        converged = converged and (k >= bound or changed <= tol)
-        x[:, :, r0:r1] = win
-        ctx = model.context(win, ctx)
-    return _solution("gs_jacobi", x.permute(0, 2, 3, 1), sweeps, sweeps, residuals, start,
-                     converged=converged, throw=throw, tol=tol, max_iters=max_iters,
-                     T=H * W, positions=sweeps * window_rows * W, sequential_steps=sweeps,
-                     bound=H * W, block_size=window_rows, window_sweeps=window_sweeps)
+    fn = CachedPixels(model, noise)
+    return solve(fn, fn.x0, method=GSJacobi(block_size=window_rows * W), dim=fn.dim, tol=tol,
+                 max_iters=max_iters, throw=throw)

@@ -13,12 +13,13 @@ from paraprop.solvers.base import State, System, accept, verify_fixed_point
 class GSJacobi:
     """Blocks of ``block_size`` positions solved in order (Song et al. 2021, Algorithm 3).
 
-    The current block is iterated by Jacobi (one call of ``fn``, or of ``fn.update`` with the
-    block's positions, per sweep) until the contraction estimate of its error is within its share
-    of ``tol`` (``tol * len(block) / T``: the frozen blocks' errors add up along the sequence) or
-    it has had as many sweeps as positions, then frozen. Each block needs at most ``block_size``
-    sweeps, so at most ``T`` sweeps in all (Proposition 2). Per-sample stopping applies inside
-    each block.
+    The current block is iterated by Jacobi (one call per sweep of ``fn.window`` on the block's
+    positions, whose cached-prefix promise holds since the blocks before it are final; else of
+    ``fn.update`` with them, or of ``fn``) until the contraction estimate of its error is within
+    its share of ``tol`` (``tol * len(block) / T``: the frozen blocks' errors add up along the
+    sequence) or it has had as many sweeps as positions, then frozen. Each block needs at most
+    ``block_size`` sweeps, so at most ``T`` sweeps in all (Proposition 2). Per-sample stopping
+    applies inside each block.
 
     Arguments:
         block_size: positions per block; ``None``: ``ceil(sqrt(T))``.
@@ -49,13 +50,13 @@ class GSJacobi:
         lo = e["block"] * e["bs"]
         hi = min(system.T, lo + e["bs"])
         index = torch.arange(lo, hi, device=state.x.device)
-        vals = system.update(state.x, index)
+        vals = system.window(state.x, lo, hi)
         system.check_finite(vals, index)
         e["sweep"] += 1
         accept(system, state, lo, hi, vals, tol, norm, exact=e["sweep"] - 1,
                budget=tol * (hi - lo) / system.T)
         if e["sweep"] >= hi - lo and bool(state.active.any()):  # block bound, still moving
-            verify_fixed_point(system, state, lo, system.update(state.x, index), tol)
+            verify_fixed_point(system, state, lo, system.window(state.x, lo, hi), tol)
         if e["sweep"] >= hi - lo or not bool(state.active.any()):
             e["block"] += 1
             e["sweep"] = 0
