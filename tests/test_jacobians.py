@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from paraprop import bppsa
-from paraprop.jacobians import pattern_of, transposed_jacobian
+from paraprop.jacobians import bppsa, pattern_of, transposed_jacobian
 
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
 
@@ -98,13 +97,23 @@ def test_bppsa_backward_equals_autograd(levels):
     acts, y = bppsa.record(net, torch.randn(2, 8, 8, dtype=torch.float64))
     g = torch.randn(3, dtype=torch.float64)
     ref = _autograd_grads(net, acts, g)
-    stats = bppsa.ScanStats()
-    grads = bppsa.backward(net, acts, g, levels=levels, stats=stats)
+    grads, sol = bppsa.backward(net, acts, g, levels=levels)
     for a, b in zip(grads, ref, strict=True):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-12)
-    phases = {s["phase"] for s in stats.steps}
+    phases = {s["phase"] for s in sol.stats["steps"]}
     assert phases == ({"linear"} if levels == 0 else {"up", "down"} if levels in (None, 5)
                       else {"up", "linear", "down"})
+    steps = sol.stats["steps"]
+    assert sol.converged and sol.method == ("sequential" if levels == 0 else "blelloch")
+    assert torch.equal(sol.value, torch.cat([a.flatten() for a in grads]))
+    assert sol.iterations == sol.evaluations == sum(
+        s["combines"] if s["phase"] == "linear" else 1 for s in steps)
+    assert sol.stats["combines"] == sum(s["combines"] for s in steps) >= len(net)
+    assert sol.stats["flops"] == sum(s["flops"] for s in steps)
+    assert sol.stats["critical_flops"] == sum(
+        s["flops"] if s["phase"] == "linear" else s["max_flops"] for s in steps)
+    if levels == 0:  # ordinary back-propagation: L dependent matrix-vector products
+        assert sol.iterations == sol.stats["combines"] == len(net) == sol.stats["L"]
 
 
 def test_csr_vjp_equals_autograd_float32():
@@ -190,7 +199,7 @@ def test_pruned_weights_leave_the_pattern():
     net = [conv, nn.ReLU(), nn.Flatten(), nn.Linear(108, 2).double()]
     acts, _ = bppsa.record(net, x)
     g = torch.randn(2, dtype=torch.float64)
-    a = bppsa.backward(net, acts, g, drop_zero_weights=True)
+    a, _ = bppsa.backward(net, acts, g, drop_zero_weights=True)
     b = _autograd_grads(net, acts, g)
     assert all(torch.allclose(u, v, atol=1e-12) for u, v in zip(a, b, strict=True))
 

@@ -62,8 +62,7 @@ def test_mlp_backward_equals_autograd(act, l, method):
     if act == "relu":
         x[0] = 0.0  # exact zeros of the pre-activations where the biases are absent
     g = torch.randn(4, widths[-1], dtype=torch.float64)
-    gx, gp, sol = mlp_backward(net, x, g, method=method, return_solution=True,
-                               **backward_kwargs(method))
+    (gx, gp), sol = mlp_backward(net, x, g, method=method, **backward_kwargs(method))
     ref = autograd_grads(net, x, g)
     assert len(gp) == len(list(net.parameters()))
     ours = [gx, *gp]
@@ -85,8 +84,8 @@ def test_relu_zero_derivatives_keep_the_system_nonsingular():
     assert any(bool((d == 0).any()) for d in S.derivatives if d is not None)
     assert all(d is None for d in S.backward.diag)  # identity diagonal: nothing to divide by
     for method in METHODS:
-        gx, gp = mlp_backward(net, x, torch.ones(8, 3, dtype=torch.float64), method=method,
-                              **backward_kwargs(method))
+        (gx, gp), _ = mlp_backward(net, x, torch.ones(8, 3, dtype=torch.float64),
+                                   method=method, **backward_kwargs(method))
         ref = autograd_grads(net, x, torch.ones(8, 3, dtype=torch.float64))
         assert len(gp) == len(ref) - 1
         ours = [gx, *gp]
@@ -108,9 +107,9 @@ def test_deep_mlp_backward_levels_and_gradients():
         mods += [lin, nn.Tanh()]
     net = nn.Sequential(*mods).double()
     x, g = torch.randn(2, 8, dtype=torch.float64), torch.randn(2, 8, dtype=torch.float64)
-    gx, gp, sol = mlp_backward(net, x, g, return_solution=True)
+    (gx, gp), sol = mlp_backward(net, x, g)
     assert sol.stats["levels"] == math.ceil(math.log2(l)) + 1 == 7
-    sub = mlp_backward(net, x, g, method="substitution", return_solution=True)[2]
+    _, sub = mlp_backward(net, x, g, method="substitution")
     assert sub.stats["levels"] == l
     for a, b in zip([gx, *gp], autograd_grads(net, x, g), strict=True):
         assert rel_err(a, b) <= GRAD_TOL
@@ -120,7 +119,7 @@ def test_shared_linear_gradients_are_summed():
     lin = nn.Linear(3, 3).double()
     net = nn.Sequential(lin, nn.Tanh(), lin, nn.Sigmoid(), nn.Linear(3, 2).double())
     x, g = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
-    gx, gp = mlp_backward(net, x, g)
+    (gx, gp), _ = mlp_backward(net, x, g)
     ref = autograd_grads(net, x, g)
     assert len(gp) == len(ref) - 1 == 4
     for a, b in zip([gx, *gp], ref, strict=True):
@@ -154,7 +153,7 @@ def test_forward_from_previous_points_iterates_to_the_pass(act):
     assert torch.allclose(sol.value, net(x).detach(), atol=1e-10, rtol=0)
     # the returned points are those of the new pass: backward from them equals autograd
     g = torch.randn(5, 3, dtype=torch.float64)
-    gx, gp = mlp_backward(net, x, g, points=sol.stats["points"])
+    (gx, gp), _ = mlp_backward(net, x, g, points=sol.stats["points"])
     for a, b in zip([gx, *gp], autograd_grads(net, x, g), strict=True):
         assert rel_err(a, b) <= 1e-8
 
@@ -197,7 +196,7 @@ def test_model_changes_after_a_call_are_seen():
     mlp_backward(net, x, g)  # parses (and caches) the model
     net[2].bias = None  # a parameter removed
     net[1] = nn.Sigmoid()  # an activation replaced
-    gx, gp = mlp_backward(net, x, g)
+    (gx, gp), _ = mlp_backward(net, x, g)
     ref = autograd_grads(net, x, g)
     assert len(gp) == len(ref) - 1
     for a, b in zip([gx, *gp], ref, strict=True):
@@ -216,7 +215,7 @@ def test_activation_settings_changed_after_a_call_are_seen(change):
         net[1].negative_slope = 0.5
     else:
         net[1].approximate = "tanh"
-    gx, gp = mlp_backward(net, x, g)
+    (gx, gp), _ = mlp_backward(net, x, g)
     for a, b in zip([gx, *gp], autograd_grads(net, x, g), strict=True):
         assert rel_err(a, b) <= GRAD_TOL
     with torch.no_grad():
@@ -241,7 +240,7 @@ def test_empty_batch_gives_empty_gradients_like_autograd():
     x, g = torch.randn(0, 3, dtype=torch.float64), torch.randn(0, 2, dtype=torch.float64)
     ref = autograd_grads(net, x, g)
     for method in METHODS:
-        gx, gp, sol = mlp_backward(net, x, g, method=method, return_solution=True)
+        (gx, gp), sol = mlp_backward(net, x, g, method=method)
         for a, b in zip([gx, *gp], ref, strict=True):
             assert a.shape == b.shape and torch.equal(a, b)
         assert sol.value.shape == (0, 10) and sol.converged and sol.stats["levels"] == 0
@@ -309,7 +308,7 @@ def test_no_per_sample_blocks_when_only_the_last_layer_has_an_activation():
     first = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
     assert from_mlp(first, x).forward.batch is None  # D_1 scales only the right-hand side
     for method in METHODS:
-        gx, gp = mlp_backward(net, x, g, method=method, **backward_kwargs(method))
+        (gx, gp), _ = mlp_backward(net, x, g, method=method, **backward_kwargs(method))
         ours, ref = torch.cat([t.flatten() for t in [gx, *gp]]), \
             torch.cat([t.flatten() for t in autograd_grads(net, x, g)])
         assert rel_err(ours, ref) <= GRAD_TOL

@@ -37,8 +37,8 @@ def test_rnn_backward_equals_autograd(K, tau, nl, bf, bias, method):
     out, hn = rnn(xr, h0r)
     g, gh = torch.randn_like(out), torch.randn_like(hn)
     ref = torch.autograd.grad([out, hn], [xr, h0r, *rnn.parameters()], [g, gh])
-    gx, gh0, gp, sol = rnn_backward(rnn, x, g, h0=h0, grad_hn=gh, method=method,
-                                    return_solution=True, **kwargs(method))
+    (gx, gh0, gp), sol = rnn_backward(rnn, x, g, h0=h0, grad_hn=gh, method=method,
+                                      **kwargs(method))
     ours = [gx, gh0, *gp]
     if method == "bicgstab":
         cat = lambda ts: torch.cat([t.flatten() for t in ts])  # noqa: E731
@@ -75,7 +75,7 @@ def test_only_final_state_gradient():
     _, hn = rnn(xr)
     gh = torch.randn_like(hn)
     ref = torch.autograd.grad(hn, [xr, *rnn.parameters()], gh)
-    gx, gh0, gp = rnn_backward(rnn, x, None, grad_hn=gh)
+    (gx, gh0, gp), _ = rnn_backward(rnn, x, None, grad_hn=gh)
     for a, b in zip([gx, *gp], ref, strict=True):
         assert torch.allclose(a, b, atol=1e-12, rtol=1e-10)
 
@@ -143,7 +143,7 @@ def test_rnn_empty_batch_gives_empty_gradients_like_autograd(bf):
     out, _ = rnn(xr, h0r)
     g = torch.randn_like(out)
     ref = torch.autograd.grad(out, [xr, h0r, *rnn.parameters()], g)
-    gx, gh0, gp, sol = rnn_backward(rnn, x, g, h0=h0, return_solution=True)
+    (gx, gh0, gp), sol = rnn_backward(rnn, x, g, h0=h0)
     for a, b in zip([gx, gh0, *gp], ref, strict=True):
         assert a.shape == b.shape and torch.equal(a, b)
     assert sol.converged and sol.value.shape == (0, 5 * 2 * 4)

@@ -24,3 +24,10 @@ def test_import_paraprop_alone_reaches_nn():
     out = subprocess.run([sys.executable, "-c", "import paraprop; print(paraprop.nn.GRU.__name__)"],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "GRU"
+
+
+def test_bppsa_lives_under_jacobians():
+    code = ("import paraprop; print(paraprop.jacobians.bppsa.__name__, "
+            "hasattr(paraprop, 'bppsa'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["paraprop.jacobians.bppsa", "False"]

@@ -26,10 +26,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from paraprop import bppsa  # noqa: E402
 from paraprop.bench.harness import interleaved, machine_info, median  # noqa: E402
 from paraprop.bench.report import markdown_table, text_table, write_results  # noqa: E402
-from paraprop.jacobians import patterns, transposed_jacobian  # noqa: E402
+from paraprop.jacobians import bppsa, patterns, transposed_jacobian  # noqa: E402
 
 DESCRIPTION = "CSR transposed Jacobians (BPPSA Table 1) and BPPSA FLOPs on (pruned) VGG-11"
 PAPER_SPARSITY = {"conv": 0.99157, "relu": 0.99998, "maxpool": 0.99994}

@@ -132,8 +132,8 @@ def mlp_row(l: int, width: int, batch: int, *, repeats: int, nthreads: int | Non
            "fwd_bwd_speedup": t["autograd_full"] / t["cr_full"], "times_s": times}
     if not counters:
         return row
-    _, _, cr = mlp_backward(net, x, g, points=pts, return_solution=True)
-    _, _, sub = mlp_backward(net, x, g, points=pts, method="substitution", return_solution=True)
+    _, cr = mlp_backward(net, x, g, points=pts)
+    _, sub = mlp_backward(net, x, g, points=pts, method="substitution")
     mem = {"autograd": peak_memory(autograd_bwd), "cr": peak_memory(cr_bwd),
            "subst": peak_memory(subst_bwd)}
     # float64: gradients against autograd, and the iterative methods' iteration counts
@@ -141,13 +141,12 @@ def mlp_row(l: int, width: int, batch: int, *, repeats: int, nthreads: int | Non
     x64, g64 = x.double(), g.double()
     x64g = x64.clone().requires_grad_()
     ref = torch.autograd.grad(net64(x64g), [x64g, *net64.parameters()], g64)
-    gx, gp = mlp_backward(net64, x64, g64)
+    (gx, gp), _ = mlp_backward(net64, x64, g64)
     pts64 = activation_points(net64, x64)
-    jac = mlp_backward(net64, x64, g64, points=pts64, method="jacobi", tol=1e-10,
-                       return_solution=True)[2]
+    _, jac = mlp_backward(net64, x64, g64, points=pts64, method="jacobi", tol=1e-10)
     try:
-        bic = mlp_backward(net64, x64, g64, points=pts64, method="bicgstab", tol=1e-10,
-                           max_iters=4 * l, return_solution=True)[2]
+        _, bic = mlp_backward(net64, x64, g64, points=pts64, method="bicgstab", tol=1e-10,
+                              max_iters=4 * l)
         bic_iters = bic.iterations
     except (ConvergenceError, NonFiniteError) as e:  # a result here, not a crash
         sol = getattr(e, "solution", None)
@@ -188,12 +187,12 @@ def rnn_row(K: int, tau: int, hidden: int, batch: int, *, repeats: int,
     x64, g64 = x.double(), g.double()
     x64g = x64.clone().requires_grad_()
     ref = torch.autograd.grad(rnn64(x64g)[0], [x64g, *rnn64.parameters()], g64)
-    gx, _, gp, cr = rnn_backward(rnn64, x64, g64, return_solution=True)
-    sub = rnn_backward(rnn64, x64, g64, method="substitution", return_solution=True)[3]
-    jac = rnn_backward(rnn64, x64, g64, method="jacobi", tol=1e-10, return_solution=True)[3]
+    (gx, _, gp), cr = rnn_backward(rnn64, x64, g64)
+    _, sub = rnn_backward(rnn64, x64, g64, method="substitution")
+    _, jac = rnn_backward(rnn64, x64, g64, method="jacobi", tol=1e-10)
     try:
         bic_iters = rnn_backward(rnn64, x64, g64, method="bicgstab", tol=1e-10,
-                                 max_iters=4 * K * tau, return_solution=True)[3].iterations
+                                 max_iters=4 * K * tau)[1].iterations
     except (ConvergenceError, NonFiniteError) as e:
         sol = getattr(e, "solution", None)
         bic_iters = f"no conv. ({sol.iterations if sol is not None else '?'})"
@@ -245,7 +244,7 @@ def training_row(act, l: int, steps: int, *, n: int = 256, hidden: int = 32, lr:
         logits = sol.value.detach().requires_grad_()
         loss = nn.functional.cross_entropy(logits, y)
         (g,) = torch.autograd.grad(loss, logits)
-        _, grads = mlp_backward(net, x, g, points=points, method="substitution")
+        (_, grads), _ = mlp_backward(net, x, g, points=points, method="substitution")
         with torch.no_grad():
             for p, gp in zip(net.parameters(), grads, strict=True):
                 p.sub_(lr * gp)

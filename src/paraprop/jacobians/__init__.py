@@ -5,9 +5,14 @@ layers (BPPSA, §3.3-3.4, Table 1, Appendix D), dense for the RNN and GRU cells 
 shape ``(x.numel(), layer(x).numel())`` with ``J^T[i, j] = d layer(x)_j / d x_i``. For a batch,
 call it once per sample: the CSR pattern is cached per layer configuration (see
 :mod:`paraprop.jacobians.patterns`), so each further sample only fills ``values``.
+
+:mod:`paraprop.jacobians.bppsa` (imported on first use) back-propagates through a chain of
+layers as a scan of these Jacobians (BPPSA) and analyses the scan's FLOPs.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 from torch import nn
@@ -16,9 +21,15 @@ from torch.nn import functional as F
 from paraprop.jacobians import patterns
 from paraprop.jacobians.cells import gru_cell, rnn_cell
 
-__all__ = ["SUPPORTED", "patterns", "pattern_of", "transposed_jacobian"]
+__all__ = ["SUPPORTED", "bppsa", "patterns", "pattern_of", "transposed_jacobian"]
 
 SUPPORTED = (nn.Conv2d, nn.ReLU, nn.MaxPool2d, nn.Linear, nn.Flatten, nn.RNNCell, nn.GRUCell)
+
+
+def __getattr__(name: str):
+    if name == "bppsa":  # imported on first use: it imports this package
+        return importlib.import_module("paraprop.jacobians.bppsa")
+    raise AttributeError(f"module 'paraprop.jacobians' has no attribute {name!r}")
 
 
 def _pair(v) -> tuple[int, int]:

@@ -427,8 +427,8 @@ def _gradients(parsed: _Parsed, points: ActivationPoints, value: torch.Tensor,
 
 def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tensor, *,
                  method: str = "cyclic_reduction", points: ActivationPoints | None = None,
-                 tol: float | None = None, max_iters: int | None = None,
-                 return_solution: bool = False):
+                 tol: float | None = None, max_iters: int | None = None
+                 ) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], Solution]:
     """Gradients of an MLP by solving its backward (upper) system (Naumov 2017, eq. 14/19).
 
     Arguments:
@@ -441,12 +441,12 @@ def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tenso
         points: activation points of this input (:func:`activation_points`); computed when
             ``None`` (one sequential forward pass without a graph).
         tol, max_iters: for the iterative methods (see :func:`paraprop.linalg.solve`).
-        return_solution: also return the :class:`~paraprop.Solution` of the backward system.
 
     Returns:
-        ``(grad_input, grad_params)``: ``dL/dx`` ``(B, in_features)`` and the gradients of
-        ``model.parameters()`` in that order, equal to autograd's; with ``return_solution``,
-        ``(grad_input, grad_params, solution)``.
+        ``((grad_input, grad_params), solution)``: ``dL/dx`` ``(B, in_features)`` and the
+        gradients of ``model.parameters()`` in that order, equal to autograd's, and the
+        :class:`~paraprop.Solution` of the backward system (``value``: the adjoints
+        ``u_k = dL/dy_k``, concatenated).
 
     Raises:
         TypeError / ValueError: unsupported modules, bad shapes, dtypes or devices, a
@@ -458,7 +458,7 @@ def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tenso
     Example:
         >>> net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double()
         >>> x, g = torch.randn(4, 3).double(), torch.ones(4, 1).double()
-        >>> gx, gp = mlp_backward(net, x, g)
+        >>> (gx, gp), sol = mlp_backward(net, x, g)
         >>> ref = torch.autograd.grad(net(x.requires_grad_()), [x, *net.parameters()], g)
         >>> all(torch.allclose(a, b) for a, b in zip([gx, *gp], ref))
         True
@@ -473,13 +473,11 @@ def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tenso
     if x.shape[0] == 0:  # an empty batch: zero gradients, as autograd gives
         check_solver_args(method, tol, max_iters)
         grads = (torch.zeros_like(x), [torch.zeros_like(p.detach()) for p in model.parameters()])
-        if not return_solution:
-            return grads
         N = sum(parsed.out_features)
         st = {"levels": 0, "flops": 0, "memory_bytes": 0, "time_s": 0.0,
               "l": len(parsed.linears), "N": N}
-        return (*grads, Solution(x.new_zeros(0, N), method, 0, 0, True,
-                                 torch.zeros(0, dtype=torch.float64), st))
+        return grads, Solution(x.new_zeros(0, N), method, 0, 0, True,
+                               torch.zeros(0, dtype=torch.float64), st)
     with torch.no_grad():
         if points is None:
             points = activation_points(model, x)
@@ -490,7 +488,7 @@ def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tenso
     sol = solve(bwd, b_rhs, method=method, tol=tol, max_iters=max_iters)
     with torch.no_grad():
         grad_input, params = _gradients(parsed, points, sol.value, list(bwd.sizes))
-    return (grad_input, params, sol) if return_solution else (grad_input, params)
+    return (grad_input, params), sol
 
 
 def mlp_forward(model: nn.Sequential, x: torch.Tensor, *, points: ActivationPoints | None = None,

@@ -219,7 +219,8 @@ def _build(rnn, xs, h0, grad_output, grad_hn) -> RNNSystems:
 def rnn_backward(rnn: nn.RNN, x: torch.Tensor, grad_output: torch.Tensor | None, *,
                  h0: torch.Tensor | None = None, grad_hn: torch.Tensor | None = None,
                  method: str = "cyclic_reduction", tol: float | None = None,
-                 max_iters: int | None = None, return_solution: bool = False):
+                 max_iters: int | None = None
+                 ) -> tuple[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]], Solution]:
     """Gradients of a stacked ``nn.RNN`` by solving its nested backward system (eq. 23-24).
 
     Arguments:
@@ -227,11 +228,11 @@ def rnn_backward(rnn: nn.RNN, x: torch.Tensor, grad_output: torch.Tensor | None,
         method: any of :data:`paraprop.linalg.METHODS`; ``"cyclic_reduction"`` takes
             ``ceil(log2 K) + 1 + ceil(log2 tau)`` levels.
         tol, max_iters: for the iterative methods.
-        return_solution: also return the :class:`~paraprop.Solution`.
 
     Returns:
-        ``(grad_input, grad_h0, grad_params)`` (``grad_params`` in ``rnn.parameters()`` order),
-        equal to autograd's; with ``return_solution`` the solution is appended.
+        ``((grad_input, grad_h0, grad_params), solution)``: the gradients (``grad_params`` in
+        ``rnn.parameters()`` order), equal to autograd's, and the :class:`~paraprop.Solution`
+        of the backward system.
 
     Raises:
         TypeError / ValueError: unsupported RNNs; shapes, dtypes, devices or NaN/inf of the
@@ -243,7 +244,7 @@ def rnn_backward(rnn: nn.RNN, x: torch.Tensor, grad_output: torch.Tensor | None,
         >>> rnn = nn.RNN(3, 4, num_layers=2).double()
         >>> x = torch.randn(6, 2, 3, dtype=torch.float64)
         >>> g = torch.randn(6, 2, 4, dtype=torch.float64)
-        >>> gx, gh0, gp = rnn_backward(rnn, x, g)
+        >>> (gx, gh0, gp), sol = rnn_backward(rnn, x, g)
         >>> ref = torch.autograd.grad(rnn(x.requires_grad_())[0], [x, *rnn.parameters()], g)
         >>> torch.allclose(gx, ref[0]) and all(torch.allclose(a, b) for a, b in zip(gp, ref[1:]))
         True
@@ -256,12 +257,10 @@ def rnn_backward(rnn: nn.RNN, x: torch.Tensor, grad_output: torch.Tensor | None,
         K, n = rnn.num_layers, rnn.hidden_size
         out = (torch.zeros_like(x), xs.new_zeros(K, 0, n),
                [torch.zeros_like(p.detach()) for p in rnn.parameters()])
-        if not return_solution:
-            return out
         st = {"levels": 0, "flops": 0, "memory_bytes": 0, "time_s": 0.0,
               "l": xs.shape[0], "N": xs.shape[0] * K * n}
-        return (*out, Solution(xs.new_zeros(0, xs.shape[0] * K * n), method, 0, 0, True,
-                               torch.zeros(0, dtype=torch.float64), st))
+        return out, Solution(xs.new_zeros(0, xs.shape[0] * K * n), method, 0, 0, True,
+                             torch.zeros(0, dtype=torch.float64), st)
     with torch.no_grad():
         S = _build(rnn, xs, h0, grad_output, grad_hn)
     sol = solve(S.backward, S.backward_rhs, method=method, tol=tol, max_iters=max_iters)
@@ -285,5 +284,4 @@ def rnn_backward(rnn: nn.RNN, x: torch.Tensor, grad_output: torch.Tensor | None,
         grad_input = gx.transpose(0, 1) if rnn.batch_first else gx
         grad_h0 = torch.stack([delta[0, k] @ U[k] for k in range(K)])
         params = [grads[name] for name, _ in rnn.named_parameters()]
-    out = (grad_input, grad_h0, params)
-    return (*out, sol) if return_solution else out
+    return (grad_input, grad_h0, params), sol

@@ -6,6 +6,8 @@
 - :func:`associative_scan`: prefix combinations under any associative operator, including the
   modified Blelloch scan of BPPSA (operands reversed in the down-sweep, level cap).
 - :func:`jacobi_recurrence`: the same recurrence by Jacobi sweeps (Song et al. 2021, §5.1).
+- :func:`ragged_scan`: Blelloch's scan over a list of elements that cannot be stacked (sparse
+  and dense matrices of different shapes: BPPSA over a chain of layers), with a per-step record.
 - :mod:`paraprop.scan.native`: the C kernels behind ``sequential`` on the CPU.
 
 One file per algorithm: :mod:`.sequential`, :mod:`.blelloch`, :mod:`.hillis_steele`,
@@ -15,6 +17,7 @@ One file per algorithm: :mod:`.sequential`, :mod:`.blelloch`, :mod:`.hillis_stee
 from paraprop.scan.associative import SCAN_ALGORITHMS, associative_scan
 from paraprop.scan.jacobi import jacobi_recurrence
 from paraprop.scan.operators import Factored
+from paraprop.scan.ragged import ragged_scan
 from paraprop.scan.recurrence import ALGORITHMS, linear_recurrence
 
 __all__ = [
@@ -24,4 +27,5 @@ __all__ = [
     "associative_scan",
     "jacobi_recurrence",
     "linear_recurrence",
+    "ragged_scan",
 ]

@@ -3,49 +3,30 @@
 Back-propagation through a chain ``y = f_{L-1}(... f_0(x))`` computes ``g_L = dl/dy`` and
 ``g_i = J_i^T g_{i+1}``: the inclusive scan of ``[g_L, J_{L-1}^T, ..., J_0^T]`` under
 ``a ⋄ b = b a`` (BPPSA, "Scaling Back-propagation by Parallel Scan Algorithm", eq. 3, Algorithm
-1). The Jacobians come from :mod:`paraprop.jacobians` in CSR form. The scan is Blelloch's tree
-(written recursively): the up-sweep combines neighbouring pairs, level by level, the down-sweep
-hands every prefix to the odd positions below it. ``levels`` caps the tree as in BPPSA §5.3:
-beyond that many levels the remaining prefix is scanned sequentially (deep levels multiply
-large, dense-ish products that a plain linear scan avoids).
+1). The Jacobians come from :func:`paraprop.jacobians.transposed_jacobian` in CSR form; the
+scan is :func:`paraprop.scan.ragged_scan` (Blelloch's tree over a list of sparse and dense
+matrices; ``levels`` caps the tree as in BPPSA §5.3).
 
-:func:`analyze` records, per scan step, the combines, their FLOPs and the nnz of their results,
+:func:`backward` returns the gradients and a :class:`~paraprop.Solution` whose ``stats`` record,
+per scan step, the combines, their FLOPs and the nnz of their results; :func:`analyze` sets them
 next to the per-operator FLOPs of ordinary back-propagation (BPPSA Fig. 10).
 """
 
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from paraprop.jacobians import transposed_jacobian
+from paraprop.result import Solution
+from paraprop.scan.ragged import ragged_scan
 
-__all__ = ["ScanStats", "analyze", "backward", "combine_flops", "record"]
-
-
-@dataclass
-class ScanStats:
-    """Per-step record of a scan: ``steps[k] = {"level", "phase", "combines", "flops",
-    "max_flops", "max_nnz"}`` (``phase``: up, linear, down); ``critical_flops`` is the sum of
-    each step's largest combine, the work on the critical path with one worker per combine."""
-
-    steps: list[dict] = field(default_factory=list)
-
-    def record(self, level: int, phase: str, flops: list[int], nnz: list[int]) -> None:
-        if flops:
-            self.steps.append({"level": level, "phase": phase, "combines": len(flops),
-                               "flops": sum(flops), "max_flops": max(flops),
-                               "max_nnz": max(nnz)})
-
-    @property
-    def critical_flops(self) -> int:
-        return sum(s["max_flops"] for s in self.steps if s["phase"] != "linear") + sum(
-            s["flops"] for s in self.steps if s["phase"] == "linear")
+__all__ = ["analyze", "backward", "combine_flops", "record"]
 
 
 def _nnz(t: torch.Tensor) -> int:
@@ -71,41 +52,16 @@ def _combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return b @ a
 
 
-def _scan(xs: list, levels: int | None, level: int, stats: ScanStats | None) -> list:
-    """Inclusive scan of ``xs`` under ``_combine``; Blelloch's tree for ``levels`` levels."""
-    n = len(xs)
-    if n == 1:
-        return list(xs)
-    if levels is not None and level >= levels:  # the capped top: a linear scan
-        out, flops, nnz = [xs[0]], [], []
-        for x in xs[1:]:
-            if stats is not None:
-                flops.append(combine_flops(out[-1], x))
-            out.append(_combine(out[-1], x))
-            nnz.append(_nnz(out[-1]))
-        if stats is not None:
-            stats.record(level, "linear", flops, nnz)
-        return out
-    # up-sweep: neighbouring pairs, all at once
-    pairs = [_combine(xs[2 * i], xs[2 * i + 1]) for i in range(n // 2)]
-    if stats is not None:
-        stats.record(level, "up", [combine_flops(xs[2 * i], xs[2 * i + 1]) for i in range(n // 2)],
-                     [_nnz(p) for p in pairs])
-    sub = _scan(pairs, levels, level + 1, stats)
-    # down-sweep: odd positions are the pair prefixes; even ones combine the previous prefix
-    out = [xs[0]]
-    flops, nnz = [], []
-    for i in range(1, n):
-        if i % 2 == 1:
-            out.append(sub[i // 2])
-        else:
-            if stats is not None:
-                flops.append(combine_flops(sub[i // 2 - 1], xs[i]))
-            out.append(_combine(sub[i // 2 - 1], xs[i]))
-            nnz.append(_nnz(out[-1]))
-    if stats is not None:
-        stats.record(level, "down", flops, nnz)
-    return out
+def _cost(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> dict:
+    return {"flops": combine_flops(a, b), "nnz": _nnz(out)}
+
+
+def _critical(steps: list[dict], key: str | None) -> int:
+    """The critical path with one worker per combine: the largest combine of every tree step
+    plus every combine of the linear part (``key=None``: count the dependent combines)."""
+    if key is None:
+        return sum(s["combines"] if s["phase"] == "linear" else 1 for s in steps)
+    return sum(s[key] if s["phase"] == "linear" else s["max_" + key] for s in steps)
 
 
 def record(layers: Sequence[nn.Module], x: torch.Tensor) -> tuple[list[torch.Tensor],
@@ -133,8 +89,7 @@ def _jacobians(layers: Sequence[nn.Module], activations: Sequence[torch.Tensor],
 
 def backward(layers: Sequence[nn.Module], activations: Sequence[torch.Tensor],
              grad_output: torch.Tensor, *, levels: int | None = None,
-             stats: ScanStats | None = None, drop_zero_weights: bool = False
-             ) -> list[torch.Tensor]:
+             drop_zero_weights: bool = False) -> tuple[list[torch.Tensor], Solution]:
     """The gradient w.r.t. the input of every layer, by a Blelloch scan (BPPSA).
 
     Arguments:
@@ -142,29 +97,40 @@ def backward(layers: Sequence[nn.Module], activations: Sequence[torch.Tensor],
         activations: ``activations[i]`` is the input of ``layers[i]`` (one sample, no batch
             dim), as recorded in a forward pass.
         grad_output: gradient of the loss w.r.t. the last layer's output (one sample).
-        levels: tree levels run as a tree (BPPSA §5.3); ``None``: all of them (``ceil(log2
+        levels: tree levels run as a tree (BPPSA §5.3); ``None``: all of them (``floor(log2
             (L + 1))``); ``0``: a linear scan, i.e. ordinary back-propagation.
-        stats: a :class:`ScanStats` to fill with the per-step FLOPs and nnz.
         drop_zero_weights: leave pruned (exactly zero) weights out of the Jacobians' patterns.
 
     Returns:
-        ``[g_0, ..., g_{L-1}]``: ``g_i`` shaped like ``activations[i]``.
+        ``(grads, solution)``: ``grads = [g_0, ..., g_{L-1}]``, ``g_i`` shaped like
+        ``activations[i]``, and the :class:`~paraprop.Solution` of the scan, a direct
+        computation: ``value`` the gradients flattened and concatenated in layer order;
+        ``method`` ``"blelloch"`` (``"sequential"`` for ``levels=0``); ``iterations`` =
+        ``evaluations`` = the dependent steps (one per up- or down-sweep, one per combine of
+        the linear part); ``converged`` ``True``; no residuals; ``stats``: ``steps`` (one
+        record per scan step, ``{"level", "phase", "combines", "flops", "max_flops", "nnz",
+        "max_nnz"}``, as :func:`paraprop.scan.ragged_scan` records them; ``phase``: up,
+        linear, down), ``combines`` and ``flops`` (totals), ``critical_flops`` (the largest
+        combine of every tree step plus the linear part: the work on the critical path with
+        one worker per combine), ``L`` (layers) and ``time_s``.
 
     Raises:
-        TypeError / ValueError: unsupported layers, mismatched lengths or shapes.
+        TypeError / ValueError: unsupported layers, mismatched lengths or shapes, a bad
+            ``levels``.
 
     Example:
         >>> net = [nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(36, 2)]
         >>> acts, y = record(net, torch.randn(1, 8, 8))
-        >>> grads = backward(net, acts, torch.ones(2))
+        >>> grads, sol = backward(net, acts, torch.ones(2))
+        >>> [tuple(g.shape) for g in grads][:2], sol.iterations
+        ([(1, 8, 8), (4, 6, 6)], 4)
     """
+    start = time.perf_counter()
     jts = _jacobians(layers, activations, drop_zero_weights)
-    return _scan_backward(layers, activations, jts, grad_output, levels, stats)
+    return _scan_backward(layers, activations, jts, grad_output, levels, start)
 
 
-def _scan_backward(layers, activations, jts, grad_output, levels, stats):
-    if levels is not None and (not isinstance(levels, int) or levels < 0):
-        raise ValueError(f"levels must be a non-negative int or None, got {levels!r}")
+def _scan_backward(layers, activations, jts, grad_output, levels, start):
     n_out = jts[-1].shape[1]
     if grad_output.numel() != n_out:
         raise ValueError(f"grad_output has {grad_output.numel()} elements, the last layer's "
@@ -177,9 +143,18 @@ def _scan_backward(layers, activations, jts, grad_output, levels, stats):
     elems = [grad_output.detach().flatten()] + jts[::-1]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        prefixes = _scan(elems, levels, 0, stats)
-    grads = prefixes[1:][::-1]  # prefix k is the gradient w.r.t. the input of layer L - k
-    return [g.reshape(a.shape) for g, a in zip(grads, activations, strict=True)]
+        prefixes, steps = ragged_scan(elems, _combine, levels=levels, cost=_cost)
+    # prefix k is the gradient w.r.t. the input of layer L - k
+    grads = [g.reshape(a.shape) for g, a in zip(prefixes[1:][::-1], activations, strict=True)]
+    depth = _critical(steps, None)
+    stats = {"steps": steps, "combines": sum(s["combines"] for s in steps),
+             "flops": sum(s["flops"] for s in steps), "critical_flops": _critical(steps, "flops"),
+             "L": len(jts), "time_s": time.perf_counter() - start}
+    sol = Solution(value=torch.cat([g.flatten() for g in grads]),
+                   method="sequential" if levels == 0 else "blelloch", iterations=depth,
+                   evaluations=depth, converged=True,
+                   residuals=torch.zeros(0, dtype=torch.float64), stats=stats)
+    return grads, sol
 
 
 def analyze(layers: Sequence[nn.Module], activations: Sequence[torch.Tensor], *,
@@ -187,15 +162,16 @@ def analyze(layers: Sequence[nn.Module], activations: Sequence[torch.Tensor], *,
     """FLOPs and nnz of every BPPSA scan step vs the per-operator FLOPs of back-propagation.
 
     Returns ``{"steps": [...], "critical_flops", "bp": [per-layer dict], "bp_total_flops",
-    "bp_max_flops"}``; a BP operator costs ``2 nnz(J_i^T)`` (its VJP as a sparse
+    "bp_max_flops"}`` (``steps`` and ``critical_flops`` as in :func:`backward`'s
+    ``Solution.stats``); a BP operator costs ``2 nnz(J_i^T)`` (its VJP as a sparse
     matrix-vector product) and, for convolutions and linear layers, also its dense FLOPs
     (``drop_zero_weights`` as in :func:`backward`).
     """
-    stats = ScanStats()
+    start = time.perf_counter()
     with torch.no_grad():
         x_out = layers[-1](activations[-1][None])[0]
     jts = _jacobians(layers, activations, drop_zero_weights)
-    _scan_backward(layers, activations, jts, torch.ones_like(x_out), levels, stats)
+    _, sol = _scan_backward(layers, activations, jts, torch.ones_like(x_out), levels, start)
     bp = []
     for layer, a, jt in zip(layers, activations, jts, strict=True):
         sparse_flops = 2 * _nnz(jt)
@@ -209,6 +185,6 @@ def analyze(layers: Sequence[nn.Module], activations: Sequence[torch.Tensor], *,
             dense = 2 * layer.in_features * layer.out_features
         bp.append({"layer": type(layer).__name__, "nnz": _nnz(jt), "sparse_flops": sparse_flops,
                    "dense_flops": dense if dense is not None else sparse_flops})
-    return {"steps": stats.steps, "critical_flops": stats.critical_flops, "bp": bp,
+    return {"steps": sol.stats["steps"], "critical_flops": sol.stats["critical_flops"], "bp": bp,
             "bp_total_flops": sum(b["sparse_flops"] for b in bp),
             "bp_max_flops": max(b["sparse_flops"] for b in bp)}
