@@ -162,8 +162,8 @@ def test_forward_iteration_cap_reports_non_convergence():
     net = make_mlp([4, 8, 8, 8, 8, 8, 3], "tanh", seed=4)
     x = torch.randn(5, 4, dtype=torch.float64)
     old = activation_points(net, torch.randn(5, 4, dtype=torch.float64))  # another input
-    with pytest.raises(ConvergenceError, match=r"mlp_forward did not reach the fixed point "
-                       r"within max_iters=1"):
+    with pytest.raises(ConvergenceError, match=r"mlp_forward: method='cyclic_reduction' did not "
+                       r"converge within max_iters=1"):
         mlp_forward(net, x, points=old, max_iters=1)
     sol = mlp_forward(net, x, points=old, max_iters=1, throw=False)
     assert not sol.converged and sol.iterations == 1
