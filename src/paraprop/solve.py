@@ -56,7 +56,8 @@ def solve(
             solvers then compute just those positions. Optionally also
             ``window(x, start, stop, cache)`` returning ``(values, cache)`` for the positions
             ``[start, stop)`` given that the positions ``< start`` are final (the cached-prefix
-            protocol used by :class:`~paraprop.solvers.SlidingJacobi`).
+            protocol used by :class:`~paraprop.solvers.SlidingJacobi` and
+            :class:`~paraprop.solvers.GSJacobi`).
         x0: the initial guess (finite values; zeros are typical). Dims before ``dim`` are
             independent samples, each stopping on its own; dims after ``dim`` are the values of
             one position. The solution does not depend on ``x0``, so no gradient flows to it.

@@ -46,8 +46,8 @@ def sample(model, n: int, *, method="jacobi", tol: float = 1e-5, noise=None,
         noise: the noise to use (shape ``model.noise_shape(n)``); drawn with ``generator`` if
             ``None``. The same noise gives the same sample with every method.
         generator: random generator for the noise.
-        max_iters: iteration cap (default: the method's exactness bound); for the PixelCNN's
-            ``gs_jacobi`` a cap on the sweeps of each window. ``"fixed_passes"`` and
+        max_iters: iteration cap (default: the method's exactness bound; for ``gs_jacobi`` the
+            sweeps of all blocks together). ``"fixed_passes"`` and
             ``"sequential_cached"`` refuse it (``ValueError``).
         throw: raise :class:`paraprop.ConvergenceError` (its ``.solution`` holds the result)
             if ``max_iters`` stops the solve first; ``False`` returns the unconverged Solution.
