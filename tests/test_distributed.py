@@ -17,6 +17,7 @@ from paraprop.distributed import (
     partitioned_forward,
     spawn,
 )
+from paraprop.distributed.layer_parallel import _describe
 from paraprop.multigrid import ParallelResidualStack
 from paraprop.multigrid.examples import mlp_blocks
 
@@ -42,7 +43,8 @@ def _compare(rank, configs):
         h = 1.5 / depth
         a, b = layer_range(depth, sizes)
         stack = LayerParallelStack(blocks[a:b], h, depth=depth, sizes=sizes, levels=levels,
-                                   coarsening=c, relax=relax, max_cycles=cycles, timeout=30)
+                                   coarsening=c, relax=relax, max_iters=cycles, tol=None,
+                                   timeout=30)
         xin = x.clone().requires_grad_(True)
         y = stack(x if rank else xin)
         if stack.is_last:
@@ -51,7 +53,7 @@ def _compare(rank, configs):
             y.backward(torch.zeros_like(y))
         # separate copies: the reference's gradients must not land on (or wipe) the stack's
         one = ParallelResidualStack(copy.deepcopy(blocks), h, levels=levels, coarsening=c,
-                                    relax=relax, max_cycles=cycles)
+                                    relax=relax, max_iters=cycles, tol=None)
         xr = x.clone().requires_grad_(True)
         yr = one(xr)
         (yr ** 2).sum().backward()
@@ -65,9 +67,9 @@ def _compare(rank, configs):
             "grads": max(_rel(g, r) for g, r in zip(mine, ref, strict=True)),
             "gx": _rel(xin.grad, xr.grad) if rank == 0 else 0.0,
             "partitioned": _rel(part, one.serial_forward(x)) if stack.is_last else 0.0,
-            "residuals": stack.last_stats["forward"]["residuals"],
-            "ref_residuals": one.last_stats["forward"]["residuals"],
-            "messages": stack.last_stats["forward"]["messages"],
+            "residuals": stack.last_stats["forward"].residuals.tolist(),
+            "ref_residuals": one.last_stats["forward"].residuals.tolist(),
+            "messages": stack.last_stats["forward"].stats["messages"],
         })
     try:
         LayerParallelStack(mlp_blocks(3, 5), 0.1, depth=16)
@@ -85,7 +87,7 @@ def _reused_blocks(rank):
     x = torch.randn(2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     a, b = layer_range(depth, [9, 11])
     stack = LayerParallelStack(blocks[a:b], h, depth=depth, sizes=[9, 11], coarsening=2,
-                               max_cycles=None, timeout=30)
+                               max_iters=None, tol=None, timeout=30)
     y = stack(x)
     y.backward(2 * y if stack.is_last else torch.zeros_like(y))  # loss: sum(u_N ** 2)
     mine = []
@@ -95,7 +97,7 @@ def _reused_blocks(rank):
         mine.append(g)
     ref_base = copy.deepcopy(base)
     one = ParallelResidualStack([ref_base[i % 3] for i in range(depth)], h, coarsening=2,
-                                max_cycles=None)
+                                max_iters=None, tol=None)
     one(x).square().sum().backward()
     ref = [p.grad for blk in ref_base for p in blk.parameters()]
     return max(_rel(g, r) for g, r in zip(mine, ref, strict=True))
@@ -136,7 +138,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     assert len(record["times"]["mgrit"]) == 1 and record["link"]["latency_s"] > 0
     y = torch.load(out + ".pt")
     one = ParallelResidualStack(mlp_blocks(32, 4, kind="iid", seed=0), 1 / 32, levels=2,
-                                max_cycles=2)
+                                max_iters=2, tol=None)
     with torch.no_grad():
         ref = one(torch.randn(2, 4, generator=torch.Generator().manual_seed(1)))
     assert _rel(y, ref) <= 1e-6
@@ -148,8 +150,11 @@ def _peer_fails(rank, mode):
     if rank == 1:
         if mode == "dies":
             os._exit(1)
-        # join the input broadcast, then never send a C-point
-        torch.distributed.broadcast(torch.zeros(2, 3, dtype=torch.float64), 0)
+        # join the input check and the input broadcast, then never send a C-point
+        x = torch.zeros(2, 3, dtype=torch.float64)
+        desc = _describe(x, False)
+        torch.distributed.all_gather([torch.empty_like(desc) for _ in range(2)], desc)
+        torch.distributed.broadcast(x, 0)
         time.sleep(2.5)
         os._exit(0)
     stack = LayerParallelStack(blocks[:8], 0.1, depth=16, timeout=1)
@@ -200,7 +205,7 @@ def test_distlink_timeout_is_checked_first(timeout):
     ({"relax": "C"}, ValueError, r"relax must be one of \('F', 'FCF'\), got 'C'"),
     ({"backward": "exact"}, ValueError,
      r"backward must be one of \('adjoint', 'serial'\), got 'exact'"),
-    ({"max_cycles": 0}, ValueError, "max_cycles must be an int >= 1 or None, got 0"),
+    ({"max_iters": 0}, ValueError, "max_iters must be an int >= 1 or None, got 0"),
     ({"tol": -1.0}, ValueError, "tol must be None or a number >= 0, got -1.0"),
     ({"c_weight": 2.5}, ValueError, r"c_weight must be a number in \(0, 2\], got 2.5"),
     ({"timeout": 0}, ValueError, "timeout must be a number of seconds > 0, got 0"),

@@ -8,6 +8,7 @@ from paraprop.multigrid import (
     AdjointStepper,
     ForwardStepper,
     Hierarchy,
+    UncheckedResultWarning,
     mgrit,
     residual_norm,
     split_layers,
@@ -50,12 +51,12 @@ def test_converged_mgrit_equals_serial(depth, levels, c, relax, mode):
     h = 2.0 / depth
     hier = Hierarchy.build(depth, levels=levels, coarsening=c)
     res = mgrit(ForwardStepper(blocks, batched=mode != "loop"), x, hier, h, relax=relax,
-                max_cycles=hier.exact_cycles(), tol=TOL[dtype][1])
+                max_iters=hier.exact_cycles(), tol=TOL[dtype][1])
     ref = serial_states(blocks, x, h)
     assert res.converged and res.residuals[-1] <= TOL[dtype][1]
-    assert rel_err(res.states, ref) <= TOL[dtype][0]
+    assert rel_err(res.value, ref) <= TOL[dtype][0]
     # the recorded residual is the residual of the returned states
-    assert residual_norm(ForwardStepper(blocks), res.states, h, x) <= 10 * TOL[dtype][1]
+    assert residual_norm(ForwardStepper(blocks), res.value, h, x) <= 10 * TOL[dtype][1]
 
 
 @pytest.mark.parametrize("depth,levels,c,relax", [(21, 2, 4, "FCF"), (30, 3, 3, "F")])
@@ -65,18 +66,18 @@ def test_exact_after_the_cycle_bound_without_tol(depth, levels, c, relax):
     x = torch.randn(2, 4, dtype=torch.float64)
     hier = Hierarchy.build(depth, levels=levels, coarsening=c)
     res = mgrit(ForwardStepper(blocks), x, hier, 1.0 / depth, relax=relax,
-                max_cycles=hier.exact_cycles())
-    assert res.cycles == hier.exact_cycles() == depth // c
-    assert rel_err(res.states, serial_states(blocks, x, 1.0 / depth)) <= 1e-12
+                max_iters=hier.exact_cycles(), tol=None)
+    assert res.iterations == hier.exact_cycles() == depth // c
+    assert rel_err(res.value, serial_states(blocks, x, 1.0 / depth)) <= 1e-12
 
 
 def test_float32_converges_to_serial():
     blocks = mlp_blocks(40, 8, seed=2)
     x = torch.randn(4, 8)
     hier = Hierarchy.build(40, levels=3, coarsening=3)
-    res = mgrit(ForwardStepper(blocks), x, hier, 0.05, max_cycles=20, tol=TOL[torch.float32][1])
+    res = mgrit(ForwardStepper(blocks), x, hier, 0.05, max_iters=20, tol=TOL[torch.float32][1])
     assert res.converged
-    assert rel_err(res.states, serial_states(blocks, x, 0.05)) <= TOL[torch.float32][0]
+    assert rel_err(res.value, serial_states(blocks, x, 0.05)) <= TOL[torch.float32][0]
 
 
 def test_zero_residual_from_the_serial_solution():
@@ -85,33 +86,41 @@ def test_zero_residual_from_the_serial_solution():
     x = torch.randn(3, 5, dtype=torch.float64)
     ref = serial_states(blocks, x, 0.1)
     hier = Hierarchy.build(depth, levels=3, coarsening=(c, 2))
-    res = mgrit(ForwardStepper(blocks), x, hier, 0.1, init=ref[c::c], max_cycles=2)
-    assert all(r <= 1e-14 for r in res.residuals)
-    assert rel_err(res.states, ref) <= 1e-14
+    res = mgrit(ForwardStepper(blocks), x, hier, 0.1, init=ref[c::c], max_iters=2, tol=None)
+    assert all(r <= 1e-14 for r in res.residuals.tolist())
+    assert rel_err(res.value, ref) <= 1e-14
 
 
 def test_one_level_is_serial_propagation():
     blocks = mlp_blocks(13, 4, seed=5, dtype=torch.float64)
     x = torch.randn(2, 4, dtype=torch.float64)
     res = mgrit(ForwardStepper(blocks), x, Hierarchy.build(13, levels=1, coarsening=4), 0.3)
-    assert res.residuals == [] and res.cycles == 0 and res.converged
-    assert rel_err(res.states, serial_states(blocks, x, 0.3)) <= 1e-15
-    assert res.stats["evaluations"] == 13
+    assert res.residuals.tolist() == [] and res.iterations == 0 and res.converged
+    assert rel_err(res.value, serial_states(blocks, x, 0.3)) <= 1e-15
+    assert res.evaluations == 13
 
 
 def test_tol_stops_early_and_history_decreases():
     blocks = mlp_blocks(64, 8, seed=6, dtype=torch.float64)
     x = torch.randn(4, 8, dtype=torch.float64)
     hier = Hierarchy.build(64, levels=2, coarsening=4)
-    res = mgrit(ForwardStepper(blocks), x, hier, 1 / 64, max_cycles=50, tol=1e-8)
-    assert res.converged and res.cycles < 16
-    assert res.residuals[-1] <= 1e-8 < res.residuals[-2]
-    assert all(b < a for a, b in zip(res.residuals, res.residuals[1:], strict=False))
-    assert 0 < res.convergence_factor < 1
-    capped = mgrit(ForwardStepper(blocks), x, hier, 1 / 64, max_cycles=1, tol=1e-8)
-    assert capped.cycles == 1 and capped.converged is False
-    unchecked = mgrit(ForwardStepper(blocks), x, hier, 1 / 64, max_cycles=1)
-    assert unchecked.cycles == 1 and unchecked.converged is None  # tol=None: not checked
+    res = mgrit(ForwardStepper(blocks), x, hier, 1 / 64, max_iters=50, tol=1e-8)
+    assert res.converged and res.iterations < 16
+    r = res.residuals.tolist()
+    # it stops on the error estimate (not on the residual), at the first cycle where it holds
+    assert res.stats["error_estimate"] <= 1e-8
+    assert float((res.value - serial_states(blocks, x, 1 / 64)).abs().max()) <= 1e-8
+    shorter = mgrit(ForwardStepper(blocks), x, hier, 1 / 64, max_iters=res.iterations - 1,
+                    tol=1e-8, throw=False)
+    assert not shorter.converged and shorter.stats["error_estimate"] > 1e-8
+    assert all(b < a for a, b in zip(r, r[1:], strict=False))
+    assert 0 < res.stats["convergence_factor"] < 1
+    capped = mgrit(ForwardStepper(blocks), x, hier, 1 / 64, max_iters=1, tol=1e-8, throw=False)
+    assert capped.iterations == 1 and capped.converged is False
+    with pytest.warns(UncheckedResultWarning, match="not checked"):
+        unchecked = mgrit(ForwardStepper(blocks), x, hier, 1 / 64, max_iters=1, tol=None)
+    assert unchecked.iterations == 1 and unchecked.converged is False  # tol=None: not checked
+    assert unchecked.stats["checked"] is False
 
 
 def test_convergence_does_not_depend_on_depth():
@@ -121,9 +130,9 @@ def test_convergence_does_not_depend_on_depth():
     for depth in (64, 256, 1024):
         blocks = mlp_blocks(depth, 8, kind="smooth", seed=0, dtype=torch.float64)
         hier = Hierarchy.build(depth, levels=3, coarsening=4)
-        res = mgrit(ForwardStepper(blocks), x, hier, 1.0 / depth, max_cycles=15, tol=1e-9)
+        res = mgrit(ForwardStepper(blocks), x, hier, 1.0 / depth, max_iters=15, tol=1e-9)
         assert res.converged
-        cycles.append(res.cycles)
+        cycles.append(res.iterations)
     assert max(cycles) - min(cycles) <= 2, cycles
 
 
@@ -134,14 +143,14 @@ def test_mixed_architectures_and_conv_states():
     mixed = [m.double() for m in mixed]
     x = torch.randn(2, 4, dtype=torch.float64)
     st = ForwardStepper(mixed, batched=False)
-    res = mgrit(st, x, Hierarchy.build(14, levels=2, coarsening=3), 0.1, max_cycles=10,
+    res = mgrit(st, x, Hierarchy.build(14, levels=2, coarsening=3), 0.1, max_iters=10,
                 tol=1e-13)
-    assert rel_err(res.states, serial_states(mixed, x, 0.1)) <= 1e-12
+    assert rel_err(res.value, serial_states(mixed, x, 0.1)) <= 1e-12
     convs = conv_blocks(12, 3, act="tanh", dtype=torch.float64)
     img = torch.randn(2, 3, 5, 5, dtype=torch.float64)
     res = mgrit(ForwardStepper(convs), img, Hierarchy.build(12, levels=2, coarsening=4), 0.1,
-                max_cycles=10, tol=1e-13)
-    assert rel_err(res.states, serial_states(convs, img, 0.1)) <= 1e-12
+                max_iters=10, tol=1e-13)
+    assert rel_err(res.value, serial_states(convs, img, 0.1)) <= 1e-12
 
 
 @pytest.mark.parametrize("sizes,levels,c,relax", [
@@ -157,19 +166,21 @@ def test_ranks_in_threads_equal_one_process(sizes, levels, c, relax):
     blocks = mlp_blocks(depth, 5, kind="iid", seed=7, dtype=torch.float64)
     x = torch.randn(3, 5, dtype=torch.float64)
     hier = Hierarchy.build(depth, levels=levels, coarsening=c)
-    one = mgrit(ForwardStepper(blocks), x, hier, 1.5 / depth, relax=relax, max_cycles=3)
+    one = mgrit(ForwardStepper(blocks), x, hier, 1.5 / depth, relax=relax, max_iters=3,
+                tol=None)
     parts = split_layers(depth, len(sizes), sizes)
 
     def rank(r, link):
         a, b = parts[r]
         return mgrit(ForwardStepper(blocks[a:b], a), x, hier, 1.5 / depth, relax=relax,
-                     max_cycles=3, link=link, parts=parts, me=r)
+                     max_iters=3, tol=None, link=link, parts=parts, me=r)
 
     outs = run_threads(len(sizes), rank, timeout=30)
-    states = torch.cat([outs[0].states] + [o.states[1:] for o in outs[1:]])
-    assert rel_err(states, one.states) <= 1e-13
+    states = torch.cat([outs[0].value] + [o.value[1:] for o in outs[1:]])
+    assert rel_err(states, one.value) <= 1e-13
     for o in outs:
-        assert o.residuals == pytest.approx(one.residuals, rel=1e-10, abs=1e-15)
+        assert o.residuals.tolist() == pytest.approx(one.residuals.tolist(), rel=1e-10,
+                                                     abs=1e-15)
 
 
 def test_hierarchy_and_split():
@@ -226,7 +237,7 @@ def test_bad_init_shape():
 @pytest.mark.parametrize("kwargs,err,match", [
     ({"step_size": -0.1}, ValueError, "step_size must be a finite number > 0, got -0.1"),
     ({"relax": "FF"}, ValueError, "relax must be one of"),
-    ({"max_cycles": -1}, ValueError, "max_cycles must be an int >= 0, got -1"),
+    ({"max_iters": -1}, ValueError, "max_iters must be an int >= 0 or None, got -1"),
     ({"tol": float("nan")}, ValueError, "tol must be None or a number >= 0"),
     ({"c_weight": 0}, ValueError, r"c_weight must be a number in \(0, 2\], got 0"),
     ({"parts": [(0, 3), (4, 8)]}, ValueError, "must be contiguous non-empty ranges"),
@@ -259,14 +270,15 @@ def test_gradients_accumulated_in_the_final_relaxation(mode, levels, c, relax, c
     def stepper():
         return AdjointStepper(blocks, 0, depth, states, batched=mode != "loop")
 
-    res = mgrit(stepper(), g, hier, h, relax=relax, max_cycles=cycles, collect=True)
-    assert res.parameter_grads is not None and len(res.parameter_grads) == depth
-    ref = stepper().parameter_grads(res.states[:-1].flip(0), h)
-    for got, want in zip(res.parameter_grads, ref, strict=True):
+    res = mgrit(stepper(), g, hier, h, relax=relax, max_iters=cycles, tol=None, collect=True)
+    grads = res.stats["parameter_grads"]
+    assert grads is not None and len(grads) == depth
+    ref = stepper().parameter_grads(res.value[:-1].flip(0), h)
+    for got, want in zip(grads, ref, strict=True):
         for k in want:
             assert float((got[k] - want[k]).abs().max()) <= 1e-13
-    with_tol = mgrit(stepper(), g, hier, h, max_cycles=2, tol=1e-3, collect=True)
-    assert (with_tol.parameter_grads is None) == (levels > 1)  # not known to be final
+    with_tol = mgrit(stepper(), g, hier, h, max_iters=2, tol=1e-3, throw=False, collect=True)
+    assert (with_tol.stats["parameter_grads"] is None) == (levels > 1)  # not known to be final
 
 
 def test_threads_check_message_tags():

@@ -26,7 +26,7 @@ def test_one_worker_costs_the_solvers_work(concurrency):
     when every batched call costs one layer)."""
     depth, hier = 96, Hierarchy.build(96, levels=3, coarsening=4)
     st = ForwardStepper(mlp_blocks(depth, 3))
-    mgrit(st, torch.randn(2, 3), hier, 0.01, max_cycles=2)
+    mgrit(st, torch.randn(2, 3), hier, 0.01, max_iters=2, tol=None)
     model = dataclasses.replace(MODEL, concurrency=concurrency)
     r = simulate(depth, 1, model, levels=3, coarsening=4, cycles=2, training=False)
     work = st.counts.evaluations if concurrency == 1 else st.counts.calls

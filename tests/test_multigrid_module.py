@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from paraprop.multigrid import ParallelResidualStack
+from paraprop.multigrid import ParallelResidualStack, UncheckedResultWarning
 from paraprop.multigrid.examples import ConvBlock, conv_blocks, mlp_blocks
 
 
@@ -36,7 +36,7 @@ def test_converged_gradients_equal_autograd(depth, levels, c, relax, backward, b
                         fast=fast)
     h = 1.5 / depth
     net = ParallelResidualStack(blocks, h, coarsening=c, levels=levels, relax=relax,
-                                max_cycles=None, tol=1e-14, backward=backward, batched=batched)
+                                max_iters=None, tol=1e-14, backward=backward, batched=batched)
     x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
     params = [x, *net.parameters()]
     g_mg = grads_of(lambda: loss_of(net(x)), params)
@@ -44,16 +44,16 @@ def test_converged_gradients_equal_autograd(depth, levels, c, relax, backward, b
     for a, b in zip(g_mg, g_ref, strict=True):
         assert float((a - b).norm() / b.norm()) <= 1e-10
     st = net.last_stats
-    assert st["forward"]["converged"] and st["forward"]["residuals"][-1] <= 1e-14
+    assert st["forward"].converged and st["forward"].residuals[-1] <= 1e-14
     if backward == "adjoint":
-        assert st["backward"]["converged"] and st["backward"]["cycles"] >= 1
+        assert st["backward"].converged and st["backward"].iterations >= 1
     else:
-        assert st["backward"]["cycles"] == 0
+        assert st["backward"].iterations == 0
 
 
 def test_gradcheck_float64():
     blocks = mlp_blocks(8, 3, kind="iid", seed=1, dtype=torch.float64)
-    net = ParallelResidualStack(blocks, 0.2, coarsening=2, levels=3, max_cycles=None, tol=0)
+    net = ParallelResidualStack(blocks, 0.2, coarsening=2, levels=3, max_iters=None, tol=0)
     x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
     w = blocks[3].linear.weight
     assert torch.autograd.gradcheck(lambda x, w: net(x), (x, w), eps=1e-6, atol=1e-8)
@@ -61,7 +61,7 @@ def test_gradcheck_float64():
 
 def test_conv_stack_gradients():
     blocks = conv_blocks(12, 2, act="tanh", seed=3, dtype=torch.float64)
-    net = ParallelResidualStack(blocks, 0.1, coarsening=4, levels=2, max_cycles=None, tol=1e-14)
+    net = ParallelResidualStack(blocks, 0.1, coarsening=4, levels=2, max_iters=None, tol=1e-14)
     x = torch.randn(2, 2, 5, 5, dtype=torch.float64, requires_grad=True)
     params = [x, *net.parameters()]
     g_mg = grads_of(lambda: loss_of(net(x)), params)
@@ -72,12 +72,13 @@ def test_conv_stack_gradients():
 
 def test_eval_with_enough_cycles_equals_serial_network():
     blocks = mlp_blocks(37, 6, seed=2, dtype=torch.float64)
-    net = ParallelResidualStack(blocks, 1 / 37, coarsening=3, levels=3, max_cycles=None).eval()
+    net = ParallelResidualStack(blocks, 1 / 37, coarsening=3, levels=3, max_iters=None,
+                                tol=None).eval()
     x = torch.randn(3, 6, dtype=torch.float64)
     with torch.no_grad():
         y = net(x)
     assert float((y - net.serial_forward(x)).abs().max()) <= 1e-13
-    assert net.last_stats["forward"]["cycles"] == 37 // 3
+    assert net.last_stats["forward"].iterations == 37 // 3
 
 
 def test_one_level_is_the_serial_network():
@@ -86,33 +87,34 @@ def test_one_level_is_the_serial_network():
     x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
     y = net(x)
     assert float((y - serial_net(blocks, x, 0.3)).detach().abs().max()) <= 1e-15
-    assert net.last_stats["forward"]["residuals"] == []
+    assert net.last_stats["forward"].residuals.tolist() == []
 
 
 def test_two_cycles_are_approximate_and_recorded():
     blocks = mlp_blocks(64, 8, seed=5)
-    net = ParallelResidualStack(blocks, 1 / 64)  # the defaults: c=4, 2 levels, FCF, 2 cycles
+    # the old defaults (c=4, 2 levels, FCF, 2 cycles), now explicit: 2 cycles, not checked
+    net = ParallelResidualStack(blocks, 1 / 64, max_iters=2, tol=None)
     x = torch.randn(5, 8)
     y = net(x)
     st = net.last_stats["forward"]
-    assert st["cycles"] == 2 and len(st["residuals"]) == 3
-    assert st["residuals"][2] < st["residuals"][1] < st["residuals"][0]
-    assert st["evaluations"] > 64 and st["time_s"] >= 0
+    assert st.iterations == 2 and len(st.residuals) == 3
+    assert st.residuals[2] < st.residuals[1] < st.residuals[0]
+    assert st.evaluations > 64 and st.stats["time_s"] >= 0
     err = float((y.detach() - net.serial_forward(x)).abs().max())
     assert 0 < err < 1e-3
 
 
 def test_warm_start_reuses_the_previous_solution():
     blocks = mlp_blocks(32, 4, seed=6, dtype=torch.float64)
-    net = ParallelResidualStack(blocks, 1 / 32, max_cycles=6, warm_start=True)
+    net = ParallelResidualStack(blocks, 1 / 32, max_iters=6, tol=None, warm_start=True)
     x = torch.randn(3, 4, dtype=torch.float64)
     net(x)
-    first = net.last_stats["forward"]["residuals"]
+    first = net.last_stats["forward"].residuals.tolist()
     net(x)
-    second = net.last_stats["forward"]["residuals"]
+    second = net.last_stats["forward"].residuals.tolist()
     assert second[0] <= first[-1] * 1.0001 < first[0]
     net(torch.randn(7, 4, dtype=torch.float64))  # another shape: a cold start
-    assert net.last_stats["forward"]["residuals"][0] > second[0]
+    assert net.last_stats["forward"].residuals[0] > second[0]
 
 
 def test_training_step_changes_parameters_like_serial():
@@ -122,7 +124,7 @@ def test_training_step_changes_parameters_like_serial():
     nets = []
     for mode in ("mg", "serial"):
         blocks = mlp_blocks(16, 5, seed=7, dtype=torch.float64)
-        net = ParallelResidualStack(blocks, 1 / 16, max_cycles=None, tol=1e-14)
+        net = ParallelResidualStack(blocks, 1 / 16, max_iters=None, tol=1e-14)
         opt = torch.optim.SGD(net.parameters(), lr=0.5)
         y = net(x) if mode == "mg" else serial_net(net.blocks, x, 1 / 16)
         ((y - target) ** 2).mean().backward()
@@ -137,7 +139,7 @@ def test_training_step_changes_parameters_like_serial():
     ({"coarsening": 1}, ValueError, "coarsening must be >= 2"),
     ({"levels": 4}, ValueError, "needs at least 64 layers, got 10"),
     ({"relax": "CF"}, ValueError, "relax must be one of"),
-    ({"max_cycles": 0}, ValueError, "max_cycles must be an int >= 1 or None, got 0"),
+    ({"max_iters": 0}, ValueError, "max_iters must be an int >= 1 or None, got 0"),
     ({"tol": -1.0}, ValueError, "tol must be None or a number >= 0"),
     ({"backward": "exact"}, ValueError, "backward must be one of"),
     ({"c_weight": 3.0}, ValueError, r"c_weight must be a number in \(0, 2\]"),
@@ -173,7 +175,7 @@ def test_frozen_parameters_and_input_only_gradients():
     blocks = mlp_blocks(12, 4, kind="iid", seed=8, dtype=torch.float64)
     for b in blocks[::2]:
         b.linear.bias.requires_grad_(False)
-    net = ParallelResidualStack(blocks, 0.1, coarsening=3, max_cycles=None, tol=1e-14)
+    net = ParallelResidualStack(blocks, 0.1, coarsening=3, max_iters=None, tol=1e-14)
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     trainable = [p for p in net.parameters() if p.requires_grad]
     assert len(trainable) == 18
@@ -200,7 +202,7 @@ def test_reused_blocks_sum_their_gradients(batched, backward, tol):
     base = mlp_blocks(4, 5, kind="iid", gain=1.5, seed=11, dtype=torch.float64)
     base[3].linear.weight = base[2].linear.weight  # one parameter in two blocks
     blocks = [base[i % 4] for i in range(18)]
-    net = ParallelResidualStack(blocks, 0.08, coarsening=3, levels=2, max_cycles=None, tol=tol,
+    net = ParallelResidualStack(blocks, 0.08, coarsening=3, levels=2, max_iters=None, tol=tol,
                                 backward=backward, batched=batched)
     x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
     params = [x, *net.parameters()]
@@ -216,11 +218,14 @@ def test_reused_blocks_sum_their_gradients(batched, backward, tol):
 
 
 def test_converged_is_not_checked_without_tol():
-    net = ParallelResidualStack(mlp_blocks(16, 3), 0.1, max_cycles=1)
+    with pytest.warns(UncheckedResultWarning, match="not checked"):
+        net = ParallelResidualStack(mlp_blocks(16, 3), 0.1, max_iters=1, tol=None)
     with torch.no_grad():
         net(torch.randn(2, 3))
-    assert net.last_stats["forward"]["converged"] is None
-    net = ParallelResidualStack(mlp_blocks(16, 3), 0.1, max_cycles=1, tol=1e-30)
+    assert net.last_stats["forward"].converged is False
+    assert net.last_stats["forward"].stats["checked"] is False
+    net = ParallelResidualStack(mlp_blocks(16, 3), 0.1, max_iters=1, tol=1e-30, throw=False)
     with torch.no_grad():
         net(torch.randn(2, 3))
-    assert net.last_stats["forward"]["converged"] is False
+    assert net.last_stats["forward"].converged is False
+    assert net.last_stats["forward"].stats["checked"] is True

@@ -51,20 +51,20 @@ def run(out_dir: Path, *, quick: bool = False) -> dict:
     for levels in (2, 3):
         res = mgrit(ForwardStepper(blocks), x, Hierarchy.build(depth, levels=levels,
                                                                coarsening=4),
-                    h, max_cycles=12, tol=1e-12)
-        rows.append({"case": f"forward, {levels} levels, c=4, FCF", "cycles": res.cycles,
-                     "residual": res.residuals[-1],
-                     "max_abs_err": float((res.states[-1] - ref).abs().max()),
+                    h, max_iters=12, tol=1e-12)
+        rows.append({"case": f"forward, {levels} levels, c=4, FCF", "cycles": res.iterations,
+                     "residual": float(res.residuals[-1]),
+                     "max_abs_err": float((res.value[-1] - ref).abs().max()),
                      "note": "residual per cycle " + ", ".join(
-                         f"{r:.0e}" for r in res.residuals[:6])})
+                         f"{r:.0e}" for r in res.residuals[:6].tolist())})
     # 2. the module: 2 cycles (approximate) and converged, with gradients
     xg = x.clone().requires_grad_(True)
     with torch.enable_grad():
         ref_out = _serial(blocks, xg, h)
         ref_grads = torch.autograd.grad(ref_out.square().sum(),
                                         [xg, *blocks[0].parameters()])
-    for label, kw in (("2 cycles", {"max_cycles": 2}),
-                      ("to tol 1e-12", {"max_cycles": 20, "tol": 1e-12})):
+    for label, kw in (("2 cycles", {"max_iters": 2, "tol": None}),
+                      ("to tol 1e-12", {"max_iters": 20, "tol": 1e-12})):
         net = ParallelResidualStack(blocks, h, levels=3, **kw)
         with torch.enable_grad():
             y = net(xg)
@@ -73,26 +73,26 @@ def run(out_dir: Path, *, quick: bool = False) -> dict:
                                                                     strict=True))
         st = net.last_stats
         rows.append({"case": f"ParallelResidualStack, {label}",
-                     "cycles": st["forward"]["cycles"],
-                     "residual": st["forward"]["residuals"][-1],
+                     "cycles": st["forward"].iterations,
+                     "residual": float(st["forward"].residuals[-1]),
                      "max_abs_err": float((y.detach() - ref).abs().max()),
-                     "note": f"adjoint: {st['backward']['cycles']} cycles; gradients rel. err "
+                     "note": f"adjoint: {st['backward'].iterations} cycles; gradients rel. err "
                              f"{gerr:.1e}"})
     # 3. three ranks (threads), uneven split, against one process
     hier = Hierarchy.build(depth, levels=3, coarsening=4)
     parts = split_layers(depth, 3, [depth // 2 + 5, depth // 4, depth - depth // 2 - 5
                                     - depth // 4])
-    one = mgrit(ForwardStepper(blocks), x, hier, h, max_cycles=3)
+    one = mgrit(ForwardStepper(blocks), x, hier, h, max_iters=3, tol=None)
 
     def rank(r, link):
         a, b = parts[r]
-        return mgrit(ForwardStepper(blocks[a:b], a), x, hier, h, max_cycles=3, link=link,
-                     parts=parts, me=r)
+        return mgrit(ForwardStepper(blocks[a:b], a), x, hier, h, max_iters=3, tol=None,
+                     link=link, parts=parts, me=r)
 
     outs = run_threads(3, rank)
-    diff = float((outs[-1].states[-1] - one.states[-1]).abs().max())
+    diff = float((outs[-1].value[-1] - one.value[-1]).abs().max())
     rows.append({"case": f"3 ranks {[b - a for a, b in parts]} layers, 3 cycles",
-                 "cycles": outs[0].cycles, "residual": outs[0].residuals[-1],
+                 "cycles": outs[0].iterations, "residual": float(outs[0].residuals[-1]),
                  "max_abs_err": diff, "note": "max |3 ranks - one process| (same iterates)"})
     # 4. the cost model
     m = CostModel(forward_s=1e-3, adjoint_s=2e-3, param_grad_s=2e-3, backprop_s=2e-3,

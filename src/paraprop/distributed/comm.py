@@ -2,7 +2,8 @@
 
 :class:`DistLink` implements the :class:`paraprop.multigrid.mgrit.Link` protocol: non-blocking
 sends (``isend`` of a private copy, completed at :meth:`DistLink.flush`), receives that wait at
-most ``timeout`` seconds, and the all-reduce of the residual norm. With the gloo backend, a peer
+most ``timeout`` seconds, and the all-reduce of the residual norm (with the largest change of
+the iterate, for the stopping rule). With the gloo backend, a peer
 that died or hangs makes the waiting rank raise :class:`PeerError` naming the peer, the
 operation and the time waited, instead of blocking forever (the tests check this).
 
@@ -101,10 +102,13 @@ class DistLink:
         self.wait_s += time.perf_counter() - t0
         return buf.to(like.device)
 
-    def sum(self, value: float) -> float:
+    def sum(self, value: float | list[float]) -> float | list[float]:
+        """The sum over the ranks of ``value``: a float, or elementwise a list of floats (one
+        all-reduce either way)."""
+        many = isinstance(value, list | tuple)
         if len(self.ranks) == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
+            return list(value) if many else value
+        t = torch.tensor(list(value) if many else [value], dtype=torch.float64)
         if not self._cpu:
             t = t.to(torch.device("cuda", torch.cuda.current_device()))
         t0 = time.perf_counter()
@@ -113,7 +117,7 @@ class DistLink:
         except RuntimeError as e:
             raise self._fail("all-reduce", None, e) from None
         self.wait_s += time.perf_counter() - t0
-        return float(t)
+        return t.tolist() if many else float(t)
 
     def flush(self) -> None:
         pending, self._pending = self._pending, []

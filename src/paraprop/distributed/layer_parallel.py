@@ -8,6 +8,10 @@ all-reduce of the residual norm per cycle; every rank runs the single-process al
 control flow, so the result equals the single-process run up to rounding (Kirby et al. 2020,
 §3; Günther et al. 2020 for layer-parallel training with XBraid).
 
+Every forward first compares the input's shape and dtype across the ranks (one small
+all-gather): a mismatch raises :class:`~paraprop.distributed.PeerError` on every rank, naming
+each rank's shape, instead of exchanging buffers of different sizes.
+
 The backward pass is the adjoint MGRIT solve over the same ranks in reverse order; each rank
 gets the parameter gradients of its own layers (accumulated in the final relaxation with
 ``tol=None``, else by a separate sweep); nothing but boundary values crosses ranks.
@@ -18,6 +22,7 @@ activation through them serially: rank ``r`` waits for rank ``r - 1``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import time
 from collections.abc import Sequence
@@ -28,14 +33,18 @@ from torch import nn
 
 from paraprop.distributed.comm import DEFAULT_TIMEOUT_S, DistLink, PeerError, check_timeout
 from paraprop.multigrid.common import (
+    DEFAULT_TOL,
     as_coarsening,
+    check_block_modes,
     check_blocks,
+    check_input,
     check_settings,
     resolve_batched,
     solve_through,
+    warn_unchecked,
 )
 from paraprop.multigrid.hierarchy import Hierarchy, split_layers
-from paraprop.multigrid.mgrit import mgrit
+from paraprop.multigrid.mgrit import run_mgrit
 from paraprop.multigrid.params import BlockParams
 from paraprop.multigrid.steps import AdjointStepper, ForwardStepper
 
@@ -46,13 +55,26 @@ def layer_range(depth: int, sizes: Sequence[int] | None = None, *, rank: int | N
                 world: int | None = None) -> tuple[int, int]:
     """This rank's layers ``[a, b)`` of a ``depth``-layer stack (even split unless ``sizes``).
 
+    Arguments:
+        depth: the number of layers.
+        sizes: layers per rank (``None``: as even as possible).
+        rank, world: this rank and the number of ranks (``None``: from the initialised
+            process group).
+
+    Raises:
+        ValueError: ``rank`` outside ``0 .. world - 1``, or bad sizes.
+
     Example:
         >>> layer_range(10, [3, 7], rank=1, world=2)
         (3, 10)
     """
     rank = dist.get_rank() if rank is None else rank
     world = dist.get_world_size() if world is None else world
-    return split_layers(depth, world, list(sizes) if sizes is not None else None)[rank]
+    parts = split_layers(depth, world, list(sizes) if sizes is not None else None)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank must be an int in 0 .. {world - 1} (world={world}), "
+                         f"got {rank!r}")
+    return parts[rank]
 
 
 class LayerParallelStack(nn.Module):
@@ -72,8 +94,11 @@ class LayerParallelStack(nn.Module):
         step_size: ``h > 0``.
         depth: ``N``, the number of layers over all ranks.
         sizes: layers per rank (``None``: even split); the same on every rank.
-        coarsening, levels, relax, max_cycles, tol, c_weight, batched: as for
-            :class:`paraprop.multigrid.ParallelResidualStack` (``max_cycles=None``: ``N // c``).
+        coarsening, levels, relax, max_iters, tol, throw, c_weight, batched: as for
+            :class:`paraprop.multigrid.ParallelResidualStack` (``max_iters=None``: the
+            exactness bound ``N // c``; ``tol`` bounds the estimated error, reduced over all
+            ranks, so every rank stops after the same cycle; ``tol=None``: a fixed number of
+            cycles, not checked).
         backward: ``"adjoint"`` (MGRIT on the adjoint across ranks) or ``"serial"`` (the
             adjoint propagated serially through the ranks).
         timeout: seconds any rank waits for a message before raising
@@ -82,15 +107,22 @@ class LayerParallelStack(nn.Module):
         group: the process group (``None``: the default group).
 
     Attributes:
-        last_stats: ``{"forward": ..., "backward": ...}``: residual history, cycles,
-            ``messages`` and ``bytes`` sent by this rank, ``wait_s`` (time blocked waiting for
-            peers), ``time_s``.
+        last_stats: ``{"forward": Solution, "backward": Solution}``: this rank's
+            :class:`paraprop.Solution` of the latest solves (``value``: this rank's last
+            point; ``iterations``, ``converged``, ``residuals`` are the same on every rank);
+            ``stats`` adds ``messages`` and ``bytes`` sent by this rank, ``wait_s`` (time
+            blocked waiting for peers) and ``time_s``.
 
     Raises:
         ValueError / TypeError: bad arguments (checked before the process group), or a block
-            count that does not match this rank's share of ``depth``.
+            count that does not match this rank's share of ``depth``; in forward, an input
+            whose dtype or device differs from this rank's blocks', or a block in training mode
+            with BatchNorm or dropout.
         RuntimeError: ``torch.distributed`` is not initialised.
-        PeerError: (in forward/backward) a peer rank died or hangs.
+        PeerError: (in forward/backward) a peer rank died or hangs, or (in forward, on every
+            rank) the ranks passed inputs of different shapes or dtypes.
+        paraprop.ConvergenceError: ``tol`` not reached in ``max_iters`` cycles (``throw=True``;
+            on every rank).
 
     Example (under ``torchrun --nproc_per_node=2``)::
 
@@ -102,12 +134,13 @@ class LayerParallelStack(nn.Module):
 
     def __init__(self, blocks: Sequence[nn.Module], step_size: float, *, depth: int,
                  sizes: Sequence[int] | None = None, coarsening: int | Sequence[int] = 4,
-                 levels: int = 2, relax: str = "FCF", max_cycles: int | None = 2,
-                 tol: float | None = None, c_weight: float = 1.0, backward: str = "adjoint",
-                 timeout: float = DEFAULT_TIMEOUT_S, group=None, batched: bool | None = None):
+                 levels: int = 2, relax: str = "FCF", max_iters: int | None = None,
+                 tol: float | None = DEFAULT_TOL, throw: bool = True, c_weight: float = 1.0,
+                 backward: str = "adjoint", timeout: float = DEFAULT_TIMEOUT_S, group=None,
+                 batched: bool | None = None):
         super().__init__()
         blocks = check_blocks(blocks)
-        check_settings(step_size=step_size, relax=relax, max_cycles=max_cycles, tol=tol,
+        check_settings(step_size=step_size, relax=relax, max_iters=max_iters, tol=tol,
                        c_weight=c_weight, backward=backward)
         check_timeout(timeout)
         batched = resolve_batched(blocks, batched)
@@ -129,11 +162,14 @@ class LayerParallelStack(nn.Module):
         self.batched = batched
         self.blocks = nn.ModuleList(blocks)
         self.depth, self.step_size = depth, float(step_size)
-        self.relax, self.max_cycles, self.tol = relax, max_cycles, tol
+        self.relax, self.max_iters, self.tol, self.throw = relax, max_iters, tol, bool(throw)
         self.c_weight, self.backward_mode = float(c_weight), backward
         self.timeout = float(timeout)
         self.last_stats: dict = {}
         self._params = BlockParams(self.blocks)
+        bound = self.hierarchy.exact_cycles()
+        if tol is None and levels > 1 and max_iters is not None and max_iters < bound:
+            warn_unchecked("LayerParallelStack", max_iters, bound)
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -143,9 +179,6 @@ class LayerParallelStack(nn.Module):
     def is_last(self) -> bool:
         return self.rank == self.world - 1
 
-    def _cycles(self) -> int:
-        return self.max_cycles if self.max_cycles is not None else self.hierarchy.exact_cycles()
-
     def _apply(self, fn, *args, **kwargs):
         self._params.reset()
         return super()._apply(fn, *args, **kwargs)
@@ -153,13 +186,47 @@ class LayerParallelStack(nn.Module):
     def _stacked(self):
         return self._params.stack() if self.batched else None
 
-    def _record(self, key, res, link, t0):
-        self.last_stats[key] = {"residuals": res.residuals, "cycles": res.cycles,
-                                "converged": res.converged,
-                                "convergence_factor": res.convergence_factor,
-                                "messages": link.messages, "bytes": link.bytes,
-                                "wait_s": link.wait_s,
-                                "time_s": time.perf_counter() - t0}
+    def _record(self, key, sol, link, t0, evaluations=None):
+        stats = {k: v for k, v in sol.stats.items() if k != "parameter_grads"}
+        stats.update(messages=link.messages, bytes=link.bytes, wait_s=link.wait_s,
+                     time_s=time.perf_counter() - t0)
+        self.last_stats[key] = dataclasses.replace(
+            sol, value=sol.value[-1].clone(), stats=stats,
+            evaluations=sol.evaluations if evaluations is None else evaluations)
+
+    def _mgrit(self, stepper, x, hier, link, parts, me, what, **kw):
+        return run_mgrit(stepper, x, hier, self.step_size, relax=self.relax,
+                         max_iters=self.max_iters, tol=self.tol, throw=self.throw,
+                         c_weight=self.c_weight, link=link, parts=parts, me=me,
+                         entry=f"LayerParallelStack ({what}, rank {self.rank})", **kw)
+
+    def _check_peers(self, x: torch.Tensor, refused: bool) -> None:
+        """Every rank's input shape and dtype, and whether it refused its input, by one
+        all-gather of a fixed-size descriptor; :class:`PeerError` on every rank when the shapes
+        or dtypes differ, or on the ranks whose peers refused (so no rank waits in vain)."""
+        desc = _describe(x, refused)
+        if dist.get_backend(self.group) != "gloo":
+            desc = desc.to(torch.device("cuda", torch.cuda.current_device()))
+        got = [torch.empty_like(desc) for _ in range(self.world)]
+        try:
+            dist.all_gather(got, desc, group=self.group, async_op=True).wait(
+                _dt.timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            raise PeerError(f"rank {self.rank} (forward): the input check with the other ranks "
+                            f"failed after at most {self.timeout:g} s: a peer died or hangs "
+                            f"({str(e).splitlines()[0][:200]})") from None
+        got = [g.cpu() for g in got]
+        if refused:
+            return  # the caller raises its own error
+        others = [r for r, g in enumerate(got) if int(g[0])]
+        if others:
+            raise PeerError(f"rank {self.rank} (forward): rank(s) {others} refused their input "
+                            "or blocks (see their error); no solve was started")
+        if any(not torch.equal(g[1:], got[0][1:]) for g in got[1:]):
+            seen = "; ".join(f"rank {r}: {_show(g)}" for r, g in enumerate(got))
+            raise PeerError(f"rank {self.rank} (forward): the ranks passed inputs of different "
+                            f"shapes or dtypes ({seen}); every rank must pass x of the same "
+                            "shape and dtype (rank 0's values are used)")
 
     def _broadcast(self, t: torch.Tensor, src: int, what: str) -> torch.Tensor:
         """``t`` from rank ``src`` on every rank (the initial condition, which every rank also
@@ -181,11 +248,9 @@ class LayerParallelStack(nn.Module):
         a, _ = self.layers
         stepper = ForwardStepper(self.blocks, a, batched=self.batched, stacked=stacked)
         link = DistLink(self.ranks, timeout=self.timeout, group=self.group, what="forward")
-        res = mgrit(stepper, x, self.hierarchy, self.step_size, relax=self.relax,
-                    max_cycles=self._cycles(), tol=self.tol, c_weight=self.c_weight, link=link,
-                    parts=self.parts, me=self.rank)
-        self._record("forward", res, link, t0)
-        return res.states, stacked
+        sol = self._mgrit(stepper, x, self.hierarchy, link, self.parts, self.rank, "forward")
+        self._record("forward", sol, link, t0)
+        return sol.value, stacked
 
     def _solve_backward(self, states, stacked, grad_out, params):
         t0 = time.perf_counter()
@@ -200,26 +265,63 @@ class LayerParallelStack(nn.Module):
         hier = self.hierarchy if self.backward_mode == "adjoint" else \
             Hierarchy.build(n, levels=1, coarsening=2)
         g = self._broadcast(grad_out.to(states.dtype), self.ranks[-1], "backward")
-        res = mgrit(stepper, g, hier, self.step_size, relax=self.relax,
-                    max_cycles=self._cycles(), tol=self.tol, c_weight=self.c_weight, link=link,
-                    parts=rparts, me=me, collect=True)
-        lam = res.states
-        per_block = res.parameter_grads if res.parameter_grads is not None else \
-            stepper.parameter_grads(lam[:-1].flip(0), self.step_size)
+        sol = self._mgrit(stepper, g, hier, link, rparts, me, "backward", collect=True)
+        lam = sol.value
+        per_block = sol.stats["parameter_grads"]
+        if per_block is None:
+            per_block = stepper.parameter_grads(lam[:-1].flip(0), self.step_size)
         grads = self._params.order(per_block, params)
-        self._record("backward", res, link, t0)
+        self._record("backward", sol, link, t0, evaluations=stepper.counts.evaluations)
         gx = lam[-1] if self.rank == 0 else torch.zeros_like(lam[-1])
         return gx, grads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Collective: ``u_N`` on the last rank (same shape elsewhere, see the class notes).
 
-        ``x`` must have the same shape and dtype on every rank; rank 0's value is used.
+        ``x`` must have the same shape and dtype on every rank (checked: a mismatch raises
+        :class:`PeerError` on every rank); rank 0's value is used.
         """
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"x must be a floating-point torch.Tensor, got {type(x).__name__}")
+        try:
+            check_input(x, self._params.floating(), self.layers[0])
+            check_block_modes(self._params.stateful(), self.layers[0])
+        except (TypeError, ValueError):
+            try:
+                self._check_peers(x, refused=True)  # the others learn of it and raise too
+            except PeerError:
+                pass  # this rank's own error is the one to report
+            raise
+        self._check_peers(x, refused=False)
         params = self._params.trainable() if torch.is_grad_enabled() else []
         return solve_through(self, x, params)
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_MAX_DIMS = 16
+
+
+def _describe(x: torch.Tensor, refused: bool) -> torch.Tensor:
+    """``[refused, dtype code, ndim, *shape, 0 ...]``: a fixed-size int64 summary of ``x``
+    (``ndim`` is ``-1`` past ``_MAX_DIMS`` dimensions, which then compare by count only)."""
+    d = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64)
+    d[0] = int(refused)
+    d[1] = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
+    if x.dim() <= _MAX_DIMS:
+        d[2] = x.dim()
+        d[3 : 3 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    else:
+        d[2] = -1
+        d[3] = x.dim()
+    return d
+
+
+def _show(d: torch.Tensor) -> str:
+    code, nd = int(d[1]), int(d[2])
+    dtype = str(_DTYPES[code]) if code < len(_DTYPES) else "another dtype"
+    shape = f"a {int(d[3])}-d tensor" if nd < 0 else \
+        f"shape {tuple(int(v) for v in d[3 : 3 + nd])}"
+    return f"{shape}, {dtype}"
 
 
 def partitioned_forward(blocks: Sequence[nn.Module], x: torch.Tensor, step_size: float, *,

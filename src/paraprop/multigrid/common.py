@@ -3,27 +3,53 @@ Function whose forward and backward are MGRIT solves.
 
 Both :class:`paraprop.multigrid.ParallelResidualStack` and
 :class:`paraprop.distributed.LayerParallelStack` validate their settings here (once, at
-construction, with the same messages) and route ``forward`` through :func:`solve_through`,
-which calls the module's ``_solve_forward(x)`` and ``_solve_backward(states, stacked,
-grad_out, params)``.
+construction, with the same messages), check the input and the blocks' modes at every forward
+(:func:`check_input`, :func:`check_block_modes`) and route ``forward`` through
+:func:`solve_through`, which calls the module's ``_solve_forward(x)`` and
+``_solve_backward(states, stacked, grad_out, params)``.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from paraprop.multigrid.params import RANDOM_MODULES, stateful_modules
 from paraprop.multigrid.steps import shares_architecture
 
-__all__ = ["BACKWARD", "RELAX", "as_coarsening", "check_blocks", "check_c_weight",
-           "check_max_cycles", "check_relax", "check_settings", "check_step_size", "check_tol",
-           "resolve_batched", "solve_through"]
+__all__ = ["BACKWARD", "DEFAULT_TOL", "RELAX", "UncheckedResultWarning", "as_coarsening",
+           "check_block_modes", "check_blocks", "check_c_weight", "check_input",
+           "check_max_iters", "check_relax", "check_settings", "check_step_size", "check_tol",
+           "resolve_batched", "solve_through", "stateful_modules", "warn_unchecked"]
 
 RELAX = ("F", "FCF")
 BACKWARD = ("adjoint", "serial")
+
+#: The default ``tol`` of every MGRIT entry point: the bound on the estimated
+#: ``max |value - serial|``. The same default as :func:`paraprop.solve`; float32 states of
+#: order one carry rounding errors near ``1e-7``, two orders below it, so float32 solves reach
+#: it (float64 ones may ask for far less).
+DEFAULT_TOL = 1e-5
+
+
+class UncheckedResultWarning(UserWarning):
+    """A solve with ``tol=None`` and fewer cycles than the exactness bound: its result is not
+    checked against the serial one (``converged=False``, ``stats["checked"] = False``)."""
+
+
+def warn_unchecked(entry: str, max_iters: int, bound: int, stacklevel: int = 3) -> None:
+    """Warn that ``entry`` runs ``max_iters < bound`` cycles with ``tol=None`` (shown once per
+    call site under Python's default warning filters)."""
+    warnings.warn(
+        f"{entry}: tol=None with max_iters={max_iters} runs a fixed number of V-cycles (fewer "
+        f"than the {bound} that reproduce the serial result); the result is not checked and in "
+        "general not the serial one (converged=False, stats['checked']=False). Pass a tol to "
+        "converge to the serial result, or max_iters=None for the exactness bound",
+        UncheckedResultWarning, stacklevel=stacklevel)
 
 
 def _is_number(v) -> bool:
@@ -40,12 +66,12 @@ def check_relax(relax) -> None:
         raise ValueError(f"relax must be one of {RELAX}, got {relax!r}")
 
 
-def check_max_cycles(max_cycles, *, minimum: int, allow_none: bool) -> None:
-    if max_cycles is None and allow_none:
+def check_max_iters(max_iters, *, minimum: int) -> None:
+    """``max_iters``: an int ``>= minimum`` or ``None`` (the exactness bound)."""
+    if max_iters is None:
         return
-    if isinstance(max_cycles, bool) or not isinstance(max_cycles, int) or max_cycles < minimum:
-        raise ValueError(f"max_cycles must be an int >= {minimum}"
-                         f"{' or None' if allow_none else ''}, got {max_cycles!r}")
+    if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < minimum:
+        raise ValueError(f"max_iters must be an int >= {minimum} or None, got {max_iters!r}")
 
 
 def check_tol(tol) -> None:
@@ -58,15 +84,15 @@ def check_c_weight(c_weight) -> None:
         raise ValueError(f"c_weight must be a number in (0, 2], got {c_weight!r}")
 
 
-def check_settings(*, step_size, relax, max_cycles, tol, c_weight, backward) -> None:
-    """The settings of a residual-stack module (``max_cycles``: ``>= 1`` or ``None``).
+def check_settings(*, step_size, relax, max_iters, tol, c_weight, backward) -> None:
+    """The settings of a residual-stack module (``max_iters``: ``>= 1`` or ``None``).
 
     Raises:
         ValueError: the first bad setting, named, with its value.
     """
     check_step_size(step_size)
     check_relax(relax)
-    check_max_cycles(max_cycles, minimum=1, allow_none=True)
+    check_max_iters(max_iters, minimum=1)
     check_tol(tol)
     if backward not in BACKWARD:
         raise ValueError(f"backward must be one of {BACKWARD}, got {backward!r}")
@@ -130,3 +156,65 @@ def solve_through(module, x: torch.Tensor, params: list[torch.Tensor]) -> torch.
         return _SolveFunction.apply(module, x, *params)
     states, _ = module._solve_forward(x)
     return states[-1].clone()
+
+
+# -- checks at every forward ---------------------------------------------------------------------
+def check_block_modes(stateful: list[tuple[int, str, nn.Module]], offset: int = 0) -> None:
+    """Refuse a block with a module that would update buffers, or draw random numbers, in this
+    forward call (train mode can be switched after construction, so this runs every time).
+
+    Raises:
+        ValueError: naming the block index, the module and the remedies.
+    """
+    for i, name, m in stateful:
+        if not m.training:
+            continue
+        if isinstance(m, RANDOM_MODULES):
+            if isinstance(m, nn.modules.dropout._DropoutNd) and m.p == 0:
+                continue
+            does = ("draws new random numbers at every call, and MGRIT calls every block "
+                    "several times per solve, so no serial network computes its result")
+        else:
+            if not m.track_running_stats:
+                continue  # batch statistics only: a pure function of the state
+            does = ("updates its running statistics (buffers) at every call; MGRIT evaluates "
+                    "the block several times per solve on intermediate states (on stacked "
+                    "copies of the buffers when batched), so the statistics would not be the "
+                    "serial network's (or would never be updated)")
+        where = f"blocks[{i + offset}]" + (f".{name}" if name else "")
+        raise ValueError(
+            f"{where} is a {type(m).__name__} in training mode, which {does}. Put it in "
+            f"evaluation mode (stack.eval() or {where}.eval()) to use it as a fixed function, "
+            "or train with a plain nn.Sequential of the residual blocks instead")
+
+
+def floating_tensors(blocks: Sequence[nn.Module]):
+    """``(block index, name, tensor)`` of every floating-point parameter and buffer."""
+    for i, b in enumerate(blocks):
+        for name, t in b.named_parameters():
+            if t.is_floating_point():
+                yield i, name, t
+        for name, t in b.named_buffers():
+            if t.is_floating_point():
+                yield i, name, t
+
+
+def check_input(x: torch.Tensor, tensors, offset: int = 0, name: str = "x") -> None:
+    """``x`` must have the dtype and device of the blocks' floating parameters and buffers.
+
+    Arguments:
+        tensors: ``(block index, name, tensor)`` triples (:func:`floating_tensors`).
+        offset: the global index of block 0 (named in the message).
+
+    Raises:
+        TypeError: another dtype; ValueError: another device (both name the argument, the
+            expected and the actual value, and the first block tensor that differs).
+    """
+    for i, pname, t in tensors:
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} must have the dtype of the blocks' parameters, {t.dtype} "
+                            f"(blocks[{i + offset}].{pname}), got {x.dtype}; convert {name} "
+                            f"(.to({t.dtype})) or the blocks (.to({x.dtype}))")
+        if t.device != x.device:
+            raise ValueError(f"{name} must be on the device of the blocks' parameters, "
+                             f"{t.device} (blocks[{i + offset}].{pname}), got {x.device}")

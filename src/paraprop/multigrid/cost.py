@@ -1,7 +1,8 @@
 """A cost model: predicted time of layer-parallel MGRIT and of model partitioning on W workers.
 
 Instead of closed-form operation counts, :func:`simulate` replays the real solver
-(:func:`paraprop.multigrid.mgrit.mgrit`, the same code that runs across ranks) on ``W`` threads
+(:func:`paraprop.multigrid.mgrit.mgrit` with a fixed number of cycles, the same code that runs
+across ranks) on ``W`` threads
 whose steps and messages only advance per-rank clocks:
 
 - a batched step over ``k`` intervals costs ``ceil(k / concurrency)`` layer times (a worker
@@ -27,7 +28,7 @@ import torch
 
 from paraprop.multigrid.common import check_relax
 from paraprop.multigrid.hierarchy import Hierarchy, split_layers
-from paraprop.multigrid.mgrit import mgrit
+from paraprop.multigrid.mgrit import run_mgrit
 from paraprop.multigrid.threads import run_threads
 
 __all__ = ["CostModel", "simulate"]
@@ -120,6 +121,9 @@ class _ClockStepper:
 
     def sweep(self, first, stride, count, length, u0, scale, g, out_f, out_w):
         self._advance(count, length - 1 + (out_w is not None))
+        out_f.zero_()  # defined (finite) values: the solver checks that the residual is finite
+        if out_w is not None:
+            out_w.zero_()
 
 
 class _ClockLink:
@@ -210,16 +214,18 @@ def simulate(
         x = torch.zeros(1, dtype=torch.float64)
         fwd = _ClockStepper(clock, m.forward_s, m.concurrency, parts[r][0])
         link = _ClockLink(qlink, clock, m, times, workers, list(range(workers)))
-        mgrit(fwd, x, hier, 1.0, relax=relax, max_cycles=cycles, link=link, parts=parts, me=r)
+        # a fixed number of cycles (tol=None): the cost model times the work, not the answer
+        run_mgrit(fwd, x, hier, 1.0, relax=relax, max_iters=cycles, tol=None, link=link,
+                  parts=parts, me=r)
         if training:
             # The adjoint runs backwards in depth: ranks in reverse order, reversed ranges.
             rparts = [(depth - b, depth - a) for a, b in reversed(parts)]
             me = workers - 1 - r
             adj = _ClockStepper(clock, m.adjoint_s, m.concurrency, rparts[me][0], m.fused_s)
             rlink = _ReversedLink(link, workers)
-            res = mgrit(adj, x, hier, 1.0, relax=relax, max_cycles=cycles, link=rlink,
-                        parts=rparts, me=me, collect=m.fused_s is not None)
-            if res.parameter_grads is None:  # a separate, fully parallel sweep
+            res = run_mgrit(adj, x, hier, 1.0, relax=relax, max_iters=cycles, tol=None,
+                            link=rlink, parts=rparts, me=me, collect=m.fused_s is not None)
+            if res.stats["parameter_grads"] is None:  # a separate, fully parallel sweep
                 n_local = parts[r][1] - parts[r][0]
                 clock.t += m.param_grad_s * math.ceil(n_local / m.concurrency)
         with lock:

@@ -25,82 +25,158 @@ consistent at the F-points and its residual is exactly ``(W_p - u_p)`` at the C-
 recorded history ``r_0, r_1, ...`` is the residual of the initial guess and of each cycle's
 result (global 2-norm over C-points, batch and features). When ``r = 0`` the C-points satisfy the
 fine equations, so the F-relaxed states are the serial ones; in exact arithmetic that happens
-after at most ``N // c_0`` cycles.
+after at most ``N // c_0`` cycles (the exactness bound).
+
+Stopping rule. The residual does not bound the error: the error ``e = u - u*`` solves the block
+bidiagonal system ``e_{m+1} = J_m e_m - r_{m+1}`` over the C-points (``J_m``: the Jacobian of
+``c`` fine steps), so ``e = A^{-1} r`` adds up the residuals of all earlier C-points, and for a
+stack that accumulates small steps (``J ~ I``) ``||A^{-1}||`` grows like the number of C-points.
+Nor does the size of the last correction. The solver instead estimates the error of the iterate
+from the per-cycle change ``d_k = max |u_k - u_{k-1}|`` over all points (C and F) and its
+observed rate ``q = max(d_k / d_{k-1}, d_{k-1} / d_{k-2})``: an iteration that contracts the error
+by ``q < 1`` per cycle is within ``q / (1 - q) * d_k`` of its limit, the serial states. It stops
+when that estimate and ``d_k`` are ``<= tol`` (at the earliest after three cycles, so that two
+rates agree), when ``d_k`` or the residual is exactly zero (a bitwise fixed point), or at the
+exactness bound, where the result is the serial one whatever the estimate said. A cycle that
+does not contract (``q >= 1``, as happens while MGRIT's coarse steps are poor) gives no estimate,
+so the solve goes on (to the bound, unless ``max_iters`` ends it: then it did not converge).
+See ``docs/multigrid.md`` for a worked example.
 
 The solver works on one rank's contiguous range of layers (see
 :class:`paraprop.multigrid.hierarchy.LocalLevel`); a single process is the one-rank case, and
 :mod:`paraprop.distributed` supplies the point-to-point link between ranks. Every rank runs the
-same control flow, so each send has its receive.
+same control flow, so each send has its receive; the residual and the change are reduced over
+the ranks by one all-reduce per cycle, so every rank takes the same decision.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from paraprop.multigrid.common import (
+    DEFAULT_TOL,
     RELAX,
+    check_block_modes,
     check_c_weight,
-    check_max_cycles,
+    check_input,
+    check_max_iters,
     check_relax,
     check_step_size,
     check_tol,
+    floating_tensors,
+    stateful_modules,
+    warn_unchecked,
 )
 from paraprop.multigrid.hierarchy import Hierarchy, LocalLevel, local_levels
+from paraprop.result import Solution, ensure_converged
 
-__all__ = ["RELAX", "Link", "MGRITResult", "mgrit", "residual_norm"]
+__all__ = ["RELAX", "Link", "mgrit", "residual_norm", "run_mgrit"]
 
 _RELAX_GHOST, _COARSE_GHOST = 0, 1
 
 
 class Link(Protocol):
-    """Point-to-point exchange between the ranks of one solve (positions in solve order)."""
+    """Point-to-point exchange between the ranks of one solve (positions in solve order).
+
+    ``sum`` adds a float, or elementwise a list of floats, over all ranks (every rank gets the
+    total; a list comes back as a list)."""
 
     def send(self, tensor: torch.Tensor, dest: int, tag: int) -> None: ...
 
     def recv(self, like: torch.Tensor, src: int, tag: int) -> torch.Tensor: ...
 
-    def sum(self, value: float) -> float: ...
+    def sum(self, value: float | list[float]) -> float | list[float]: ...
 
     def flush(self) -> None: ...
 
 
-@dataclass
-class MGRITResult:
-    """The result of :func:`mgrit`.
+class _ErrorEstimate:
+    """The stopping rule of the module notes: per-cycle changes ``d_k`` -> error estimate."""
 
-    Attributes:
-        states: this rank's level-0 points ``lo .. hi`` (one process: all ``u_0 .. u_N``),
-            shape ``(hi - lo + 1, *x.shape)``; row 0 is a copy of the left neighbour's last
-            point on other ranks.
-        residuals: ``[r_0, r_1, ..., r_K]``: the residual norm of the initial guess and after
-            each cycle (empty for one level, which is exact serial propagation).
-        cycles: V-cycles done.
-        converged: ``residuals[-1] <= tol``; ``True`` for one level (exact serial
-            propagation); ``None`` with ``tol=None`` on two or more levels (not checked:
-            ``max_cycles`` cycles were done whatever the residual; see ``residuals``).
-        convergence_factor: ``(r_K / r_0) ** (1 / K)``, the mean reduction per cycle (nan when
-            undefined).
-        stats: ``evaluations`` (layer evaluations, the hardware-independent work), ``calls``
-            (sequential launches, batched or not), ``time_s``, ``levels``, ``coarsening``,
-            ``relax``.
-        parameter_grads: with ``collect=True`` and an adjoint stepper, the parameter gradients
-            accumulated during the final relaxation (one dict per local block in depth order),
-            when that relaxation was known to be the last (``tol=None`` or one level); else
-            ``None``.
+    def __init__(self):
+        self.changes: list[float] = []
+
+    def update(self, d: float) -> float:
+        """Record ``d_k``; return the estimate of ``max |u_k - u*|`` (``inf``: none yet)."""
+        self.changes.append(d)
+        if d == 0:
+            return 0.0
+        if not math.isfinite(d) or len(self.changes) < 3:
+            return math.inf
+        d2, d1 = self.changes[-3], self.changes[-2]
+        q = max(d / d1, d1 / d2)
+        return q / (1.0 - q) * d if q < 1 else math.inf
+
+
+def _max_change(U: torch.Tensor, prev: torch.Tensor, chunk: int = 64) -> float:
+    """``max |U - prev|`` over all entries (in chunks of rows: no full-size temporary);
+    ``nan`` if either holds a NaN."""
+    m = 0.0
+    for i in range(0, U.shape[0], chunk):
+        v = float((U[i : i + chunk] - prev[i : i + chunk]).abs().max())
+        if math.isnan(v):
+            return math.nan
+        m = max(m, v)
+    return m
+
+
+class _Corrected:
+    """The steps of a coarse level in correction form: the FAS coarse problem
+    ``v_{n+1} = Phi^c_n(v_n) + g_{n+1}``, ``g_{n+1} = W_{n+1} - Phi^c_n(b_n)``, written around the
+    base ``b`` (the values the level started from) as
+
+        ``v_{n+1} = b_{n+1} + ((Phi^c_n(v_n) - Phi^c_n(b_n)) + r_{n+1})``, ``r = W - b``,
+
+    with ``Phi^c_n(v_n) - Phi^c_n(b_n)`` taken as exactly ``0`` where ``v_n == b_n`` bitwise.
+    In exact arithmetic both forms are the same. In floating point the FAS form does not give
+    back ``b_{n+1} = W_{n+1}`` where nothing changed (``fl(a + fl(W - a)) != W``), and the
+    coarse propagator, unstable for large ``c h``, amplifies those roundings along the coarse
+    chain; the iterate then stalls away from the serial states. In this form a point whose
+    input and residual are exactly zero keeps its value bitwise, so the exact prefix of every
+    cycle stays exact and the exactness bound holds in floating point too.
+
+    Arguments:
+        stepper: the level-0 stepper (its steps are the absolute ``Phi``).
+        L: the coarse level.
+        B: the base values at the points ``lo .. hi``; ``P``: ``Phi^c_n(b_n)`` for the steps
+            ``lo .. hi-1``; ``R``: the residuals at the points (row 0 unused).
     """
 
-    states: torch.Tensor
-    residuals: list[float]
-    cycles: int
-    converged: bool | None
-    convergence_factor: float
-    stats: dict = field(default_factory=dict)
-    parameter_grads: list[dict[str, torch.Tensor]] | None = None
+    def __init__(self, stepper, L: LocalLevel, B, P, R):
+        self.inner, self.L, self.B, self.P, self.R = stepper, L, B, P, R
+        self.counts = stepper.counts
+
+    def step(self, first: int, stride: int, count: int, x: torch.Tensor, scale: float
+             ) -> torch.Tensor:
+        if count == 1:
+            return self.step_one(first, x[0], scale)[None]
+        s = self.L.stride
+        i0 = (first + 1) // s - 1 - self.L.lo  # row of the first input point
+        di = stride // s
+        stop = i0 + di * (count - 1) + 1
+        moved = (x != self.B[i0:stop:di]).reshape(count, -1).any(1)
+        d = self.inner.step(first, stride, count, x, scale).sub_(self.P[i0:stop:di])
+        # r + d * moved: exactly r where x == b
+        d = torch.addcmul(self.R[i0 + 1 : stop + 1 : di], d,
+                          moved.view(count, *[1] * (x.dim() - 1)))
+        return d.add_(self.B[i0 + 1 : stop + 1 : di])
+
+    def step_one(self, k: int, u: torch.Tensor, scale: float) -> torch.Tensor:
+        i = (k + 1) // self.L.stride - 1 - self.L.lo
+        d = self.inner.step_one(k, u, scale).sub_(self.P[i])
+        d = torch.addcmul(self.R[i + 1], d, torch.ne(u, self.B[i]).any())
+        return d.add_(self.B[i + 1])
+
+    def sweep(self, first, stride, count, length, u0, scale, g, out_f, out_w) -> None:
+        """As :meth:`paraprop.multigrid.steps._Stepper.sweep` (one batched step at a time)."""
+        x = u0
+        for j in range(length - 1 + (out_w is not None)):
+            x = self.step(first + j * stride, length * stride, count, x, scale)
+            (out_f[:, j] if j < length - 1 else out_w).copy_(x)
 
 
 class _Solver:
@@ -111,8 +187,12 @@ class _Solver:
         self.relax = relax
         self.w = c_weight
         self.link = link
+        self.me, self.n_ranks = me, len(parts)
         self.levels: list[LocalLevel] = local_levels(hierarchy, parts, me)
         self._buffers: dict = {}
+        # the steps of each level: the stepper itself on level 0, a _Corrected view of it on
+        # the coarse levels (set by coarse_correct before the level is solved)
+        self.steps: dict = {0: stepper}
 
     # -- communication ------------------------------------------------------------------------
     def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
@@ -123,12 +203,12 @@ class _Solver:
 
     # -- kernels ------------------------------------------------------------------------------
     def step1(self, L: LocalLevel, n: int, u: torch.Tensor) -> torch.Tensor:
-        return self.stepper.step_one(L.layer(n), u, self.h * L.stride)
+        return self.steps[L.level].step_one(L.layer(n), u, self.h * L.stride)
 
-    def f_relax(self, L: LocalLevel, U: torch.Tensor, G: torch.Tensor | None, with_w: bool
-                ) -> torch.Tensor | None:
+    def f_relax(self, L: LocalLevel, U: torch.Tensor, with_w: bool) -> torch.Tensor | None:
         """F-relaxation of this rank's part of level ``L``; with ``with_w`` also the step into
-        every owned C-point, ``W_p = Phi(u_{p-1}) + g_p`` (returned, one row per C-point).
+        every owned C-point, ``W_p = Phi(u_{p-1})`` (on a coarse level the FAS step of
+        :class:`_Corrected`; returned, one row per C-point).
 
         The full intervals that start at a C-point are relaxed at once: one batched sweep takes
         all of them through their ``c - 1`` F-points (and the step into the next C-point). A
@@ -153,17 +233,13 @@ class _Solver:
             full = (hi - p0) // c  # intervals [p, p + c] inside the range
             if full and steps:
                 blk = U[i0 : i0 + full * c].view(full, c, *U.shape[1:])
-                g = None if G is None else \
-                    G[i0 + 1 : i0 + 1 + full * c].view(full, c, *U.shape[1:])[:, :steps]
-                self.stepper.sweep(L.layer(p0), L.stride, full, c, blk[:, 0], hl, g,
-                                   blk[:, 1:], W[w_off : w_off + full] if with_w else None)
+                self.steps[L.level].sweep(L.layer(p0), L.stride, full, c, blk[:, 0], hl, None,
+                                          blk[:, 1:],
+                                          W[w_off : w_off + full] if with_w else None)
             p = p0 + full * c
             if p < hi:  # the last segment, cut by the end of the range: F-points only
                 for n in range(p, hi):
-                    out = self.step1(L, n, U[n - lo])
-                    if G is not None:
-                        out += G[n + 1 - lo]
-                    U[n + 1 - lo] = out
+                    U[n + 1 - lo] = self.step1(L, n, U[n - lo])
         if lo % c != 0:
             if L.left is not None:
                 U[0] = self._recv(U[0], L.left, tag)
@@ -173,8 +249,6 @@ class _Solver:
                 if into_c and not with_w:
                     break
                 out = self.step1(L, n, U[n - lo])
-                if G is not None:
-                    out += G[n + 1 - lo]
                 if into_c:
                     W[0] = out
                 else:
@@ -191,8 +265,8 @@ class _Solver:
         uc = self.c_view(L, U)
         if self.w == 1.0:
             uc.copy_(W)
-        else:
-            uc.mul_(1.0 - self.w).add_(W, alpha=self.w)
+        else:  # u + w (W - u): a point with W == u stays bitwise unchanged
+            uc.add_(W - uc, alpha=self.w)
 
     def residual_sq(self, L: LocalLevel, U: torch.Tensor, W: torch.Tensor) -> float:
         r = torch.linalg.vector_norm(W - self.c_view(L, U), dtype=torch.float64)
@@ -206,16 +280,13 @@ class _Solver:
             buf = self._buffers[key] = like.new_empty((rows, *like.shape[1:]))
         return buf
 
-    def serial(self, L: LocalLevel, V: torch.Tensor, G: torch.Tensor | None) -> None:
+    def serial(self, L: LocalLevel, V: torch.Tensor) -> None:
         """Serial propagation of this rank's part of the coarsest level (a chain over ranks)."""
         tag = 4 * L.level + _RELAX_GHOST
         if L.left is not None:
             V[0] = self._recv(V[0], L.left, tag)
         for n in range(L.lo, L.hi):
-            out = self.step1(L, n, V[n - L.lo])
-            if G is not None:
-                out += G[n + 1 - L.lo]
-            V[n + 1 - L.lo] = out
+            V[n + 1 - L.lo] = self.step1(L, n, V[n - L.lo])
         if L.right is not None:
             self._send(V[-1], L.right, tag)
 
@@ -234,28 +305,44 @@ class _Solver:
             V[0] = self._recv(V[0], Lc.left, tag)
         else:
             V[0] = U[0]  # point 0: the initial condition
-        Gc = self.buffer(("G", Lc.level), Lc.n_local, U)
-        Gc[0] = V[0]
-        Gc[1:] = W - self.stepper.step(Lc.layer(Lc.lo), Lc.stride, Lc.hi - Lc.lo, V[:-1],
-                                       self.h * Lc.stride)
+        B = self.buffer(("B", Lc.level), Lc.n_local, U)
+        B.copy_(V)
+        P = self.stepper.step(Lc.layer(Lc.lo), Lc.stride, Lc.hi - Lc.lo, V[:-1],
+                              self.h * Lc.stride)
+        R = self.buffer(("R", Lc.level), Lc.n_local, U)
+        R[0].zero_()
+        torch.sub(W, B[1:], out=R[1:])
+        self.steps[Lc.level] = _Corrected(self.stepper, Lc, B, P, R)
         if l + 1 == len(self.levels) - 1:
-            self.serial(Lc, V, Gc)
+            self.serial(Lc, V)
         else:
-            self.v_cycle(l + 1, V, Gc)
+            self.v_cycle(l + 1, V)
         self.c_view(L, U).copy_(V[1:])
 
-    def v_cycle(self, l: int, U: torch.Tensor, G: torch.Tensor) -> None:
+    def v_cycle(self, l: int, U: torch.Tensor) -> None:
         """One V-cycle on a coarse level ``l >= 1`` from the initial guess ``U``."""
         L = self.levels[l]
-        W = self.f_relax(L, U, G, True)
+        W = self.f_relax(L, U, True)
         if self.relax == "FCF":
             self.c_relax(L, U, W)
-            W = self.f_relax(L, U, G, True)
+            W = self.f_relax(L, U, True)
         self.coarse_correct(l, U, W)
-        self.f_relax(L, U, G, False)
+        self.f_relax(L, U, False)
 
-    def norm(self, sq: float) -> float:
-        return math.sqrt(self.link.sum(sq) if self.link is not None else sq)
+    def reduce(self, sq: float, change: float | None) -> tuple[float, float | None]:
+        """The global residual norm (from this rank's sum of squares) and, when ``change`` is
+        given, the global largest change (from this rank's): one all-reduce either way, the
+        changes summed into one slot per rank."""
+        if self.link is None:
+            return math.sqrt(sq), change
+        if change is None:
+            return math.sqrt(self.link.sum(sq)), None
+        vec = [0.0] * (1 + self.n_ranks)
+        vec[0], vec[1 + self.me] = sq, change
+        tot = self.link.sum(vec)
+        changes = tot[1:]
+        d = math.nan if any(math.isnan(v) for v in changes) else max(changes)
+        return math.sqrt(tot[0]), d
 
 
 def mgrit(
@@ -265,15 +352,16 @@ def mgrit(
     step_size: float,
     *,
     relax: str = "FCF",
-    max_cycles: int = 2,
-    tol: float | None = None,
+    max_iters: int | None = None,
+    tol: float | None = DEFAULT_TOL,
+    throw: bool = True,
     c_weight: float = 1.0,
     init: torch.Tensor | None = None,
     link: Link | None = None,
     parts: list[tuple[int, int]] | None = None,
     me: int = 0,
     collect: bool = False,
-) -> MGRITResult:
+) -> Solution:
     """Solve ``u_{n+1} = u_n + h F_n(u_n)``, ``u_0 = x`` by FAS/MGRIT V-cycles.
 
     A low-level entry point (the stepper defines ``F``); most users want
@@ -283,12 +371,22 @@ def mgrit(
         stepper: a :class:`~paraprop.multigrid.steps.ForwardStepper` or
             :class:`~paraprop.multigrid.steps.AdjointStepper` over this rank's layers.
         x: the initial condition ``u_0`` (on other ranks than the first: any tensor of the same
-            shape and dtype; it is the default initial guess at the C-points).
+            shape and dtype; it is the default initial guess at the C-points). Its dtype and
+            device must be those of the stepper's blocks.
         hierarchy: levels and coarsening factors (:meth:`Hierarchy.build`).
         step_size: ``h``.
         relax: ``"F"`` or ``"FCF"`` relaxation.
-        max_cycles: the most V-cycles (``>= 0``).
-        tol: stop when the residual norm is ``<= tol``; ``None``: do exactly ``max_cycles``.
+        max_iters: the most V-cycles (``>= 0``); ``None``: the exactness bound
+            (``hierarchy.exact_cycles()``, after which the result is the serial one in exact
+            arithmetic).
+        tol: stop once the estimated ``max |u - serial|`` over all states is ``<= tol`` (the
+            stopping rule of the module notes; ``0``: only a bitwise fixed point or the bound).
+            ``None``: exactly ``max_iters`` cycles, not checked (a warning says so when that is
+            fewer than the bound): ``converged=False``, ``stats["checked"] = False``, never an
+            error.
+        throw: with a ``tol``, raise :class:`paraprop.ConvergenceError` when ``max_iters`` ends
+            the solve before the estimate reaches ``tol`` (``False``: return the unconverged
+            :class:`~paraprop.Solution`).
         c_weight: weight ``w`` of the C-relaxation ``u <- w W + (1 - w) u`` (FCF only).
         init: initial guess at this rank's level-0 C-points, shape ``(n_c, *x.shape)`` (a warm
             start); ``None`` copies ``x``.
@@ -296,25 +394,64 @@ def mgrit(
         parts: every rank's step range ``[a, b)`` in solve order (``None``: ``[(0, N)]``).
         me: this rank's position in ``parts``.
         collect: with an :class:`~paraprop.multigrid.steps.AdjointStepper`, accumulate the
-            parameter gradients during the final relaxation (see ``parameter_grads``).
+            parameter gradients during the final relaxation (``stats["parameter_grads"]``).
 
     Returns:
-        An :class:`MGRITResult`.
+        A :class:`paraprop.Solution`: ``value`` holds this rank's level-0 points ``lo .. hi``
+        (one process: all ``u_0 .. u_N``), shape ``(hi - lo + 1, *x.shape)``, row 0 a copy of
+        the left neighbour's last point on other ranks; ``method`` is ``"mgrit"`` (``"sequential"``
+        for one level); ``iterations`` the V-cycles done; ``evaluations`` the layer evaluations
+        (the hardware-independent work); ``converged`` is ``True`` when the error estimate
+        reached ``tol``, the residual or the change was exactly zero, or the bound was reached
+        (and the residual is finite); ``residuals`` ``[r_0, r_1, ..., r_K]``, the residual norm
+        of the initial guess and after each cycle (empty for one level). ``stats``: ``checked``
+        (``False`` only for ``tol=None`` stopped before the bound), ``error_estimate`` (the
+        estimate when it stopped: ``0.0`` at the bound or a zero residual/change; ``inf`` when
+        there was none; ``nan`` when not checked), ``changes`` (``d_1 .. d_K``; empty when not
+        checked), ``bound`` (the exactness bound in cycles), ``tol``, ``convergence_factor``
+        (``(r_K / r_0) ** (1 / K)``, nan when undefined), ``calls`` (sequential launches),
+        ``time_s``, ``levels``, ``coarsening``, ``relax``, ``parameter_grads`` (with
+        ``collect=True`` and an adjoint stepper: the parameter gradients accumulated during the
+        final relaxation, one dict per local block in depth order, when that relaxation was
+        known to be the last: ``tol=None`` or one level; else ``None``).
 
     Raises:
-        ValueError / TypeError: a bad argument (named, with its value), an ``init`` of the wrong
-            shape, or a block that changes the state's shape.
+        ValueError / TypeError: a bad argument (named, with its value), an ``x`` whose dtype or
+            device differs from the blocks', a block in training mode with BatchNorm (running
+            statistics) or dropout, an ``init`` of the wrong shape, or a block that changes the
+            state's shape.
+        paraprop.ConvergenceError: ``tol`` not reached within ``max_iters`` cycles (or the
+            iterate became non-finite) and ``throw=True``; ``.solution`` holds the result.
         paraprop.distributed.PeerError: (across ranks) a peer died or hangs.
 
     Example:
         >>> blocks = [torch.nn.Linear(4, 4) for _ in range(16)]
         >>> stepper = ForwardStepper(blocks)
-        >>> res = mgrit(stepper, torch.randn(2, 4), Hierarchy.build(16, levels=2, coarsening=4),
-        ...             0.1, max_cycles=4)
-        >>> res.states.shape, res.residuals[-1] < 1e-5
-        (torch.Size([17, 2, 4]), True)
+        >>> sol = mgrit(stepper, torch.randn(2, 4), Hierarchy.build(16, levels=2, coarsening=4),
+        ...             0.1)
+        >>> sol.value.shape, sol.converged, sol.stats["error_estimate"] <= 1e-5
+        (torch.Size([17, 2, 4]), True, True)
     """
-    _validate(x, hierarchy, step_size, relax, max_cycles, tol, c_weight, parts, me)
+    _validate(x, hierarchy, step_size, relax, max_iters, tol, c_weight, parts, me)
+    blocks = getattr(stepper, "blocks", None)
+    if blocks is not None:
+        offset = getattr(stepper, "a", stepper.offset)
+        check_input(x, floating_tensors(blocks), offset)
+        check_block_modes(stateful_modules(blocks), offset)
+    bound = hierarchy.exact_cycles()
+    if tol is None and hierarchy.levels > 1 and max_iters is not None and max_iters < bound:
+        warn_unchecked("mgrit", max_iters, bound)
+    return run_mgrit(stepper, x, hierarchy, step_size, relax=relax, max_iters=max_iters,
+                     tol=tol, throw=throw, c_weight=c_weight, init=init, link=link, parts=parts,
+                     me=me, collect=collect)
+
+
+def run_mgrit(stepper, x, hierarchy, step_size, *, relax="FCF", max_iters=None,
+              tol=DEFAULT_TOL, throw=True, c_weight=1.0, init=None, link=None, parts=None, me=0,
+              collect=False, entry: str = "mgrit") -> Solution:
+    """:func:`mgrit` without its argument checks and warning (for the modules, which check once
+    at construction and warn there, and for the cost model); ``entry`` names the caller in a
+    :class:`~paraprop.ConvergenceError`."""
     parts = parts if parts is not None else [(0, hierarchy.n_steps)]
     solver = _Solver(stepper, hierarchy, float(step_size), relax, float(c_weight), link, parts,
                      me)
@@ -322,7 +459,13 @@ def mgrit(
     t0 = time.perf_counter()
     U = x.new_empty((L0.n_local, *x.shape))
     U[0] = x
+    bound = hierarchy.exact_cycles()
+    cap = bound if max_iters is None else max_iters
+    checking = tol is not None
     residuals: list[float] = []
+    rule = _ErrorEstimate()
+    estimate = math.inf if checking else math.nan
+    stopped = False  # by the rule, a zero residual or a zero change
     cycles = 0
     # The parameter gradients of the adjoint can be accumulated during the final relaxation
     # (one VJP per layer with respect to state and parameters) when it is known to be final.
@@ -333,7 +476,7 @@ def mgrit(
             if collect:
                 stepper.begin_collect()
                 collected = True
-            solver.serial(L0, U, None)
+            solver.serial(L0, U)
         else:
             uc = solver.c_view(L0, U)
             if init is not None:
@@ -346,47 +489,74 @@ def mgrit(
 
             def final(k: int) -> bool:  # is the relaxation after cycle k the last one?
                 nonlocal collected
-                if collect and tol is None and k == max_cycles:
+                if collect and tol is None and k == cap:
                     stepper.begin_collect()
                     collected = True
                 return collected
 
             final(0)
-            W = solver.f_relax(L0, U, None, True)
-            residuals.append(solver.norm(solver.residual_sq(L0, U, W)))
-            while cycles < max_cycles and not (tol is not None and residuals[-1] <= tol):
+            W = solver.f_relax(L0, U, True)
+            r, _ = solver.reduce(solver.residual_sq(L0, U, W), None)
+            residuals.append(r)
+            prev = U.clone() if checking and cap > 0 else None
+            if checking and r == 0:
+                stopped, estimate = True, 0.0
+            while cycles < cap and not stopped and math.isfinite(residuals[-1]):
                 if relax == "FCF":
                     solver.c_relax(L0, U, W)
-                    W = solver.f_relax(L0, U, None, True)
+                    W = solver.f_relax(L0, U, True)
                 solver.coarse_correct(0, U, W)
                 final(cycles + 1)
-                W = solver.f_relax(L0, U, None, True)
-                residuals.append(solver.norm(solver.residual_sq(L0, U, W)))
+                W = solver.f_relax(L0, U, True)
                 cycles += 1
+                change = None
+                if checking:
+                    change = _max_change(U, prev)
+                    prev.copy_(U)
+                r, d = solver.reduce(solver.residual_sq(L0, U, W), change)
+                residuals.append(r)
+                if checking:
+                    estimate = rule.update(d)
+                    if r == 0:
+                        estimate = 0.0
+                    stopped = estimate <= tol and (d <= tol or estimate == 0.0)
         if link is not None:
             link.flush()
     grads = stepper.end_collect() if collected else None
     elapsed = time.perf_counter() - t0
+    finite = not residuals or math.isfinite(residuals[-1])
     if hierarchy.levels == 1:
-        converged: bool | None = True
-    elif tol is None:
-        converged = None  # not checked
+        converged, checked, estimate = True, True, 0.0
+    elif finite and (cycles >= bound or residuals[-1] == 0):
+        converged, checked, estimate = True, True, 0.0
     else:
-        converged = residuals[-1] <= tol
-    factor = float("nan")
+        converged, checked = finite and stopped, checking
+    factor = math.nan
     if cycles and residuals[0] > 0:
         factor = (residuals[-1] / residuals[0]) ** (1.0 / cycles)
-    return MGRITResult(
-        states=U, residuals=residuals, cycles=cycles, converged=converged,
-        convergence_factor=factor,
-        stats={"evaluations": stepper.counts.evaluations, "calls": stepper.counts.calls,
-               "time_s": elapsed, "levels": hierarchy.levels,
-               "coarsening": list(hierarchy.coarsening), "relax": relax},
-        parameter_grads=grads,
+    sol = Solution(
+        value=U,
+        method="mgrit" if hierarchy.levels > 1 else "sequential",
+        iterations=cycles,
+        evaluations=stepper.counts.evaluations,
+        converged=bool(converged),
+        residuals=torch.tensor(residuals, dtype=torch.float64),
+        stats={"checked": checked, "error_estimate": estimate, "changes": rule.changes,
+               "bound": bound, "tol": tol, "convergence_factor": factor,
+               "calls": stepper.counts.calls, "time_s": elapsed, "levels": hierarchy.levels,
+               "coarsening": list(hierarchy.coarsening), "relax": relax,
+               "parameter_grads": grads},
     )
+    if not checking:
+        return sol
+    hint = ("the iterate became non-finite (coarse steps of c * h overflowed?); use smaller "
+            "coarsening factors or fewer levels" if not finite else
+            "raise max_iters (None: the exactness bound, the serial result) or tol")
+    return ensure_converged(sol, throw, entry=entry, max_iters=cap, tol=tol,
+                            last=estimate, hint=hint)
 
 
-def _validate(x, hierarchy, step_size, relax, max_cycles, tol, c_weight, parts, me) -> None:
+def _validate(x, hierarchy, step_size, relax, max_iters, tol, c_weight, parts, me) -> None:
     """Check :func:`mgrit`'s arguments once; errors name the argument and the value."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x must be a floating-point torch.Tensor, got {type(x).__name__}"
@@ -396,7 +566,7 @@ def _validate(x, hierarchy, step_size, relax, max_cycles, tol, c_weight, parts, 
                         f"{type(hierarchy).__name__}")
     check_step_size(step_size)
     check_relax(relax)
-    check_max_cycles(max_cycles, minimum=0, allow_none=False)
+    check_max_iters(max_iters, minimum=0)
     check_tol(tol)
     check_c_weight(c_weight)
     if parts is not None:

@@ -4,16 +4,18 @@ Kirby et al. (2020, "Layer-Parallel Training with GPU Concurrency of Deep Residu
 via Nonlinear Multigrid"): the stack ``u_{n+1} = u_n + h F_n(u_n; theta_n)`` is an initial value
 problem in depth. The forward pass solves it with FAS/MGRIT (Algorithm 1); the backward pass
 solves the adjoint problem ``lam_n = lam_{n+1} + h J_n(u_n)^T lam_{n+1}``, ``lam_N = dL/du_N``
-with the same MGRIT (or exactly, serially). The parameter gradients
-``dL/dtheta_n = h (dF_n/dtheta_n)^T lam_{n+1}`` are accumulated during the adjoint solve's final
-relaxation (each step there takes one VJP with respect to state and parameters) when that
-relaxation is known to be the last: with ``tol=None``, or for the serial backward. With a
-``tol`` the solve may stop after any cycle, so they follow in a separate batched sweep over all
-layers at the converged adjoint.
+with the same MGRIT (or exactly, serially). Both solves stop on :func:`paraprop.multigrid.mgrit`'s
+estimate of their error against the serial result (``tol``), or at the exactness bound. The
+parameter gradients ``dL/dtheta_n = h (dF_n/dtheta_n)^T lam_{n+1}`` are accumulated during the
+adjoint solve's final relaxation (each step there takes one VJP with respect to state and
+parameters) when that relaxation is known to be the last: for a fixed number of cycles
+(``tol=None``), or for the serial backward. With a ``tol`` the solve may stop after any cycle, so
+they follow in a separate batched sweep over all layers at the converged adjoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -22,16 +24,21 @@ from torch import nn
 
 from paraprop.multigrid.common import (
     BACKWARD,
+    DEFAULT_TOL,
     as_coarsening,
+    check_block_modes,
     check_blocks,
+    check_input,
     check_settings,
     resolve_batched,
     solve_through,
+    warn_unchecked,
 )
 from paraprop.multigrid.hierarchy import Hierarchy
-from paraprop.multigrid.mgrit import MGRITResult, mgrit
+from paraprop.multigrid.mgrit import run_mgrit
 from paraprop.multigrid.params import BlockParams
 from paraprop.multigrid.steps import AdjointStepper, ForwardStepper
+from paraprop.result import Solution
 
 __all__ = ["BACKWARD", "ParallelResidualStack"]
 
@@ -39,18 +46,29 @@ __all__ = ["BACKWARD", "ParallelResidualStack"]
 class ParallelResidualStack(nn.Module):
     """``u_N`` of ``u_{n+1} = u_n + h F_n(u_n)``, ``u_0 = x``, computed by FAS/MGRIT.
 
+    By default every forward and adjoint solve is within ``tol`` of the serial network's states
+    (the estimate of :func:`paraprop.multigrid.mgrit`) or runs to the exactness bound; one that
+    ``max_iters`` stops short raises :class:`paraprop.ConvergenceError`. The fixed small number
+    of cycles of layer-parallel training (Kirby et al.; TorchBraid), inexact by design, is
+    ``max_iters=2, tol=None``: not checked, and a warning at construction says so.
+
     Arguments:
         blocks: the residual branches ``F_0 .. F_{N-1}`` (modules mapping a state to a tensor of
-            the same shape; deterministic: no dropout, no buffer updates). The same module may
-            occur at several depths (shared weights); its gradient sums over its uses.
+            the same shape; deterministic: no dropout, no buffer updates, so BatchNorm only in
+            eval mode, refused at forward otherwise). The same module may occur at several
+            depths (shared weights); its gradient sums over its uses.
         step_size: ``h > 0``.
         coarsening: ``c``, the coarsening factor (``>= 2``), or one per coarsening.
         levels: grid levels; ``1`` is exact serial propagation.
         relax: ``"F"`` or ``"FCF"`` relaxation.
-        max_cycles: V-cycles per solve (forward and adjoint); ``None``: enough for the serial
-            result in exact arithmetic (``N // c``).
-        tol: stop a solve once its residual norm is ``<= tol`` (``0``: only an exact zero);
-            ``None``: always ``max_cycles`` cycles.
+        max_iters: the most V-cycles per solve (forward and adjoint); ``None``: the exactness
+            bound ``N // c``, enough for the serial result in exact arithmetic.
+        tol: stop a solve once its estimated ``max |states - serial states|`` is ``<= tol``
+            (``0``: only a bitwise fixed point or the bound); ``None``: always ``max_iters``
+            cycles, not checked (``converged=False``, ``stats["checked"] = False``).
+        throw: raise :class:`paraprop.ConvergenceError` when a solve with a ``tol`` ends at
+            ``max_iters`` unconverged (``False``: go on with the unconverged states; see
+            ``last_stats``).
         backward: ``"adjoint"`` (MGRIT on the adjoint system) or ``"serial"`` (exact serial
             back-propagation through the forward states MGRIT produced).
         warm_start: start each solve from the previous solve's C-point values when the input
@@ -60,21 +78,27 @@ class ParallelResidualStack(nn.Module):
             blocks share an architecture; ``True`` requires that).
 
     Attributes:
-        last_stats: ``{"forward": ..., "backward": ...}`` of the latest solves: ``residuals``
-            (per cycle, starting with the initial guess), ``cycles``, ``converged`` (``None``
-            when not checked: ``tol=None``),
-            ``convergence_factor``, ``evaluations``, ``calls``, ``time_s``.
+        last_stats: ``{"forward": Solution, "backward": Solution}`` of the latest solves
+            (:class:`paraprop.Solution` as :func:`~paraprop.multigrid.mgrit` returns it, with
+            ``value`` the solve's last point only, ``u_N`` forward and ``dL/dx`` backward, so
+            that the states are not kept alive; ``stats["time_s"]`` and, backward,
+            ``evaluations`` include the parameter-gradient sweep; ``stats`` has no
+            ``parameter_grads``).
 
     Raises:
         ValueError / TypeError: bad arguments (named, with the value), too few layers for the
-            levels, or (in forward) a block that changes the shape of the state.
+            levels; in forward: an input whose dtype or device differs from the blocks', a
+            block in training mode with BatchNorm (running statistics) or dropout, or a block
+            that changes the shape of the state.
+        paraprop.ConvergenceError: (forward or backward) ``tol`` not reached in ``max_iters``
+            cycles with ``throw=True``.
 
     Example:
         >>> blocks = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(64)]
-        >>> net = ParallelResidualStack(blocks, 1 / 64, coarsening=4, levels=2, max_cycles=2)
+        >>> net = ParallelResidualStack(blocks, 1 / 64, coarsening=4, levels=2)
         >>> y = net(torch.randn(5, 8))
-        >>> y.shape, len(net.last_stats["forward"]["residuals"])
-        (torch.Size([5, 8]), 3)
+        >>> y.shape, net.last_stats["forward"].converged
+        (torch.Size([5, 8]), True)
     """
 
     def __init__(
@@ -85,8 +109,9 @@ class ParallelResidualStack(nn.Module):
         coarsening: int | Sequence[int] = 4,
         levels: int = 2,
         relax: str = "FCF",
-        max_cycles: int | None = 2,
-        tol: float | None = None,
+        max_iters: int | None = None,
+        tol: float | None = DEFAULT_TOL,
+        throw: bool = True,
         backward: str = "adjoint",
         warm_start: bool = False,
         c_weight: float = 1.0,
@@ -94,7 +119,7 @@ class ParallelResidualStack(nn.Module):
     ):
         super().__init__()
         blocks = check_blocks(blocks)
-        check_settings(step_size=step_size, relax=relax, max_cycles=max_cycles, tol=tol,
+        check_settings(step_size=step_size, relax=relax, max_iters=max_iters, tol=tol,
                        c_weight=c_weight, backward=backward)
         self.hierarchy = Hierarchy.build(len(blocks), levels=levels,
                                          coarsening=as_coarsening(coarsening))
@@ -102,28 +127,28 @@ class ParallelResidualStack(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.step_size = float(step_size)
         self.relax = relax
-        self.max_cycles = max_cycles
+        self.max_iters = max_iters
         self.tol = tol
+        self.throw = bool(throw)
         self.backward_mode = backward
         self.warm_start = bool(warm_start)
         self.c_weight = float(c_weight)
         self.batched = bool(batched)
-        self.last_stats: dict = {}
+        self.last_stats: dict[str, Solution] = {}
         self._warm: dict[str, torch.Tensor] = {}
         self._params = BlockParams(self.blocks)
+        bound = self.hierarchy.exact_cycles()
+        if tol is None and levels > 1 and max_iters is not None and max_iters < bound:
+            warn_unchecked("ParallelResidualStack", max_iters, bound)
 
     @property
     def levels(self) -> int:
         return self.hierarchy.levels
 
-    @property
-    def cycles(self) -> int:
-        return self.max_cycles if self.max_cycles is not None else self.hierarchy.exact_cycles()
-
     def extra_repr(self) -> str:
         h = self.hierarchy
         return (f"depth={h.n_steps}, step_size={self.step_size:g}, levels={h.levels}, "
-                f"coarsening={h.coarsening}, relax={self.relax!r}, max_cycles={self.max_cycles}, "
+                f"coarsening={h.coarsening}, relax={self.relax!r}, max_iters={self.max_iters}, "
                 f"tol={self.tol}, backward={self.backward_mode!r}, batched={self.batched}")
 
     # -- parameter bookkeeping ----------------------------------------------------------------
@@ -136,13 +161,18 @@ class ParallelResidualStack(nn.Module):
         return self._params.stack() if self.batched else None
 
     # -- solves -------------------------------------------------------------------------------
-    def _record(self, key: str, res: MGRITResult, t0: float) -> None:
-        self.last_stats[key] = {
-            "residuals": res.residuals, "cycles": res.cycles, "converged": res.converged,
-            "convergence_factor": res.convergence_factor,
-            "evaluations": res.stats["evaluations"], "calls": res.stats["calls"],
-            "time_s": time.perf_counter() - t0,
-        }
+    def _record(self, key: str, sol: Solution, t0: float, evaluations: int | None = None
+                ) -> None:
+        stats = {k: v for k, v in sol.stats.items() if k != "parameter_grads"}
+        stats["time_s"] = time.perf_counter() - t0
+        self.last_stats[key] = dataclasses.replace(
+            sol, value=sol.value[-1].clone(), stats=stats,
+            evaluations=sol.evaluations if evaluations is None else evaluations)
+
+    def _mgrit(self, stepper, x, hierarchy, key: str, **kw) -> Solution:
+        return run_mgrit(stepper, x, hierarchy, self.step_size, relax=self.relax,
+                         max_iters=self.max_iters, tol=self.tol, throw=self.throw,
+                         c_weight=self.c_weight, entry=f"ParallelResidualStack ({key})", **kw)
 
     def _init_for(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
         prev = self._warm.get(key)
@@ -160,12 +190,27 @@ class ParallelResidualStack(nn.Module):
         t0 = time.perf_counter()
         stacked = self._stack()
         stepper = ForwardStepper(self.blocks, batched=self.batched, stacked=stacked)
-        res = mgrit(stepper, x.detach(), self.hierarchy, self.step_size, relax=self.relax,
-                    max_cycles=self.cycles, tol=self.tol, c_weight=self.c_weight,
-                    init=self._init_for("forward", x))
-        self._keep("forward", res.states, self.hierarchy)
-        self._record("forward", res, t0)
-        return res.states, stacked
+        versions = None if self.batched else self._params.buffer_versions()
+        sol = self._mgrit(stepper, x.detach(), self.hierarchy, "forward",
+                          init=self._init_for("forward", x))
+        self._check_buffers(stacked, versions)
+        self._keep("forward", sol.value, self.hierarchy)
+        self._record("forward", sol, t0)
+        return sol.value, stacked
+
+    def _check_buffers(self, stacked, versions) -> None:
+        """A tripwire for blocks that update buffers in place in forward (beyond the types
+        :func:`check_block_modes` knows): their version counters moved."""
+        if stacked is not None:
+            moved = [k for k, v in stacked[1].items() if v._version != 0]
+        else:
+            now = self._params.buffer_versions()
+            moved = ["a block buffer"] if now != versions else []
+        if moved:
+            raise ValueError(f"a block updated its buffers ({', '.join(moved)}) during the "
+                             "MGRIT forward solve; MGRIT evaluates every block several times "
+                             "per solve, so buffer updates are not those of the serial network. "
+                             "Put the stack in eval mode, or use a plain nn.Sequential")
 
     def _solve_backward(self, states, stacked, grad_out, params):
         t0 = time.perf_counter()
@@ -175,19 +220,18 @@ class ParallelResidualStack(nn.Module):
         g = grad_out.detach().to(states.dtype).contiguous()
         if self.backward_mode == "serial":
             hier = Hierarchy.build(n, levels=1, coarsening=2)
-            res = mgrit(stepper, g, hier, self.step_size, collect=True)
+            sol = self._mgrit(stepper, g, hier, "backward", collect=True)
         else:
             hier = self.hierarchy
-            res = mgrit(stepper, g, hier, self.step_size, relax=self.relax,
-                        max_cycles=self.cycles, tol=self.tol, c_weight=self.c_weight,
-                        init=self._init_for("backward", g), collect=True)
-            self._keep("backward", res.states, hier)
-        lam = res.states  # lam[k] is the adjoint at depth N - k
-        per_block = res.parameter_grads if res.parameter_grads is not None else \
-            stepper.parameter_grads(lam[:-1].flip(0), self.step_size)
+            sol = self._mgrit(stepper, g, hier, "backward", init=self._init_for("backward", g),
+                              collect=True)
+            self._keep("backward", sol.value, hier)
+        lam = sol.value  # lam[k] is the adjoint at depth N - k
+        per_block = sol.stats["parameter_grads"]
+        if per_block is None:
+            per_block = stepper.parameter_grads(lam[:-1].flip(0), self.step_size)
         grads = self._params.order(per_block, params)
-        self._record("backward", res, t0)
-        self.last_stats["backward"]["evaluations"] = stepper.counts.evaluations
+        self._record("backward", sol, t0, evaluations=stepper.counts.evaluations)
         return lam[-1], grads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -196,6 +240,8 @@ class ParallelResidualStack(nn.Module):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
             raise TypeError(f"x must have a floating-point dtype, got {x.dtype}")
+        check_input(x, self._params.floating())
+        check_block_modes(self._params.stateful())
         params = self._params.trainable() if torch.is_grad_enabled() else []
         return solve_through(self, x, params)
 

@@ -13,7 +13,28 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["BlockParams"]
+__all__ = ["NORM_MODULES", "RANDOM_MODULES", "STATEFUL_MODULES", "BlockParams",
+           "stateful_modules"]
+
+# Module types whose training mode MGRIT cannot reproduce: norm layers that update running
+# statistics, and layers that draw random numbers.
+NORM_MODULES = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU)
+STATEFUL_MODULES = NORM_MODULES + RANDOM_MODULES
+
+
+def stateful_modules(blocks: Sequence[nn.Module]) -> list[tuple[int, str, nn.Module]]:
+    """``(block index, qualified name, module)`` of every submodule of ``blocks`` whose type
+    updates buffers or draws random numbers in training mode (norm layers with running
+    statistics, dropout, RReLU); a block used at several depths is listed at its first."""
+    out, seen = [], set()
+    for i, b in enumerate(blocks):
+        if id(b) in seen:
+            continue
+        seen.add(id(b))
+        out.extend((i, name, m) for name, m in b.named_modules()
+                   if isinstance(m, STATEFUL_MODULES))
+    return out
 
 
 class BlockParams:
@@ -32,11 +53,41 @@ class BlockParams:
     def reset(self) -> None:
         self._named: list[list[tuple[str, torch.Tensor]]] | None = None
         self._bufs: list[list[tuple[str, torch.Tensor]]] | None = None
+        self._stateful: list | None = None
+        self._kinds: dict | None = None
 
     def _build(self) -> None:
         if self._named is None:
             self._named = [list(b.named_parameters()) for b in self.blocks]
             self._bufs = [list(b.named_buffers()) for b in self.blocks]
+
+    def stateful(self) -> list[tuple[int, str, nn.Module]]:
+        """The submodules whose training mode MGRIT cannot reproduce (listed once; see
+        :func:`paraprop.multigrid.common.stateful_modules`)."""
+        if self._stateful is None:
+            self._stateful = stateful_modules(self.blocks)
+        return self._stateful
+
+    def floating(self) -> list[tuple[int, str, torch.Tensor]]:
+        """One ``(block index, name, tensor)`` per distinct dtype and device among the blocks'
+        floating parameters and buffers (the first of each), for the input checks. Summarised
+        once from the cached lists and again when a representative's dtype or device changed
+        (``.data`` assignments); ``.to(...)`` and the like reset it."""
+        kinds = self._kinds
+        if kinds is None or any((t.dtype, t.device) != k for k, (_, _, t) in kinds.items()):
+            self._build()
+            kinds = {}
+            for i, (named, bufs) in enumerate(zip(self._named, self._bufs, strict=True)):
+                for name, t in (*named, *bufs):
+                    if t.is_floating_point():
+                        kinds.setdefault((t.dtype, t.device), (i, name, t))
+            self._kinds = kinds
+        return list(kinds.values())
+
+    def buffer_versions(self) -> list[int]:
+        """The version counters of every block's buffers (in-place updates bump them)."""
+        self._build()
+        return [t._version for bufs in self._bufs for _, t in bufs]
 
     def trainable(self) -> list[torch.Tensor]:
         """Every distinct parameter that requires a gradient, in order of first use (a block,

@@ -54,11 +54,15 @@ class QueueLink:
             raise RuntimeError(f"rank {self.me}: expected tag {tag} from rank {src}, got {got}")
         return t
 
-    def sum(self, value: float) -> float:
+    def sum(self, value: float | list[float]) -> float | list[float]:
+        """The sum over all ranks of ``value`` (a float, or elementwise a list of floats)."""
         self._board[self.me] = value
         try:
             self._barrier.wait(self.timeout)
-            total = sum(self._board)
+            if isinstance(value, list | tuple):
+                total = [sum(col) for col in zip(*self._board, strict=True)]
+            else:
+                total = sum(self._board)
             self._barrier.wait(self.timeout)
         except threading.BrokenBarrierError:
             raise PeerFailed(f"rank {self.me}: the all-reduce was abandoned (a rank failed or "

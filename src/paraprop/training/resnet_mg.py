@@ -129,7 +129,8 @@ def train(*, data: str = "digits", depth: int = 32, cycles: int = 2, levels: int
     tx, ty, vx, vy, split = load_data(data, mnist_dir=mnist_dir, seed=seed)
     torch.manual_seed(seed)
     mg = {"levels": 1} if serial else {"levels": levels, "coarsening": coarsening,
-                                       "max_cycles": cycles, "backward": backward,
+                                       "max_iters": cycles, "tol": None,
+                                       "backward": backward,
                                        "warm_start": warm_start}
     model = ResNetMG(tx.shape[-1], depth, channels, final_time,
                      stride=2 if tx.shape[-1] > 16 else 1, **mg)
@@ -156,9 +157,9 @@ def train(*, data: str = "digits", depth: int = 32, cycles: int = 2, levels: int
             opt.step()
             total += float(loss.detach()) * len(idx)
             count += len(idx)
-            fwd = model.stack.last_stats.get("forward", {})
-            if fwd.get("residuals"):
-                residuals.append(fwd["residuals"][-1])
+            fwd = model.stack.last_stats.get("forward")
+            if fwd is not None and fwd.residuals.numel():
+                residuals.append(float(fwd.residuals[-1]))
             bar.set_postfix(loss=f"{total / count:.3f}")
         train_time = time.perf_counter() - t0
         model.eval()
