@@ -84,9 +84,14 @@ def test_eval_with_enough_cycles_equals_serial_network():
 def test_one_level_is_the_serial_network():
     blocks = mlp_blocks(9, 4, seed=4, dtype=torch.float64)
     net = ParallelResidualStack(blocks, 0.3, levels=1)
-    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True,
+                    generator=torch.Generator().manual_seed(0))
     y = net(x)
-    assert float((y - serial_net(blocks, x, 0.3)).detach().abs().max()) <= 1e-15
+    ref = serial_net(blocks, x, 0.3).detach()
+    # the same steps, possibly through other kernels: a few units in the last place (the old
+    # absolute 1e-15 failed for about 1% of unseeded inputs, whose outputs exceed 4 in size)
+    ulp = torch.finfo(torch.float64).eps * max(1.0, float(ref.abs().max()))
+    assert float((y.detach() - ref).abs().max()) <= 4 * ulp
     assert net.last_stats["forward"].residuals.tolist() == []
 
 
