@@ -18,8 +18,8 @@ from paraprop.distributed import (
     spawn,
 )
 from paraprop.distributed.layer_parallel import _describe
+from paraprop.models.blocks import mlp_blocks
 from paraprop.multigrid import ParallelResidualStack
-from paraprop.multigrid.examples import mlp_blocks
 
 # depth, layers per rank (None: even), levels, coarsening, relax, cycles
 CONFIGS = [

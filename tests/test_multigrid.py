@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from paraprop.models.blocks import ConvBlock, conv_blocks, mlp_blocks
 from paraprop.multigrid import (
     AdjointStepper,
     ForwardStepper,
@@ -13,7 +14,6 @@ from paraprop.multigrid import (
     residual_norm,
     split_layers,
 )
-from paraprop.multigrid.examples import ConvBlock, conv_blocks, mlp_blocks
 from paraprop.multigrid.threads import PeerFailed, run_threads
 
 # (allowed max |mgrit - serial| relative to max |serial|, solve tolerance) per dtype.
@@ -102,7 +102,7 @@ def test_one_level_is_serial_propagation():
 
 def test_tol_stops_early_and_history_decreases():
     blocks = mlp_blocks(64, 8, seed=6, dtype=torch.float64)
-    x = torch.randn(4, 8, dtype=torch.float64)
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     hier = Hierarchy.build(64, levels=2, coarsening=4)
     res = mgrit(ForwardStepper(blocks), x, hier, 1 / 64, max_iters=50, tol=1e-8)
     assert res.converged and res.iterations < 16
@@ -112,7 +112,9 @@ def test_tol_stops_early_and_history_decreases():
     assert float((res.value - serial_states(blocks, x, 1 / 64)).abs().max()) <= 1e-8
     shorter = mgrit(ForwardStepper(blocks), x, hier, 1 / 64, max_iters=res.iterations - 1,
                     tol=1e-8, throw=False)
-    assert not shorter.converged and shorter.stats["error_estimate"] > 1e-8
+    # one cycle fewer: the rule (estimate <= tol and last change <= tol) did not hold yet
+    assert not shorter.converged
+    assert shorter.stats["error_estimate"] > 1e-8 or shorter.stats["changes"][-1] > 1e-8
     assert all(b < a for a, b in zip(r, r[1:], strict=False))
     assert 0 < res.stats["convergence_factor"] < 1
     capped = mgrit(ForwardStepper(blocks), x, hier, 1 / 64, max_iters=1, tol=1e-8, throw=False)

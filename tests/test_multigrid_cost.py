@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
+from paraprop.models.blocks import mlp_blocks
 from paraprop.multigrid import CostModel, ForwardStepper, Hierarchy, mgrit, simulate
-from paraprop.multigrid.examples import mlp_blocks
 
 MODEL = CostModel(forward_s=1e-3, adjoint_s=2e-3, param_grad_s=2e-3, backprop_s=2e-3,
                   latency_s=1e-5, bandwidth_Bps=1e9, message_bytes=4096)

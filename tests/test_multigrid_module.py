@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
+from paraprop.models.blocks import ConvBlock, conv_blocks, mlp_blocks
 from paraprop.multigrid import ParallelResidualStack, UncheckedResultWarning
-from paraprop.multigrid.examples import ConvBlock, conv_blocks, mlp_blocks
 
 
 def serial_net(blocks, x, h):

@@ -20,8 +20,8 @@ from paraprop.solve import solve
 __version__ = "0.1.0"
 
 # documented subpackages and modules, imported on first attribute access
-SUBPACKAGES = ("bench", "cli", "data", "demos", "distributed", "flows", "jacobians", "layers",
-               "linalg", "models", "multigrid", "nn", "optim", "result", "sampling", "scan",
+SUBPACKAGES = ("bench", "cli", "data", "demos", "distributed", "flows", "jacobians", "linalg",
+               "models", "multigrid", "networks", "nn", "optim", "result", "sampling", "scan",
                "solvers", "training")
 
 

@@ -33,6 +33,7 @@ import paraprop.bench.plots  # noqa: F401  (selects matplotlib's headless backen
 from paraprop.bench.harness import interleaved, machine_info, median
 from paraprop.bench.report import markdown_table, text_table, write_results
 from paraprop.data import find_mnist_dir
+from paraprop.models.blocks import ConvBlock, mlp_blocks
 from paraprop.multigrid import (
     CostModel,
     ForwardStepper,
@@ -41,7 +42,6 @@ from paraprop.multigrid import (
     mgrit,
     simulate,
 )
-from paraprop.multigrid.examples import ConvBlock, mlp_blocks
 
 DESCRIPTION = ("MGRIT: residual per cycle vs depth, batched MG vs serial forward, torchrun "
                "ranks vs model partitioning, simulated speedups, training accuracy")

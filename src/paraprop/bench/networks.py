@@ -15,7 +15,7 @@ downloaded; DenseNet-201 is also run with random weights):
    (stem, transitions, head); the paper's own accounting, which sums and maxes over the dense
    layers only, is reported beside it.
 3. Measured wall time at batch 1 on this machine: the plain forward pass vs Jacobi-GS over the
-   balanced blocks run by :class:`~paraprop.layers.ThreadedJacobiGS` (one worker per core) to the
+   balanced blocks run by :class:`~paraprop.networks.ThreadedJacobiGS` (one worker per core) to the
    same stopping rule, interleaved.
 
 Timings use one intra-op thread (the shared 2-core machine runs other jobs; oversubscribed OpenMP
@@ -37,15 +37,15 @@ import torchvision  # noqa: E402
 
 from paraprop.bench.harness import interleaved, machine_info, median  # noqa: E402
 from paraprop.bench.report import markdown_table, text_table, write_results  # noqa: E402
-from paraprop.layers import (  # noqa: E402
+from paraprop.networks import (  # noqa: E402
     ThreadedJacobiGS,
     as_recurrence,
     balanced_blocks,
     partition_time,
     profile,
 )
-from paraprop.layers.evaluate import top5_changes, trace  # noqa: E402
-from paraprop.layers.timing import uniform_blocks  # noqa: E402
+from paraprop.networks.evaluate import top5_changes, trace  # noqa: E402
+from paraprop.networks.timing import uniform_blocks  # noqa: E402
 from paraprop.training.networks import (  # noqa: E402
     image_data,
     input_channels,
@@ -124,7 +124,7 @@ def network_rows(model, images: torch.Tensor, *, name: str, weights: str, tol: f
     """Every measurement of one network: ``(variant_rows, measured_row, extra)``.
 
     Two Jacobi-GS variants: one state per block (each dense layer with its two convolutions a
-    block, as in the paper) and time-balanced blocks (:func:`~paraprop.layers.balanced_blocks`
+    block, as in the paper) and time-balanced blocks (:func:`~paraprop.networks.balanced_blocks`
     with the slowest state as the budget). Per-state times are medians at batch 1 (the paper's
     setting); the convergence is over all ``images``; the measured run uses the first image.
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from paraprop.bench.report import markdown_table, text_table
+from paraprop.models.blocks import mlp_blocks
 from paraprop.multigrid import (
     CostModel,
     ForwardStepper,
@@ -22,7 +23,6 @@ from paraprop.multigrid import (
     simulate,
     split_layers,
 )
-from paraprop.multigrid.examples import mlp_blocks
 from paraprop.multigrid.threads import run_threads
 
 ORDER = 50

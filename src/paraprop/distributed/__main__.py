@@ -31,7 +31,7 @@ from paraprop.distributed.layer_parallel import (
     layer_range,
     partitioned_forward,
 )
-from paraprop.multigrid.examples import mlp_blocks
+from paraprop.models.blocks import mlp_blocks
 
 
 def _max_over_ranks(t: float) -> float:

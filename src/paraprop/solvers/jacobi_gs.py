@@ -24,7 +24,7 @@ class JacobiGS:
             ``block_size`` calls per iteration against the ``T / block_size`` iterations.
         blocks: instead of ``block_size``, any partition of the positions into contiguous
             blocks of any lengths (e.g. a network's states grouped by cost,
-            :func:`paraprop.layers.balanced_blocks`), as ranges or lists of flat positions. The
+            :func:`paraprop.networks.balanced_blocks`), as ranges or lists of flat positions. The
             iteration then visits the blocks last to first, each position in order, so that a
             block reads its own new values and the previous values of the blocks before it.
     """

@@ -8,7 +8,7 @@ the torchvision architectures. A user with a checkpoint passes it with ``--weigh
 (this job's checkpoints, or a plain ``state_dict`` such as torchvision's ImageNet files).
 
 After training the job reports the held-out accuracy and evaluates the network by Jacobi-GS over
-its layers (:func:`paraprop.layers.evaluate`), saying which weights were used.
+its layers (:func:`paraprop.networks.evaluate`), saying which weights were used.
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from paraprop.layers import evaluate
+    from paraprop.networks import evaluate
 
     if args.steps < 0 or args.eval_batch < 0:
         raise SystemExit(f"paraprop train densenet: --steps and --eval-batch must be >= 0, got "

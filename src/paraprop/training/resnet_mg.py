@@ -24,8 +24,8 @@ from torch import nn
 from tqdm import tqdm
 
 from paraprop.data import IDXError, load_digits, load_mnist
+from paraprop.models.blocks import ConvBlock
 from paraprop.multigrid import ParallelResidualStack
-from paraprop.multigrid.examples import ConvBlock
 
 NAME = "resnet-mg"
 HELP = "a ResNet whose layers are solved by nonlinear multigrid (MGRIT), forward and backward"

@@ -8,7 +8,7 @@ forward pass (repeated runs, median), then
 - one Jacobi iteration = the slowest state (all states at once);
 - one Jacobi-GS iteration with blocks = the slowest block, each block running its states in order.
 
-These are simulations, not measurements: :class:`~paraprop.layers.ThreadedJacobiGS` measures the
+These are simulations, not measurements: :class:`~paraprop.networks.ThreadedJacobiGS` measures the
 real parallel execution on the machine at hand, which the reports show separately.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from paraprop.layers.recurrence import LayerSystem
+from paraprop.networks.recurrence import LayerSystem
 
 __all__ = ["estimate_time", "partition_time", "profile", "uniform_blocks"]
 
@@ -39,7 +39,7 @@ def profile(system: LayerSystem, *, repeats: int = 5, warmup: int = 1) -> torch.
     it); ``warmup`` untimed rounds come first.
 
     Arguments:
-        system: a bound :class:`~paraprop.layers.LayerSystem`.
+        system: a bound :class:`~paraprop.networks.LayerSystem`.
         repeats: timed rounds (the median is taken over them).
         warmup: untimed rounds first.
 

@@ -5,8 +5,8 @@ layer (or of a short run of layers), and it reads some earlier states, for a Den
 concatenation of every earlier state of its dense block (Song et al. 2021, §5.2). That is a
 nonlinear lower triangular system, so every :func:`paraprop.solve` method evaluates it.
 
-:class:`Recurrence` holds the steps (what each state runs and reads). :class:`LayerSystem` binds
-it to one input batch: states of different shapes live in one padded tensor ``(B, T, F)``
+:class:`LayerRecurrence` holds the steps (what each state runs and reads). :class:`LayerSystem`
+binds it to one input batch: states of different shapes live in one padded tensor ``(B, T, F)``
 (``B`` samples, ``T`` states, ``F`` the largest state's size per sample, zeros beyond a state's
 own size), which is the layout :func:`paraprop.solve` needs (``dim=1``).
 """
@@ -43,10 +43,10 @@ class Step:
     clone_input: bool = False
 
 
-class Recurrence:
+class LayerRecurrence:
     """The steps of a network's forward pass, in evaluation order.
 
-    Build one with :func:`paraprop.layers.as_recurrence`; evaluate it layer by layer with
+    Build one with :func:`paraprop.networks.as_recurrence`; evaluate it layer by layer with
     :meth:`states` (the sequential reference) or bind it to an input with :meth:`bind` and hand
     the resulting :class:`LayerSystem` to :func:`paraprop.solve`.
 
@@ -60,7 +60,7 @@ class Recurrence:
 
     Example:
         >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-        >>> rec = paraprop.layers.as_recurrence(net.eval())
+        >>> rec = paraprop.networks.as_recurrence(net.eval())
         >>> len(rec), torch.allclose(rec(torch.ones(3, 4)), net(torch.ones(3, 4)))
         (2, True)
     """
@@ -89,7 +89,7 @@ class Recurrence:
 
     def __repr__(self) -> str:
         src = f" from {self.source}" if self.source else ""
-        return f"Recurrence({len(self)} states{src})"
+        return f"LayerRecurrence({len(self)} states{src})"
 
     @property
     def names(self) -> list[str]:
@@ -158,7 +158,7 @@ class LayerSystem:
     ``x0=system.x0`` and ``dim=1``; the solution's :meth:`output` is the network output.
 
     Attributes:
-        recurrence: the :class:`Recurrence`.
+        recurrence: the :class:`LayerRecurrence`.
         input: the bound input batch.
         shapes: per-sample shape of every state; ``sizes`` their sizes; ``F`` the largest.
         reference: the states from sequential evaluation (computed at binding).
@@ -176,7 +176,7 @@ class LayerSystem:
     Song et al. 2021, eq. 2 (the triangular system) and §5.2 (DenseNets).
     """
 
-    def __init__(self, recurrence: Recurrence, u: torch.Tensor, states: list[torch.Tensor]):
+    def __init__(self, recurrence: LayerRecurrence, u: torch.Tensor, states: list[torch.Tensor]):
         self.recurrence = recurrence
         self.input = u
         self.B = u.shape[0]

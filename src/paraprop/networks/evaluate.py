@@ -1,7 +1,7 @@
-"""``paraprop.layers.evaluate``: a network's output by any :func:`paraprop.solve` method.
+"""``paraprop.networks.evaluate``: a network's output by any :func:`paraprop.solve` method.
 
 The forward pass is solved as the triangular system over its states (see
-:class:`~paraprop.layers.LayerSystem`); after every iteration the current output is compared
+:class:`~paraprop.networks.LayerSystem`); after every iteration the current output is compared
 with the sequential output (the error the paper plots in Fig. 1d) and with the previous
 iteration's output. The solver itself stops on the forward difference of the whole state, which
 needs no reference (Song et al. 2021, §4 and §5.2).
@@ -13,9 +13,9 @@ import dataclasses
 
 import torch
 
-from paraprop.layers.blocks import jacobi_gs_blocks
-from paraprop.layers.convert import as_recurrence
-from paraprop.layers.recurrence import LayerSystem
+from paraprop.networks.blocks import jacobi_gs_blocks
+from paraprop.networks.convert import as_recurrence
+from paraprop.networks.recurrence import LayerSystem
 from paraprop.solve import Solution, solve
 from paraprop.solvers import make_solver
 
@@ -73,7 +73,7 @@ def trace(system: LayerSystem, *, method, tol: float,
             object).
         metric: ``"top5_changes"`` or ``"max_abs"``.
         blocks: a partition of the states for ``method="jacobi_gs"`` instead of a block size
-            (solved by :func:`~paraprop.layers.jacobi_gs_blocks`).
+            (solved by :func:`~paraprop.networks.jacobi_gs_blocks`).
 
     Returns:
         The :class:`~paraprop.Solution`, its ``stats`` extended by ``metric``, ``errors`` (the
@@ -85,7 +85,7 @@ def trace(system: LayerSystem, *, method, tol: float,
         ``names`` (the states).
 
     Raises:
-        The errors of :func:`paraprop.solve` or :func:`~paraprop.layers.jacobi_gs_blocks`.
+        The errors of :func:`paraprop.solve` or :func:`~paraprop.networks.jacobi_gs_blocks`.
 
     Example:
         >>> sol = trace(as_recurrence(net).bind(x), method="jacobi", tol=1e-3)
@@ -148,8 +148,8 @@ def evaluate(
     """Evaluate ``model(x)`` as a triangular system over its layer outputs.
 
     Arguments:
-        model: anything :func:`~paraprop.layers.as_recurrence` accepts (eval mode), or a
-            :class:`~paraprop.layers.Recurrence`.
+        model: anything :func:`~paraprop.networks.as_recurrence` accepts (eval mode), or a
+            :class:`~paraprop.networks.LayerRecurrence`.
         x: the input batch (leading batch dim; samples stop independently).
         method: any :func:`paraprop.solve` method, by name or as a solver object:
             ``"jacobi_gs"`` (default; Algorithm 2), ``"jacobi"``, ``"gs_jacobi"`` or
@@ -166,8 +166,8 @@ def evaluate(
             ``"max_abs"``.
         max_iters, throw: as for :func:`paraprop.solve`.
         blocks: for ``method="jacobi_gs"``, any partition of the states into contiguous blocks
-            instead of equal ones (e.g. :func:`~paraprop.layers.balanced_blocks` of the
-            per-state times), solved by :func:`~paraprop.layers.jacobi_gs_blocks` (Algorithm 2).
+            instead of equal ones (e.g. :func:`~paraprop.networks.balanced_blocks` of the
+            per-state times), solved by :func:`~paraprop.networks.jacobi_gs_blocks` (Algorithm 2).
 
     Returns:
         ``(output, solution)``: the network output at the stopping point and the
@@ -177,7 +177,7 @@ def evaluate(
 
     Raises:
         TypeError / ValueError: bad arguments (named, with the value), a model that cannot be
-            turned into a recurrence (:class:`~paraprop.layers.UnsupportedModuleError`), an
+            turned into a recurrence (:class:`~paraprop.networks.UnsupportedModuleError`), an
             output that the metric cannot rank; the errors of :func:`paraprop.solve`.
 
     Example:

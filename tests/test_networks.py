@@ -1,4 +1,4 @@
-"""paraprop.layers: networks as recurrences over their layers, evaluated by every method."""
+"""paraprop.networks: networks as recurrences over their layers, evaluated by every method."""
 
 import math
 
@@ -8,8 +8,8 @@ import torchvision
 from torch import nn
 
 import paraprop
-from paraprop.layers import (
-    Recurrence,
+from paraprop.networks import (
+    LayerRecurrence,
     Step,
     ThreadedJacobiGS,
     UnsupportedModuleError,
@@ -20,7 +20,7 @@ from paraprop.layers import (
     register_converter,
     top5_changes,
 )
-from paraprop.layers.evaluate import trace
+from paraprop.networks.evaluate import trace
 from paraprop.solvers import METHODS, NEWTON_METHODS, GSJacobi, Jacobi, JacobiGS, SlidingJacobi
 
 
@@ -329,7 +329,7 @@ def test_in_place_input_change_and_tuple_outputs_are_named():
             return x.add_(1)
 
     rec = as_recurrence(nn.Sequential(nn.Linear(2, 2), AddInPlace()))  # AddInPlace joins state 0
-    rec2 = Recurrence([Step("lin", nn.Linear(2, 2), (-1,)), Step("bad", AddInPlace(), (0,))])
+    rec2 = LayerRecurrence([Step("lin", nn.Linear(2, 2), (-1,)), Step("bad", AddInPlace(), (0,))])
     x = torch.randn(3, 2)
     lin = rec.steps[0].module[0]
     assert torch.equal(rec(x), lin(x) + 1)  # it changes the fresh Linear output: fine
@@ -344,13 +344,13 @@ def test_recurrence_and_sequential_validation():
     with pytest.raises(ValueError, match="Sequential '\\(the model\\)' is empty"):
         as_recurrence(nn.Sequential())
     with pytest.raises(ValueError, match="at least one step"):
-        Recurrence([])
+        LayerRecurrence([])
     with pytest.raises(ValueError, match=r"step 0 \('a'\) reads inputs \(0,\)"):
-        Recurrence([Step("a", nn.Identity(), (0,))])
+        LayerRecurrence([Step("a", nn.Identity(), (0,))])
     with pytest.raises(ValueError, match=r"combine='single' needs exactly one input"):
-        Recurrence([Step("a", nn.Identity(), (-1,)), Step("b", nn.Identity(), (-1, 0))])
+        LayerRecurrence([Step("a", nn.Identity(), (-1,)), Step("b", nn.Identity(), (-1, 0))])
     with pytest.raises(ValueError, match="unknown combine='sum'"):
-        Recurrence([Step("a", nn.Identity(), (-1,), "sum")])
+        LayerRecurrence([Step("a", nn.Identity(), (-1,), "sum")])
     with pytest.raises(TypeError, match="cls must be a class"):
         register_converter("Net", lambda m: [])
     with pytest.raises(TypeError, match=r"state 0 \('0'\) has dtype torch.int64"):

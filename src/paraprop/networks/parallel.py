@@ -1,6 +1,6 @@
 """Real parallel execution of Jacobi-GS over a network's states, with threads.
 
-The parallel-time estimate (:mod:`paraprop.layers.timing`) assumes a worker per block and no
+The parallel-time estimate (:mod:`paraprop.networks.timing`) assumes a worker per block and no
 overhead. This module measures what the same iteration actually takes on the machine at hand: the
 blocks of one iteration are shared among worker threads (PyTorch operators release the GIL, so the
 threads' kernels run at the same time), each thread runs its blocks state after state, and the
@@ -14,17 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from paraprop.layers.blocks import check_blocks
-from paraprop.layers.recurrence import LayerSystem
-from paraprop.layers.timing import uniform_blocks
+from paraprop.networks.blocks import check_blocks
+from paraprop.networks.recurrence import LayerSystem
+from paraprop.networks.timing import uniform_blocks
 
 __all__ = ["ThreadedJacobiGS"]
 
 
 class ThreadedJacobiGS:
-    """Jacobi-GS (Algorithm 2) over a :class:`~paraprop.layers.LayerSystem` on a pool of threads.
+    """Jacobi-GS (Algorithm 2) over a :class:`~paraprop.networks.LayerSystem` on a pool of threads.
 
-    The iterates are those of :func:`~paraprop.layers.jacobi_gs_blocks` with the same blocks: in
+    The iterates are those of :func:`~paraprop.networks.jacobi_gs_blocks` with the same blocks: in
     one iteration every block computes its states in order from its own new values and the
     previous values of the blocks before it (blocks of one state: Jacobi, the iterates of
     ``paraprop.solve(..., method="jacobi")``). The blocks are shared among ``workers`` threads,
@@ -37,11 +37,11 @@ class ThreadedJacobiGS:
         system: the bound system.
         block_size: states per block, for uniform blocks (default 1).
         blocks: an explicit partition into contiguous blocks instead (e.g.
-            :func:`~paraprop.layers.balanced_blocks`).
+            :func:`~paraprop.networks.balanced_blocks`).
         workers: threads (default: the CPU count).
         intra_op_threads: PyTorch threads inside each worker (default 1: the workers are the
             parallelism).
-        times: optional seconds per state (:func:`~paraprop.layers.profile`) to balance the work.
+        times: optional seconds per state (:func:`~paraprop.networks.profile`) to balance the work.
 
     Raises:
         ValueError: a bad ``block_size``, ``blocks``, ``workers``, ``intra_op_threads`` or

@@ -1,4 +1,4 @@
-"""``as_recurrence``: turn a network into a :class:`~paraprop.layers.Recurrence`.
+"""``as_recurrence``: turn a network into a :class:`~paraprop.networks.LayerRecurrence`.
 
 Supported out of the box (converters are looked up along the model's class hierarchy):
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from paraprop.layers.recurrence import Recurrence, Step
+from paraprop.networks.recurrence import LayerRecurrence, Step
 
 __all__ = ["UnsupportedModuleError", "as_recurrence", "register_converter"]
 
@@ -65,17 +65,17 @@ def register_converter(cls: type, converter: Callable[[nn.Module], list[Step]]) 
     _CONVERTERS[cls] = converter
 
 
-def as_recurrence(model: nn.Module | Recurrence) -> Recurrence:
+def as_recurrence(model: nn.Module | LayerRecurrence) -> LayerRecurrence:
     """The states of ``model``'s forward pass as a triangular system.
 
     Arguments:
         model: an ``nn.Sequential``, a torchvision DenseNet or ResNet, a model of a class given
-            to :func:`register_converter`, or a :class:`Recurrence` (returned as it is). It must
-            be in eval mode if it has batch norm or dropout; it is used, not copied (states
+            to :func:`register_converter`, or a :class:`LayerRecurrence` (returned as it is). It
+            must be in eval mode if it has batch norm or dropout; it is used, not copied (states
             share its parameters, so a later ``model.to(device)`` applies to them).
 
     Returns:
-        A :class:`Recurrence` whose sequential evaluation is ``model(x)``.
+        A :class:`LayerRecurrence` whose sequential evaluation is ``model(x)``.
 
     Raises:
         UnsupportedModuleError: a model or module whose structure is unknown (its ``forward`` is
@@ -93,10 +93,10 @@ def as_recurrence(model: nn.Module | Recurrence) -> Recurrence:
     Song et al. 2021, "Accelerating Feedforward Computation via Parallel Nonlinear Equation
     Solving", §3 (eq. 1-2) and §5.2.
     """
-    if isinstance(model, Recurrence):
+    if isinstance(model, LayerRecurrence):
         return model
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module or a Recurrence, got "
+        raise TypeError(f"model must be a torch.nn.Module or a LayerRecurrence, got "
                         f"{type(model).__name__}")
     _check_eval_mode(model)
     _register_builtin()
@@ -106,9 +106,9 @@ def as_recurrence(model: nn.Module | Recurrence) -> Recurrence:
             f"cannot turn the model ({type(model).__name__}) into a recurrence: its forward() is "
             "arbitrary Python, so which layers run in which order on which inputs is unknown. "
             "Supported: nn.Sequential (of any modules), torchvision DenseNet and ResNet; wrap the "
-            "network's stages in nn.Sequential or use paraprop.layers.register_converter")
+            "network's stages in nn.Sequential or use paraprop.networks.register_converter")
     steps = converter(model)
-    return Recurrence(steps, source=type(model).__name__)
+    return LayerRecurrence(steps, source=type(model).__name__)
 
 
 def _find_converter(cls: type):
@@ -220,7 +220,7 @@ def _require_own_forward(model: nn.Module, base: type, methods: tuple[str, ...])
             raise UnsupportedModuleError(
                 f"the model ({type(model).__name__}) overrides {base.__name__}.{meth}(), so its "
                 f"forward pass may differ from torchvision's {base.__name__}; register a "
-                "converter for it with paraprop.layers.register_converter")
+                "converter for it with paraprop.networks.register_converter")
 
 
 def _densenet_steps(model: nn.Module) -> list[Step]:

@@ -6,21 +6,21 @@
   against sequential evaluation after every iteration.
 - :func:`jacobi_gs_blocks` / :func:`balanced_blocks`: Jacobi-GS over any partition of the
   states, e.g. blocks of equal time.
-- :mod:`~paraprop.layers.timing`: per-state times and the parallel-time estimate (the paper's
-  simulation); :mod:`~paraprop.layers.parallel`: real parallel execution with threads.
+- :mod:`~paraprop.networks.timing`: per-state times and the parallel-time estimate (the paper's
+  simulation); :mod:`~paraprop.networks.parallel`: real parallel execution with threads.
 """
 
-from paraprop.layers.blocks import balanced_blocks, jacobi_gs_blocks
-from paraprop.layers.convert import UnsupportedModuleError, as_recurrence, register_converter
-from paraprop.layers.evaluate import METRICS, evaluate, max_abs, top5_changes
-from paraprop.layers.parallel import ThreadedJacobiGS
-from paraprop.layers.recurrence import LayerSystem, Recurrence, Step
-from paraprop.layers.timing import estimate_time, partition_time, profile
+from paraprop.networks.blocks import balanced_blocks, jacobi_gs_blocks
+from paraprop.networks.convert import UnsupportedModuleError, as_recurrence, register_converter
+from paraprop.networks.evaluate import METRICS, evaluate, max_abs, top5_changes
+from paraprop.networks.parallel import ThreadedJacobiGS
+from paraprop.networks.recurrence import LayerRecurrence, LayerSystem, Step
+from paraprop.networks.timing import estimate_time, partition_time, profile
 
 __all__ = [
     "METRICS",
     "LayerSystem",
-    "Recurrence",
+    "LayerRecurrence",
     "Step",
     "ThreadedJacobiGS",
     "UnsupportedModuleError",

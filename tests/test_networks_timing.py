@@ -1,17 +1,17 @@
-"""paraprop.layers timing: the parallel-time estimate (the paper's simulation) and its inputs."""
+"""paraprop.networks timing: the parallel-time estimate (the paper's simulation) and its inputs."""
 
 import pytest
 import torch
 from torch import nn
 
-from paraprop.layers import (
+from paraprop.networks import (
     ThreadedJacobiGS,
     as_recurrence,
     estimate_time,
     partition_time,
     profile,
 )
-from paraprop.layers.timing import uniform_blocks
+from paraprop.networks.timing import uniform_blocks
 
 TIMES = [1.0, 4.0, 2.0, 3.0, 5.0]
 

@@ -12,7 +12,7 @@ values from the previous iterate. After iteration ``k`` the first ``k`` blocks a
 (Proposition 2), so at most ``len(blocks)`` iterations give the sequential result. The sequential
 driver emulates the parallel blocks by visiting them last to first, so that a block still sees the
 previous values of the blocks before it (:class:`paraprop.solvers.JacobiGS` with ``blocks=``);
-:class:`~paraprop.layers.ThreadedJacobiGS` runs the same iteration on threads.
+:class:`~paraprop.networks.ThreadedJacobiGS` runs the same iteration on threads.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from paraprop.layers.recurrence import LayerSystem
+from paraprop.networks.recurrence import LayerSystem
 from paraprop.result import Solution
 from paraprop.solve import solve
 from paraprop.solvers import JacobiGS
@@ -38,7 +38,7 @@ def balanced_blocks(times, budget: float | None = None) -> list[range]:
     its own). For a cap on the block time this greedy rule gives the fewest contiguous blocks.
 
     Arguments:
-        times: seconds per state (:func:`~paraprop.layers.profile`).
+        times: seconds per state (:func:`~paraprop.networks.profile`).
         budget: the cap; default: the slowest state's time, so that a Jacobi-GS iteration takes
             no longer than a Jacobi one while information moves through several states per block.
 
@@ -96,7 +96,7 @@ def jacobi_gs_blocks(
     the positions of the first ``k - 1`` blocks counted as final at iteration ``k``.
 
     Arguments:
-        system: a bound :class:`~paraprop.layers.LayerSystem` (or any ``fn`` with ``update``
+        system: a bound :class:`~paraprop.networks.LayerSystem` (or any ``fn`` with ``update``
             and ``x0`` over ``(batch, T, features)``).
         blocks: the partition (e.g. :func:`balanced_blocks`); ``[[0], [1], ...]`` is Jacobi.
         tol, norm, max_iters, throw, callback: as for :func:`paraprop.solve`.

@@ -1,4 +1,4 @@
-"""The networks job, benchmark suite and demo part built on paraprop.layers (smoke runs)."""
+"""The networks job, benchmark suite and demo part built on paraprop.networks (smoke runs)."""
 
 import json
 
@@ -9,7 +9,7 @@ from paraprop import bench
 from paraprop.bench import networks as suite
 from paraprop.cli import main
 from paraprop.demos import networks as demo
-from paraprop.layers import as_recurrence, evaluate
+from paraprop.networks import as_recurrence, evaluate
 from paraprop.solvers import GSJacobi
 from paraprop.training import jobs
 from paraprop.training.networks import (
