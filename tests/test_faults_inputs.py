@@ -9,7 +9,7 @@ import zuko
 
 import paraprop
 from paraprop.data import IDXError, load_mnist
-from paraprop.flows import parallel_inverse
+from paraprop.sampling import parallel_inverse
 from paraprop.models import MADE, MaskedLinear, PixelCNN
 
 F32, F64 = torch.float32, torch.float64

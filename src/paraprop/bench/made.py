@@ -219,7 +219,7 @@ def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> di
     payload["batch_sweep"] = sweep
 
     frows = flow_rows(16 if quick else 784, 10 if quick else 100, repeats=repeats)
-    print("\nFlow libraries: their fixed-pass inverse vs paraprop.flows.parallel_inverse")
+    print("\nFlow libraries: their fixed-pass inverse vs paraprop.sampling.parallel_inverse")
     print(text_table(frows, FLOW_COLUMNS))
     sections.append(("Flow inverses (random weights, tol=0)", markdown_table(frows, FLOW_COLUMNS)))
     payload["flows"] = frows
