@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import paraprop
 from paraprop.scan import Factored, jacobi_recurrence, linear_recurrence, native
 
 LENGTHS = [1, 2, 3, 7, 31, 32, 33, 97]
@@ -243,3 +244,19 @@ def test_jacobi_recurrence_is_differentiable_by_autograd():
     A, b, h0 = make("dense", 2, 9, 3, seed=5)
     inputs = tuple(x.clone().requires_grad_() for x in (A, b, h0))
     assert torch.autograd.gradcheck(lambda a, bb, h: jacobi_recurrence(a, bb, h).value, inputs)
+
+
+def test_jacobi_recurrence_throw_and_accumulation():
+    # A_t = I: every sweep moves by about |b|; a small step must not stop it early
+    T, H = 30, 2
+    A = torch.eye(H, dtype=torch.float64).expand(1, T, H, H)
+    b = torch.full((1, T, H), 0.01, dtype=torch.float64)
+    sol = jacobi_recurrence(A, b, tol=0.05)
+    assert sol.residuals[0] <= 0.05 and sol.iterations == T and sol.converged
+    torch.testing.assert_close(sol.value, linear_recurrence(A, b))
+    capped = jacobi_recurrence(A, b, tol=0.05, max_iters=3)
+    assert not capped.converged and capped.stats["error_estimate"] == float("inf")
+    with pytest.raises(paraprop.ConvergenceError,
+                       match="jacobi_recurrence: method='jacobi' did not converge within "
+                             "max_iters=3"):
+        jacobi_recurrence(A, b, tol=0.05, max_iters=3, throw=True)

@@ -16,13 +16,13 @@ import time
 
 import torch
 
-from paraprop.result import Solution
+from paraprop.result import Solution, ensure_converged
 from paraprop.scan.recurrence import canonicalise
 
 
 def jacobi_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
                       reverse: bool = False, max_iters: int | None = None,
-                      tol: float = 0.0) -> Solution:
+                      tol: float = 0.0, throw: bool = False) -> Solution:
     """Solve ``h_t = A_t h_{t-1} + b_t`` (or its reverse) by Jacobi sweeps from ``x = 0``.
 
     Arguments:
@@ -31,6 +31,10 @@ def jacobi_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
         tol: stop once the estimated error ``q / (1 - q) * d_k`` and the forward difference
             ``d_k = max |x_k - x_{k-1}|`` are ``<= tol`` (``q``: the observed contraction of
             ``d``); ``0`` stops at an exact fixed point.
+        throw: raise :class:`paraprop.ConvergenceError` if ``max_iters`` ends the sweeps
+            before convergence. Default ``False``, unlike :func:`paraprop.solve`: a truncated
+            Jacobi backward (truncated back-propagation through time) is a deliberate
+            approximation, reported by ``converged=False``.
 
     Returns:
         A :class:`paraprop.Solution` (``method="jacobi"``): ``value`` the last iterate
@@ -86,8 +90,11 @@ def jacobi_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
             converged = True
             estimate = 0.0 if k == T else float(est)
             break
-    return Solution(value=c.user(x), method="jacobi", iterations=len(residuals),
-                    evaluations=len(residuals), converged=converged,
-                    residuals=torch.tensor(residuals, dtype=torch.float64),
-                    stats={"error_estimate": estimate, "bound": T, "T": T,
-                           "time_s": time.perf_counter() - t0})
+    sol = Solution(value=c.user(x), method="jacobi", iterations=len(residuals),
+                   evaluations=len(residuals), converged=converged,
+                   residuals=torch.tensor(residuals, dtype=torch.float64),
+                   stats={"error_estimate": estimate, "bound": T, "T": T,
+                          "time_s": time.perf_counter() - t0})
+    return ensure_converged(sol, throw, entry="jacobi_recurrence", max_iters=max_iters, tol=tol,
+                            measure="forward difference",
+                            last=residuals[-1] if residuals else None)
