@@ -9,8 +9,8 @@ import zuko
 
 import paraprop
 from paraprop.data import IDXError, load_mnist
-from paraprop.sampling import parallel_inverse
 from paraprop.models import MADE, MaskedLinear, PixelCNN
+from paraprop.sampling import parallel_inverse
 
 F32, F64 = torch.float32, torch.float64
 
@@ -234,9 +234,9 @@ def test_recurrence_paraprop_nn_cells_are_checked_too():
     ({"image_size": -3}, r"image_size must be a positive int, got -3"),
     ({"kernel": 1}, r"kernel must be odd and >= 3, got 1"),
     ({"kernel": 3.0}, r"kernel must be odd and >= 3, got 3.0"),
-    ({"seed": "a"}, r"seed must be a non-negative int, got 'a'"),
-    ({"seed": -1}, r"seed must be a non-negative int, got -1"),
-    ({"seed": None}, r"seed must be a non-negative int, got None"),
+    ({"seed": "a"}, r"seed must be an int >= 0, got 'a'"),
+    ({"seed": -1}, r"seed must be an int >= 0, got -1"),
+    ({"seed": None}, r"seed must be an int >= 0, got None"),
 ])
 def test_pixelcnn_constructor_refuses(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -259,8 +259,8 @@ def test_pixelcnn_constructor_refuses(kwargs, match):
     ((3, (8,)), {"order": "abc"}, r"order must be a permutation of 0..2 \(ints\), got 'abc'"),
     ((3, (8,)), {"order": 3}, r"order must be a permutation of 0..2 \(ints\), got 3"),
     ((3, (8,)), {"order": [0, 1, 1]}, r"order must be a permutation of 0..2, got \[0, 1, 1\]"),
-    ((3, (8,)), {"seed": "x"}, r"seed must be a non-negative int, got 'x'"),
-    ((3, (8,)), {"seed": -1}, r"seed must be a non-negative int, got -1"),
+    ((3, (8,)), {"seed": "x"}, r"seed must be an int >= 0, got 'x'"),
+    ((3, (8,)), {"seed": -1}, r"seed must be an int >= 0, got -1"),
 ])
 def test_made_constructor_refuses(args, kwargs, match):
     with pytest.raises(ValueError, match=match):

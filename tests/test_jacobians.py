@@ -167,7 +167,7 @@ def test_errors():
         bppsa.backward(net, acts[:-1], torch.ones(3))
     with pytest.raises(ValueError, match="grad_output has 4 elements"):
         bppsa.backward(net, acts, torch.ones(4))
-    with pytest.raises(ValueError, match="levels must be a non-negative int"):
+    with pytest.raises(ValueError, match="levels must be an int >= 0 or None, got -1"):
         bppsa.backward(net, acts, torch.ones(3), levels=-1)
     bad = list(acts)
     bad[3] = torch.randn(4, 5, 5)

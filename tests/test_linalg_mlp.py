@@ -280,7 +280,7 @@ def test_input_errors_name_the_argument():
         mlp_forward(net, x, points=())
     with pytest.raises(ValueError, match=r"unknown method='lu'"):
         mlp_forward(net, x, method="lu")
-    with pytest.raises(TypeError, match=r"throw must be a bool, got str"):
+    with pytest.raises(TypeError, match=r"throw must be a bool, got 'yes'"):
         mlp_forward(net, x, throw="yes")
 
 

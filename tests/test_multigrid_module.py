@@ -141,12 +141,13 @@ def test_training_step_changes_parameters_like_serial():
 
 @pytest.mark.parametrize("kwargs,err,match", [
     ({"step_size": 0.0}, ValueError, "step_size must be a finite number > 0, got 0.0"),
-    ({"coarsening": 1}, ValueError, "coarsening must be >= 2"),
+    ({"coarsening": 1}, ValueError, "coarsening must be an int >= 2, got 1"),
     ({"levels": 4}, ValueError, "needs at least 64 layers, got 10"),
-    ({"relax": "CF"}, ValueError, "relax must be one of"),
-    ({"max_iters": 0}, ValueError, "max_iters must be an int >= 1 or None, got 0"),
-    ({"tol": -1.0}, ValueError, "tol must be None or a number >= 0"),
-    ({"backward": "exact"}, ValueError, "backward must be one of"),
+    ({"relax": "CF"}, ValueError, "unknown relax='CF'; choose one of F, FCF"),
+    ({"max_iters": 0}, ValueError, "max_iters must be a positive int or None, got 0"),
+    ({"tol": -1.0}, ValueError, "tol must be a number >= 0 or None, got -1.0"),
+    ({"backward": "exact"}, ValueError,
+     "unknown backward='exact'; choose one of adjoint, serial"),
     ({"c_weight": 3.0}, ValueError, r"c_weight must be a number in \(0, 2\]"),
 ])
 def test_argument_errors(kwargs, err, match):

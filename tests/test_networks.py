@@ -218,7 +218,7 @@ def test_balanced_blocks_respect_the_budget():
     assert balanced_blocks([1.0, 1.0, 3.0, 1.0, 2.0]) == [range(0, 2), range(2, 3), range(3, 5)]
     assert balanced_blocks([1.0, 1.0, 1.0], budget=10) == [range(0, 3)]
     assert balanced_blocks([5.0, 1.0], budget=1) == [range(0, 1), range(1, 2)]
-    with pytest.raises(ValueError, match="budget must be a positive number"):
+    with pytest.raises(ValueError, match="budget must be a number > 0, got 0"):
         balanced_blocks([1.0], budget=0)
     with pytest.raises(ValueError, match="times must be a non-empty sequence"):
         balanced_blocks([])

@@ -69,7 +69,7 @@ def test_profile_measures_every_state():
     times = profile(system, repeats=3, warmup=0)
     assert times.shape == (3,) and times.dtype == torch.float64
     assert bool((times > 0).all())
-    with pytest.raises(ValueError, match="repeats must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="repeats must be a positive int, got 0"):
         profile(system, repeats=0)
     with pytest.raises(ValueError, match="warmup must be an int >= 0, got -1"):
         profile(system, warmup=-1)

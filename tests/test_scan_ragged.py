@@ -77,5 +77,5 @@ def test_errors():
     with pytest.raises(TypeError, match="cost must be callable or None, got str"):
         ragged_scan([torch.ones(1)], _matmul, cost="flops")
     for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="levels must be a non-negative int or None"):
+        with pytest.raises(ValueError, match=f"levels must be an int >= 0 or None, got {bad}"):
             ragged_scan([torch.ones(1)], _matmul, levels=bad)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import _VF, nn
 
+from paraprop import checks
 from paraprop.scan import Factored, linear_recurrence
 
 __all__ = ["Recurrence"]
@@ -81,8 +82,7 @@ class Recurrence:
 
     def __init__(self, cell, inputs: torch.Tensor | None = None, h0: torch.Tensor | None = None,
                  *, length: int | None = None, hidden_size: int | None = None, params=None):
-        if not callable(cell):
-            raise TypeError(f"cell must be callable, got {type(cell).__name__}")
+        checks.callable_arg("cell", cell)
         for name, t in (("inputs", inputs), ("h0", h0)):
             if t is not None and not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
@@ -96,7 +96,7 @@ class Recurrence:
             batch, T = inputs.shape[:-2], inputs.shape[-2]
             ref = inputs
         else:
-            if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            if not checks.is_int(length) or length < 1:
                 raise ValueError(f"without inputs, length must be a positive int, got {length!r}")
             if h0 is None:
                 raise ValueError("without inputs, h0 is needed (it gives the batch shape)")
@@ -122,7 +122,7 @@ class Recurrence:
             H = h0.shape[-1]
         if H is None:
             H = hidden_size
-        if isinstance(H, bool) or not isinstance(H, int) or H < 1:
+        if not checks.is_int(H) or H < 1:
             raise ValueError("the state size is unknown: pass h0 or hidden_size "
                              f"(got hidden_size={hidden_size!r})")
         if hidden_size is not None and hidden_size != H:

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from paraprop import checks
+from paraprop.checks import check_max_iters, check_tol
 from paraprop.errors import ConvergenceError, NonFiniteError, NotTriangularError
 from paraprop.result import Solution, ensure_converged
 from paraprop.solvers import make_solver
@@ -161,18 +163,15 @@ def solve(
 
 def _validate(fn, x0, dim, tol, norm, max_iters, callback) -> tuple[int, int]:
     """Check every argument once; return the normalised (first, last) autoregressive dims."""
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    checks.callable_arg("fn", fn)
     if not isinstance(x0, torch.Tensor):
         raise TypeError(f"x0 must be a torch.Tensor, got {type(x0).__name__}")
     if not x0.is_floating_point():
         raise TypeError(f"x0 must have a floating-point dtype, got {x0.dtype}")
-    if norm not in NORMS:
-        raise ValueError(f"unknown norm={norm!r}; choose one of {', '.join(NORMS)}")
+    checks.one_of("norm", norm, NORMS)
     check_tol(tol)
     check_max_iters(max_iters)
-    if callback is not None and not callable(callback):
-        raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+    checks.callable_arg("callback", callback, allow_none=True)
     dims = _normalise_dims(dim, x0.dim())
     if x0.numel() == 0:
         raise ValueError(f"x0 must not be empty, got shape {tuple(x0.shape)}")
@@ -181,25 +180,9 @@ def _validate(fn, x0, dim, tol, norm, max_iters, callback) -> tuple[int, int]:
     return dims
 
 
-def check_tol(tol, name: str = "tol") -> float:
-    """``tol`` if it is a number ``>= 0``, else a ``ValueError`` naming it."""
-    if isinstance(tol, bool) or not isinstance(tol, int | float) or not tol >= 0:
-        raise ValueError(f"{name} must be a number >= 0, got {tol!r}")
-    return tol
-
-
-def check_max_iters(max_iters, name: str = "max_iters"):
-    """``max_iters`` if it is ``None`` or an int ``>= 1``, else a ``ValueError`` naming it."""
-    if max_iters is not None and (
-        isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1
-    ):
-        raise ValueError(f"{name} must be a positive int or None, got {max_iters!r}")
-    return max_iters
-
-
 def _normalise_dims(dim, ndim: int) -> tuple[int, int]:
     raw = dim if isinstance(dim, tuple) else (dim,)
-    if not raw or not all(isinstance(d, int) and not isinstance(d, bool) for d in raw):
+    if not raw or not all(checks.is_int(d) for d in raw):
         raise TypeError(f"dim must be an int or a non-empty tuple of ints, got {dim!r}")
     out = []
     for d in raw:

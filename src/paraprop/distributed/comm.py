@@ -21,6 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from paraprop import checks
+
 __all__ = ["DEFAULT_TIMEOUT_S", "DistLink", "PeerError", "check_timeout", "init_from_env"]
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -36,9 +38,7 @@ def _td(seconds: float) -> _dt.timedelta:
 
 def check_timeout(timeout) -> None:
     """Raises ``ValueError`` unless ``timeout`` is a finite number of seconds ``> 0``."""
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) \
-            or not 0 < timeout < float("inf"):
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    checks.positive_number("timeout", timeout, finite=True)
 
 
 class DistLink:

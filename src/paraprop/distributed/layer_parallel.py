@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paraprop import checks
 from paraprop.distributed.comm import DEFAULT_TIMEOUT_S, DistLink, PeerError, check_timeout
 from paraprop.multigrid.common import (
     DEFAULT_TOL,
@@ -71,7 +72,7 @@ def layer_range(depth: int, sizes: Sequence[int] | None = None, *, rank: int | N
     rank = dist.get_rank() if rank is None else rank
     world = dist.get_world_size() if world is None else world
     parts = split_layers(depth, world, list(sizes) if sizes is not None else None)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+    if not checks.is_int(rank) or not 0 <= rank < world:
         raise ValueError(f"rank must be an int in 0 .. {world - 1} (world={world}), "
                          f"got {rank!r}")
     return parts[rank]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from paraprop import checks
 from paraprop.errors import NonFiniteError
 from paraprop.linalg.direct import cyclic_reduction, substitution
 from paraprop.linalg.iterative import bicgstab, jacobi
@@ -114,8 +115,7 @@ def _validate(system, rhs, method, tol, max_iters, throw):
     if not isinstance(system, BlockBidiagonal):
         raise TypeError(f"system must be a BlockBidiagonal, got {type(system).__name__}")
     check_solver_args(method, tol, max_iters)
-    if not isinstance(throw, bool):
-        raise TypeError(f"throw must be a bool, got {type(throw).__name__}")
+    checks.boolean("throw", throw)
     if isinstance(rhs, Sequence) and not isinstance(rhs, torch.Tensor):
         for k, b in enumerate(rhs):
             if not isinstance(b, torch.Tensor):
@@ -155,17 +155,12 @@ def _validate(system, rhs, method, tol, max_iters, throw):
 def check_solver_args(method, tol, max_iters) -> None:
     """Check ``method``, ``tol`` and ``max_iters`` as :func:`solve` does (for callers that
     validate before they have a system to solve)."""
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"unknown method={method!r}; choose one of {', '.join(METHODS)}")
+    checks.one_of("method", method, METHODS)
     if method in DIRECT:
         if tol is not None:
             raise ValueError(f"tol is only used by the iterative methods, not method={method!r}")
         if max_iters is not None:
             raise ValueError(f"max_iters is only used by the iterative methods, not "
                              f"method={method!r}")
-    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, int | float)
-                            or not tol >= 0):
-        raise ValueError(f"tol must be a number >= 0 or None, got {tol!r}")
-    if max_iters is not None and (isinstance(max_iters, bool) or not isinstance(max_iters, int)
-                                  or max_iters < 1):
-        raise ValueError(f"max_iters must be a positive int or None, got {max_iters!r}")
+    checks.nonneg_number("tol", tol, allow_none=True)
+    checks.positive_int("max_iters", max_iters, allow_none=True)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paraprop import checks
 from paraprop.linalg.activations import (
     SUPPORTED,
     WITH_SETTINGS,
@@ -543,13 +544,9 @@ def mlp_forward(model: nn.Sequential, x: torch.Tensor, *, points: ActivationPoin
     l = len(parsed.linears)
     check_solver_args(method, None, None)
     tol = DEFAULT_TOL.get(x.dtype, 1e-6) if tol is None else tol
-    if isinstance(tol, bool) or not isinstance(tol, int | float) or not tol >= 0:
-        raise ValueError(f"tol must be a number >= 0 or None, got {tol!r}")
-    if max_iters is not None and (isinstance(max_iters, bool) or not isinstance(max_iters, int)
-                                  or max_iters < 1):
-        raise ValueError(f"max_iters must be a positive int or None, got {max_iters!r}")
-    if not isinstance(throw, bool):
-        raise TypeError(f"throw must be a bool, got {type(throw).__name__}")
+    checks.nonneg_number("tol", tol, allow_none=True)  # None: the default above
+    checks.positive_int("max_iters", max_iters, allow_none=True)
+    checks.boolean("throw", throw)
     if points is not None:
         _check_points(points, parsed, x)
     cap = l if max_iters is None else max_iters

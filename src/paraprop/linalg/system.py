@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from paraprop import checks
 from paraprop.linalg.operators import (
     BlockDiagonalOperator,
     LinearOperator,
@@ -78,8 +79,7 @@ class BlockBidiagonal:
         off_scale: Sequence | None = None,
         sizes: Sequence[int] | None = None,
     ):
-        if not isinstance(lower, bool):
-            raise TypeError(f"lower must be a bool, got {type(lower).__name__}")
+        checks.boolean("lower", lower)
         if isinstance(off, torch.Tensor) or not isinstance(off, Sequence):
             raise TypeError("off must be a sequence (list/tuple) of l - 1 blocks, got "
                             f"{type(off).__name__}")

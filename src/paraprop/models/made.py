@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from paraprop import checks
 from paraprop.models.masked import MaskedLinear, made_masks
 
 CONDITIONALS = {"logistic": 2, "gaussian": 2, "bernoulli": 1}
@@ -47,17 +48,13 @@ class MADE(nn.Module):
     def __init__(self, features: int, hidden: tuple[int, ...] = (512, 512),
                  conditional: str = "logistic", order=None, seed: int = 0):
         super().__init__()
-        if not _is_int(features) or features < 1:
-            raise ValueError(f"features must be a positive int, got {features!r}")
+        checks.positive_int("features", features)
         if not isinstance(hidden, tuple | list) or not hidden or not all(
-                _is_int(h) and h >= 1 for h in hidden):
+                checks.is_int(h) and h >= 1 for h in hidden):
             raise ValueError(f"hidden must be a non-empty tuple of positive ints, got {hidden!r}")
         hidden = tuple(hidden)
-        if not isinstance(conditional, str) or conditional not in CONDITIONALS:
-            raise ValueError(f"unknown conditional={conditional!r}; choose one of "
-                             f"{', '.join(CONDITIONALS)}")
-        if not _is_int(seed) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        checks.one_of("conditional", conditional, CONDITIONALS)
+        checks.nonneg_int("seed", seed)
         if order is None:
             order_t = torch.arange(features)
         else:
@@ -162,10 +159,6 @@ class MADE(nn.Module):
         return load_checkpoint(cls, "MADE", path, map_location)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _as_order(order, features: int) -> torch.Tensor:
     """``order`` as a long tensor, checked to be a permutation of ``0 .. features-1``."""
     if isinstance(order, torch.Tensor):
@@ -176,7 +169,7 @@ def _as_order(order, features: int) -> torch.Tensor:
             items = list(order)
         except TypeError:
             items = None
-        ok = items is not None and all(_is_int(i) for i in items)
+        ok = items is not None and all(checks.is_int(i) for i in items)
     if not ok:
         raise ValueError(f"order must be a permutation of 0..{features - 1} (ints), got "
                          f"{order!r}")

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from paraprop import checks
+
 
 class _GatedLayer(nn.Module):
     """One layer of both stacks (gated activations ``tanh(a) * sigmoid(b)``)."""
@@ -82,14 +84,12 @@ class PixelCNN(nn.Module):
         for name, v in [("in_channels", in_channels), ("image_size", image_size),
                         ("hidden", hidden), ("layers", layers), ("mixtures", mixtures),
                         ("levels", levels)]:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            checks.positive_int(name, v)
         if levels < 2:
             raise ValueError(f"levels must be >= 2 (the discrete pixel values), got {levels}")
-        if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 3 or kernel % 2 == 0:
+        if not checks.is_int(kernel) or kernel < 3 or kernel % 2 == 0:
             raise ValueError(f"kernel must be odd and >= 3, got {kernel!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        checks.nonneg_int("seed", seed)
         self.config = {"in_channels": in_channels, "image_size": image_size, "hidden": hidden,
                        "layers": layers, "mixtures": mixtures, "kernel": kernel,
                        "levels": levels, "seed": seed}

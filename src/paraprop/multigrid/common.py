@@ -11,19 +11,18 @@ construction, with the same messages), check the input and the blocks' modes at 
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from paraprop import checks
 from paraprop.multigrid.params import RANDOM_MODULES, stateful_modules
 from paraprop.multigrid.steps import shares_architecture
 
 __all__ = ["BACKWARD", "DEFAULT_TOL", "RELAX", "UncheckedResultWarning", "as_coarsening",
-           "check_block_modes", "check_blocks", "check_c_weight", "check_input",
-           "check_max_iters", "check_relax", "check_settings", "check_step_size", "check_tol",
+           "check_block_modes", "check_blocks", "check_c_weight", "check_input", "check_settings",
            "resolve_batched", "solve_through", "stateful_modules", "warn_unchecked"]
 
 RELAX = ("F", "FCF")
@@ -52,35 +51,8 @@ def warn_unchecked(entry: str, max_iters: int, bound: int, stacklevel: int = 3) 
         UncheckedResultWarning, stacklevel=stacklevel)
 
 
-def _is_number(v) -> bool:
-    return not isinstance(v, bool) and isinstance(v, int | float)
-
-
-def check_step_size(step_size) -> None:
-    if not _is_number(step_size) or not math.isfinite(step_size) or step_size <= 0:
-        raise ValueError(f"step_size must be a finite number > 0, got {step_size!r}")
-
-
-def check_relax(relax) -> None:
-    if relax not in RELAX:
-        raise ValueError(f"relax must be one of {RELAX}, got {relax!r}")
-
-
-def check_max_iters(max_iters, *, minimum: int) -> None:
-    """``max_iters``: an int ``>= minimum`` or ``None`` (the exactness bound)."""
-    if max_iters is None:
-        return
-    if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < minimum:
-        raise ValueError(f"max_iters must be an int >= {minimum} or None, got {max_iters!r}")
-
-
-def check_tol(tol) -> None:
-    if tol is not None and (not _is_number(tol) or not tol >= 0):
-        raise ValueError(f"tol must be None or a number >= 0, got {tol!r}")
-
-
 def check_c_weight(c_weight) -> None:
-    if not _is_number(c_weight) or not 0 < c_weight <= 2:
+    if not checks.is_number(c_weight) or not 0 < c_weight <= 2:
         raise ValueError(f"c_weight must be a number in (0, 2], got {c_weight!r}")
 
 
@@ -90,12 +62,11 @@ def check_settings(*, step_size, relax, max_iters, tol, c_weight, backward) -> N
     Raises:
         ValueError: the first bad setting, named, with its value.
     """
-    check_step_size(step_size)
-    check_relax(relax)
-    check_max_iters(max_iters, minimum=1)
-    check_tol(tol)
-    if backward not in BACKWARD:
-        raise ValueError(f"backward must be one of {BACKWARD}, got {backward!r}")
+    checks.positive_number("step_size", step_size, finite=True)
+    checks.one_of("relax", relax, RELAX)
+    checks.positive_int("max_iters", max_iters, allow_none=True)  # None: the exactness bound
+    checks.nonneg_number("tol", tol, allow_none=True)
+    checks.one_of("backward", backward, BACKWARD)
     check_c_weight(c_weight)
 
 

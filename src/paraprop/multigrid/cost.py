@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from paraprop.multigrid.common import check_relax
+from paraprop import checks
+from paraprop.multigrid.common import RELAX
 from paraprop.multigrid.hierarchy import Hierarchy, split_layers
 from paraprop.multigrid.mgrit import run_mgrit
 from paraprop.multigrid.threads import run_threads
@@ -67,14 +68,10 @@ class CostModel:
     def __post_init__(self):
         for name in ("forward_s", "adjoint_s", "param_grad_s", "backprop_s", "latency_s",
                      "message_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
-                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+            checks.nonneg_number(name, getattr(self, name))
         if not self.bandwidth_Bps > 0:
             raise ValueError(f"bandwidth_Bps must be > 0, got {self.bandwidth_Bps!r}")
-        f = self.fused_s
-        if f is not None and (isinstance(f, bool) or not isinstance(f, int | float) or not f >= 0):
-            raise ValueError(f"fused_s must be None or a number >= 0, got {self.fused_s!r}")
+        checks.nonneg_number("fused_s", self.fused_s, allow_none=True)
         if not self.concurrency > 0:
             raise ValueError(f"concurrency must be > 0, got {self.concurrency!r}")
 
@@ -194,9 +191,8 @@ def simulate(
         True
     """
     hier = Hierarchy.build(depth, levels=levels, coarsening=coarsening)
-    check_relax(relax)
-    if isinstance(cycles, bool) or not isinstance(cycles, int) or cycles < 1:
-        raise ValueError(f"cycles must be an int >= 1, got {cycles!r}")
+    checks.one_of("relax", relax, RELAX)
+    checks.positive_int("cycles", cycles)
     parts = split_layers(depth, workers)
     m = model
     # Model partitioning: activations pass through the workers one after another.

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from paraprop import checks
+
 __all__ = ["Hierarchy", "LocalLevel", "split_layers"]
 
 
@@ -48,13 +50,11 @@ class Hierarchy:
                 (``levels - 1`` entries).
 
         Raises:
-            ValueError / TypeError: a bad value (named), or too few steps for the levels: every
+            ValueError: a bad value (named), or too few steps for the levels: every
                 coarse level must keep at least one step (``n_steps >= c_0 ... c_{L-2}``).
         """
-        if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
-            raise ValueError(f"the number of layers must be a positive int, got {n_steps!r}")
-        if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
-            raise ValueError(f"levels must be an int >= 1, got {levels!r}")
+        checks.positive_int("the number of layers", n_steps)
+        checks.positive_int("levels", levels)
         if isinstance(coarsening, list | tuple):
             cs = tuple(coarsening)
             if len(cs) != levels - 1:
@@ -63,10 +63,7 @@ class Hierarchy:
         else:
             cs = (coarsening,) * (levels - 1)
         for c in cs if cs else (coarsening,):
-            if isinstance(c, bool) or not isinstance(c, int):
-                raise TypeError(f"coarsening must be an int >= 2, got {c!r}")
-            if c < 2:
-                raise ValueError(f"coarsening must be >= 2 (c < 2 does not coarsen), got {c!r}")
+            checks.positive_int("coarsening", c, minimum=2)  # c < 2 does not coarsen
         need = math.prod(cs)
         if n_steps < need:
             raise ValueError(f"levels={levels} with coarsening {cs} needs at least {need} layers, "
@@ -180,8 +177,7 @@ def split_layers(n_layers: int, world: int, sizes: list[int] | None = None
         >>> split_layers(10, 3)
         [(0, 4), (4, 7), (7, 10)]
     """
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"world must be a positive int, got {world!r}")
+    checks.positive_int("world", world)
     if sizes is None:
         if n_layers < world:
             raise ValueError(f"{n_layers} layers cannot be split over {world} ranks "

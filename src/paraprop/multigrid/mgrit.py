@@ -57,16 +57,13 @@ from typing import Protocol
 
 import torch
 
+from paraprop import checks
 from paraprop.multigrid.common import (
     DEFAULT_TOL,
     RELAX,
     check_block_modes,
     check_c_weight,
     check_input,
-    check_max_iters,
-    check_relax,
-    check_step_size,
-    check_tol,
     floating_tensors,
     stateful_modules,
     warn_unchecked,
@@ -564,10 +561,10 @@ def _validate(x, hierarchy, step_size, relax, max_iters, tol, c_weight, parts, m
     if not isinstance(hierarchy, Hierarchy):
         raise TypeError(f"hierarchy must be a Hierarchy (Hierarchy.build(...)), got "
                         f"{type(hierarchy).__name__}")
-    check_step_size(step_size)
-    check_relax(relax)
-    check_max_iters(max_iters, minimum=0)
-    check_tol(tol)
+    checks.positive_number("step_size", step_size, finite=True)
+    checks.one_of("relax", relax, RELAX)
+    checks.nonneg_int("max_iters", max_iters, allow_none=True)  # None: the exactness bound
+    checks.nonneg_number("tol", tol, allow_none=True)
     check_c_weight(c_weight)
     if parts is not None:
         ok = (len(parts) >= 1 and parts[0][0] == 0 and parts[-1][1] == hierarchy.n_steps

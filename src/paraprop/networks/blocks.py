@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from paraprop import checks
 from paraprop.networks.recurrence import LayerSystem
 from paraprop.result import Solution
 from paraprop.solve import solve
@@ -56,9 +57,7 @@ def balanced_blocks(times, budget: float | None = None) -> list[range]:
     if t.numel() == 0 or not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
         raise ValueError(f"times must be a non-empty sequence of finite seconds >= 0, got "
                          f"{times!r}")
-    cap = float(t.max()) if budget is None else budget
-    if isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 0:
-        raise ValueError(f"budget must be a positive number of seconds, got {budget!r}")
+    cap = float(t.max()) if budget is None else checks.positive_number("budget", budget)
     blocks, lo, acc = [], 0, 0.0
     for i, ti in enumerate(t.tolist()):
         if i > lo and acc + ti > cap:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from paraprop import checks
 from paraprop.networks.recurrence import LayerRecurrence, Step
 
 __all__ = ["UnsupportedModuleError", "as_recurrence", "register_converter"]
@@ -60,8 +61,7 @@ def register_converter(cls: type, converter: Callable[[nn.Module], list[Step]]) 
     """
     if not isinstance(cls, type):
         raise TypeError(f"cls must be a class, got {cls!r}")
-    if not callable(converter):
-        raise TypeError(f"converter must be callable, got {type(converter).__name__}")
+    checks.callable_arg("converter", converter)
     _CONVERTERS[cls] = converter
 
 

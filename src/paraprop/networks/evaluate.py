@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from paraprop import checks
 from paraprop.networks.blocks import jacobi_gs_blocks
 from paraprop.networks.convert import as_recurrence
 from paraprop.networks.recurrence import LayerSystem
@@ -190,8 +191,7 @@ def evaluate(
     Song et al. 2021, "Accelerating Feedforward Computation via Parallel Nonlinear Equation
     Solving", §5.2 and Fig. 1d.
     """
-    if metric not in METRICS:
-        raise ValueError(f"unknown metric={metric!r}; choose one of {', '.join(METRICS)}")
+    checks.one_of("metric", metric, METRICS)
     solver = make_solver(method)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")

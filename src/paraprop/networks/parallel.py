@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from paraprop import checks
 from paraprop.networks.blocks import check_blocks
 from paraprop.networks.recurrence import LayerSystem
 from paraprop.networks.timing import uniform_blocks
@@ -64,11 +65,8 @@ class ThreadedJacobiGS:
         self.blocks = check_blocks(blocks, system.T)
         if workers is None:
             workers = os.cpu_count() or 1
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be a positive int, got {workers!r}")
-        if (isinstance(intra_op_threads, bool) or not isinstance(intra_op_threads, int)
-                or intra_op_threads < 1):
-            raise ValueError(f"intra_op_threads must be a positive int, got {intra_op_threads!r}")
+        checks.positive_int("workers", workers)
+        checks.positive_int("intra_op_threads", intra_op_threads)
         if times is not None:
             times = [float(t) for t in times]
             if len(times) != system.T:
@@ -121,11 +119,8 @@ class ThreadedJacobiGS:
         Raises:
             ValueError: a negative ``tol`` or a bad ``max_iters``.
         """
-        if isinstance(tol, bool) or not isinstance(tol, int | float) or not tol >= 0:
-            raise ValueError(f"tol must be a number >= 0, got {tol!r}")
-        if max_iters is not None and (isinstance(max_iters, bool)
-                                      or not isinstance(max_iters, int) or max_iters < 1):
-            raise ValueError(f"max_iters must be a positive int or None, got {max_iters!r}")
+        checks.check_tol(tol)
+        checks.check_max_iters(max_iters)
         self.open()
         cap = self.bound if max_iters is None else min(max_iters, self.bound)
         x = self.system.x0

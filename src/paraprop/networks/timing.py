@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from paraprop import checks
 from paraprop.networks.recurrence import LayerSystem
 
 __all__ = ["estimate_time", "partition_time", "profile", "uniform_blocks"]
@@ -53,10 +54,8 @@ def profile(system: LayerSystem, *, repeats: int = 5, warmup: int = 1) -> torch.
         >>> times = profile(as_recurrence(net).bind(x), repeats=5)
         >>> float(times.sum())  # the sequential time, as the paper estimates it
     """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    checks.positive_int("repeats", repeats)
+    checks.nonneg_int("warmup", warmup)
     rec, ref, u = system.recurrence, system.reference, system.input
     fetch = lambda i: u if i < 0 else ref[i]  # noqa: E731
     samples = torch.zeros(repeats, system.T, dtype=torch.float64)
@@ -73,8 +72,7 @@ def profile(system: LayerSystem, *, repeats: int = 5, warmup: int = 1) -> torch.
 
 def uniform_blocks(T: int, block_size: int) -> list[range]:
     """Contiguous blocks of ``block_size`` states (the last may be shorter)."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    checks.positive_int("block_size", block_size)
     return [range(lo, min(T, lo + block_size)) for lo in range(0, T, block_size)]
 
 
@@ -87,9 +85,7 @@ def _times(times) -> torch.Tensor:
 
 
 def _iterations(iterations) -> int:
-    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
-        raise ValueError(f"iterations must be an int >= 0, got {iterations!r}")
-    return iterations
+    return checks.nonneg_int("iterations", iterations)
 
 
 def estimate_time(times, *, method: str, iterations: int, block_size: int | None = None
@@ -124,15 +120,13 @@ def estimate_time(times, *, method: str, iterations: int, block_size: int | None
         return float(t.sum())
     if method in ("jacobi", "gs_jacobi"):
         return k * float(t.max())
-    if method == "jacobi_gs":
-        if block_size is None:
-            raise ValueError("block_size is required for method='jacobi_gs'")
-        blocks = uniform_blocks(t.numel(), block_size)
-        b = len(blocks[0])
-        sweep = sum(max(float(t[blk[j]]) for blk in blocks if j < len(blk)) for j in range(b))
-        return k * sweep
-    raise ValueError(f"unknown method={method!r}; choose sequential, jacobi, jacobi_gs or "
-                     "gs_jacobi")
+    checks.one_of("method", method, ("sequential", "jacobi", "jacobi_gs", "gs_jacobi"))
+    if block_size is None:  # method == "jacobi_gs"
+        raise ValueError("block_size is required for method='jacobi_gs'")
+    blocks = uniform_blocks(t.numel(), block_size)
+    b = len(blocks[0])
+    sweep = sum(max(float(t[blk[j]]) for blk in blocks if j < len(blk)) for j in range(b))
+    return k * sweep
 
 
 def partition_time(times, blocks: Sequence[Sequence[int]], iterations: int) -> float:

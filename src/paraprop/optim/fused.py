@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
+from paraprop import checks
 from paraprop.optim.backward import BackwardEngine
 from paraprop.optim.buckets import Stepper, build_buckets
 from paraprop.optim.errors import FusionError
@@ -67,8 +68,9 @@ def fuse(optimizer: torch.optim.Optimizer, model: nn.Module, *, mode: str = "for
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` (or is already fused),
-            ``model`` is not an ``nn.Module``, ``accumulation_steps`` is not an int.
-        ValueError: an unknown ``mode``; ``accumulation_steps < 1``; an optimizer that is not
+            ``model`` is not an ``nn.Module``, ``overlap`` is not a bool.
+        ValueError: an unknown ``mode``; ``accumulation_steps`` not an int ``>= 1``,
+            ``bucket_numel`` not an int ``>= 0``; an optimizer that is not
             per-parameter (LBFGS) or that has step hooks of its own; an optimizer already
             fused; ``mode="backward"`` with DistributedDataParallel.
 
@@ -94,18 +96,10 @@ def _validate(optimizer, model, mode, accumulation_steps, bucket_numel, overlap)
                         f"{type(optimizer).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
-        raise TypeError(f"accumulation_steps must be an int, got {accumulation_steps!r}")
-    if accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
-    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int):
-        raise TypeError(f"bucket_numel must be an int, got {bucket_numel!r}")
-    if bucket_numel < 0:
-        raise ValueError(f"bucket_numel must be >= 0, got {bucket_numel}")
-    if not isinstance(overlap, bool):
-        raise TypeError(f"overlap must be a bool, got {overlap!r}")
+    checks.one_of("mode", mode, MODES)
+    checks.positive_int("accumulation_steps", accumulation_steps)
+    checks.nonneg_int("bucket_numel", bucket_numel)
+    checks.boolean("overlap", overlap)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
             "LBFGS cannot be fused: its step needs a closure that re-evaluates the loss and a "

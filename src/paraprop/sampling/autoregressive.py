@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from paraprop import checks
 from paraprop.solve import Solution, _normalise_dims, solve
 from paraprop.solvers import is_solver
 
@@ -64,8 +65,7 @@ def sample(model, n: int, *, method="jacobi", tol: float = 1e-5, noise=None,
         >>> m = paraprop.models.MADE(64, (128, 128))
         >>> x, sol = paraprop.sampling.sample(m, 10, generator=torch.Generator().manual_seed(0))
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int, got {n!r}")
+    checks.positive_int("n", n)
     special = model.samplers() if callable(getattr(model, "samplers", None)) else {}
     solver, block_size = None, None
     if is_solver(method):
@@ -74,9 +74,7 @@ def sample(model, n: int, *, method="jacobi", tol: float = 1e-5, noise=None,
     elif not isinstance(method, str):
         raise TypeError("method must be a method name or a solver object from "
                         f"paraprop.solvers, got {type(method).__name__}")
-    if method not in SAMPLING_METHODS and method not in special:
-        known = dict.fromkeys([*SAMPLING_METHODS, *special])
-        raise ValueError(f"unknown method={method!r}; choose one of {', '.join(known)}")
+    checks.one_of("method", method, dict.fromkeys([*SAMPLING_METHODS, *special]))
     expected = tuple(model.noise_shape(n))
     if noise is None:
         noise = model.draw_noise(n, generator)

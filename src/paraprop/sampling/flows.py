@@ -20,8 +20,9 @@ import time
 import torch
 from torch import nn
 
+from paraprop.checks import check_max_iters, check_tol
 from paraprop.result import Solution
-from paraprop.solve import check_max_iters, check_tol, solve
+from paraprop.solve import solve
 from paraprop.solvers import make_solver
 
 

@@ -25,6 +25,7 @@ import math
 import torch
 from torch.nn import functional as F
 
+from paraprop import checks
 from paraprop.result import Solution
 from paraprop.solve import solve
 from paraprop.solvers import GSJacobi, JacobiGS, Sequential
@@ -249,7 +250,7 @@ class CachedPixels(PixelSystem):
 
 
 def _check_rows(name: str, rows, H: int) -> None:
-    if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= H:
+    if not checks.is_int(rows) or not 1 <= rows <= H:
         raise ValueError(f"{name} must be an int in [1, {H}] (rows of the image), got {rows!r}")
 
 

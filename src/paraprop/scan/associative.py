@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from paraprop import checks
 from paraprop.scan import blelloch, chunked, hillis_steele, sequential
 
 SCAN_ALGORITHMS = ("auto", "sequential", "blelloch", "hillis_steele", "chunked")
@@ -67,21 +68,14 @@ def associative_scan(elems, combine: Callable, *, dim: int = 0, exclusive: bool 
     else:
         raise TypeError("elems must be a tensor or a non-empty tuple/list of tensors, got "
                         f"{type(elems).__name__}")
-    if not callable(combine):
-        raise TypeError(f"combine must be callable, got {type(combine).__name__}")
-    if not isinstance(algorithm, str) or algorithm not in SCAN_ALGORITHMS:
-        raise ValueError(f"unknown algorithm={algorithm!r}; "
-                         f"choose one of {', '.join(SCAN_ALGORITHMS)}")
+    checks.callable_arg("combine", combine)
+    checks.one_of("algorithm", algorithm, SCAN_ALGORITHMS)
     if levels is not None and algorithm != "blelloch":
         raise ValueError(f"levels is only used by algorithm='blelloch', not {algorithm!r}")
-    if levels is not None and (isinstance(levels, bool) or not isinstance(levels, int)
-                               or levels < 0):
-        raise ValueError(f"levels must be an int >= 0, got {levels!r}")
+    checks.nonneg_int("levels", levels, allow_none=True)
     if chunk_size is not None and algorithm != "chunked":
         raise ValueError(f"chunk_size is only used by algorithm='chunked', not {algorithm!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                   or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    checks.positive_int("chunk_size", chunk_size, allow_none=True)
     if exclusive and identity is None:
         raise ValueError("exclusive=True needs identity= (one element, e.g. torch.eye(H) for "
                          "matrix products)")

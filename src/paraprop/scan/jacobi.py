@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from paraprop import checks
 from paraprop.result import Solution, ensure_converged
 from paraprop.scan.recurrence import canonicalise
 
@@ -52,13 +53,10 @@ def jacobi_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
         >>> r.iterations < 50 and r.converged
         True
     """
-    if max_iters is not None and (isinstance(max_iters, bool) or not isinstance(max_iters, int)
-                                  or max_iters < 1):
-        raise ValueError(f"max_iters must be a positive int or None, got {max_iters!r}")
-    if isinstance(tol, bool) or not isinstance(tol, int | float) or not tol >= 0:
-        raise ValueError(f"tol must be a number >= 0, got {tol!r}")
-    if not isinstance(reverse, bool):
-        raise TypeError(f"reverse must be a bool, got {reverse!r}")
+    checks.check_max_iters(max_iters)
+    checks.check_tol(tol)
+    checks.boolean("reverse", reverse)
+    checks.boolean("throw", throw)
     c = canonicalise(A, b, h0)
     op, bb = c.op, c.b
     T = bb.shape[1]

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from paraprop import checks
+
 __all__ = ["ragged_scan"]
 
 
@@ -59,13 +61,9 @@ def ragged_scan(elems: Sequence, combine: Callable, *, levels: int | None = None
         >>> [(s["phase"], s["combines"]) for s in steps]
         [('up', 1), ('down', 1)]
     """
-    if not callable(combine):
-        raise TypeError(f"combine must be callable, got {type(combine).__name__}")
-    if cost is not None and not callable(cost):
-        raise TypeError(f"cost must be callable or None, got {type(cost).__name__}")
-    if levels is not None and (not isinstance(levels, int) or isinstance(levels, bool)
-                               or levels < 0):
-        raise ValueError(f"levels must be a non-negative int or None, got {levels!r}")
+    checks.callable_arg("combine", combine)
+    checks.callable_arg("cost", cost, allow_none=True)
+    checks.nonneg_int("levels", levels, allow_none=True)
     elems = list(elems)
     if not elems:
         raise ValueError("elems is empty; a scan needs at least one element")

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from paraprop import checks
 from paraprop.scan import blelloch, chunked, hillis_steele, native, sequential
 from paraprop.scan.operators import Factored, Op
 
@@ -291,8 +292,7 @@ def linear_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
         True
     """
     _check_options(algorithm, chunk_size, levels, native)
-    if not isinstance(reverse, bool):
-        raise TypeError(f"reverse must be a bool, got {reverse!r}")
+    checks.boolean("reverse", reverse)
     c = canonicalise(A, b, h0)
     op = c.op
     meta = (op.kind, op.H, reverse, algorithm, chunk_size, levels, native)
@@ -306,23 +306,19 @@ def linear_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
 
 
 def _check_options(algorithm, chunk_size, levels, use_native) -> None:
-    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm={algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    checks.one_of("algorithm", algorithm, ALGORITHMS)
     if chunk_size is not None:
         if algorithm != "chunked":
             raise ValueError(f"chunk_size is only used by algorithm='chunked', "
                              f"not algorithm={algorithm!r}")
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        checks.positive_int("chunk_size", chunk_size)
     if levels is not None:
         if algorithm != "blelloch":
             raise ValueError(f"levels is only used by algorithm='blelloch', "
                              f"not algorithm={algorithm!r}")
-        if isinstance(levels, bool) or not isinstance(levels, int) or levels < 0:
-            raise ValueError(f"levels must be an int >= 0, got {levels!r}")
+        checks.nonneg_int("levels", levels)
     if use_native is not None:
-        if not isinstance(use_native, bool):
-            raise TypeError(f"native must be None or a bool, got {use_native!r}")
+        checks.boolean("native", use_native, allow_none=True)
         if use_native and algorithm not in ("auto", "sequential"):
             raise ValueError(f"native=True needs algorithm='sequential' or 'auto', "
                              f"not {algorithm!r}")

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from paraprop.solvers._settings import positive_int_or_none
+from paraprop import checks
 from paraprop.solvers.base import State, System, accept, verify_fixed_point
 
 
@@ -28,7 +28,8 @@ class GSJacobi:
     name = "gs_jacobi"
 
     def __init__(self, block_size: int | None = None):
-        self.block_size = positive_int_or_none("block_size", block_size, "GSJacobi")
+        self.block_size = checks.positive_int("GSJacobi: block_size", block_size,
+                                              allow_none=True)
 
     def __repr__(self) -> str:
         return f"GSJacobi(block_size={self.block_size!r})"

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from paraprop.solvers._settings import positive_int_or_none
+from paraprop import checks
 from paraprop.solvers.base import State, System, accept, verify_fixed_point
 
 
@@ -32,7 +32,8 @@ class JacobiGS:
     name = "jacobi_gs"
 
     def __init__(self, block_size: int | None = None, *, blocks=None):
-        self.block_size = positive_int_or_none("block_size", block_size, "JacobiGS")
+        self.block_size = checks.positive_int("JacobiGS: block_size", block_size,
+                                              allow_none=True)
         if blocks is not None and block_size is not None:
             raise ValueError("JacobiGS: pass block_size or blocks, not both")
         self.blocks = None if blocks is None else as_ranges(blocks, "JacobiGS: blocks")

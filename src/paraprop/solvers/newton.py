@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import torch
 
+from paraprop import checks
 from paraprop.errors import NonFiniteError
 from paraprop.scan import linear_recurrence
-from paraprop.solvers._settings import positive_float
 from paraprop.solvers.base import State, System, check_final, verify_fixed_point
 from paraprop.solvers.stopping import rounding_floor
 
@@ -59,7 +59,8 @@ class _NewtonFamily:
     def __init__(self, damping: float | None = None):
         self.form = FORMS[self.name]
         self.damping = (DEFAULT_DAMPING if damping is None
-                        else positive_float("damping", damping, type(self).__name__))
+                        else float(checks.positive_number(f"{type(self).__name__}: damping",
+                                                          damping)))
 
     def __repr__(self) -> str:
         extra = f"damping={self.damping!r}" if self.damped else ""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from paraprop.solvers._settings import positive_int_or_none
+from paraprop import checks
 from paraprop.solvers.base import State, System
 from paraprop.solvers.stopping import freeze_budget
 
@@ -54,7 +54,7 @@ class SlidingJacobi:
     DEFAULT_WINDOW = 64
 
     def __init__(self, window: int | None = None):
-        self.window = positive_int_or_none("window", window, "SlidingJacobi")
+        self.window = checks.positive_int("SlidingJacobi: window", window, allow_none=True)
 
     def __repr__(self) -> str:
         return f"SlidingJacobi(window={self.window!r})"

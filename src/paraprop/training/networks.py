@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from paraprop import checks
 from paraprop.data import load_digits, load_mnist
 
 NAME = "densenet"
@@ -50,8 +51,7 @@ def make_network(arch: str, num_classes: int = 10, *, size: int = 32, depth: int
     Raises:
         ValueError: an unknown ``arch`` or a size below 1.
     """
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch={arch!r}; choose one of {', '.join(ARCHS)}")
+    checks.one_of("arch", arch, ARCHS)
     if min(num_classes, size, depth, width) < 1:
         raise ValueError(f"num_classes, size, depth and width must be >= 1, got {num_classes}, "
                          f"{size}, {depth}, {width}")

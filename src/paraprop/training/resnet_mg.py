@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from paraprop import checks
 from paraprop.data import IDXError, load_digits, load_mnist
 from paraprop.models.blocks import ConvBlock
 from paraprop.multigrid import ParallelResidualStack
@@ -124,8 +125,7 @@ def train(*, data: str = "digits", depth: int = 32, cycles: int = 2, levels: int
     """
     for name, v in (("depth", depth), ("cycles", cycles), ("epochs", epochs),
                     ("batch_size", batch_size), ("channels", channels)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        checks.positive_int(name, v)
     tx, ty, vx, vy, split = load_data(data, mnist_dir=mnist_dir, seed=seed)
     torch.manual_seed(seed)
     mg = {"levels": 1} if serial else {"levels": levels, "coarsening": coarsening,

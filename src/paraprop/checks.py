@@ -1,0 +1,150 @@
+"""The shared argument checks of paraprop.
+
+Each check returns the value it was given when that value is acceptable, and otherwise raises
+with a message that names the argument and shows the bad value, in one style across the library::
+
+    tol must be a number >= 0, got -1
+    max_iters must be a positive int or None, got 0
+    unknown method='x'; choose one of a, b
+
+``bool`` is neither an int nor a number here (``True`` is a flag, not a count). The int and
+number checks raise ``ValueError`` for a value of the wrong type as well as for one out of range
+(the message says what is accepted); :func:`boolean` and :func:`callable_arg` raise
+``TypeError``. ``name`` is the argument as the caller wrote it; a prefix such as
+``"JacobiGS: block_size"`` names its owner too.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = [
+    "boolean",
+    "callable_arg",
+    "check_max_iters",
+    "check_tol",
+    "is_int",
+    "is_number",
+    "nonneg_int",
+    "nonneg_number",
+    "one_of",
+    "positive_int",
+    "positive_number",
+]
+
+
+def is_int(value) -> bool:
+    """Whether ``value`` is an int (a ``bool`` is not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """Whether ``value`` is an int or a float (a ``bool`` is not)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _or_none(allow_none: bool) -> str:
+    return " or None" if allow_none else ""
+
+
+def positive_int(name: str, value, *, minimum: int = 1, allow_none: bool = False):
+    """``value`` if it is an int ``>= minimum`` (or ``None`` with ``allow_none``).
+
+    Raises:
+        ValueError: otherwise, e.g. ``max_iters must be a positive int or None, got 0`` or
+            (``minimum=2``) ``coarsening must be an int >= 2, got 2.5``.
+    """
+    if value is None and allow_none:
+        return None
+    if not is_int(value) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {what}{_or_none(allow_none)}, got {value!r}")
+    return value
+
+
+def nonneg_int(name: str, value, *, allow_none: bool = False):
+    """``value`` if it is an int ``>= 0`` (or ``None`` with ``allow_none``).
+
+    Raises:
+        ValueError: otherwise, e.g. ``levels must be an int >= 0, got -1``.
+    """
+    return positive_int(name, value, minimum=0, allow_none=allow_none)
+
+
+def _number(name: str, value, *, positive: bool, finite: bool, allow_none: bool):
+    if value is None and allow_none:
+        return None
+    ok = is_number(value) and (value > 0 if positive else value >= 0)  # NaN fails both
+    if not ok or (finite and not math.isfinite(value)):
+        what = ("a finite number" if finite else "a number") + (" > 0" if positive else " >= 0")
+        raise ValueError(f"{name} must be {what}{_or_none(allow_none)}, got {value!r}")
+    return value
+
+
+def nonneg_number(name: str, value, *, finite: bool = False, allow_none: bool = False):
+    """``value`` if it is an int or float ``>= 0`` (not NaN; finite with ``finite``).
+
+    Raises:
+        ValueError: otherwise, e.g. ``tol must be a number >= 0, got -1``.
+    """
+    return _number(name, value, positive=False, finite=finite, allow_none=allow_none)
+
+
+def positive_number(name: str, value, *, finite: bool = False, allow_none: bool = False):
+    """``value`` if it is an int or float ``> 0`` (not NaN; finite with ``finite``).
+
+    Raises:
+        ValueError: otherwise, e.g. ``timeout must be a finite number > 0, got 0``.
+    """
+    return _number(name, value, positive=True, finite=finite, allow_none=allow_none)
+
+
+def boolean(name: str, value, *, allow_none: bool = False):
+    """``value`` if it is a ``bool`` (or ``None`` with ``allow_none``).
+
+    Raises:
+        TypeError: otherwise, e.g. ``throw must be a bool, got 'yes'``.
+    """
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool{_or_none(allow_none)}, got {value!r}")
+    return value
+
+
+def callable_arg(name: str, value, *, allow_none: bool = False):
+    """``value`` if it is callable (or ``None`` with ``allow_none``).
+
+    Raises:
+        TypeError: otherwise, naming the type (a value's repr may be large), e.g.
+            ``fn must be callable, got int``.
+    """
+    if value is None and allow_none:
+        return None
+    if not callable(value):
+        raise TypeError(f"{name} must be callable{_or_none(allow_none)}, "
+                        f"got {type(value).__name__}")
+    return value
+
+
+def one_of(name: str, value, choices):
+    """``value`` if it is one of ``choices`` (of the same type: ``True`` is not ``1``).
+
+    Raises:
+        ValueError: otherwise, e.g. ``unknown method='x'; choose one of a, b``.
+    """
+    if not any(isinstance(value, type(c)) and isinstance(value, bool) == isinstance(c, bool)
+               and value == c for c in choices):
+        raise ValueError(f"unknown {name}={value!r}; choose one of "
+                         f"{', '.join(str(c) for c in choices)}")
+    return value
+
+
+def check_tol(tol, name: str = "tol"):
+    """``tol`` if it is a number ``>= 0`` (the stopping tolerance of the iterative solvers)."""
+    return nonneg_number(name, tol)
+
+
+def check_max_iters(max_iters, name: str = "max_iters"):
+    """``max_iters`` if it is ``None`` or an int ``>= 1`` (the iteration cap of the solvers)."""
+    return positive_int(name, max_iters, allow_none=True)
