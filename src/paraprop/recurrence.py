@@ -71,7 +71,7 @@ class Recurrence:
 
     Example:
         >>> cell = torch.nn.GRUCell(4, 8)
-        >>> rec = paraprop.Recurrence(cell, torch.randn(16, 1000, 4))
+        >>> rec = paraprop.Recurrence(cell, torch.randn(4, 200, 4))     # (*batch, T, I)
         >>> sol = paraprop.solve(rec, torch.zeros(rec.shape), method="newton", dim=-2)
         >>> ref = paraprop.solve(rec, torch.zeros(rec.shape), method="sequential", dim=-2)
         >>> bool((sol.value - ref.value).abs().max() < 1e-5)

@@ -422,6 +422,7 @@ def mgrit(
         paraprop.distributed.PeerError: (across ranks) a peer died or hangs.
 
     Example:
+        >>> from paraprop.multigrid import ForwardStepper
         >>> blocks = [torch.nn.Linear(4, 4) for _ in range(16)]
         >>> stepper = ForwardStepper(blocks)
         >>> sol = mgrit(stepper, torch.randn(2, 4), Hierarchy.build(16, levels=2, coarsening=4),

@@ -110,7 +110,10 @@ def jacobi_gs_blocks(
         NonFiniteError, NotTriangularError: as for :func:`paraprop.solve`.
 
     Example:
-        >>> system = as_recurrence(net).bind(x)
+        >>> from paraprop.networks import as_recurrence, profile
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+        ...                     nn.Linear(8, 3)).eval()
+        >>> system = as_recurrence(net).bind(torch.randn(5, 4))
         >>> sol = jacobi_gs_blocks(system, balanced_blocks(profile(system)), tol=0)
         >>> torch.equal(system.output(sol.value), system.reference[-1])
         True

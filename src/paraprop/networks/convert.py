@@ -56,8 +56,17 @@ def register_converter(cls: type, converter: Callable[[nn.Module], list[Step]]) 
         TypeError: ``cls`` is not a class or ``converter`` is not callable.
 
     Example:
+        >>> class MyNet(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.body, self.head = nn.Linear(4, 8), nn.Linear(8, 2)
+        ...     def forward(self, x):
+        ...         return self.head(self.body(x))
         >>> register_converter(MyNet, lambda m: [Step("body", m.body, (-1,)),
         ...                                      Step("head", m.head, (0,))])
+        >>> net, x = MyNet(), torch.randn(3, 4)
+        >>> len(as_recurrence(net)), torch.equal(as_recurrence(net)(x), net(x))
+        (2, True)
     """
     if not isinstance(cls, type):
         raise TypeError(f"cls must be a class, got {cls!r}")
@@ -85,6 +94,7 @@ def as_recurrence(model: nn.Module | LayerRecurrence) -> LayerRecurrence:
             an empty ``nn.Sequential``.
 
     Example:
+        >>> import torchvision
         >>> net = torchvision.models.densenet121(num_classes=10).eval()
         >>> rec = as_recurrence(net)          # stem, 58 dense layers, 3 transitions, head
         >>> len(rec)

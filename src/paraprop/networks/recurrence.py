@@ -167,8 +167,11 @@ class LayerSystem:
         TypeError: a state that is not floating point, or whose dtype differs from the first
             state's, or that lost the batch dim (the step is named).
 
-    Example:
-        >>> system = as_recurrence(torchvision.models.densenet121(num_classes=10).eval()).bind(x)
+    Example (a small DenseNet; ``densenet121(num_classes=10)`` works the same, more slowly):
+        >>> import torchvision
+        >>> net = torchvision.models.DenseNet(growth_rate=8, block_config=(2, 2, 2, 2),
+        ...                                   num_init_features=16, num_classes=10).eval()
+        >>> system = paraprop.networks.as_recurrence(net).bind(torch.randn(2, 3, 32, 32))
         >>> sol = paraprop.solve(system, system.x0, method="jacobi", dim=1, tol=0)
         >>> torch.equal(system.output(sol.value), system.reference[-1])
         True

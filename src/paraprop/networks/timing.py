@@ -51,8 +51,12 @@ def profile(system: LayerSystem, *, repeats: int = 5, warmup: int = 1) -> torch.
         ValueError: ``repeats < 1`` or ``warmup < 0``.
 
     Example:
-        >>> times = profile(as_recurrence(net).bind(x), repeats=5)
-        >>> float(times.sum())  # the sequential time, as the paper estimates it
+        >>> net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+        >>> system = paraprop.networks.as_recurrence(net).bind(torch.randn(8, 4))
+        >>> times = profile(system, repeats=5)
+        >>> times.shape, bool(times.min() > 0)
+        (torch.Size([2]), True)
+        >>> total = float(times.sum())  # the sequential time, as the paper estimates it
     """
     checks.positive_int("repeats", repeats)
     checks.nonneg_int("warmup", warmup)

@@ -1,6 +1,7 @@
 """Optimizer fusion (Jiang et al. 2021): the optimizer step fused into the forward or backward
 pass, bucket by bucket, with bitwise the unfused result.
 
+>>> model = torch.nn.Linear(4, 2)
 >>> opt = paraprop.optim.fuse(torch.optim.AdamW(model.parameters()), model, mode="forward")
 
 See :func:`fuse`, :class:`FusedOptimizer` and ``docs/optim.md``.

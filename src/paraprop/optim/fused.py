@@ -77,6 +77,7 @@ def fuse(optimizer: torch.optim.Optimizer, model: nn.Module, *, mode: str = "for
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
         >>> opt = fuse(torch.optim.Adam(model.parameters(), lr=1e-3), model, mode="forward")
+        >>> batches = [(torch.randn(16, 4), torch.randn(16, 1)) for _ in range(3)]
         >>> for x, y in batches:
         ...     loss = F.mse_loss(model(x), y)   # pending updates applied module by module
         ...     loss.backward()

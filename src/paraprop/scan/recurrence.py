@@ -286,7 +286,7 @@ def linear_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
             options given to an algorithm that does not use them.
 
     Example:
-        >>> A = 0.5 * torch.randn(4, 100, 8, 8); b = torch.randn(4, 100, 8)
+        >>> A = 0.2 * torch.randn(4, 100, 8, 8); b = torch.randn(4, 100, 8)   # stable: |A| < 1
         >>> h = linear_recurrence(A, b, algorithm="blelloch")
         >>> torch.allclose(h, linear_recurrence(A, b, algorithm="sequential"), atol=1e-5)
         True
