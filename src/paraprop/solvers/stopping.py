@@ -31,7 +31,7 @@ import torch
 __all__ = ["ContractionRule", "freeze_budget", "rounding_floor"]
 
 # Changes within this many units in the last place of a sample's largest value are rounding.
-ROUNDING_ULPS = 16
+ROUNDING_ULPS = 2
 
 
 def rounding_floor(values: torch.Tensor) -> torch.Tensor:
