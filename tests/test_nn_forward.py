@@ -1,5 +1,6 @@
 """paraprop.nn.RNN / GRU with a parallel forward (forward="newton", "quasi_newton", "elk",
-"quasi_elk", "jacobi"): the outputs, final states and every gradient of the torch modules."""
+"quasi_elk", "jacobi", "jacobi_gs", "gs_jacobi", "sliding_jacobi"): the outputs, final states and
+every gradient of the torch modules."""
 
 import itertools
 
@@ -8,13 +9,15 @@ import torch
 
 import paraprop
 import paraprop.nn as pnn
-from paraprop.nn._base import FORWARDS
+from paraprop.nn import FORWARDS, ParallelForward
+from paraprop.solvers import ELK, Sequential
 
 CASES = [(pnn.RNN, torch.nn.RNN, {}), (pnn.RNN, torch.nn.RNN, {"nonlinearity": "relu"}),
          (pnn.GRU, torch.nn.GRU, {})]
 IDS = ["rnn-tanh", "rnn-relu", "gru"]
-PARALLEL = ["newton", "quasi_newton", "elk", "quasi_elk", "jacobi"]
-# forward_tol, and the allowed max |ours - torch| for outputs and gradients, per dtype
+PARALLEL = ["newton", "quasi_newton", "elk", "quasi_elk", "jacobi", "jacobi_gs", "gs_jacobi",
+            "sliding_jacobi"]
+# the solver's tol, and the allowed max |ours - torch| for outputs and gradients, per dtype
 TOL = {torch.float64: (1e-13, 1e-10), torch.float32: (1e-6, 1e-5)}
 
 
@@ -31,7 +34,9 @@ def _one_thread():
 def pair(cls, tcls, extra, dtype=torch.float64, seed=0, forward="newton", **kw):
     torch.manual_seed(seed)
     ref = tcls(3, 5, dtype=dtype, **extra, **kw)
-    ours = cls(3, 5, dtype=dtype, forward=forward, forward_tol=TOL[dtype][0], **extra, **kw)
+    fwd = forward if forward == "sequential" else ParallelForward(method=forward,
+                                                                     tol=TOL[dtype][0])
+    ours = cls(3, 5, dtype=dtype, forward=fwd, **extra, **kw)
     ours.load_state_dict(ref.state_dict())
     return ref, ours
 
@@ -76,10 +81,13 @@ def assert_same(results, tol):
 
 def assert_stats(mod, layers, T):
     st = mod.forward_stats
-    assert set(st) == {"iterations", "residual", "resets"}
+    assert set(st) == {"iterations", "residual", "resets", "error_estimate", "converged", "tol"}
     assert len(st["iterations"]) == len(st["residual"]) == len(st["resets"]) == layers
+    assert len(st["error_estimate"]) == len(st["converged"]) == len(st["tol"]) == layers
     assert all(1 <= it <= T for it in st["iterations"])
     assert all(r >= 0 for r in st["residual"])
+    assert all(st["converged"])
+    assert all(0 <= e <= tol for e, tol in zip(st["error_estimate"], st["tol"], strict=True))
 
 
 def test_every_forward_is_covered():
@@ -158,7 +166,7 @@ def test_float32(cls, tcls, extra, forward):
 @pytest.mark.parametrize("cls,tcls,extra", CASES, ids=IDS)
 def test_parallel_forward_with_jacobi_backward(cls, tcls, extra):
     ref, ours = pair(cls, tcls, extra, forward="newton", num_layers=2)
-    ours.backward = "jacobi"
+    ours.backward_config = "jacobi"
     x = torch.randn(8, 3, 3, dtype=torch.float64)
     h0 = torch.randn(2, 3, 5, dtype=torch.float64)
     assert_same(run_both(ref, ours, x, h0), 1e-10)
@@ -179,7 +187,7 @@ def test_damping_reaches_the_solver():
         o_ref, _ = ref(x)
         ours(x)
         light = ours.forward_stats["iterations"][0]
-        ours.damping = 1e4
+        ours.forward_config = ParallelForward(method=ELK(damping=1e4), tol=1e-13)
         o, _ = ours(x)
         heavy = ours.forward_stats["iterations"][0]
     assert heavy > light
@@ -206,46 +214,65 @@ def test_diverging_newton_forward_is_reset_and_still_equals_torch():
 @pytest.mark.parametrize("cls,tcls,extra", CASES, ids=IDS)
 def test_forward_max_iters(cls, tcls, extra):
     ref, ours = pair(cls, tcls, extra, forward="jacobi")
-    ours.forward_max_iters = 2
+    ours.forward_config = ParallelForward(method="jacobi", tol=1e-13, max_iters=2)
     x = torch.randn(10, 2, 3, dtype=torch.float64)
     with pytest.raises(paraprop.ConvergenceError, match="did not converge within max_iters=2"):
         ours(x)
-    ours.forward_max_iters = 10       # the bound: always exact
+    ours.forward_config = ParallelForward(method="jacobi", tol=1e-13, max_iters=10)  # the bound
     with torch.no_grad():
         assert err(ours(x)[0], ref(x)[0]) <= 1e-10
 
 
 @pytest.mark.parametrize("cls", [pnn.RNN, pnn.GRU], ids=["rnn", "gru"])
 @pytest.mark.parametrize("kwargs,exc,match", [
-    ({"forward": "deer"}, ValueError, r"unknown forward='deer'; choose one of sequential, "),
-    ({"forward": "newton", "backward": "autograd"}, ValueError,
+    (lambda: {"forward": "deer"}, ValueError,
+     r"unknown forward='deer'; choose one of sequential, "),
+    (lambda: {"forward": "newton", "backward": "autograd"}, ValueError,
      r"forward='newton' differentiates implicitly at the solution, with backward='scan' or "
      r"'jacobi'; backward='autograd' needs forward='sequential'"),
-    ({"forward": "jacobi", "backward": "autograd"}, ValueError,
+    (lambda: {"forward": "jacobi", "backward": "autograd"}, ValueError,
      r"forward='jacobi' differentiates implicitly"),
-    ({"forward": "newton", "damping": 0.1}, ValueError,
-     r"damping is only used with forward='elk'.*, not forward='newton'"),
-    ({"damping": 0.1}, ValueError,
-     r"damping is only used with forward='elk'.*, not forward='sequential'"),
-    ({"forward": "elk", "damping": 0}, ValueError, r"damping must be a number > 0, got 0$"),
-    ({"forward": "elk", "damping": -1.5}, ValueError, r"damping must be a number > 0, got -1.5"),
-    ({"forward": "elk", "damping": True}, ValueError, r"damping must be a number > 0, got True"),
-    ({"forward": "elk", "damping": "1"}, ValueError, r"damping must be a number > 0, got '1'"),
-    ({"forward_tol": -1e-3}, ValueError, r"forward_tol must be a number >= 0, got -0.001"),
-    ({"forward_tol": True}, ValueError, r"forward_tol must be a number >= 0, got True"),
-    ({"forward_max_iters": 0}, ValueError,
-     r"forward_max_iters must be a positive int or None, got 0"),
-    ({"forward_max_iters": True}, ValueError, r"forward_max_iters must be .* got True"),
-    ({"forward_max_iters": 2.0}, ValueError, r"forward_max_iters must be .* got 2.0"),
+    (lambda: {"forward": ELK(damping=0.1), "backward": "autograd"}, ValueError,
+     r"forward=ParallelForward\(method=ELK\(damping=0.1\).*\) differentiates implicitly"),
+    (lambda: {"forward": ParallelForward(method="deer")}, ValueError,
+     r"ParallelForward: unknown method='deer'; choose one of newton|jacobi"),
+    (lambda: {"forward": ParallelForward(method="sequential")}, ValueError,
+     r"method='sequential' is torch's own kernel; pass forward='sequential'"),
+    (lambda: {"forward": Sequential()}, ValueError, r"pass forward='sequential'"),
+    (lambda: {"forward": ELK}, TypeError, r"forward must be .* got the class ELK"),
+    (lambda: {"forward": 3}, TypeError, r"forward must be a method name, .* got int: 3"),
+    (lambda: {"forward": ParallelForward(method=3)}, TypeError,
+     r"ParallelForward: method must be a method name or a solver object"),
+    (lambda: {"forward": ParallelForward(tol=-1e-3)}, ValueError,
+     r"ParallelForward: tol must be a number >= 0, got -0.001"),
+    (lambda: {"forward": ParallelForward(tol=True)}, ValueError,
+     r"ParallelForward: tol must be a number >= 0, got True"),
+    (lambda: {"forward": ParallelForward(max_iters=0)}, ValueError,
+     r"ParallelForward: max_iters must be a positive int or None, got 0"),
+    (lambda: {"forward": ParallelForward(max_iters=True)}, ValueError,
+     r"max_iters must be .* got True"),
+    (lambda: {"forward": ParallelForward(max_iters=2.0)}, ValueError,
+     r"max_iters must be .* got 2.0"),
+    (lambda: {"forward": ParallelForward(throw=1)}, TypeError,
+     r"ParallelForward: throw must be a bool, got 1"),
 ])
 def test_forward_option_errors(cls, kwargs, exc, match):
     with pytest.raises(exc, match=match):
-        cls(3, 5, **kwargs)
+        cls(3, 5, **kwargs())
 
 
 @pytest.mark.parametrize("cls", [pnn.RNN, pnn.GRU], ids=["rnn", "gru"])
 def test_valid_forward_options_and_repr(cls):
-    m = cls(3, 5, forward="elk", damping=2, forward_tol=0, forward_max_iters=4)
-    assert m.forward_method == "elk" and m.damping == 2 and m.forward_max_iters == 4
-    assert "forward='elk'" in repr(m)
+    m = cls(3, 5, forward=ParallelForward(method=ELK(damping=2), tol=0, max_iters=4))
+    fwd = m.forward_config
+    assert fwd.solver.name == "elk" and fwd.solver.damping == 2 and fwd.max_iters == 4
+    assert fwd.tol == 0 and fwd.tol_for(torch.float32) == 0
+    assert "forward=ParallelForward(method=ELK(damping=2.0)" in repr(m)
+    assert "forward='elk'" in repr(cls(3, 5, forward="elk"))
+    assert cls(3, 5, forward=ELK(damping=3)).forward_config.solver.damping == 3
     assert "forward=" not in repr(cls(3, 5))
+    with pytest.raises(ValueError, match="backward='autograd' needs forward='sequential'"):
+        m.backward_config = "autograd"        # assignments are validated as the constructor
+    with pytest.raises(ValueError, match="unknown forward='deer'"):
+        m.forward_config = "deer"
+    assert m.forward_config is fwd

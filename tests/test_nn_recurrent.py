@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import paraprop.nn as pnn
+from paraprop.nn import JacobiBackward, ScanBackward
 
 CASES = [(pnn.RNN, torch.nn.RNN, {}), (pnn.RNN, torch.nn.RNN, {"nonlinearity": "relu"}),
          (pnn.GRU, torch.nn.GRU, {})]
@@ -62,7 +63,7 @@ def assert_same(results, tol):
 @pytest.mark.parametrize("backward", ["scan", "jacobi", "autograd"])
 def test_equal_to_torch(cls, tcls, extra, num_layers, batch_first, bias, backward):
     ref, ours = pair(cls, tcls, extra, num_layers=num_layers, batch_first=batch_first, bias=bias)
-    ours.backward = backward
+    ours.backward_config = backward
     T, B = 9, 4
     x = torch.randn((B, T, 3) if batch_first else (T, B, 3), dtype=torch.float64)
     h0 = torch.randn(num_layers, B, 5, dtype=torch.float64)
@@ -80,7 +81,7 @@ def test_float32_long_sequence_without_h0(cls, tcls, extra):
 @pytest.mark.parametrize("algorithm", ["sequential", "chunked", "blelloch"])
 def test_every_scan_algorithm(cls, tcls, extra, algorithm):
     ref, ours = pair(cls, tcls, extra, num_layers=2, batch_first=True)
-    ours.scan_algorithm = algorithm
+    ours.backward_config = ScanBackward(algorithm=algorithm)
     x = torch.randn(3, 40, 3, dtype=torch.float64)
     assert_same(run_both(ref, ours, x, torch.randn(2, 3, 5, dtype=torch.float64)),
                 TOL[torch.float64])
@@ -96,19 +97,22 @@ def test_unbatched_input(cls, tcls, extra):
 def test_jacobi_truncation_is_truncated_backprop():
     """With K sweeps, gradients reach exactly K steps back from the loss at the last step."""
     ref, ours = pair(pnn.RNN, torch.nn.RNN, {}, seed=3)
-    ours.backward, ours.jacobi_iters = "jacobi", 4
+    ours.backward_config = JacobiBackward(max_iters=4)
     x = torch.randn(12, 2, 3, dtype=torch.float64)
     xs = [x.clone().requires_grad_() for _ in range(2)]
     ref(xs[0])[1].sum().backward()
     ours(xs[1])[1].sum().backward()
     assert ours.backward_stats["jacobi_iterations"] == [4]
+    assert ours.backward_stats["converged"] == [False]          # truncated: not the exact gradient
     assert rel(xs[1].grad[-4:], xs[0].grad[-4:]) <= TOL[torch.float64]
     assert torch.count_nonzero(xs[1].grad[:-4]) == 0 and torch.count_nonzero(xs[0].grad[:-4])
-    ours.jacobi_iters, ours.jacobi_tol = None, 1e-300   # until exact: at most T sweeps
+    ours.backward_config = JacobiBackward(tol=1e-300)   # until exact: at most T sweeps
     xs[1].grad = None
     ours(xs[1])[1].sum().backward()
     assert rel(xs[1].grad, xs[0].grad) <= TOL[torch.float64]
     assert ours.backward_stats["jacobi_iterations"][0] <= 12
+    assert ours.backward_stats["converged"] == [True]
+    assert ours.backward_stats["error_estimate"][0] <= 1e-300
 
 
 def test_state_dict_round_trip_and_isinstance():
@@ -144,14 +148,18 @@ ERRORS = [
     (lambda: pnn.GRU(3, 5, num_layers=2, dropout=0.5), NotImplementedError,
      r"does not support dropout"),
     (lambda: pnn.GRU(3, 5, proj_size=2), NotImplementedError, r"does not support proj_size"),
-    (lambda: pnn.RNN(3, 5, backward="magic"), ValueError, r"unknown backward='magic'"),
-    (lambda: pnn.RNN(3, 5, backward="jacobi", jacobi_iters=0), ValueError,
-     r"jacobi_iters must be a positive int"),
-    (lambda: pnn.RNN(3, 5, backward="jacobi", jacobi_tol=-1.0), ValueError,
-     r"jacobi_tol must be a number >= 0"),
-    (lambda: pnn.RNN(3, 5, jacobi_iters=3), ValueError,
-     r"only used with backward='jacobi', not backward='scan'"),
-    (lambda: pnn.GRU(3, 5, scan_algorithm="fast"), ValueError, r"unknown scan_algorithm='fast'"),
+    (lambda: pnn.RNN(3, 5, backward="magic"), ValueError,
+     r"unknown backward='magic'; choose one of scan, jacobi, autograd"),
+    (lambda: pnn.RNN(3, 5, backward=JacobiBackward(max_iters=0)), ValueError,
+     r"JacobiBackward: max_iters must be a positive int or None, got 0"),
+    (lambda: pnn.RNN(3, 5, backward=JacobiBackward(tol=-1.0)), ValueError,
+     r"JacobiBackward: tol must be a number >= 0, got -1.0"),
+    (lambda: pnn.GRU(3, 5, backward=ScanBackward(algorithm="fast")), ValueError,
+     r"ScanBackward: unknown algorithm='fast'"),
+    (lambda: pnn.GRU(3, 5, backward=ScanBackward), TypeError,
+     r"backward must be a name or an object, got the class ScanBackward"),
+    (lambda: pnn.GRU(3, 5, backward=None), TypeError, r"backward must be one of .* got NoneType"),
+    (lambda: pnn.RNN(3, 5, jacobi_iters=3), TypeError, r"unexpected keyword argument"),
     (lambda: pnn.RNN(3, 5, nonlinearity="sigmoid"), ValueError, r"Unknown nonlinearity"),
     (lambda: pnn.RNN(3, 5)(torch.randn(4, 2, 7)), ValueError,
      r"input.size\(-1\) must be equal to input_size=3"),

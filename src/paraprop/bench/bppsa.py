@@ -31,7 +31,7 @@ from torch import nn
 from paraprop.bench.harness import interleaved, machine_info, median
 from paraprop.bench.plots import plt
 from paraprop.bench.report import markdown_table, text_table, write_results
-from paraprop.nn import GRU, RNN
+from paraprop.nn import GRU, RNN, JacobiBackward, ScanBackward
 from paraprop.scan import native
 
 DESCRIPTION = "BPPSA: RNN/GRU backward as a scan vs torch autograd (T, batch, GRU, Jacobi)"
@@ -138,7 +138,8 @@ def rnn_row(T: int, batch: int, repeats: int | None, seed: int, chunked: bool) -
     ref, mine = pair("rnn", 1, CLASSES, seed)
     models = {"torch": ref, "scan": mine}
     if chunked:
-        models["chunked"] = pair("rnn", 1, CLASSES, seed, scan_algorithm="chunked")[1]
+        models["chunked"] = pair("rnn", 1, CLASSES, seed,
+                                 backward=ScanBackward(algorithm="chunked"))[1]
     err = grad_error(ref, mine, x, y)
     reps = repeats_for(T, batch, repeats)
     m = measure(models, x, y, reps, f"rnn T={T} B={batch}")
@@ -177,7 +178,7 @@ def gru_row(T: int, inputs: int, batch: int, repeats: int | None, seed: int) -> 
 def jacobi_curves(T: int, batch: int, steps: int, ks: list[int], lr: float, seed: int) -> dict:
     """Training loss against cumulative step time, per backward method (same batches)."""
     methods = {"torch autograd": {"kind": "torch"}, "scan (exact)": {}}
-    methods.update({f"jacobi K={k}": {"backward": "jacobi", "jacobi_iters": k} for k in ks})
+    methods.update({f"jacobi K={k}": {"backward": JacobiBackward(max_iters=k)} for k in ks})
     curves = {}
     for label, kw in methods.items():
         ref, mine = pair("rnn", 1, CLASSES, seed, **{k: v for k, v in kw.items()

@@ -4,7 +4,8 @@ Two experiments on the CPU (issue 11):
 
 1. **GRU forward and forward+backward** in DEER's setup (Lim et al. 2023: input size 1, batch
    16): :class:`torch.nn.GRU` against :class:`paraprop.nn.GRU` with ``forward="newton"`` and
-   ``"quasi_newton"`` (same weights, ``forward_tol=1e-6``), hidden 1 .. 64, ``T`` 1k .. 100k.
+   ``"quasi_newton"`` (same weights, ``ParallelForward(tol=1e-6)``), hidden 1 .. 64, ``T`` 1k ..
+   100k.
    Forward: torch's fused sequential kernel vs the Newton solve; forward+backward: the loss
    ``sum(out * W)`` (``W`` fixed random) by torch autograd vs our Newton forward plus the exact
    scan backward at the solution. Reported: median times of interleaved rounds, iterations,
@@ -43,14 +44,14 @@ from paraprop.bench.harness import interleaved, machine_info, median
 from paraprop.bench.plots import plt
 from paraprop.bench.report import markdown_table, text_table, write_results
 from paraprop.errors import NonFiniteError
-from paraprop.nn import GRU
+from paraprop.nn import GRU, ParallelForward
 from paraprop.solvers import ELK
 
 DESCRIPTION = "Newton / quasi-Newton / ELK forward: GRU vs torch.nn.GRU (T, hidden); sine-wave GRU"
 
 BATCH, INPUTS = 16, 1
 METHODS = ("newton", "quasi_newton")
-FORWARD_TOL = 1e-6
+FORWARD_TOL = 1e-6      # ParallelForward(tol=...): the error estimate the solve stops at
 STATE_TOL = 1e-5        # the issue's "states within 1e-5 of sequential"
 SINE_H, SINE_TOL = 16, 1e-5
 
@@ -129,7 +130,7 @@ def models(H: int) -> tuple[nn.GRU, dict[str, GRU]]:
     ref = nn.GRU(INPUTS, H)
     ours = {}
     for m in METHODS:
-        g = GRU(INPUTS, H, forward=m, forward_tol=FORWARD_TOL)
+        g = GRU(INPUTS, H, forward=ParallelForward(method=m, tol=FORWARD_TOL))
         g.load_state_dict(ref.state_dict())
         ours[m] = g
     return ref, ours
@@ -409,7 +410,7 @@ def plot_gru(path: Path, gru: dict) -> Path:
     ax.legend(fontsize=7)
     cmap = plt.get_cmap("viridis")
     hs = sorted({r["hidden"] for r in gru["forward"]})
-    for ax, key, ylabel in ((axes[1], "iters", "iterations to forward_tol"),
+    for ax, key, ylabel in ((axes[1], "iters", "iterations to tol"),
                             (axes[2], "speedup", "forward speedup over torch.nn.GRU")):
         for i, h in enumerate(hs):
             rows = [r for r in gru["forward"] if r["hidden"] == h]
@@ -484,7 +485,7 @@ def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> di
 
     gru = gru_section(cfg, budget, quick, repeats)
     print(f"\nGRU forward, batch {BATCH}, input {INPUTS}: torch.nn.GRU vs paraprop.nn.GRU "
-          f"(forward_tol={FORWARD_TOL:g}); times in ms")
+          f"(tol={FORWARD_TOL:g}); times in ms")
     print(text_table(gru["forward"], FWD_COLUMNS))
     print("\nGRU forward+backward (loss = sum(out * W)): torch autograd vs Newton forward + "
           "scan backward; times in ms")
@@ -506,7 +507,7 @@ def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> di
     hb = next((r for r in gru["backward"] if (r["hidden"], r["T"]) == cfg.head), {})
     note = (
         f"GRU: batch {BATCH}, input {INPUTS}, weights of torch.nn.GRU copied into "
-        f"paraprop.nn.GRU(forward=...) with forward_tol={FORWARD_TOL:g}; inputs N(0, 1). "
+        f"paraprop.nn.GRU(forward=...) with tol={FORWARD_TOL:g}; inputs N(0, 1). "
         f"Medians of interleaved rounds (torch, newton, quasi_newton); rounds per cell in the "
         f"tables (warm-up round first up to T=10000, none beyond, where one run takes "
         f"seconds). Forward runs under no_grad. Forward+backward is `loss.backward()` of "

@@ -12,6 +12,7 @@ from paraprop.bench.bppsa import CLASSES, bitstreams, pair
 from paraprop.bench.harness import interleaved, median
 from paraprop.bench.plots import bar_plot
 from paraprop.bench.report import markdown_table, text_table
+from paraprop.nn import JacobiBackward, ScanBackward
 from paraprop.scan import native
 
 ORDER = 30
@@ -36,9 +37,11 @@ def run(out_dir: Path, *, quick: bool = False) -> dict:
     variants = {
         "torch autograd": (ref, "baseline"),
         "scan (native)": (scan, f"native kernels: {native.status()}"),
-        "scan (PyTorch chunked)": (pair("rnn", 1, CLASSES, 0, scan_algorithm="chunked")[1],
+        "scan (PyTorch chunked)": (pair("rnn", 1, CLASSES, 0,
+                                        backward=ScanBackward(algorithm="chunked"))[1],
                                    "no native code"),
-        "jacobi K=30": (pair("rnn", 1, CLASSES, 0, backward="jacobi", jacobi_iters=30)[1],
+        "jacobi K=30": (pair("rnn", 1, CLASSES, 0,
+                             backward=JacobiBackward(max_iters=30))[1],
                         "truncated: 30 sweeps"),
     }
     grads, bwd = {}, {k: [] for k in variants}

@@ -20,8 +20,9 @@ def run(out_dir: Path, *, quick: bool = False) -> dict:
     """Time the forward pass of a GRU (input 1, hidden 8, batch 16; DEER's setup) over
     ``T = 30000`` steps (3000 with ``quick``): torch.nn.GRU's fused sequential kernel against
     :class:`paraprop.nn.GRU` with ``forward="newton"`` and ``"quasi_newton"`` (same
-    weights, interleaved rounds). ``iterations`` is what each method needed to reach a residual
-    of ``1e-6``; ``max_abs_err`` is the largest difference from torch's states.
+    weights, interleaved rounds). ``iterations`` is what each method needed to reach the
+    modules' default tolerance (an error estimate of ``paraprop.nn.FORWARD_TOL[torch.float32]``);
+    ``max_abs_err`` is the largest difference from torch's states.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     T, batch, hidden = (3000 if quick else 30000), 16, 8

@@ -1,14 +1,31 @@
-"""Drop-in recurrent modules whose backward pass is a scan (BPPSA) or Jacobi sweeps.
+"""Drop-in recurrent modules whose backward pass is a scan (BPPSA) or Jacobi sweeps, and whose
+forward pass may run in parallel over time (Newton / DEER and the other solvers).
 
 :class:`RNN` and :class:`GRU` take the constructor arguments and state dicts of
-:class:`torch.nn.RNN` and :class:`torch.nn.GRU` and return the same outputs; with
-``backward="scan"`` the gradients of all hidden states come from one
-:func:`paraprop.scan.linear_recurrence` per layer over the analytic transposed Jacobians, and
-all weight gradients from batched contractions.
+:class:`torch.nn.RNN` and :class:`torch.nn.GRU` and return the same outputs. Two extra keyword
+arguments, each a name or a configuration object of :mod:`paraprop.nn.options`:
+
+- ``forward``: ``"sequential"`` (torch's kernel, the default), a method of
+  :func:`paraprop.solve` such as ``"newton"``, a solver object, or
+  :class:`ParallelForward` ``(method=..., tol=..., max_iters=..., throw=...)``;
+- ``backward``: ``"scan"`` (:class:`ScanBackward`, the default: the gradients of all hidden
+  states from one :func:`paraprop.scan.linear_recurrence` per layer, all weight gradients from
+  batched contractions), ``"jacobi"`` (:class:`JacobiBackward`) or ``"autograd"``
+  (:class:`AutogradBackward`).
 """
 
-from paraprop.nn._base import BACKWARDS
 from paraprop.nn.gru import GRU
+from paraprop.nn.options import (
+    BACKWARDS,
+    FORWARD_TOL,
+    FORWARDS,
+    AutogradBackward,
+    JacobiBackward,
+    ParallelForward,
+    ScanBackward,
+    SequentialForward,
+)
 from paraprop.nn.rnn import RNN
 
-__all__ = ["BACKWARDS", "GRU", "RNN"]
+__all__ = ["BACKWARDS", "FORWARDS", "FORWARD_TOL", "GRU", "RNN", "AutogradBackward",
+           "JacobiBackward", "ParallelForward", "ScanBackward", "SequentialForward"]

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-BACKWARDS = ("scan", "jacobi", "autograd")
-FORWARDS = ("sequential", "newton", "quasi_newton", "elk", "quasi_elk", "jacobi")
+from paraprop.nn.options import (
+    AutogradBackward,
+    ParallelForward,
+    SequentialForward,
+    backward_option,
+    check_pair,
+    describe,
+    forward_option,
+)
 
 
-def check_options(cls_name: str, *, dropout, bidirectional, proj_size, backward, jacobi_iters,
-                  jacobi_tol, scan_algorithm, forward="sequential", forward_tol=1e-6,
-                  forward_max_iters=None, damping=None) -> None:
-    """Reject what the scan backward does not implement, and bad values of the extra options."""
-    from paraprop.scan import ALGORITHMS
-
+def check_options(cls_name: str, *, dropout, bidirectional, proj_size) -> None:
+    """Reject the torch options the scan backward does not implement."""
     if bidirectional:
         raise NotImplementedError(
             f"paraprop.nn.{cls_name} does not support bidirectional=True; use "
@@ -27,60 +32,75 @@ def check_options(cls_name: str, *, dropout, bidirectional, proj_size, backward,
         raise NotImplementedError(
             f"paraprop.nn.{cls_name} does not support proj_size (torch supports it only for "
             f"LSTM); got proj_size={proj_size}")
-    if backward not in BACKWARDS:
-        raise ValueError(f"unknown backward={backward!r}; choose one of {', '.join(BACKWARDS)}")
-    if jacobi_iters is not None and (isinstance(jacobi_iters, bool)
-                                     or not isinstance(jacobi_iters, int) or jacobi_iters < 1):
-        raise ValueError(f"jacobi_iters must be a positive int or None, got {jacobi_iters!r}")
-    if isinstance(jacobi_tol, bool) or not isinstance(jacobi_tol, int | float) \
-            or not jacobi_tol >= 0:
-        raise ValueError(f"jacobi_tol must be a number >= 0, got {jacobi_tol!r}")
-    if backward != "jacobi" and (jacobi_iters is not None or jacobi_tol != 0):
-        raise ValueError(f"jacobi_iters and jacobi_tol are only used with backward='jacobi', "
-                         f"not backward={backward!r}")
-    if scan_algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown scan_algorithm={scan_algorithm!r}; choose one of "
-                         f"{', '.join(ALGORITHMS)}")
-    if forward not in FORWARDS:
-        raise ValueError(f"unknown forward={forward!r}; choose one of {', '.join(FORWARDS)}")
-    if forward != "sequential" and backward == "autograd":
-        raise ValueError(f"forward={forward!r} differentiates implicitly at the solution, with "
-                         "backward='scan' or 'jacobi'; backward='autograd' needs "
-                         "forward='sequential'")
-    if isinstance(forward_tol, bool) or not isinstance(forward_tol, int | float) \
-            or not forward_tol >= 0:
-        raise ValueError(f"forward_tol must be a number >= 0, got {forward_tol!r}")
-    if forward_max_iters is not None and (isinstance(forward_max_iters, bool) or not isinstance(
-            forward_max_iters, int) or forward_max_iters < 1):
-        raise ValueError(f"forward_max_iters must be a positive int or None, got "
-                         f"{forward_max_iters!r}")
-    if damping is not None and forward not in ("elk", "quasi_elk"):
-        raise ValueError(f"damping is only used with forward='elk' or 'quasi_elk', not "
-                         f"forward={forward!r}")
-    if damping is not None and (isinstance(damping, bool) or not isinstance(damping, int | float)
-                                or not damping > 0):
-        raise ValueError(f"damping must be a number > 0, got {damping!r}")
 
 
 def solve_layer(cfg: dict, adapter, x: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
-    """One layer's outputs ``(T, B, H)`` for time-major inputs ``x`` by ``cfg["forward"]``:
-    :func:`paraprop.solve` on the layer's :class:`paraprop.Recurrence` (no graph)."""
+    """One layer's outputs ``(T, B, H)`` for time-major inputs ``x`` by ``cfg["forward"]`` (a
+    :class:`ParallelForward`): :func:`paraprop.solve` on the layer's
+    :class:`paraprop.Recurrence` (no graph)."""
     from paraprop.recurrence import Recurrence
     from paraprop.solve import solve
-    from paraprop.solvers import SOLVERS
 
+    fwd: ParallelForward = cfg["forward"]
     rec = Recurrence(adapter, x.transpose(0, 1), h0)
-    method = cfg["forward"]
-    if cfg["damping"] is not None:
-        method = SOLVERS[method](damping=cfg["damping"])
-    sol = solve(rec, rec.zeros(), method=method, dim=-2, tol=cfg["forward_tol"],
-                max_iters=cfg["forward_max_iters"])
+    sol = solve(rec, rec.zeros(), method=fwd.solver, dim=-2, tol=cfg["forward_tol"],
+                max_iters=fwd.max_iters, throw=fwd.throw)
     st = sol.stats
-    cfg["forward_stats"].setdefault("iterations", []).append(sol.iterations)
-    cfg["forward_stats"].setdefault("residual", []).append(
-        float(sol.residuals[-1]) if len(sol.residuals) else 0.0)
-    cfg["forward_stats"].setdefault("resets", []).append(st.get("resets", 0))
+    record = cfg["forward_stats"]
+    for key, value in (("iterations", sol.iterations),
+                       ("residual", float(sol.residuals[-1]) if len(sol.residuals) else 0.0),
+                       ("resets", st.get("resets", 0)),
+                       ("error_estimate", st["error_estimate"]),
+                       ("converged", sol.converged),
+                       ("tol", cfg["forward_tol"])):
+        record.setdefault(key, []).append(value)
     return sol.value.transpose(0, 1)
+
+
+def _transforms_active() -> bool:
+    """Whether a :mod:`torch.func` transform (grad, vjp, jacrev, vmap, ...) is running."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active()) if active is not None else False
+
+
+class _SecondOrderRefused(torch.autograd.Function):
+    """Carries first-order gradients; differentiating them again raises NotImplementedError."""
+
+    @staticmethod
+    def forward(ctx, message, *grads):
+        ctx.message = message
+        return tuple(g.clone() for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise NotImplementedError(ctx.message)
+
+
+def first_order_only(backward):
+    """Decorate the ``backward`` of the scan Functions: gradients are computed without a graph,
+    and when a graph is wanted (``create_graph=True``) they carry a node that refuses the second
+    differentiation with a message naming the alternative, instead of torch's generic error."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grad_outputs):
+        with torch.no_grad():
+            grads = backward(ctx, *grad_outputs)
+        if not torch.is_grad_enabled():
+            return grads
+        cfg = ctx.cfg
+        message = (f"paraprop.nn.{cfg['name']}(backward={cfg['backward_name']}) computes "
+                   "first-order gradients only (its backward pass is not itself "
+                   "differentiable), so double backward / create_graph=True / hessians are not "
+                   "supported; use backward='autograd' (with forward='sequential') for them")
+        idx = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
+        leaves = [grads[i].detach().requires_grad_() for i in idx]
+        carried = _SecondOrderRefused.apply(message, *leaves)
+        out = list(grads)
+        for i, g in zip(idx, carried, strict=True):
+            out[i] = g
+        return tuple(out)
+
+    return wrapper
 
 
 class ScanBackwardMixin:
@@ -92,6 +112,44 @@ class ScanBackwardMixin:
 
     _function: type[torch.autograd.Function]
 
+    # -- the two options, validated on every assignment ----------------------------------------
+    @property
+    def forward_config(self) -> SequentialForward | ParallelForward:
+        """How the forward pass runs: :class:`SequentialForward` or :class:`ParallelForward`
+        (assign a name or an object, as the ``forward`` argument)."""
+        return self._forward_config
+
+    @forward_config.setter
+    def forward_config(self, value) -> None:
+        fwd = forward_option(value)
+        check_pair(fwd, getattr(self, "_backward_config", None))
+        object.__setattr__(self, "_forward_config", fwd)
+
+    @property
+    def backward_config(self):
+        """How gradients are computed: :class:`ScanBackward`, :class:`JacobiBackward` or
+        :class:`AutogradBackward` (assign a name or an object, as the ``backward`` argument)."""
+        return self._backward_config
+
+    @backward_config.setter
+    def backward_config(self, value) -> None:
+        bwd = backward_option(value)
+        check_pair(getattr(self, "_forward_config", None), bwd)
+        object.__setattr__(self, "_backward_config", bwd)
+
+    @staticmethod
+    def _init_options(forward, backward):
+        """Validate both options once (before torch's constructor allocates anything)."""
+        fwd, bwd = forward_option(forward), backward_option(backward)
+        check_pair(fwd, bwd)
+        return fwd, bwd
+
+    def _set_options(self, fwd, bwd) -> None:
+        object.__setattr__(self, "_forward_config", fwd)
+        object.__setattr__(self, "_backward_config", bwd)
+        self.forward_stats: dict = {}
+        self.backward_stats: dict = {}
+
     def _weights(self) -> list[torch.Tensor]:
         names = []
         for k in range(self.num_layers):
@@ -101,18 +159,31 @@ class ScanBackwardMixin:
         return [getattr(self, n) for n in names]
 
     def forward(self, input, hx=None):  # noqa: A002 - torch's argument name
+        name = type(self).__name__
         if isinstance(input, PackedSequence):
             raise NotImplementedError(
-                f"paraprop.nn.{type(self).__name__} does not take a PackedSequence; pad the "
+                f"paraprop.nn.{name} does not take a PackedSequence; pad the "
                 "batch to one length or use the torch module")
+        fwd, bwd = self._forward_config, self._backward_config
+        parallel = isinstance(fwd, ParallelForward)
+        if _transforms_active():
+            # torch.func runs its own differentiation and batching: torch's kernel with
+            # autograd behaves exactly as torch.nn.RNN / GRU there; a solve cannot (its
+            # iteration count depends on the values)
+            if parallel:
+                raise NotImplementedError(
+                    f"paraprop.nn.{name}(forward={describe(fwd)}) cannot run under torch.func "
+                    "transforms (grad, jacrev, vmap, ...): the solver's stopping depends on the "
+                    f"values; use forward='sequential' (torch's kernel) there")
+            return super().forward(input, hx)
         weights = self._weights()
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or (hx is not None and hx.requires_grad)
             or any(w.requires_grad for w in weights))
-        if self.forward_method == "sequential" and (self.backward == "autograd" or not needs_grad):
+        if not parallel and (isinstance(bwd, AutogradBackward) or not needs_grad):
             return super().forward(input, hx)
         if input.dim() not in (2, 3):
-            raise ValueError(f"{type(self).__name__}: expected input to be 2D or 3D, got "
+            raise ValueError(f"{name}: expected input to be 2D or 3D, got "
                              f"{input.dim()}D tensor of shape {tuple(input.shape)}")
         if input.shape[-1] != self.input_size:
             raise ValueError(f"input.size(-1) must be equal to input_size={self.input_size}, got "
@@ -123,7 +194,7 @@ class ScanBackwardMixin:
             x = x.transpose(0, 1)
         T, B = x.shape[:2]
         if T < 1:
-            raise ValueError(f"{type(self).__name__}: the sequence is empty (input shape "
+            raise ValueError(f"{name}: the sequence is empty (input shape "
                              f"{tuple(input.shape)})")
         expect = (self.num_layers, B, self.hidden_size)
         if hx is None:
@@ -138,13 +209,15 @@ class ScanBackwardMixin:
         if any(w.dtype != x.dtype for w in weights):
             raise TypeError(f"input has dtype {x.dtype} but the parameters have "
                             f"{weights[0].dtype}")
-        cfg = {"mode": self.mode, "layers": self.num_layers, "bias": self.bias,
-               "backward": self.backward, "iters": self.jacobi_iters, "tol": self.jacobi_tol,
-               "algorithm": self.scan_algorithm, "stats": self.backward_stats,
-               "forward": self.forward_method, "forward_tol": self.forward_tol,
-               "forward_max_iters": self.forward_max_iters, "damping": self.damping,
-               "forward_stats": self.forward_stats}
         self.forward_stats.clear()
+        if B == 0:      # nothing to solve or to scan: torch's kernel (and autograd) as is
+            return super().forward(input, hx)
+        cfg = {"name": name, "mode": self.mode, "layers": self.num_layers, "bias": self.bias,
+               "forward": fwd if parallel else None,
+               "forward_tol": fwd.tol_for(x.dtype) if parallel else None,
+               "forward_stats": self.forward_stats,
+               "backward": bwd, "backward_name": describe(bwd),
+               "stats": self.backward_stats}
         if needs_grad:
             out, hn = self._function.apply(cfg, x, h0, *weights)
         else:
@@ -154,19 +227,8 @@ class ScanBackwardMixin:
             return out.squeeze(1), hn.squeeze(1)
         return (out.transpose(0, 1) if self.batch_first else out), hn
 
-    def _init_forward(self, forward, forward_tol, forward_max_iters, damping) -> None:
-        self.forward_method = forward
-        self.forward_tol = forward_tol
-        self.forward_max_iters = forward_max_iters
-        self.damping = damping
-        self.forward_stats: dict = {}
-
     def extra_repr(self) -> str:
-        s = super().extra_repr() + f", backward={self.backward!r}"
-        if self.forward_method != "sequential":
-            s += f", forward={self.forward_method!r}, forward_tol={self.forward_tol}"
-        if self.backward == "jacobi":
-            s += f", jacobi_iters={self.jacobi_iters}, jacobi_tol={self.jacobi_tol}"
-        if self.scan_algorithm != "auto":
-            s += f", scan_algorithm={self.scan_algorithm!r}"
-        return s
+        s = super().extra_repr()
+        if isinstance(self._forward_config, ParallelForward):
+            s += f", forward={describe(self._forward_config)}"
+        return s + f", backward={describe(self._backward_config)}"

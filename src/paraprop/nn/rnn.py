@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import _VF
 
-from paraprop.nn._base import ScanBackwardMixin, check_options, solve_layer
+from paraprop.nn._base import ScanBackwardMixin, check_options, first_order_only, solve_layer
+from paraprop.nn.options import JacobiBackward
 from paraprop.recurrence import _RNNCell
 from paraprop.scan import Factored, jacobi_recurrence, linear_recurrence
 
@@ -29,11 +30,15 @@ def solve_hidden(cfg: dict, A: Factored, b: torch.Tensor, h0: torch.Tensor | Non
 
     ``A``'s per-step tensors and ``b`` are batch-major views ``(B, T, .)``.
     """
-    if cfg["backward"] == "jacobi":
-        res = jacobi_recurrence(A, b, h0, reverse=True, max_iters=cfg["iters"], tol=cfg["tol"])
-        cfg["stats"].setdefault("jacobi_iterations", []).append(res.iterations)
+    bwd = cfg["backward"]
+    if isinstance(bwd, JacobiBackward):
+        res = jacobi_recurrence(A, b, h0, reverse=True, max_iters=bwd.max_iters, tol=bwd.tol)
+        st = cfg["stats"]
+        st.setdefault("jacobi_iterations", []).append(res.iterations)
+        st.setdefault("error_estimate", []).append(res.stats["error_estimate"])
+        st.setdefault("converged", []).append(res.converged)
         return res.value
-    return linear_recurrence(A, b, h0, reverse=True, algorithm=cfg["algorithm"])
+    return linear_recurrence(A, b, h0, reverse=True, algorithm=bwd.algorithm)
 
 
 class RNNScanFunction(torch.autograd.Function):
@@ -49,7 +54,7 @@ class RNNScanFunction(torch.autograd.Function):
         layer_in = x
         for k in range(cfg["layers"]):
             w = list(weights[k * per:(k + 1) * per])
-            if cfg["forward"] == "sequential":
+            if cfg["forward"] is None:
                 out, hn = run(layer_in, h0[k:k + 1], w, cfg["bias"], 1, 0.0, False, False, False)
             else:
                 b_ih, b_hh = (w[2], w[3]) if cfg["bias"] else (None, None)
@@ -75,7 +80,7 @@ class RNNScanFunction(torch.autograd.Function):
         return out, hn
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx, g_out, g_hn):
         cfg = ctx.cfg
         nl, per = cfg["layers"], 4 if cfg["bias"] else 2
@@ -115,49 +120,62 @@ class RNNScanFunction(torch.autograd.Function):
 
 
 class RNN(ScanBackwardMixin, torch.nn.RNN):
-    """torch.nn.RNN with back-propagation through time as one linear recurrence per layer.
+    """torch.nn.RNN with back-propagation through time as one linear recurrence per layer, and
+    optionally a forward pass parallel over time.
 
     Same constructor arguments, parameters (``weight_ih_l0``, ``weight_hh_l0``, ``bias_ih_l0``,
-    ``bias_hh_l0``, ...), state dict and outputs as :class:`torch.nn.RNN` (the forward pass is
-    torch's own kernel), so ``load_state_dict`` from a torch module just works. Only the backward
-    pass differs; in ``torch.no_grad()`` or with nothing requiring grad the module *is*
-    torch.nn.RNN.
+    ``bias_hh_l0``, ...), state dict and outputs as :class:`torch.nn.RNN`, so ``load_state_dict``
+    from a torch module just works. With the default ``forward="sequential"`` the forward pass is
+    torch's own kernel (bitwise torch's outputs) and only the backward pass differs; in
+    ``torch.no_grad()`` or with nothing requiring grad the module *is* torch.nn.RNN.
 
     Arguments:
         input_size, hidden_size, num_layers, nonlinearity, bias, batch_first, device, dtype: as
             :class:`torch.nn.RNN`.
         dropout, bidirectional, proj_size: only the defaults (0, False, 0) are supported.
-        backward: ``"scan"`` (the hidden-state gradients of every step by
-            :func:`paraprop.scan.linear_recurrence`, BPPSA), ``"jacobi"`` (the same recurrence by
-            Jacobi sweeps, Song et al. 2021 §5.1: exact after ``T`` sweeps, approximate when
-            stopped earlier) or ``"autograd"`` (torch's own backward).
-        jacobi_iters: ``"jacobi"`` only: at most this many sweeps (``None``: up to ``T``).
-        jacobi_tol: ``"jacobi"`` only: stop when a sweep changes no gradient by more than this.
-        scan_algorithm: the ``algorithm`` of :func:`paraprop.scan.linear_recurrence`.
-        forward: ``"sequential"`` (torch's own kernel) or a method of :func:`paraprop.solve`
-            run on each layer's :class:`paraprop.Recurrence` in parallel over time:
-            ``"newton"`` (DEER), ``"quasi_newton"``, ``"elk"``, ``"quasi_elk"`` or ``"jacobi"``
-            (see docs/recurrences.md). The outputs then
-            equal torch's within ``forward_tol``-sized differences, and gradients come from the
-            same backward at the computed solution (implicit differentiation). Runs even under
-            ``torch.no_grad()``.
-        forward_tol: residual tolerance per sample of the parallel forward (``|fn(h) - h|``).
-        forward_max_iters: at most this many iterations per layer (``None``: up to ``T``, where
-            every method is exact); :class:`paraprop.ConvergenceError` if not converged.
-        damping: ``forward="elk"`` / ``"quasi_elk"`` only: ELK's ``lambda``.
+        forward: how the states are computed, a name or an object
+            (:mod:`paraprop.nn.options`): ``"sequential"`` (torch's kernel, the default), a
+            method of :func:`paraprop.solve` (``"newton"`` (DEER), ``"quasi_newton"``,
+            ``"elk"``, ``"quasi_elk"``, ``"jacobi"``, ``"jacobi_gs"``, ``"gs_jacobi"``,
+            ``"sliding_jacobi"``), a solver object (``ELK(damping=1e-3)``), or
+            ``ParallelForward(method=..., tol=..., max_iters=..., throw=...)``. A parallel
+            forward solves each layer's :class:`paraprop.Recurrence` (also under
+            ``torch.no_grad()``); the gradients then come from the same backward at the computed
+            states (implicit differentiation). With the default ``tol`` (:data:`FORWARD_TOL`:
+            ``1e-10`` for float64, ``1e-5`` for float32) the outputs and final states match
+            torch's within ``1e-9 * max(1, max |out|)`` in float64 and
+            ``5e-5 * max(1, max |out|)`` in float32 (measured for every method on ordinary and
+            long-memory cells up to ``T = 5000``; docs/recurrences.md, "Accuracy").
+        backward: how gradients are computed, a name or an object: ``"scan"``
+            (:class:`~paraprop.nn.ScanBackward`, the default: the hidden-state gradients of every
+            step by :func:`paraprop.scan.linear_recurrence`, BPPSA), ``"jacobi"``
+            (:class:`~paraprop.nn.JacobiBackward`: the same recurrence by Jacobi sweeps, Song et
+            al. 2021 section 5.1: exact after ``T`` sweeps, truncated back-propagation when
+            stopped earlier) or ``"autograd"`` (torch's own backward; needs
+            ``forward="sequential"``).
 
     Attributes:
-        backward_stats: after a ``"jacobi"`` backward, ``{"jacobi_iterations": [...]}`` (one
-            entry per layer, top layer first).
-        forward_stats: after a parallel forward, ``{"iterations": [...], "residual": [...],
-            "resets": [...]}``, one entry per layer (bottom layer first).
+        forward_config, backward_config: the two options as objects; assigning a name or an
+            object validates it as the constructor does.
+        forward_stats: after a parallel forward, one entry per layer (bottom layer first) in
+            ``"iterations"``, ``"residual"`` (the solver's last convergence measure),
+            ``"resets"`` (diverging Newton steps replaced), ``"error_estimate"`` (the largest
+            estimated distance of a sample to the sequential result; ``0`` at the exactness
+            bound), ``"converged"`` and ``"tol"`` (the tolerance used). Empty after torch's
+            kernel ran.
+        backward_stats: after a ``"jacobi"`` backward, ``"jacobi_iterations"``,
+            ``"error_estimate"`` and ``"converged"``, one entry per layer (top layer first).
 
     Raises:
         NotImplementedError: ``bidirectional=True``, ``dropout > 0``, ``proj_size > 0``,
-            PackedSequence inputs.
-        ValueError: unknown ``backward``, ``forward`` or ``scan_algorithm``, bad Jacobi or
-            forward options, ``backward="autograd"`` with a parallel ``forward``, and the shape
-            errors of torch.nn.RNN.
+            PackedSequence inputs; a parallel forward under :mod:`torch.func` transforms;
+            differentiating the gradients of the scan / Jacobi backward again (double
+            backward: use ``backward="autograd"``).
+        ValueError / TypeError: unknown or badly configured ``forward`` / ``backward`` (the
+            message names the argument, what it accepts and what it got),
+            ``backward="autograd"`` with a parallel ``forward``, and the shape errors of
+            torch.nn.RNN.
+        paraprop.ConvergenceError: a parallel forward stopped by ``max_iters`` (``throw=True``).
 
     Example:
         >>> ref = torch.nn.RNN(1, 20, num_layers=2)
@@ -172,19 +190,9 @@ class RNN(ScanBackwardMixin, torch.nn.RNN):
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1,
                  nonlinearity: str = "tanh", bias: bool = True, batch_first: bool = False,
                  dropout: float = 0.0, bidirectional: bool = False, device=None, dtype=None, *,
-                 proj_size: int = 0, backward: str = "scan", jacobi_iters: int | None = None,
-                 jacobi_tol: float = 0.0, scan_algorithm: str = "auto",
-                 forward: str = "sequential", forward_tol: float = 1e-6,
-                 forward_max_iters: int | None = None, damping: float | None = None):
-        check_options("RNN", dropout=dropout, bidirectional=bidirectional, proj_size=proj_size,
-                      backward=backward, jacobi_iters=jacobi_iters, jacobi_tol=jacobi_tol,
-                      scan_algorithm=scan_algorithm, forward=forward, forward_tol=forward_tol,
-                      forward_max_iters=forward_max_iters, damping=damping)
+                 proj_size: int = 0, forward="sequential", backward="scan"):
+        check_options("RNN", dropout=dropout, bidirectional=bidirectional, proj_size=proj_size)
+        options = self._init_options(forward, backward)
         super().__init__(input_size, hidden_size, num_layers, nonlinearity, bias, batch_first,
                          dropout, bidirectional, device=device, dtype=dtype)
-        self.backward = backward
-        self.jacobi_iters = jacobi_iters
-        self.jacobi_tol = jacobi_tol
-        self.scan_algorithm = scan_algorithm
-        self.backward_stats: dict = {}
-        self._init_forward(forward, forward_tol, forward_max_iters, damping)
+        self._set_options(*options)

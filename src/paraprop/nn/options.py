@@ -1,0 +1,237 @@
+"""How :class:`paraprop.nn.RNN` / :class:`paraprop.nn.GRU` run: the ``forward=`` and
+``backward=`` options.
+
+Each option is a name (the defaults of its class apply) or a configuration object:
+
+=====================  ======================================================================
+``forward=``           meaning
+=====================  ======================================================================
+``"sequential"``       :class:`SequentialForward`: torch's fused kernel, ``T`` dependent steps
+``"newton"``, ...      ``ParallelForward(method=name)``: any method of :func:`paraprop.solve`
+a solver object        ``ParallelForward(method=obj)``, e.g. ``ELK(damping=1e-3)``
+``ParallelForward``    the method with its ``tol``, ``max_iters`` and ``throw``
+=====================  ======================================================================
+
+=====================  ======================================================================
+``backward=``          meaning
+=====================  ======================================================================
+``"scan"``             :class:`ScanBackward`: one :func:`paraprop.scan.linear_recurrence` per
+                       layer (BPPSA)
+``"jacobi"``           :class:`JacobiBackward`: the same recurrence by Jacobi sweeps
+``"autograd"``         :class:`AutogradBackward`: torch's own backward (the torch module)
+=====================  ======================================================================
+
+:func:`forward_option` and :func:`backward_option` turn what the user passed into one of these
+objects, raising ``ValueError`` / ``TypeError`` that name the argument, what it accepts and what
+it got.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from paraprop.solvers import METHODS, is_solver, make_solver
+
+__all__ = ["FORWARD_TOL", "FORWARDS", "BACKWARDS", "AutogradBackward", "JacobiBackward",
+           "ParallelForward", "ScanBackward", "SequentialForward", "backward_option",
+           "check_pair", "default_forward_tol", "describe", "forward_option"]
+
+# The default stopping tolerance of a parallel forward, per dtype: the solver stops a sample once
+# its estimated distance to the sequential result is below this (max norm over the sample).
+# Chosen from measurements against torch.nn.RNN / GRU (docs/recurrences.md, "Accuracy"):
+# float32 Newton steps stop shrinking at about 1e-6 .. 2e-6 (their rounding floor) on long
+# sequences of long-memory cells, so a float32 default near it would run such solves to their
+# exactness bound (``T`` iterations); 1e-5 keeps a factor 5 above it, and torch's own float32
+# kernel is 1e-6 .. 6e-6 from the float64 result on those cells. float64 has room for a
+# tolerance far below anything float32 can resolve.
+FORWARD_TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def default_forward_tol(dtype: torch.dtype) -> float:
+    """The default ``tol`` of :class:`ParallelForward` for states of ``dtype``."""
+    if dtype not in FORWARD_TOL:
+        raise ValueError(f"ParallelForward has no default tol for {dtype} states (measured: "
+                         f"{', '.join(map(str, FORWARD_TOL))}); pass ParallelForward(tol=...)")
+    return FORWARD_TOL[dtype]
+
+
+@dataclass(frozen=True)
+class SequentialForward:
+    """Torch's own fused kernel (``forward="sequential"``, the default): ``T`` dependent steps,
+    bitwise the outputs of :class:`torch.nn.RNN` / :class:`torch.nn.GRU`."""
+
+
+@dataclass(frozen=True)
+class ParallelForward:
+    """Each layer's states by :func:`paraprop.solve` on its :class:`paraprop.Recurrence`,
+    parallel over time.
+
+    Arguments:
+        method: a method name of :func:`paraprop.solve` other than ``"sequential"``
+            (``"newton"`` (DEER), ``"quasi_newton"``, ``"elk"``, ``"quasi_elk"``, ``"jacobi"``,
+            ``"jacobi_gs"``, ``"gs_jacobi"``, ``"sliding_jacobi"``) or a solver object from
+            :mod:`paraprop.solvers` (e.g. ``ELK(damping=1e-3)``). Default ``"newton"``.
+        tol: the solver stops a sample when its estimated distance to the sequential result is
+            ``<= tol`` (max norm over the sample; see :func:`paraprop.solve`). ``None`` (the
+            default): :data:`FORWARD_TOL` of the input's dtype (``1e-10`` for float64,
+            ``1e-5`` for float32), chosen so that the outputs match torch's within the bound
+            stated in docs/recurrences.md; other dtypes need an explicit ``tol``.
+        max_iters: at most this many iterations per layer; ``None``: the method's exactness
+            bound (``T``), where every method returns the sequential result.
+        throw: with ``max_iters`` reached before convergence, raise
+            :class:`paraprop.ConvergenceError` (``True``, the default) or return the unconverged
+            states (``False``; ``forward_stats["converged"]`` then says so).
+
+    Attributes:
+        solver: the solver object ``method`` names.
+    """
+
+    method: object = "newton"
+    tol: float | None = None
+    max_iters: int | None = None
+    throw: bool = True
+    solver: object = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        from paraprop.solve import check_max_iters, check_tol
+        if self.method == "sequential" or getattr(self.method, "name", None) == "sequential":
+            raise ValueError("ParallelForward: method='sequential' is torch's own kernel; pass "
+                             "forward='sequential' to the module instead")
+        if isinstance(self.method, str) and self.method not in FORWARDS:
+            raise ValueError(f"ParallelForward: unknown method={self.method!r}; choose one of "
+                             f"{', '.join(FORWARDS[1:])}, or a solver object from "
+                             "paraprop.solvers")
+        solver = make_solver(self.method, argument="ParallelForward: method", names=FORWARDS[1:])
+        object.__setattr__(self, "solver", solver)
+        if self.tol is not None:
+            check_tol(self.tol, "ParallelForward: tol")
+        check_max_iters(self.max_iters, "ParallelForward: max_iters")
+        if not isinstance(self.throw, bool):
+            raise TypeError(f"ParallelForward: throw must be a bool, got {self.throw!r}")
+
+    def tol_for(self, dtype: torch.dtype) -> float:
+        """The stopping tolerance for states of ``dtype`` (``tol`` or the dtype's default)."""
+        return default_forward_tol(dtype) if self.tol is None else float(self.tol)
+
+
+@dataclass(frozen=True)
+class ScanBackward:
+    """The hidden-state gradients of all steps by one :func:`paraprop.scan.linear_recurrence`
+    per layer over the analytic transposed Jacobians (BPPSA), then every weight gradient in
+    batched contractions. Exact (to rounding).
+
+    Arguments:
+        algorithm: the ``algorithm`` of :func:`paraprop.scan.linear_recurrence` (``"auto"``,
+            ``"sequential"``, ``"blelloch"``, ``"hillis_steele"``, ``"chunked"``).
+    """
+
+    algorithm: str = "auto"
+
+    def __post_init__(self):
+        from paraprop.scan import ALGORITHMS
+
+        if not isinstance(self.algorithm, str) or self.algorithm not in ALGORITHMS:
+            raise ValueError(f"ScanBackward: unknown algorithm={self.algorithm!r}; choose one "
+                             f"of {', '.join(ALGORITHMS)}")
+
+
+@dataclass(frozen=True)
+class JacobiBackward:
+    """The same reverse recurrence as :class:`ScanBackward` by Jacobi sweeps
+    (:func:`paraprop.scan.jacobi_recurrence`; Song et al. 2021, section 5.1).
+
+    Exact after ``T`` sweeps. Stopped earlier by ``max_iters`` it is truncated back-propagation
+    through time (the gradients reach ``max_iters`` steps back), a deliberate approximation;
+    ``backward_stats`` records the sweeps, the error estimate and whether it converged.
+
+    Arguments:
+        tol: stop once the estimated error of the hidden-state gradients is ``<= tol``
+            (``0``: an exact fixed point).
+        max_iters: at most this many sweeps (``None``: up to ``T``, exact).
+    """
+
+    tol: float = 0.0
+    max_iters: int | None = None
+
+    def __post_init__(self):
+        from paraprop.solve import check_max_iters, check_tol
+
+        check_tol(self.tol, "JacobiBackward: tol")
+        check_max_iters(self.max_iters, "JacobiBackward: max_iters")
+
+
+@dataclass(frozen=True)
+class AutogradBackward:
+    """Torch's own backward: the module is then :class:`torch.nn.RNN` / :class:`torch.nn.GRU`
+    (with ``forward="sequential"``), double backward and :mod:`torch.func` included."""
+
+
+# the names forward= and backward= accept
+FORWARDS = ("sequential", *(m for m in METHODS if m != "sequential"))
+BACKWARDS = {"scan": ScanBackward, "jacobi": JacobiBackward, "autograd": AutogradBackward}
+
+
+def forward_option(value) -> SequentialForward | ParallelForward:
+    """``forward=`` as an object: ``"sequential"`` or :class:`SequentialForward`; a method name
+    or a solver object (wrapped in :class:`ParallelForward`); or a :class:`ParallelForward`."""
+    if isinstance(value, SequentialForward | ParallelForward):
+        return value
+    if isinstance(value, str):
+        if value not in FORWARDS:
+            raise ValueError(f"unknown forward={value!r}; choose one of {', '.join(FORWARDS)}, "
+                             "a solver object from paraprop.solvers, or "
+                             "paraprop.nn.ParallelForward(method=..., tol=..., max_iters=...)")
+        return SequentialForward() if value == "sequential" else ParallelForward(method=value)
+    if isinstance(value, type):
+        raise TypeError(f"forward must be a name or an object, got the class {value.__name__}; "
+                        f"pass an instance, e.g. {value.__name__}()")
+    if is_solver(value):
+        if value.name == "sequential":
+            raise ValueError("forward=Sequential() would step torch's cell from Python; pass "
+                             "forward='sequential' (torch's fused kernel)")
+        return ParallelForward(method=value)
+    raise TypeError(f"forward must be a method name, a solver object from paraprop.solvers, "
+                    f"paraprop.nn.SequentialForward() or paraprop.nn.ParallelForward(...), got "
+                    f"{type(value).__name__}: {value!r}")
+
+
+def backward_option(value) -> ScanBackward | JacobiBackward | AutogradBackward:
+    """``backward=`` as an object: a name of :data:`BACKWARDS` (its defaults apply) or one of
+    :class:`ScanBackward`, :class:`JacobiBackward`, :class:`AutogradBackward`."""
+    if isinstance(value, ScanBackward | JacobiBackward | AutogradBackward):
+        return value
+    if isinstance(value, str):
+        if value not in BACKWARDS:
+            raise ValueError(f"unknown backward={value!r}; choose one of "
+                             f"{', '.join(BACKWARDS)}, or paraprop.nn.ScanBackward(algorithm=...)"
+                             f" / JacobiBackward(tol=..., max_iters=...)")
+        return BACKWARDS[value]()
+    if isinstance(value, type):
+        raise TypeError(f"backward must be a name or an object, got the class "
+                        f"{value.__name__}; pass an instance, e.g. {value.__name__}()")
+    raise TypeError(f"backward must be one of {', '.join(map(repr, BACKWARDS))} or "
+                    f"paraprop.nn.ScanBackward(...) / JacobiBackward(...) / AutogradBackward(), "
+                    f"got {type(value).__name__}: {value!r}")
+
+
+def describe(option) -> str:
+    """``option`` as the user would most simply write it: the name where it is a name's
+    defaults (``'scan'``, ``'newton'``), otherwise the object's repr."""
+    if isinstance(option, ParallelForward):
+        if isinstance(option.method, str) and option == ParallelForward(method=option.method):
+            return repr(option.method)
+        return repr(option)
+    for name, cls in (("sequential", SequentialForward), *BACKWARDS.items()):
+        if option == cls():
+            return repr(name)
+    return repr(option)
+
+
+def check_pair(forward, backward) -> None:
+    """The combinations the modules do not run."""
+    if isinstance(forward, ParallelForward) and isinstance(backward, AutogradBackward):
+        raise ValueError(f"forward={describe(forward)} differentiates implicitly at the "
+                         "solution, with backward='scan' or 'jacobi'; backward='autograd' needs "
+                         "forward='sequential'")

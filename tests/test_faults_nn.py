@@ -1,0 +1,299 @@
+"""paraprop.nn.RNN / GRU keep the drop-in promise (issue 15, item 2).
+
+1. With the default ``tol`` every parallel forward matches torch.nn within the stated bound of
+   docs/recurrences.md ("Accuracy"), long-memory cells included, in float32 and float64, and
+   the default stays above float32's rounding floor (Newton does not run to ``T`` iterations).
+2. Batch 0, double backward and torch.func transforms behave as for torch.nn.RNN / GRU, or
+   raise NotImplementedError naming the alternative.
+"""
+
+import pytest
+import torch
+
+import paraprop
+import paraprop.nn as pnn
+from paraprop.nn import FORWARD_TOL, ParallelForward
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# -- 1. accuracy with the default tolerance ----------------------------------------------------
+# The stated bound (docs/recurrences.md): max |out - torch| <= BOUND[dtype] * max(1, max |out|).
+BOUND = {torch.float64: 1e-9, torch.float32: 5e-5}
+H, I, B = 16, 4, 2
+
+
+def cells(kind: str, dtype, seed: int = 0):
+    """torch's module and ours (forward set later) with the same weights.
+
+    ``*-long``: long memory. GRU: the update gate's biases at +5 each (z ~ 1 - 5e-5: states
+    remember ~20000 steps); ``gru-long-big`` z biases at +4 and the candidate's input bias at
+    +2, so the states approach 1. RNN tanh: an orthogonal ``W_hh``; ReLU: the identity
+    (IRNN), states growing to ~10.
+    """
+    torch.manual_seed(seed)
+    if kind.startswith("gru"):
+        ref, ours = torch.nn.GRU(I, H), pnn.GRU(I, H)
+        with torch.no_grad():
+            if kind == "gru-long":
+                ref.bias_ih_l0[H:2 * H] = 5.0
+                ref.bias_hh_l0[H:2 * H] = 5.0
+            elif kind == "gru-long-big":
+                ref.bias_ih_l0[H:2 * H] = 4.0
+                ref.bias_hh_l0[H:2 * H] = 4.0
+                ref.bias_ih_l0[2 * H:] = 2.0
+    else:
+        nl = "relu" if "relu" in kind else "tanh"
+        ref, ours = torch.nn.RNN(I, H, nonlinearity=nl), pnn.RNN(I, H, nonlinearity=nl)
+        if kind.endswith("-long"):
+            with torch.no_grad():
+                if nl == "tanh":
+                    ref.weight_hh_l0.copy_(torch.linalg.qr(torch.randn(H, H))[0])
+                else:
+                    ref.weight_hh_l0.copy_(torch.eye(H))
+                    ref.bias_ih_l0.zero_()
+                    ref.bias_hh_l0.zero_()
+                ref.weight_ih_l0.mul_(0.3)
+    ref.to(dtype)
+    ours.to(dtype)
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+KINDS = ["gru", "gru-long", "gru-long-big", "rnn-tanh", "rnn-tanh-long", "rnn-relu",
+         "rnn-relu-long"]
+# T per method: long enough for the long-memory effects, short enough for a test (the slow
+# methods on long-memory cells run close to their T-iteration bound)
+LENGTHS = {"newton": 2000, "quasi_newton": 1000, "jacobi_gs": 1000, "jacobi": 400,
+           "gs_jacobi": 400, "sliding_jacobi": 400, "quasi_elk": 400, "elk": 120}
+DTYPES = {"f64": torch.float64, "f32": torch.float32}
+
+
+def inputs(T: int, dtype, seed: int = 1):
+    return torch.randn(T, B, I, generator=torch.Generator().manual_seed(seed),
+                       dtype=torch.float64).to(dtype)
+
+
+def test_default_tolerances():
+    assert FORWARD_TOL == {torch.float64: 1e-10, torch.float32: 1e-5}
+    fwd = ParallelForward()
+    assert fwd.tol is None and fwd.tol_for(torch.float32) == 1e-5
+    assert fwd.tol_for(torch.float64) == 1e-10
+    with pytest.raises(ValueError, match=r"no default tol for torch.float16 .* "
+                                         r"pass ParallelForward\(tol=\.\.\.\)"):
+        fwd.tol_for(torch.float16)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("method", list(LENGTHS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_default_tol_matches_torch_within_the_stated_bound(kind, method, dtype):
+    ref, ours = cells(kind, dtype)
+    ours.forward_config = method
+    T = LENGTHS[method]
+    x = inputs(T, dtype)
+    with torch.no_grad():
+        want, h_want = ref(x)
+        got, h_got = ours(x)
+    st = ours.forward_stats
+    assert st["tol"] == [FORWARD_TOL[dtype]]
+    assert st["converged"] == [True]
+    assert st["error_estimate"][0] <= FORWARD_TOL[dtype]
+    bound = BOUND[dtype] * max(1.0, float(want.abs().max()))
+    assert float((got - want).abs().max()) <= bound
+    assert float((h_got - h_want).abs().max()) <= bound
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("kind", ["gru-long", "gru-long-big", "rnn-tanh-long"])
+def test_default_tol_is_above_the_rounding_floor_of_newton(kind, dtype):
+    """Float32 Newton steps stop shrinking near 1e-6 on long-memory cells; a default below that
+    would run every solve to its T-iteration bound (right, but as slow as T Newton steps)."""
+    ref, ours = cells(kind, dtype)
+    ours.forward_config = "newton"
+    x = inputs(2000, dtype, seed=3)
+    with torch.no_grad():
+        want = ref(x)[0]
+        got = ours(x)[0]
+    assert ours.forward_stats["iterations"][0] <= 20
+    assert float((got - want).abs().max()) <= BOUND[dtype] * max(1.0, float(want.abs().max()))
+
+
+def test_issue_long_memory_gru_newton_float32():
+    """The reported case: update gate near 1, hidden 16, float32, forward='newton' (then
+    3.8e-4 from torch.nn.GRU at T=5000 with a residual-based stop; T=2000 here)."""
+    torch.manual_seed(0)
+    ref = torch.nn.GRU(1, 16)
+    with torch.no_grad():
+        ref.bias_ih_l0[16:32] = 5.0
+        ref.bias_hh_l0[16:32] = 5.0
+    ours = pnn.GRU(1, 16, forward="newton")
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(2000, 4, 1, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        err = float((ours(x)[0] - ref(x)[0]).abs().max())
+    assert err <= BOUND[torch.float32]
+    assert ours.forward_stats["iterations"][0] <= 20
+
+
+def test_gradients_of_a_long_memory_gru_newton_forward():
+    ref, ours = cells("gru-long", torch.float32)
+    ours.forward_config = "newton"
+    x = inputs(500, torch.float32)
+    w = torch.randn(500, B, H, generator=torch.Generator().manual_seed(4))
+    for m in (ref, ours):
+        (m(x)[0] * w).sum().backward()
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        rel = float((p.grad - q.grad).abs().max() / q.grad.abs().max())
+        assert rel <= 1e-3, name
+
+
+def test_unconverged_forward_with_throw_false_is_reported():
+    ref, ours = cells("gru-long", torch.float64)
+    ours.forward_config = ParallelForward(method="jacobi", max_iters=3, throw=False)
+    with torch.no_grad():
+        ours(inputs(50, torch.float64))
+    st = ours.forward_stats
+    assert st["converged"] == [False] and st["iterations"] == [3]
+    assert st["error_estimate"] == [float("inf")]
+    ours.forward_config = ParallelForward(method="jacobi", max_iters=3)
+    with pytest.raises(paraprop.ConvergenceError, match="max_iters=3"):
+        with torch.no_grad():
+            ours(inputs(50, torch.float64))
+
+
+# -- 2. batch 0, double backward, torch.func ----------------------------------------------------
+MODULES = [(pnn.GRU, torch.nn.GRU), (pnn.RNN, torch.nn.RNN)]
+MIDS = ["gru", "rnn"]
+
+
+def pair(cls, tcls, **kw):
+    torch.manual_seed(0)
+    ref = tcls(3, 4, num_layers=2, dtype=torch.float64)
+    ours = cls(3, 4, num_layers=2, dtype=torch.float64, **kw)
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def grads_of(mod, x, h0, loss):
+    mod.zero_grad()
+    xi = x.clone().requires_grad_()
+    hi = h0.clone().requires_grad_()
+    out, hn = mod(xi, hi)
+    loss(out, hn).backward()
+    return out.detach(), hn.detach(), xi.grad, hi.grad, [p.grad for p in mod.parameters()]
+
+
+@pytest.mark.parametrize("cls,tcls", MODULES, ids=MIDS)
+@pytest.mark.parametrize("forward", ["sequential", "newton"])
+@pytest.mark.parametrize("backward", ["scan", "jacobi"])
+def test_batch_zero_with_grad_is_torch(cls, tcls, forward, backward):
+    ref, ours = pair(cls, tcls, forward=forward, backward=backward)
+    x = torch.randn(5, 0, 3, dtype=torch.float64)
+    h0 = torch.randn(2, 0, 4, dtype=torch.float64)
+
+    def loss(out, hn):
+        return out.sum() + hn.sum()
+
+    want, got = grads_of(ref, x, h0, loss), grads_of(ours, x, h0, loss)
+    assert got[0].shape == want[0].shape == (5, 0, 4) and got[1].shape == (2, 0, 4)
+    assert got[2].shape == x.shape and got[3].shape == h0.shape
+    for g, w in zip(got[4], want[4], strict=True):
+        assert torch.equal(g, w)
+    # batch_first and the no-grad path as well
+    ref_bf, ours_bf = pair(cls, tcls, forward=forward, backward=backward, batch_first=True)
+    with torch.no_grad():
+        assert ours_bf(torch.randn(0, 5, 3, dtype=torch.float64))[0].shape == (0, 5, 4)
+
+
+def double_backward(mod, x):
+    mod.zero_grad()
+    xi = x.clone().requires_grad_()
+    out, hn = mod(xi)
+    (g,) = torch.autograd.grad((out ** 2).sum() + hn.sum(), xi, create_graph=True)
+    first = g.detach().clone()
+    (g ** 2).sum().backward()
+    return first, xi.grad, [p.grad for p in mod.parameters()]
+
+
+@pytest.mark.parametrize("cls,tcls", MODULES, ids=MIDS)
+@pytest.mark.parametrize("forward", ["sequential", "newton"])
+@pytest.mark.parametrize("backward", ["scan", "jacobi"])
+def test_double_backward_refused_with_the_alternative(cls, tcls, forward, backward):
+    ref, ours = pair(cls, tcls, forward=forward, backward=backward)
+    x = torch.randn(6, 2, 3, dtype=torch.float64)
+    want_first = double_backward(ref, x)[0]
+    xi = x.clone().requires_grad_()
+    out, hn = ours(xi)
+    (g,) = torch.autograd.grad((out ** 2).sum() + hn.sum(), xi, create_graph=True)
+    # the first-order gradient is right, and carries a graph (as torch's does) ...
+    assert float((g.detach() - want_first).abs().max()) <= 1e-10
+    assert g.requires_grad
+    # ... whose differentiation is refused with the alternative named
+    with pytest.raises(NotImplementedError,
+                       match=rf"paraprop.nn.{cls.__name__}\(backward='{backward}'\) computes "
+                             r"first-order gradients only .* use backward='autograd'"):
+        (g ** 2).sum().backward()
+
+
+@pytest.mark.parametrize("cls,tcls", MODULES, ids=MIDS)
+def test_double_backward_with_autograd_backward_is_torch(cls, tcls):
+    ref, ours = pair(cls, tcls, backward="autograd")
+    x = torch.randn(6, 2, 3, dtype=torch.float64)
+    want, got = double_backward(ref, x), double_backward(ours, x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for g, w in zip(got[2], want[2], strict=True):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("cls,tcls", MODULES, ids=MIDS)
+@pytest.mark.parametrize("backward", ["scan", "jacobi", "autograd"])
+def test_torch_func_grad_and_jacrev_are_torch(cls, tcls, backward):
+    ref, ours = pair(cls, tcls, backward=backward)
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    for transform in (torch.func.jacrev, torch.func.jacfwd):
+        want = transform(lambda z: ref(z)[0])(x)
+        got = transform(lambda z: ours(z)[0])(x)
+        assert torch.equal(got, want)
+    want = torch.func.grad(lambda z: ref(z)[0].sum())(x)
+    assert torch.equal(torch.func.grad(lambda z: ours(z)[0].sum())(x), want)
+    params = {k: v.detach() for k, v in ours.named_parameters()}
+
+    def loss(mod):
+        return lambda p: torch.func.functional_call(mod, p, (x,))[0].pow(2).sum()
+
+    want = torch.func.grad(loss(ref))(params)
+    got = torch.func.grad(loss(ours))(params)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("cls,tcls", MODULES, ids=MIDS)
+def test_vmap_fails_as_in_torch(cls, tcls):
+    ref, ours = pair(cls, tcls)
+    xs = torch.randn(3, 5, 2, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="Batching rule not implemented") as want:
+        torch.func.vmap(lambda z: ref(z)[0])(xs)
+    with pytest.raises(RuntimeError, match="Batching rule not implemented") as got:
+        torch.func.vmap(lambda z: ours(z)[0])(xs)
+    assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("cls,tcls", MODULES, ids=MIDS)
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "vmap"])
+def test_parallel_forward_under_torch_func_is_refused(cls, tcls, transform):
+    _, ours = pair(cls, tcls, forward="newton")
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    run = {"grad": lambda: torch.func.grad(lambda z: ours(z)[0].sum())(x),
+           "jacrev": lambda: torch.func.jacrev(lambda z: ours(z)[0])(x),
+           "vmap": lambda: torch.func.vmap(lambda z: ours(z)[0])(x[None])}[transform]
+    with pytest.raises(NotImplementedError,
+                       match=rf"paraprop.nn.{cls.__name__}\(forward='newton'\) cannot run under "
+                             r"torch.func transforms .* use forward='sequential'"):
+        run()
