@@ -120,11 +120,11 @@ def estimate_time(times, *, method: str, iterations: int, block_size: int | None
     """
     t = _times(times)
     k = _iterations(iterations)
+    checks.one_of("method", method, ("sequential", "jacobi", "jacobi_gs", "gs_jacobi"))
     if method == "sequential":
         return float(t.sum())
     if method in ("jacobi", "gs_jacobi"):
         return k * float(t.max())
-    checks.one_of("method", method, ("sequential", "jacobi", "jacobi_gs", "gs_jacobi"))
     if block_size is None:  # method == "jacobi_gs"
         raise ValueError("block_size is required for method='jacobi_gs'")
     blocks = uniform_blocks(t.numel(), block_size)
