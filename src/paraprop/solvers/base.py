@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paraprop.errors import NonFiniteError, NotTriangularError
-from paraprop.solvers.stopping import ContractionRule, rounding_floor
+from paraprop.solvers.stopping import ContractionRule
 
 
 class System:
@@ -185,9 +185,10 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
     else:
         res = torch.where(active, res, torch.zeros_like(res))
         old.copy_(torch.where(active[:, None, None], new, old))
-    stop, est = state.rule.update(res, tol, active, budget, floor=rounding_floor(new))
+    stop, est = state.rule.update(res, tol, active, budget, floor_of=new)
     state.sample_iterations += active.long()
-    state.estimate = torch.where(stop, est, state.estimate)
+    if bool(stop.any()):
+        state.estimate = torch.where(stop, est, state.estimate)
     state.active = active & ~stop
     state.residual = float(res.max())
 

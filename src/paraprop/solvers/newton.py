@@ -37,7 +37,6 @@ from paraprop import checks
 from paraprop.errors import NonFiniteError
 from paraprop.scan import linear_recurrence
 from paraprop.solvers.base import State, System, check_final, verify_fixed_point
-from paraprop.solvers.stopping import rounding_floor
 
 FORMS = {"newton": "any", "quasi_newton": "diag", "elk": "dense", "quasi_elk": "diag"}
 DEFAULT_DAMPING = 1e-2
@@ -113,7 +112,7 @@ class _NewtonFamily:
             stop = act & (size <= tol) & ~bad
             est = size
         else:
-            stop, est = state.rule.update(size, tol, act, floor=rounding_floor(trial))
+            stop, est = state.rule.update(size, tol, act, floor_of=trial)
             stop = stop & ~bad
         # A stopping sample keeps fn(x), a value the cell produces (ReLU outputs stay >= 0):
         # within L * (est + |delta|) of the solution for a step map with Lipschitz constant L.

@@ -63,16 +63,24 @@ class ContractionRule:
             self.q_prev[mask] = 0.0
 
     def update(self, d: torch.Tensor, tol: float, active: torch.Tensor,
-               budget: float | None = None, floor: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               budget: float | None = None, floor: torch.Tensor | None = None,
+               floor_of: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Record ``d`` (``(B,)``) for the ``active`` samples; return ``(stop, estimate)``.
 
         ``budget`` (default ``tol``) is the bound the estimate must meet; ``d`` itself must also
         be ``<= tol``. ``floor`` (``(B,)``, optional) is the rounding level of the values: with
         ``tol > 0`` a change at or below it is rounding noise, not progress, and counts as no
         change (a warm start at the solution stops instead of running to the bound).
+        ``floor_of`` (``(B, ...)``): the values to take the floor from, only when needed.
         """
         d = d.to(self.d_prev.dtype)
+        if not bool(((d <= tol) & active).any()):   # no sample can stop: record and go on
+            self.q_prev = torch.where(active, torch.nan_to_num(d / self.d_prev, nan=0.0),
+                                      self.q_prev)
+            self.d_prev = torch.where(active, d, self.d_prev)
+            return torch.zeros_like(active), torch.full_like(d, float("inf"))
+        if floor is None and floor_of is not None and tol > 0:
+            floor = rounding_floor(floor_of)
         if floor is not None and tol > 0:
             d = torch.where(d <= floor.to(d.dtype), torch.zeros_like(d), d)
         q = d / self.d_prev                       # NaN on the first iteration
