@@ -24,8 +24,9 @@ def _one_thread():
 
 
 # -- 1. accuracy with the default tolerance ----------------------------------------------------
-# The stated bound (docs/recurrences.md): max |out - torch| <= BOUND[dtype] * max(1, max |out|).
-BOUND = {torch.float64: 1e-9, torch.float32: 5e-5}
+# The stated bound (docs/recurrences.md): max |out - torch| <= 5 * tol * max(1, max |out|) with
+# the default tol.
+BOUND = {dtype: 5 * tol for dtype, tol in FORWARD_TOL.items()}
 H, I, B = 16, 4, 2
 
 

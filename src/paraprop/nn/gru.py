@@ -165,7 +165,7 @@ class GRU(ScanBackwardMixin, torch.nn.GRU):
         forward, backward: as :class:`paraprop.nn.RNN`; with ``forward="newton"`` each layer's
             states come from a few linear recurrences over the factored GRU Jacobians (DEER)
             instead of ``T`` dependent steps. With the default ``tol`` the outputs match
-            torch's within ``1e-9 * max(1, max |out|)`` (float64) and
+            torch's within ``5e-10 * max(1, max |out|)`` (float64) and
             ``5e-5 * max(1, max |out|)`` (float32), long-memory cells (update gate near 1)
             included (docs/recurrences.md, "Accuracy").
 

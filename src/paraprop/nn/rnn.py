@@ -143,8 +143,8 @@ class RNN(ScanBackwardMixin, torch.nn.RNN):
             ``torch.no_grad()``); the gradients then come from the same backward at the computed
             states (implicit differentiation). With the default ``tol`` (:data:`FORWARD_TOL`:
             ``1e-10`` for float64, ``1e-5`` for float32) the outputs and final states match
-            torch's within ``1e-9 * max(1, max |out|)`` in float64 and
-            ``5e-5 * max(1, max |out|)`` in float32 (measured for every method on ordinary and
+            torch's within ``5 * tol * max(1, max |out|)``: ``5e-10`` in float64 and ``5e-5``
+            in float32 times ``max(1, max |out|)`` (measured for every method on ordinary and
             long-memory cells up to ``T = 5000``; docs/recurrences.md, "Accuracy").
         backward: how gradients are computed, a name or an object: ``"scan"``
             (:class:`~paraprop.nn.ScanBackward`, the default: the hidden-state gradients of every
