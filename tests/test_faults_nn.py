@@ -14,13 +14,7 @@ import paraprop
 import paraprop.nn as pnn
 from paraprop.nn import FORWARD_TOL, ParallelForward
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- 1. accuracy with the default tolerance ----------------------------------------------------

@@ -21,14 +21,7 @@ PARALLEL = ["jacobi", "jacobi_gs", "gs_jacobi", *NEWTON]
 H = 3
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny problems: intra-op threads only add synchronisation (on a loaded 2-core machine each
-    # small batched matmul of ELK's scan then waits for a time slice, ~10 ms instead of ~10 us)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def solver(method, block_size=3):

@@ -21,14 +21,7 @@ PARALLEL = ["newton", "quasi_newton", "elk", "quasi_elk", "jacobi", "jacobi_gs",
 TOL = {torch.float64: (1e-13, 1e-10), torch.float32: (1e-6, 1e-5)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny problems: intra-op threads only add synchronisation (on a loaded 2-core machine each
-    # small batched matmul of ELK's scan then waits for a time slice, ~10 ms instead of ~10 us)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def pair(cls, tcls, extra, dtype=torch.float64, seed=0, forward="newton", **kw):

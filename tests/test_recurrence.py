@@ -28,14 +28,7 @@ TOL = {torch.float64: {"solve": 1e-13, "value": 1e-12, "grad": 1e-10},
        torch.float32: {"solve": 1e-6, "value": 1e-5, "grad": 1e-4}}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny problems: intra-op threads only add synchronisation (on a loaded 2-core machine each
-    # small batched matmul of ELK's scan then waits for a time slice, ~10 ms instead of ~10 us)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def solver(method):

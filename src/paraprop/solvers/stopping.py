@@ -53,25 +53,21 @@ class ContractionRule:
         self.d_prev = nan                  # d_{k-1}
         self.q_prev = torch.zeros_like(nan)  # d_{k-1} / d_{k-2} (0 before it exists)
 
-    def reset(self, mask: torch.Tensor | None = None) -> None:
-        """Forget the history (all samples, or where ``mask``): a new problem starts."""
-        if mask is None:
-            self.d_prev.fill_(float("nan"))
-            self.q_prev.zero_()
-        else:
-            self.d_prev[mask] = float("nan")
-            self.q_prev[mask] = 0.0
+    def reset(self) -> None:
+        """Forget the history: a new problem starts (the next block of GS-Jacobi)."""
+        self.d_prev.fill_(float("nan"))
+        self.q_prev.zero_()
 
     def update(self, d: torch.Tensor, tol: float, active: torch.Tensor,
-               budget: float | None = None, floor: torch.Tensor | None = None,
-               floor_of: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               budget: float | None = None, floor_of: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Record ``d`` (``(B,)``) for the ``active`` samples; return ``(stop, estimate)``.
 
         ``budget`` (default ``tol``) is the bound the estimate must meet; ``d`` itself must also
-        be ``<= tol``. ``floor`` (``(B,)``, optional) is the rounding level of the values: with
-        ``tol > 0`` a change at or below it is rounding noise, not progress, and counts as no
-        change (a warm start at the solution stops instead of running to the bound).
-        ``floor_of`` (``(B, ...)``): the values to take the floor from, only when needed.
+        be ``<= tol``. ``floor_of`` (``(B, ...)``, optional): the values whose rounding level
+        (:func:`rounding_floor`, computed only when some sample could stop) bounds rounding noise:
+        with ``tol > 0`` a change at or below it is not progress and counts as no change (a warm
+        start at the solution stops instead of running to the bound).
         """
         d = d.to(self.d_prev.dtype)
         if not bool(((d <= tol) & active).any()):   # no sample can stop: record and go on
@@ -79,10 +75,8 @@ class ContractionRule:
                                       self.q_prev)
             self.d_prev = torch.where(active, d, self.d_prev)
             return torch.zeros_like(active), torch.full_like(d, float("inf"))
-        if floor is None and floor_of is not None and tol > 0:
-            floor = rounding_floor(floor_of)
-        if floor is not None and tol > 0:
-            d = torch.where(d <= floor.to(d.dtype), torch.zeros_like(d), d)
+        if floor_of is not None and tol > 0:
+            d = torch.where(d <= rounding_floor(floor_of), torch.zeros_like(d), d)
         q = d / self.d_prev                       # NaN on the first iteration
         rate = torch.maximum(q, self.q_prev)      # NaN propagates: no estimate yet
         est = torch.where(rate < 1, rate / (1 - rate) * d, torch.full_like(d, float("inf")))

@@ -1,0 +1,15 @@
+"""Fixtures shared by the test files."""
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the duration of a test. Tiny problems only pay synchronisation
+    for threads (on a loaded 2-core machine each small batched matmul of ELK's scan then waits
+    for a time slice, ~10 ms instead of ~10 us)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
