@@ -176,7 +176,7 @@ def test_each_sample_stops_on_its_own(method):
 
 
 @pytest.mark.parametrize("method", PARALLEL)
-def test_warm_start_from_the_solution_takes_one_iteration(method):
+def test_warm_start_from_the_solution(method):
     torch.manual_seed(0)
     cell = torch.nn.GRUCell(3, 4, dtype=torch.float64)
     rec = paraprop.Recurrence(cell, torch.randn(2, 15, 3, dtype=torch.float64))
@@ -189,10 +189,19 @@ def test_warm_start_from_the_solution_takes_one_iteration(method):
     # level that is not bitwise zero gives no estimate yet, so one more step is needed to see
     # it contract: at most two per block.
     per_block = 1 if method == "newton" else 2
+    # Jacobi-GS, GS-Jacobi (row-subset updates) and quasi-ELK (its float64 filter) recompute the
+    # solution with rounding-level steps that neither vanish nor contract: they cannot certify
+    # early and may run to their exactness bound (a floor that counted such steps as zero let
+    # float32 Jacobi stop after one sweep, 0.98 away, on an accumulating map with values 1e4).
+    cap = {"jacobi_gs": math.ceil(15 / 3), "gs_jacobi": 15, "quasi_elk": 15}.get(
+        method, per_block * blocks)
     assert sol.converged
-    assert sol.iterations <= per_block * blocks
-    assert all(k <= per_block * blocks for k in sol.stats["sample_iterations"].tolist())
-    assert sol.iterations == int(sol.stats["sample_iterations"].max())
+    assert sol.iterations <= cap
+    assert all(k <= cap for k in sol.stats["sample_iterations"].tolist())
+    if method == "gs_jacobi":   # the blocks' longest samples add up: sum of max >= max of sums
+        assert sol.iterations >= int(sol.stats["sample_iterations"].max())
+    else:
+        assert sol.iterations == int(sol.stats["sample_iterations"].max())
     assert max_err(sol.value.detach(), ref) <= 1e-14
 
 

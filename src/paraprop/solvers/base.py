@@ -185,7 +185,7 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
     else:
         res = torch.where(active, res, torch.zeros_like(res))
         old.copy_(torch.where(active[:, None, None], new, old))
-    stop, est = state.rule.update(res, tol, active, budget, floor_of=new)
+    stop, est = state.rule.update(res, tol, active, budget)
     state.sample_iterations += active.long()
     if bool(stop.any()):
         state.estimate = torch.where(stop, est, state.estimate)

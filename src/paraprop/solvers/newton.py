@@ -112,7 +112,7 @@ class _NewtonFamily:
             stop = act & (size <= tol) & ~bad
             est = size
         else:
-            stop, est = state.rule.update(size, tol, act, floor_of=trial)
+            stop, est = state.rule.update(size, tol, act)
             stop = stop & ~bad
         # A stopping sample keeps fn(x), a value the cell produces (ReLU outputs stay >= 0):
         # within L * (est + |delta|) of the solution for a step map with Lipschitz constant L.

@@ -28,18 +28,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ContractionRule", "freeze_budget", "rounding_floor"]
-
-# Changes within this many units in the last place of a sample's largest value are rounding.
-ROUNDING_ULPS = 2
-
-
-def rounding_floor(values: torch.Tensor) -> torch.Tensor:
-    """``(B,)``: the rounding level of each sample of ``values`` ``(B, ...)``:
-    ``ROUNDING_ULPS * eps * max |value|``."""
-    eps = torch.finfo(values.dtype).eps
-    return values.detach().abs().flatten(1).amax(1).to(torch.float64) * (ROUNDING_ULPS * eps)
-
+__all__ = ["ContractionRule", "freeze_budget"]
 
 class ContractionRule:
     """Per-sample contraction estimate over successive differences ``d_k`` (shape ``(B,)``).
@@ -59,15 +48,12 @@ class ContractionRule:
         self.q_prev.zero_()
 
     def update(self, d: torch.Tensor, tol: float, active: torch.Tensor,
-               budget: float | None = None, floor_of: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               budget: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Record ``d`` (``(B,)``) for the ``active`` samples; return ``(stop, estimate)``.
 
         ``budget`` (default ``tol``) is the bound the estimate must meet; ``d`` itself must also
-        be ``<= tol``. ``floor_of`` (``(B, ...)``, optional): the values whose rounding level
-        (:func:`rounding_floor`, computed only when some sample could stop) bounds rounding noise:
-        with ``tol > 0`` a change at or below it is not progress and counts as no change (a warm
-        start at the solution stops instead of running to the bound).
+        be ``<= tol``. A change at the rounding level is a change: even one unit in the last
+        place per step accumulates (``tests/test_faults_solve.py``).
         """
         d = d.to(self.d_prev.dtype)
         if not bool(((d <= tol) & active).any()):   # no sample can stop: record and go on
@@ -75,8 +61,6 @@ class ContractionRule:
                                       self.q_prev)
             self.d_prev = torch.where(active, d, self.d_prev)
             return torch.zeros_like(active), torch.full_like(d, float("inf"))
-        if floor_of is not None and tol > 0:
-            d = torch.where(d <= rounding_floor(floor_of), torch.zeros_like(d), d)
         q = d / self.d_prev                       # NaN on the first iteration
         rate = torch.maximum(q, self.q_prev)      # NaN propagates: no estimate yet
         est = torch.where(rate < 1, rate / (1 - rate) * d, torch.full_like(d, float("inf")))
