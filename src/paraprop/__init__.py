@@ -20,7 +20,7 @@ from paraprop.solve import solve
 __version__ = "0.1.0"
 
 # documented subpackages and modules, imported on first attribute access
-SUBPACKAGES = ("bench", "cli", "data", "demos", "distributed", "jacobians", "linalg",
+SUBPACKAGES = ("bench", "cli", "data", "demos", "diffusion", "distributed", "jacobians", "linalg",
                "models", "multigrid", "networks", "nn", "optim", "result", "sampling", "scan",
                "solvers", "training")
 

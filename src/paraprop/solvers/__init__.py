@@ -11,6 +11,7 @@ Each class has ``bound(system)`` (iterations that guarantee the exact result), `
 :mod:`paraprop.solvers.stopping`.
 """
 
+from paraprop.solvers.anderson import TriangularAnderson
 from paraprop.solvers.gs_jacobi import GSJacobi
 from paraprop.solvers.jacobi import Jacobi
 from paraprop.solvers.jacobi_gs import JacobiGS
@@ -19,7 +20,7 @@ from paraprop.solvers.sequential import Sequential
 from paraprop.solvers.sliding import SlidingJacobi
 
 SOLVERS = {cls.name: cls for cls in (Sequential, Jacobi, JacobiGS, GSJacobi, SlidingJacobi,
-                                     Newton, QuasiNewton, ELK, QuasiELK)}
+                                     TriangularAnderson, Newton, QuasiNewton, ELK, QuasiELK)}
 METHODS = tuple(SOLVERS)
 NEWTON_METHODS = ("newton", "quasi_newton", "elk", "quasi_elk")
 
@@ -51,5 +52,5 @@ def make_solver(method, *, argument: str = "method", names=METHODS):
 
 
 __all__ = ["ELK", "METHODS", "NEWTON_METHODS", "SOLVERS", "GSJacobi", "Jacobi", "JacobiGS",
-           "Newton", "QuasiELK", "QuasiNewton", "Sequential", "SlidingJacobi", "is_solver",
-           "make_solver"]
+           "Newton", "QuasiELK", "QuasiNewton", "Sequential", "SlidingJacobi",
+           "TriangularAnderson", "is_solver", "make_solver"]

@@ -48,20 +48,27 @@ class ContractionRule:
         self.q_prev.zero_()
 
     def update(self, d: torch.Tensor, tol: float, active: torch.Tensor,
-               budget: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               budget: float | None = None, rate: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Record ``d`` (``(B,)``) for the ``active`` samples; return ``(stop, estimate)``.
 
         ``budget`` (default ``tol``) is the bound the estimate must meet; ``d`` itself must also
         be ``<= tol``. A change at the rounding level is a change: even one unit in the last
         place per step accumulates (``tests/test_faults_solve.py``).
+
+        ``rate`` (``(B,)``, optional) is the observed contraction of the map itself,
+        ``||fn(x_k) - fn(x_{k-1})|| / ||x_k - x_{k-1}||``, for methods whose iterates are not
+        ``fn``'s own (Anderson); ``d`` is then the residual ``||fn(x_k) - x_k||``, and the
+        estimate ``q / (1 - q) * d`` bounds the error of ``fn(x_k)``. Without it the rate is
+        ``d_k / d_{k-1}``.
         """
         d = d.to(self.d_prev.dtype)
+        q_now = d / self.d_prev if rate is None else rate.to(d.dtype)
         if not bool(((d <= tol) & active).any()):   # no sample can stop: record and go on
-            self.q_prev = torch.where(active, torch.nan_to_num(d / self.d_prev, nan=0.0),
-                                      self.q_prev)
+            self.q_prev = torch.where(active, torch.nan_to_num(q_now, nan=0.0), self.q_prev)
             self.d_prev = torch.where(active, d, self.d_prev)
             return torch.zeros_like(active), torch.full_like(d, float("inf"))
-        q = d / self.d_prev                       # NaN on the first iteration
+        q = q_now                                 # NaN on the first iteration
         rate = torch.maximum(q, self.q_prev)      # NaN propagates: no estimate yet
         est = torch.where(rate < 1, rate / (1 - rate) * d, torch.full_like(d, float("inf")))
         est = torch.where(d == 0, torch.zeros_like(d), est)

@@ -1,0 +1,18 @@
+"""Exact parallel sampling of diffusion models (Picard iteration / ParaDiGMS, triangular Anderson
+acceleration / ParaTAA) for diffusers' DDPM and DDIM schedulers.
+
+- :func:`sample`: the scheduler's sampling loop solved as a triangular system over the steps;
+  every method returns the sequential sample for the same noise (within ``tol``).
+- :class:`DiffusionChain`: that system (the Picard map), for :func:`paraprop.solve`.
+- :func:`step_table`, :func:`draw_noise`: the scheduler's update rule read into per-step
+  coefficients, and the noise drawn as the diffusers loop draws it.
+
+``diffusers`` is an optional dependency (``pip install paraprop[diffusion]``); this package does
+not import it, it reads the scheduler object it is given.
+"""
+
+from paraprop.diffusion.chain import DiffusionChain, draw_noise
+from paraprop.diffusion.sample import METHODS, sample
+from paraprop.diffusion.schedulers import StepTable, step_table
+
+__all__ = ["METHODS", "DiffusionChain", "StepTable", "draw_noise", "sample", "step_table"]

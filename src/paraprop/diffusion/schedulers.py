@@ -1,0 +1,222 @@
+"""A diffusers scheduler's update rule, read once into per-step coefficients and applied to many
+steps at once.
+
+``scheduler.step(model_output, t, x)`` maps one sample at one timestep. Parallel sampling needs
+the same map for a whole window of timesteps in one batched call. :func:`step_table` runs the
+scheduler's own coefficient arithmetic (the same float32 tensor expressions, in the same order)
+once per timestep and stacks the results; :meth:`StepTable.apply` then evaluates the step with
+those coefficients broadcast over the steps. So each element goes through the operations that
+``scheduler.step`` performs on it, with the same coefficient values, and ``method="sequential"``
+reproduces the diffusers loop bit for bit wherever the model itself does.
+
+Supported: ``DDPMScheduler`` (variance types ``fixed_small``, ``fixed_small_log``,
+``fixed_large``) and ``DDIMScheduler`` (any ``eta``, ``use_clipped_model_output``), each with
+``prediction_type`` ``epsilon``, ``sample`` or ``v_prediction``, ``clip_sample`` and
+``thresholding``. Their ``*Parallel*`` variants subclass them and are read the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED = ("DDPMScheduler", "DDIMScheduler")
+PREDICTIONS = ("epsilon", "sample", "v_prediction")
+DDPM_VARIANCES = ("fixed_small", "fixed_small_log", "fixed_large")
+
+
+@dataclass
+class StepTable:
+    """Per-step coefficients of one sampling run (``N`` steps, index ``s = 0 .. N-1`` in
+    sampling order; step ``s`` maps ``x_s`` to ``x_{s+1}`` at timestep ``timesteps[s]``).
+
+    The 1-D float32 tensors hold the scheduler's own values: ``sqrt_alpha`` and ``sqrt_beta``
+    (``alpha_prod_t ** 0.5``, ``beta_prod_t ** 0.5``: the predicted-``x_0`` formula), and for
+    DDPM ``coef_x0``, ``coef_x`` (formula 7 of Ho et al.), for DDIM ``coef_x0``
+    (``alpha_prod_t_prev ** 0.5``) and ``coef_eps`` (the direction pointing to ``x_t``);
+    ``sigma`` scales the step's noise, and ``noisy`` says which steps draw noise at all.
+    """
+
+    kind: str  # "ddpm" or "ddim"
+    timesteps: torch.Tensor  # (N,) long
+    prediction: str
+    sqrt_alpha: torch.Tensor
+    sqrt_beta: torch.Tensor
+    coef_x0: torch.Tensor
+    coef_x: torch.Tensor | None
+    coef_eps: torch.Tensor | None
+    sigma: torch.Tensor
+    noisy: torch.Tensor  # (N,) bool
+    clip: float | None = None
+    threshold: tuple[float, float] | None = None  # (ratio, sample_max_value)
+    clipped_eps: bool = False
+
+    @property
+    def N(self) -> int:
+        return int(self.timesteps.numel())
+
+    def linear_part(self, split: str) -> torch.Tensor:
+        """``a_s`` of the split ``x_{s+1} = a_s x_s + g_s(x_s)`` (float32, ``(N,)``).
+
+        ``"identity"``: ``a = 1``, the drift form of ParaDiGMS. ``"eps"``: the derivative of
+        the step in ``x`` with the model output held fixed (for ``epsilon`` prediction and no
+        clipping; ``1`` otherwise). Any split gives the same fixed point; it only changes how
+        fast Picard iteration gets there.
+        """
+        if split == "identity" or self.prediction != "epsilon":
+            return torch.ones_like(self.sqrt_alpha)
+        if self.kind == "ddpm":
+            return self.coef_x0 / self.sqrt_alpha + self.coef_x
+        return self.coef_x0 / self.sqrt_alpha
+
+    def apply(self, index: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
+              z: torch.Tensor) -> torch.Tensor:
+        """``x_{s+1}`` for the steps ``index`` (``(n,)`` long): ``x``, ``out`` (the model
+        output) and ``z`` (the step noise) are ``(n, ...)``, one leading row per step."""
+        shape = (index.numel(),) + (1,) * (x.dim() - 1)
+
+        def c(v: torch.Tensor) -> torch.Tensor:
+            return v.index_select(0, index).to(x.dtype).reshape(shape)
+
+        sa, sb = c(self.sqrt_alpha), c(self.sqrt_beta)
+        if self.prediction == "epsilon":
+            x0 = (x - sb * out) / sa
+            eps = out
+        elif self.prediction == "sample":
+            x0 = out
+            eps = (x - sa * x0) / sb if self.kind == "ddim" else None
+        else:  # v_prediction
+            x0 = sa * x - sb * out
+            eps = sa * out + sb * x if self.kind == "ddim" else None
+        if self.threshold is not None:
+            x0 = _threshold(x0, *self.threshold)
+        elif self.clip is not None:
+            x0 = x0.clamp(-self.clip, self.clip)
+        if self.kind == "ddpm":
+            prev = c(self.coef_x0) * x0 + c(self.coef_x) * x
+        else:
+            if self.clipped_eps:
+                eps = (x - sa * x0) / sb
+            prev = c(self.coef_x0) * x0 + c(self.coef_eps) * eps
+        noisy = self.noisy.index_select(0, index)
+        if bool(noisy.any()):
+            prev = prev + c(self.sigma) * z
+        return prev
+
+
+def _threshold(x0: torch.Tensor, ratio: float, max_value: float) -> torch.Tensor:
+    """Dynamic thresholding (Saharia et al. 2022) per image, as diffusers applies it: each leading
+    row of ``x0`` is ``(n_images, C, ...)``."""
+    n, b = x0.shape[:2]
+    dtype = x0.dtype
+    flat = x0.reshape(n * b, -1)
+    if dtype not in (torch.float32, torch.float64):
+        flat = flat.float()
+    s = torch.quantile(flat.abs(), ratio, dim=1).clamp(min=1, max=max_value).unsqueeze(1)
+    return (torch.clamp(flat, -s, s) / s).reshape(x0.shape).to(dtype)
+
+
+def scheduler_kind(scheduler) -> str:
+    """``"ddpm"`` or ``"ddim"``; ``NotImplementedError`` naming the supported schedulers."""
+    for cls in type(scheduler).__mro__:
+        if cls.__name__ == "DDPMScheduler" or cls.__name__ == "DDPMParallelScheduler":
+            return "ddpm"
+        if cls.__name__ == "DDIMScheduler" or cls.__name__ == "DDIMParallelScheduler":
+            return "ddim"
+    raise NotImplementedError(
+        f"scheduler: {type(scheduler).__name__} is not supported; paraprop.diffusion samples "
+        f"with {', '.join(SUPPORTED)} (and their parallel variants), whose step is one "
+        "model call per timestep")
+
+
+def step_table(scheduler, num_inference_steps: int, *, eta: float = 0.0,
+               use_clipped_model_output: bool = False) -> StepTable:
+    """Set ``num_inference_steps`` on ``scheduler`` (as a pipeline does) and read its update rule.
+
+    Raises:
+        NotImplementedError: a scheduler, ``prediction_type`` or ``variance_type`` that is not
+            supported (the message names the supported ones).
+    """
+    kind = scheduler_kind(scheduler)
+    cfg = scheduler.config
+    prediction = cfg.prediction_type
+    if prediction not in PREDICTIONS:
+        raise NotImplementedError(f"scheduler: prediction_type={prediction!r} is not supported; "
+                                  f"choose one of {', '.join(PREDICTIONS)}")
+    if kind == "ddpm":
+        variance = cfg.variance_type
+        if variance not in DDPM_VARIANCES:
+            raise NotImplementedError(
+                f"DDPMScheduler: variance_type={variance!r} is not supported (a learned variance "
+                f"needs a second model output); choose one of {', '.join(DDPM_VARIANCES)}")
+    scheduler.set_timesteps(num_inference_steps)
+    timesteps = scheduler.timesteps.detach().to("cpu", torch.long)
+    cols: dict[str, list] = {k: [] for k in ("sa", "sb", "c0", "cx", "ce", "sig", "noisy")}
+    for t in scheduler.timesteps:
+        if kind == "ddpm":
+            row = _ddpm_row(scheduler, t)
+        else:
+            row = _ddim_row(scheduler, t, eta)
+        for k, v in row.items():
+            cols[k].append(v)
+
+    def stack(key):
+        vals = cols[key]
+        if vals[0] is None:
+            return None
+        return torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(())
+                            for v in vals]).cpu()
+
+    sigma = stack("sig")
+    noisy = torch.tensor(cols["noisy"], dtype=torch.bool)
+    if not bool(torch.isfinite(sigma[noisy]).all()):
+        raise NotImplementedError(f"scheduler: {type(scheduler).__name__} gives a non-finite "
+                                  "noise scale for this configuration (in diffusers too)")
+    sigma = torch.where(noisy, sigma, torch.zeros_like(sigma))
+    threshold = None
+    if cfg.get("thresholding", False):
+        threshold = (float(cfg.dynamic_thresholding_ratio), float(cfg.sample_max_value))
+    clip = float(cfg.clip_sample_range) if cfg.get("clip_sample", False) else None
+    return StepTable(kind=kind, timesteps=timesteps, prediction=prediction,
+                     sqrt_alpha=stack("sa"), sqrt_beta=stack("sb"), coef_x0=stack("c0"),
+                     coef_x=stack("cx"), coef_eps=stack("ce"), sigma=sigma, noisy=noisy,
+                     clip=clip, threshold=threshold,
+                     clipped_eps=bool(use_clipped_model_output) and kind == "ddim")
+
+
+def _ddpm_row(s, t) -> dict:
+    # the coefficient arithmetic of DDPMScheduler.step, on the same 0-d float32 tensors
+    prev_t = s.previous_timestep(t)
+    alpha_prod_t = s.alphas_cumprod[t]
+    alpha_prod_t_prev = s.alphas_cumprod[prev_t] if prev_t >= 0 else s.one
+    beta_prod_t = 1 - alpha_prod_t
+    beta_prod_t_prev = 1 - alpha_prod_t_prev
+    current_alpha_t = alpha_prod_t / alpha_prod_t_prev
+    current_beta_t = 1 - current_alpha_t
+    noisy = bool(t > 0)
+    if not noisy:
+        sig = torch.tensor(0.0)
+    elif s.variance_type == "fixed_small_log":
+        sig = s._get_variance(t)
+    else:
+        sig = s._get_variance(t) ** 0.5
+    return {"sa": alpha_prod_t ** (0.5), "sb": beta_prod_t ** (0.5),
+            "c0": (alpha_prod_t_prev ** (0.5) * current_beta_t) / beta_prod_t,
+            "cx": current_alpha_t ** (0.5) * beta_prod_t_prev / beta_prod_t,
+            "ce": None, "sig": sig, "noisy": noisy}
+
+
+def _ddim_row(s, t, eta: float) -> dict:
+    # the coefficient arithmetic of DDIMScheduler.step, on the same 0-d float32 tensors
+    prev_timestep = t - s.config.num_train_timesteps // s.num_inference_steps
+    alpha_prod_t = s.alphas_cumprod[t]
+    alpha_prod_t_prev = (s.alphas_cumprod[prev_timestep] if prev_timestep >= 0
+                         else s.final_alpha_cumprod)
+    beta_prod_t = 1 - alpha_prod_t
+    variance = s._get_variance(t, prev_timestep)
+    std_dev_t = eta * variance ** (0.5)
+    return {"sa": alpha_prod_t ** (0.5), "sb": beta_prod_t ** (0.5),
+            "c0": alpha_prod_t_prev ** (0.5), "cx": None,
+            "ce": (1 - alpha_prod_t_prev - std_dev_t**2) ** (0.5),
+            "sig": std_dev_t, "noisy": eta > 0}

@@ -1,0 +1,161 @@
+"""Triangular Anderson acceleration of the fixed-point iteration ``x <- fn(x)`` (ParaTAA).
+
+Anderson acceleration (Anderson 1965; Walker & Ni 2011) extrapolates from the last few iterates
+``x^(l)`` and residuals ``r^(l) = fn(x^(l)) - x^(l)``: with the differences ``dX``, ``dR`` of the
+``m`` most recent ones it takes ``x + r - (dX + dR) gamma``, ``gamma`` the least-squares
+coefficients that make ``r - dR gamma`` smallest. Tang et al. (2024, "Accelerating Parallel
+Sampling of Diffusion Models") make it *triangular* for systems like ours: position ``j`` fits
+its own ``gamma_j`` to the residuals of positions ``<= j`` only (the ones it depends on), which
+is an approximate inverse Jacobian with the system's lower-triangular structure. On diffusion
+chains it needs several times fewer iterations than plain Picard iteration.
+
+What this implementation adds, so that the result is the sequential one:
+
+* **Exact prefix.** The positions before the first non-final one are final; that one, and a
+  following run of positions whose residual is exactly zero, are computed from final inputs and
+  take ``fn``'s value, not the extrapolated one. So at least one more position is final after
+  every iteration, and ``T`` iterations give the exact result whatever the extrapolation does.
+* **Stopping rule.** Extrapolated iterates say nothing reliable about how much ``fn``
+  contracts (an estimate from them let a sample stop at twice ``tol``), so once a sample's
+  residual ``||fn(x) - x||`` is ``<= tol`` it continues with plain fixed-point steps
+  ``x <- fn(x)``, and stops on the Jacobi rule over those: the residual and its contraction
+  estimate ``q / (1 - q) * d`` are ``<= tol`` (:class:`~paraprop.solvers.stopping.ContractionRule`).
+  This usually costs one or two iterations more than stopping on the residual.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paraprop import checks
+from paraprop.solvers.base import State, System, check_final
+
+
+class TriangularAnderson:
+    """Triangular Anderson acceleration (see the module doc): one call of ``fn`` per iteration.
+
+    Arguments:
+        memory: iterates kept (``None``: 3); ``1`` is plain fixed-point (Jacobi) iteration.
+            ParaTAA recommends 2 to 5.
+        regularization: Tikhonov weight of the least-squares fits, relative to the size of
+            their normal equations (``None``: 1e-6).
+
+    Counters: ``iterations`` (calls of ``fn``) and ``stats["positions"]``. Like Jacobi it
+    checks that final positions do not move (``NotTriangularError``).
+
+    Example:
+        >>> W = torch.randn(32, 32).tril(-1) * 0.2
+        >>> def fn(x):  # x_t = 0.9 x_{t-1} + 0.1 tanh(W x)_{t-1} + 0.05: a slow chain
+        ...     step = x * 0.9 + torch.tanh(x @ W.T) * 0.1 + 0.05
+        ...     return torch.cat([torch.full_like(x[..., :1], 0.05), step[..., :-1]], -1)
+        >>> ref = paraprop.solve(fn, torch.zeros(2, 32), method="sequential")
+        >>> sol = paraprop.solve(fn, torch.zeros(2, 32), tol=1e-6,
+        ...                      method=paraprop.solvers.TriangularAnderson(memory=3))
+        >>> bool((sol.value - ref.value).abs().max() <= 1e-5)
+        True
+    """
+
+    name = "anderson"
+    DEFAULT_MEMORY = 3
+    DEFAULT_REGULARIZATION = 1e-6
+
+    def __init__(self, memory: int | None = None, regularization: float | None = None):
+        self.memory = checks.positive_int("TriangularAnderson: memory", memory, allow_none=True)
+        self.regularization = checks.nonneg_number("TriangularAnderson: regularization",
+                                                   regularization, finite=True, allow_none=True)
+
+    def __repr__(self) -> str:
+        return f"TriangularAnderson(memory={self.memory!r})"
+
+    @property
+    def m(self) -> int:
+        return self.memory or self.DEFAULT_MEMORY
+
+    def bound(self, system: System) -> int:
+        return system.T
+
+    def init(self, system: System, state: State) -> None:
+        B, dev = system.B, state.x.device
+        state.extra.update(
+            final=torch.zeros(B, dtype=torch.long, device=dev),  # positions < final are final
+            xs=[], rs=[],  # the last iterates and their residuals
+            picard=torch.zeros(B, dtype=torch.bool, device=dev),  # finishing with plain steps
+            d_prev=torch.full((B,), float("nan"), dtype=torch.float64, device=dev),
+        )
+
+    def step(self, system: System, state: State, tol: float, norm: str) -> None:
+        e = state.extra
+        X, T = state.x, system.T
+        final, act = e["final"], state.active
+        Y = system.evaluate(X)
+        system.check_finite(Y)
+        R = Y - X
+        per_pos = R.abs().amax(dim=2) if norm == "max" else R.pow(2).sum(2).sqrt()  # (B, T)
+        lo = int(final[act].min()) if bool(act.any()) else T
+        if lo > 0:  # final positions were computed from final inputs: they must not move
+            check_final(system, per_pos[:, :lo], tol, act)
+
+        # the exact prefix: position `final` and a run of zero residuals after it
+        pos = torch.arange(T, device=X.device)
+        behind = pos[None, :] < final[:, None]
+        nonzero = (per_pos != 0) & ~behind
+        first = torch.where(nonzero, pos[None, :], torch.full_like(nonzero, T, dtype=torch.long))
+        new_final = torch.minimum(first.amin(dim=1) + 1, torch.full_like(final, T))
+        exact = pos[None, :] < new_final[:, None]                      # (B, T)
+
+        # stopping: the extrapolated iterates say nothing about fn's contraction, so a sample
+        # whose residual reaches tol finishes with plain fixed-point steps, and stops on the
+        # contraction rule over those (exactly the Jacobi rule)
+        d = per_pos.amax(dim=1).to(torch.float64) if norm == "max" else \
+            torch.linalg.vector_norm(R.reshape(R.shape[0], -1), dim=1).to(torch.float64)
+        picard = e["picard"]
+        rate = torch.where(picard, d / e["d_prev"], torch.full_like(d, float("nan")))
+        stop, est = state.rule.update(torch.where(act, d, torch.zeros_like(d)), tol, act,
+                                      rate=rate)
+        stop = stop | (act & (new_final >= T))
+        e["picard"] = picard | (act & (d <= tol))
+        e["d_prev"] = torch.where(act, d, e["d_prev"])
+
+        # the next iterate: fn's value on the exact prefix and for stopping samples, the
+        # triangular Anderson extrapolation elsewhere
+        e["xs"].append(X.clone())
+        e["rs"].append(R)
+        for key in ("xs", "rs"):
+            del e[key][: -self.m]
+        new = Y if len(e["xs"]) < 2 else self._extrapolate(X, R, e["xs"], e["rs"])
+        take_y = exact | stop[:, None] | e["picard"][:, None]
+        new = torch.where(take_y[:, :, None], Y, new)
+        X.copy_(torch.where(act[:, None, None], new, X))
+
+        if bool(stop.any()):
+            state.estimate = torch.where(stop & (new_final < T), est, state.estimate)
+        e["final"] = torch.where(act, torch.maximum(final, new_final), final)
+        state.sample_iterations += act.long()
+        state.active = act & ~stop
+        state.residual = float(torch.where(act, d, torch.zeros_like(d)).max())
+        state.finished = not bool(state.active.any())
+
+    def _extrapolate(self, X, R, xs, rs) -> torch.Tensor:
+        """``x + r - (dX + dR) gamma`` with a per-position ``gamma`` fitted on positions ``<= j``."""
+        dX = torch.stack([b - a for a, b in zip(xs, xs[1:], strict=False)])   # (h, B, T, F)
+        dR = torch.stack([b - a for a, b in zip(rs, rs[1:], strict=False)])
+        h = dX.shape[0]
+        work = torch.float64
+        dRw = dR.to(work)
+        gram = torch.einsum("ibtf,jbtf->btij", dRw, dRw).cumsum(dim=1)       # (B, T, h, h)
+        rhs = torch.einsum("ibtf,btf->bti", dRw, R.to(work)).cumsum(dim=1)   # (B, T, h)
+        reg = self.regularization if self.regularization is not None else \
+            self.DEFAULT_REGULARIZATION
+        scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True)     # (B, T, 1)
+        eye = torch.eye(h, dtype=work, device=X.device)
+        lam = (reg * scale + torch.finfo(work).tiny)[..., None] * eye
+        gamma = torch.linalg.solve(gram + lam, rhs.unsqueeze(-1)).squeeze(-1)  # (B, T, h)
+        gamma = torch.nan_to_num(gamma, nan=0.0, posinf=0.0, neginf=0.0).to(X.dtype)
+        corr = torch.einsum("ibtf,bti->btf", dX + dR, gamma)
+        return X + R - corr
+
+
+def _norm(v: torch.Tensor, norm: str) -> torch.Tensor:
+    flat = v.reshape(v.shape[0], -1)
+    out = flat.abs().amax(dim=1) if norm == "max" else torch.linalg.vector_norm(flat, dim=1)
+    return out.to(torch.float64)
