@@ -152,24 +152,9 @@ def step_table(scheduler, num_inference_steps: int, *, eta: float = 0.0,
                 f"needs a second model output); choose one of {', '.join(DDPM_VARIANCES)}")
     scheduler.set_timesteps(num_inference_steps)
     timesteps = scheduler.timesteps.detach().to("cpu", torch.long)
-    cols: dict[str, list] = {k: [] for k in ("sa", "sb", "c0", "cx", "ce", "sig", "noisy")}
-    for t in scheduler.timesteps:
-        if kind == "ddpm":
-            row = _ddpm_row(scheduler, t)
-        else:
-            row = _ddim_row(scheduler, t, eta)
-        for k, v in row.items():
-            cols[k].append(v)
-
-    def stack(key):
-        vals = cols[key]
-        if vals[0] is None:
-            return None
-        return torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(())
-                            for v in vals]).cpu()
-
-    sigma = stack("sig")
-    noisy = torch.tensor(cols["noisy"], dtype=torch.bool)
+    cols = _ddpm_columns(scheduler, timesteps) if kind == "ddpm" else \
+        _ddim_columns(scheduler, timesteps, eta)
+    sigma, noisy = cols["sig"], cols["noisy"]
     if not bool(torch.isfinite(sigma[noisy]).all()):
         raise NotImplementedError(f"scheduler: {type(scheduler).__name__} gives a non-finite "
                                   "noise scale for this configuration (in diffusers too)")
@@ -179,44 +164,54 @@ def step_table(scheduler, num_inference_steps: int, *, eta: float = 0.0,
         threshold = (float(cfg.dynamic_thresholding_ratio), float(cfg.sample_max_value))
     clip = float(cfg.clip_sample_range) if cfg.get("clip_sample", False) else None
     return StepTable(kind=kind, timesteps=timesteps, prediction=prediction,
-                     sqrt_alpha=stack("sa"), sqrt_beta=stack("sb"), coef_x0=stack("c0"),
-                     coef_x=stack("cx"), coef_eps=stack("ce"), sigma=sigma, noisy=noisy,
+                     sqrt_alpha=cols["sa"], sqrt_beta=cols["sb"], coef_x0=cols["c0"],
+                     coef_x=cols["cx"], coef_eps=cols["ce"], sigma=sigma, noisy=noisy,
                      clip=clip, threshold=threshold,
                      clipped_eps=bool(use_clipped_model_output) and kind == "ddim")
 
 
-def _ddpm_row(s, t) -> dict:
-    # the coefficient arithmetic of DDPMScheduler.step, on the same 0-d float32 tensors
-    prev_t = s.previous_timestep(t)
-    alpha_prod_t = s.alphas_cumprod[t]
-    alpha_prod_t_prev = s.alphas_cumprod[prev_t] if prev_t >= 0 else s.one
+# The coefficient arithmetic of the schedulers' step(), on float32 tensors of all the steps at
+# once: the same elementwise operations in the same order as on their 0-d tensors (correctly
+# rounded +, -, *, / and sqrt, so the values are the same bit for bit; tests/test_diffusion.py
+# checks the sequential sampler against scheduler.step).
+
+def _ddpm_columns(s, ts: torch.Tensor) -> dict:
+    ac = s.alphas_cumprod.detach().cpu()
+    prev = torch.cat([ts[1:], torch.tensor([-1])])  # previous_timestep() after set_timesteps
+    alpha_prod_t = ac[ts]
+    alpha_prod_t_prev = torch.where(prev >= 0, ac[prev.clamp(min=0)], s.one.cpu())
     beta_prod_t = 1 - alpha_prod_t
     beta_prod_t_prev = 1 - alpha_prod_t_prev
     current_alpha_t = alpha_prod_t / alpha_prod_t_prev
     current_beta_t = 1 - current_alpha_t
-    noisy = bool(t > 0)
-    if not noisy:
-        sig = torch.tensor(0.0)
-    elif s.variance_type == "fixed_small_log":
-        sig = s._get_variance(t)
-    else:
-        sig = s._get_variance(t) ** 0.5
+    noisy = ts > 0
+    variance = s.config.variance_type
+    if variance == "fixed_small":
+        v = (1 - alpha_prod_t_prev) / (1 - alpha_prod_t) * (1 - alpha_prod_t / alpha_prod_t_prev)
+        sig = torch.clamp(v, min=1e-20) ** 0.5
+    elif variance == "fixed_large":
+        sig = (1 - alpha_prod_t / alpha_prod_t_prev) ** 0.5
+    else:  # log and exp: the scheduler's own, step by step (vectorised ones may round apart)
+        sig = torch.stack([s._get_variance(t).reshape(()).float().cpu() if t > 0
+                           else torch.tensor(0.0) for t in ts])
     return {"sa": alpha_prod_t ** (0.5), "sb": beta_prod_t ** (0.5),
             "c0": (alpha_prod_t_prev ** (0.5) * current_beta_t) / beta_prod_t,
             "cx": current_alpha_t ** (0.5) * beta_prod_t_prev / beta_prod_t,
-            "ce": None, "sig": sig, "noisy": noisy}
+            "ce": None, "sig": torch.where(noisy, sig, torch.zeros_like(sig)), "noisy": noisy}
 
 
-def _ddim_row(s, t, eta: float) -> dict:
-    # the coefficient arithmetic of DDIMScheduler.step, on the same 0-d float32 tensors
-    prev_timestep = t - s.config.num_train_timesteps // s.num_inference_steps
-    alpha_prod_t = s.alphas_cumprod[t]
-    alpha_prod_t_prev = (s.alphas_cumprod[prev_timestep] if prev_timestep >= 0
-                         else s.final_alpha_cumprod)
+def _ddim_columns(s, ts: torch.Tensor, eta: float) -> dict:
+    ac = s.alphas_cumprod.detach().cpu()
+    prev = ts - s.config.num_train_timesteps // s.num_inference_steps
+    alpha_prod_t = ac[ts]
+    alpha_prod_t_prev = torch.where(prev >= 0, ac[prev.clamp(min=0)],
+                                    torch.as_tensor(s.final_alpha_cumprod).cpu())
     beta_prod_t = 1 - alpha_prod_t
-    variance = s._get_variance(t, prev_timestep)
+    beta_prod_t_prev = 1 - alpha_prod_t_prev
+    variance = (beta_prod_t_prev / beta_prod_t) * (1 - alpha_prod_t / alpha_prod_t_prev)
     std_dev_t = eta * variance ** (0.5)
+    noisy = torch.full_like(ts, eta > 0, dtype=torch.bool)
     return {"sa": alpha_prod_t ** (0.5), "sb": beta_prod_t ** (0.5),
             "c0": alpha_prod_t_prev ** (0.5), "cx": None,
             "ce": (1 - alpha_prod_t_prev - std_dev_t**2) ** (0.5),
-            "sig": std_dev_t, "noisy": eta > 0}
+            "sig": torch.where(noisy, std_dev_t, torch.zeros_like(std_dev_t)), "noisy": noisy}
