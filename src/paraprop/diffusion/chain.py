@@ -38,8 +38,9 @@ class DiffusionChain:
             every step of a window, the rest are passed as they are.
         split: the linear part of the Picard split (see
             :meth:`~paraprop.diffusion.schedulers.StepTable.linear_part`).
-        evaluate: how the batched model rows are computed: ``evaluate(model_fn, x, t)``; the
-            default calls ``model_fn(x, t)`` once (the distributed sampler shards it).
+        evaluate: how the batched model rows are computed: ``evaluate(fn, x, t)``, where
+            ``fn(x_rows, t_rows, rows)`` evaluates the rows ``rows`` (a slice); the default calls
+            ``fn(x, t)`` once (:mod:`paraprop.diffusion.distributed` shards it).
     """
 
     def __init__(self, model, table: StepTable, x_init: torch.Tensor, z: torch.Tensor,
@@ -61,20 +62,23 @@ class DiffusionChain:
         self.model_rows = 0    # model evaluations (rows of x per call, in samples)
 
     # -- the model -----------------------------------------------------------------------------
-    def _kwargs(self, n: int) -> dict:
-        out = {}
+    def _kwargs(self, n: int) -> tuple[dict, set]:
+        out, per_row = {}, set()
         for k, v in self.kwargs.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == self.B and n > 1:
-                v = v.repeat(n, *([1] * (v.dim() - 1)))
-            out[k] = v
-        return out
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == self.B:
+                out[k] = v.repeat(n, *([1] * (v.dim() - 1))) if n > 1 else v
+                per_row.add(k)
+            else:
+                out[k] = v
+        return out, per_row
 
     def call_model(self, x: torch.Tensor, t: torch.Tensor, n: int) -> torch.Tensor:
         """The model output for the rows ``x`` (``(n * B, *sample_shape[1:])``, step-major)."""
-        kwargs = self._kwargs(n)
+        kwargs, per_row = self._kwargs(n)
 
-        def fn(xx, tt):
-            return _output(self.model(xx, tt, **kwargs), xx)
+        def fn(xx, tt, rows=slice(None)):
+            kw = {k: (v[rows] if k in per_row else v) for k, v in kwargs.items()}
+            return _output(self.model(xx, tt, **kw), xx)
 
         out = fn(x, t) if self._evaluate is None else self._evaluate(fn, x, t)
         self.model_calls += 1
