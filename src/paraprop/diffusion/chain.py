@@ -31,7 +31,8 @@ class DiffusionChain:
         model: ``model(x, t, **model_kwargs)`` -> the model output shaped like ``x`` (a tensor,
             or an object with ``.sample`` such as diffusers' ``UNet2DOutput``); ``t`` is a 1-D
             long tensor, one timestep per row of ``x``.
-        table: the scheduler's step coefficients (:func:`~paraprop.diffusion.schedulers.step_table`).
+        table: the scheduler's step coefficients
+            (:func:`~paraprop.diffusion.schedulers.step_table`).
         x_init: ``(B, *sample_shape)``, the initial noise ``x_0``.
         z: ``(N, B, *sample_shape)``, the noise of every step (zeros where none is added).
         model_kwargs: extra model arguments; tensors whose first dim is ``B`` are repeated for

@@ -92,11 +92,10 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
     Example:
         >>> from diffusers import DDIMScheduler
         >>> eps = lambda x, t: 0.1 * x
-        >>> g = torch.Generator().manual_seed(0)
-        >>> x, sol = paraprop.diffusion.sample(eps, DDIMScheduler(), (4, 2),
-        ...                                    num_inference_steps=20, generator=g)
-        >>> ref, _ = paraprop.diffusion.sample(eps, DDIMScheduler(), (4, 2),
-        ...     num_inference_steps=20, method="sequential", generator=torch.Generator().manual_seed(0))
+        >>> def run(method):
+        ...     return paraprop.diffusion.sample(eps, DDIMScheduler(), (4, 2), method=method,
+        ...         num_inference_steps=20, generator=torch.Generator().manual_seed(0))
+        >>> (x, sol), (ref, _) = run("picard"), run("sequential")
         >>> bool((x - ref).abs().max() <= 1e-3), sol.iterations < 20
         (True, True)
     """

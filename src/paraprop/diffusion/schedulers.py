@@ -152,6 +152,12 @@ def step_table(scheduler, num_inference_steps: int, *, eta: float = 0.0,
                 f"needs a second model output); choose one of {', '.join(DDPM_VARIANCES)}")
     scheduler.set_timesteps(num_inference_steps)
     timesteps = scheduler.timesteps.detach().to("cpu", torch.long)
+    n_train = scheduler.alphas_cumprod.shape[0]
+    if int(timesteps.max()) >= n_train or int(timesteps.min()) < 0:
+        raise ValueError(f"scheduler: timesteps {int(timesteps.min())} .. {int(timesteps.max())} "
+                         f"fall outside its {n_train} training timesteps for "
+                         f"num_inference_steps={num_inference_steps} (scheduler.step would fail "
+                         "too); lower num_inference_steps or steps_offset")
     cols = _ddpm_columns(scheduler, timesteps) if kind == "ddpm" else \
         _ddim_columns(scheduler, timesteps, eta)
     sigma, noisy = cols["sig"], cols["noisy"]

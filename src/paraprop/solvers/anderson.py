@@ -136,7 +136,7 @@ class TriangularAnderson:
         state.finished = not bool(state.active.any())
 
     def _extrapolate(self, X, R, xs, rs) -> torch.Tensor:
-        """``x + r - (dX + dR) gamma`` with a per-position ``gamma`` fitted on positions ``<= j``."""
+        """``x + r - (dX + dR) gamma``, ``gamma`` fitted per position on the positions ``<= j``."""
         dX = torch.stack([b - a for a, b in zip(xs, xs[1:], strict=False)])   # (h, B, T, F)
         dR = torch.stack([b - a for a, b in zip(rs, rs[1:], strict=False)])
         h = dX.shape[0]
