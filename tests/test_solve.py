@@ -18,6 +18,7 @@ from paraprop.solvers import (
     QuasiNewton,
     Sequential,
     SlidingJacobi,
+    TriangularAnderson,
 )
 from problems import TOLERANCES, FastTriangular, RandomTriangular
 
@@ -373,14 +374,16 @@ def test_solver_repr_names_the_class_and_its_settings(solver, text):
 def test_names_and_solver_objects_agree():
     names = {Sequential: "sequential", Jacobi: "jacobi", JacobiGS: "jacobi_gs",
              GSJacobi: "gs_jacobi", SlidingJacobi: "sliding_jacobi", Newton: "newton",
-             QuasiNewton: "quasi_newton", ELK: "elk", QuasiELK: "quasi_elk"}
+             QuasiNewton: "quasi_newton", ELK: "elk", QuasiELK: "quasi_elk",
+             TriangularAnderson: "anderson"}
     assert paraprop.solvers.SOLVERS == {name: cls for cls, name in names.items()}
     for cls, name in names.items():
         assert cls.name == name
 
 
 PLAIN_SOLVERS = [Sequential(), Jacobi(), JacobiGS(), JacobiGS(block_size=3), GSJacobi(),
-                 GSJacobi(block_size=3), SlidingJacobi(), SlidingJacobi(window=4)]
+                 GSJacobi(block_size=3), SlidingJacobi(), SlidingJacobi(window=4),
+                 TriangularAnderson(), TriangularAnderson(memory=5)]
 
 
 @pytest.mark.parametrize("solver", PLAIN_SOLVERS, ids=repr)
