@@ -1,9 +1,10 @@
 """Models used by the demos and benchmarks."""
 
+from paraprop.models.denoisers import MLPDenoiser, small_unet
 from paraprop.models.made import MADE
 from paraprop.models.masked import MaskedLinear, made_degrees, made_masks
 from paraprop.models.pixelcnn import PixelCNN
 from paraprop.models.recurrences import LayerChain, MaskedAffineMap
 
-__all__ = ["MADE", "LayerChain", "MaskedAffineMap", "MaskedLinear", "PixelCNN", "made_degrees",
-           "made_masks"]
+__all__ = ["MADE", "LayerChain", "MLPDenoiser", "MaskedAffineMap", "MaskedLinear", "PixelCNN",
+           "made_degrees", "made_masks", "small_unet"]
