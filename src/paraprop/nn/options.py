@@ -169,7 +169,7 @@ class AutogradBackward:
 
 
 # the names forward= and backward= accept
-FORWARDS = ("sequential", *(m for m in METHODS if m != "sequential"))
+FORWARDS = ("sequential", *(m for m in METHODS if m not in ("sequential", "anderson")))
 BACKWARDS = {"scan": ScanBackward, "jacobi": JacobiBackward, "autograd": AutogradBackward}
 
 
