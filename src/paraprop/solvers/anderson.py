@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from paraprop import checks
-from paraprop.solvers.base import State, System, check_final
+from paraprop.solvers.base import State, System, check_final, verify_fixed_point
 
 
 class TriangularAnderson:
@@ -112,6 +112,7 @@ class TriangularAnderson:
         rate = torch.where(picard, d / e["d_prev"], torch.full_like(d, float("nan")))
         stop, est = state.rule.update(torch.where(act, d, torch.zeros_like(d)), tol, act,
                                       rate=rate)
+        at_bound = act & (new_final >= T) & ~stop & (d > 0)
         stop = stop | (act & (new_final >= T))
         e["picard"] = picard | (act & (d <= tol))
         e["d_prev"] = torch.where(act, d, e["d_prev"])
@@ -127,6 +128,11 @@ class TriangularAnderson:
         new = torch.where(take_y[:, :, None], Y, new)
         X.copy_(torch.where(act[:, None, None], new, X))
 
+        if bool(at_bound.any()):
+            # every position is final by the triangular structure: one more evaluation checks
+            # it (a position that reads itself or a later one would still move), as Jacobi does
+            state.active = at_bound
+            verify_fixed_point(system, state, 0, system.evaluate(X), tol)
         if bool(stop.any()):
             state.estimate = torch.where(stop & (new_final < T), est, state.estimate)
         e["final"] = torch.where(act, torch.maximum(final, new_final), final)
