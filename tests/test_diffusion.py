@@ -220,12 +220,14 @@ def _check_counters(method, opts, sol, N):
     evals = sol.stats["model_evaluations"]
     assert calls == sol.evaluations
     if method == "picard" or isinstance(method, SlidingJacobi):
-        w = min(opts.get("window", 64), N) if method == "picard" else min(method.window, N)
+        w = min(opts.get("window", 128), N) if method == "picard" else min(method.window, N)
         assert calls == sol.iterations
         assert sol.stats["window"] == w
         assert evals == sol.stats["positions"] <= sol.iterations * w
-    else:  # every iteration evaluates all N steps (Jacobi may verify once more at its bound)
-        assert sol.iterations <= calls <= sol.iterations + 1
+    else:  # every iteration evaluates all N steps; Jacobi verifies once more at its bound,
+        # Anderson once per iteration in which samples reach it
+        extra = 1 if isinstance(method, Jacobi) else sol.value.shape[0]
+        assert sol.iterations <= calls <= sol.iterations + extra
         assert evals == calls * N
 
 
@@ -309,8 +311,8 @@ def test_samples_with_their_own_kwargs_match_each_sample_alone(method, opts):
         assert sol.converged
         its = sol.stats["sample_iterations"]
         assert its.shape == (B,) and int(its.max()) == sol.iterations
-        if tol > 0:   # each sample stopped on its own
-            assert int(its.min()) < int(its.max())
+        if tol > 0 and method != "picard":   # each sample stopped on its own (the sliding
+            assert int(its.min()) < int(its.max())  # window's samples share one window)
         for b in range(B):
             one = {"noise": noise[:, b : b + 1], "scale": scale[b : b + 1]}
             ref, _ = sample(model, sch, (1, 2), method="sequential", **one, **common)
@@ -420,11 +422,6 @@ def test_a_map_that_defeats_the_extrapolation(method, opts, clip):
     assert _err(x, ref) > 1e-3 and sol.stats["error_estimate"] == math.inf
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: method='picard' (SlidingJacobi's freeze rule, solvers/sliding.py) bounds a "
-    "position's error by the sum of the sweep's changes before it, which holds only for maps "
-    "that do not expand differences; DDPM/DDIM chains can expand (eps = -0.9 x here), and "
-    "sample() then reports converged=True with an error ~2300 x tol"))
 def test_picard_on_an_expanding_chain_is_within_tol():
     N, tol = 200, 1e-2
     sch = DDPMScheduler(clip_sample=False)
@@ -436,6 +433,10 @@ def test_picard_on_an_expanding_chain_is_within_tol():
                     generator=torch.Generator().manual_seed(0), **common)
     # the values reach ~1e7; float64 rounding there is ~1e-9, far below tol
     assert not sol.converged or _err(x, ref) <= tol, (sol.iterations, _err(x, ref))
+    # the freezes were carried through the observed growth of the chain (about 8e6 here),
+    # which took a second, budgeted pass
+    assert sol.converged and sol.stats["passes"] >= 2
+    assert sol.stats["error_estimate"] <= tol
 
 
 def test_expanding_chain_methods_with_an_error_estimate_stay_within_tol():

@@ -61,6 +61,11 @@ class DiffusionChain:
         self._evaluate = evaluate
         self.model_calls = 0   # batched model calls
         self.model_rows = 0    # model evaluations (rows of x per call, in samples)
+        self.track_gains = False
+        self.growth = None     # (B, N): how much an error at each step grows by the end
+        self.lam = None        # (B, N): largest observed |d (step_s(x) - x)| / |d x|
+        self.gain = None       # (B, N): largest observed |d step_s(x)| / |d x| (NaN: none yet)
+        self._seen = None      # (last inputs, last outputs) of every step, (B, N, F) each
 
     # -- the model -----------------------------------------------------------------------------
     def _kwargs(self, n: int) -> tuple[dict, set]:
@@ -96,14 +101,53 @@ class DiffusionChain:
         index = torch.arange(start, stop)
         shape = (n, self.B, self.F)
         prev = self.table.apply(index, rows.reshape(shape), out.reshape(shape),
-                                self.z[start:stop])
-        return prev.transpose(0, 1)
+                                self.z[start:stop]).transpose(0, 1)
+        if self.track_gains:
+            self._observe(xin, prev, start, stop)
+        return prev
+
+    def _observe(self, xin: torch.Tensor, nxt: torch.Tensor, start: int, stop: int) -> None:
+        """Record each step's gain ``max|step(x) - step(x')| / max|x - x'|`` (per sample, the
+        largest seen) between this evaluation and the step's previous one. Input changes at the
+        rounding level are skipped: their ratios measure rounding, not the map."""
+        if self._seen is None:
+            nan = torch.full((self.B, self.N, self.F), float("nan"), dtype=xin.dtype,
+                             device=xin.device)
+            self._seen = (nan, nan.clone())
+            self.gain = torch.full((self.B, self.N), float("nan"), dtype=torch.float64,
+                                   device=xin.device)
+            self.lam = self.gain.clone()
+        last_in, last_out = self._seen
+        dx = xin - last_in[:, start:stop]
+        dy = nxt - last_out[:, start:stop]
+        din = dx.abs().amax(2).to(torch.float64)
+        level = 1024 * torch.finfo(xin.dtype).eps * (xin.abs().amax(2).to(torch.float64) + 1)
+        ok = din > level
+        for store, dnum in ((self.gain, dy), (self.lam, dy - dx)):
+            ratio = torch.where(ok, dnum.abs().amax(2).to(torch.float64) / din, torch.nan)
+            old = store[:, start:stop]
+            store[:, start:stop] = torch.where(ratio.isnan(), old, torch.fmax(old, ratio))
+        last_in[:, start:stop] = xin
+        last_out[:, start:stop] = nxt
 
     def inputs(self, X: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """``x_s`` for ``s`` in ``[start, stop)``: ``x_0`` then the positions of ``X``."""
         if start == 0:
             return torch.cat([self.x_init[:, None], X[:, : stop - 1]], dim=1)
         return X[:, start - 1 : stop - 1]
+
+    @property
+    def sensitivity(self):
+        """``(B, N)``: how much a change at position ``i`` moves the later positions of the
+        Picard map, ``|d (step_{i+1}(x) - x)| / |d x|`` as observed (the split's increment,
+        small for a diffusion step), for :class:`~paraprop.solvers.SlidingJacobi`'s freeze
+        estimate; ``None`` until steps have been observed twice, NaN where unknown."""
+        if self.lam is None or not self.track_gains:
+            return None
+        largest = torch.where(self.lam.isnan(), -torch.inf, self.lam).amax(1, keepdim=True)
+        lam = torch.where(self.lam.isnan(), largest, self.lam)
+        lam = torch.where(lam.isinf(), torch.nan, lam)
+        return torch.cat([lam[:, 1:], torch.zeros_like(lam[:, :1])], dim=1)
 
     # -- the triangular system -----------------------------------------------------------------
     def __call__(self, X: torch.Tensor) -> torch.Tensor:

@@ -10,12 +10,12 @@ from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
 from paraprop.diffusion.chain import DiffusionChain, draw_noise
 from paraprop.diffusion.schedulers import step_table
-from paraprop.result import Solution
+from paraprop.result import Solution, ensure_converged
 from paraprop.solve import solve
 from paraprop.solvers import Sequential, SlidingJacobi, TriangularAnderson, is_solver
 
 METHODS = ("sequential", "picard", "anderson")
-DEFAULT_WINDOW = 64
+DEFAULT_WINDOW = 128
 SPLITS = ("identity", "eps")
 
 
@@ -49,7 +49,7 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
             triangular Anderson acceleration of the Picard iteration, with ``memory``), or a
             solver object of :mod:`paraprop.solvers` (e.g. ``SlidingJacobi(128)``,
             ``TriangularAnderson(memory=4)``, ``Jacobi()``) applied to the Picard map.
-        window: steps per iteration of ``"picard"`` (``None``: 64); ``"anderson"`` iterates on
+        window: steps per iteration of ``"picard"`` (``None``: 128); ``"anderson"`` iterates on
             all ``N`` steps.
         memory: ``"anderson"``'s history (iterates kept; ``None``: its default).
         tol: a sample stops when the estimated distance of its whole trajectory to the
@@ -133,13 +133,16 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
     if callback is not None:
         def user_cb(k, v, r):
             callback(k, v.reshape(B, N, *shape[1:]), r)
+    sliding = isinstance(solver, SlidingJacobi) and tol > 0
+    chain.track_gains = sliding
     with torch.no_grad():
-        sol = solve(chain, X0, method=solver, dim=1, tol=tol, max_iters=max_iters,
-                    throw=throw, callback=user_cb)
+        sol, passes = _solve_certified(chain, X0, solver, tol, max_iters, user_cb, sliding)
     traj = sol.value.reshape(B, N, *shape[1:])
     stats = {**sol.stats, "model_calls": chain.model_calls,
-             "model_evaluations": chain.model_rows // B, "steps": N, "split": split}
+             "model_evaluations": chain.model_rows // B, "steps": N, "split": split,
+             "passes": passes}
     sol = dataclasses.replace(sol, value=traj, stats=stats)
+    sol = ensure_converged(sol, throw, entry="diffusion.sample", max_iters=max_iters, tol=tol)
     return traj[:, -1], sol
 
 
@@ -218,3 +221,73 @@ def _check_noise(noise, N: int, shape: tuple[int, ...]) -> torch.Tensor:
     if not bool(torch.isfinite(noise).all()):
         raise ValueError("noise must be finite")
     return noise
+
+
+def _solve_certified(chain, X0, solver, tol, max_iters, callback, sliding):
+    """``solve`` on the chain; for the sliding window with ``tol > 0`` also the check that its
+    freezes stay within ``tol`` at the end of the chain.
+
+    The window freezes steps whose error it estimates as a share of ``tol``, assuming that
+    errors do not grow along the chain. A diffusion chain may expand them (an eps model with a
+    large negative gain, or the sharpening late steps of a trained model), so each freeze's
+    estimate is carried to the last step through the gains observed for the steps after it
+    (``DiffusionChain.gain``, the largest ``|d step(x)| / |d x|`` seen). If the total exceeds
+    ``tol``, the solve is repeated from the current trajectory with a smaller budget: each freeze's share divided by the growth observed after it
+    (``DiffusionChain.growth``); a third pass is exact (``tol=0``: the bound of ``N`` sweeps).
+    Returns the last Solution, with the iterations and evaluations of all passes, and the
+    number of passes.
+    """
+    iterations = evaluations = positions = 0
+    per_sample = None
+    cur, passes, x0 = tol, 0, X0
+    while True:
+        passes += 1
+        left = None if max_iters is None else max_iters - iterations
+        sol = solve(chain, x0, method=solver, dim=1, tol=cur, max_iters=left, throw=False,
+                    callback=callback)
+        iterations += sol.iterations
+        evaluations += sol.evaluations
+        positions += sol.stats.get("positions", 0)
+        its = sol.stats["sample_iterations"]
+        per_sample = its if per_sample is None else per_sample + its
+        estimate = sol.stats.get("error_estimate", 0.0)
+        if sliding and sol.converged and cur > 0:
+            carried = _carried_error(sol.stats.get("freeze_estimates"), chain.gain)
+            estimate = float(carried.max())
+            if estimate > tol and (left is None or sol.iterations < left):
+                # again from the current trajectory, each freeze now budgeted after the growth
+                # observed downstream of it; a third pass is exact
+                chain.growth = _growth(chain.gain)
+                cur = 0.0 if passes >= 2 else cur
+                x0 = sol.value.clone()
+                continue
+            if estimate > tol:
+                sol = dataclasses.replace(sol, converged=False)
+        break
+    stats = {**sol.stats, "error_estimate": estimate if sol.converged else float("inf"),
+             "positions": positions, "sequential_steps": evaluations,
+             "sample_iterations": per_sample}
+    return dataclasses.replace(sol, iterations=iterations, evaluations=evaluations,
+                               stats=stats), passes
+
+
+def _growth(gain) -> torch.Tensor:
+    """``(B, N)``: the product of the observed step gains (at least 1) after each step; a step
+    never observed takes the sample's largest gain (``inf`` if it has none)."""
+    largest = torch.where(gain.isnan(), -torch.inf, gain).amax(1, keepdim=True)
+    largest = torch.where(largest.isinf(), torch.inf, largest)
+    g = torch.where(gain.isnan(), largest, gain).clamp(min=1.0)
+    logs = g.log()
+    return (logs.flip(1).cumsum(1).flip(1) - logs).exp()
+
+
+def _carried_error(freezes, gain) -> torch.Tensor:
+    """Per sample: the sum over freezes of their estimate times the product of the observed
+    step gains (at least 1) after them; a step never observed takes the sample's largest gain,
+    and a sample with freezes but no observed gain is not certified (``inf``)."""
+    if freezes is None:
+        return torch.zeros(1, dtype=torch.float64)
+    if gain is None:
+        return torch.where(freezes.sum(1) > 0, torch.inf, 0.0)
+    carried = freezes * _growth(gain)
+    return torch.where(freezes > 0, carried, 0.0).sum(1)

@@ -11,7 +11,11 @@ Here "done" is certified, not guessed:
   inputs is final). With ``tol=0`` only these are frozen, and the result is the sequential one
   in at most ``T`` sweeps;
 * with ``tol > 0`` the window may also freeze the next ``m`` positions when their error bound
-  fits the freeze's share ``tol * m / T`` of the tolerance. The bound of position ``j`` is the
+  fits the freeze's share ``tol * m / T`` of the tolerance (after the growth ``fn.growth``
+  ``(B, T)`` of an error at that position by the end of the chain, when ``fn`` states one).
+  When ``fn`` states its sensitivities ``fn.sensitivity`` ``(B, T)`` (how much a change at
+  position ``i`` moves the later positions, e.g. a diffusion step's increment), the bound is
+  ``sum_{i<j} lam_i d_i / (1 - sum_{i<j} lam_i)`` where that is smaller. The bound of position ``j`` is the
   sum of the sweep's changes at the non-final positions before it, which bounds its error when
   the map does not expand differences (``|f_j(x) - f_j(y)| <= max_{i<j} |x_i - y_i|``, e.g. a
   residual or diffusion step with a contracting increment); for expanding maps use ``tol=0``.
@@ -106,15 +110,42 @@ class SlidingJacobi:
             # sweep plus the new values' own errors, so error(x_new[j]) <= sum_{i<j} d_i over
             # the non-final positions (the final ones have d = 0).
             est = d_pos.cumsum(1) - d_pos
+            sens = getattr(system.fn, "sensitivity", None)
+            if isinstance(sens, torch.Tensor):
+                # fn states how much a change at position i moves the later positions (lam_i):
+                # error(x_new[j]) <= sum_{i<j} lam_i (d_i + error(x_new[i])), which solves to
+                # sum_{i<j} lam_i d_i / (1 - sum_{i<j} lam_i) while that sum is below 1
+                lam = sens.reshape(system.B, T)[:, start:stop].to(est.dtype)
+                lam = torch.where(lam.isnan(), torch.ones_like(lam), lam)
+                lam = torch.where(writable, lam, torch.zeros_like(lam))
+                wsum = (lam * d_pos).cumsum(1) - lam * d_pos
+                total = lam.cumsum(1) - lam
+                tight = torch.where(total < 1, wsum / (1 - total), torch.inf)
+                est = torch.minimum(est, tight)
             shift = new_final - start
             ar = torch.arange(n, device=vals.device)[None, :]
             idx = (ar + shift[:, None]).clamp(max=n - 1)
             cand = torch.where(ar + shift[:, None] < n, est.gather(1, idx),
                                torch.full_like(est, float("inf")))
+            raw = cand
+            growth = getattr(system.fn, "growth", None)
+            if isinstance(growth, torch.Tensor):
+                # fn says how much an error at each position grows by the end of the chain:
+                # a freeze must fit its share after that growth
+                g = growth.reshape(system.B, T).gather(1, new_final.clamp(max=T - 1)[:, None])
+                cand = cand * g.to(cand.dtype)
             m = freeze_budget(cand, tol, T)
             if bool((m > 0).any()):
-                worst = torch.where(ar < m[:, None], cand, torch.zeros_like(cand)).amax(1)
-                state.estimate = state.estimate + torch.where(act, worst, 0.0)
+                block = ar < m[:, None]
+                worst = torch.where(block, raw, torch.zeros_like(raw)).amax(1)
+                worst = torch.where(act & (m > 0), worst, 0.0)
+                state.estimate = state.estimate + torch.where(
+                    act & (m > 0), torch.where(block, cand, torch.zeros_like(cand)).amax(1), 0.0)
+                # where each freeze began and its estimate: a caller that knows how errors
+                # grow along its map can propagate them (paraprop.diffusion does)
+                log = e["stats"].setdefault("freeze_estimates", torch.zeros(
+                    system.B, T, dtype=torch.float64, device=vals.device))
+                log.scatter_add_(1, new_final.clamp(max=T - 1)[:, None], worst[:, None])
             new_final = new_final + m
         e["final"] = torch.where(act, torch.maximum(final, new_final), final)
         state.sample_iterations += act.long()
