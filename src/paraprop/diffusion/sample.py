@@ -232,8 +232,9 @@ def _solve_certified(chain, X0, solver, tol, max_iters, callback, sliding):
     large negative gain, or the sharpening late steps of a trained model), so each freeze's
     estimate is carried to the last step through the gains observed for the steps after it
     (``DiffusionChain.gain``, the largest ``|d step(x)| / |d x|`` seen). If the total exceeds
-    ``tol``, the solve is repeated from the current trajectory with a smaller budget: each freeze's share divided by the growth observed after it
-    (``DiffusionChain.growth``); a third pass is exact (``tol=0``: the bound of ``N`` sweeps).
+    ``tol``, the solve is repeated from the current trajectory with each freeze's share divided
+    by the growth observed after it (``DiffusionChain.growth``); a third pass is exact
+    (``tol=0``: the bound of ``N`` sweeps).
     Returns the last Solution, with the iterations and evaluations of all passes, and the
     number of passes.
     """

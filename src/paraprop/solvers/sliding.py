@@ -15,10 +15,12 @@ Here "done" is certified, not guessed:
   ``(B, T)`` of an error at that position by the end of the chain, when ``fn`` states one).
   When ``fn`` states its sensitivities ``fn.sensitivity`` ``(B, T)`` (how much a change at
   position ``i`` moves the later positions, e.g. a diffusion step's increment), the bound is
-  ``sum_{i<j} lam_i d_i / (1 - sum_{i<j} lam_i)`` where that is smaller. The bound of position ``j`` is the
-  sum of the sweep's changes at the non-final positions before it, which bounds its error when
-  the map does not expand differences (``|f_j(x) - f_j(y)| <= max_{i<j} |x_i - y_i|``, e.g. a
-  residual or diffusion step with a contracting increment); for expanding maps use ``tol=0``.
+  ``sum_{i<j} lam_i d_i / (1 - sum_{i<j} lam_i)`` where that is smaller. The plain bound of
+  position ``j`` is the sum of the sweep's changes at the non-final positions before it, which
+  bounds its error when the map does not expand differences (``|f_j(x) - f_j(y)| <=
+  max_{i<j} |x_i - y_i|``, e.g. a residual step with a contracting increment); for expanding
+  maps state ``fn.growth`` or use ``tol=0`` (:func:`paraprop.diffusion.sample` does the
+  former from the gains it observes).
 
 ``fn`` computes only the window through ``fn.window(x, start, stop, cache)`` (the cached-prefix
 protocol of :meth:`paraprop.solvers.base.System.window`) or ``fn.update(x, index)``; otherwise
