@@ -149,7 +149,19 @@ class MLPDenoiser(nn.Module):
         if x.dtype != weight.dtype:
             raise ValueError(f"x must have the model's dtype {weight.dtype}, got {x.dtype}")
         t = _timesteps(t, x.shape[0], x.device)
-        emb = timestep_embedding(t, self.embed, scale=self.time_scale).to(x.dtype)
+        n = self._config["num_train_timesteps"]
+        if not t.is_floating_point() and t.numel() and 0 <= int(t.min()) and int(t.max()) < n:
+            # the features of every training timestep, computed once: a sampler calls the
+            # model with the same timesteps many times (same values as computing them per row)
+            key = (x.dtype, x.device)
+            if getattr(self, "_table_key", None) != key:
+                steps = torch.arange(n, device=x.device)
+                self._table = timestep_embedding(steps, self.embed,
+                                                 scale=self.time_scale).to(x.dtype)
+                self._table_key = key
+            emb = self._table.index_select(0, t)
+        else:
+            emb = timestep_embedding(t, self.embed, scale=self.time_scale).to(x.dtype)
         return self.net(torch.cat([x, emb], dim=1))
 
     def save(self, path: str | Path) -> None:
