@@ -240,6 +240,7 @@ def _solve_certified(chain, X0, solver, tol, max_iters, callback, sliding):
     """
     iterations = evaluations = positions = 0
     per_sample = None
+    residuals = []
     cur, passes, x0 = tol, 0, X0
     while True:
         passes += 1
@@ -251,6 +252,7 @@ def _solve_certified(chain, X0, solver, tol, max_iters, callback, sliding):
         positions += sol.stats.get("positions", 0)
         its = sol.stats["sample_iterations"]
         per_sample = its if per_sample is None else per_sample + its
+        residuals.append(sol.residuals)
         estimate = sol.stats.get("error_estimate", 0.0)
         if sliding and sol.converged and cur > 0:
             carried = _carried_error(sol.stats.get("freeze_estimates"), chain.gain)
@@ -269,7 +271,7 @@ def _solve_certified(chain, X0, solver, tol, max_iters, callback, sliding):
              "positions": positions, "sequential_steps": evaluations,
              "sample_iterations": per_sample}
     return dataclasses.replace(sol, iterations=iterations, evaluations=evaluations,
-                               stats=stats), passes
+                               residuals=torch.cat(residuals), stats=stats), passes
 
 
 def _growth(gain) -> torch.Tensor:
