@@ -219,14 +219,15 @@ def _check_counters(method, opts, sol, N):
     calls = sol.stats["model_calls"]
     evals = sol.stats["model_evaluations"]
     assert calls == sol.evaluations
-    if method == "picard" or isinstance(method, SlidingJacobi):
-        w = min(opts.get("window", 128), N) if method == "picard" else min(method.window, N)
+    window = opts.get("window", 128)
+    if (method == "picard" and window < N) or isinstance(method, SlidingJacobi):
+        w = window if method == "picard" else min(method.window, N)
         assert calls == sol.iterations
         assert sol.stats["window"] == w
         assert evals == sol.stats["positions"] <= sol.iterations * w
     else:  # every iteration evaluates all N steps; Jacobi verifies once more at its bound,
         # Anderson once per iteration in which samples reach it
-        extra = 1 if isinstance(method, Jacobi) else sol.value.shape[0]
+        extra = 1 if isinstance(method, Jacobi) or method == "picard" else sol.value.shape[0]
         assert sol.iterations <= calls <= sol.iterations + extra
         assert evals == calls * N
 

@@ -27,7 +27,7 @@ from paraprop.diffusion import sample, step_table  # noqa: E402
 DESCRIPTION = "diffusion sampling: diffusers loop vs Picard (ParaDiGMS) vs Anderson (ParaTAA)"
 TOL = 1e-3
 COLUMNS = ["method", "iterations", "model_evals", "time_ms", "speedup", "max_abs_err"]
-MEMORY = 5
+MEMORY = 3
 
 
 def _loop(model, scheduler, shape, steps, seed, eta):

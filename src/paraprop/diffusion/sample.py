@@ -12,7 +12,7 @@ from paraprop.diffusion.chain import DiffusionChain, draw_noise
 from paraprop.diffusion.schedulers import step_table
 from paraprop.result import Solution, ensure_converged
 from paraprop.solve import solve
-from paraprop.solvers import Sequential, SlidingJacobi, TriangularAnderson, is_solver
+from paraprop.solvers import Jacobi, Sequential, SlidingJacobi, TriangularAnderson, is_solver
 
 METHODS = ("sequential", "picard", "anderson")
 DEFAULT_WINDOW = 128
@@ -49,8 +49,8 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
             triangular Anderson acceleration of the Picard iteration, with ``memory``), or a
             solver object of :mod:`paraprop.solvers` (e.g. ``SlidingJacobi(128)``,
             ``TriangularAnderson(memory=4)``, ``Jacobi()``) applied to the Picard map.
-        window: steps per iteration of ``"picard"`` (``None``: 128); ``"anderson"`` iterates on
-            all ``N`` steps.
+        window: steps per iteration of ``"picard"`` (``None``: 128; a window of at least ``N``
+            steps is Jacobi on the whole trajectory); ``"anderson"`` iterates on all ``N`` steps.
         memory: ``"anderson"``'s history (iterates kept; ``None``: its default).
         tol: a sample stops when the estimated distance of its whole trajectory to the
             sequential one is ``<= tol`` (largest absolute difference; see
@@ -140,7 +140,8 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
     traj = sol.value.reshape(B, N, *shape[1:])
     stats = {**sol.stats, "model_calls": chain.model_calls,
              "model_evaluations": chain.model_rows // B, "steps": N, "split": split,
-             "passes": passes}
+             "passes": passes,
+             "window": sol.stats.get("window", 1 if isinstance(solver, Sequential) else N)}
     sol = dataclasses.replace(sol, value=traj, stats=stats)
     sol = ensure_converged(sol, throw, entry="diffusion.sample", max_iters=max_iters, tol=tol)
     return traj[:, -1], sol
@@ -163,7 +164,10 @@ def _solver(method, window, memory, N):
             raise ValueError("window is an option of 'picard' and 'anderson', not 'sequential'")
         return Sequential()
     if method == "picard":
-        return SlidingJacobi(min(window or DEFAULT_WINDOW, N))
+        w = window or DEFAULT_WINDOW
+        # a window that holds every step is Jacobi on the whole trajectory: its contraction
+        # rule needs no freezes (and no growth check), and it stops sooner
+        return Jacobi() if w >= N else SlidingJacobi(w)
     if window is not None:
         raise ValueError("window is an option of 'picard'; 'anderson' iterates on all "
                          f"num_inference_steps={N} steps at once, got window={window!r}")
