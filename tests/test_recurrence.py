@@ -14,8 +14,8 @@ from paraprop.scan import linear_recurrence
 
 I_SIZE, HID = 3, 4          # input size; hidden size of the cells (the LSTM state [h, c] has 2H)
 BLOCK = 3                   # block_size of the hybrid methods, window of sliding_jacobi
-METHODS = ["sequential", "jacobi", "jacobi_gs", "gs_jacobi", "sliding_jacobi", "newton",
-           "quasi_newton", "elk", "quasi_elk"]
+METHODS = ["sequential", "jacobi", "jacobi_gs", "gs_jacobi", "sliding_jacobi", "anderson",
+           "newton", "quasi_newton", "elk", "quasi_elk"]
 NEWTON = ["newton", "quasi_newton", "elk", "quasi_elk"]
 JACOBIAN_FORM = {"newton": "any", "quasi_newton": "diag", "elk": "dense", "quasi_elk": "diag"}
 PARALLEL = METHODS[1:]
