@@ -7,6 +7,7 @@ For ``h' = cell(x, h)`` (one sample, vectors) they return ``J^T = (dh'/dh)^T`` o
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -22,27 +23,13 @@ def rnn_cell(cell: nn.RNNCell, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor
 
 
 def gru_cell(cell: nn.GRUCell, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """PyTorch's GRU cell:
+    """PyTorch's GRU cell, from the one factored GRU Jacobian of the library
+    (:func:`paraprop.recurrence.gru_linearize`): ``dh'/dh = diag(z) + diag(s) [W_hr; W_hz; W_hn]``
+    summed over the three gate blocks, with ``s`` the gate sensitivities (BPPSA Appendix E)."""
+    from paraprop.recurrence import gru_linearize
 
-    ``r = s(W_ir x + b_ir + W_hr h + b_hr)``, ``z = s(W_iz x + b_iz + W_hz h + b_hz)``,
-    ``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``, ``h' = (1 - z) n + z h``, so
-
-    ``dh'/dh = diag(1 - z) dn/dh + diag(h - n) dz/dh + diag(z)`` with
-    ``dz/dh = diag(z (1 - z)) W_hz``, ``dr/dh = diag(r (1 - r)) W_hr`` and
-    ``dn/dh = diag(1 - n^2) (diag(r) W_hn + diag(W_hn h + b_hn) dr/dh)``.
-    """
-    H = cell.hidden_size
     with torch.no_grad():
-        gi = x @ cell.weight_ih.t() + (cell.bias_ih if cell.bias else 0)
-        hh = h @ cell.weight_hh.t() + (cell.bias_hh if cell.bias else 0)
-        i_r, i_z, i_n = gi.split(H)
-        h_r, h_z, h_n = hh.split(H)
-        r = torch.sigmoid(i_r + h_r)
-        z = torch.sigmoid(i_z + h_z)
-        n = torch.tanh(i_n + r * h_n)
-        W_r, W_z, W_n = cell.weight_hh.split(H)
-        dz = (z * (1 - z))[:, None] * W_z
-        dr = (r * (1 - r))[:, None] * W_r
-        dn = (1 - n * n)[:, None] * (r[:, None] * W_n + h_n[:, None] * dr)
-        J = (1 - z)[:, None] * dn + (h - n)[:, None] * dz + torch.diag(z)
-        return J.t()
+        gi = F.linear(x, cell.weight_ih, cell.bias_ih if cell.bias else None)
+        _, J = gru_linearize(gi[None, None], h[None, None], cell.weight_hh,
+                             cell.bias_hh if cell.bias else None, "dense")
+        return J[0, 0].t()

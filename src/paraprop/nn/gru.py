@@ -28,12 +28,8 @@ from torch import _VF
 
 from paraprop.nn._base import ScanBackwardMixin, check_options, first_order_only, solve_layer
 from paraprop.nn.rnn import solve_hidden
-from paraprop.recurrence import _GRUCell
+from paraprop.recurrence import _BLOCK_ROWS, _GRUCell
 from paraprop.scan import Factored
-
-# Rows (time steps x batch) per block of the gate recomputation on the CPU: the ~20
-# elementwise passes then run on cache-resident blocks instead of streaming T x B x 3H arrays.
-_BLOCK_ROWS = 8192
 
 
 def jacobian_factors(x, hprev, w_ih, w_hh, b_ih, b_hh):
