@@ -113,9 +113,12 @@ class _NewtonFamily:
             est = size
         else:
             stop, est = state.rule.update(size, tol, act)
-            stop = stop & ~bad
-        # A stopping sample keeps fn(x), a value the cell produces (ReLU outputs stay >= 0):
-        # within L * (est + |delta|) of the solution for a step map with Lipschitz constant L.
+            # A stopping sample keeps fn(x), a value the cell produces (ReLU outputs stay
+            # >= 0), not the new iterate that `est` is about: fn(x) is within about
+            # |delta| + est of the solution (times the Lipschitz constant of a step, ~1 on a
+            # map that accumulates small steps), so that sum is what must fit tol.
+            est = est + size
+            stop = stop & ~bad & (est <= tol)
         new = torch.where(stop[:, None, None], y, trial) if bool(stop.any()) else trial
         if bool(act.all()):
             seg.copy_(new)
