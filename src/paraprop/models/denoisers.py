@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from paraprop import checks
-from paraprop.models.made import load_checkpoint
+from paraprop.models.checkpoint import load_checkpoint, save_checkpoint
 
 _REFERENCE_STEPS = 1000  # timesteps are embedded as if the schedule had this many
 
@@ -166,9 +166,7 @@ class MLPDenoiser(nn.Module):
 
     def save(self, path: str | Path) -> None:
         """Save the config and state dict (``MLPDenoiser.load`` rebuilds the model)."""
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"kind": "MLPDenoiser", "config": self.config,
-                    "state_dict": self.state_dict()}, path)
+        save_checkpoint("MLPDenoiser", self.config, self.state_dict(), path)
 
     @classmethod
     def load(cls, path: str | Path, map_location="cpu") -> MLPDenoiser:
@@ -257,9 +255,7 @@ def save_unet(model, path: str | Path) -> None:
     if not isinstance(model, UNet2DModel):
         raise TypeError(f"model must be a diffusers UNet2DModel, got {type(model).__name__}")
     config = {k: v for k, v in model.config.items() if not k.startswith("_")}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"kind": "UNet2DModel", "config": config, "state_dict": model.state_dict()},
-               path)
+    save_checkpoint("UNet2DModel", config, model.state_dict(), path)
 
 
 def load_unet(path: str | Path, map_location="cpu"):

@@ -10,7 +10,6 @@ of the ``d``-th conditional at its noise. :meth:`MADE.sampling_map` builds that 
 from __future__ import annotations
 
 import math
-import pickle
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from paraprop import checks
+from paraprop.models.checkpoint import load_checkpoint, save_checkpoint
 from paraprop.models.masked import MaskedLinear, made_masks
 
 CONDITIONALS = {"logistic": 2, "gaussian": 2, "bernoulli": 1}
@@ -144,8 +144,7 @@ class MADE(nn.Module):
     # -- checkpoints --------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
         """Save the config and state dict (``MADE.load`` rebuilds the model)."""
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"kind": "MADE", "config": self.config, "state_dict": self.state_dict()}, path)
+        save_checkpoint("MADE", self.config, self.state_dict(), path)
 
     @classmethod
     def load(cls, path: str | Path, map_location="cpu") -> MADE:
@@ -180,50 +179,6 @@ def _as_order(order, features: int) -> torch.Tensor:
         raise ValueError(f"order must be a permutation of 0..{features - 1}, got "
                          f"{order_t.tolist()}")
     return order_t
-
-
-def load_checkpoint(cls, kind: str, path, map_location):
-    """A model of class ``cls`` from the checkpoint ``{"kind", "config", "state_dict"}`` that
-    ``cls.save`` wrote at ``path``; every failure names the file."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file (expected a paraprop {kind} checkpoint)")
-    if path.is_dir():
-        raise ValueError(f"{path}: is a directory, not a paraprop {kind} checkpoint")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except OSError:
-        raise
-    except pickle.UnpicklingError:
-        raise ValueError(f"{path}: cannot be read as a paraprop {kind} checkpoint (torch.load "
-                         "with weights_only=True: not a torch file of tensors and plain "
-                         "containers)") from None
-    except Exception as e:  # torch.load fails in many ways on a foreign file
-        lines = str(e).strip().splitlines()
-        reason = f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
-        raise ValueError(f"{path}: cannot be read as a paraprop {kind} checkpoint "
-                         f"(torch.load: {reason})") from None
-    found = ckpt.get("kind") if isinstance(ckpt, dict) else None
-    if found != kind:
-        what = f"a {found} checkpoint" if isinstance(found, str) else \
-            f"a {type(ckpt).__name__} without a model kind"
-        raise ValueError(f"{path}: not a paraprop {kind} checkpoint (it holds {what})")
-    cfg, state = ckpt.get("config"), ckpt.get("state_dict")
-    if not isinstance(cfg, dict) or not isinstance(state, dict):
-        raise ValueError(f"{path}: not a paraprop {kind} checkpoint (config or state_dict "
-                         "missing)")
-    try:
-        model = cls(**cfg)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: bad {kind} config in the checkpoint: {e}") from None
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        errors = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()] or [str(e)]
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise ValueError(f"{path}: the weights do not fit the {kind} config: "
-                         f"{errors[0].rstrip('.')}{more}") from None
-    return model
 
 
 class _MADESampler:

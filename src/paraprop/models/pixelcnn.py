@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from paraprop import checks
+from paraprop.models.checkpoint import load_checkpoint, save_checkpoint
 
 
 class _GatedLayer(nn.Module):
@@ -250,9 +251,7 @@ class PixelCNN(nn.Module):
 
     # -- checkpoints --------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"kind": "PixelCNN", "config": self.config, "state_dict": self.state_dict()},
-                   path)
+        save_checkpoint("PixelCNN", self.config, self.state_dict(), path)
 
     @classmethod
     def load(cls, path: str | Path, map_location="cpu") -> PixelCNN:
@@ -263,8 +262,6 @@ class PixelCNN(nn.Module):
             ValueError: the file is not a PixelCNN checkpoint (not a torch file, another
                 model's, or a config or weights that do not fit); the message names the file.
         """
-        from paraprop.models.made import load_checkpoint
-
         return load_checkpoint(cls, "PixelCNN", path, map_location)
 
 
