@@ -23,29 +23,12 @@ import torch  # noqa: E402
 from paraprop.bench.harness import interleaved, machine_info, median  # noqa: E402
 from paraprop.bench.report import markdown_table, text_table, write_results  # noqa: E402
 from paraprop.diffusion import sample, step_table  # noqa: E402
+from paraprop.training.ddpm import sample_loop, trained_denoiser  # noqa: E402
 
 DESCRIPTION = "diffusion sampling: diffusers loop vs Picard (ParaDiGMS) vs Anderson (ParaTAA)"
 TOL = 1e-3
 COLUMNS = ["method", "iterations", "model_evals", "time_ms", "speedup", "max_abs_err"]
 MEMORY = 3
-
-
-def _loop(model, scheduler, shape, steps, seed, eta):
-    """The diffusers sampling loop (the baseline), with a generator seeded ``seed``."""
-    kw = {} if eta is None else {"eta": eta}
-
-    def run():
-        g = torch.Generator().manual_seed(seed)
-        scheduler.set_timesteps(steps)
-        x = torch.randn(shape, generator=g)
-        with torch.no_grad():
-            for t in scheduler.timesteps:
-                out = model(x, t)
-                out = out.sample if hasattr(out, "sample") else out
-                x = scheduler.step(out, t, x, generator=g, **kw).prev_sample
-        return x
-
-    return run
 
 
 def chain_rows(model, scheduler, shape, steps: int, *, eta, repeats: int, window: int | None,
@@ -56,7 +39,9 @@ def chain_rows(model, scheduler, shape, steps: int, *, eta, repeats: int, window
     def gen():
         return torch.Generator().manual_seed(seed)
 
-    loop = _loop(model, scheduler, shape, steps, seed, eta)
+    def loop():
+        return sample_loop(model, scheduler, shape, steps, seed=seed, eta=eta)
+
     ref, ref_sol = sample(model, scheduler, shape, num_inference_steps=steps,
                           method="sequential", generator=gen(), **kw)
     specs = {"paraprop sequential": {"method": "sequential"},
@@ -184,8 +169,6 @@ PARALLEL_COLUMNS = ["scheduler", "config", "steps", "max_abs_err", "steps that d
 
 def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
     from diffusers import DDIMScheduler, DDPMScheduler
-
-    from paraprop.training.ddpm import trained_denoiser
 
     repeats = repeats or (1 if quick else 5)
     out_dir.mkdir(parents=True, exist_ok=True)

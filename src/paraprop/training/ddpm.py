@@ -179,7 +179,7 @@ def trained_denoiser(out_dir: str | Path, data: str, *, epochs: int | None = Non
 
 
 def sample_loop(model, scheduler, shape: tuple[int, ...], num_inference_steps: int, *,
-                seed: int = 0, progress: bool = False) -> torch.Tensor:
+                seed: int = 0, eta: float | None = None, progress: bool = False) -> torch.Tensor:
     """Samples of the plain diffusers loop: ``x_T ~ N(0, I)``, then
     ``x = scheduler.step(model(x, t), t, x, generator=g).prev_sample`` for every timestep.
 
@@ -189,6 +189,7 @@ def sample_loop(model, scheduler, shape: tuple[int, ...], num_inference_steps: i
         shape: shape of the batch.
         num_inference_steps: passed to ``scheduler.set_timesteps``.
         seed: seed of the starting noise and of the noise of the steps (a CPU generator).
+        eta: passed to ``scheduler.step`` when given (DDIM's ``eta``).
         progress: show a tqdm progress bar.
 
     Returns:
@@ -198,9 +199,10 @@ def sample_loop(model, scheduler, shape: tuple[int, ...], num_inference_steps: i
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g, dtype=p.dtype).to(p.device)
     scheduler.set_timesteps(num_inference_steps)
+    kw = {} if eta is None else {"eta": eta}
     with torch.no_grad():
         for t in tqdm(scheduler.timesteps, desc="sample", disable=not progress, leave=False):
-            x = scheduler.step(predict_noise(model, x, t), t, x, generator=g).prev_sample
+            x = scheduler.step(predict_noise(model, x, t), t, x, generator=g, **kw).prev_sample
     return x
 
 
