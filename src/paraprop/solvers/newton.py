@@ -49,7 +49,8 @@ class _NewtonFamily:
     Stopping: exact Newton stops a sample when its step ``||delta||`` is ``<= tol`` (the step
     is the linearised error of the iterate, accumulation included). The approximate and damped
     steps estimate the error by the contraction of successive steps
-    (:class:`~paraprop.solvers.stopping.ContractionRule`).
+    (:class:`~paraprop.solvers.stopping.ContractionRule`), plus the step itself, since a
+    stopping sample returns ``fn(x)`` rather than the next iterate.
     """
 
     name = "newton"
