@@ -9,7 +9,7 @@ import torch
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
 from paraprop.diffusion.chain import DiffusionChain, draw_noise
-from paraprop.diffusion.schedulers import step_table
+from paraprop.diffusion.schedulers import scheduler_kind, step_table
 from paraprop.result import Solution, ensure_converged
 from paraprop.solve import solve
 from paraprop.solvers import Jacobi, Sequential, SlidingJacobi, TriangularAnderson, is_solver
@@ -185,10 +185,7 @@ def _shape(shape) -> tuple[int, ...]:
 
 
 def _eta(scheduler, eta):
-    from paraprop.diffusion.schedulers import scheduler_kind
-
-    kind = scheduler_kind(scheduler)
-    if kind == "ddpm":
+    if scheduler_kind(scheduler) == "ddpm":
         if eta is not None:
             raise ValueError(f"eta is an option of DDIMScheduler; {type(scheduler).__name__} "
                              f"has no eta, got eta={eta!r}")
@@ -259,12 +256,13 @@ def _solve_certified(chain, X0, solver, tol, max_iters, callback, sliding):
         residuals.append(sol.residuals)
         estimate = sol.stats.get("error_estimate", 0.0)
         if sliding and sol.converged and cur > 0:
-            carried = _carried_error(sol.stats.get("freeze_estimates"), chain.gain)
+            growth = None if chain.gain is None else _growth(chain.gain)
+            carried = _carried_error(sol.stats.get("freeze_estimates"), growth)
             estimate = float(carried.max())
             if estimate > tol and (left is None or sol.iterations < left):
                 # again from the current trajectory, each freeze now budgeted after the growth
                 # observed downstream of it; a third pass is exact
-                chain.growth = _growth(chain.gain)
+                chain.growth = growth
                 cur = 0.0 if passes >= 2 else cur
                 x0 = sol.value.clone()
                 continue
@@ -288,13 +286,13 @@ def _growth(gain) -> torch.Tensor:
     return (logs.flip(1).cumsum(1).flip(1) - logs).exp()
 
 
-def _carried_error(freezes, gain) -> torch.Tensor:
-    """Per sample: the sum over freezes of their estimate times the product of the observed
-    step gains (at least 1) after them; a step never observed takes the sample's largest gain,
-    and a sample with freezes but no observed gain is not certified (``inf``)."""
+def _carried_error(freezes, growth) -> torch.Tensor:
+    """Per sample: the sum over freezes of their estimate times the growth after them
+    (:func:`_growth`); with freezes but no observed gain (``growth=None``) not certified
+    (``inf``)."""
     if freezes is None:
         return torch.zeros(1, dtype=torch.float64)
-    if gain is None:
+    if growth is None:
         return torch.where(freezes.sum(1) > 0, torch.inf, 0.0)
-    carried = freezes * _growth(gain)
+    carried = freezes * growth
     return torch.where(freezes > 0, carried, 0.0).sum(1)
