@@ -58,6 +58,7 @@ class DiffusionChain:
         self.device = x_init.device
         self.timesteps = table.timesteps.to(self.device)
         self.a = table.linear_part(split).to(self.device, x_init.dtype)
+        self.identity_split = bool((self.a == 1).all())   # the scan is then a cumulative sum
         self._evaluate = evaluate
         self.model_calls = 0   # batched model calls
         self.model_rows = 0    # model evaluations (rows of x per call, in samples)
@@ -144,9 +145,7 @@ class DiffusionChain:
         estimate; ``None`` until steps have been observed twice, NaN where unknown."""
         if self.lam is None or not self.track_gains:
             return None
-        largest = torch.where(self.lam.isnan(), -torch.inf, self.lam).amax(1, keepdim=True)
-        lam = torch.where(self.lam.isnan(), largest, self.lam)
-        lam = torch.where(lam.isinf(), torch.nan, lam)
+        lam = fill_unobserved(self.lam, none=float("nan"))
         return torch.cat([lam[:, 1:], torch.zeros_like(lam[:, :1])], dim=1)
 
     # -- the triangular system -----------------------------------------------------------------
@@ -160,7 +159,7 @@ class DiffusionChain:
         a = self.a[start:stop]
         g = nxt - a[None, :, None] * xin
         h0 = xin[:, 0]
-        if bool((a == 1).all()):
+        if self.identity_split:
             vals = torch.cat([h0[:, None], g], dim=1).cumsum(dim=1)[:, 1:]
         else:
             A = a[None, :, None].expand(1, stop - start, self.F)
@@ -174,6 +173,14 @@ class DiffusionChain:
             xin = self.inputs(X, s, s + 1)
             outs.append(self.steps(xin, s, s + 1))
         return torch.cat(outs, dim=1)
+
+
+def fill_unobserved(v: torch.Tensor, *, none: float) -> torch.Tensor:
+    """``v`` ``(B, N)`` with each NaN (a step never observed) replaced by the largest value
+    observed for that sample, or by ``none`` where the sample has no observation at all."""
+    largest = torch.where(v.isnan(), -torch.inf, v).amax(1, keepdim=True)
+    largest = torch.where(largest == -torch.inf, none, largest)
+    return torch.where(v.isnan(), largest, v)
 
 
 def _output(out, x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
-from paraprop.diffusion.chain import DiffusionChain, draw_noise
+from paraprop.diffusion.chain import DiffusionChain, draw_noise, fill_unobserved
 from paraprop.diffusion.schedulers import scheduler_kind, step_table
 from paraprop.result import Solution, ensure_converged
 from paraprop.solve import solve
@@ -279,9 +279,7 @@ def _solve_certified(chain, X0, solver, tol, max_iters, callback, sliding):
 def _growth(gain) -> torch.Tensor:
     """``(B, N)``: the product of the observed step gains (at least 1) after each step; a step
     never observed takes the sample's largest gain (``inf`` if it has none)."""
-    largest = torch.where(gain.isnan(), -torch.inf, gain).amax(1, keepdim=True)
-    largest = torch.where(largest.isinf(), torch.inf, largest)
-    g = torch.where(gain.isnan(), largest, gain).clamp(min=1.0)
+    g = fill_unobserved(gain, none=float("inf")).clamp(min=1.0)
     logs = g.log()
     return (logs.flip(1).cumsum(1).flip(1) - logs).exp()
 
