@@ -80,7 +80,6 @@ class TriangularAnderson:
             final=torch.zeros(B, dtype=torch.long, device=dev),  # positions < final are final
             xs=[], rs=[],  # the last iterates and their residuals
             picard=torch.zeros(B, dtype=torch.bool, device=dev),  # finishing with plain steps
-            d_prev=torch.full((B,), float("nan"), dtype=torch.float64, device=dev),
         )
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
@@ -109,13 +108,12 @@ class TriangularAnderson:
         d = per_pos.amax(dim=1).to(torch.float64) if norm == "max" else \
             torch.linalg.vector_norm(R.reshape(R.shape[0], -1), dim=1).to(torch.float64)
         picard = e["picard"]
-        rate = torch.where(picard, d / e["d_prev"], torch.full_like(d, float("nan")))
+        rate = torch.where(picard, d / state.rule.d_prev, torch.full_like(d, float("nan")))
         stop, est = state.rule.update(torch.where(act, d, torch.zeros_like(d)), tol, act,
                                       rate=rate)
         at_bound = act & (new_final >= T) & ~stop & (d > 0)
         stop = stop | (act & (new_final >= T))
         e["picard"] = picard | (act & (d <= tol))
-        e["d_prev"] = torch.where(act, d, e["d_prev"])
 
         # the next iterate: fn's value on the exact prefix and for stopping samples, the
         # triangular Anderson extrapolation elsewhere
