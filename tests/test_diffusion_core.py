@@ -1,5 +1,6 @@
 """paraprop.diffusion against diffusers' own loop (scheduler.step) and against its sequential
-method; the accumulating chain; a map built to break Anderson; distributed equality; errors."""
+method; the accumulating chain; a map built to break Anderson; errors. (The UNet2DModel and the
+two-process cases are in tests/test_diffusion.py.)"""
 
 import pytest
 import torch
@@ -179,63 +180,6 @@ def test_map_built_to_break_the_extrapolation(method):
     _, bad = sample(expanding, sched(), (3, 2), num_inference_steps=steps, method=method,
                     tol=1e-9, max_iters=2, throw=False, generator=gen(), dtype=torch.float64)
     assert not bad.converged
-
-
-def test_unet_output_object():
-    diffusers = pytest.importorskip("diffusers")
-    torch.manual_seed(0)
-    unet = diffusers.UNet2DModel(sample_size=8, in_channels=1, out_channels=1,
-                                 block_out_channels=(8, 16), layers_per_block=1,
-                                 norm_num_groups=4,
-                                 down_block_types=("DownBlock2D", "DownBlock2D"),
-                                 up_block_types=("UpBlock2D", "UpBlock2D")).eval()
-    unet.requires_grad_(False)
-    shape, steps = (2, 1, 8, 8), 6
-    g = gen(3)
-    s = DDIMScheduler()
-    s.set_timesteps(steps)
-    loop = torch.randn(shape, generator=g)
-    for t in s.timesteps:
-        loop = s.step(unet(loop, t).sample, t, loop, generator=g).prev_sample
-    ref, _ = sample(unet, DDIMScheduler(), shape, num_inference_steps=steps,
-                    method="sequential", generator=gen(3))
-    # the same arithmetic except that the UNet sees a 1-D timestep tensor; convolutions may
-    # round a batch differently, so this is a rounding-level comparison
-    assert float((ref - loop).abs().max()) <= 1e-5
-    x, sol = sample(unet, DDIMScheduler(), shape, num_inference_steps=steps, method="picard",
-                    tol=1e-4, generator=gen(3))
-    assert sol.converged and float((x - ref).abs().max()) <= 1e-4
-
-
-def _shard_worker(rank):
-    import torch
-
-    from paraprop.diffusion import sample as _sample
-
-    x, sol = _sample(Eps().double(), DDPMScheduler(clip_sample=False), (6, 2),
-                     num_inference_steps=40, method="picard", window=9, dtype=torch.float64,
-                     generator=torch.Generator().manual_seed(1), shard=True, tol=1e-8,
-                     gain=torch.linspace(0.5, 1.5, 6, dtype=torch.float64))
-    return x.tolist(), sol.iterations
-
-
-@pytest.mark.slow
-def test_two_gloo_processes_give_the_one_process_result():
-    from paraprop.distributed import spawn
-
-    results = spawn(_shard_worker, 2, timeout=120, threads=1)
-    x, sol = sample(Eps().double(), DDPMScheduler(clip_sample=False), (6, 2),
-                    num_inference_steps=40, method="picard", window=9, dtype=torch.float64,
-                    generator=gen(1), tol=1e-8,
-                    gain=torch.linspace(0.5, 1.5, 6, dtype=torch.float64))
-    for xs, iters in results:
-        assert torch.equal(torch.tensor(xs, dtype=torch.float64), x)
-        assert iters == sol.iterations
-
-
-def test_shard_without_process_group():
-    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
-        sample(Eps(), DDIMScheduler(), (2, 2), num_inference_steps=3, shard=True)
 
 
 def test_errors_name_the_argument():
