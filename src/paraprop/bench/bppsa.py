@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from paraprop.bench.harness import interleaved, machine_info, median
-from paraprop.bench.plots import plt
+from paraprop.bench.plots import plt, save_figure
 from paraprop.bench.report import markdown_table, text_table, write_results
 from paraprop.nn import GRU, RNN, JacobiBackward, ScanBackward
 from paraprop.scan import native
@@ -237,11 +237,7 @@ def plot_sweep(path: Path, rows: list[dict], key: str, xlabel: str, title: str) 
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def plot_gru(path: Path, rows: list[dict]) -> Path:
@@ -255,10 +251,7 @@ def plot_gru(path: Path, rows: list[dict]) -> Path:
     ax.set_ylabel("speedup over torch.nn.GRU autograd")
     ax.set_title("GRU at the IRMAS shapes (hidden 20, synthetic features)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def plot_curves(path: Path, curves: dict, title: str) -> Path:
@@ -270,10 +263,7 @@ def plot_curves(path: Path, curves: dict, title: str) -> Path:
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 RNN_COLUMNS = ["T", "batch", "repeats", "torch_fwd_ms", "torch_bwd_ms", "torch_step_ms",

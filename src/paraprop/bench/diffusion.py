@@ -21,6 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from paraprop.bench.harness import interleaved, machine_info, median  # noqa: E402
+from paraprop.bench.plots import save_figure  # noqa: E402
 from paraprop.bench.report import markdown_table, text_table, write_results  # noqa: E402
 from paraprop.diffusion import sample, step_table  # noqa: E402
 from paraprop.training.ddpm import sample_loop, trained_denoiser  # noqa: E402
@@ -110,11 +111,7 @@ def curves_plot(path: Path, title: str, curves: dict, steps: int) -> Path:
     b.legend(fontsize=7)
     b.grid(True, alpha=0.3)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def parallel_scheduler_rows(steps_list=(50, 100, 1000)) -> list[dict]:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paraprop.bench.harness import interleaved, machine_info, median
-from paraprop.bench.plots import plt
+from paraprop.bench.plots import plt, save_figure
 from paraprop.bench.report import markdown_table, text_table, write_results
 from paraprop.optim import fuse
 from paraprop.optim.backward import ConsumedGrad
@@ -319,11 +319,7 @@ def breakdown_plot(path: Path, title: str, rows: list[dict]) -> Path:
     ax.set_title(title, fontsize=10)
     ax.tick_params(axis="x", labelsize=7)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def saving_plot(path: Path, rows: list[dict]) -> Path:
@@ -348,10 +344,7 @@ def saving_plot(path: Path, rows: list[dict]) -> Path:
         ax.set_yticks(range(len(keys)), keys, fontsize=6)
         ax.set_xlim(-2.0, 2.0)
         ax.set_title(f"{mode}: saved / unfused optimizer time", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from paraprop.bench.harness import interleaved, machine_info, median  # noqa: E402
+from paraprop.bench.plots import save_figure  # noqa: E402
 from paraprop.bench.report import markdown_table, text_table, write_results  # noqa: E402
 from paraprop.jacobians import bppsa, patterns, transposed_jacobian  # noqa: E402
 
@@ -169,10 +170,7 @@ def _plot(path: Path, steps: list[dict], rows: list[dict]) -> Path:
     ax.set_ylabel("FLOPs of the largest combine")
     ax.set_title("BPPSA on VGG-11 conv layers: per-step FLOPs vs back-propagation (Fig. 10)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:

@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from paraprop.bench.harness import interleaved, machine_info, median  # noqa: E402
-from paraprop.bench.plots import convergence_plot  # noqa: E402
+from paraprop.bench.plots import convergence_plot, save_figure  # noqa: E402
 from paraprop.bench.report import markdown_table, text_table, write_results  # noqa: E402
 from paraprop.models import MADE  # noqa: E402
 from paraprop.sampling import parallel_inverse, sample  # noqa: E402
@@ -115,10 +115,7 @@ def image_rows(path: Path, rows: list[tuple[str, torch.Tensor]], title: str, n: 
             ax.set_yticks([])
         axes[r, 0].set_ylabel(label, rotation=0, ha="right", va="center", fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)
 
 
 def image_grid(path: Path, ref: torch.Tensor, iterates: list[torch.Tensor], side: int,

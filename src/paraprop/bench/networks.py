@@ -36,6 +36,7 @@ import torch  # noqa: E402
 import torchvision  # noqa: E402
 
 from paraprop.bench.harness import interleaved, machine_info, median  # noqa: E402
+from paraprop.bench.plots import save_figure  # noqa: E402
 from paraprop.bench.report import markdown_table, text_table, write_results  # noqa: E402
 from paraprop.networks import (  # noqa: E402
     ThreadedJacobiGS,
@@ -204,11 +205,7 @@ def fig1d(path: Path, title: str, curves: dict[str, dict], tol: float) -> Path:
         a.grid(True, alpha=0.3)
         a.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def small_densenet(seed: int = 0, *, growth_rate: int = 8, block_config=(2, 3, 4, 3),

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 import paraprop
 from paraprop.bench.harness import interleaved, machine_info, median
-from paraprop.bench.plots import plt
+from paraprop.bench.plots import plt, save_figure
 from paraprop.bench.report import markdown_table, text_table, write_results
 from paraprop.errors import NonFiniteError
 from paraprop.nn import GRU, ParallelForward
@@ -425,11 +425,7 @@ def plot_gru(path: Path, gru: dict) -> Path:
     axes[1].legend(fontsize=6, ncol=2)
     axes[2].axhline(1.0, color="grey", lw=0.8)
     axes[2].set_title("forward speedup per hidden size")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def plot_sine(path: Path, sine: dict) -> Path:
@@ -457,10 +453,7 @@ def plot_sine(path: Path, sine: dict) -> Path:
     ax.set_ylabel("readout(s_t)")
     ax.set_title("generated sequence (sequential), first steps")
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 FWD_COLUMNS = ["hidden", "T", "rounds", "torch_ms", "newton_ms", "quasi_newton_ms",

@@ -10,6 +10,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def save_figure(fig, path: Path, *, dpi: int = 110) -> Path:
+    """Lay out ``fig``, write it to ``path`` (parents created), close it; return ``path``."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def convergence_plot(path: Path, title: str, curves: dict[str, dict[str, list[float]]],
                      tol: float | None = None) -> Path:
     """Forward difference and true error per iteration (Song et al. 2021, Fig. 1 style).
@@ -34,11 +43,7 @@ def convergence_plot(path: Path, title: str, curves: dict[str, dict[str, list[fl
     axes[0].set_ylabel("max |.| (floor 1e-17)")
     axes[1].legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def bar_plot(path: Path, title: str, labels: list[str], values: list[float], ylabel: str) -> Path:
@@ -50,8 +55,4 @@ def bar_plot(path: Path, title: str, labels: list[str], values: list[float], yla
         ax.text(i, v, f"{v:.2g}", ha="center", va="bottom", fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)

@@ -24,7 +24,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from paraprop.bench.harness import interleaved, machine_info, median
-from paraprop.bench.plots import plt
+from paraprop.bench.plots import plt, save_figure
 from paraprop.bench.report import markdown_table, text_table, write_results
 from paraprop.errors import ConvergenceError, NonFiniteError
 from paraprop.linalg import activation_points, mlp_backward, mlp_forward, rnn_backward
@@ -279,11 +279,7 @@ def steps_plot(path: Path, rows: list[dict]) -> Path:
     ax.set_title("Backward propagation: sequential steps vs depth")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def mlp_configs(quick: bool) -> list[tuple[int, int, int]]:
