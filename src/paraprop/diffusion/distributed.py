@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from paraprop.distributed.comm import DEFAULT_TIMEOUT_S, DistLink
+
 
 def shares(rows: int, world: int) -> list[int]:
     """Rows per rank: as equal as possible, the first ranks taking one more."""
@@ -19,9 +21,11 @@ def shares(rows: int, world: int) -> list[int]:
     return [base + (r < extra) for r in range(world)]
 
 
-def sharded_evaluate(group=None):
+def sharded_evaluate(group=None, *, timeout: float = DEFAULT_TIMEOUT_S):
     """``evaluate(fn, x, t)`` for :class:`~paraprop.diffusion.DiffusionChain`: this rank's share
-    of the rows of ``x`` through ``fn``, then all shares gathered in order.
+    of the rows of ``x`` through ``fn``, then all shares gathered in order (through
+    :class:`paraprop.distributed.DistLink`: a rank that dies or hangs makes the others raise
+    :class:`~paraprop.distributed.PeerError` after ``timeout`` seconds, never hang).
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
@@ -34,6 +38,7 @@ def sharded_evaluate(group=None):
                            "init_process_group first, or pass shard=None")
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
+    link = DistLink(list(range(world)), timeout=timeout, group=group, what="diffusion shard")
 
     def evaluate(fn, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         sizes = shares(x.shape[0], world)
@@ -43,8 +48,7 @@ def sharded_evaluate(group=None):
         width = max(sizes)
         buf = torch.zeros((width, *x.shape[1:]), dtype=x.dtype, device=x.device)
         buf[: hi - lo] = mine
-        parts = [torch.empty_like(buf) for _ in range(world)]
-        dist.all_gather(parts, buf, group=group)
+        parts = link.gather(buf)
         return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
 
     return evaluate

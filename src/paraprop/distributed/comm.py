@@ -119,6 +119,19 @@ class DistLink:
         self.wait_s += time.perf_counter() - t0
         return t.tolist() if many else float(t)
 
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (the same shape and dtype on all of them), in rank order
+        (one all-gather)."""
+        buf = tensor.detach().to("cpu" if self._cpu else tensor.device).contiguous()
+        parts = [torch.empty_like(buf) for _ in range(dist.get_world_size(self.group))]
+        t0 = time.perf_counter()
+        try:
+            dist.all_gather(parts, buf, group=self.group, async_op=True).wait(_td(self.timeout))
+        except RuntimeError as e:
+            raise self._fail("all-gather", None, e) from None
+        self.wait_s += time.perf_counter() - t0
+        return [p.to(tensor.device) for p in parts]
+
     def flush(self) -> None:
         pending, self._pending = self._pending, []
         for work, _, peer in pending:
