@@ -20,9 +20,9 @@ from paraprop.solve import solve
 __version__ = "0.1.0"
 
 # documented subpackages and modules, imported on first attribute access
-SUBPACKAGES = ("bench", "cli", "data", "demos", "diffusion", "distributed", "jacobians", "linalg",
-               "models", "multigrid", "networks", "nn", "optim", "result", "sampling", "scan",
-               "solvers", "training")
+SUBPACKAGES = ("bench", "cli", "data", "decoding", "demos", "diffusion", "distributed",
+               "jacobians", "linalg", "models", "multigrid", "networks", "nn", "optim", "result",
+               "sampling", "scan", "solvers", "training")
 
 
 def __getattr__(name: str):

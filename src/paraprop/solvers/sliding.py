@@ -22,6 +22,10 @@ Here "done" is certified, not guessed:
   maps state ``fn.growth`` or use ``tol=0`` (:func:`paraprop.diffusion.sample` does the
   former from the gains it observes).
 
+Before each sweep ``fn.propose(x, final)``, when ``fn`` has it, may return new guesses for the
+positions that are not final (``final`` ``(B,)``: positions below it are); the result does not
+depend on them (Jacobi decoding takes n-gram guesses this way).
+
 ``fn`` computes only the window through ``fn.window(x, start, stop, cache)`` (the cached-prefix
 protocol of :meth:`paraprop.solvers.base.System.window`) or ``fn.update(x, index)``; otherwise
 each sweep evaluates every position and keeps the window's.
@@ -154,3 +158,23 @@ class SlidingJacobi:
         state.active = e["final"] < T
         state.residual = float(d_pos.max()) if n else 0.0
         state.finished = not bool(state.active.any())
+        propose = getattr(system.fn, "propose", None)
+        if callable(propose) and not state.finished:
+            _take_guesses(system, state, propose(system.user(state.x), e["final"]))
+
+
+def _take_guesses(system: System, state: State, guess) -> None:
+    """Write ``fn.propose``'s guesses into the positions that are not final (any guess keeps
+    the result exact: a position is accepted only when its inputs reproduce it)."""
+    if guess is None:
+        return
+    if not isinstance(guess, torch.Tensor) or guess.shape != system.shape or \
+            guess.dtype != system.dtype:
+        got = (f"{tuple(guess.shape)} {guess.dtype}" if isinstance(guess, torch.Tensor)
+               else type(guess).__name__)
+        raise ValueError(f"fn.propose(x, final) must return None or a tensor shaped like x "
+                         f"{tuple(system.shape)} {system.dtype}, got {got}")
+    g = system.canon(guess)
+    system.check_finite(g)
+    free = torch.arange(system.T, device=g.device)[None, :] >= state.extra["final"][:, None]
+    state.x.copy_(torch.where(free[:, :, None], g, state.x))

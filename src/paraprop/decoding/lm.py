@@ -1,0 +1,133 @@
+"""A causal language model seen through its key/value-cache contract.
+
+The contract is the one ``transformers``' causal LMs follow: ``model(input_ids, <cache>=past,
+use_cache=True)`` returns the logits of the new positions and the cache extended by them, where
+``<cache>`` is ``past_key_values`` (or ``cache``, its name from ``transformers`` 5). Optional
+keywords ``attention_mask`` and ``position_ids`` are passed when the forward accepts them
+(left padding needs both). The returned cache is cropped with its own ``crop`` method (a
+``transformers`` ``Cache``) or, for a tuple of per-layer ``(key, value)`` tensors shaped
+``(batch, heads, length, head_dim)``, by slicing.
+
+:class:`CachedLM` keeps one cache for a batch of sequences and remembers which tokens its
+entries were computed from, so a request for the logits of positions ``[a, b)`` reuses exactly
+the entries that are still valid and recomputes the rest.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+CACHE_NAMES = ("past_key_values", "cache")
+
+
+def cache_keyword(model) -> str:
+    """The keyword under which ``model``'s forward takes the cache; ``TypeError`` naming the
+    contract if it has none."""
+    fwd = getattr(model, "forward", None)
+    if not callable(model) or fwd is None:
+        raise TypeError(f"model must be a torch module with forward(input_ids, "
+                        f"past_key_values=..., use_cache=True), got {type(model).__name__}")
+    params = inspect.signature(fwd).parameters
+    for name in reversed(CACHE_NAMES):   # prefer the current name where both exist
+        if name in params:
+            return name
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return "past_key_values"
+    raise TypeError(f"model {type(model).__name__} has no key/value-cache contract: its forward "
+                    "takes neither past_key_values nor cache (expected forward(input_ids, "
+                    "past_key_values=..., use_cache=True) returning logits and the cache)")
+
+
+def _accepts(model, name: str) -> bool:
+    params = inspect.signature(model.forward).parameters
+    return name in params
+
+
+class CachedLM:
+    """``model`` with one key/value cache over a batch of token sequences.
+
+    Arguments:
+        model: the causal LM (see the module doc for the contract).
+        tokens: ``(B, L)`` int64, the full token buffer (prompt, then generated positions);
+            the caller writes generated tokens into it.
+        attention_mask: ``(B, L)`` 0/1 or ``None`` (no padding).
+
+    Counters: ``calls`` (forward passes) and ``fed`` (token positions fed to the model).
+    """
+
+    def __init__(self, model, tokens: torch.Tensor, attention_mask: torch.Tensor | None):
+        self.model = model
+        self.key = cache_keyword(model)
+        self.tokens = tokens
+        self.mask = attention_mask
+        self.pass_mask = attention_mask is not None and _accepts(model, "attention_mask")
+        self.pass_pos = attention_mask is not None and _accepts(model, "position_ids")
+        if attention_mask is not None and not bool(attention_mask.all()) and \
+                not (self.pass_mask and self.pass_pos):
+            raise TypeError(f"model {type(model).__name__}: attention_mask has padding but the "
+                            "forward does not take attention_mask and position_ids")
+        if attention_mask is not None:
+            pos = attention_mask.long().cumsum(-1) - 1
+            self.position_ids = pos.masked_fill(attention_mask == 0, 0)
+        self.keep_logits = _accepts(model, "logits_to_keep")
+        self.past = None
+        self.cached = tokens[:, :0]      # the tokens the cache entries were computed from
+        self.calls = 0
+        self.fed = 0
+
+    def logits(self, a: int, b: int) -> torch.Tensor:
+        """Logits ``(B, b - a, V)`` predicting the tokens at positions ``a + 1 .. b`` of the
+        buffer, i.e. the model's outputs at positions ``[a, b)``, reusing the valid cache."""
+        n = self.cached.shape[1]
+        same = (self.cached == self.tokens[:, :n]).all(0)
+        valid = int(same.long().cumprod(0).sum()) if n else 0
+        valid = min(valid, a)
+        self._crop(valid)
+        out = self._forward(valid, b)
+        return out[:, a - valid :]
+
+    def prefill(self, n: int) -> None:
+        """Fill the cache with the first ``n`` positions of the buffer (no logits kept)."""
+        if n > 0:
+            self._crop(0)
+            self._forward(0, n, keep=1)
+
+    def _crop(self, length: int) -> None:
+        n = self.cached.shape[1]
+        if length >= n:
+            return
+        if length == 0:
+            self.past = None
+        elif callable(getattr(self.past, "crop", None)):
+            self.past.crop(length - n)          # a negative count removes that many positions
+        else:
+            self.past = tuple(tuple(t[..., :length, :] for t in layer) for layer in self.past)
+        self.cached = self.cached[:, :length]
+
+    def _forward(self, a: int, b: int, keep: int = 0) -> torch.Tensor:
+        kw = {self.key: self.past, "use_cache": True}
+        if self.pass_mask:
+            kw["attention_mask"] = self.mask[:, :b]
+        if self.pass_pos:
+            kw["position_ids"] = self.position_ids[:, a:b]
+        if keep and self.keep_logits:
+            kw["logits_to_keep"] = keep
+        out = self.model(self.tokens[:, a:b], **kw)
+        if isinstance(out, tuple):
+            logits, past = out[0], out[1]
+        else:
+            logits = out.logits
+            past = getattr(out, "cache", None)   # transformers 5 (the old name warns there)
+            if past is None:
+                past = getattr(out, "past_key_values", None)
+        if past is None:
+            raise TypeError(f"model {type(self.model).__name__} returned no cache with "
+                            "use_cache=True (expected .past_key_values, .cache, or a tuple "
+                            "(logits, cache))")
+        self.past = past
+        self.cached = self.tokens[:, :b].clone()
+        self.calls += 1
+        self.fed += b - a
+        return logits
