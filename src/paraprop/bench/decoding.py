@@ -33,10 +33,14 @@ TEMPERATURE = 0.8
 
 
 def prompts(vocab, held: torch.Tensor, batch: int) -> torch.Tensor:
-    """``batch`` prompts of :data:`PROMPT` characters, each starting at a line of the
-    held-out text."""
+    """``batch`` prompts of :data:`PROMPT` characters of prose: held-out lines that start with
+    a capital letter and run on for the whole prompt, spread evenly over the held-out text."""
     nl = vocab.index.get("\n")
+    capital = torch.tensor([vocab.index[c] for c in vocab.chars if c.isupper()])
     starts = (held[:-PROMPT - 1] == nl).nonzero().flatten() + 1
+    starts = starts[torch.isin(held[starts], capital)]
+    windows = held[starts[:, None] + torch.arange(PROMPT)]
+    starts = starts[~(windows == nl).any(1)]
     pick = starts[torch.linspace(0, len(starts) - 1, batch).long()]
     return torch.stack([held[s : s + PROMPT] for s in pick.tolist()])
 
