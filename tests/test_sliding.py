@@ -168,3 +168,53 @@ def test_window_protocol_errors():
 def test_window_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match=r"SlidingJacobi: window must be a positive int or None"):
         SlidingJacobi(bad)
+
+
+class _Guessing:
+    """``x_t = (3 * sum_{s<t} x_s + t) mod 11``: exact in float64 (small integers), so a right
+    guess is bitwise right. ``propose`` returns ``guess(x)``; it checks the driver's arguments."""
+
+    def __init__(self, guess, B=3, T=40):
+        self.guess, self.shape, self.proposals = guess, (B, T, 1), 0
+
+    def __call__(self, x):
+        csum = torch.cumsum(x, dim=-2) - x
+        t = torch.arange(x.shape[-2], dtype=x.dtype)[:, None]
+        return torch.remainder(3 * csum + t, 11)
+
+    def window(self, x, start, stop, cache):
+        return self(x)[:, start:stop], None
+
+    def propose(self, x, final):
+        self.proposals += 1
+        assert final.shape == (x.shape[0],) and bool((final < x.shape[1]).all())
+        return self.guess(x)
+
+
+@pytest.mark.parametrize("window", [4, 40])
+def test_guesses_never_change_the_result(window):
+    ref = _Guessing(lambda x: None)
+    exact = paraprop.solve(ref, torch.zeros(ref.shape, dtype=torch.float64),
+                           method="sequential", dim=-2).value
+    junk = _Guessing(lambda x: torch.full_like(x, 7.0))
+    sol = paraprop.solve(junk, torch.zeros(junk.shape, dtype=torch.float64),
+                         method=SlidingJacobi(window), dim=-2, tol=0)
+    assert junk.proposals > 0 and sol.converged
+    assert torch.equal(sol.value, exact)
+    # the right answer as the guess: every window is accepted in one sweep
+    oracle = _Guessing(lambda x: exact.clone())
+    good = paraprop.solve(oracle, torch.zeros(oracle.shape, dtype=torch.float64),
+                          method=SlidingJacobi(window), dim=-2, tol=0)
+    assert torch.equal(good.value, exact)
+    assert good.iterations <= -(-40 // window) + 1 < sol.iterations
+
+
+def test_bad_guess_is_refused():
+    bad = _Guessing(lambda x: torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"fn.propose\(x, final\) must return None or a tensor"):
+        paraprop.solve(bad, torch.zeros(bad.shape, dtype=torch.float64),
+                       method=SlidingJacobi(8), dim=-2, tol=0)
+    nan = _Guessing(lambda x: torch.full_like(x, float("nan")))
+    with pytest.raises(paraprop.NonFiniteError):
+        paraprop.solve(nan, torch.zeros(nan.shape, dtype=torch.float64),
+                       method=SlidingJacobi(8), dim=-2, tol=0)
