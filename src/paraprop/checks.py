@@ -127,6 +127,21 @@ def callable_arg(name: str, value, *, allow_none: bool = False):
     return value
 
 
+def method_name(value, names, name: str = "method") -> str:
+    """``value`` if it is one of the method ``names`` (a str).
+
+    Raises:
+        TypeError: not a str (nor a solver object, which the caller handles first), e.g.
+            ``method must be one of jacobi, sequential or a solver object from
+            paraprop.solvers, got int``.
+        ValueError: an unknown name.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {', '.join(names)} or a solver object from "
+                        f"paraprop.solvers, got {type(value).__name__}")
+    return one_of(name, value, names)
+
+
 def one_of(name: str, value, choices):
     """``value`` if it is one of ``choices`` (of the same type: ``True`` is not ``1``).
 

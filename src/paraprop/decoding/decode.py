@@ -210,10 +210,7 @@ def _solver(method, window, T):
             raise ValueError("window is set by the solver object here; pass window=None, got "
                              f"window={window!r}")
         return method
-    if not isinstance(method, str):
-        raise TypeError(f"method must be one of {', '.join(METHODS)} or a solver object, got "
-                        f"{type(method).__name__}")
-    checks.one_of("method", method, METHODS)
+    checks.method_name(method, METHODS)
     w = min(DEFAULT_WINDOW, T) if window is None else window
     if method == "sequential":
         return Sequential()

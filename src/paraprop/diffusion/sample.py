@@ -153,10 +153,7 @@ def _solver(method, window, memory, N):
             raise ValueError("window and memory configure the named methods; a solver object "
                              f"carries its own settings, got method={method!r}")
         return method
-    if not isinstance(method, str):
-        raise TypeError(f"method must be one of {', '.join(METHODS)} or a solver object from "
-                        f"paraprop.solvers, got {type(method).__name__}")
-    checks.one_of("method", method, METHODS)
+    checks.method_name(method, METHODS)
     if method != "anderson" and memory is not None:
         raise ValueError(f"memory is an option of method='anderson', not of method={method!r}")
     if method == "sequential":
