@@ -100,6 +100,7 @@ def plot(path: Path, table: dict) -> Path:
                   for b in batches]
             ax.plot(batches, ys, marker="o", color=f"C{i}", label=name)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
         ax.set_yscale("log")
         ax.set_xlabel("batch size (sequences decoded together)")
         ax.set_title(f"{mode} decoding" + (f" (temperature {TEMPERATURE})"
