@@ -35,6 +35,10 @@ def train_charlm(model, ids: torch.Tensor, *, steps: int, batch_size: int = 8,
     checks.positive_int("steps", steps)
     checks.positive_int("batch_size", batch_size)
     checks.positive_int("length", length, minimum=2)
+    context = model.config.n_positions
+    if length > context:
+        raise ValueError(f"length must be at most the model's context n_positions={context}, "
+                         f"got length={length}")
     if ids.dim() != 1 or ids.numel() <= length:
         raise ValueError(f"ids must be 1-D and longer than length={length}, got shape "
                          f"{tuple(ids.shape)}")
@@ -108,7 +112,8 @@ def trained_charlm(out_dir, *, steps: int | None = None, seed: int = 0, progress
         return model, vocab, {"checkpoint": str(path), "trained_now": False}
     vocab, train, held = corpus()
     model = char_gpt2(len(vocab), seed=seed, **model_kw)
-    hist = train_charlm(model, train, steps=steps, seed=seed, progress=progress)
+    hist = train_charlm(model, train, steps=steps, seed=seed, progress=progress,
+                        length=min(TRAIN["length"], model.config.n_positions))
     save_charlm(model, vocab, path)
     return model, vocab, {"checkpoint": str(path), "trained_now": True, "loss": hist,
                           "validation_loss": validation_loss(model, held)}
