@@ -10,6 +10,16 @@ from paraprop.data import CharVocab, load_text
 pytest.importorskip("transformers")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny transformers: one intra-op thread is as fast, and immune to a busy machine (two
+    threads on a loaded 2-core CPU make each small op wait for a time slice)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def test_text_ships_with_python_and_round_trips():
     text = load_text()
     assert len(text) > 100_000 and "for" in text
