@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import _VF, nn
 
 from paraprop import checks
+from paraprop.jacobians.cells import gru_gates, gru_scale
 from paraprop.scan import Factored, linear_recurrence
 
 __all__ = ["Recurrence"]
@@ -443,29 +444,20 @@ def gru_linearize(gi, prev, w_hh, b_hh, form):
     for t0 in range(0, n, step):
         blk = slice(t0, min(n, t0 + step))
         h = prev[:, blk]
-        g = gi[:, blk]
-        gh = F.linear(h, w_hh, b_hh)
-        rz = g[..., :2 * H].add(gh[..., :2 * H]).sigmoid_()
-        r, zb = rz[..., :H], rz[..., H:]
-        ghn = gh[..., 2 * H:]
-        nn_ = torch.addcmul(g[..., 2 * H:], r, ghn).tanh_()
+        r, zb, ghn, nn_ = gru_gates(gi[:, blk], h, w_hh, b_hh)
         d = torch.sub(h, nn_)
         torch.addcmul(nn_, zb, d, out=y[:, blk])
         if form is None:
             continue
-        omz = torch.rsub(zb, 1)
-        dn = torch.mul(nn_, nn_).neg_().add_(1).mul_(omz)
         if form == "diag":   # z + sum over the three blocks of c_k * diag(W_hh block k)
-            cn = dn.mul_(r)
+            omz = torch.rsub(zb, 1)
+            cn = torch.mul(nn_, nn_).neg_().add_(1).mul_(omz).mul_(r)
             cr = torch.mul(cn, ghn).mul_(torch.rsub(r, 1))
             cz = d.mul_(zb).mul_(omz)
             torch.addcmul(zb, cr, wd[0], out=a[:, blk]).addcmul_(cz, wd[1]).addcmul_(cn, wd[2])
             continue
         z[:, blk] = zb
-        sb = s[:, blk]
-        torch.mul(dn, r, out=sb[..., 2 * H:])
-        torch.mul(sb[..., 2 * H:], ghn, out=sb[..., :H]).mul_(torch.rsub(r, 1))
-        torch.mul(d, zb, out=sb[..., H:2 * H]).mul_(omz)
+        gru_scale(r, zb, ghn, nn_, h, s[:, blk])
     if form is None:
         return y, None
     if form == "diag":

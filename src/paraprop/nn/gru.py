@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import _VF
 
+from paraprop.jacobians.cells import gru_gates, gru_scale
 from paraprop.nn._base import ScanBackwardMixin, check_options, first_order_only, solve_layer
 from paraprop.nn.rnn import solve_hidden
 from paraprop.recurrence import _BLOCK_ROWS, _GRUCell
@@ -47,20 +48,9 @@ def jacobian_factors(x, hprev, w_ih, w_hh, b_ih, b_hh):
     for t0 in range(0, T, step):
         blk = slice(t0, min(T, t0 + step))
         hp = hprev[blk]
-        gi = F.linear(x[blk], w_ih, b_ih)
-        gh = F.linear(hp, w_hh, b_hh)
-        rz = gi[..., :2 * H].add_(gh[..., :2 * H]).sigmoid_()
-        r, zb = rz[..., :H], rz[..., H:]
-        gh_n = gh[..., 2 * H:]
-        n = torch.addcmul(gi[..., 2 * H:], r, gh_n).tanh_()
+        r, zb, gh_n, n = gru_gates(F.linear(x[blk], w_ih, b_ih), hp, w_hh, b_hh, scratch=True)
         z[blk] = zb
-        one_z = torch.rsub(zb, 1)
-        dnb = torch.mul(n, n).neg_().add_(1).mul_(one_z)         # dh_t / d(pre-tanh of n)
-        dn[blk] = dnb
-        sb = s[blk]
-        torch.mul(dnb, r, out=sb[..., 2 * H:])
-        torch.mul(sb[..., 2 * H:], gh_n, out=sb[..., :H]).mul_(torch.rsub(r, 1))
-        torch.sub(hp, n, out=sb[..., H:2 * H]).mul_(zb).mul_(one_z)
+        dn[blk] = gru_scale(r, zb, gh_n, n, hp, s[blk])
     return z, s, dn
 
 
