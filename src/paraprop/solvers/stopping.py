@@ -6,9 +6,14 @@ moves the iterate by about ``1 / T``, so that rule stops after one sweep with an
 the whole answer. paraprop's rules estimate the distance to the exact (sequential) solution:
 
 * **Contraction estimate** (Jacobi family; quasi-Newton and the damped methods on their steps).
-  With ``d_k = ||x_k - x_{k-1}||`` and the observed rate ``q = max(d_k / d_{k-1},
-  d_{k-1} / d_{k-2})``, an iteration that contracts by ``q < 1`` is within
-  ``q / (1 - q) * d_k`` of its fixed point. A sample stops when that estimate and ``d_k`` itself
+  With ``d_k = ||x_k - x_{k-1}||`` and the observed rate ``q``, the largest of the last
+  :data:`RATES` ratios ``d_j / d_{j-1}``, an iteration that contracts by ``q < 1`` is within
+  ``q / (1 - q) * d_k`` of its fixed point. Three ratios, not one or two: Jacobi on a triangular
+  map that expands differences (a flow inverse with large scales) shows transient growth, a
+  step that drops 40x in one sweep and grows 7x in the next, while the error barely moves
+  (``tests/test_tarflow.py``, ``test_expanding_block_stops_within_tol``); the estimate is still
+  an estimate, and ``tol=0`` or the windowed methods' growth budgets are the tools for maps
+  that expand strongly. A sample stops when that estimate and ``d_k`` itself
   are ``<= tol``, or when ``d_k == 0`` (a bitwise fixed point of a triangular system is its
   unique solution). A map that accumulates small steps has ``q ~ 1`` and never stops early: it
   runs to the exactness bound, where the value is the sequential result.
@@ -28,7 +33,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ContractionRule", "freeze_budget"]
+__all__ = ["RATES", "ContractionRule", "freeze_budget"]
+
+RATES = 3  # ratios d_j / d_{j-1} the contraction estimate takes the largest of
 
 class ContractionRule:
     """Per-sample contraction estimate over successive differences ``d_k`` (shape ``(B,)``).
@@ -40,12 +47,19 @@ class ContractionRule:
     def __init__(self, B: int, device, dtype=torch.float64):
         nan = torch.full((B,), float("nan"), dtype=dtype, device=device)
         self.d_prev = nan                  # d_{k-1}
-        self.q_prev = torch.zeros_like(nan)  # d_{k-1} / d_{k-2} (0 before it exists)
+        # the previous RATES - 1 ratios d_j / d_{j-1}, newest first (0 before they exist)
+        self.q_prev = torch.zeros(RATES - 1, B, dtype=dtype, device=device)
 
     def reset(self) -> None:
         """Forget the history: a new problem starts (the next block of GS-Jacobi)."""
         self.d_prev.fill_(float("nan"))
         self.q_prev.zero_()
+
+    def _record(self, d, q, active) -> None:
+        q = torch.nan_to_num(q, nan=0.0)
+        shifted = torch.cat([q[None], self.q_prev[:-1]])
+        self.q_prev = torch.where(active[None], shifted, self.q_prev)
+        self.d_prev = torch.where(active, d, self.d_prev)
 
     def update(self, d: torch.Tensor, tol: float, active: torch.Tensor,
                budget: float | None = None, rate: torch.Tensor | None = None
@@ -65,17 +79,15 @@ class ContractionRule:
         d = d.to(self.d_prev.dtype)
         q_now = d / self.d_prev if rate is None else rate.to(d.dtype)
         if not bool(((d <= tol) & active).any()):   # no sample can stop: record and go on
-            self.q_prev = torch.where(active, torch.nan_to_num(q_now, nan=0.0), self.q_prev)
-            self.d_prev = torch.where(active, d, self.d_prev)
+            self._record(d, q_now, active)
             return torch.zeros_like(active), torch.full_like(d, float("inf"))
         q = q_now                                 # NaN on the first iteration
-        rate = torch.maximum(q, self.q_prev)      # NaN propagates: no estimate yet
+        rate = torch.maximum(q, self.q_prev.amax(0))  # NaN propagates: no estimate yet
         est = torch.where(rate < 1, rate / (1 - rate) * d, torch.full_like(d, float("inf")))
         est = torch.where(d == 0, torch.zeros_like(d), est)
         limit = tol if budget is None else budget
         stop = (d == 0) | ((d <= tol) & (est <= limit))
-        self.q_prev = torch.where(active, torch.nan_to_num(q, nan=0.0), self.q_prev)
-        self.d_prev = torch.where(active, d, self.d_prev)
+        self._record(d, q, active)
         return stop & active, est
 
 
