@@ -1,0 +1,590 @@
+"""TarFlow (Zhai et al. 2024, "Normalizing Flows are Capable Generative Models"): a stack of
+transformer autoregressive flows on image patches, sampled by solving triangular systems.
+
+An image ``(C, S, S)`` is cut into ``T`` patches of ``P = p * p * C`` values in raster order.
+Each of the ``K`` flow blocks is a causal transformer that gives the affine parameters
+``(mu_t, alpha_t)`` of patch ``t`` from the patches before it (the outputs are shifted by one
+position, so patch 0 gets ``mu = alpha = 0``), and maps ``z_t = (x_t - mu_t) exp(-alpha_t)``
+(``log |det| = -sum alpha``). Odd blocks read the patches in reverse order. The output
+projections start at zero, so every block starts as the identity.
+
+The density is one parallel pass; sampling inverts the blocks last to first, and the inverse of
+one block is the triangular system ``x_t = z_t exp(alpha_t(x_<t)) + mu_t(x_<t)`` along the
+patches. Every method of :func:`paraprop.solve` solves it (Jacobi as in
+Liu & Qin 2025, "Accelerate TarFlow Sampling with GS-Jacobi Iteration"); ``"sequential_cached"``
+is the usual loop, one patch per transformer call with keys and values cached.
+
+The sampling map of a block (:class:`BlockInverse`) runs the transformer one chunk of about
+:data:`CHUNK` positions after the other from cached keys and values, with the same operations on
+tensors of the same shapes for a chunk whether the call is a full pass or a window; so a window
+is bitwise the full pass's values, and ``tol=0`` gives the same bits with every method.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from paraprop import checks
+from paraprop.checks import check_max_iters, check_tol
+from paraprop.models.checkpoint import load_checkpoint, save_checkpoint
+from paraprop.result import Solution, ensure_converged
+from paraprop.solve import solve
+from paraprop.solvers import GSJacobi, Jacobi, is_solver, make_solver
+
+__all__ = ["CHUNK", "METHODS", "BlockInverse", "TarFlow", "default_chunk", "inverse_cached",
+           "patchify", "unpatchify"]
+
+CHUNK = 8  # about this many positions per batched product of the sampling maps
+SOLVE_METHODS = ("sequential", "jacobi", "jacobi_gs", "gs_jacobi", "sliding_jacobi")
+METHODS = ("sequential_cached", *SOLVE_METHODS, "auto")
+
+
+def _one(method, argument: str):
+    """``"sequential_cached"`` or the solver object of a :func:`paraprop.solve` method."""
+    if isinstance(method, str):
+        checks.one_of(argument, method, METHODS[:-1])
+        if method == "sequential_cached":
+            return method
+    return make_solver(method, argument=argument, names=SOLVE_METHODS)
+
+
+def _name(method) -> str:
+    return method if isinstance(method, str) else method.name
+
+
+def patchify(x: torch.Tensor, p: int) -> torch.Tensor:
+    """Images ``(B, C, S, S)`` as patches ``(B, T, P)``: raster order, ``P = p * p * C`` values
+    per patch ordered (row, column, channel)."""
+    B, C, S, _ = x.shape
+    n = S // p
+    return x.reshape(B, C, n, p, n, p).permute(0, 2, 4, 3, 5, 1).reshape(B, n * n, p * p * C)
+
+
+def unpatchify(t: torch.Tensor, p: int, channels: int) -> torch.Tensor:
+    """The inverse of :func:`patchify`: patches ``(B, T, P)`` as images ``(B, C, S, S)``."""
+    B, T, _ = t.shape
+    n = math.isqrt(T)
+    return t.reshape(B, n, n, p, p, channels).permute(0, 5, 1, 3, 2, 4).reshape(
+        B, channels, n * p, n * p)
+
+
+class _Layer(nn.Module):
+    """One pre-norm transformer layer: causal self-attention, then a GELU MLP (width x 4)."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        B, N, d = h.shape
+        q, k, v = self.qkv(self.ln1(h)).view(B, N, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(a.transpose(1, 2).reshape(B, N, d))
+        return h + self.mlp(h)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.ln2(h))))
+
+
+class _Block(nn.Module):
+    """One flow block: a causal transformer over patches ``0 .. T-2`` whose output at ``s`` is
+    ``(mu, alpha)`` of patch ``s + 1``."""
+
+    def __init__(self, T: int, P: int, layers: int, width: int, heads: int, g: torch.Generator):
+        super().__init__()
+        self.T, self.P, self.heads = T, P, heads
+        self.inp = nn.Linear(P, width)
+        self.pos = nn.Parameter(torch.randn(T - 1, width, generator=g) * 0.02)
+        self.layers = nn.ModuleList(_Layer(width, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, 2 * P)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def params(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mu, alpha)``, each ``(B, T, P)``, of the patches ``x`` ``(B, T, P)``."""
+        h = self.inp(x[:, :-1]) + self.pos
+        for layer in self.layers:
+            h = layer(h)
+        raw = F.pad(self.out(self.norm(h)), (0, 0, 1, 0))  # patch 0: mu = alpha = 0
+        return raw[..., : self.P], raw[..., self.P :]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mu, alpha = self.params(x)
+        return (x - mu) * torch.exp(-alpha), -alpha.sum(dim=(1, 2))
+
+
+class TarFlow(nn.Module):
+    """A transformer autoregressive flow on image patches (Zhai et al. 2024).
+
+    Arguments:
+        image_size: side ``S`` of the square images (values in ``[-1, 1]``).
+        channels: image channels ``C``.
+        patch_size: side ``p`` of a patch; must divide ``S`` into at least 2 patches per image.
+            ``T = (S / p)^2`` patches of ``P = p * p * C`` values.
+        blocks: flow blocks ``K``; odd blocks read the patches in reverse order.
+        layers: transformer layers per block.
+        width: transformer width (a multiple of ``heads``).
+        heads: attention heads.
+        noise_std: standard deviation of the Gaussian noise added to the training data (the
+            model's density is that of the noisy data, as in Zhai et al.).
+        seed: seed of the weight initialisation.
+
+    Raises:
+        ValueError: an argument that is not a positive int (``noise_std``: a finite number
+            ``>= 0``; ``seed``: an int ``>= 0``), a ``patch_size`` that does not divide
+            ``image_size`` into at least 2 patches, a ``width`` not divisible by ``heads``.
+
+    Example:
+        >>> flow = TarFlow(8, patch_size=2, blocks=2, layers=1, width=32, heads=2)
+        >>> flow.log_prob(torch.rand(3, 1, 8, 8) * 2 - 1).shape
+        torch.Size([3])
+        >>> images, sol = flow.sample(3, method="jacobi", tol=0)
+    """
+
+    def __init__(self, image_size: int, channels: int = 1, patch_size: int = 2, blocks: int = 4,
+                 layers: int = 2, width: int = 128, heads: int = 4, noise_std: float = 0.05,
+                 seed: int = 0):
+        super().__init__()
+        for name, value in (("image_size", image_size), ("channels", channels),
+                            ("patch_size", patch_size), ("blocks", blocks), ("layers", layers),
+                            ("width", width), ("heads", heads)):
+            checks.positive_int(name, value)
+        checks.nonneg_number("noise_std", noise_std, finite=True)
+        checks.nonneg_int("seed", seed)
+        if image_size % patch_size or patch_size == image_size:
+            raise ValueError(f"patch_size must divide image_size={image_size} into at least 2 "
+                             f"patches per side, got patch_size={patch_size}")
+        if width % heads:
+            raise ValueError(f"width must be a multiple of heads={heads}, got width={width}")
+        self.config = {"image_size": image_size, "channels": channels, "patch_size": patch_size,
+                       "blocks": blocks, "layers": layers, "width": width, "heads": heads,
+                       "noise_std": float(noise_std), "seed": seed}
+        self.image_size, self.channels, self.patch_size = image_size, channels, patch_size
+        self.noise_std = float(noise_std)
+        self.T = (image_size // patch_size) ** 2
+        self.P = patch_size * patch_size * channels
+        g = torch.Generator().manual_seed(seed)
+        with torch.random.fork_rng(devices=[]):  # nn.Linear draws from the global generator
+            torch.manual_seed(seed)
+            self.blocks = nn.ModuleList(_Block(self.T, self.P, layers, width, heads, g)
+                                        for _ in range(blocks))
+        self._plans: dict = {}  # the plan of method="auto" (see calibrate)
+
+    # -- density ------------------------------------------------------------------------------
+    def _check_images(self, x, name: str = "x") -> None:
+        shape = (self.channels, self.image_size, self.image_size)
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or tuple(x.shape[1:]) != shape:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must have shape (N, {', '.join(map(str, shape))}), "
+                             f"got {got}")
+        ref = self.blocks[0].out.weight
+        if x.dtype != ref.dtype:
+            raise TypeError(f"{name} must have the model's dtype {ref.dtype}, got {x.dtype}")
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(z, logdet)``: the latent ``z`` shaped like ``x`` ``(N, C, S, S)`` and
+        ``log |det dz/dx|`` per image ``(N,)``.
+
+        Raises:
+            ValueError / TypeError: ``x`` of the wrong shape or dtype.
+        """
+        self._check_images(x)
+        h = patchify(x, self.patch_size)
+        logdet = h.new_zeros(h.shape[0])
+        for k, block in enumerate(self.blocks):
+            h, ld = block(h.flip(1) if k % 2 else h)
+            h = h.flip(1) if k % 2 else h
+            logdet = logdet + ld
+        return unpatchify(h, self.patch_size, self.channels), logdet
+
+    def log_prob(self, x: torch.Tensor) -> torch.Tensor:
+        """``log p(x)`` per image ``(N,)`` in nats: standard normal prior on ``z``."""
+        z, logdet = self(x)
+        D = z[0].numel()
+        return -0.5 * z.pow(2).flatten(1).sum(1) - 0.5 * D * math.log(2 * math.pi) + logdet
+
+    # -- sampling -----------------------------------------------------------------------------
+    def sampling_map(self, z: torch.Tensor, block: int, chunk: int | None = None
+                     ) -> BlockInverse:
+        """The triangular system of the inverse of block ``block`` at its output ``z``
+        ``(N, T, P)`` (patches in the block's own order), for :func:`paraprop.solve` with
+        ``dim=-2``."""
+        return BlockInverse(self.blocks[block], z, chunk)
+
+    def sample(self, n: int, *, method="sequential", tol: float = 1e-5,
+               generator: torch.Generator | None = None, noise: torch.Tensor | None = None,
+               max_iters: int | None = None, throw: bool = True, temperature: float = 1.0,
+               chunk: int | None = None) -> tuple[torch.Tensor, Solution]:
+        """Draw ``n`` images: ``z = temperature * noise`` with standard normal ``noise``, then
+        the blocks inverted last to first (:meth:`inverse`, which documents ``method``, ``tol``,
+        ``max_iters``, ``throw``, ``chunk`` and what ``converged`` promises).
+
+        Arguments:
+            n: number of images.
+            generator: random generator of the noise (drawn on its device, CPU without one, in
+                the model's dtype, then moved to the model's device).
+            noise: the standard normal noise ``(n, C, S, S)`` instead of drawing it.
+            temperature: scale of the noise, a finite number ``> 0``.
+
+        Returns:
+            ``(images, solution)``: images ``(n, C, S, S)`` and one :class:`paraprop.Solution`.
+
+        Raises:
+            ValueError / TypeError: a bad ``n``, ``temperature`` or ``noise``, and everything
+                :meth:`inverse` raises.
+        """
+        checks.positive_int("n", n)
+        checks.positive_number("temperature", temperature, finite=True)
+        ref = self.blocks[0].out.weight
+        if noise is None:
+            where = generator.device if generator is not None else torch.device("cpu")
+            shape = (n, self.channels, self.image_size, self.image_size)
+            noise = torch.randn(shape, generator=generator, dtype=ref.dtype,
+                                device=where).to(ref.device)
+        else:
+            self._check_images(noise, "noise")
+            if noise.shape[0] != n:
+                raise ValueError(f"noise must hold n={n} images, got {noise.shape[0]}")
+        return self.inverse(noise * temperature if temperature != 1 else noise, method=method,
+                            tol=tol, max_iters=max_iters, throw=throw, chunk=chunk)
+
+    def inverse(self, z: torch.Tensor, *, method="sequential", tol: float = 1e-5,
+                max_iters: int | None = None, throw: bool = True, chunk: int | None = None
+                ) -> tuple[torch.Tensor, Solution]:
+        """The images ``x`` with ``forward(x)[0] == z``: the blocks inverted last to first, each
+        by solving its triangular system (:class:`BlockInverse`) with :func:`paraprop.solve`.
+
+        Arguments:
+            z: latents ``(N, C, S, S)`` in the model's dtype.
+            method: how each block is inverted:
+
+                * ``"sequential_cached"``: the usual loop, one patch per transformer call with
+                  the keys and values cached (:func:`inverse_cached`; ``T - 1`` calls a block;
+                  exact up to rounding, ``tol`` unused);
+                * a :func:`paraprop.solve` method name, ``"sequential"`` (``T`` full passes a
+                  block, the reference), ``"jacobi"``, ``"jacobi_gs"``, ``"gs_jacobi"`` or
+                  ``"sliding_jacobi"``, or a solver object such as ``SlidingJacobi(16)`` or
+                  ``GSJacobi(7)``;
+                * a list with one of the above per block, **in block order** (``method[k]``
+                  inverts ``self.blocks[k]``, the ``k``-th block of :meth:`forward`);
+                * ``"auto"``: the plan of :meth:`calibrate` for this ``tol`` (made on first use
+                  and kept until the weights change).
+            tol: passed to :func:`paraprop.solve` for each block.
+            max_iters: cap on the iterations of each block's solve (``None``: its exactness
+                bound). Not accepted with ``"sequential_cached"``.
+            throw: raise :class:`paraprop.ConvergenceError` (with the combined Solution) if a
+                block's solve stopped at ``max_iters`` unconverged; ``False`` returns it.
+            chunk: positions per chunk of the sampling maps (:class:`BlockInverse`; ``None``:
+                :func:`default_chunk`). Every method of a call solves the same maps, hence the
+                same bits at ``tol=0``; another ``chunk`` rounds differently. ``chunk=T`` makes
+                a full pass one chunk (the cheapest full pass, for Jacobi) and a window a full
+                pass; a small chunk makes windows cheap (``GSJacobi(block_size=chunk)``).
+
+        Returns:
+            ``(images, solution)``: one :class:`paraprop.Solution` for the whole inverse, with
+            ``iterations`` and ``evaluations`` summed over the blocks (an evaluation is one
+            transformer pass, full or windowed), ``converged`` when every block converged, and
+            ``stats``: ``"blocks"`` (each block's Solution, block order), ``"methods"`` (the
+            method of each block), ``"model_calls"`` (transformer passes, = ``evaluations``),
+            ``"positions"`` (patches computed), ``"chunks"`` (chunks of the sampling maps
+            computed, the work of the solve methods), ``"error_estimates"`` (each block's
+            stopping estimate) and ``"time_s"``.
+
+            What ``converged=True`` promises: each block's solve stopped with its estimated
+            error ``<= tol`` (largest absolute error of a patch value, per image) against the
+            exact inverse **of the input that block was given**, or at its exactness bound
+            (see :func:`paraprop.solve`). It does not bound the error of the images: the
+            inversions run from the last block to the first, and an error left by an early
+            inversion is the input error of the later ones, which can grow it (the inverse
+            of a block multiplies by ``exp(alpha)`` and feeds every later patch; on the trained
+            MNIST model, 8 blocks at ``tol=1e-4`` left 4.5e-4 in the images, at ``tol=1e-5``
+            3e-5). The per-block figure is the stopping rule's estimate, not a proof: on a
+            strongly expanding block (``exp(alpha)`` up to ~100) Jacobi's contraction estimate
+            was seen to stop a sample at 3x its ``tol`` (``tests/test_tarflow.py``). ``tol=0``
+            gives the exact fixed point of every block, bitwise ``method="sequential"``
+            whatever the solve method; ``"sequential_cached"`` rounds differently.
+
+        Raises:
+            ValueError / TypeError: bad ``z``, ``method`` (a name, solver object or list of
+                the wrong length), ``tol``, ``max_iters`` or ``throw``.
+            paraprop.ConvergenceError: a block did not converge within ``max_iters`` and
+                ``throw=True``.
+
+        Example:
+            >>> flow = TarFlow(8, patch_size=2, blocks=2, layers=1, width=32, heads=2)
+            >>> z = torch.randn(4, 1, 8, 8)
+            >>> x, sol = flow.inverse(z, method="jacobi", tol=0)
+            >>> torch.equal(x, flow.inverse(z, method="sequential")[0])
+            True
+        """
+        self._check_images(z, "z")
+        check_tol(tol)
+        check_max_iters(max_iters)
+        checks.boolean("throw", throw)
+        chunk = default_chunk(self.T) if chunk is None else checks.positive_int("chunk", chunk)
+        plan = self._plan(method, tol, chunk)
+        if max_iters is not None and "sequential_cached" in plan:
+            raise ValueError("max_iters is not used by method='sequential_cached' (always T - 1 "
+                             f"transformer calls a block), got max_iters={max_iters!r}")
+        start = time.perf_counter()
+        sols: list = [None] * len(self.blocks)
+        h = patchify(z, self.patch_size)
+        with torch.no_grad():
+            for k in reversed(range(len(self.blocks))):
+                hk = h.flip(1) if k % 2 else h
+                sols[k] = self._invert_block(k, hk, plan[k], tol, max_iters, chunk)
+                h = sols[k].value.flip(1) if k % 2 else sols[k].value
+        images = unpatchify(h, self.patch_size, self.channels)
+        name = method if isinstance(method, str) else \
+            method.name if is_solver(method) else "per_block"
+        sol = Solution(
+            value=images, method=name,
+            iterations=sum(s.iterations for s in sols),
+            evaluations=sum(s.evaluations for s in sols),
+            converged=all(s.converged for s in sols),
+            residuals=torch.cat([s.residuals for s in sols]),
+            stats={"blocks": sols, "methods": [_name(m) for m in plan],
+                   "model_calls": sum(s.evaluations for s in sols),
+                   "positions": sum(s.stats.get("positions", 0) for s in sols),
+                   "chunks": sum(s.stats.get("chunks", 0) for s in sols),
+                   "error_estimates": [s.stats.get("error_estimate", 0.0) for s in sols],
+                   "time_s": time.perf_counter() - start})
+        return images, ensure_converged(sol, throw, entry="TarFlow.inverse", max_iters=max_iters,
+                                        tol=tol, measure="error estimate of a block",
+                                        hint="a block's solve stopped at max_iters")
+
+    def _invert_block(self, k: int, z: torch.Tensor, method, tol: float, max_iters,
+                      chunk: int):
+        if method == "sequential_cached":
+            start = time.perf_counter()
+            x = inverse_cached(self.blocks[k], z)
+            T = self.T
+            return Solution(value=x, method="sequential_cached", iterations=T - 1,
+                            evaluations=T - 1, converged=True,
+                            residuals=torch.empty(0, dtype=torch.float64),
+                            stats={"positions": T - 1, "sequential_steps": T - 1,
+                                   "bound": T - 1, "T": T, "error_estimate": 0.0,
+                                   "time_s": time.perf_counter() - start})
+        f = self.sampling_map(z, k, chunk)
+        sol = solve(f, f.x0, method=method, dim=-2, tol=tol, max_iters=max_iters, throw=False)
+        sol.stats["chunks"] = f.chunks
+        return sol
+
+    def _plan(self, method, tol: float, chunk: int) -> list:
+        """One method per block (block order): ``"sequential_cached"`` or a solver object."""
+        K = len(self.blocks)
+        if isinstance(method, list | tuple):
+            if len(method) != K:
+                raise ValueError(f"method must be one method per block ({K}), got a list of "
+                                 f"{len(method)}")
+            return [_one(m, f"method[{k}]") for k, m in enumerate(method)]
+        if isinstance(method, str):
+            checks.one_of("method", method, METHODS)
+        if method == "auto":
+            key = (float(tol), chunk, self.blocks[0].out.weight.dtype, self._weights_version())
+            if key not in self._plans:
+                self._plans = {key: self.calibrate(tol=tol, chunk=chunk)}
+            return self._plans[key]
+        return [_one(method, "method")] * K
+
+    def _weights_version(self) -> int:
+        """Changes whenever a parameter is modified in place (an optimizer step, a load)."""
+        return sum(p._version for p in self.parameters())
+
+    def calibrate(self, *, tol: float = 1e-5, samples: int = 4, seed: int = 0,
+                  chunk: int | None = None) -> list:
+        """The plan of ``method="auto"``: one solver per block.
+
+        A short calibration ranks the blocks by how fast their inversions converge (after Liu &
+        Qin 2025, who rank TarFlow blocks by convergence and spend Gauss-Seidel effort only on
+        the slow ones): ``samples`` latents (seeded by ``seed``) are inverted at ``tol`` once
+        with ``"jacobi"`` and once with ``GSJacobi(block_size=chunk)``, and each block keeps
+        the method with the smaller count of chunks of its sampling map computed
+        (:class:`BlockInverse`, ``stats["chunks"]``) plus sweeps (each has a fixed cost, about
+        that of a chunk on a CPU); Jacobi wins ties. A Jacobi sweep computes all
+        ``ceil(T / chunk)`` chunks and converges in few sweeps on an easy block; a GS-Jacobi
+        sweep computes one chunk from cached keys and values, and pays off on a block that
+        needs many sweeps. (With ``chunk=T`` the two are the same and every block keeps
+        ``"jacobi"``.)
+
+        Arguments:
+            tol: the ``tol`` of the calibration and of the plan.
+            samples: latents of the calibration run.
+            seed: their seed.
+            chunk: as in :meth:`inverse`.
+
+        Returns:
+            One solver per block, block order.
+
+        Raises:
+            ValueError: a bad ``tol``, ``samples``, ``seed`` or ``chunk``.
+        """
+        check_tol(tol)
+        checks.positive_int("samples", samples)
+        checks.nonneg_int("seed", seed)
+        ref = self.blocks[0].out.weight
+        g = torch.Generator().manual_seed(seed)
+        shape = (samples, self.channels, self.image_size, self.image_size)
+        z = torch.randn(shape, generator=g, dtype=ref.dtype).to(ref.device)
+        chunk = default_chunk(self.T) if chunk is None else chunk
+        runs = {name: self.inverse(z, method=m, tol=tol, throw=False, chunk=chunk)[1]
+                for name, m in (("jacobi", Jacobi()), ("gs", GSJacobi(chunk)))}
+        jac, gs = (runs[k].stats["blocks"] for k in ("jacobi", "gs"))
+        cost = [[b.stats["chunks"] + b.evaluations for b in blocks] for blocks in (jac, gs)]
+        return [Jacobi() if j <= s else GSJacobi(chunk) for j, s in zip(*cost, strict=True)]
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        """Save the config and state dict (``TarFlow.load`` rebuilds the model)."""
+        save_checkpoint("TarFlow", self.config, self.state_dict(), path)
+
+    @classmethod
+    def load(cls, path: str | Path, map_location="cpu") -> TarFlow:
+        """The model saved by :meth:`save` at ``path``, in eval mode.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            ValueError: not a TarFlow checkpoint (the message names the file).
+        """
+        return load_checkpoint(cls, "TarFlow", path, map_location).eval()
+
+
+def default_chunk(T: int) -> int:
+    """About :data:`CHUNK` positions per chunk, with as little padding as possible: ``T``
+    split into ``ceil(T / CHUNK)`` chunks of equal size (``T=49``: 7 chunks of 7)."""
+    return -(-T // -(-T // CHUNK))
+
+
+class BlockInverse:
+    """The inverse of one flow block as the triangular system ``x = fn(x)`` along the patches:
+    ``fn(x)_t = z_t exp(alpha_t(x_<t)) + mu_t(x_<t)``, for :func:`paraprop.solve` with
+    ``dim=-2`` on ``x`` ``(N, T, P)``.
+
+    ``fn(x)`` is one causal pass over all patches. ``window(x, start, stop, cache)`` computes the
+    patches ``[start, stop)`` from the keys and values of the earlier positions held in
+    ``cache`` (the cached-prefix protocol of :meth:`paraprop.solvers.base.System.window`: the
+    driver promises the patches ``< start`` are final). The cache remembers how many chunks it
+    holds; whatever it lacks (a fresh cache, a start that moved back, another batch shape) is
+    recomputed, never trusted.
+
+    The transformer runs on the positions ``u = 0 .. T-1``, where position ``u`` reads patch
+    ``u - 1`` and gives the parameters of patch ``u`` (position 0 is a placeholder no other
+    position attends to: patch 0 has ``mu = alpha = 0``), one chunk of ``chunk`` positions
+    after the other (default :func:`default_chunk`), each from the cached keys and values of the
+    chunks before it. A full pass and a window run the same operations on tensors of the same
+    shapes and layouts for every chunk, so a window is bitwise the full pass's values (no
+    reliance on a kernel rounding a row the same way in products of different sizes); a window
+    of whole chunks (``GSJacobi(block_size=chunk)``) computes nothing else. ``calls`` counts
+    the transformer passes (full or windowed), ``chunks`` the chunks they computed.
+    """
+
+    def __init__(self, block: _Block, z: torch.Tensor, chunk: int | None = None):
+        self.T, self.P = block.T, block.P
+        chunk = default_chunk(self.T) if chunk is None else checks.positive_int("chunk", chunk)
+        self.block, self.z, self.c = block, z, chunk
+        self.L = -(-self.T // chunk) * chunk      # positions padded to whole chunks
+        self.x0 = torch.zeros_like(z)
+        self.dim = -2
+        self.calls = self.chunks = 0
+        with torch.no_grad():
+            self.pos = F.pad(block.pos.detach(), (0, 0, 1, self.L - self.T))
+        # within a chunk, key r' > query r is masked
+        self.future = torch.ones(chunk, chunk, dtype=torch.bool, device=z.device).triu(1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.window(x, 0, self.T, None)[0]
+
+    def _fresh(self, x: torch.Tensor) -> dict:
+        B, d, H = x.shape[0], self.block.inp.out_features, self.block.heads
+        n = len(self.block.layers)
+        return {"chunks": 0, "shape": tuple(x.shape), "dtype": x.dtype, "device": x.device,
+                "k": [x.new_zeros(B * H, d // H, self.L) for _ in range(n)],   # keys, transposed
+                "v": [x.new_zeros(B * H, self.L, d // H) for _ in range(n)]}
+
+    def window(self, x: torch.Tensor, start: int, stop: int, cache: dict | None):
+        """``(values, cache)``: ``fn(x)`` at the patches ``[start, stop)`` ``(N, stop - start,
+        P)``, given that the patches ``< start`` are final."""
+        if not (isinstance(cache, dict) and cache.get("shape") == tuple(x.shape)
+                and cache.get("dtype") == x.dtype and cache.get("device") == x.device):
+            cache = self._fresh(x)
+        c = self.c
+        final = (start + 1) // c  # chunks whose positions read final patches only
+        have = min(cache["chunks"], final)
+        first, last = start // c, -(-stop // c)
+        vals = [self._chunk(x, j, cache) for j in range(min(have, first), last)]
+        cache["chunks"] = max(have, min(last, final))
+        self.calls += 1
+        out = torch.cat(vals[first - min(have, first):], dim=1)
+        return out[:, start - first * c : stop - first * c], cache
+
+    def _chunk(self, x: torch.Tensor, j: int, cache: dict) -> torch.Tensor:
+        """``fn(x)`` at the patches of chunk ``j`` (those below ``T``), from the keys and values
+        of the chunks ``< j`` in ``cache``; its own keys and values go to ``cache``."""
+        blk, c, P, T = self.block, self.c, self.P, self.T
+        B, d, H = x.shape[0], blk.inp.out_features, blk.heads
+        self.chunks += 1
+        dh = d // H
+        u0, u1 = j * c, (j + 1) * c
+        inp = x.new_zeros(B, c, P)  # position u reads patch u - 1 (position 0: zeros)
+        lo, hi = max(u0, 1), min(u1, T)
+        inp[:, lo - u0 : hi - u0] = x[:, lo - 1 : hi - 1]
+        h = blk.inp(inp) + self.pos[u0:u1]
+        for layer, K, V in zip(blk.layers, cache["k"], cache["v"], strict=True):
+            qkv = layer.qkv(layer.ln1(h)).view(B, c, 3, H, dh)
+            q = (qkv[:, :, 0].transpose(1, 2) * (1.0 / math.sqrt(dh))).reshape(B * H, c, dh)
+            K.view(B, H, dh, self.L)[..., u0:u1] = qkv[:, :, 1].permute(0, 2, 3, 1)
+            V.view(B, H, self.L, dh)[:, :, u0:u1] = qkv[:, :, 2].transpose(1, 2)
+            s = torch.bmm(q, K[:, :, :u1])
+            s[:, :, u0:].masked_fill_(self.future, -math.inf)
+            s[:, 1 if j == 0 else 0 :, 0] = -math.inf  # nobody but itself reads position 0
+            o = torch.bmm(torch.softmax(s, dim=-1), V[:, :u1])
+            h = h + layer.proj(o.view(B, H, c, dh).transpose(1, 2).reshape(B, c, d))
+            h = h + layer.mlp(h)
+        raw = blk.out(blk.norm(h))[:, : hi - u0]
+        if j == 0:
+            raw[:, 0] = 0  # patch 0: mu = alpha = 0
+        return self.z[:, u0:hi] * torch.exp(raw[..., P:]) + raw[..., :P]
+
+
+def inverse_cached(block: _Block, z: torch.Tensor) -> torch.Tensor:
+    """The usual sequential inverse of one block: patch ``t`` from one transformer call on patch
+    ``t - 1`` with the keys and values of the earlier patches cached (``T - 1`` calls).
+
+    Arguments:
+        block: the flow block.
+        z: its output ``(N, T, P)`` in the block's order.
+
+    Returns:
+        ``x`` ``(N, T, P)`` with ``block(x)[0] == z`` up to rounding.
+    """
+    B, T, P = z.shape
+    d, H = block.inp.out_features, block.heads
+    dh = d // H
+    x = torch.empty_like(z)
+    x[:, 0] = z[:, 0]
+    keys = [z.new_empty(B, H, T - 1, dh) for _ in block.layers]
+    values = [z.new_empty(B, H, T - 1, dh) for _ in block.layers]
+    for t in range(T - 1):
+        h = block.inp(x[:, t]) + block.pos[t]                         # (B, d)
+        for layer, K, V in zip(block.layers, keys, values, strict=True):
+            q, k, v = layer.qkv(layer.ln1(h)).view(B, 3, H, dh).unbind(1)
+            K[:, :, t], V[:, :, t] = k, v
+            a = F.scaled_dot_product_attention(q[:, :, None], K[:, :, : t + 1],
+                                               V[:, :, : t + 1])
+            h = h + layer.proj(a.reshape(B, d))
+            h = h + layer.mlp(h)
+        mu, alpha = block.out(block.norm(h)).chunk(2, dim=-1)
+        x[:, t + 1] = z[:, t + 1] * torch.exp(alpha) + mu
+    return x
