@@ -205,6 +205,14 @@ def test_auto_ranks_blocks_and_caches_its_plan():
     identity = TarFlow(8, patch_size=2, blocks=2, layers=1, width=16, heads=2).double()
     assert all(isinstance(m, Jacobi) for m in identity.calibrate(tol=0))  # 2 sweeps
     assert all(isinstance(m, Jacobi) for m in hard.calibrate(tol=0, chunk=16))  # one chunk
+    # tol > 0: the KV-cached loop (2 (T - 1) = 30) beats 16 Jacobi sweeps or GS-Jacobi here,
+    # and the plan's images are the exact ones up to the cached loop's rounding
+    assert hard.calibrate(tol=1e-6) == ["sequential_cached"]
+    z = _z(hard, n=2)
+    x, sol = hard.inverse(z, method="auto", tol=1e-6)
+    exact, _ = hard.inverse(z, method="sequential", tol=0)
+    assert sol.stats["methods"] == ["sequential_cached"] and sol.converged
+    assert float((x - exact).abs().max()) <= 1e-9 * float(exact.abs().max())
 
 
 def test_sample_noise_generator_temperature_and_convergence_error():

@@ -393,9 +393,11 @@ class TarFlow(nn.Module):
         if isinstance(method, str):
             checks.one_of("method", method, METHODS)
         if method == "auto":
-            key = (float(tol), chunk, self.blocks[0].out.weight.dtype, self._weights_version())
-            if key not in self._plans:
-                self._plans = {key: self.calibrate(tol=tol, chunk=chunk)}
+            version = self._weights_version()
+            key = (float(tol), chunk, self.blocks[0].out.weight.dtype, version)
+            if key not in self._plans:   # plans of older weights go; other settings stay
+                self._plans = {k: v for k, v in self._plans.items() if k[-1] == version}
+                self._plans[key] = self.calibrate(tol=tol, chunk=chunk)
             return self._plans[key]
         return [_one(method, "method")] * K
 
@@ -416,8 +418,11 @@ class TarFlow(nn.Module):
         that of a chunk on a CPU); Jacobi wins ties. A Jacobi sweep computes all
         ``ceil(T / chunk)`` chunks and converges in few sweeps on an easy block; a GS-Jacobi
         sweep computes one chunk from cached keys and values, and pays off on a block that
-        needs many sweeps. (With ``chunk=T`` the two are the same and every block keeps
-        ``"jacobi"``.)
+        needs many sweeps. (With ``chunk=T`` the two are the same.) The KV-cached loop is the
+        third candidate when ``tol > 0``, at ``2 (T - 1)``: ``T - 1`` calls that compute one
+        position each; it takes a block that neither iteration inverts in fewer than about
+        ``T`` chunks (on a trained model, the block inverted first: Liu & Qin's slow block). It
+        is exact up to rounding, not bitwise, so ``tol=0`` leaves it out.
 
         Arguments:
             tol: the ``tol`` of the calibration and of the plan.
@@ -426,7 +431,7 @@ class TarFlow(nn.Module):
             chunk: as in :meth:`inverse`.
 
         Returns:
-            One solver per block, block order.
+            One method per block, block order: a solver object or ``"sequential_cached"``.
 
         Raises:
             ValueError: a bad ``tol``, ``samples``, ``seed`` or ``chunk``.
@@ -443,7 +448,15 @@ class TarFlow(nn.Module):
                 for name, m in (("jacobi", Jacobi()), ("gs", GSJacobi(chunk)))}
         jac, gs = (runs[k].stats["blocks"] for k in ("jacobi", "gs"))
         cost = [[b.stats["chunks"] + b.evaluations for b in blocks] for blocks in (jac, gs)]
-        return [Jacobi() if j <= s else GSJacobi(chunk) for j, s in zip(*cost, strict=True)]
+        # T - 1 calls of one position: a call and a (small) chunk each; not at tol=0, whose
+        # promise is the bits of "sequential" (the one-position products round differently)
+        cached = 2 * (self.T - 1) if tol > 0 else math.inf
+        plan = []
+        for j, g in zip(*cost, strict=True):
+            best = min(j, g, cached)
+            plan.append(Jacobi() if j == best else GSJacobi(chunk) if g == best
+                        else "sequential_cached")
+        return plan
 
     # -- checkpoints --------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
