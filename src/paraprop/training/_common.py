@@ -1,9 +1,10 @@
-"""What the MADE and PixelCNN training jobs share: the data switch and the Adam loop."""
+"""What the training jobs share: the data switch, the Adam loop and the figures of samples."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -48,3 +49,39 @@ def fit(model: torch.nn.Module, x: torch.Tensor, loss: Callable[[torch.Tensor], 
     bar.close()
     model.eval()
     return history
+
+
+def tile(images: torch.Tensor, cols: int = 4, gap: int = 1) -> torch.Tensor:
+    """Images ``(N, 1, S, S)`` in ``[-1, 1]`` as one picture in ``[0, 1]``: ``cols`` per row,
+    separated by ``gap`` grey pixels (black where the last row is not full)."""
+    n, s = len(images), images.shape[-1]
+    rows = -(-n // cols)
+    step = s + gap
+    out = torch.full((rows * step + gap, cols * step + gap), 0.5)
+    for i, img in enumerate((images[:, 0].detach().float().cpu().clamp(-1, 1) + 1) / 2):
+        r, c = divmod(i, cols)
+        out[gap + r * step:gap + r * step + s, gap + c * step:gap + c * step + s] = img
+    for i in range(n, rows * cols):
+        r, c = divmod(i, cols)
+        out[gap + r * step:gap + r * step + s, gap + c * step:gap + c * step + s] = 0
+    return out
+
+
+def image_panel(ax, images: torch.Tensor, title: str) -> None:
+    """Images ``(N, 1, S, S)`` in ``[-1, 1]`` as one grey tiled picture on ``ax``, titled."""
+    ax.imshow(tile(images).numpy(), cmap="gray", vmin=0, vmax=1)
+    ax.set_title(title)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def save_png(fig, path) -> Path:
+    """Lay out ``fig``, write it to ``path`` (folders created), close it; returns the path."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

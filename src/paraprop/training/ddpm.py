@@ -20,7 +20,7 @@ from tqdm import tqdm
 from paraprop import checks
 from paraprop.data import make_moons
 from paraprop.models.denoisers import MLPDenoiser, load_unet, save_unet, small_unet
-from paraprop.training._common import fit, load_images
+from paraprop.training._common import fit, image_panel, load_images, save_png
 
 NAME = "ddpm"
 HELP = "train a diffusion model (DDPM) on two moons, the digits or MNIST (needs diffusers)"
@@ -219,22 +219,6 @@ def draw_samples(model, data: str, shape: tuple[int, ...], *, steps: int = 1000,
     return sample_loop(model, scheduler, shape, min(50, steps), seed=seed, progress=progress)
 
 
-def _tile(images: torch.Tensor, cols: int = 4, gap: int = 1) -> torch.Tensor:
-    """Images ``(N, 1, S, S)`` in ``[-1, 1]`` as one picture in ``[0, 1]``: ``cols`` per row,
-    separated by ``gap`` grey pixels (black where the last row is not full)."""
-    n, s = len(images), images.shape[-1]
-    rows = -(-n // cols)
-    step = s + gap
-    out = torch.full((rows * step + gap, cols * step + gap), 0.5)
-    for i, img in enumerate((images[:, 0].detach().float().cpu().clamp(-1, 1) + 1) / 2):
-        r, c = divmod(i, cols)
-        out[gap + r * step:gap + r * step + s, gap + c * step:gap + c * step + s] = img
-    for i in range(n, rows * cols):
-        r, c = divmod(i, cols)
-        out[gap + r * step:gap + r * step + s, gap + c * step:gap + c * step + s] = 0
-    return out
-
-
 def samples_png(path: str | Path, model, data: str, x: torch.Tensor, *, steps: int = 1000,
                 seed: int = 0, progress: bool = False) -> Path:
     """A PNG of samples next to the training data: for moons a scatter of 1000 samples of the
@@ -269,16 +253,9 @@ def samples_png(path: str | Path, model, data: str, x: torch.Tensor, *, steps: i
     else:
         for ax, imgs, title in ((axes[0], x[:16], "training images"),
                                 (axes[1], s, f"samples (DDIM {min(50, steps)} steps)")):
-            ax.imshow(_tile(imgs).numpy(), cmap="gray", vmin=0, vmax=1)
-            ax.set_title(title)
-            ax.set_xticks([])
-            ax.set_yticks([])
+            image_panel(ax, imgs, title)
     fig.suptitle(f"DDPM on {data}: training data and samples of the diffusers loop")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

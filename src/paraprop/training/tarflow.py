@@ -17,7 +17,7 @@ import torch
 
 from paraprop import checks
 from paraprop.models.tarflow import TarFlow
-from paraprop.training._common import fit, load_images
+from paraprop.training._common import fit, image_panel, load_images, save_png
 
 NAME = "tarflow"
 HELP = "train a TarFlow (transformer autoregressive flow, Zhai et al. 2024) on digits or MNIST"
@@ -146,7 +146,6 @@ def samples_png(path: str | Path, model: TarFlow, x: torch.Tensor, *, seed: int 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from paraprop.training.ddpm import _tile
 
     path = Path(path)
     fig, axes = plt.subplots(1, 1 + len(temperatures), figsize=(4.5 * (1 + len(temperatures)),
@@ -157,16 +156,9 @@ def samples_png(path: str | Path, model: TarFlow, x: torch.Tensor, *, seed: int 
                                    generator=torch.Generator().manual_seed(seed))
         panels.append((images, f"samples, temperature {t:g}"))
     for ax, (imgs, title) in zip(axes, panels, strict=True):
-        ax.imshow(_tile(imgs[:, :1]).numpy(), cmap="gray", vmin=0, vmax=1)
-        ax.set_title(title)
-        ax.set_xticks([])
-        ax.set_yticks([])
+        image_panel(ax, imgs[:, :1], title)
     fig.suptitle(f"TarFlow: {len(model.blocks)} blocks, T={model.T} patches of {model.P} values")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
