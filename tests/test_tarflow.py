@@ -215,6 +215,22 @@ def test_auto_ranks_blocks_and_caches_its_plan():
     assert float((x - exact).abs().max()) <= 1e-9 * float(exact.abs().max())
 
 
+def test_timed_plans_choose_among_the_candidates_and_stay_exact():
+    """cost="time" (what "auto" uses) depends on the machine: check what cannot vary."""
+    flow = _flow(scale=1.0)
+    for tol in (0.0, 1e-6):
+        plan = flow.calibrate(tol=tol, cost="time")
+        assert all(isinstance(m, Jacobi | GSJacobi) or m == "sequential_cached" for m in plan)
+        assert tol > 0 or "sequential_cached" not in plan    # tol=0 keeps the bits
+    z = _z(flow, n=3)
+    exact, _ = flow.inverse(z, method="sequential", tol=0)
+    x, sol = flow.inverse(z, method="auto", tol=1e-6)
+    assert sol.converged and float((x - exact).abs().max()) < 1e-5
+    assert [k[2] for k in flow._plans] == [3]             # calibrated at the batch size
+    with pytest.raises(ValueError, match="unknown cost='fast'; choose one of count, time"):
+        flow.calibrate(cost="fast")
+
+
 def test_sample_noise_generator_temperature_and_convergence_error():
     flow = _flow()
     g = torch.Generator().manual_seed(5)

@@ -279,11 +279,13 @@ class TarFlow(nn.Module):
                   ``GSJacobi(7)``;
                 * a list with one of the above per block, **in block order** (``method[k]``
                   inverts ``self.blocks[k]``, the ``k``-th block of :meth:`forward`);
-                * ``"auto"``: the plan of :meth:`calibrate` for this ``tol`` (made on first use
-                  and kept until the weights change).
+                * ``"auto"``: the plan of :meth:`calibrate` with ``cost="time"`` for this
+                  ``tol``, ``chunk`` and batch size (made on first use, timed on this
+                  machine, and kept until the weights change).
             tol: passed to :func:`paraprop.solve` for each block.
             max_iters: cap on the iterations of each block's solve (``None``: its exactness
-                bound). Not accepted with ``"sequential_cached"``.
+                bound). Not accepted with ``"sequential_cached"`` (with ``"auto"`` it caps the
+                blocks the plan solves iteratively).
             throw: raise :class:`paraprop.ConvergenceError` (with the combined Solution) if a
                 block's solve stopped at ``max_iters`` unconverged; ``False`` returns it.
             chunk: positions per chunk of the sampling maps (:class:`BlockInverse`; ``None``:
@@ -334,8 +336,9 @@ class TarFlow(nn.Module):
         check_max_iters(max_iters)
         checks.boolean("throw", throw)
         chunk = default_chunk(self.T) if chunk is None else checks.positive_int("chunk", chunk)
-        plan = self._plan(method, tol, chunk)
-        if max_iters is not None and "sequential_cached" in plan:
+        plan = self._plan(method, tol, chunk, z.shape[0])
+        # (an "auto" plan may hand a block to the cached loop: max_iters caps the others)
+        if max_iters is not None and "sequential_cached" in plan and method != "auto":
             raise ValueError("max_iters is not used by method='sequential_cached' (always T - 1 "
                              f"transformer calls a block), got max_iters={max_iters!r}")
         start = time.perf_counter()
@@ -382,7 +385,7 @@ class TarFlow(nn.Module):
         sol.stats["chunks"] = f.chunks
         return sol
 
-    def _plan(self, method, tol: float, chunk: int) -> list:
+    def _plan(self, method, tol: float, chunk: int, batch: int) -> list:
         """One method per block (block order): ``"sequential_cached"`` or a solver object."""
         K = len(self.blocks)
         if isinstance(method, list | tuple):
@@ -394,10 +397,12 @@ class TarFlow(nn.Module):
             checks.one_of("method", method, METHODS)
         if method == "auto":
             version = self._weights_version()
-            key = (float(tol), chunk, self.blocks[0].out.weight.dtype, version)
+            samples = min(batch, 64)
+            key = (float(tol), chunk, samples, self.blocks[0].out.weight.dtype, version)
             if key not in self._plans:   # plans of older weights go; other settings stay
                 self._plans = {k: v for k, v in self._plans.items() if k[-1] == version}
-                self._plans[key] = self.calibrate(tol=tol, chunk=chunk)
+                self._plans[key] = self.calibrate(tol=tol, chunk=chunk, samples=samples,
+                                                  cost="time")
             return self._plans[key]
         return [_one(method, "method")] * K
 
@@ -406,7 +411,7 @@ class TarFlow(nn.Module):
         return sum(p._version for p in self.parameters())
 
     def calibrate(self, *, tol: float = 1e-5, samples: int = 4, seed: int = 0,
-                  chunk: int | None = None) -> list:
+                  chunk: int | None = None, cost: str = "count") -> list:
         """The plan of ``method="auto"``: one solver per block.
 
         A short calibration ranks the blocks by how fast their inversions converge (after Liu &
@@ -424,11 +429,19 @@ class TarFlow(nn.Module):
         ``T`` chunks (on a trained model, the block inverted first: Liu & Qin's slow block). It
         is exact up to rounding, not bitwise, so ``tol=0`` leaves it out.
 
+        With ``cost="time"`` (what ``method="auto"`` uses, with as many calibration latents as
+        the batch it inverts, up to 64) the candidates are compared by their measured wall time
+        per block instead (the better of two runs each): a full pass costs a different multiple
+        of a one-position call on each machine and at each batch size, which no count captures.
+        The plan then depends on the machine and its load; every plan gives the sequential
+        result within ``tol``, only its speed varies.
+
         Arguments:
             tol: the ``tol`` of the calibration and of the plan.
             samples: latents of the calibration run.
             seed: their seed.
             chunk: as in :meth:`inverse`.
+            cost: ``"count"`` (chunks computed plus sweeps; deterministic) or ``"time"``.
 
         Returns:
             One method per block, block order: a solver object or ``"sequential_cached"``.
@@ -439,24 +452,29 @@ class TarFlow(nn.Module):
         check_tol(tol)
         checks.positive_int("samples", samples)
         checks.nonneg_int("seed", seed)
+        checks.one_of("cost", cost, ("count", "time"))
         ref = self.blocks[0].out.weight
         g = torch.Generator().manual_seed(seed)
         shape = (samples, self.channels, self.image_size, self.image_size)
         z = torch.randn(shape, generator=g, dtype=ref.dtype).to(ref.device)
         chunk = default_chunk(self.T) if chunk is None else chunk
-        runs = {name: self.inverse(z, method=m, tol=tol, throw=False, chunk=chunk)[1]
-                for name, m in (("jacobi", Jacobi()), ("gs", GSJacobi(chunk)))}
-        jac, gs = (runs[k].stats["blocks"] for k in ("jacobi", "gs"))
-        cost = [[b.stats["chunks"] + b.evaluations for b in blocks] for blocks in (jac, gs)]
-        # T - 1 calls of one position: a call and a (small) chunk each; not at tol=0, whose
-        # promise is the bits of "sequential" (the one-position products round differently)
-        cached = 2 * (self.T - 1) if tol > 0 else math.inf
-        plan = []
-        for j, g in zip(*cost, strict=True):
-            best = min(j, g, cached)
-            plan.append(Jacobi() if j == best else GSJacobi(chunk) if g == best
-                        else "sequential_cached")
-        return plan
+        candidates = [Jacobi(), GSJacobi(chunk)]
+        if tol > 0:   # not at tol=0, whose promise is the bits of "sequential"
+            candidates.append("sequential_cached")
+        costs = []    # per candidate, per block
+        for m in candidates:
+            runs = [self.inverse(z, method=m, tol=tol, throw=False, chunk=chunk)[1]
+                    for _ in range(2 if cost == "time" else 1)]
+            if cost == "time":
+                costs.append([min(r.stats["blocks"][k].stats["time_s"] for r in runs)
+                              for k in range(len(self.blocks))])
+            elif m == "sequential_cached":   # T - 1 calls of one position: a call and a chunk
+                costs.append([2 * (self.T - 1)] * len(self.blocks))
+            else:
+                costs.append([b.stats["chunks"] + b.evaluations
+                              for b in runs[0].stats["blocks"]])
+        return [candidates[min(range(len(candidates)), key=lambda i: (c[i], i))]
+                for c in zip(*costs, strict=True)]
 
     # -- checkpoints --------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
