@@ -214,10 +214,10 @@ def test_recurrence_refuses(make, exc, match):
 
 
 def test_recurrence_paraprop_nn_cells_are_checked_too():
-    from paraprop.recurrence import _GRUCell
+    from paraprop.jacobians.cells import GRUCellJacobian
 
     gru = torch.nn.GRUCell(3, 4)
-    cell = _GRUCell(gru.weight_ih, gru.weight_hh, gru.bias_ih, gru.bias_hh)
+    cell = GRUCellJacobian(gru.weight_ih, gru.weight_hh, gru.bias_ih, gru.bias_hh)
     with pytest.raises(TypeError, match=r"inputs must have the dtype of the cell's parameters, "
                                         r"torch.float32, got torch.float64"):
         paraprop.Recurrence(cell, _z(2, 5, 3))

@@ -181,7 +181,7 @@ def test_gru_gate_recomputation_in_blocks(monkeypatch):
     """The CPU recomputes the gates in blocks of time steps; block edges change nothing."""
     import paraprop.nn.gru as gru_module
 
-    monkeypatch.setattr(gru_module, "_BLOCK_ROWS", 7)       # 2 steps of batch 3 per block
+    monkeypatch.setattr(gru_module, "BLOCK_ROWS", 7)        # 2 steps of batch 3 per block
     ref, ours = pair(pnn.GRU, torch.nn.GRU, {}, num_layers=2)
     x = torch.randn(11, 3, 3, dtype=torch.float64)
     assert_same(run_both(ref, ours, x, torch.randn(2, 3, 5, dtype=torch.float64)),

@@ -22,19 +22,15 @@ product of the cell over all steps, whichever method produced the solution.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import _VF, nn
+from torch import nn
 
 from paraprop import checks
-from paraprop.jacobians.cells import gru_gates, gru_scale
+from paraprop.jacobians.cells import AnalyticCell, cell_adapter
 from paraprop.scan import Factored, linear_recurrence
 
 __all__ = ["Recurrence"]
 
 FORMS = ("dense", "diag", "any")
-# Rows (samples x steps) per block of the fused cell + Jacobian pass on the CPU: the ~20
-# elementwise operations then run on cache-resident blocks instead of streaming the whole array.
-_BLOCK_ROWS = 8192
 
 
 class Recurrence:
@@ -105,8 +101,8 @@ class Recurrence:
         if not ref.is_floating_point():
             raise TypeError(f"inputs and h0 must be floating point, got {ref.dtype}")
         self.cell = cell
-        self._adapter = _adapter_for(cell)
-        if inputs is None and isinstance(cell, nn.RNNCellBase | _Analytic):
+        self._adapter = cell_adapter(cell)
+        if inputs is None and isinstance(cell, nn.RNNCellBase | AnalyticCell):
             raise ValueError(f"a torch {type(cell).__name__} needs inputs")
         _check_cell(cell, inputs, "inputs" if inputs is not None else "h0", ref)
         H = self._adapter.state_size if self._adapter.state_size is not None else None
@@ -138,7 +134,7 @@ class Recurrence:
         self._h0 = (torch.zeros(self.B, H, dtype=ref.dtype, device=ref.device) if h0 is None
                     else h0.detach().reshape(self.B, H))
         if params is None:
-            params = list(cell.parameters()) if isinstance(cell, nn.Module | _Analytic) else []
+            params = list(cell.parameters()) if isinstance(cell, nn.Module | AnalyticCell) else []
         self.params = [p for p in params if isinstance(p, torch.Tensor)]
         self._pre = None  # per-step input terms of the analytic cells, computed once
 
@@ -213,7 +209,7 @@ class Recurrence:
 def _check_cell(cell, inputs, name: str, ref: torch.Tensor) -> None:
     """``inputs`` / ``h0`` against the cell: the dtype and device of its parameters (an
     ``nn.Module`` cell or a torch cell), the input size of a torch cell."""
-    if isinstance(cell, nn.Module | _Analytic):
+    if isinstance(cell, nn.Module | AnalyticCell):
         p = next((t for t in cell.parameters() if t.is_floating_point()), None)
         if p is not None and p.dtype != ref.dtype:
             raise TypeError(f"{name} must have the dtype of the cell's parameters, {p.dtype}, "
@@ -223,7 +219,7 @@ def _check_cell(cell, inputs, name: str, ref: torch.Tensor) -> None:
                              f"{p.device}, got {ref.device}")
     if isinstance(cell, nn.RNNCellBase):
         size = cell.input_size
-    elif isinstance(cell, _Analytic):
+    elif isinstance(cell, AnalyticCell):
         size = cell.w_ih.shape[-1]
     else:
         return
@@ -294,193 +290,3 @@ def _transpose(J):
                         left=None if J.right is None else J.right.t(),
                         right=None if J.left is None else J.left.t())
     return J.transpose(-1, -2)
-
-
-# -- cells ------------------------------------------------------------------------------------
-def _adapter_for(cell):
-    if isinstance(cell, _RNNCell | _GRUCell):   # weights handed over by paraprop.nn
-        return cell
-    if isinstance(cell, nn.GRUCell):
-        return _GRUCell(cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
-    if isinstance(cell, nn.RNNCell):
-        return _RNNCell(cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh,
-                        cell.nonlinearity)
-    if isinstance(cell, nn.LSTMCell):
-        return _Generic(_LSTMRows(cell), 2 * cell.hidden_size)
-    return _Generic(cell, getattr(cell, "hidden_size", None)
-                    if not isinstance(getattr(cell, "hidden_size", None), bool) else None)
-
-
-class _LSTMRows:
-    """An ``nn.LSTMCell`` on the concatenated state ``[h, c]``."""
-
-    def __init__(self, cell: nn.LSTMCell):
-        self.cell = cell
-        self.jacobian = None
-
-    def __call__(self, u, s):
-        h, c = s.chunk(2, dim=-1)
-        h2, c2 = self.cell(u, (h.contiguous(), c.contiguous()))
-        return torch.cat([h2, c2], -1)
-
-
-class _Generic:
-    """Any cell: values by calling it, Jacobians from ``cell.jacobian`` or autograd."""
-
-    def __init__(self, cell, state_size):
-        self.cell, self.state_size = cell, state_size
-
-    def rows(self, u, h, rec):
-        y = self.cell(u, h)
-        if not isinstance(y, torch.Tensor) or y.shape != h.shape:
-            raise ValueError(f"cell(input, hidden) must return a tensor shaped like hidden "
-                             f"{tuple(h.shape)}, got "
-                             f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y)}")
-        return y
-
-    def linearize(self, rec, prev, lo, form):
-        B, n, H = prev.shape
-        u = rec._inputs_from(lo)
-        h = prev.reshape(-1, H)
-        y = self.rows(u, h, rec).reshape(B, n, H)
-        if form is None:
-            return y, None
-        jac = getattr(self.cell, "jacobian", None)
-        if callable(jac):
-            J = jac(u, h)
-            if not isinstance(J, torch.Tensor) or tuple(J.shape) != (h.shape[0], H, H):
-                raise ValueError(f"cell.jacobian(input, hidden) must return ({h.shape[0]}, {H}, "
-                                 f"{H}), got {getattr(J, 'shape', type(J))}")
-        else:
-            J = _autograd_jacobian(lambda hh, uu: self.cell(uu, hh), h, u)
-        J = J.reshape(B, n, H, H)
-        return y, (J.diagonal(dim1=-2, dim2=-1) if form == "diag" else J)
-
-
-def _autograd_jacobian(f, h, u):
-    """``J[n] = d f(h_n, u_n) / d h_n`` by one batched backward over ``H`` copies of the rows."""
-    N, H = h.shape
-    hr = h.detach().repeat(H, 1).requires_grad_(True)
-    ur = None if u is None else u.detach().repeat(H, 1)
-    eye = torch.eye(H, dtype=h.dtype, device=h.device)
-    with torch.enable_grad():
-        y = f(hr, ur)
-        if not y.requires_grad:                         # the output ignores the state
-            return h.new_zeros(N, H, H)
-        (g,) = torch.autograd.grad(y, hr, eye[:, None, :].expand(H, N, H).reshape(H * N, H),
-                                   allow_unused=True)
-    if g is None:
-        return h.new_zeros(N, H, H)
-    return g.reshape(H, N, H).transpose(0, 1)          # [n, i, j] = d y_i / d h_j
-
-
-class _Analytic:
-    """Cells with analytic Jacobians; callable like a torch cell."""
-
-    def __call__(self, u, h):
-        return self.rows(u, h, None)
-
-    def parameters(self):
-        return [t for t in (self.w_ih, self.w_hh, self.b_ih, self.b_hh) if t is not None]
-
-
-class _RNNCell(_Analytic):
-    """``h' = act(W_ih u + b_ih + W_hh h + b_hh)``: ``J = diag(act') W_hh``."""
-
-    def __init__(self, w_ih, w_hh, b_ih, b_hh, nonlinearity):
-        self.w_ih, self.w_hh, self.b_ih, self.b_hh = w_ih, w_hh, b_ih, b_hh
-        self.tanh = nonlinearity == "tanh"
-        self.state_size = w_hh.shape[0]
-
-    def rows(self, u, h, rec):
-        run = _VF.rnn_tanh_cell if self.tanh else _VF.rnn_relu_cell
-        return run(u, h, self.w_ih, self.w_hh, self.b_ih, self.b_hh)
-
-    def linearize(self, rec, prev, lo, form):
-        with torch.no_grad():
-            pre = _precompute(rec, lambda u: F.linear(u, self.w_ih, self.b_ih))
-            z = F.linear(prev, self.w_hh, self.b_hh).add_(pre[:, lo:])
-            y = torch.tanh(z) if self.tanh else torch.relu(z)
-            if form is None:
-                return y, None
-            slope = (1 - y * y) if self.tanh else (z > 0).to(y.dtype)
-            if form == "diag":
-                return y, slope * self.w_hh.diagonal()
-            J = Factored(scale=slope, right=self.w_hh)   # diag(slope) W_hh, K = H
-            return y, (J if form == "any" else _dense(J))
-
-
-class _GRUCell(_Analytic):
-    """torch's GRU cell; ``J = diag(z) + [I I I] diag(c) W_hh`` (BPPSA Appendix E, transposed):
-    ``c = [dn * gh_n * r(1-r); (h - n) z(1-z); dn * r]`` with ``dn = (1-z)(1-n^2)``."""
-
-    def __init__(self, w_ih, w_hh, b_ih, b_hh):
-        self.w_ih, self.w_hh, self.b_ih, self.b_hh = w_ih, w_hh, b_ih, b_hh
-        self.state_size = w_hh.shape[1]
-
-    def rows(self, u, h, rec):
-        return _VF.gru_cell(u, h, self.w_ih, self.w_hh, self.b_ih, self.b_hh)
-
-    def linearize(self, rec, prev, lo, form):
-        with torch.no_grad():
-            pre = _precompute(rec, lambda u: F.linear(u, self.w_ih, self.b_ih))
-            return gru_linearize(pre[:, lo:], prev, self.w_hh, self.b_hh, form)
-
-
-def gru_linearize(gi, prev, w_hh, b_hh, form):
-    """GRU states ``y = cell(prev)`` and their Jacobians in ``form`` from the input terms
-    ``gi = W_ih u + b_ih`` ``(B, n, 3H)`` and the previous states ``prev`` ``(B, n, H)`` (both
-    may be strided views; they are read block by block along time, never copied whole)."""
-    B, n, H = prev.shape
-    y = prev.new_empty(B, n, H)
-    z = s = a = None
-    if form is not None:
-        if form == "diag":
-            a = prev.new_empty(B, n, H)
-            wd = w_hh.reshape(3, H, H).diagonal(dim1=-2, dim2=-1)      # (3, H) diag of blocks
-        else:
-            z, s = prev.new_empty(B, n, H), prev.new_empty(B, n, 3 * H)
-    step = n if prev.device.type != "cpu" else max(1, _BLOCK_ROWS // B)
-    for t0 in range(0, n, step):
-        blk = slice(t0, min(n, t0 + step))
-        h = prev[:, blk]
-        r, zb, ghn, nn_ = gru_gates(gi[:, blk], h, w_hh, b_hh)
-        d = torch.sub(h, nn_)
-        torch.addcmul(nn_, zb, d, out=y[:, blk])
-        if form is None:
-            continue
-        if form == "diag":   # z + sum over the three blocks of c_k * diag(W_hh block k)
-            omz = torch.rsub(zb, 1)
-            cn = torch.mul(nn_, nn_).neg_().add_(1).mul_(omz).mul_(r)
-            cr = torch.mul(cn, ghn).mul_(torch.rsub(r, 1))
-            cz = d.mul_(zb).mul_(omz)
-            torch.addcmul(zb, cr, wd[0], out=a[:, blk]).addcmul_(cz, wd[1]).addcmul_(cn, wd[2])
-            continue
-        z[:, blk] = zb
-        gru_scale(r, zb, ghn, nn_, h, s[:, blk])
-    if form is None:
-        return y, None
-    if form == "diag":
-        return y, a
-    J = Factored(scale=s, right=w_hh, diag=z)
-    return y, (J if form == "any" else _dense(J))
-
-
-def _dense(J: Factored) -> torch.Tensor:
-    """``diag(d) + L diag(s) R`` as ``(B, n, H, H)`` (L = None: identity blocks side by side)."""
-    s, R = J.scale, J.right
-    K, H = R.shape
-    if J.left is None:
-        out = (s.unflatten(-1, (K // H, H)).unsqueeze(-1) * R.reshape(K // H, H, H)).sum(-3)
-    else:
-        out = torch.einsum("hk,bnk,kj->bnhj", J.left, s, R)
-    if J.diag is not None:
-        out = out + torch.diag_embed(J.diag)
-    return out
-
-
-def _precompute(rec: Recurrence, fn):
-    """The per-step input terms ``fn(u)`` ``(B, T, .)``, computed once per Recurrence."""
-    if rec._pre is None:
-        rec._pre = fn(rec._u)
-    return rec._pre

@@ -26,10 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import _VF
 
-from paraprop.jacobians.cells import gru_gates, gru_scale
+from paraprop.jacobians.cells import BLOCK_ROWS, GRUCellJacobian, gru_gates, gru_scale
 from paraprop.nn._base import ScanBackwardMixin, check_options, first_order_only, solve_layer
 from paraprop.nn.rnn import solve_hidden
-from paraprop.recurrence import _BLOCK_ROWS, _GRUCell
 from paraprop.scan import Factored
 
 
@@ -44,7 +43,7 @@ def jacobian_factors(x, hprev, w_ih, w_hh, b_ih, b_hh):
     z = hprev.new_empty(T, B, H)
     dn = hprev.new_empty(T, B, H)
     s = hprev.new_empty(T, B, 3 * H)
-    step = T if hprev.device.type != "cpu" else max(1, _BLOCK_ROWS // B)
+    step = T if hprev.device.type != "cpu" else max(1, BLOCK_ROWS // B)
     for t0 in range(0, T, step):
         blk = slice(t0, min(T, t0 + step))
         hp = hprev[blk]
@@ -71,7 +70,7 @@ class GRUScanFunction(torch.autograd.Function):
                 out, hn = _VF.gru(layer_in, h0[k:k + 1], w, cfg["bias"], 1, 0.0, False, False,
                                   False)
             else:
-                out = solve_layer(cfg, _GRUCell(w[0], w[1], b_ih, b_hh), layer_in, h0[k])
+                out = solve_layer(cfg, GRUCellJacobian(w[0], w[1], b_ih, b_hh), layer_in, h0[k])
                 hn = out[-1:]
             if save:
                 hprev = torch.cat([h0[k:k + 1], out[:-1]], 0)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import _VF
 
+from paraprop.jacobians.cells import RNNCellJacobian
 from paraprop.nn._base import ScanBackwardMixin, check_options, first_order_only, solve_layer
 from paraprop.nn.options import JacobiBackward
-from paraprop.recurrence import _RNNCell
 from paraprop.scan import Factored, jacobi_recurrence, linear_recurrence
 
 
@@ -58,7 +58,7 @@ class RNNScanFunction(torch.autograd.Function):
                 out, hn = run(layer_in, h0[k:k + 1], w, cfg["bias"], 1, 0.0, False, False, False)
             else:
                 b_ih, b_hh = (w[2], w[3]) if cfg["bias"] else (None, None)
-                cell = _RNNCell(w[0], w[1], b_ih, b_hh,
+                cell = RNNCellJacobian(w[0], w[1], b_ih, b_hh,
                                 "tanh" if cfg["mode"] == "RNN_TANH" else "relu")
                 out = solve_layer(cfg, cell, layer_in, h0[k])
                 hn = out[-1:]
