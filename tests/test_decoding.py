@@ -254,3 +254,23 @@ def test_errors(model):
         generate(model, ids, max_new_tokens=4, method="newton")
     with pytest.raises(ValueError, match="not supported by decoding"):
         generate(model, ids, max_new_tokens=4, method=solvers.Jacobi())
+
+
+def test_cached_lm_never_serves_a_stale_entry():
+    """CachedLM against a full pass without a cache, while tokens change under it and the
+    requested ranges jump back and forth (the cases a solver may produce)."""
+    from paraprop.decoding.lm import CachedLM
+
+    model = _gpt2()
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(3, V, (2, 30), generator=g)
+    lm = CachedLM(model, tokens, None)
+    with torch.no_grad():
+        for a, b, change in [(4, 10, None), (10, 16, None), (12, 20, 11), (5, 9, None),
+                             (18, 30, 25), (0, 30, 3), (29, 30, None)]:
+            if change is not None:
+                tokens[:, change] = torch.randint(3, V, (2,), generator=g)
+            ref = model(tokens).logits[:, a:b]
+            got = lm.logits(a, b)
+            assert torch.allclose(got, ref, atol=1e-10, rtol=0), (a, b)
+    assert lm.fed < 30 * lm.calls     # the cache was used
