@@ -10,14 +10,8 @@ from paraprop.data import CharVocab, load_text
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny transformers: one intra-op thread is as fast, and immune to a busy machine (two
-    threads on a loaded 2-core CPU make each small op wait for a time slice)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# tiny transformers: one intra-op thread is as fast, and immune to a busy machine
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_text_ships_with_python_and_round_trips():

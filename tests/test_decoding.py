@@ -33,14 +33,8 @@ def _llama(seed=0):
 MODELS = {"gpt2": _gpt2, "llama": _llama}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny transformers: one intra-op thread is as fast, and immune to a busy machine (two
-    threads on a loaded 2-core CPU make each small op wait for a time slice)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# tiny transformers: one intra-op thread is as fast, and immune to a busy machine
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

@@ -14,6 +14,7 @@ key/value cache (:class:`~paraprop.decoding.lm.CachedLM`), so a pass runs the wi
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import torch
 
@@ -104,12 +105,14 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, method="jac
         mask = torch.cat([attention_mask.to(torch.long),
                           attention_mask.new_ones((B, T), dtype=torch.long)], dim=1)
     lm = CachedLM(model, tokens, mask)
-    texts = [row[m.bool()].tolist() if attention_mask is not None else row.tolist()
-             for row, m in zip(input_ids, attention_mask if attention_mask is not None
-                               else input_ids, strict=True)]
+    pool = None
+    if ngram and not isinstance(solver, Sequential):
+        real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None \
+            else attention_mask.bool()
+        pool = NgramPool([row[keep].tolist() for row, keep in zip(input_ids, real, strict=True)],
+                         ngram, solver_size(solver, T))
     tmap = _TokenMap(lm, P, T, u, dict(temperature=temperature, top_k=top_k, top_p=top_p),
-                     eos, pad_token_id, NgramPool(texts, ngram, solver_size(solver, T))
-                     if ngram and not isinstance(solver, Sequential) else None, texts)
+                     eos, pad_token_id, pool)
     with torch.no_grad():
         lm.prefill(P - 1)
         sol = solve(tmap, torch.full((B, T), float(pad_token_id), dtype=torch.float64,
@@ -131,11 +134,11 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, method="jac
 
 
 def solver_size(solver, T: int) -> int:
-    """Tokens per pass of a decoding solver."""
+    """Tokens per pass of a decoding solver (its own default where its setting is ``None``:
+    ``SlidingJacobi``'s and ``GSJacobi``'s ``size`` read only the number of positions)."""
     if isinstance(solver, Sequential):
         return 1
-    size = getattr(solver, "window", None) or getattr(solver, "block_size", None)
-    return min(size or DEFAULT_WINDOW, T)
+    return solver.size(SimpleNamespace(T=T))
 
 
 class _TokenMap:
@@ -145,9 +148,9 @@ class _TokenMap:
     markov = False
 
     def __init__(self, lm: CachedLM, P: int, T: int, u, warpers: dict, eos: list[int],
-                 pad: int, pool: NgramPool | None, texts: list[list[int]]):
+                 pad: int, pool: NgramPool | None):
         self.lm, self.P, self.T, self.u = lm, P, T, u
-        self.warpers, self.pad, self.pool, self.texts = warpers, pad, pool, texts
+        self.warpers, self.pad, self.pool = warpers, pad, pool
         self.eos = torch.tensor(eos, dtype=torch.long, device=lm.tokens.device) if eos else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,8 +174,8 @@ class _TokenMap:
             if start > 0 and bool(hit[:, start - 1].all()):        # every sample has ended
                 return x.new_full((x.shape[0], stop - start), float(self.pad)), None
         logits = lm.logits(P - 1 + start, P - 1 + stop)
-        if self.u is None:
-            tok = logits.to(torch.float32).argmax(-1)
+        if self.u is None:   # greedy: generate's argmax of the float32 logits
+            tok = choose(logits.to(torch.float32), None)
         else:
             tok = choose(process_logits(logits, **self.warpers), self.u[:, start:stop])
         if ended is not None:
@@ -185,12 +188,11 @@ class _TokenMap:
         if self.pool is None:
             return None
         out = None
-        fin = final.tolist()
-        for b, f in enumerate(fin):
+        rows = x.to(torch.long).tolist()    # one transfer for the whole batch
+        for b, f in enumerate(final.tolist()):
             if f >= self.T:
                 continue
-            gen = x[b, :f].to(torch.long).tolist()
-            text = self.texts[b] + gen
+            text = self.pool.prompts[b] + rows[b][:f]
             self.pool.add(b, text)
             cont = self.pool.guess(b, text)[: self.T - f]
             if cont:

@@ -10,13 +10,15 @@ class NgramPool:
     ``key``-token n-gram of its text (prompt and accepted tokens).
 
     Arguments:
-        texts: one list of token ids per sample (its prompt without padding).
+        texts: one list of token ids per sample (its prompt without padding), kept as
+            ``prompts``.
         key: tokens in a key.
         length: tokens in a continuation.
     """
 
     def __init__(self, texts: list[list[int]], key: int, length: int):
         self.key, self.length = key, length
+        self.prompts = texts
         self.pools: list[dict] = [{} for _ in texts]
         self.seen = [0] * len(texts)       # text positions whose n-grams are complete
         for b, text in enumerate(texts):

@@ -94,12 +94,7 @@ class DistLink:
         peer = self.ranks[src]
         buf = torch.empty(like.shape, dtype=like.dtype,
                           device="cpu" if self._cpu else like.device)
-        t0 = time.perf_counter()
-        try:
-            dist.irecv(buf, peer, group=self.group, tag=tag).wait(_td(self.timeout))
-        except RuntimeError as e:
-            raise self._fail("receive", peer, e) from None
-        self.wait_s += time.perf_counter() - t0
+        self._timed(lambda: dist.irecv(buf, peer, group=self.group, tag=tag), "receive", peer)
         return buf.to(like.device)
 
     def sum(self, value: float | list[float]) -> float | list[float]:
@@ -111,12 +106,7 @@ class DistLink:
         t = torch.tensor(list(value) if many else [value], dtype=torch.float64)
         if not self._cpu:
             t = t.to(torch.device("cuda", torch.cuda.current_device()))
-        t0 = time.perf_counter()
-        try:
-            dist.all_reduce(t, group=self.group, async_op=True).wait(_td(self.timeout))
-        except RuntimeError as e:
-            raise self._fail("all-reduce", None, e) from None
-        self.wait_s += time.perf_counter() - t0
+        self._timed(lambda: dist.all_reduce(t, group=self.group, async_op=True), "all-reduce")
         return t.tolist() if many else float(t)
 
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -124,13 +114,20 @@ class DistLink:
         (one all-gather)."""
         buf = tensor.detach().to("cpu" if self._cpu else tensor.device).contiguous()
         parts = [torch.empty_like(buf) for _ in range(dist.get_world_size(self.group))]
+        self._timed(lambda: dist.all_gather(parts, buf, group=self.group, async_op=True),
+                    "all-gather")
+        return [p.to(tensor.device) for p in parts]
+
+    def _timed(self, start, what: str, peer=None) -> None:
+        """Start an asynchronous operation (``start()`` returns its work handle) and wait for it
+        within the timeout, adding the wait to ``wait_s``; a failure or a timeout raises
+        :class:`PeerError` naming ``what`` and ``peer``."""
         t0 = time.perf_counter()
         try:
-            dist.all_gather(parts, buf, group=self.group, async_op=True).wait(_td(self.timeout))
+            start().wait(_td(self.timeout))
         except RuntimeError as e:
-            raise self._fail("all-gather", None, e) from None
+            raise self._fail(what, peer, e) from None
         self.wait_s += time.perf_counter() - t0
-        return [p.to(tensor.device) for p in parts]
 
     def flush(self) -> None:
         pending, self._pending = self._pending, []
