@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from paraprop import bench
-from paraprop.bench.harness import interleaved, speedups
-from paraprop.bench.report import fmt, markdown_table
 from paraprop.cli import main
+from paraprop.experiments.harness import interleaved, speedups
+from paraprop.experiments.report import fmt, markdown_table
 
 
 def test_demo_quick_writes_results(tmp_path, capsys):

@@ -9,6 +9,7 @@ from paraprop import bench
 from paraprop.bench import triangular
 from paraprop.demos import triangular as demo
 from paraprop.errors import ConvergenceError
+from paraprop.models import deep_mlp
 
 
 def test_bench_triangular_quick(tmp_path):
@@ -58,5 +59,5 @@ def test_bench_records_non_convergence_but_not_other_errors(monkeypatch):
     with pytest.raises(TypeError, match="a bug, not a result"):
         triangular.mlp_row(2, 4, 1, repeats=1)
     before = torch.random.get_rng_state()
-    triangular.deep_mlp(3, 4, seed=5)
+    deep_mlp(3, 4, seed=5)
     assert torch.equal(torch.random.get_rng_state(), before)  # the global state is left alone

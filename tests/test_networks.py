@@ -4,14 +4,12 @@ import math
 
 import pytest
 import torch
-import torchvision
 from torch import nn
 
 import paraprop
 from paraprop.networks import (
     LayerRecurrence,
     Step,
-    ThreadedJacobiGS,
     UnsupportedModuleError,
     as_recurrence,
     balanced_blocks,
@@ -22,6 +20,13 @@ from paraprop.networks import (
 )
 from paraprop.networks.evaluate import trace
 from paraprop.solvers import METHODS, NEWTON_METHODS, GSJacobi, Jacobi, JacobiGS, SlidingJacobi
+
+try:
+    import torchvision
+except ImportError:  # the 'vision' extra is optional; make test-oldest runs without it
+    torchvision = None
+needs_torchvision = pytest.mark.skipif(torchvision is None,
+                                       reason="needs torchvision (pip install 'paraprop[vision]')")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -78,6 +83,7 @@ def test_leading_in_place_module_gets_a_copy_of_the_input():
     assert torch.equal(out, model(keep.clone()))
 
 
+@needs_torchvision
 def test_densenet121_recurrence_equals_forward():
     torch.manual_seed(0)
     model = torchvision.models.densenet121(num_classes=10).eval()
@@ -98,6 +104,7 @@ def test_densenet121_recurrence_equals_forward():
         assert torch.equal(rec(x), model(x))
 
 
+@needs_torchvision
 def test_densenet201_architecture_converts():
     model = torchvision.models.densenet201(num_classes=10).eval()
     rec = as_recurrence(model)
@@ -107,6 +114,7 @@ def test_densenet201_architecture_converts():
     assert rec.steps[-1].inputs == tuple(range(len(rec) - 34, len(rec) - 1))
 
 
+@needs_torchvision
 def test_resnet_recurrence_equals_forward():
     model = small_resnet()
     rec = as_recurrence(model)
@@ -127,9 +135,11 @@ MODELS = {
 
 
 JACOBI_FAMILY = tuple(m for m in METHODS if m not in NEWTON_METHODS)
+MODEL_NAMES = [name if name == "mlp" else pytest.param(name, marks=needs_torchvision)
+               for name in sorted(MODELS)]
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", MODEL_NAMES)
 @pytest.mark.parametrize("method", JACOBI_FAMILY)
 def test_every_method_returns_the_sequential_output(name, method):
     make, shape = MODELS[name]
@@ -147,6 +157,7 @@ def test_every_method_returns_the_sequential_output(name, method):
     assert sol.stats["errors"][-1] == 0
 
 
+@needs_torchvision
 def test_densenet121_jacobi_gs_exact_at_the_end_and_records_errors():
     torch.manual_seed(0)
     model = torchvision.models.densenet121(num_classes=10).eval()
@@ -174,26 +185,35 @@ def test_stopping_on_forward_difference_then_max_abs_metric():
     assert float((out - ref).abs().max()) == pytest.approx(sol.stats["errors"][-1])
 
 
+@needs_torchvision
 def test_threaded_jacobi_gs_matches_the_sequential_drivers():
     model = small_densenet()
     x = torch.randn(2, 3, 32, 32)
     system = as_recurrence(model).bind(x)
     # one state per block: Jacobi, the iterates of paraprop.solve
     sol = paraprop.solve(system, system.x0, method="jacobi", dim=1, tol=0)
-    with ThreadedJacobiGS(system, workers=2, times=[1.0] * system.T) as par:
-        xs, k, res = par.run(tol=0)
-    assert torch.equal(xs, sol.value) and k == sol.iterations
-    assert res == pytest.approx(sol.residuals.tolist())
-    # any partition: the iterates of jacobi_gs_blocks (Algorithm 2)
+    one_each = [range(t, t + 1) for t in range(system.T)]
+    par = jacobi_gs_blocks(system, one_each, workers=2, costs=[1.0] * system.T, tol=0)
+    assert torch.equal(par.value, sol.value) and par.iterations == sol.iterations
+    assert par.residuals.tolist() == pytest.approx(sol.residuals.tolist())
+    assert par.stats["workers"] == 2
+    # any partition: the iterates of jacobi_gs_blocks (Algorithm 2) on one thread
     blocks = [range(0, 1), range(1, 5), range(5, 6), range(6, 12), range(12, system.T)]
     sol = jacobi_gs_blocks(system, blocks, tol=0)
-    with ThreadedJacobiGS(system, blocks=blocks, workers=2) as par:
-        xs, k, res = par.run(tol=0)
-    assert torch.equal(xs, sol.value) and k == sol.iterations <= len(blocks)
-    assert torch.equal(system.output(xs), system.reference[-1])
+    seen = []
+    par = jacobi_gs_blocks(system, blocks, workers=3, tol=0,
+                           callback=lambda k, v, r: seen.append(v.clone()))
+    assert torch.equal(par.value, sol.value) and par.iterations == sol.iterations <= len(blocks)
+    assert par.evaluations == sol.evaluations and par.stats["positions"] == sol.stats["positions"]
+    assert torch.equal(system.output(par.value), system.reference[-1])
+    # every iterate, not only the last, is bitwise the one-thread iterate
+    ref_seen = []
+    jacobi_gs_blocks(system, blocks, tol=0, callback=lambda k, v, r: ref_seen.append(v.clone()))
+    assert len(seen) == len(ref_seen)
+    assert all(torch.equal(a, b) for a, b in zip(seen, ref_seen, strict=True))
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", MODEL_NAMES)
 def test_jacobi_gs_over_any_partition_is_exact_within_its_bound(name):
     make, shape = MODELS[name]
     model = make()
@@ -239,7 +259,7 @@ def test_partition_errors():
                                          r"got method=JacobiGS\(block_size=2\)"):
         evaluate(model, x, method=JacobiGS(block_size=2), blocks=[[0, 1, 2, 3]])
     with pytest.raises(ValueError, match="pass block_size or blocks, not both"):
-        ThreadedJacobiGS(system, block_size=2, blocks=[[0, 1, 2, 3]])
+        JacobiGS(block_size=2, blocks=[[0, 1, 2, 3]])
     with pytest.raises(paraprop.ConvergenceError,
                        match=r"method='jacobi_gs' did not converge within max_iters=1"):
         jacobi_gs_blocks(system, [[0], [1], [2], [3]], tol=0, max_iters=1)
@@ -303,6 +323,7 @@ def test_container_without_forward_is_named():
         as_recurrence(model)
 
 
+@needs_torchvision
 def test_training_mode_is_refused_naming_the_module():
     model = torchvision.models.densenet121(num_classes=10)  # training mode
     with pytest.raises(ValueError, match=r"'features\.norm0' \(BatchNorm2d\).*model\.eval\(\)"):
@@ -313,6 +334,7 @@ def test_training_mode_is_refused_naming_the_module():
     as_recurrence(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))  # training mode without either
 
 
+@needs_torchvision
 def test_overridden_torchvision_forward_is_refused():
     class Tweaked(torchvision.models.ResNet):
         def forward(self, x):
@@ -384,6 +406,7 @@ def test_evaluate_validates_its_arguments():
     assert not sol.converged and sol.stats["settled"] is None
 
 
+@needs_torchvision
 @pytest.mark.parametrize("method", NEWTON_METHODS)
 def test_newton_methods_refuse_wide_layer_states(method):
     """A network's padded layer state has thousands of features: the plain-fn Newton path

@@ -5,6 +5,9 @@ import json
 import pytest
 import torch
 
+# the suite and the demo part build torchvision's architectures (the optional 'vision' extra)
+pytest.importorskip("torchvision", reason="needs torchvision (pip install 'paraprop[vision]')")
+
 from paraprop import bench
 from paraprop.bench import networks as suite
 from paraprop.cli import main

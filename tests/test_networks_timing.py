@@ -5,13 +5,14 @@ import torch
 from torch import nn
 
 from paraprop.networks import (
-    ThreadedJacobiGS,
     as_recurrence,
     estimate_time,
+    jacobi_gs_blocks,
     partition_time,
     profile,
 )
 from paraprop.networks.timing import uniform_blocks
+from paraprop.solvers import JacobiGS
 
 TIMES = [1.0, 4.0, 2.0, 3.0, 5.0]
 
@@ -81,20 +82,21 @@ def test_threaded_executor_validation_and_early_stop():
         for p in model.parameters():
             p.mul_(0.3)  # a contraction: the forward difference falls fast
     system = as_recurrence(model).bind(torch.randn(3, 6))
-    with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
-        ThreadedJacobiGS(system, block_size=0)
-    with pytest.raises(ValueError, match="workers must be a positive int, got 0"):
-        ThreadedJacobiGS(system, workers=0)
-    with pytest.raises(ValueError, match="intra_op_threads must be a positive int"):
-        ThreadedJacobiGS(system, intra_op_threads=0)
-    with pytest.raises(ValueError, match=r"times must have one entry per state \(12\), got 2"):
-        ThreadedJacobiGS(system, times=[1.0, 2.0])
-    with ThreadedJacobiGS(system, workers=2) as par:
-        with pytest.raises(ValueError, match="tol must be a number >= 0"):
-            par.run(tol=-1)
-        x, k, res = par.run(tol=1e-3)
-        assert res[-1] <= 1e-3 and k == len(res) < 12
-        err = float((system.output(x) - system.reference[-1]).abs().max())
-        assert err < 1e-2
-        x, k, res = par.run(tol=0.0, max_iters=2)
-        assert k == 2
+    blocks = [[t] for t in range(12)]
+    with pytest.raises(ValueError, match="JacobiGS: workers must be a positive int, got 0"):
+        JacobiGS(blocks=blocks, workers=0)
+    with pytest.raises(ValueError, match="JacobiGS: intra_op_threads must be a positive int"):
+        JacobiGS(blocks=blocks, workers=2, intra_op_threads=0)
+    with pytest.raises(ValueError, match=r"costs must have one entry per position \(12\), got 2"):
+        JacobiGS(blocks=blocks, workers=2, costs=[1.0, 2.0])
+    with pytest.raises(ValueError, match="workers > 1 needs blocks"):
+        JacobiGS(block_size=2, workers=2)
+    with pytest.raises(ValueError, match="tol must be a number >= 0"):
+        jacobi_gs_blocks(system, blocks, workers=2, tol=-1)
+    sol = jacobi_gs_blocks(system, blocks, workers=2, tol=1e-3)
+    assert sol.converged and sol.iterations < 12
+    # the driver's certificate, not the last step: the error is within tol
+    err = float((system.output(sol.value) - system.reference[-1]).abs().max())
+    assert err <= 1e-3
+    sol = jacobi_gs_blocks(system, blocks, workers=2, tol=0.0, max_iters=2, throw=False)
+    assert sol.iterations == 2 and not sol.converged

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import paraprop
-from paraprop.bench.core import made_problem
+from paraprop.experiments.core import made_problem
 from paraprop.solvers import Jacobi, SlidingJacobi
 from problems import TOLERANCES, FastTriangular, RandomTriangular
 

@@ -17,9 +17,9 @@ import torch
 
 import paraprop
 from paraprop import bench, demos, training
-from paraprop.bench.harness import machine_info
-from paraprop.bench.report import write_results
 from paraprop.errors import ConvergenceError, NonFiniteError
+from paraprop.experiments.harness import machine_info
+from paraprop.experiments.report import write_results
 from paraprop.optim.errors import FusionError
 
 # Exceptions that report a user error (bad arguments, files or data): one line, exit status 2.

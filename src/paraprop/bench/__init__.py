@@ -2,8 +2,10 @@
 
 A suite is a module of this package that defines ``DESCRIPTION`` (one line) and
 ``run(out_dir: pathlib.Path, *, quick: bool, repeats: int | None) -> dict``; it measures with
-:mod:`paraprop.bench.harness` and writes ``SUITE.json``, ``SUITE.md`` and PNG plots under
-``out_dir`` with :mod:`paraprop.bench.report`. New suites are found by name, nothing to register.
+:mod:`paraprop.experiments` (the timing harness, the report writer and the measurements it shares
+with ``paraprop demo``) and writes ``SUITE.json``, ``SUITE.md`` and PNG plots under ``out_dir``.
+New suites are found by name, nothing to register. Nothing in the package imports ``bench`` but
+the CLI: it is a leaf.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-_NOT_SUITES = {"harness", "report", "plots", "compare", "collect"}
+_NOT_SUITES = {"collect"}
 
 
 def suites() -> dict[str, str]:

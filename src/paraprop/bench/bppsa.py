@@ -28,55 +28,27 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paraprop.bench.harness import interleaved, machine_info, median
-from paraprop.bench.plots import plt, save_figure
-from paraprop.bench.report import markdown_table, text_table, write_results
-from paraprop.nn import GRU, RNN, JacobiBackward, ScanBackward
+from paraprop.data import bitstreams
+from paraprop.experiments.bppsa import CLASSES, LR, pair
+from paraprop.experiments.harness import interleaved, machine_info, median
+from paraprop.experiments.plots import plt, save_figure
+from paraprop.experiments.report import markdown_table, text_table, write_results
+from paraprop.nn import JacobiBackward, ScanBackward
 from paraprop.scan import native
 
 DESCRIPTION = "BPPSA: RNN/GRU backward as a scan vs torch autograd (T, batch, GRU, Jacobi)"
 
-HIDDEN, CLASSES, LR = 20, 10, 1e-5
+
 T_SWEEP = [10, 30, 100, 300, 1000, 3000, 10000, 30000]
+
+
 B_SWEEP = [2, 4, 8, 16, 32, 64, 128, 256]
+
+
 IRMAS = [(259, 38), (517, 24), (1034, 12)]
+
+
 IRMAS_BATCH = [16, 32, 64]
-
-
-def bitstreams(T: int, batch: int, *, generator: torch.Generator, classes: int = CLASSES):
-    """BPPSA's synthetic task: ``x_t ~ Bernoulli(0.05 + 0.1 c)``, ``c`` the label (0..9).
-
-    Returns ``(x, y)`` with ``x`` ``(T, batch, 1)`` float32 bits and ``y`` ``(batch,)`` labels.
-    """
-    y = torch.randint(0, classes, (batch,), generator=generator)
-    p = (0.05 + 0.1 * y.float()).expand(T, batch)
-    return torch.bernoulli(p, generator=generator).unsqueeze(-1), y
-
-
-class Classifier(nn.Module):
-    """A recurrent layer read out by a linear layer from its last state (BPPSA §4.1)."""
-
-    def __init__(self, rnn: nn.Module, classes: int):
-        super().__init__()
-        self.rnn = rnn
-        self.head = nn.Linear(rnn.hidden_size, classes)
-
-    def forward(self, x):
-        out, _ = self.rnn(x)
-        return self.head(out[-1])
-
-
-def pair(kind: str, inputs: int, classes: int, seed: int, **ours_kwargs):
-    """The torch model and ours with identical weights: ``{"torch": m, "scan": m, ...}``."""
-    torch.manual_seed(seed)
-    if kind == "rnn":
-        ref = Classifier(nn.RNN(inputs, HIDDEN), classes)
-        mine = Classifier(RNN(inputs, HIDDEN, **ours_kwargs), classes)
-    else:
-        ref = Classifier(nn.GRU(inputs, HIDDEN), classes)
-        mine = Classifier(GRU(inputs, HIDDEN, **ours_kwargs), classes)
-    mine.load_state_dict(ref.state_dict())
-    return ref, mine
 
 
 def grad_error(ref: nn.Module, mine: nn.Module, x, y) -> float:
@@ -270,6 +242,8 @@ RNN_COLUMNS = ["T", "batch", "repeats", "torch_fwd_ms", "torch_bwd_ms", "torch_s
                "scan_fwd_ms", "scan_bwd_ms", "scan_step_ms", "bwd_speedup", "step_speedup",
                "chunked_bwd_ms", "chunked_bwd_speedup", "torch_fwd_share", "scan_fwd_share",
                "grad_rel_err"]
+
+
 GRU_COLUMNS = ["T", "inputs", "batch", "repeats", "torch_fwd_ms", "torch_bwd_ms",
                "torch_step_ms", "scan_fwd_ms", "scan_bwd_ms", "scan_step_ms", "bwd_speedup",
                "step_speedup", "grad_rel_err"]
@@ -373,3 +347,4 @@ def targets(payload: dict) -> list[dict]:
         rows.append({"target": "GRU T=1034 backward >= 3x", "measured": worst,
                      "met": worst >= 3})
     return [r for r in rows if not math.isnan(r["measured"])]
+

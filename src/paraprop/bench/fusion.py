@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paraprop.bench.harness import interleaved, machine_info, median
-from paraprop.bench.plots import plt, save_figure
-from paraprop.bench.report import markdown_table, text_table, write_results
+from paraprop.experiments.harness import interleaved, machine_info, median
+from paraprop.experiments.plots import plt, save_figure
+from paraprop.experiments.report import markdown_table, text_table, write_results
 from paraprop.optim import fuse
 from paraprop.optim.backward import ConsumedGrad
 

@@ -26,9 +26,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from paraprop.bench.harness import interleaved, machine_info, median  # noqa: E402
-from paraprop.bench.plots import save_figure  # noqa: E402
-from paraprop.bench.report import markdown_table, text_table, write_results  # noqa: E402
+from paraprop.experiments.harness import interleaved, machine_info, median  # noqa: E402
+from paraprop.experiments.plots import save_figure  # noqa: E402
+from paraprop.experiments.report import markdown_table, text_table, write_results  # noqa: E402
 from paraprop.jacobians import bppsa, patterns, transposed_jacobian  # noqa: E402
 
 DESCRIPTION = "CSR transposed Jacobians (BPPSA Table 1) and BPPSA FLOPs on (pruned) VGG-11"

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from torch.func import functional_call, vjp, vmap
 
-import paraprop.bench.plots  # noqa: F401  (selects matplotlib's headless backend)
-from paraprop.bench.harness import interleaved, machine_info, median
-from paraprop.bench.report import markdown_table, text_table, write_results
+import paraprop.experiments.plots  # noqa: F401  (selects matplotlib's headless backend)
 from paraprop.data import find_mnist_dir
+from paraprop.experiments.harness import interleaved, machine_info, median
+from paraprop.experiments.report import markdown_table, text_table, write_results
 from paraprop.models.blocks import ConvBlock, mlp_blocks
 from paraprop.multigrid import (
     CostModel,
@@ -48,7 +48,7 @@ DESCRIPTION = ("MGRIT: residual per cycle vs depth, batched MG vs serial forward
 
 
 def _plt():
-    """pyplot, imported after :mod:`paraprop.bench.plots` selected the headless backend."""
+    """pyplot, imported after :mod:`paraprop.experiments.plots` selected the headless backend."""
     import matplotlib.pyplot as plt
 
     return plt

@@ -40,10 +40,10 @@ from torch import nn
 from tqdm import tqdm
 
 import paraprop
-from paraprop.bench.harness import interleaved, machine_info, median
-from paraprop.bench.plots import plt, save_figure
-from paraprop.bench.report import markdown_table, text_table, write_results
 from paraprop.errors import NonFiniteError
+from paraprop.experiments.harness import interleaved, machine_info, median
+from paraprop.experiments.plots import plt, save_figure
+from paraprop.experiments.report import markdown_table, text_table, write_results
 from paraprop.nn import GRU, ParallelForward
 from paraprop.solvers import ELK
 

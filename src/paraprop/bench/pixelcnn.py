@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from paraprop.bench.harness import interleaved, machine_info, median
-from paraprop.bench.made import image_rows
-from paraprop.bench.report import markdown_table, text_table, write_results
+from paraprop.experiments.harness import interleaved, machine_info, median
+from paraprop.experiments.made import image_rows
+from paraprop.experiments.report import markdown_table, text_table, write_results
 from paraprop.models import PixelCNN
 from paraprop.sampling import sample
 from paraprop.sampling.pixelcnn import DEFAULT_BLOCK_ROWS, DEFAULT_WINDOW_ROWS

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from pathlib import Path
@@ -23,11 +22,12 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from paraprop.bench.harness import interleaved, machine_info, median
-from paraprop.bench.plots import plt, save_figure
-from paraprop.bench.report import markdown_table, text_table, write_results
 from paraprop.errors import ConvergenceError, NonFiniteError
+from paraprop.experiments.harness import interleaved, machine_info, median, threads
+from paraprop.experiments.plots import plt, save_figure
+from paraprop.experiments.report import markdown_table, text_table, write_results
 from paraprop.linalg import activation_points, mlp_backward, mlp_forward, rnn_backward
+from paraprop.models import deep_mlp
 
 DESCRIPTION = ("MLP/RNN backward as block bi-diagonal systems: cyclic reduction vs autograd, "
                "Jacobi, BiCGStab")
@@ -44,34 +44,6 @@ THREAD_COLUMNS = ["l", "width", "batch", "threads", "autograd_ms", "cr_ms", "sub
 TRAIN_COLUMNS = ["activation", "l", "steps", "lr", "loss_first", "loss_last", "newton_iters_mean",
                  "newton_iters_max", "levels_per_forward", "sequential_levels",
                  "max_abs_err_vs_pass"]
-
-
-def deep_mlp(l: int, width: int, *, act=nn.Tanh, seed: int = 0,
-             dtype=torch.float32) -> nn.Sequential:
-    """``l`` Linear(width, width) layers, each followed by ``act``; orthogonal weights, zero
-    biases (a depth-``l`` network whose gradients stay O(1)). The global random state is left
-    as it was (the weights are those of the recorded runs, drawn from a forked state)."""
-    with torch.random.fork_rng(devices=[]):
-        g = torch.manual_seed(seed)
-        mods: list[nn.Module] = []
-        for _ in range(l):
-            lin = nn.Linear(width, width)
-            nn.init.orthogonal_(lin.weight, generator=g)
-            nn.init.zeros_(lin.bias)
-            mods += [lin, act()]
-    return nn.Sequential(*mods).to(dtype)
-
-
-@contextlib.contextmanager
-def threads(n: int | None):
-    """Run with ``n`` intra-op threads (``None``: unchanged), restoring the setting after."""
-    old = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield torch.get_num_threads()
-    finally:
-        torch.set_num_threads(old)
 
 
 def peak_memory(fn) -> int:

@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paraprop.bench.bppsa import CLASSES, bitstreams, pair
-from paraprop.bench.harness import interleaved, median
-from paraprop.bench.plots import bar_plot
-from paraprop.bench.report import markdown_table, text_table
+from paraprop.data import bitstreams
+from paraprop.experiments.bppsa import CLASSES, pair
+from paraprop.experiments.harness import interleaved, median
+from paraprop.experiments.plots import bar_plot
+from paraprop.experiments.report import markdown_table, text_table
 from paraprop.nn import JacobiBackward, ScanBackward
 from paraprop.scan import native
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paraprop.bench.core import run_problems
+from paraprop.experiments.core import run_problems
 
 ORDER = 10
 TITLE = "Feedforward computation as a triangular system: every method, the sequential result"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paraprop.bench.decoding import COLUMNS, case_rows, prompts
-from paraprop.bench.report import markdown_table, text_table
+from paraprop.experiments.decoding import COLUMNS, case_rows, prompts
+from paraprop.experiments.report import markdown_table, text_table
 
 ORDER = 27
 TITLE = "Jacobi decoding: a language model's own tokens in fewer model passes"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paraprop.bench.diffusion import COLUMNS, TOL, chain_rows, curves_plot
-from paraprop.bench.report import markdown_table, text_table
+from paraprop.experiments.diffusion import COLUMNS, TOL, chain_rows, curves_plot
+from paraprop.experiments.report import markdown_table, text_table
 
 ORDER = 25
 TITLE = "Diffusion sampling: the diffusers loop's sample in far fewer sequential model calls"

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paraprop.bench.harness import median
-from paraprop.bench.report import markdown_table, text_table
 from paraprop.data import load_digits
+from paraprop.experiments.harness import median
+from paraprop.experiments.report import markdown_table, text_table
 from paraprop.optim import fuse
 
 ORDER = 60

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paraprop.bench.made import COLUMNS, TOL, image_grid, sampling_rows, trained_made
-from paraprop.bench.plots import convergence_plot
-from paraprop.bench.report import markdown_table, text_table
+from paraprop.experiments.made import COLUMNS, TOL, image_grid, sampling_rows
+from paraprop.experiments.plots import convergence_plot
+from paraprop.experiments.report import markdown_table, text_table
+from paraprop.training.made import trained_made
 
 ORDER = 20
 TITLE = "Autoregressive sampling: a MADE on the digits, the same sample in far fewer passes"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from paraprop.bench.report import markdown_table, text_table
+from paraprop.experiments.report import markdown_table, text_table
 from paraprop.models.blocks import mlp_blocks
 from paraprop.multigrid import (
     CostModel,

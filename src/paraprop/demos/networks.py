@@ -10,16 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paraprop.bench.networks import (
-    COLUMNS,
-    MEASURE_COLUMNS,
-    TOL,
-    fig1d,
-    network_rows,
-    small_densenet,
-    threads,
-)
-from paraprop.bench.report import markdown_table, text_table
+from paraprop.experiments.harness import threads
+from paraprop.experiments.networks import COLUMNS, MEASURE_COLUMNS, TOL, fig1d, network_rows
+from paraprop.experiments.report import markdown_table, text_table
+from paraprop.models import small_densenet
 from paraprop.training.networks import accuracy, image_data, split, train_network
 
 ORDER = 70

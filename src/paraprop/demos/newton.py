@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from paraprop.bench.harness import interleaved, median
-from paraprop.bench.plots import bar_plot
-from paraprop.bench.report import markdown_table, text_table
+from paraprop.experiments.harness import interleaved, median
+from paraprop.experiments.plots import bar_plot
+from paraprop.experiments.report import markdown_table, text_table
 from paraprop.nn import GRU
 
 ORDER = 35

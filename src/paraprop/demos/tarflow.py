@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paraprop.bench.report import markdown_table, text_table
-from paraprop.bench.tarflow import COLUMNS, method_rows
+from paraprop.experiments.report import markdown_table, text_table
+from paraprop.experiments.tarflow import COLUMNS, method_rows
 
 ORDER = 28
 TITLE = "TarFlow: inverting transformer flow blocks as triangular systems"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from paraprop.bench.harness import interleaved, median
-from paraprop.bench.report import markdown_table, text_table
-from paraprop.bench.triangular import deep_mlp, threads
+from paraprop.experiments.harness import interleaved, median, threads
+from paraprop.experiments.report import markdown_table, text_table
 from paraprop.linalg import activation_points, mlp_backward
+from paraprop.models import deep_mlp
 
 ORDER = 40
 TITLE = "Back-propagation as a triangular system: cyclic reduction in log2(l) + 1 levels"

@@ -1,11 +1,15 @@
 """Models used by the demos and benchmarks."""
 
+from paraprop.models.classifier import RecurrentClassifier
 from paraprop.models.denoisers import MLPDenoiser, small_unet
+from paraprop.models.densenet import small_densenet
 from paraprop.models.made import MADE
 from paraprop.models.masked import MaskedLinear, made_degrees, made_masks
+from paraprop.models.mlp import deep_mlp
 from paraprop.models.pixelcnn import PixelCNN
 from paraprop.models.recurrences import LayerChain, MaskedAffineMap
 from paraprop.models.tarflow import TarFlow
 
 __all__ = ["MADE", "LayerChain", "MLPDenoiser", "MaskedAffineMap", "MaskedLinear", "PixelCNN",
-           "TarFlow", "made_degrees", "made_masks", "small_unet"]
+           "RecurrentClassifier", "TarFlow", "deep_mlp", "made_degrees", "made_masks",
+           "small_densenet", "small_unet"]

@@ -7,13 +7,13 @@
 - :func:`jacobi_gs_blocks` / :func:`balanced_blocks`: Jacobi-GS over any partition of the
   states, e.g. blocks of equal time.
 - :mod:`~paraprop.networks.timing`: per-state times and the parallel-time estimate (the paper's
-  simulation); :mod:`~paraprop.networks.parallel`: real parallel execution with threads.
+  simulation); the real thing is ``JacobiGS(blocks=..., workers=...)``, which runs each
+  iteration's blocks on threads.
 """
 
 from paraprop.networks.blocks import balanced_blocks, jacobi_gs_blocks
 from paraprop.networks.convert import UnsupportedModuleError, as_recurrence, register_converter
 from paraprop.networks.evaluate import METRICS, evaluate, max_abs, top5_changes
-from paraprop.networks.parallel import ThreadedJacobiGS
 from paraprop.networks.recurrence import LayerRecurrence, LayerSystem, Step
 from paraprop.networks.timing import estimate_time, partition_time, profile
 
@@ -22,7 +22,6 @@ __all__ = [
     "LayerSystem",
     "LayerRecurrence",
     "Step",
-    "ThreadedJacobiGS",
     "UnsupportedModuleError",
     "as_recurrence",
     "balanced_blocks",

@@ -12,7 +12,7 @@ values from the previous iterate. After iteration ``k`` the first ``k`` blocks a
 (Proposition 2), so at most ``len(blocks)`` iterations give the sequential result. The sequential
 driver emulates the parallel blocks by visiting them last to first, so that a block still sees the
 previous values of the blocks before it (:class:`paraprop.solvers.JacobiGS` with ``blocks=``);
-:class:`~paraprop.networks.ThreadedJacobiGS` runs the same iteration on threads.
+``workers=`` runs the same iteration's blocks on threads.
 """
 
 from __future__ import annotations
@@ -82,6 +82,8 @@ def jacobi_gs_blocks(
     system: LayerSystem,
     blocks: Sequence[Sequence[int]],
     *,
+    workers: int = 1,
+    costs: Sequence[float] | None = None,
     tol: float = 1e-5,
     norm: str = "max",
     max_iters: int | None = None,
@@ -90,7 +92,8 @@ def jacobi_gs_blocks(
 ) -> Solution:
     """Jacobi-GS (Algorithm 2) over any contiguous partition of the states of ``system``.
 
-    :func:`paraprop.solve` with ``method=JacobiGS(blocks=blocks)``: the stopping rule,
+    :func:`paraprop.solve` with ``method=JacobiGS(blocks=blocks, workers=workers,
+    costs=costs)``: the stopping rule,
     per-sample freezing and the checks (non-finite values, triangularity) are the driver's, with
     the positions of the first ``k - 1`` blocks counted as final at iteration ``k``.
 
@@ -98,6 +101,10 @@ def jacobi_gs_blocks(
         system: a bound :class:`~paraprop.networks.LayerSystem` (or any ``fn`` with ``update``
             and ``x0`` over ``(batch, T, features)``).
         blocks: the partition (e.g. :func:`balanced_blocks`); ``[[0], [1], ...]`` is Jacobi.
+        workers: threads that share each iteration's blocks (the iterates stay bitwise those
+            of one thread; see :class:`~paraprop.solvers.JacobiGS`).
+        costs: seconds per state (e.g. :func:`~paraprop.networks.profile`) to balance the
+            blocks among the workers; default round-robin.
         tol, norm, max_iters, throw, callback: as for :func:`paraprop.solve`.
 
     Returns:
@@ -125,5 +132,7 @@ def jacobi_gs_blocks(
         raise ValueError(f"system.x0 must be shaped (batch, states, features), got "
                          f"{tuple(x0.shape)}")
     blocks = check_blocks(blocks, x0.shape[1])
-    return solve(system, x0, method=JacobiGS(blocks=blocks), dim=1, tol=tol, norm=norm,
+    method = JacobiGS(blocks=blocks, workers=workers,
+                      costs=None if costs is None else [float(c) for c in costs])
+    return solve(system, x0, method=method, dim=1, tol=tol, norm=norm,
                  max_iters=max_iters, throw=throw, callback=callback)

@@ -284,14 +284,17 @@ def _resnet_steps(model: nn.Module) -> list[Step]:
 
 
 def _register_builtin() -> None:
-    """Register the built-in converters (torchvision is imported only when first needed)."""
+    """Register the built-in converters (torchvision is imported only when first needed, and is
+    optional: the 'vision' extra; without it there is no torchvision model to convert)."""
     global _BUILTIN_REGISTERED
     if _BUILTIN_REGISTERED:
         return
-    from torchvision.models import DenseNet, ResNet
-
     _BUILTIN_REGISTERED = True
-
-    _CONVERTERS.setdefault(DenseNet, _densenet_steps)
-    _CONVERTERS.setdefault(ResNet, _resnet_steps)
+    try:
+        from torchvision.models import DenseNet, ResNet
+    except ImportError:
+        pass
+    else:
+        _CONVERTERS.setdefault(DenseNet, _densenet_steps)
+        _CONVERTERS.setdefault(ResNet, _resnet_steps)
     _CONVERTERS.setdefault(nn.Sequential, _sequential_steps)

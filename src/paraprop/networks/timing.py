@@ -8,7 +8,7 @@ forward pass (repeated runs, median), then
 - one Jacobi iteration = the slowest state (all states at once);
 - one Jacobi-GS iteration with blocks = the slowest block, each block running its states in order.
 
-These are simulations, not measurements: :class:`~paraprop.networks.ThreadedJacobiGS` measures the
+These are simulations, not measurements: ``JacobiGS(blocks=..., workers=...)`` measures the
 real parallel execution on the machine at hand, which the reports show separately.
 """
 

@@ -13,6 +13,7 @@ that turns freshly computed values into the next iterate with per-sample stoppin
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,7 @@ class System:
 
     def __init__(self, fn, shape: torch.Size, dtype: torch.dtype, dims: tuple[int, int]):
         self.fn = fn
+        self._lock = threading.Lock()  # the counters, when a solver evaluates on threads
         self.shape = shape
         self.dtype = dtype
         start, end = dims  # inclusive range of autoregressive dims, already normalised
@@ -64,8 +66,7 @@ class System:
         """All positions of ``fn(x)``, canonical layout."""
         y = self.fn(self.user(xc))
         self._check_output(y, self.shape, "fn(x)")
-        self.evaluations += 1
-        self.positions += self.T
+        self._count(self.T)
         return self.canon(y)
 
     def update(self, xc: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -78,8 +79,7 @@ class System:
         y = self.fn.update(self.user(xc), index)
         expected = (*self.batch_shape, index.numel(), *self.feature_shape)
         self._check_output(y, torch.Size(expected), "fn.update(x, index)")
-        self.evaluations += 1
-        self.positions += index.numel()
+        self._count(index.numel())
         return y.reshape(self.B, index.numel(), self.F)
 
     def window(self, xc: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -100,9 +100,13 @@ class System:
         y, self.cache = out
         expected = torch.Size((*self.batch_shape, n, *self.feature_shape))
         self._check_output(y, expected, "fn.window(x, start, stop, cache)")
-        self.evaluations += 1
-        self.positions += n
+        self._count(n)
         return y.reshape(self.B, n, self.F)
+
+    def _count(self, positions: int) -> None:
+        with self._lock:
+            self.evaluations += 1
+            self.positions += positions
 
     def _check_output(self, y, shape, what: str) -> None:
         if not isinstance(y, torch.Tensor):

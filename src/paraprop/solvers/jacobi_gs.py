@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -27,20 +29,44 @@ class JacobiGS:
             :func:`paraprop.networks.balanced_blocks`), as ranges or lists of flat positions. The
             iteration then visits the blocks last to first, each position in order, so that a
             block reads its own new values and the previous values of the blocks before it.
+        workers: with ``blocks``, run the blocks of one iteration on this many threads (PyTorch
+            operators release the GIL, so their kernels overlap). Each thread works on its own
+            copy of the iterate and takes its blocks last to first, so the iterates are bitwise
+            those of ``workers=1``; the iteration ends when every thread is done. Default 1.
+        costs: with ``workers``, the cost of each position (e.g. seconds per state from
+            :func:`paraprop.networks.profile`): the blocks are dealt slowest first, each to the
+            least loaded thread. Default: round-robin.
+        intra_op_threads: PyTorch threads inside each worker thread (default 1: the workers are
+            the parallelism).
     """
 
     name = "jacobi_gs"
 
-    def __init__(self, block_size: int | None = None, *, blocks=None):
+    def __init__(self, block_size: int | None = None, *, blocks=None, workers: int = 1,
+                 costs=None, intra_op_threads: int = 1):
         self.block_size = checks.positive_int("JacobiGS: block_size", block_size,
                                               allow_none=True)
         if blocks is not None and block_size is not None:
             raise ValueError("JacobiGS: pass block_size or blocks, not both")
         self.blocks = None if blocks is None else as_ranges(blocks, "JacobiGS: blocks")
+        self.workers = checks.positive_int("JacobiGS: workers", workers)
+        self.intra_op_threads = checks.positive_int("JacobiGS: intra_op_threads",
+                                                    intra_op_threads)
+        if self.workers > 1 and self.blocks is None:
+            raise ValueError("JacobiGS: workers > 1 needs blocks (an explicit partition)")
+        self.costs = None
+        if costs is not None:
+            if self.blocks is None:
+                raise ValueError("JacobiGS: costs need blocks (an explicit partition)")
+            self.costs = [float(c) for c in costs]
+            if len(self.costs) != self.blocks[-1].stop:
+                raise ValueError(f"JacobiGS: costs must have one entry per position "
+                                 f"({self.blocks[-1].stop}), got {len(self.costs)}")
 
     def __repr__(self) -> str:
         if self.blocks is not None:
-            return f"JacobiGS(blocks={[[b.start, b.stop] for b in self.blocks]!r})"
+            extra = f", workers={self.workers}" if self.workers > 1 else ""
+            return f"JacobiGS(blocks={[[b.start, b.stop] for b in self.blocks]!r}{extra})"
         return f"JacobiGS(block_size={self.block_size!r})"
 
     def size(self, system: System) -> int:
@@ -64,6 +90,15 @@ class JacobiGS:
             # values (the parallel semantics of Algorithm 2)
             state.extra["offsets"] = [index[t] for b in reversed(self.blocks) for t in b]
             state.extra["stats"] = {"blocks": [[b.start, b.stop] for b in self.blocks]}
+            if self.workers > 1:
+                cost = [sum(self.costs[t] for t in b) if self.costs else len(b)
+                        for b in self.blocks]
+                shares = share_blocks(self.blocks, cost, self.workers,
+                                      balanced=self.costs is not None)
+                # per thread: its blocks last to first, as (flat index, position) pairs
+                state.extra["shares"] = [[(index[t], t) for b in reversed(sh) for t in b]
+                                         for sh in shares]
+                state.extra["stats"]["workers"] = len(shares)
             return
         bs = self.size(system)
         # offset j of every block: positions j, j + bs, j + 2 bs, ... below T
@@ -71,11 +106,35 @@ class JacobiGS:
         state.extra["stats"] = {"block_size": bs}
 
     def _sweep(self, system: System, state: State) -> torch.Tensor:
+        if "shares" in state.extra:
+            return self._threaded_sweep(system, state)
         work = state.x.clone()
         for index in state.extra["offsets"]:
             vals = system.update(work, index)
             system.check_finite(vals, index)
             work.index_copy_(1, index, vals)
+        return work
+
+    def _threaded_sweep(self, system: System, state: State) -> torch.Tensor:
+        """The sweep with each thread's blocks on its own copy of the iterate (see
+        ``workers``): bitwise the sequential sweep, whose blocks read only their own new
+        values and the previous values of the blocks before them."""
+
+        def run(share):
+            with torch.no_grad():
+                mine = state.x.clone()
+                for index, _ in share:
+                    vals = system.update(mine, index)
+                    system.check_finite(vals, index)
+                    mine.index_copy_(1, index, vals)
+            return mine
+
+        pool = _pool(self.workers, self.intra_op_threads)
+        copies = list(pool.map(run, state.extra["shares"]))
+        work = state.x.clone()
+        for share, mine in zip(state.extra["shares"], copies, strict=True):
+            for _, t in share:
+                work[:, t] = mine[:, t]
         return work
 
     def _exact(self, system: System, k: int) -> int:
@@ -94,6 +153,31 @@ class JacobiGS:
         state.finished = at_bound or not bool(state.active.any())
         if at_bound and bool(state.active.any()):  # still moving at the bound: verify
             verify_fixed_point(system, state, 0, self._sweep(system, state), tol)
+
+
+@functools.cache
+def _pool(workers: int, intra_op_threads: int) -> ThreadPoolExecutor:
+    """One pool of worker threads per setting, kept for the life of the process."""
+    return ThreadPoolExecutor(workers, thread_name_prefix="paraprop-jacobi-gs",
+                              initializer=torch.set_num_threads, initargs=(intra_op_threads,))
+
+
+def share_blocks(blocks: list[range], cost: list[float], workers: int, *, balanced: bool
+                 ) -> list[list[range]]:
+    """Split the blocks among at most ``workers`` threads, each share in position order:
+    round-robin, or (``balanced``) slowest block first, each to the least loaded thread."""
+    n = min(workers, len(blocks))
+    if not balanced:
+        shares = [blocks[i::n] for i in range(n)]
+    else:
+        load = [0.0] * n
+        shares = [[] for _ in range(n)]
+        for i in sorted(range(len(blocks)), key=lambda j: -cost[j]):
+            w = min(range(n), key=load.__getitem__)
+            shares[w].append(blocks[i])
+            load[w] += cost[i]
+        shares = [sorted(s, key=lambda b: b.start) for s in shares]
+    return [s for s in shares if s]
 
 
 def as_ranges(blocks, name: str = "blocks", T: int | None = None,

@@ -38,6 +38,22 @@ def train_made(model: MADE, x: torch.Tensor, *, epochs: int, batch_size: int = 1
                label="nll")
 
 
+def trained_made(out_dir: Path, data: str, *, hidden=(512, 512), epochs: int = 20,
+                 seed: int = 0) -> tuple[MADE, dict]:
+    """Train (or reuse the checkpoint ``out_dir/made_DATA_HIDDEN_eEPOCHS.pt``, e.g.
+    ``made_digits_512x512_e20.pt``, of the same config) a MADE."""
+    path = out_dir / f"made_{data}_{'x'.join(map(str, hidden))}_e{epochs}.pt"
+    if path.exists():
+        model = MADE.load(path)
+        return model.requires_grad_(False), {"checkpoint": str(path), "trained_now": False}
+    x = made_data(data, "logistic", seed=seed)
+    model = MADE(x.shape[1], hidden, "logistic", seed=seed)
+    hist = train_made(model, x, epochs=epochs, seed=seed)
+    model.save(path)
+    return model.requires_grad_(False), {"checkpoint": str(path), "trained_now": True,
+                                         "nll_per_dim": hist}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", choices=["digits", "mnist"], default="digits")
     p.add_argument("--mnist-dir", default=None, help="directory of the MNIST IDX files")

@@ -7,6 +7,7 @@ load hits all of them alike, and reports medians and the ratios of those medians
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import platform
@@ -78,3 +79,15 @@ def speedups(times: dict[str, list[float]], baseline: str) -> dict[str, float]:
     """Ratio of the baseline's median time to each case's median time (same run)."""
     base = median(times[baseline])
     return {name: base / median(ts) for name, ts in times.items()}
+
+
+@contextlib.contextmanager
+def threads(n: int | None):
+    """Run with ``n`` intra-op threads (``None``: unchanged), restoring the setting after."""
+    old = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paraprop.bench.harness import interleaved, median
+from paraprop.experiments.harness import interleaved, median
 from paraprop.solve import solve
 
 

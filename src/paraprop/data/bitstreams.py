@@ -1,0 +1,15 @@
+"""BPPSA's synthetic bitstream classification task (Wang et al. 2020, §4.1)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def bitstreams(T: int, batch: int, *, generator: torch.Generator, classes: int = 10):
+    """BPPSA's synthetic task: ``x_t ~ Bernoulli(0.05 + 0.1 c)``, ``c`` the label (0..9).
+
+    Returns ``(x, y)`` with ``x`` ``(T, batch, 1)`` float32 bits and ``y`` ``(batch,)`` labels.
+    """
+    y = torch.randint(0, classes, (batch,), generator=generator)
+    p = (0.05 + 0.1 * y.float()).expand(T, batch)
+    return torch.bernoulli(p, generator=generator).unsqueeze(-1), y

@@ -1,0 +1,14 @@
+"""Measurements shared by ``paraprop bench`` (full sizes, recorded) and ``paraprop demo`` (small
+sizes, explained).
+
+- :mod:`~paraprop.experiments.harness`: interleaved timing, machine info, thread control;
+- :mod:`~paraprop.experiments.report`: tables and the JSON/Markdown result writer;
+- :mod:`~paraprop.experiments.plots`: shared figures;
+- :mod:`~paraprop.experiments.compare`: one reference solve and one traced solve per method;
+- one module per topic (``made``, ``decoding``, ``diffusion``, ``tarflow``, ``networks``,
+  ``core``, ``bppsa``): the measurement both commands run, on problems built from
+  :mod:`paraprop.models` and :mod:`paraprop.data`.
+
+Tooling, not API: the suites live in :mod:`paraprop.bench` (a leaf: nothing imports it but the
+CLI), the demo parts in :mod:`paraprop.demos`.
+"""

@@ -1,0 +1,17 @@
+"""torchvision's DenseNet at a small configuration (imported lazily: torchvision is optional)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def small_densenet(seed: int = 0, *, growth_rate: int = 8, block_config=(2, 3, 4, 3),
+                   num_init_features: int = 8, bn_size: int = 2) -> torch.nn.Module:
+    """torchvision's DenseNet class at a small configuration (by default 17 states), random
+    weights (seeded), eval mode."""
+    import torchvision
+
+    torch.manual_seed(seed)
+    return torchvision.models.DenseNet(growth_rate=growth_rate, block_config=tuple(block_config),
+                                       num_init_features=num_init_features, bn_size=bn_size,
+                                       num_classes=10).eval()
