@@ -11,14 +11,9 @@
 """
 
 from paraprop.linalg.driver import METHODS, solve
-from paraprop.linalg.mlp import (
-    ActivationPoints,
-    MLPSystems,
-    activation_points,
-    from_mlp,
-    mlp_backward,
-    mlp_forward,
-)
+from paraprop.linalg.mlp import mlp_backward, mlp_forward
+from paraprop.linalg.mlp_layers import ActivationPoints, activation_points
+from paraprop.linalg.mlp_systems import MLPSystems, from_mlp
 from paraprop.linalg.operators import BlockDiagonalOperator, LinearOperator, MatrixOperator
 from paraprop.linalg.rnn import RNNSystems, from_rnn, rnn_backward
 from paraprop.linalg.system import BlockBidiagonal
