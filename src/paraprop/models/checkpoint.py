@@ -57,3 +57,27 @@ def load_checkpoint(cls, kind: str, path, map_location):
         raise ValueError(f"{path}: the weights do not fit the {kind} config: "
                          f"{errors[0].rstrip('.')}{more}") from None
     return model
+
+
+class Checkpointed:
+    """``save`` / ``load`` for a model class with a ``config`` dict of its constructor's
+    arguments; the checkpoint's kind is the class name."""
+
+    load_in_eval: bool = False  # load() returns the model in eval mode
+
+    def save(self, path: str | Path) -> None:
+        """Save the config and state dict (``load`` of the same class rebuilds the model)."""
+        save_checkpoint(type(self).__name__, self.config, self.state_dict(), path)
+
+    @classmethod
+    def load(cls, path: str | Path, map_location="cpu"):
+        """The model saved by :meth:`save` at ``path``.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            ValueError: the file is not a checkpoint of this class (not a torch file, another
+                model's, or a config or weights that do not fit); the message names the file.
+        """
+        model = load_checkpoint(cls, cls.__name__, path, map_location)
+        return model.eval() if cls.load_in_eval else model
+

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from paraprop import checks
-from paraprop.models.checkpoint import load_checkpoint, save_checkpoint
+from paraprop.models.checkpoint import Checkpointed, load_checkpoint, save_checkpoint
 
 _REFERENCE_STEPS = 1000  # timesteps are embedded as if the schedule had this many
 
@@ -62,7 +62,7 @@ def timestep_embedding(t: torch.Tensor, dim: int, *, max_period: float = 10000.0
     return torch.cat([angle.sin(), angle.cos()], dim=1)
 
 
-class MLPDenoiser(nn.Module):
+class MLPDenoiser(Checkpointed, nn.Module):
     """``eps(x, t)`` for ``x`` of shape ``(N, dim)``: an MLP (SiLU) on ``x`` concatenated with a
     sinusoidal embedding of the timestep.
 
@@ -164,20 +164,6 @@ class MLPDenoiser(nn.Module):
             emb = timestep_embedding(t, self.embed, scale=self.time_scale).to(x.dtype)
         return self.net(torch.cat([x, emb], dim=1))
 
-    def save(self, path: str | Path) -> None:
-        """Save the config and state dict (``MLPDenoiser.load`` rebuilds the model)."""
-        save_checkpoint("MLPDenoiser", self.config, self.state_dict(), path)
-
-    @classmethod
-    def load(cls, path: str | Path, map_location="cpu") -> MLPDenoiser:
-        """The model saved by :meth:`save` at ``path``.
-
-        Raises:
-            FileNotFoundError: no file at ``path``.
-            ValueError: the file is not an MLPDenoiser checkpoint (not a torch file, another
-                model's, or a config or weights that do not fit); the message names the file.
-        """
-        return load_checkpoint(cls, "MLPDenoiser", path, map_location)
 
 
 def _timesteps(t, n: int, device) -> torch.Tensor:

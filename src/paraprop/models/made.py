@@ -10,21 +10,20 @@ of the ``d``-th conditional at its noise. :meth:`MADE.sampling_map` builds that 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from paraprop import checks
-from paraprop.models.checkpoint import load_checkpoint, save_checkpoint
+from paraprop.models.checkpoint import Checkpointed
 from paraprop.models.masked import MaskedLinear, made_masks
 
 CONDITIONALS = {"logistic": 2, "gaussian": 2, "bernoulli": 1}
 _LOG_SCALE_MID, _LOG_SCALE_HALF = -2.0, 4.0  # log-scales are squashed into [-6, 2]
 
 
-class MADE(nn.Module):
+class MADE(Checkpointed, nn.Module):
     """A masked autoencoder for distribution estimation.
 
     Arguments:
@@ -141,21 +140,6 @@ class MADE(nn.Module):
         """The triangular system whose solution is the ancestral sample for ``noise``."""
         return _MADESampler(self, noise)
 
-    # -- checkpoints --------------------------------------------------------------------------
-    def save(self, path: str | Path) -> None:
-        """Save the config and state dict (``MADE.load`` rebuilds the model)."""
-        save_checkpoint("MADE", self.config, self.state_dict(), path)
-
-    @classmethod
-    def load(cls, path: str | Path, map_location="cpu") -> MADE:
-        """The model saved by :meth:`save` at ``path``.
-
-        Raises:
-            FileNotFoundError: no file at ``path``.
-            ValueError: the file is not a MADE checkpoint (not a torch file, another model's,
-                or a config or weights that do not fit); the message names the file.
-        """
-        return load_checkpoint(cls, "MADE", path, map_location)
 
 
 def _as_order(order, features: int) -> torch.Tensor:

@@ -16,14 +16,13 @@ one horizontal layer at one column given a window of the previous layer.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from paraprop import checks
-from paraprop.models.checkpoint import load_checkpoint, save_checkpoint
+from paraprop.models.checkpoint import Checkpointed
 
 
 class _GatedLayer(nn.Module):
@@ -59,7 +58,7 @@ class _GatedLayer(nn.Module):
         return self.h_out(self.gate(pre))
 
 
-class PixelCNN(nn.Module):
+class PixelCNN(Checkpointed, nn.Module):
     """Gated PixelCNN with a discretized logistic mixture per channel.
 
     Arguments:
@@ -249,20 +248,6 @@ class PixelCNN(nn.Module):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x must have shape (B, {want[0]}, {want[1]}, {want[2]}), got {got}")
 
-    # -- checkpoints --------------------------------------------------------------------------
-    def save(self, path: str | Path) -> None:
-        save_checkpoint("PixelCNN", self.config, self.state_dict(), path)
-
-    @classmethod
-    def load(cls, path: str | Path, map_location="cpu") -> PixelCNN:
-        """The model saved by :meth:`save` at ``path``.
-
-        Raises:
-            FileNotFoundError: no file at ``path``.
-            ValueError: the file is not a PixelCNN checkpoint (not a torch file, another
-                model's, or a config or weights that do not fit); the message names the file.
-        """
-        return load_checkpoint(cls, "PixelCNN", path, map_location)
 
 
 def discretized_logistic_log_prob(x: torch.Tensor, mu: torch.Tensor, log_s: torch.Tensor,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,7 +31,7 @@ from torch.nn import functional as F
 
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
-from paraprop.models.checkpoint import load_checkpoint, save_checkpoint
+from paraprop.models.checkpoint import Checkpointed
 from paraprop.result import Solution, ensure_converged
 from paraprop.solve import solve
 from paraprop.solvers import GSJacobi, Jacobi, is_solver, make_solver
@@ -125,7 +124,7 @@ class _Block(nn.Module):
         return (x - mu) * torch.exp(-alpha), -alpha.sum(dim=(1, 2))
 
 
-class TarFlow(nn.Module):
+class TarFlow(Checkpointed, nn.Module):
     """A transformer autoregressive flow on image patches (Zhai et al. 2024).
 
     Arguments:
@@ -152,6 +151,8 @@ class TarFlow(nn.Module):
         torch.Size([3])
         >>> images, sol = flow.sample(3, method="jacobi", tol=0)
     """
+
+    load_in_eval = True  # checkpoints come back ready to sample
 
     def __init__(self, image_size: int, channels: int = 1, patch_size: int = 2, blocks: int = 4,
                  layers: int = 2, width: int = 128, heads: int = 4, noise_std: float = 0.05,
@@ -476,20 +477,6 @@ class TarFlow(nn.Module):
         return [candidates[min(range(len(candidates)), key=lambda i: (c[i], i))]
                 for c in zip(*costs, strict=True)]
 
-    # -- checkpoints --------------------------------------------------------------------------
-    def save(self, path: str | Path) -> None:
-        """Save the config and state dict (``TarFlow.load`` rebuilds the model)."""
-        save_checkpoint("TarFlow", self.config, self.state_dict(), path)
-
-    @classmethod
-    def load(cls, path: str | Path, map_location="cpu") -> TarFlow:
-        """The model saved by :meth:`save` at ``path``, in eval mode.
-
-        Raises:
-            FileNotFoundError: no file at ``path``.
-            ValueError: not a TarFlow checkpoint (the message names the file).
-        """
-        return load_checkpoint(cls, "TarFlow", path, map_location).eval()
 
 
 def default_chunk(T: int) -> int:
