@@ -9,8 +9,8 @@ import zuko
 
 import paraprop
 from paraprop.data import IDXError, load_mnist
+from paraprop.flows import parallel_inverse
 from paraprop.models import MADE, MaskedLinear, PixelCNN
-from paraprop.sampling import parallel_inverse
 
 F32, F64 = torch.float32, torch.float64
 

@@ -10,6 +10,7 @@ first use, so that ``import paraprop`` stays light).
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 
 from paraprop import solvers
 from paraprop.errors import ConvergenceError, NonFiniteError, NotTriangularError
@@ -17,10 +18,13 @@ from paraprop.recurrence import Recurrence
 from paraprop.result import Solution
 from paraprop.solve import solve
 
-__version__ = "0.1.0"
+try:  # one source: pyproject.toml's [project] version, as installed
+    __version__ = importlib.metadata.version("paraprop")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 # documented subpackages and modules, imported on first attribute access
-SUBPACKAGES = ("bench", "cli", "data", "decoding", "demos", "diffusion", "distributed",
+SUBPACKAGES = ("bench", "cli", "data", "decoding", "demos", "diffusion", "distributed", "flows",
                "jacobians", "linalg", "models", "multigrid", "networks", "nn", "optim", "result",
                "sampling", "scan", "solvers", "training")
 

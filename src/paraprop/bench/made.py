@@ -21,7 +21,8 @@ from paraprop.experiments.harness import interleaved, machine_info, median  # no
 from paraprop.experiments.made import COLUMNS, TOL, image_grid, sampling_rows
 from paraprop.experiments.plots import convergence_plot  # noqa: E402
 from paraprop.experiments.report import markdown_table, text_table, write_results  # noqa: E402
-from paraprop.sampling import parallel_inverse, sample  # noqa: E402
+from paraprop.flows import parallel_inverse  # noqa: E402
+from paraprop.sampling import sample  # noqa: E402
 from paraprop.training.made import trained_made
 
 DESCRIPTION = "MADE sampling: ancestral vs Jacobi (online / oracle stop) vs fixed passes; flows"
@@ -117,7 +118,7 @@ def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> di
     payload["batch_sweep"] = sweep
 
     frows = flow_rows(16 if quick else 784, 10 if quick else 100, repeats=repeats)
-    print("\nFlow libraries: their fixed-pass inverse vs paraprop.sampling.parallel_inverse")
+    print("\nFlow libraries: their fixed-pass inverse vs paraprop.flows.parallel_inverse")
     print(text_table(frows, FLOW_COLUMNS))
     sections.append(("Flow inverses (random weights, tol=0)", markdown_table(frows, FLOW_COLUMNS)))
     payload["flows"] = frows

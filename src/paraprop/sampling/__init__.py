@@ -1,6 +1,6 @@
-"""Autoregressive sampling on top of :func:`paraprop.solve`; flow-library inverses."""
+"""Autoregressive sampling on top of :func:`paraprop.solve` (the flow libraries' inverses are in
+:mod:`paraprop.flows`)."""
 
 from paraprop.sampling.autoregressive import SAMPLING_METHODS, sample
-from paraprop.sampling.flows import parallel_inverse
 
-__all__ = ["SAMPLING_METHODS", "parallel_inverse", "sample"]
+__all__ = ["SAMPLING_METHODS", "sample"]

@@ -1,0 +1,149 @@
+"""``accelerate``: the flow libraries' own sampling and inverse paths, by early-stopping passes.
+
+:func:`accelerate` finds the autoregressive parts of a zuko, nflows or normflows flow and replaces
+their fixed-pass inverse loop, on those instances only, by the solve of
+:func:`paraprop.flows.parallel_inverse`. The library's own methods (zuko's ``flow(c).sample`` /
+``rsample`` / ``rsample_and_log_prob`` / ``transform.inv``, nflows' ``Flow.sample`` /
+``sample_and_log_prob`` / ``transform.inverse``, normflows' ``NormalizingFlow.sample`` /
+``inverse`` / ``log_prob`` / ``forward_kld``) then run unchanged around it, and return bitwise
+what they returned before at ``tol=0``, with the same gradients (implicit differentiation at the
+fixed point, see :mod:`paraprop.flows.core`). The class is never modified.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+
+from paraprop.flows import core
+from paraprop.flows.inverse import LIBRARIES
+
+# what each library's autoregressive parts are, for the error message
+_PARTS = ("zuko's MaskedAutoregressiveTransform", "nflows' AutoregressiveTransform",
+          "normflows' Autoregressive (MaskedAffineAutoregressive, the autoregressive "
+          "rational-quadratic splines)")
+
+
+class Accelerated:
+    """The handle :func:`accelerate` returns: ``undo()`` restores the flow; a context manager
+    that undoes on exit (also on an exception).
+
+    Attributes:
+        flow: the accelerated flow.
+        parts: the patched autoregressive modules (each library's, in module order).
+        inversions, passes, library_passes: counters since :func:`accelerate`: autoregressive
+            inverses solved, the passes (network evaluations) they took, and the passes the
+            library's own loops would have taken.
+        active: ``False`` once undone.
+    """
+
+    def __init__(self, flow: nn.Module, parts: list[tuple[object, nn.Module]],
+                 cfg: core.Settings):
+        self.flow = flow
+        self._adapters = parts
+        self.parts = tuple(p for _, p in parts)
+        self._counters = core.Counters()
+        for adapter, part in parts:
+            core.install(part, adapter.ATTRIBUTE, adapter.accelerated,
+                         core.Patch(cfg, self._counters, adapter.ATTRIBUTE))
+        self.active = True
+        self.method, self.tol, self.max_iters, self.throw = (cfg.solver.name, cfg.tol,
+                                                            cfg.max_iters, cfg.throw)
+
+    @property
+    def inversions(self) -> int:
+        return self._counters.inversions
+
+    @property
+    def passes(self) -> int:
+        return self._counters.passes
+
+    @property
+    def library_passes(self) -> int:
+        return self._counters.library_passes
+
+    def undo(self) -> None:
+        """Restore the library's own methods on every patched part (again: nothing)."""
+        for part in self.parts:
+            core.remove(part)
+        self.active = False
+
+    def __enter__(self) -> Accelerated:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.undo()
+        return False
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "undone"
+        return (f"Accelerated({type(self.flow).__name__}, {len(self.parts)} autoregressive "
+                f"parts, method={self.method!r}, tol={self.tol}, {state})")
+
+
+def accelerate(flow: nn.Module, *, method="jacobi", tol: float = 0.0,
+               max_iters: int | None = None, throw: bool = True) -> Accelerated:
+    """Make a flow library's own sampling and inverse use early-stopping parallel passes.
+
+    Every autoregressive part of ``flow`` (zuko's ``MaskedAutoregressiveTransform``, nflows'
+    ``AutoregressiveTransform``, normflows' ``Autoregressive`` layers, at any depth of ``flow``)
+    has its inverse loop replaced on the instance by the solve of
+    :func:`paraprop.flows.parallel_inverse`; everything else, and the class, stays the library's.
+    Applied once it stays until ``undo()``; as a context manager it is undone on exit.
+
+    Which calls get faster is where the library runs that loop: sampling for zuko and nflows
+    (``flow().sample``, ``rsample``, ``Flow.sample``, ``sample_and_log_prob``) and for normflows'
+    autoregressive splines (``NormalizingFlow.sample``); ``log_prob`` / ``inverse`` for
+    normflows' ``MaskedAffineAutoregressive``, whose sampling direction is already one pass.
+
+    Arguments:
+        flow: a zuko ``Flow``, an nflows ``Flow`` or transform, a normflows ``NormalizingFlow``
+            or layer, or any ``nn.Module`` holding such parts.
+        method: the :func:`paraprop.solve` method of each inverse (name or solver object;
+            default ``"jacobi"``, the library's own passes stopped early).
+        tol: error bound of the early stop; ``0`` (default) stops at the bitwise fixed point:
+            every result is bitwise the library's.
+        max_iters: cap on passes per inverse (default: the exactness bound ``D``).
+        throw: raise :class:`paraprop.ConvergenceError` when ``max_iters`` stops an inverse
+            first; ``False`` uses the unconverged value.
+
+    Returns:
+        An :class:`Accelerated` handle (``undo()``, context manager, pass counters).
+
+    Raises:
+        TypeError: ``flow`` is not an ``nn.Module``; bad ``method`` or ``throw`` types.
+        ValueError: ``flow`` has no autoregressive part of the three libraries, or is already
+            accelerated (undo the earlier handle first); a bad ``method``, ``tol`` or
+            ``max_iters``.
+        NotImplementedError: a zuko ``MaskedAutoregressiveTransform`` built from an adjacency
+            matrix (it has no feature order).
+
+    Example:
+        >>> import zuko
+        >>> flow = zuko.flows.MAF(20, transforms=2)
+        >>> z = torch.randn(10, 20)
+        >>> expected = flow().transform.inv(z)
+        >>> with paraprop.flows.accelerate(flow) as handle:
+        ...     x = flow().transform.inv(z)          # the library's own call, accelerated
+        >>> torch.equal(x, expected), handle.passes < handle.library_passes, handle.active
+        (True, True, False)
+    """
+    cfg = core.settings(method, tol, max_iters, throw)
+    if not isinstance(flow, nn.Module):
+        raise TypeError(f"flow must be a zuko, nflows or normflows flow (an nn.Module), got "
+                        f"{type(flow).__name__}")
+    found = []
+    for name, adapter in LIBRARIES.items():
+        if name in sys.modules:   # a flow of a library that is not imported has no such parts
+            found += [(adapter, p) for p in adapter.parts(flow)]
+    if not found:
+        raise ValueError(f"flow has no autoregressive part to accelerate (looked for "
+                         f"{'; '.join(_PARTS)}), "
+                         f"got {type(flow).__name__}")
+    done = [p for _, p in found if core.PATCH in p.__dict__]
+    if done:
+        raise ValueError(f"flow is already accelerated ({len(done)} of its {len(found)} "
+                         "autoregressive parts are patched): call undo() on the earlier "
+                         "handle first")
+    return Accelerated(flow, found, cfg)

@@ -1,0 +1,249 @@
+"""The part shared by every flow library: one autoregressive transform inverted by
+:func:`paraprop.solve`, with exact gradients, and the argument checks.
+
+A masked autoregressive transform ``y = f(x)`` is inverted by the libraries with passes
+``x <- h(x) := f_x^{-1}(y)`` from zeros. ``h`` is triangular (position ``i`` of ``h(x)`` reads
+only the positions before ``i`` in the transform's order), so its fixed point is unique and
+Jacobi reaches it after at most ``D`` passes (Song et al. 2021, §3, Proposition 1); stopping at
+the bitwise fixed point (``tol=0``) returns exactly what the library's loop returns.
+
+Gradients: the libraries differentiate through all their passes. paraprop solves without a
+graph and attaches the gradient of the fixed point by implicit differentiation instead
+(``x* = h(x*; y, θ)`` gives ``dx* = (I - N)^{-1} ∂h``, ``N = ∂h/∂x`` strictly triangular): one
+differentiable pass ``h(x*)`` (the same value, bitwise, at a fixed point) whose incoming
+gradient ``v`` a hook replaces by ``u = (I - N)^{-T} v``, found by the iteration
+``u <- v + N^T u`` (exact after at most ``D`` steps, stopped at its bitwise fixed point).
+First-order gradients only: the hook's products are not themselves differentiated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from paraprop import checks
+from paraprop.checks import check_max_iters, check_tol
+from paraprop.result import Solution
+from paraprop.solve import solve
+from paraprop.solvers import METHODS, NEWTON_METHODS, make_solver
+
+# the triangular (non-Markov) methods: Newton's family needs a Markov system
+FLOW_METHODS = tuple(m for m in METHODS if m not in NEWTON_METHODS)
+
+
+@dataclasses.dataclass
+class Settings:
+    """How each autoregressive transform is inverted (validated by :func:`settings`)."""
+
+    solver: object
+    tol: float
+    max_iters: int | None
+    throw: bool
+
+
+def settings(method, tol, max_iters, throw) -> Settings:
+    """Validate the shared arguments once, at an entry point."""
+    solver = make_solver(method, names=FLOW_METHODS)
+    check_tol(tol)
+    check_max_iters(max_iters)
+    checks.boolean("throw", throw)
+    return Settings(solver, tol, max_iters, throw)
+
+
+def invert_part(h: Callable[[torch.Tensor], torch.Tensor], y: torch.Tensor,
+                order: torch.Tensor | None, cfg: Settings,
+                record: Callable[[Solution], None]) -> torch.Tensor:
+    """The fixed point of ``x = h(x)`` (``h`` triangular in ``order``), differentiable.
+
+    Arguments:
+        h: one pass of the library's inverse loop, ``x -> f_x^{-1}(y)``.
+        y: the point being inverted (its shape is the shape of ``x``; the last dim is the
+            features).
+        order: the rank of each feature in the transform's order (``None``: natural order).
+        cfg: the solver settings.
+        record: called with the :class:`Solution` of the solve.
+    """
+    with torch.no_grad():
+        x = _ordered_solve(h, y, order, cfg, record)
+    if torch.is_grad_enabled():
+        x = _implicit(h, x)
+    return x
+
+
+def _ordered_solve(h, y, order, cfg, record):
+    """Solve ``x = h(x)`` from zeros along the last dim, positions sorted by ``order``."""
+    def run(fn):
+        sol = solve(fn, torch.zeros_like(y), method=cfg.solver, tol=cfg.tol,
+                    max_iters=cfg.max_iters, throw=cfg.throw)
+        record(sol)
+        return sol.value
+
+    if order is None or torch.equal(order, torch.arange(len(order), device=order.device)):
+        return run(h)
+    perm = torch.argsort(order, stable=True)  # position k of the solve is feature perm[k]
+    inv = torch.argsort(perm)
+
+    def permuted(xp):
+        return h(xp.index_select(-1, inv)).index_select(-1, perm)
+
+    return run(permuted).index_select(-1, inv)
+
+
+def _implicit(h, x_star: torch.Tensor) -> torch.Tensor:
+    """``h(x_star)`` (bitwise ``x_star`` at a fixed point) carrying the gradient of the fixed
+    point: the gradient arriving at it is replaced by ``(I - N)^{-T} v``, ``N = ∂h/∂x``."""
+    out = h(x_star)
+    if not out.requires_grad:   # nothing upstream needs a gradient
+        return out
+    bound = x_star.shape[-1] + 1
+
+    def adjoint(v: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            x0 = x_star.detach().requires_grad_(True)
+            hx = h(x0)
+            u = v
+            for _ in range(bound):   # u_k exact in its last k positions: at most D + 1 steps
+                (nu,) = torch.autograd.grad(hx, x0, u, retain_graph=True)
+                nu = v + nu
+                if torch.equal(nu, u):
+                    break
+                u = nu
+        return u
+
+    out.register_hook(adjoint)
+    return out
+
+
+def combine(parts: list[Solution], method: str, value: torch.Tensor, time_s: float) -> Solution:
+    """One Solution for solves run one after another (e.g. the transforms of a flow)."""
+    return Solution(
+        value=value, method=method,
+        iterations=sum(p.iterations for p in parts),
+        evaluations=sum(p.evaluations for p in parts),
+        converged=all(p.converged for p in parts),
+        residuals=torch.cat([p.residuals for p in parts]) if parts
+        else torch.empty(0, dtype=torch.float64),
+        stats={"parts": parts, "positions": sum(p.stats.get("positions", 0) for p in parts),
+               "error_estimate": sum(p.stats.get("error_estimate", 0.0) for p in parts),
+               "time_s": time_s})
+
+
+# -- argument checks ---------------------------------------------------------------------------
+def reference(module) -> torch.Tensor | None:
+    """The first floating-point parameter of ``module`` (``None``: it has none)."""
+    if not isinstance(module, nn.Module):
+        return None
+    return next((p for p in module.parameters() if p.is_floating_point()), None)
+
+
+def check_like(name: str, t: torch.Tensor, ref: torch.Tensor | None, what: str) -> None:
+    """``t`` must have the dtype and device of ``ref`` (the parameters of ``what``)."""
+    if ref is None:
+        return
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} must have the dtype of the {what}'s parameters, {ref.dtype}, "
+                        f"got {t.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{name} must be on the device of the {what}'s parameters, "
+                         f"{ref.device}, got {t.device}")
+
+
+def check_features(y: torch.Tensor, features: int | None, what: str) -> None:
+    if features is not None and y.shape[-1] != features:
+        raise ValueError(f"y must have shape (N, {features}) ({features} features, as the "
+                         f"{what}), got {tuple(y.shape)}")
+
+
+def check_context_rows(y: torch.Tensor, context: torch.Tensor | None, n_ctx: int | None,
+                       name: str) -> None:
+    """An nflows / normflows MADE: ``context`` of shape ``(N, n_ctx)`` iff it was built with
+    ``n_ctx`` context features."""
+    if n_ctx is None:
+        if context is not None:
+            raise ValueError(f"context must be None: {name} was built without "
+                             f"context_features, got context of shape {tuple(context.shape)}")
+        return
+    if context is None:
+        raise ValueError(f"context is needed: {name} takes {n_ctx} context features; "
+                         f"pass context of shape ({y.shape[0]}, {n_ctx})")
+    if tuple(context.shape) != (y.shape[0], n_ctx):
+        raise ValueError(f"context must have shape ({y.shape[0]}, {n_ctx}) (the rows of y, "
+                         f"the context features of {name}), got {tuple(context.shape)}")
+
+
+# -- the masked-MADE transforms of nflows and normflows -----------------------------------------
+def made_step(part, y, context):
+    """One pass of the nflows / normflows inverse loop: ``x -> f_x^{-1}(y)``."""
+    return lambda x: part._elementwise_inverse(y, part.autoregressive_net(x, context))[0]
+
+
+def made_inverse(part, y, context, order, cfg, record):
+    """``part.inverse(y, context)`` of an nflows ``AutoregressiveTransform`` or a normflows
+    ``Autoregressive``: ``(outputs, logabsdet)`` of the last pass, at the fixed point."""
+    if y.numel() == 0:   # nothing to solve: one pass gives the (empty) result
+        x = torch.zeros_like(y)
+    else:
+        x = invert_part(made_step(part, y, context), y, order, cfg, record)
+    return part._elementwise_inverse(y, part.autoregressive_net(x, context))
+
+
+# -- patches on instances (accelerate) ----------------------------------------------------------
+PATCH = "_paraprop_accelerate"   # the instance attribute that holds a part's Patch
+
+
+@dataclasses.dataclass
+class Counters:
+    """What the accelerated inverses did since the flow was accelerated."""
+
+    inversions: int = 0        # autoregressive inverses solved
+    passes: int = 0            # passes (evaluations of the transform's network) they took
+    library_passes: int = 0    # passes the library's own loops would have taken
+
+
+@dataclasses.dataclass
+class Patch:
+    """One patched method of one part: the settings, and what to restore."""
+
+    cfg: Settings
+    counters: Counters
+    attribute: str                  # the patched method's name
+    saved: Callable | None = None   # the instance attribute it replaced (None: the class's)
+
+    def original(self, part) -> Callable:
+        """The method as it was before the patch, bound to ``part``."""
+        if self.saved is not None:
+            return self.saved
+        return getattr(type(part), self.attribute).__get__(part)
+
+    def recorder(self, library_passes: int) -> Callable[[Solution], None]:
+        def record(sol: Solution) -> None:
+            self.counters.inversions += 1
+            self.counters.passes += sol.evaluations
+            self.counters.library_passes += library_passes
+        return record
+
+
+def patch_of(part) -> Patch:
+    return part.__dict__[PATCH]
+
+
+def install(part: nn.Module, attribute: str, method: Callable, patch: Patch) -> None:
+    """Bind ``method`` to ``part`` as its ``attribute`` (the instance only)."""
+    patch.saved = part.__dict__.get(attribute)
+    part.__dict__[PATCH] = patch
+    part.__dict__[attribute] = types.MethodType(method, part)
+
+
+def remove(part: nn.Module) -> None:
+    """Undo :func:`install` (nothing if ``part`` is not patched)."""
+    patch = part.__dict__.pop(PATCH, None)
+    if patch is None:
+        return
+    if patch.saved is None:
+        part.__dict__.pop(patch.attribute, None)
+    else:
+        part.__dict__[patch.attribute] = patch.saved

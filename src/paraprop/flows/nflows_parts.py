@@ -1,0 +1,100 @@
+"""nflows: binding a flow to its context, checking the arguments, walking the transform.
+
+nflows' transforms map data to noise; ``Flow.sample`` / ``sample_and_log_prob`` map noise back
+with ``transform.inverse(noise, context)``, where a ``CompositeTransform`` inverts its parts in
+reverse order and an ``AutoregressiveTransform`` runs ``D`` passes of its MADE. :func:`accelerated`
+replaces that ``inverse`` on the instance; every caller (``sample``, ``sample_and_log_prob``,
+``transform.inverse``, an ``InverseTransform``'s forward) then runs the early-stopping solve.
+nflows' MADE gives input ``i`` the degree ``i + 1``: the natural order.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from paraprop.flows import core
+
+LIBRARY = "nflows"
+
+
+# -- parallel_inverse -----------------------------------------------------------------------------
+def inverse(t, y, context, cfg, record):
+    """``t.inverse(y, context)[0]`` of an nflows transform, or of an nflows ``Flow``'s transform
+    with ``context`` passed through its embedding net (as ``Flow.sample`` does)."""
+    t, context = _bind(t, context)
+    _check(t, y, context)
+    return _walk(t, y, context, cfg, record)
+
+
+def _bind(t, context):
+    from nflows.transforms import Transform
+
+    inner = getattr(t, "_transform", None)
+    if not isinstance(t, Transform) and isinstance(inner, Transform):  # an nflows Flow
+        if context is not None:
+            core.check_like("context", context, core.reference(t), "flow")
+            embed = getattr(t, "_embedding_net", None)
+            if embed is not None:
+                context = embed(context)
+        return inner, context
+    if not isinstance(t, Transform):
+        raise TypeError(f"transform must be an nflows Flow or transform, got "
+                        f"{type(t).__name__}")
+    return t, context
+
+
+def _parts(t):
+    from nflows.transforms import CompositeTransform
+    from nflows.transforms.autoregressive import AutoregressiveTransform
+
+    if isinstance(t, CompositeTransform):
+        for part in t._transforms:
+            yield from _parts(part)
+    elif isinstance(t, AutoregressiveTransform):
+        yield t
+
+
+def _check(t, y, context):
+    ref = core.reference(t)
+    core.check_like("y", y, ref, "transform")
+    if context is not None:
+        core.check_like("context", context, ref, "transform")
+    for part in _parts(t):
+        net = part.autoregressive_net
+        core.check_features(y, getattr(getattr(net, "initial_layer", None), "in_features", None),
+                            "transform")
+        n_ctx = getattr(getattr(net, "context_layer", None), "in_features", None)
+        core.check_context_rows(y, context, n_ctx, type(part).__name__)
+
+
+def _walk(t, y, context, cfg, record):
+    from nflows.transforms import CompositeTransform
+    from nflows.transforms.autoregressive import AutoregressiveTransform
+
+    if isinstance(t, CompositeTransform):
+        for part in reversed(list(t._transforms)):
+            y = _walk(part, y, context, cfg, record)
+        return y
+    if not isinstance(t, AutoregressiveTransform):
+        return t.inverse(y, context)[0]
+    return core.invert_part(core.made_step(t, y, context), y, None, cfg, record)
+
+
+# -- accelerate -----------------------------------------------------------------------------------
+def parts(root: nn.Module) -> list[nn.Module]:
+    """The autoregressive transforms of ``root``."""
+    from nflows.transforms.autoregressive import AutoregressiveTransform
+
+    return [m for m in root.modules() if isinstance(m, AutoregressiveTransform)]
+
+
+ATTRIBUTE = "inverse"   # patched on each part's instance
+
+
+def accelerated(self, inputs, context=None):
+    """``AutoregressiveTransform.inverse`` by the early-stopping solve (bound to the instance)."""
+    patch = core.patch_of(self)
+    record = patch.recorder(math.prod(inputs.shape[1:]))
+    return core.made_inverse(self, inputs, context, None, patch.cfg, record)
