@@ -1,18 +1,27 @@
 """The command line: demo smoke run, bench listing and errors, info; user errors as one line."""
 
+import importlib.util
+import io
 import json
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from paraprop import bench
+from paraprop import bench, demos
 from paraprop.cli import main
+from paraprop.experiments.explain import fewer_passes
 from paraprop.experiments.harness import interleaved, speedups
-from paraprop.experiments.report import fmt, markdown_table
+from paraprop.experiments.progress import progress
+from paraprop.experiments.report import fmt, markdown_table, text_table
+from paraprop.training._common import fit
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
+                    reason="the demo's networks part builds a torchvision DenseNet "
+                           "(pip install 'paraprop[vision]')")
 def test_demo_quick_writes_results(tmp_path, capsys):
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -22,8 +31,18 @@ def test_demo_quick_writes_results(tmp_path, capsys):
     rows = record["parts"]["core"]
     assert {r["method"] for r in rows} >= {"sequential", "jacobi", "jacobi_gs", "gs_jacobi"}
     assert all(r["max_abs_err"] <= 1e-4 for r in rows)
-    assert (tmp_path / "demo.md").read_text().startswith("# demo")
+    report = (tmp_path / "demo.md").read_text()
+    assert report.startswith("# demo") and "None" not in report and "None" not in out
     assert list(tmp_path.glob("*.png"))
+    # every part ends with a computed "why" sentence and has a headline in the closing summary
+    names = [p.__name__.rsplit(".", 1)[-1] for p in demos.parts()]
+    assert [r["part"] for r in record["summary"]] == names
+    for r in record["summary"]:
+        assert r["headline"] != "(no headline)" and " wins" in r["why"]
+        assert all(line in out for line in r["why"].splitlines())  # one line per problem
+        assert all((tmp_path / png).is_file() for png in r["plots"].split(", ")
+                   if png != "(no plot)")
+    assert "=== Summary" in out and "## Summary" in report
 
 
 def test_bench_lists_suites_and_rejects_unknown(capsys):
@@ -58,6 +77,57 @@ def test_harness_interleaves_and_reports():
     assert s == {"a": 1.0, "b": 2.0}
     assert markdown_table([{"x": 1, "y": 0.5}], ["x", "y"]).splitlines()[2] == "| 1 | 0.5 |"
     assert fmt(1.5e-7) == "1.50e-07" and fmt(True) == "yes"
+
+
+def test_progress_off_a_terminal_writes_one_line(capsys):
+    interleaved({"a": lambda: None, "b": lambda: None}, repeats=2, warmup=1, desc="timing x")
+    model = torch.nn.Linear(2, 1)
+    fit(model, torch.randn(8, 2), lambda xb: model(xb).pow(2).mean(), epochs=2, batch_size=4,
+        lr=1e-2, seed=0, progress=True, desc="train toy", label="loss")
+    fit(model, torch.randn(8, 2), lambda xb: model(xb).pow(2).mean(), epochs=1, batch_size=4,
+        lr=1e-2, seed=0, progress=False, desc="silent", label="loss")
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert len(lines) == 2
+    assert re.fullmatch(r"timing x: 6/6 runs in \d+\.\d s", lines[0])
+    assert re.fullmatch(r"train toy: 4/4 steps in \d+\.\d s \(loss=\d+\.\d{4}\)", lines[1])
+
+
+def test_progress_on_a_terminal_is_a_live_bar():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term = Terminal()
+    for _ in progress(range(3), desc="live", file=term):
+        pass
+    assert "\r" in term.getvalue() and "live" in term.getvalue()
+    quiet = io.StringIO()
+    for _ in progress(range(3), desc="off", file=quiet, disable=True):
+        pass
+    assert quiet.getvalue() == ""
+
+
+def test_tables_have_no_none_cells():
+    rows = [{"a": 1, "b": None}, {"a": 2}]
+    md, txt = markdown_table(rows, ["a", "b"]), text_table(rows, ["a", "b"])
+    assert "None" not in md + txt
+    assert md.splitlines()[2:] == ["| 1 | - |", "| 2 | - |"]
+    assert fmt(None) == "-"
+
+
+def test_why_sentence_follows_the_numbers():
+    win = fewer_passes("jacobi", "the loop", speedup=2.0, passes=8, steps=64, cost=4.0,
+                       pass_word="sweep", step_word="loop step")
+    assert win.startswith("On this machine, jacobi wins: it needs 8 sweeps instead of 64 loop")
+    assert "costs 4 loop steps here, so it runs at 2.00x the loop." in win
+    lose = fewer_passes("jacobi", "the loop", speedup=0.5, passes=8, steps=64, cost=16.0)
+    assert lose.startswith("On this machine, the loop wins: jacobi needs 8 passes")
+    assert "more than the 8 each pass replaces, so it runs at 0.50x the loop." in lose
+    other = fewer_passes("jacobi", "the loop", speedup=0.5, passes=8, steps=64, cost=16.0,
+                         winner="the cached loop", winner_speedup=1.3)
+    assert other.startswith("On this machine, the cached loop wins (1.30x the loop): jacobi")
 
 
 @pytest.mark.parametrize("argv", [["nosuch"], []])

@@ -36,6 +36,8 @@ def test_bench_triangular_quick(tmp_path):
 def test_demo_part_quick(tmp_path, capsys):
     res = demo.run(tmp_path, quick=True)
     assert "cyclic reduction" in capsys.readouterr().out
+    assert res["headline"] and " wins" in res["why"] and res["why"] in md_all(res)
+    assert "None" not in md_all(res)
     assert res["sections"] and res["rows"]
     for row in res["rows"]:
         assert row["cr_levels"] == row["log2_bound"]
@@ -61,3 +63,7 @@ def test_bench_records_non_convergence_but_not_other_errors(monkeypatch):
     before = torch.random.get_rng_state()
     deep_mlp(3, 4, seed=5)
     assert torch.equal(torch.random.get_rng_state(), before)  # the global state is left alone
+
+
+def md_all(res):
+    return "\n".join(md for _, md in res["sections"])

@@ -39,6 +39,8 @@ def test_bench_quick_writes_every_section(tmp_path):
 def test_demo_part(tmp_path, capsys):
     res = demo.run(tmp_path, quick=True)
     assert demo.ORDER == 50 and demo.TITLE
+    assert res["headline"] and " wins" in res["why"] and res["why"] in md_all(res)
+    assert "None" not in md_all(res)
     rows = {r["case"]: r for r in res["rows"]}
     assert rows["forward, 2 levels, c=4, FCF"]["max_abs_err"] <= 1e-11
     assert rows["ParallelResidualStack, to tol 1e-12"]["max_abs_err"] <= 1e-11
@@ -104,3 +106,7 @@ def test_corrupt_mnist_training_files_are_an_error(tmp_path):
     _write_idx(d / "train-labels-idx1-ubyte", np.zeros(3, dtype=np.uint8))
     with pytest.raises(IDXError, match="train-images-idx3-ubyte: bad magic number 12345678"):
         load_data("mnist", mnist_dir=str(d))
+
+
+def md_all(res):
+    return "\n".join(md for _, md in res["sections"])

@@ -135,5 +135,11 @@ def test_demo_part_quick(tmp_path, capsys):
     assert demo.ORDER == 70 and demo.TITLE
     res = demo.run(tmp_path, quick=True)
     assert res["rows"][0]["exact"] is True and "measured_speedup" in res["rows"][-1]
+    assert res["headline"] and " wins" in res["why"] and res["why"] in md_all(res)
+    assert "None" not in md_all(res)
     assert res["sections"] and (tmp_path / "demo_networks_fig1d.png").is_file()
     assert "Estimated (a worker per block, no overhead)" in capsys.readouterr().out
+
+
+def md_all(res):
+    return "\n".join(md for _, md in res["sections"])

@@ -26,8 +26,14 @@ def test_demo_part_fusion_quick(tmp_path, capsys):
     assert fusion_demo in demos.parts()
     res = fusion_demo.run(tmp_path, quick=True)
     assert [r["mode"] for r in res["rows"]] == list(fusion_demo.MODES)
+    assert res["headline"] and " wins" in res["why"] and res["why"] in md_all(res)
+    assert "None" not in md_all(res)
     assert all(r["bitwise_equal"] for r in res["rows"])
     assert len({r["final_loss"] for r in res["rows"]}) == 1
     heading, md = res["sections"][0]
     assert "bitwise_equal" in md and "Adam on the digits" in heading
     assert "backward+overlap" in capsys.readouterr().out
+
+
+def md_all(res):
+    return "\n".join(md for _, md in res["sections"])

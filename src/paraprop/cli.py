@@ -19,7 +19,7 @@ import paraprop
 from paraprop import bench, demos, training
 from paraprop.errors import ConvergenceError, NonFiniteError
 from paraprop.experiments.harness import machine_info
-from paraprop.experiments.report import write_results
+from paraprop.experiments.report import markdown_table, text_table, write_results
 from paraprop.optim.errors import FusionError
 
 # Exceptions that report a user error (bad arguments, files or data): one line, exit status 2.
@@ -29,16 +29,22 @@ USER_ERRORS = (ValueError, TypeError, OSError, ConvergenceError, NonFiniteError,
 def _cmd_demo(args) -> int:
     out = _out_dir(args.out)
     t0 = time.perf_counter()
-    sections, summary = [], {}
+    sections, summary, headlines = [], {}, []
     for part in demos.parts():
         print(f"\n=== {part.TITLE} ===")
         res = part.run(out, quick=args.quick)
+        name = part.__name__.rsplit(".", 1)[-1]
         sections += res.get("sections", [])
-        summary[part.__name__.rsplit(".", 1)[-1]] = res.get("rows", [])
-    payload = {"machine": machine_info(), "quick": args.quick, "parts": summary}
+        summary[name] = res.get("rows", [])
+        headlines.append(demos.summary_row(name, res, out))
+    sections.append(("Summary", markdown_table(headlines, demos.SUMMARY_COLUMNS)))
+    payload = {"machine": machine_info(), "quick": args.quick, "parts": summary,
+               "summary": headlines}
     js, md = write_results(out, "demo", payload, sections,
                            "paraprop demo" + (" --quick" if args.quick else ""))
     took = time.perf_counter() - t0
+    print(f"\n=== Summary (plots in {out}/) ===")
+    print(text_table(headlines, demos.SUMMARY_COLUMNS))
     print(f"\nDone in {took:.1f} s. Results: {md}, {js} and PNG plots in {out}/")
     return 0
 

@@ -166,8 +166,8 @@ def _plot(path: Path, steps: list[dict], rows: list[dict]) -> Path:
         bp = next(r for r in rows if r["weights"] == label)["bp max op flops (csr)"]
         ax.axhline(bp, ls="--", lw=0.8, color=f"C{i}", label=f"BP max operator ({label})")
     ax.set_yscale("log")
-    ax.set_xlabel("scan step (up, linear, down)")
-    ax.set_ylabel("FLOPs of the largest combine")
+    ax.set_xlabel("scan step (up-sweep, linear, down-sweep)")
+    ax.set_ylabel("floating-point operations\nof the largest combine")
     ax.set_title("BPPSA on VGG-11 conv layers: per-step FLOPs vs back-propagation (Fig. 10)")
     ax.legend(fontsize=7)
     return save_figure(fig, path, dpi=110)

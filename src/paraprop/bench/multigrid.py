@@ -91,11 +91,13 @@ def residual_study(out_dir: Path, quick: bool) -> dict:
             ax.semilogy(range(len(r)), r, marker=".", label=f"depth {depth}")
         ax.axhline(1e-9, color="grey", ls="--", lw=0.8)
         ax.set_xlabel("V-cycle")
-        ax.set_title(f"weights {kind} in depth")
+        ax.set_title("weights varying smoothly in depth" if kind == "smooth" else
+                     "independent weights per layer")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("residual norm")
+    axes[0].set_ylabel("residual norm (distance from\nthe serial solution's equations)")
     axes[1].legend(fontsize=8)
-    fig.suptitle("MGRIT residual per cycle (3 levels, c=4, FCF, T=1), cf. Kirby et al. Fig. 4")
+    fig.suptitle("MGRIT residual per V-cycle (3 levels, coarsening 4, FCF relaxation, T=1), "
+                 "cf. Kirby et al. Fig. 4")
     fig.tight_layout()
     png = out_dir / "multigrid_residuals.png"
     fig.savefig(png, dpi=110)
@@ -172,7 +174,7 @@ def forward_study(out_dir: Path, quick: bool, repeats: int) -> dict:
             ax.text(sp[m], y, f" {sp[m]:.2f}", va="center", fontsize=8)
     ax.set_yticks([k + 0.4 - height / 2 for k in range(len(methods))], methods, fontsize=8)
     ax.axvline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("speedup over the serial forward (same run, interleaved)")
+    ax.set_xlabel("speedup over the serial forward pass (times faster; same run, interleaved)")
     ax.set_title(f"MG forward, 2 cycles, vs serial: depth {depth}, width 16")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -37,12 +37,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 import paraprop
 from paraprop.errors import NonFiniteError
 from paraprop.experiments.harness import interleaved, machine_info, median
 from paraprop.experiments.plots import plt, save_figure
+from paraprop.experiments.progress import progress as progress_bar
 from paraprop.experiments.report import markdown_table, text_table, write_results
 from paraprop.nn import GRU, ParallelForward
 from paraprop.solvers import ELK
@@ -259,7 +259,7 @@ def train_sine(steps: int, seed: int = 0, *, length: int = 200, batch: int = 32,
     g = torch.Generator().manual_seed(seed + 1)
     t = torch.arange(length + 1, dtype=torch.float32)
     losses = []
-    for _ in tqdm(range(steps), desc="train sine GRU", leave=False, disable=None):
+    for _ in progress_bar(range(steps), desc="train sine GRU", unit="steps"):
         phase = 2 * math.pi * torch.rand(batch, 1, generator=g)
         y = torch.sin(0.2 * t + phase) + 0.02 * torch.randn(batch, length + 1, generator=g)
         h, preds = torch.zeros(batch, SINE_H), []
@@ -335,7 +335,7 @@ def sine_section(cfg: Config, quick: bool) -> dict:
                     per = (time.perf_counter() - p0) / 2
                     cap = max(10, min(cap, int(cfg.elk_seconds[T] / per)))
                 runs.append(("elk", lam, cap))
-            for method, lam, cap in tqdm(runs, desc=f"sine T={T}", leave=False, disable=None):
+            for method, lam, cap in progress_bar(runs, desc=f"sine T={T}", unit="runs"):
                 row = _solve_row(rec, ref, T, method, lam, cap)
                 rows.append(row)
                 print(f"  sine T={T} {method}{'' if lam is None else f' lambda={lam:g}'}: "
@@ -404,14 +404,15 @@ def plot_gru(path: Path, gru: dict) -> Path:
         for m, c in zip(METHODS, ("tab:blue", "tab:orange"), strict=True):
             ax.loglog(Ts, [r[f"{m}_ms"] for r in rows], "s" + ls, color=c, label=f"{m} {tag}")
     ax.set_xlabel("sequence length T")
-    ax.set_ylabel("median time (ms)")
+    ax.set_ylabel("median wall time (ms)")
     ax.set_title(f"GRU hidden {H}, batch {BATCH}: time")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     cmap = plt.get_cmap("viridis")
     hs = sorted({r["hidden"] for r in gru["forward"]})
-    for ax, key, ylabel in ((axes[1], "iters", "iterations to tol"),
-                            (axes[2], "speedup", "forward speedup over torch.nn.GRU")):
+    for ax, key, ylabel in ((axes[1], "iters", "iterations to reach the tolerance"),
+                            (axes[2], "speedup",
+                             "forward speedup over torch.nn.GRU\n(times faster)")):
         for i, h in enumerate(hs):
             rows = [r for r in gru["forward"] if r["hidden"] == h]
             col = cmap(i / max(1, len(hs) - 1))
@@ -440,17 +441,18 @@ def plot_sine(path: Path, sine: dict) -> Path:
         ys = [min(max(v, 1e-12), 1e38) for v in r["residuals"]]
         ax.semilogy(range(1, len(ys) + 1), ys, lw=1,
                     label=f"{label} ({'converged' if r['converged'] else 'not converged'})")
-    ax.axhline(sine["tol"], color="grey", ls="--", lw=0.8, label=f"tol={sine['tol']:g}")
+    ax.axhline(sine["tol"], color="grey", ls="--", lw=0.8,
+               label=f"stopping tolerance {sine['tol']:g}")
     ax.set_xlabel("iteration")
-    ax.set_ylabel("max |fn(x) - x|")
-    ax.set_title(f"sine-wave GRU, T={Tl}: residual history")
+    ax.set_ylabel("largest change of a state in one\niteration (max abs of fn(x) - x)")
+    ax.set_title(f"sine-wave GRU, T={Tl}: how far each iteration is from a fixed point")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     ax = axes[1]
     if sine.get("wave"):
         ax.plot(sine["wave"], lw=1)
-    ax.set_xlabel("step t")
-    ax.set_ylabel("readout(s_t)")
+    ax.set_xlabel("time step t")
+    ax.set_ylabel("the GRU's output at step t")
     ax.set_title("generated sequence (sequential), first steps")
     ax.grid(True, alpha=0.3)
     return save_figure(fig, path, dpi=110)

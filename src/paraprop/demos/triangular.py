@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from paraprop.experiments.explain import fewer_passes, pass_cost
 from paraprop.experiments.harness import interleaved, median, threads
 from paraprop.experiments.report import markdown_table, text_table
 from paraprop.linalg import activation_points, mlp_backward
@@ -53,4 +54,30 @@ def run(out_dir: Path, *, quick: bool = False) -> dict:
              "autograd vs cyclic reduction")
     print(title)
     print(text_table(rows, COLUMNS))
-    return {"rows": rows, "sections": [(title, markdown_table(rows, COLUMNS))]}
+    why, headline = explain(rows)
+    print(why)
+    return {"rows": rows, "sections": [(title, markdown_table(rows, COLUMNS) + "\n\n" + why)],
+            "why": why, "headline": headline, "plots": []}
+
+
+def explain(rows: list[dict]) -> tuple[str, str]:
+    """The section's closing sentence and the part's headline, from its rows: cyclic
+    reduction's levels against autograd's ``l`` sequential steps, at the deepest ``l``, and
+    the depths where the other method won."""
+    deep = rows[-1]
+    l = deep["l"]
+    why = fewer_passes(
+        "cyclic reduction", "autograd", speedup=deep["speedup"], passes=deep["cr_levels"],
+        steps=l, cost=pass_cost(deep["cr_ms"], deep["cr_levels"], deep["autograd_ms"], l),
+        pass_word="level", step_word="autograd step",
+        detail=" (batched products of the layers' Jacobians)")
+    why = why[:-1] + f" at l = {l}"
+    other = [r for r in rows[:-1] if (r["speedup"] > 1) != (deep["speedup"] > 1)]
+    if other:
+        won = "wins" if other[0]["speedup"] > 1 else "loses"
+        why += (f"; it {won} at l = " + ", ".join(str(r["l"]) for r in other) + " ("
+                + ", ".join(f"{r['speedup']:.2f}x" for r in other) + f"): {other[0]['cr_levels']}"
+                f" levels against {other[0]['l']} steps")
+    headline = (f"cyclic reduction {deep['cr_levels']} levels vs {l} steps, "
+                f"{deep['speedup']:.2f}x autograd at l={l}")
+    return why + ".", headline

@@ -4,6 +4,10 @@ sizes, explained).
 - :mod:`~paraprop.experiments.harness`: interleaved timing, machine info, thread control;
 - :mod:`~paraprop.experiments.report`: tables and the JSON/Markdown result writer;
 - :mod:`~paraprop.experiments.plots`: shared figures;
+- :mod:`~paraprop.experiments.progress`: progress bars (a live bar on a terminal, one summary
+  line in a log), used by the harness and the training jobs;
+- :mod:`~paraprop.experiments.explain`: the sentence that ends each demo section (which method
+  won on this machine and why, from the measured counts);
 - :mod:`~paraprop.experiments.compare`: one reference solve and one traced solve per method;
 - one module per topic (``made``, ``decoding``, ``diffusion``, ``tarflow``, ``networks``,
   ``core``, ``bppsa``): the measurement both commands run, on problems built from

@@ -76,7 +76,7 @@ def compare(
         row = {"method": label, "time_ms": 1e3 * median(ts), "speedup": base / median(ts)}
         if label == "plain loop":
             row.update(iterations=ref.stats["T"], evaluations=ref.stats["T"],
-                       max_abs_err=plain_err)
+                       positions=ref.stats["T"], max_abs_err=plain_err)
         else:
             sol = traced[label]
             row.update(iterations=sol.iterations, evaluations=sol.evaluations,

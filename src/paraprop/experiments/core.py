@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from paraprop.experiments.compare import COLUMNS, MethodSpec, compare
+from paraprop.experiments.explain import fewer_passes, pass_cost
 from paraprop.experiments.plots import convergence_plot
 from paraprop.experiments.report import markdown_table, text_table
 from paraprop.models import LayerChain, MaskedAffineMap
@@ -74,9 +75,39 @@ def problems(quick: bool) -> list[dict]:
     ]
 
 
+def why(rows: list[dict]) -> str:
+    """Which method won one problem's rows (from :func:`~paraprop.experiments.compare.compare`)
+    and why: its sweeps against the plain loop's steps, and what a sweep costs here."""
+    by = {r["method"]: r for r in rows}
+    plain = by["plain loop"]
+    T = plain["iterations"]
+    winner = max(rows, key=lambda r: r["speedup"])
+    parallel = [r for r in rows if r["method"] not in ("plain loop", "sequential")]
+    m = winner if winner in parallel else max(parallel, key=lambda r: r["speedup"])
+    per = m["positions"] / max(m["iterations"], 1)
+    return fewer_passes(
+        m["method"], "the plain loop", speedup=m["speedup"], passes=m["iterations"], steps=T,
+        cost=pass_cost(m["time_ms"], m["iterations"], plain["time_ms"], T),
+        pass_word="sweep", step_word="loop step",
+        detail=f" ({per:.0f} of the {T} positions at once)" if round(per) < T
+        else f" (all {T} positions at once)",
+        winner="the plain loop" if winner is plain else winner["method"],
+        winner_speedup=winner["speedup"])
+
+
+def headline(problem: str, rows: list[dict]) -> str:
+    """``made-64: jacobi 2.06x the loop (11 sweeps vs 64 steps)``: the best parallel method."""
+    best = max((r for r in rows if r["method"] not in ("plain loop", "sequential")),
+               key=lambda r: r["speedup"])
+    T = rows[0]["iterations"]
+    return (f"{problem}: {best['method']} {best['speedup']:.2f}x the loop "
+            f"({best['iterations']} sweeps vs {T} steps)")
+
+
 def run_problems(out_dir: Path, *, quick: bool, repeats: int, tol: float, name: str) -> dict:
-    """Run every problem; print and return ``{"rows": ..., "sections": ..., "plots": ...}``."""
-    all_rows, sections, plots = [], [], []
+    """Run every problem; print and return ``{"rows", "sections", "plots", "why", "headline"}``
+    (``why``: one sentence per problem, one per line)."""
+    all_rows, sections, plots, whys, heads = [], [], [], [], []
     for p in problems(quick):
         fn, x0, plain = p["make"]()
         T = x0.shape[p["dim"]]
@@ -84,10 +115,15 @@ def run_problems(out_dir: Path, *, quick: bool, repeats: int, tol: float, name: 
                                repeats=repeats, desc=p["name"])
         print(f"\n{p['desc']} (tol={tol:g}, speedup over the plain sequential loop)")
         print(text_table(rows, COLUMNS))
+        whys.append(why(rows))
+        heads.append(headline(p["name"], rows))
+        print(whys[-1])
         png = convergence_plot(out_dir / f"{name}_{p['name']}_convergence.png",
                                f"{p['desc']}: convergence", curves, tol=tol)
         plots.append(png)
-        sections.append((p["desc"], markdown_table(rows, COLUMNS) + f"\n\n![]({png.name})"))
+        sections.append((p["desc"], markdown_table(rows, COLUMNS) + "\n\n" + whys[-1]
+                         + f"\n\n![]({png.name})"))
         all_rows += [{"problem": p["name"], **r} for r in rows]
-    return {"rows": all_rows, "sections": sections, "plots": plots}
+    return {"rows": all_rows, "sections": sections, "plots": plots, "why": "\n".join(whys),
+            "headline": "; ".join(heads)}
 

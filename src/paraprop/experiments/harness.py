@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable
 
 import torch
-from tqdm import tqdm
+
+from paraprop.experiments.progress import progress
 
 
 def machine_info() -> dict:
@@ -51,13 +52,14 @@ def interleaved(
         cases: name -> zero-argument callable; the first is the baseline by convention.
         repeats: timed rounds; each round runs every case once, in order.
         warmup: untimed rounds first (allocations, caches, lazy initialisation).
-        desc: label of the progress bar.
+        desc: label of the progress bar (one summary line when the output is not a terminal:
+            :func:`paraprop.experiments.progress.progress`).
 
     Returns:
         name -> list of wall times in seconds, one per round.
     """
     times: dict[str, list[float]] = {name: [] for name in cases}
-    with tqdm(total=(warmup + repeats) * len(cases), desc=desc, leave=False, disable=None) as bar:
+    with progress(total=(warmup + repeats) * len(cases), desc=desc, unit="runs") as bar:
         for r in range(warmup + repeats):
             for name, run in cases.items():
                 _sync()

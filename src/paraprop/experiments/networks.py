@@ -98,7 +98,8 @@ def network_rows(model, images: torch.Tensor, *, name: str, weights: str, tol: f
         tol: forward-difference tolerance of the stopping rule.
         repeats: interleaved timing rounds; ``profile_repeats``: per-state timing rounds.
         exact_images: images solved to ``tol=0`` to check exactness at the end.
-        default_threads: also time the forward pass with this many intra-op threads.
+        default_threads: also time the forward pass with this many intra-op threads (the
+            forward time itself when that is the current number; ``None``: not measured).
     """
     rec = as_recurrence(model)
     one = rec.bind(images[:1])
@@ -135,8 +136,11 @@ def network_rows(model, images: torch.Tensor, *, name: str, weights: str, tol: f
         "threaded_blocks": len(bal), "threaded_iters": par.iterations,
         "threaded_top5": top5_changes(one.output(par.value), one.reference[-1]),
         "measured_speedup": fwd / thr, "workers": par.stats.get("workers", 1),
-        "fwd_default_threads_ms": (1e3 * median(measured["forward (default threads)"])
-                                   if "forward (default threads)" in measured else None),
+        "fwd_default_threads_ms": (
+            1e3 * median(measured["forward (default threads)"])
+            if "forward (default threads)" in measured
+            else 1e3 * fwd if default_threads is not None  # the default is what fwd_ms ran with
+            else None),
     }
     extra = {"times_ms": (1e3 * times).tolist(), "names": rec.names, "curves": curves,
              "slowest_state": rec.names[int(times.argmax())],
@@ -154,19 +158,21 @@ def fig1d(path: Path, title: str, curves: dict[str, dict], tol: float) -> Path:
     for (label, c), color in zip(curves.items(), colors, strict=False):
         ts = [c["unit_ms"] * k for k in range(1, len(c["errors"]) + 1)]
         seq = c["seq_ms"]
-        axes[0].plot(ts, c["errors"], "-", color=color, lw=2, label=f"{label}: vs sequential")
+        axes[0].plot(ts, c["errors"], "-", color=color, lw=2, label=f"{label}: against sequential")
         axes[0].plot(ts, c["changes"], ":", color=color, lw=1.5,
-                     label=f"{label}: vs previous iterate")
+                     label=f"{label}: against the previous iteration")
         axes[1].semilogy(ts, [max(r, 1e-12) for r in c["residuals"]], ":", color=color,
-                         label=f"{label}: forward difference (all states)")
+                         label=f"{label}: change from the previous iteration (all states)")
         axes[1].semilogy(ts, [max(e, 1e-12) for e in c["max_abs_errors"]], "-", color=color,
-                         label=f"{label}: max |output - sequential|")
-    axes[0].set_ylabel("top-5 label changes per image")
-    axes[1].axhline(tol, color="grey", lw=0.8, ls="--", label=f"tol={tol:g}")
-    axes[1].set_ylabel("max |.| (floor 1e-12)")
+                         label=f"{label}: output's difference from sequential")
+    axes[0].set_ylabel("top-5 labels that differ, per image")
+    axes[0].set_title("predictions against the sequential ones", fontsize=9)
+    axes[1].set_title("layer values against the sequential ones", fontsize=9)
+    axes[1].axhline(tol, color="grey", lw=0.8, ls="--", label=f"stopping tolerance {tol:g}")
+    axes[1].set_ylabel("largest absolute difference\n(zero drawn at 1e-12)")
     for a in axes:
         a.axvline(seq, color="k", ls="--", lw=1.5, label="sequential (sum of state times)")
-        a.set_xlabel("estimated time (ms)")
+        a.set_xlabel("estimated time: iterations x slowest block (ms)")
         a.grid(True, alpha=0.3)
         a.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)

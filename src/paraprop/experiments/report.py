@@ -8,9 +8,13 @@ from pathlib import Path
 
 import torch
 
+NA = "-"  # a cell with no value: not measured or not applicable (the table's note says which)
+
 
 def fmt(v) -> str:
-    """A table cell: short floats, ints as they are."""
+    """A table cell: short floats, ints as they are, ``-`` for no value (``None`` or missing)."""
+    if v is None:
+        return NA
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, int):
@@ -32,18 +36,22 @@ def fmt(v) -> str:
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
     head = "| " + " | ".join(columns) + " |"
     rule = "|" + "|".join("---" for _ in columns) + "|"
-    body = ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    body = ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
     return "\n".join([head, rule, *body])
 
 
 def text_table(rows: list[dict], columns: list[str]) -> str:
-    """A fixed-width table for the terminal."""
-    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    """A fixed-width table for the terminal: numbers right-aligned, text left-aligned."""
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    line = "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))
-    out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
-    return "\n".join(out)
+    text = [any(isinstance(r.get(c), str) for r in rows) for c in columns]
+
+    def line(values) -> str:
+        return "  ".join(v.ljust(w) if t else v.rjust(w)
+                         for v, w, t in zip(values, widths, text, strict=True)).rstrip()
+
+    return "\n".join([line(columns), "  ".join("-" * w for w in widths),
+                      *(line(row) for row in cells)])
 
 
 def _jsonable(v):

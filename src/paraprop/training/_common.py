@@ -7,9 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from paraprop.data import load_digits, load_mnist
+from paraprop.experiments.progress import progress as progress_bar
 
 
 def load_images(data: str, *, mnist_dir=None) -> tuple[torch.Tensor, int]:
@@ -33,7 +33,7 @@ def fit(model: torch.nn.Module, x: torch.Tensor, loss: Callable[[torch.Tensor], 
     g = torch.Generator().manual_seed(seed)
     history = []
     steps = math.ceil(len(x) / batch_size)
-    bar = tqdm(total=epochs * steps, desc=desc, disable=not progress, leave=False)
+    bar = progress_bar(total=epochs * steps, desc=desc, unit="steps", disable=not progress)
     model.train()
     for _ in range(epochs):
         total = 0.0

@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from paraprop import checks
 from paraprop.data.text import CharVocab, load_text
+from paraprop.experiments.progress import progress as progress_bar
 from paraprop.models.charlm import DEFAULTS, char_gpt2, load_charlm, save_charlm
 
 NAME = "charlm"
@@ -49,7 +49,7 @@ def train_charlm(model, ids: torch.Tensor, *, steps: int, batch_size: int = 8,
     offsets = torch.arange(length + 1)
     history = []
     model.train()
-    bar = tqdm(range(steps), desc="train charlm", disable=not progress, leave=False)
+    bar = progress_bar(range(steps), desc="train charlm", unit="steps", disable=not progress)
     for _ in bar:
         start = torch.randint(0, ids.numel() - length - 1, (batch_size,), generator=g)
         batch = ids[start[:, None] + offsets]

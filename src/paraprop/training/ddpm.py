@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from paraprop import checks
 from paraprop.data import make_moons
+from paraprop.experiments.progress import progress as progress_bar
 from paraprop.models.denoisers import MLPDenoiser, load_unet, save_unet, small_unet
 from paraprop.training._common import fit, image_panel, load_images, save_png
 
@@ -201,7 +201,8 @@ def sample_loop(model, scheduler, shape: tuple[int, ...], num_inference_steps: i
     scheduler.set_timesteps(num_inference_steps)
     kw = {} if eta is None else {"eta": eta}
     with torch.no_grad():
-        for t in tqdm(scheduler.timesteps, desc="sample", disable=not progress, leave=False):
+        for t in progress_bar(scheduler.timesteps, desc="sample", unit="steps",
+                            disable=not progress):
             x = scheduler.step(predict_noise(model, x, t), t, x, generator=g, **kw).prev_sample
     return x
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from paraprop import checks
 from paraprop.data import load_digits, load_mnist
+from paraprop.experiments.progress import progress as progress_bar
 
 NAME = "densenet"
 HELP = "train a DenseNet (or the benchmark's ResNet / deep MLP) briefly on digits or MNIST"
@@ -135,7 +135,7 @@ def train_network(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: 
     losses, hits = [], []
     order = torch.randperm(len(x), generator=g)
     pos = 0
-    bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False)
+    bar = progress_bar(range(steps), desc=desc, unit="steps", disable=not progress)
     for _ in bar:
         if pos + batch_size > len(x):
             order, pos = torch.randperm(len(x), generator=g), 0

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from paraprop import checks
 from paraprop.data import IDXError, load_digits, load_mnist
+from paraprop.experiments.progress import progress as progress_bar
 from paraprop.models.blocks import ConvBlock
 from paraprop.multigrid import ParallelResidualStack
 
@@ -147,8 +147,8 @@ def train(*, data: str = "digits", depth: int = 32, cycles: int = 2, levels: int
         model.train()
         perm = torch.randperm(len(tx), generator=gen)
         t0, total, count, residuals = time.perf_counter(), 0.0, 0, []
-        bar = tqdm(range(0, len(tx), batch_size), desc=f"epoch {epoch}/{epochs}",
-                   disable=None if progress else True, leave=False)
+        bar = progress_bar(range(0, len(tx), batch_size), desc=f"epoch {epoch}/{epochs}",
+                           unit="batches", disable=not progress)
         for i in bar:
             idx = perm[i : i + batch_size]
             loss = nn.functional.cross_entropy(model(tx[idx]), ty[idx])
