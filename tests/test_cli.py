@@ -142,11 +142,24 @@ def test_report_collects_suites(tmp_path):
     (res / "core.md").write_text("# core\n\nCommand: `x`\n\n## t\n\n![](core_a.png)\n")
     (res / "core_a.png").write_bytes(b"png")
     out = tmp_path / "docs" / "benchmarks.md"
-    assert main(["report", str(res), "--out", str(out)]) == 0
+    reports, notes = tmp_path / "reports", tmp_path / "notes"
+    notes.mkdir()
+    (notes / "core.md").write_text("Measured on a quiet machine.\n")
+    (notes / "_intro.md").write_text("General conditions.\n")
+    (reports / "made.md").parent.mkdir()
+    (reports / "made.md").write_text("# made\n\nCommand: `m`  \nDate: d\n\n## s\n\nold\n")
+    flags = ["--out", str(out), "--reports", str(reports), "--notes", str(notes)]
+    assert main(["report", str(res), *flags]) == 0
     text = out.read_text()
     assert "## core" in text and "### t" in text and "![](img/core_a.png)" in text
     assert (tmp_path / "docs" / "img" / "core_a.png").exists()
-    assert main(["report", str(tmp_path / "nothing"), "--out", str(out)]) == 2
+    assert (reports / "core.md").read_text() == (res / "core.md").read_text()  # stored
+    # the note follows the command line, before the tables; the stored made report stays
+    assert text.index("Command: `x`") < text.index("Measured on a quiet") < text.index("### t")
+    assert "General conditions." in text and "## made" in text and "old" in text
+    # without a results directory the page is re-rendered from what is stored, identically
+    assert main(["report", *flags]) == 0 and out.read_text() == text
+    assert main(["report", str(tmp_path / "nothing"), *flags]) == 2
 
 
 # -- user errors: one line 'paraprop: error: ...' on stderr, exit status 2, no traceback ----------
@@ -166,6 +179,7 @@ def _one_error_line(err: str, match: str) -> None:
     (["train", "pixelcnn", "--layers", "0"], r"layers must be a positive int, got 0"),
     (["report", "{tmp}/nothing"], r"results directory .*nothing does not exist"),
     (["report", "{tmp}", "--suites", "nosuch"], r"nosuch.md not found"),
+    (["report", "--reports", "{tmp}/none"], r"no stored suite reports \(\*.md\) in .*none"),
 ])
 def test_user_errors_print_one_line_and_exit_2(tmp_path, capsys, argv, match):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]

@@ -5,6 +5,7 @@ namespace that starts empty (a page imports what it uses); ```text blocks are no
 docstring examples of the package run as doctests (``--doctest-modules``, see conftest.py).
 """
 
+import importlib.util
 import linecache
 import re
 import socket
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+OPTIONAL = {"torchvision": "vision"}  # modules of pyproject.toml's extras, by extra
 
 
 def _python_blocks(path: Path) -> list[str]:
@@ -38,6 +40,11 @@ def test_every_python_fence_is_found():
 @pytest.mark.parametrize("page", [p for p in PAGES if _python_blocks(p)],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_examples_run(page, tmp_path, monkeypatch, capsys):
+    code = "".join(_python_blocks(page))
+    for module, extra in OPTIONAL.items():  # a page that imports an optional dependency
+        imports = re.search(rf"^\s*(?:import [^\n#]*\b{module}\b|from {module}\b)", code, re.M)
+        if imports and importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs {module} (pip install 'paraprop[{extra}]')")
     # a page's files land in a scratch folder; a torchrun script runs as a world of one rank
     monkeypatch.chdir(tmp_path)
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",

@@ -61,3 +61,12 @@ def test_the_map_is_read_from_the_page():
     placed = _map()
     assert placed["paraprop/solve.py"] == ("core", "nonlinear")
     assert placed["paraprop/bench/collect.py"] == ("tooling", "-")
+
+
+def test_benchmarks_page_is_generated_from_stored_reports_and_notes():
+    from paraprop.bench.collect import render
+
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    rendered = render(ROOT / "benchmarks" / "reports", ROOT / "benchmarks" / "notes")
+    assert page == rendered, ("docs/benchmarks.md differs from `paraprop report`'s rendering: "
+                              "edit benchmarks/notes/ or re-run the suite, not the page")

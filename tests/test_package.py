@@ -31,3 +31,25 @@ def test_bppsa_lives_under_jacobians():
             "hasattr(paraprop, 'bppsa'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["paraprop.jacobians.bppsa", "False"]
+
+
+def test_version_is_the_one_in_pyproject():
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    assert paraprop.__version__ == declared
+    assert re.search(rf"^## \[(Unreleased|{re.escape(declared)})\]",
+                     (root / "CHANGELOG.md").read_text(), re.M)
+
+
+def test_the_typed_marker_ships():
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    assert (root / "src" / "paraprop" / "py.typed").exists()
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "py.typed" in data["package-data"]["paraprop"]

@@ -66,8 +66,10 @@ def _cmd_bench(args) -> int:
 def _cmd_report(args) -> int:
     from paraprop.bench.collect import collect
 
-    out = collect(Path(args.results), Path(args.out), args.suites)
-    print(f"wrote {out}")
+    results = None if args.results is None else Path(args.results)
+    out = collect(results, Path(args.out), args.suites, reports=Path(args.reports),
+                  notes=Path(args.notes))
+    print(f"wrote {out} (reports: {args.reports}, notes: {args.notes})")
     return 0
 
 
@@ -130,10 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
         job.add_arguments(jp)
         jp.set_defaults(func=job.run)
 
-    r = sub.add_parser("report", help="collect suites' Markdown results into one page")
-    r.add_argument("results", help="results directory (NAME.md and PNG plots)")
+    r = sub.add_parser("report", help="store suites' reports and write docs/benchmarks.md")
+    r.add_argument("results", nargs="?", default=None,
+                   help="a results directory (NAME.md and PNG plots) whose reports replace the "
+                        "stored ones; omitted: re-render the page from what is stored")
     r.add_argument("--out", default="docs/benchmarks.md", help="the page to write")
-    r.add_argument("--suites", nargs="*", default=None, help="suite names, in order")
+    r.add_argument("--suites", nargs="*", default=None, help="suites to store (default: all)")
+    r.add_argument("--reports", default="benchmarks/reports", help="the stored suite reports")
+    r.add_argument("--notes", default="benchmarks/notes", help="the hand-written notes")
     r.set_defaults(func=_cmd_report)
 
     i = sub.add_parser("info", help="versions, threads, device")

@@ -1,7 +1,19 @@
-"""Collect the Markdown reports of several suites into one page (``docs/benchmarks.md``).
+"""``paraprop report``: the page ``docs/benchmarks.md``, generated and nothing but generated.
 
-Each suite's ``NAME.md`` already carries its command, date and machine; the page keeps them,
-shifts the headings one level down, and copies the referenced PNGs next to the page (``img/``).
+Two inputs, both kept in the repository:
+
+- ``benchmarks/reports/SUITE.md``: each suite's report exactly as ``paraprop bench SUITE`` wrote
+  it (its command, date and machine, then its tables). ``paraprop report results`` first copies
+  the reports of a fresh run from ``results/`` (and their PNGs into ``docs/img/``), replacing the
+  stored ones of the same suites.
+- ``benchmarks/notes/SUITE.md`` (optional): the words a person adds to a suite's figures: the
+  conditions of the run, the targets met or missed and why. ``_intro.md`` goes under the page's
+  introduction. A re-run replaces a report, never a note.
+
+The page is then rendered from the stored reports (alphabetical order) and notes: each suite's
+headings move one level down, its note follows its command and date lines, and its images point
+into ``img/``. A test renders the page again and compares: a hand edit of the page itself fails
+it, so every word lives in a report or a note.
 """
 
 from __future__ import annotations
@@ -15,30 +27,79 @@ INTRO = """# Benchmarks
 Figures quoted in the README and the docs. Every table was produced by the command above it, on
 the machine it names; ratios are medians of interleaved runs (A B A B ...) from the same run.
 Regenerate with `paraprop bench SUITE --out results` for each suite, then
-`paraprop report results --out docs/benchmarks.md`.
+`paraprop report results`: it stores the new reports in `benchmarks/reports/` and writes this
+page from them and the notes in `benchmarks/notes/` (do not edit the page itself).
 """
 
+REPORTS = Path("benchmarks/reports")
+NOTES = Path("benchmarks/notes")
+_IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)/]+\.png)\)")
 
-def collect(results: Path, out: Path, suites: list[str] | None = None) -> Path:
-    """Write ``out`` from ``results/SUITE.md`` (all suites found, or ``suites`` in order)."""
+
+def store(results: Path, reports: Path, img: Path, suites: list[str] | None = None) -> list[str]:
+    """Copy ``results/SUITE.md`` (all found, or ``suites``) into ``reports`` and the PNGs they
+    show into ``img``; returns the suites copied."""
     if not results.is_dir():
         raise ValueError(f"results directory {results} does not exist")
     names = suites or sorted(p.stem for p in results.glob("*.md") if p.stem != "demo")
     if not names:
         raise ValueError(f"no suite reports (*.md) in {results}")
-    img = out.parent / "img"
+    reports.mkdir(parents=True, exist_ok=True)
     img.mkdir(parents=True, exist_ok=True)
-    parts = [INTRO]
     for name in names:
         md = results / f"{name}.md"
         if not md.exists():
             raise ValueError(f"{md} not found (run paraprop bench {name} --out {results})")
         text = md.read_text()
-        for png in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", text):
-            if (results / png).exists():
-                shutil.copy(results / png, img / Path(png).name)
-        text = re.sub(r"!\[([^\]]*)\]\(([^)/]+\.png)\)", r"![\1](img/\2)", text)
-        text = re.sub(r"^(#+) ", r"#\1 ", text, flags=re.M)
-        parts.append(text.strip() + "\n")
-    out.write_text("\n".join(parts))
+        for png in _IMAGE.findall(text):
+            if (results / png[1]).exists():
+                shutil.copy(results / png[1], img / png[1])
+        (reports / f"{name}.md").write_text(text)
+    return names
+
+
+def _split_header(text: str) -> tuple[list[str], str]:
+    """A report's generated command and date lines, and the rest (from its first heading on)."""
+    lines = text.strip("\n").split("\n")
+    if lines and lines[0].startswith("# "):
+        lines = lines[1:]
+    head: list[str] = []
+    while lines and (not lines[0].strip() or lines[0].startswith(("Command: `", "Date: "))):
+        line = lines.pop(0)
+        if line.strip():
+            head.append(line)
+    return head, "\n".join(lines)
+
+
+def render(reports: Path, notes: Path) -> str:
+    """The page from the stored reports and notes."""
+    names = sorted(p.stem for p in reports.glob("*.md"))
+    if not names:
+        raise ValueError(f"no stored suite reports (*.md) in {reports}")
+    parts = [INTRO]
+    intro = notes / "_intro.md"
+    if intro.exists():
+        parts.append(intro.read_text().strip("\n") + "\n")
+    for name in names:
+        head, body = _split_header((reports / f"{name}.md").read_text())
+        body = re.sub(r"^(#+) ", r"#\1 ", body, flags=re.M)
+        body = _IMAGE.sub(r"![\1](img/\2)", body)
+        section = [f"## {name}", ""]
+        if head:
+            section += [*head, ""]
+        note = notes / f"{name}.md"
+        if note.exists():
+            section += [note.read_text().strip("\n"), ""]
+        section.append(body.strip("\n"))
+        parts.append("\n".join(section) + "\n")
+    return "\n".join(parts)
+
+
+def collect(results: Path | None, out: Path, suites: list[str] | None = None, *,
+            reports: Path = REPORTS, notes: Path = NOTES) -> Path:
+    """Store the fresh reports of ``results`` (if given), then write the page ``out``."""
+    if results is not None:
+        store(results, reports, out.parent / "img", suites)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(reports, notes))
     return out
