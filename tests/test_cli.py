@@ -242,3 +242,23 @@ def test_console_script_user_error_is_one_line():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     _one_error_line(proc.stderr, r"unknown benchmark suite 'nosuch'")
+
+
+def test_demo_skips_a_part_whose_optional_extra_is_missing(tmp_path, capsys, monkeypatch):
+    import types
+
+    from paraprop import demos
+
+    ran = []
+    needs = types.ModuleType("paraprop.demos.needs")
+    needs.TITLE, needs.REQUIRES = "needs a missing extra", ("no_such_module_for_paraprop",)
+    needs.run = lambda out, quick: ran.append("needs")
+    plain = types.ModuleType("paraprop.demos.plain")
+    plain.TITLE = "runs"
+    plain.run = lambda out, quick: ran.append("plain") or {"headline": "ran", "rows": []}
+    monkeypatch.setattr(demos, "parts", lambda: [needs, plain])
+    assert demos.missing_requirements(needs) == ["no_such_module_for_paraprop"]
+    assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert ran == ["plain"]
+    assert "skipped: needs no_such_module_for_paraprop" in out

@@ -32,8 +32,14 @@ def _cmd_demo(args) -> int:
     sections, summary, headlines = [], {}, []
     for part in demos.parts():
         print(f"\n=== {part.TITLE} ===")
-        res = part.run(out, quick=args.quick)
         name = part.__name__.rsplit(".", 1)[-1]
+        missing = demos.missing_requirements(part)
+        if missing:  # an optional extra is not installed: say so and go on
+            why = f"skipped: needs {', '.join(missing)} (pip install 'paraprop[vision]')"
+            print(why)
+            headlines.append({"part": name, "headline": why, "plots": "(no plot)", "why": why})
+            continue
+        res = part.run(out, quick=args.quick)
         sections += res.get("sections", [])
         summary[name] = res.get("rows", [])
         headlines.append(demos.summary_row(name, res, out))

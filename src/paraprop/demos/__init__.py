@@ -11,6 +11,7 @@ from the part's own measurements), ``headline`` (the part's figure for the closi
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 from pathlib import Path
 
@@ -23,6 +24,11 @@ def parts() -> list:
             if not m.name.startswith("_")]
     return sorted((m for m in mods if callable(getattr(m, "run", None))),
                   key=lambda m: (getattr(m, "ORDER", 100), m.__name__))
+
+
+def missing_requirements(part) -> list[str]:
+    """The optional modules a part names in ``REQUIRES`` that are not installed."""
+    return [m for m in getattr(part, "REQUIRES", ()) if importlib.util.find_spec(m) is None]
 
 
 def summary_row(name: str, result: dict, out_dir: Path) -> dict:

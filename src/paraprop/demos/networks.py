@@ -20,6 +20,7 @@ from paraprop.models import small_densenet
 from paraprop.training.networks import accuracy, image_data, split, train_network
 
 ORDER = 70
+REQUIRES = ("torchvision",)  # the DenseNet class
 TITLE = "Network inference as a recurrence over layers: a DenseNet by Jacobi-GS"
 STEPS = 60
 
