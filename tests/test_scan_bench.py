@@ -11,7 +11,8 @@ def test_bppsa_suite_quick(tmp_path, capsys):
     payload = bppsa.run(tmp_path, quick=True, repeats=1)
     record = json.loads((tmp_path / "bppsa.json").read_text())
     assert record["command"] == "paraprop bench bppsa --quick --repeats 1"
-    for key in ("rnn_T", "rnn_batch", "gru"):
+    assert [r["kind"] for r in payload["wide"]] == ["gru", "lstm"]
+    for key in ("rnn_T", "rnn_batch", "gru", "wide"):
         assert payload[key], key
         for row in payload[key]:
             assert row["repeats"] == 1
@@ -27,3 +28,4 @@ def test_bppsa_suite_quick(tmp_path, capsys):
         assert (tmp_path / png).stat().st_size > 0
     md = (tmp_path / "bppsa.md").read_text()
     assert md.startswith("# bppsa") and "GRU at the IRMAS shapes" in md
+    assert "GRU and LSTM, T=100, hidden 64, batch 8" in md

@@ -6,12 +6,14 @@ Markov special case: position ``t`` depends on position ``t - 1`` only. Every me
 :func:`paraprop.solve` applies to it; the Newton-type methods (``"newton"``, ``"quasi_newton"``,
 ``"elk"``, :mod:`paraprop.solvers.newton`) also use its Jacobians ``J_t = d s_t / d s_{t-1}``:
 
-- analytic for :class:`torch.nn.RNNCell` and :class:`torch.nn.GRUCell` (the GRU's in the factored
+- analytic for :class:`torch.nn.RNNCell`, :class:`torch.nn.GRUCell` (the GRU's in the factored
   form ``diag(z_t) + [I I I] diag(c_t) W_hh`` of BPPSA, Wang et al. 2020, Appendix E, so no
-  ``T x H x H`` array is formed for Newton), computed together with the cell in one blocked pass;
+  ``T x H x H`` array is formed for Newton) and :class:`torch.nn.LSTMCell` (on the concatenated
+  state ``[h, c]``, a :class:`paraprop.scan.LSTMFactored`: four vectors per step and
+  ``W_hh``), computed together with the cell in one blocked pass;
 - from a ``jacobian(input, hidden)`` method of the cell when it has one (dense ``(N, H, H)``);
 - otherwise by reverse-mode autograd on ``H`` stacked copies of the rows (any differentiable
-  cell; :class:`torch.nn.LSTMCell` runs on the concatenated state ``[h, c]``).
+  cell).
 
 The solution is differentiable: gradients with respect to ``inputs``, ``h0`` and the cell's
 parameters come from implicit differentiation at the solution, one reverse
@@ -21,12 +23,14 @@ product of the cell over all steps, whichever method produced the solution.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from paraprop import checks
 from paraprop.jacobians.cells import AnalyticCell, cell_adapter
-from paraprop.scan import Factored, linear_recurrence
+from paraprop.scan import Factored, LSTMFactored, linear_recurrence
 
 __all__ = ["Recurrence"]
 
@@ -163,7 +167,8 @@ class Recurrence:
         """``fn(x)`` at positions ``[lo, T)`` and, unless ``form`` is ``None``, the Jacobians
         ``J_t = d fn_t / d x_{t-1}`` there: ``"dense"`` ``(B, n, H, H)``, ``"diag"`` (their
         diagonals, ``(B, n, H)``) or ``"any"`` (the cheapest exact form: a
-        :class:`paraprop.scan.Factored` for the analytic cells, dense otherwise)."""
+        :class:`paraprop.scan.Factored` (RNN, GRU) or :class:`paraprop.scan.LSTMFactored`
+        for the analytic cells, dense otherwise)."""
         prev = self._previous(xc, lo)
         return self._adapter.linearize(self, prev, lo, form)
 
@@ -285,6 +290,8 @@ class _Implicit(torch.autograd.Function):
 
 def _transpose(J):
     """``J_t^T`` for every step, in the form of ``J``."""
+    if isinstance(J, LSTMFactored):
+        return dataclasses.replace(J, transposed=not J.transposed)
     if isinstance(J, Factored):   # (diag(d) + L diag(s) R)^T = diag(d) + R^T diag(s) L^T
         return Factored(scale=J.scale, diag=J.diag,
                         left=None if J.right is None else J.right.t(),

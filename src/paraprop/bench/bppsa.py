@@ -12,7 +12,10 @@ on the CPU, and the Jacobi backward of Song et al. 2021 (§5.1):
 2. **Batch sweep** at ``T = 1000``: batch 2 .. 256.
 3. **GRU at the IRMAS shapes** (synthetic features): ``T`` = 259 / 517 / 1034 with 38 / 24 / 12
    inputs, hidden 20, 11 classes, batch 16 / 32 / 64.
-4. **Jacobi backward** (Song §5.1): training loss against wall-clock time for the exact scan,
+4. **GRU and LSTM, wider** (issue 19): ``T = 1000``, hidden 64, batch 32, 16 inputs, 10
+   classes: training steps of :class:`paraprop.nn.GRU` / :class:`paraprop.nn.LSTM` against
+   torch.nn.GRU / torch.nn.LSTM with autograd.
+5. **Jacobi backward** (Song §5.1): training loss against wall-clock time for the exact scan,
    torch autograd and Jacobi with ``K`` sweeps (a truncated backward) on the bitstream task.
 
 Every figure is a median over interleaved rounds; speedups are ratios of medians from the same
@@ -36,7 +39,8 @@ from paraprop.experiments.report import markdown_table, text_table, write_result
 from paraprop.nn import JacobiBackward, ScanBackward
 from paraprop.scan import native
 
-DESCRIPTION = "BPPSA: RNN/GRU backward as a scan vs torch autograd (T, batch, GRU, Jacobi)"
+DESCRIPTION = ("BPPSA: RNN/GRU/LSTM backward as a scan vs torch autograd (T, batch, GRU, "
+               "GRU/LSTM hidden 64, Jacobi)")
 
 
 T_SWEEP = [10, 30, 100, 300, 1000, 3000, 10000, 30000]
@@ -49,6 +53,10 @@ IRMAS = [(259, 38), (517, 24), (1034, 12)]
 
 
 IRMAS_BATCH = [16, 32, 64]
+
+
+# GRU and LSTM at T = 1000, hidden 64, batch 32 (issue 19): (T, inputs, hidden, batch)
+WIDE = (1000, 16, 64, 32)
 
 
 def grad_error(ref: nn.Module, mine: nn.Module, x, y) -> float:
@@ -131,15 +139,19 @@ def rnn_row(T: int, batch: int, repeats: int | None, seed: int, chunked: bool) -
     return row
 
 
-def gru_row(T: int, inputs: int, batch: int, repeats: int | None, seed: int) -> dict:
+def gru_row(T: int, inputs: int, batch: int, repeats: int | None, seed: int, *,
+            kind: str = "gru", hidden: int | None = None, classes: int = 11) -> dict:
+    """One training-step comparison of ``kind`` (``"gru"`` or ``"lstm"``) with torch's module
+    (hidden 20 unless ``hidden``)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, batch, inputs, generator=g)
-    y = torch.randint(0, 11, (batch,), generator=g)
-    ref, mine = pair("gru", inputs, 11, seed)
+    y = torch.randint(0, classes, (batch,), generator=g)
+    ref, mine = pair(kind, inputs, classes, seed, **({"hidden": hidden} if hidden else {}))
     err = grad_error(ref, mine, x, y)
     reps = repeats_for(T, batch, repeats)
-    m = measure({"torch": ref, "scan": mine}, x, y, reps, f"gru T={T} B={batch}")
-    return {"T": T, "inputs": inputs, "batch": batch, "repeats": reps,
+    m = measure({"torch": ref, "scan": mine}, x, y, reps, f"{kind} T={T} B={batch}")
+    extra = {"kind": kind, "hidden": hidden} if hidden else {}
+    return {**extra, "T": T, "inputs": inputs, "batch": batch, "repeats": reps,
             "torch_fwd_ms": m["torch"]["fwd_ms"], "torch_bwd_ms": m["torch"]["bwd_ms"],
             "torch_step_ms": m["torch"]["step_ms"], "scan_fwd_ms": m["scan"]["fwd_ms"],
             "scan_bwd_ms": m["scan"]["bwd_ms"], "scan_step_ms": m["scan"]["step_ms"],
@@ -212,16 +224,19 @@ def plot_sweep(path: Path, rows: list[dict], key: str, xlabel: str, title: str) 
     return save_figure(fig, path, dpi=110)
 
 
-def plot_gru(path: Path, rows: list[dict]) -> Path:
-    labels = [f"T={r['T']}\nB={r['batch']}" for r in rows]
+def plot_gru(path: Path, rows: list[dict], *,
+             title: str = "GRU at the IRMAS shapes (hidden 20, synthetic features)",
+             ylabel: str = "speedup over torch.nn.GRU autograd") -> Path:
+    labels = [f"{r['kind']}\nT={r['T']}\nB={r['batch']}" if "kind" in r
+              else f"T={r['T']}\nB={r['batch']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(rows)), 3.8))
     idx = range(len(rows))
     ax.bar([i - 0.2 for i in idx], [r["bwd_speedup"] for r in rows], 0.4, label="backward")
     ax.bar([i + 0.2 for i in idx], [r["step_speedup"] for r in rows], 0.4, label="training step")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(list(idx), labels, fontsize=7)
-    ax.set_ylabel("speedup over torch.nn.GRU autograd")
-    ax.set_title("GRU at the IRMAS shapes (hidden 20, synthetic features)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=8)
     return save_figure(fig, path, dpi=110)
 
@@ -247,6 +262,11 @@ RNN_COLUMNS = ["T", "batch", "repeats", "torch_fwd_ms", "torch_bwd_ms", "torch_s
 GRU_COLUMNS = ["T", "inputs", "batch", "repeats", "torch_fwd_ms", "torch_bwd_ms",
                "torch_step_ms", "scan_fwd_ms", "scan_bwd_ms", "scan_step_ms", "bwd_speedup",
                "step_speedup", "grad_rel_err"]
+
+
+WIDE_COLUMNS = ["kind", "T", "inputs", "hidden", "batch", "repeats", "torch_fwd_ms",
+                "torch_bwd_ms", "torch_step_ms", "scan_fwd_ms", "scan_bwd_ms", "scan_step_ms",
+                "bwd_speedup", "step_speedup", "grad_rel_err"]
 
 
 def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
@@ -291,6 +311,20 @@ def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> di
     sections.append(("GRU at the IRMAS shapes (hidden 20, synthetic features)",
                      markdown_table(gru_rows, GRU_COLUMNS) + f"\n\n![]({png.name})"))
 
+    T, inputs, hidden, batch = (WIDE[0] // 10, WIDE[1], WIDE[2], 8) if quick else WIDE
+    wide_rows = [gru_row(T, inputs, batch, repeats, seed=T + batch + i, kind=kind,
+                         hidden=hidden, classes=CLASSES)
+                 for i, kind in enumerate(("gru", "lstm"))]
+    title = (f"GRU and LSTM, T={T}, hidden {hidden}, batch {batch} "
+             f"({inputs} inputs, synthetic features)")
+    print(f"\n{title}: times in ms")
+    print(text_table(wide_rows, WIDE_COLUMNS))
+    png = plot_gru(out_dir / "bppsa_wide.png", wide_rows,
+                   title=f"GRU and LSTM (hidden {hidden}, {inputs} inputs)",
+                   ylabel="speedup over torch's module, autograd")
+    plots.append(png)
+    sections.append((title, markdown_table(wide_rows, WIDE_COLUMNS) + f"\n\n![]({png.name})"))
+
     curves = jacobi_curves(jac_T, 16, jac_steps, jac_ks, jac_lr, seed=7)
     jac_rows = [{"method": k, "steps": len(c["loss"]), "time_s": c["time_s"][-1],
                  "ms_per_step": 1e3 * c["time_s"][-1] / len(c["loss"]),
@@ -317,7 +351,7 @@ def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> di
     print("\n" + note)
     payload = {"suite": "bppsa", "machine": machine_info(), "quick": quick,
                "repeats": repeats, "native": native.status(), "rnn_T": rnn_rows,
-               "rnn_batch": batch_rows, "gru": gru_rows, "jacobi": {
+               "rnn_batch": batch_rows, "gru": gru_rows, "wide": wide_rows, "jacobi": {
                    "T": jac_T, "lr": jac_lr, "rows": jac_rows, "curves": curves},
                "plots": [p.name for p in plots], "seconds": took}
     goal = targets(payload)
@@ -346,5 +380,13 @@ def targets(payload: dict) -> list[dict]:
         worst = min(r["bwd_speedup"] for r in g)
         rows.append({"target": "GRU T=1034 backward >= 3x", "measured": worst,
                      "met": worst >= 3})
+    for r in payload.get("wide", []):
+        if (r["T"], r["inputs"], r["hidden"], r["batch"]) != WIDE:
+            continue
+        name = f"{r['kind'].upper()} T=1000 H=64 B=32"
+        rows.append({"target": f"{name} step >= 5x", "measured": r["step_speedup"],
+                     "met": r["step_speedup"] >= 5})
+        rows.append({"target": f"{name} gradients within 1e-5", "measured": r["grad_rel_err"],
+                     "met": r["grad_rel_err"] <= 1e-5})
     return [r for r in rows if not math.isnan(r["measured"])]
 

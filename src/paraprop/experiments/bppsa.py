@@ -8,20 +8,21 @@ import torch
 from torch import nn
 
 from paraprop.models import RecurrentClassifier
-from paraprop.nn import GRU, RNN
+from paraprop.nn import GRU, LSTM, RNN
 
 HIDDEN, CLASSES, LR = 20, 10, 1e-5
 
 
-def pair(kind: str, inputs: int, classes: int, seed: int, **ours_kwargs):
-    """The torch model and ours with identical weights: ``{"torch": m, "scan": m, ...}``."""
+MODULES = {"rnn": (nn.RNN, RNN), "gru": (nn.GRU, GRU), "lstm": (nn.LSTM, LSTM)}
+
+
+def pair(kind: str, inputs: int, classes: int, seed: int, hidden: int = HIDDEN, **ours_kwargs):
+    """The torch classifier and ours (``kind``: ``"rnn"``, ``"gru"`` or ``"lstm"``) with
+    identical weights, ``(torch's, ours)``."""
     torch.manual_seed(seed)
-    if kind == "rnn":
-        ref = RecurrentClassifier(nn.RNN(inputs, HIDDEN), classes)
-        mine = RecurrentClassifier(RNN(inputs, HIDDEN, **ours_kwargs), classes)
-    else:
-        ref = RecurrentClassifier(nn.GRU(inputs, HIDDEN), classes)
-        mine = RecurrentClassifier(GRU(inputs, HIDDEN, **ours_kwargs), classes)
+    theirs, ours = MODULES[kind]
+    ref = RecurrentClassifier(theirs(inputs, hidden), classes)
+    mine = RecurrentClassifier(ours(inputs, hidden, **ours_kwargs), classes)
     mine.load_state_dict(ref.state_dict())
     return ref, mine
 

@@ -1,9 +1,10 @@
 """Drop-in recurrent modules whose backward pass is a scan (BPPSA) or Jacobi sweeps, and whose
 forward pass may run in parallel over time (Newton / DEER and the other solvers).
 
-:class:`RNN` and :class:`GRU` take the constructor arguments and state dicts of
-:class:`torch.nn.RNN` and :class:`torch.nn.GRU` and return the same outputs. Two extra keyword
-arguments, each a name or a configuration object of :mod:`paraprop.nn.options`:
+:class:`RNN`, :class:`GRU` and :class:`LSTM` take the constructor arguments and state dicts
+of :class:`torch.nn.RNN`, :class:`torch.nn.GRU` and :class:`torch.nn.LSTM` and return the same
+outputs. Two extra keyword arguments, each a name or a configuration object of
+:mod:`paraprop.nn.options`:
 
 - ``forward``: ``"sequential"`` (torch's kernel, the default), a method of
   :func:`paraprop.solve` such as ``"newton"``, a solver object, or
@@ -12,9 +13,13 @@ arguments, each a name or a configuration object of :mod:`paraprop.nn.options`:
   states from one :func:`paraprop.scan.linear_recurrence` per layer, all weight gradients from
   batched contractions), ``"jacobi"`` (:class:`JacobiBackward`) or ``"autograd"``
   (:class:`AutogradBackward`).
+
+:class:`ParaGRU` and :class:`ParaLSTM` are ParaRNN's diagonal-recurrence cells (Danieli et al.
+2026): Newton forward by default (exact per iteration, ``O(T H)``), scan backward.
 """
 
 from paraprop.nn.gru import GRU
+from paraprop.nn.lstm import LSTM
 from paraprop.nn.options import (
     BACKWARDS,
     FORWARD_TOL,
@@ -25,7 +30,9 @@ from paraprop.nn.options import (
     ScanBackward,
     SequentialForward,
 )
+from paraprop.nn.para import ParaGRU, ParaLSTM
 from paraprop.nn.rnn import RNN
 
-__all__ = ["BACKWARDS", "FORWARDS", "FORWARD_TOL", "GRU", "RNN", "AutogradBackward",
-           "JacobiBackward", "ParallelForward", "ScanBackward", "SequentialForward"]
+__all__ = ["BACKWARDS", "FORWARDS", "FORWARD_TOL", "GRU", "LSTM", "RNN", "AutogradBackward",
+           "JacobiBackward", "ParaGRU", "ParaLSTM", "ParallelForward", "ScanBackward",
+           "SequentialForward"]

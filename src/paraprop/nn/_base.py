@@ -29,9 +29,10 @@ def check_options(cls_name: str, *, dropout, bidirectional, proj_size) -> None:
             f"paraprop.nn.{cls_name} does not support dropout between layers (got "
             f"dropout={dropout}); use torch.nn.{cls_name} or apply dropout outside")
     if proj_size:
+        why = "" if cls_name == "LSTM" else " (torch supports it only for LSTM)"
         raise NotImplementedError(
-            f"paraprop.nn.{cls_name} does not support proj_size (torch supports it only for "
-            f"LSTM); got proj_size={proj_size}")
+            f"paraprop.nn.{cls_name} does not support proj_size{why}; got "
+            f"proj_size={proj_size}")
 
 
 def solve_layer(cfg: dict, adapter, x: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
@@ -104,13 +105,25 @@ def first_order_only(backward):
 
 
 class ScanBackwardMixin:
-    """Forward plumbing for the modules: shapes as torch.nn.RNN/GRU, then ``_function``.
+    """Forward plumbing for the modules: shapes as torch.nn.RNN/GRU/LSTM, then ``_function``.
 
-    Subclasses set ``_function`` (an autograd Function taking ``cfg, x, h0, *weights`` with
-    time-major ``x``) and inherit the parameters and ``forward`` of the torch module.
+    Subclasses set ``_function`` (an autograd Function taking ``cfg, x, *states, *weights``
+    with time-major ``x`` and one ``(layers, B, H)`` tensor per part of the state, returning the
+    outputs and the final states) and inherit the parameters and ``forward`` of the torch
+    module. A state of several parts (the LSTM's ``(h, c)``) overrides :meth:`_state_tensors`
+    and :meth:`_hidden`.
     """
 
     _function: type[torch.autograd.Function]
+    _state_parts = 1
+
+    def _state_tensors(self, hx) -> tuple:
+        """The tensors of ``hx`` (``()`` for ``None``)."""
+        return () if hx is None else (hx,)
+
+    def _hidden(self, finals: list):
+        """What ``forward`` returns after the outputs, from the final states."""
+        return finals[0]
 
     # -- the two options, validated on every assignment ----------------------------------------
     @property
@@ -177,8 +190,9 @@ class ScanBackwardMixin:
                     f"values; use forward='sequential' (torch's kernel) there")
             return super().forward(input, hx)
         weights = self._weights()
+        hxs = self._state_tensors(hx)
         needs_grad = torch.is_grad_enabled() and (
-            input.requires_grad or (hx is not None and hx.requires_grad)
+            input.requires_grad or any(h.requires_grad for h in hxs)
             or any(w.requires_grad for w in weights))
         if not parallel and (isinstance(bwd, AutogradBackward) or not needs_grad):
             return super().forward(input, hx)
@@ -197,15 +211,18 @@ class ScanBackwardMixin:
             raise ValueError(f"{name}: the sequence is empty (input shape "
                              f"{tuple(input.shape)})")
         expect = (self.num_layers, B, self.hidden_size)
-        if hx is None:
-            h0 = torch.zeros(expect, dtype=x.dtype, device=x.device)
-        else:
-            h0 = hx if batched else (hx.unsqueeze(1) if hx.dim() == 2 else hx)
+        states = []
+        for h in hxs or (None,) * self._state_parts:
+            if h is None:
+                states.append(torch.zeros(expect, dtype=x.dtype, device=x.device))
+                continue
+            h0 = h if batched else (h.unsqueeze(1) if h.dim() == 2 else h)
             if tuple(h0.shape) != expect:
                 raise ValueError(f"expected hidden size {expect if batched else expect[::2]}, "
-                                 f"got {tuple(hx.shape)}")
+                                 f"got {tuple(h.shape)}")
             if h0.dtype != x.dtype:
                 raise TypeError(f"hx has dtype {h0.dtype} but input has {x.dtype}")
+            states.append(h0)
         if any(w.dtype != x.dtype for w in weights):
             raise TypeError(f"input has dtype {x.dtype} but the parameters have "
                             f"{weights[0].dtype}")
@@ -219,13 +236,15 @@ class ScanBackwardMixin:
                "backward": bwd, "backward_name": describe(bwd),
                "stats": self.backward_stats}
         if needs_grad:
-            out, hn = self._function.apply(cfg, x, h0, *weights)
+            out, *finals = self._function.apply(cfg, x, *states, *weights)
         else:
             with torch.no_grad():
-                out, hn, _ = self._function.layers(cfg, x, h0, weights, save=False)
+                out, *finals, _ = self._function.layers(cfg, x, *states, weights, save=False)
         if not batched:
-            return out.squeeze(1), hn.squeeze(1)
-        return (out.transpose(0, 1) if self.batch_first else out), hn
+            out, finals = out.squeeze(1), [h.squeeze(1) for h in finals]
+        elif self.batch_first:
+            out = out.transpose(0, 1)
+        return out, self._hidden(finals)
 
     def extra_repr(self) -> str:
         s = super().extra_repr()

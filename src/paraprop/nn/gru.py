@@ -159,7 +159,8 @@ class GRU(ScanBackwardMixin, torch.nn.GRU):
             :class:`paraprop.nn.RNN`.
 
     Raises:
-        As :class:`paraprop.nn.RNN`.
+        NotImplementedError, ValueError / TypeError, paraprop.ConvergenceError: as
+            :class:`paraprop.nn.RNN` (with torch.nn.GRU's shape errors).
 
     Example:
         >>> ref = torch.nn.GRU(12, 20, batch_first=True)

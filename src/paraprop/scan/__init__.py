@@ -1,8 +1,8 @@
 """Scans and linear recurrences: back-propagation as a parallel scan (BPPSA).
 
-- :func:`linear_recurrence`: all states of ``h_t = A_t h_{t-1} + b_t`` (dense, diagonal or
-  :class:`Factored` ``A``), forward or reverse, differentiable; algorithms ``sequential``,
-  ``blelloch``, ``hillis_steele``, ``chunked``, ``auto``.
+- :func:`linear_recurrence`: all states of ``h_t = A_t h_{t-1} + b_t`` (dense, diagonal,
+  :class:`Factored` or :class:`LSTMFactored` ``A``), forward or reverse, differentiable;
+  algorithms ``sequential``, ``blelloch``, ``hillis_steele``, ``chunked``, ``auto``.
 - :func:`associative_scan`: prefix combinations under any associative operator, including the
   modified Blelloch scan of BPPSA (operands reversed in the down-sweep, level cap).
 - :func:`jacobi_recurrence`: the same recurrence by Jacobi sweeps (Song et al. 2021, §5.1).
@@ -16,7 +16,7 @@ One file per algorithm: :mod:`.sequential`, :mod:`.blelloch`, :mod:`.hillis_stee
 
 from paraprop.scan.associative import SCAN_ALGORITHMS, associative_scan
 from paraprop.scan.jacobi import jacobi_recurrence
-from paraprop.scan.operators import Factored
+from paraprop.scan.operators import Factored, LSTMFactored
 from paraprop.scan.ragged import ragged_scan
 from paraprop.scan.recurrence import ALGORITHMS, linear_recurrence
 
@@ -24,6 +24,7 @@ __all__ = [
     "ALGORITHMS",
     "SCAN_ALGORITHMS",
     "Factored",
+    "LSTMFactored",
     "associative_scan",
     "jacobi_recurrence",
     "linear_recurrence",

@@ -4,7 +4,7 @@ Kept as a Python string so that it ships with the package without package-data s
 body is compiled twice, once per scalar type (``float`` -> ``*_f32``, ``double`` -> ``*_f64``).
 """
 
-# The three kernels evaluate h_t = A_t h_prev + b_t step by step, one batch row after another
+# The kernels evaluate h_t = A_t h_prev + b_t step by step, one batch row after another
 # (batch rows are independent, so the caller splits them across threads). Every array is
 # addressed as base + n * stride_n + t * stride_t (+ the feature index, contiguous), so
 # time-major, batch-major and broadcast (stride 0) layouts need no copy. `reverse` walks t from
@@ -165,6 +165,71 @@ void SFX(pp_factored)(i64 N, i64 T, i64 H, i64 K, int reverse,
         }
     }
     free(h);
+    pp_ftz_end(csr);
+}
+
+/* The LSTM Jacobians on the state x = [x_h; x_c] (H here is the hidden size, the state has 2H;
+   see paraprop.scan.LSTMFactored), s_t (4H), f_t and k_t (H) per step, W_hh shared.
+   transposed (back-propagation), W = W_hh (4H x H) row-major, axpy over its rows:
+       v = x_c + k_t x_h,  u = s_t * [v; v; v; x_h],  y_h = sum_q u_q W[q, :],  y_c = f_t v;
+   forward (Newton), W = W_hh^T (H x 4H) row-major:
+       u = s_t * sum_j x_h[j] W[j, :],  y_c = u_i + u_f + u_g + f_t x_c,  y_h = u_o + k_t y_c;
+   and out = y + b_t. */
+void SFX(pp_lstm)(i64 N, i64 T, i64 H, int transposed, int reverse,
+                  const T_ *restrict sc, i64 s_sn, i64 s_st,
+                  const T_ *restrict fg, i64 f_sn, i64 f_st,
+                  const T_ *restrict kk, i64 k_sn, i64 k_st,
+                  const T_ *restrict W,
+                  const T_ *restrict b, i64 b_sn, i64 b_st,
+                  const T_ *restrict h0, i64 h0_sn,
+                  T_ *restrict out, i64 o_sn, i64 o_st) {
+    const unsigned csr = pp_ftz_begin();
+    T_ *restrict x = (T_ *)malloc(sizeof(T_) * (size_t)(7 * H));
+    T_ *restrict u = x + 2 * H;      /* 4H */
+    T_ *restrict v = u + 4 * H;      /* H */
+    for (i64 n = 0; n < N; ++n) {
+        if (h0) memcpy(x, h0 + n * h0_sn, sizeof(T_) * (size_t)(2 * HH));
+        else memset(x, 0, sizeof(T_) * (size_t)(2 * HH));
+        for (i64 s = 0; s < T; ++s) {
+            const i64 t = reverse ? T - 1 - s : s;
+            const T_ *restrict st = sc + n * s_sn + t * s_st;
+            const T_ *restrict ft = fg + n * f_sn + t * f_st;
+            const T_ *restrict kt = kk + n * k_sn + t * k_st;
+            const T_ *restrict bt = b + n * b_sn + t * b_st;
+            T_ *restrict ot = out + n * o_sn + t * o_st;
+            if (transposed) {
+                for (i64 i = 0; i < HH; ++i) v[i] = x[HH + i] + kt[i] * x[i];
+                for (i64 i = 0; i < HH; ++i) {
+                    u[i] = st[i] * v[i];
+                    u[HH + i] = st[HH + i] * v[i];
+                    u[2 * HH + i] = st[2 * HH + i] * v[i];
+                    u[3 * HH + i] = st[3 * HH + i] * x[i];
+                }
+                for (i64 i = 0; i < HH; ++i) ot[i] = bt[i];
+                for (i64 q = 0; q < 4 * HH; ++q) {
+                    const T_ uq = u[q];
+                    const T_ *restrict row = W + q * HH;
+                    for (i64 i = 0; i < HH; ++i) ot[i] += uq * row[i];
+                }
+                for (i64 i = 0; i < HH; ++i) ot[HH + i] = bt[HH + i] + ft[i] * v[i];
+            } else {
+                for (i64 q = 0; q < 4 * HH; ++q) u[q] = 0;
+                for (i64 j = 0; j < HH; ++j) {
+                    const T_ xj = x[j];
+                    const T_ *restrict row = W + j * 4 * HH;
+                    for (i64 q = 0; q < 4 * HH; ++q) u[q] += xj * row[q];
+                }
+                for (i64 i = 0; i < HH; ++i) {
+                    const T_ yc = st[i] * u[i] + st[HH + i] * u[HH + i]
+                                  + st[2 * HH + i] * u[2 * HH + i] + ft[i] * x[HH + i];
+                    ot[HH + i] = yc + bt[HH + i];
+                    ot[i] = st[3 * HH + i] * u[3 * HH + i] + kt[i] * yc + bt[i];
+                }
+            }
+            memcpy(x, ot, sizeof(T_) * (size_t)(2 * HH));
+        }
+    }
+    free(x);
     pp_ftz_end(csr);
 }
 """

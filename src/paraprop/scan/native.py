@@ -192,8 +192,11 @@ def _open(target: Path) -> ctypes.CDLL:
     plain = [i64, i64, i64, ci, vp, i64, i64, vp, i64, i64, vp, i64, vp, i64, i64]
     fact = [i64, i64, i64, i64, ci, vp, i64, i64, vp, i64, i64, vp, vp, vp, i64, i64, vp, i64,
             vp, i64, i64]
+    lstm = [i64, i64, i64, ci, ci, vp, i64, i64, vp, i64, i64, vp, i64, i64, vp, vp, i64, i64,
+            vp, i64, vp, i64, i64]
     for suffix in UNITS:
-        for kind, argtypes in (("dense", plain), ("diag", plain), ("factored", fact)):
+        for kind, argtypes in (("dense", plain), ("diag", plain), ("factored", fact),
+                               ("lstm", lstm)):
             fn = getattr(lib, f"pp_{kind}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
     return lib
@@ -423,4 +426,32 @@ def factored(d: torch.Tensor | None, s: torch.Tensor, LT: torch.Tensor | None,
            _ptr(out, n0, o_sn), o_sn, o_st)
 
     _run_split(N, T * H * K * 2, call)
+    return out
+
+
+def lstm(s: torch.Tensor, f: torch.Tensor, k: torch.Tensor, W: torch.Tensor, transposed: bool,
+         b: torch.Tensor, h0: torch.Tensor | None, out: torch.Tensor,
+         reverse: bool) -> torch.Tensor:
+    """:class:`paraprop.scan.LSTMFactored` steps on the state ``[h; c]`` (``b`` ``(N, T, 2Hc)``),
+    given ``W = W_hh`` ``(4Hc, Hc)`` when ``transposed``, else ``W = W_hh^T`` ``(Hc, 4Hc)``,
+    contiguous."""
+    N, T, H2 = b.shape
+    Hc = H2 // 2
+    lib = _library(Hc, 0, N * T)
+    fn = getattr(lib, f"pp_lstm_{_DTYPES[b.dtype][0]}")
+    s_sn, s_st = _bt_strides(s)
+    f_sn, f_st = _bt_strides(f)
+    k_sn, k_st = _bt_strides(k)
+    b_sn, b_st = _bt_strides(b)
+    o_sn, o_st = _bt_strides(out)
+    h_sn = h0.stride(0) if h0 is not None else 0
+    Wp = W.data_ptr()
+
+    def call(n0: int, n1: int) -> None:
+        fn(n1 - n0, T, Hc, int(transposed), int(reverse), _ptr(s, n0, s_sn), s_sn, s_st,
+           _ptr(f, n0, f_sn), f_sn, f_st, _ptr(k, n0, k_sn), k_sn, k_st, Wp,
+           _ptr(b, n0, b_sn), b_sn, b_st, _ptr(h0, n0, h_sn), h_sn, _ptr(out, n0, o_sn), o_sn,
+           o_st)
+
+    _run_split(N, T * Hc * Hc * 8, call)
     return out

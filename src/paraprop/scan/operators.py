@@ -1,4 +1,4 @@
-"""The transition matrices ``A_t`` of a linear recurrence, in three storage forms.
+"""The transition matrices ``A_t`` of a linear recurrence, in four storage forms.
 
 - dense: a tensor ``(..., T, H, H)``;
 - diagonal: a tensor ``(..., T, H)`` (``A_t = diag(a_t)``);
@@ -7,6 +7,8 @@
   2020, Appendix E): for a tanh RNN ``J_t^T = W_hh^T diag(1 - h_t^2)``, for a GRU a diagonal
   plus three scaled copies of ``W_hh^T`` blocks. Applying it costs ``O(H K)`` and needs
   no ``(T, H, H)`` array in memory.
+- :class:`LSTMFactored`: the Jacobians of LSTM steps on the two-part state ``[h; c]`` (or their
+  transposes), ``W_hh`` shared and four per-step vectors; one ``W_hh`` product per step.
 
 :class:`Op` is the internal, canonical view the algorithms work on: every per-step tensor has the
 layout ``(N | 1, T, ...)`` (``N`` flattened batch rows; a leading 1 is a batch broadcast) and the
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Factored", "Op"]
+__all__ = ["Factored", "LSTMFactored", "Op"]
 
 
 @dataclass(frozen=True)
@@ -47,18 +49,69 @@ class Factored:
     diag: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class LSTMFactored:
+    """The Jacobians ``A_t = d [h_t; c_t] / d [h_{t-1}; c_{t-1}]`` of LSTM steps (or, with
+    ``transposed``, their transposes), on the state ``[h; c]`` of size ``2H``.
+
+    With ``u = scale_t * (W x_h)`` (``4H``, the gate blocks ``i, f, g, o`` of ``W = W_hh``), the
+    step ``y = A_t x`` is
+
+        y_c = u_i + u_f + u_g + forget_t * x_c,     y_h = u_o + output_t * y_c,
+
+    and the transposed step ``y = A_t^T x`` is, with ``v = x_c + output_t * x_h``,
+
+        y_h = W^T (scale_t * [v; v; v; x_h]),       y_c = forget_t * v.
+
+    One product with ``W`` (``4 H^2``) per step and no ``(2H, 2H)`` matrix; the form
+    :func:`paraprop.jacobians.cells.lstm_scale` computes, derived in :mod:`paraprop.nn.lstm`.
+
+    Arguments:
+        scale: ``(..., T, 4H)``, the gate sensitivities ``s_t = [dc/da_i; dc/da_f; dc/da_g;
+            dh/da_o]`` (``a`` the gate pre-activations).
+        forget: ``(..., T, H)``, ``dc_t / dc_{t-1}`` (the forget gate).
+        output: ``(..., T, H)``, ``dh_t / dc_t`` (``o_t (1 - tanh^2 c_t)``).
+        weight: ``(4H, H)``, ``W_hh`` (shared by all steps).
+        transposed: the transposes ``A_t^T`` (back-propagation) instead of ``A_t`` (Newton).
+
+    Example (the transposed Jacobians of an LSTM with hidden size 8):
+        >>> W = torch.randn(32, 8); T = 100
+        >>> A = LSTMFactored(scale=torch.rand(4, T, 32), forget=torch.rand(4, T, 8),
+        ...                  output=torch.rand(4, T, 8), weight=W, transposed=True)
+        >>> g = paraprop.scan.linear_recurrence(A, torch.randn(4, T, 16), reverse=True)
+    """
+
+    scale: torch.Tensor
+    forget: torch.Tensor
+    output: torch.Tensor
+    weight: torch.Tensor
+    transposed: bool = False
+
+
 class Op:
-    """Canonical transitions: ``kind`` in ``{"dense", "diag", "factored"}``.
+    """Canonical transitions: ``kind`` in ``{"dense", "diag", "factored", "lstm"}``.
 
     ``a`` is the dense ``(N|1, T, H, H)`` or diagonal ``(N|1, T, H)`` tensor; for ``factored``,
     ``d`` ``(N|1, T, H)`` or ``None``, ``s`` ``(N|1, T, K)``, ``L`` ``(H, K)`` or ``None``,
-    ``R`` ``(K, H)`` or ``None``. Slicing keeps the time dim at position 1 until
+    ``R`` ``(K, H)`` or ``None``; for ``lstm`` (:class:`LSTMFactored`, ``H`` the state size
+    ``2 Hc``), ``s`` ``(N|1, T, 4 Hc)``, ``f`` and ``k`` ``(N|1, T, Hc)`` (forget, output),
+    ``W`` ``(4 Hc, Hc)`` and ``tr`` (transposed). Slicing keeps the time dim at position 1 until
     :meth:`at` drops it.
     """
 
-    def __init__(self, kind: str, H: int, *, a=None, d=None, s=None, L=None, R=None):
+    FIELDS = {"dense": ("a",), "diag": ("a",), "factored": ("d", "s", "L", "R"),
+              "lstm": ("s", "f", "k", "W")}
+
+    def __init__(self, kind: str, H: int, *, a=None, d=None, s=None, L=None, R=None, f=None,
+                 k=None, W=None, tr: bool = False):
         self.kind, self.H = kind, H
         self.a, self.d, self.s, self.L, self.R = a, d, s, L, R
+        self.f, self.k, self.W, self.tr = f, k, W, tr
+
+    @classmethod
+    def build(cls, kind: str, H: int, tensors, tr: bool = False) -> Op:
+        """The inverse of :meth:`tensors`."""
+        return cls(kind, H, tr=tr, **dict(zip(cls.FIELDS[kind], tensors, strict=True)))
 
     # -- shape ----------------------------------------------------------------------------------
     @property
@@ -67,11 +120,12 @@ class Op:
 
     @property
     def per_step(self) -> list[str]:
-        return ["a"] if self.kind != "factored" else ["d", "s"]
+        return {"factored": ["d", "s"], "lstm": ["s", "f", "k"]}.get(self.kind, ["a"])
 
     def map_steps(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Op:
         """A new Op with ``fn`` applied to every per-step tensor (shared matrices kept)."""
-        new = Op(self.kind, self.H, a=self.a, d=self.d, s=self.s, L=self.L, R=self.R)
+        new = Op(self.kind, self.H, a=self.a, d=self.d, s=self.s, L=self.L, R=self.R, f=self.f,
+                 k=self.k, W=self.W, tr=self.tr)
         for name in self.per_step:
             t = getattr(self, name)
             if t is not None:
@@ -90,11 +144,15 @@ class Op:
     # -- algebra ----------------------------------------------------------------------------------
     def transpose(self) -> Op:
         """``A_t^T`` for every step (dense: a transposed view; factored: swap and transpose
-        ``L`` and ``R``)."""
+        ``L`` and ``R``; lstm: the other direction of the same tensors)."""
         if self.kind == "dense":
             return Op("dense", self.H, a=self.a.transpose(-1, -2))
         if self.kind == "diag":
             return self
+        if self.kind == "lstm":
+            new = self.map_steps(lambda x: x)
+            new.tr = not self.tr
+            return new
         return Op("factored", self.H, d=self.d, s=self.s,
                   L=None if self.R is None else self.R.t(),
                   R=None if self.L is None else self.L.t())
@@ -129,12 +187,27 @@ class Op:
             return self.a @ x if mat else (self.a @ x.unsqueeze(-1)).squeeze(-1)
         if self.kind == "diag":
             return self.a.unsqueeze(-1) * x if mat else self.a * x
+        if self.kind == "lstm":
+            return self._lstm(x.unsqueeze(-1)).squeeze(-1) if not mat else self._lstm(x)
         u = self._right(x, mat)
         u = u * (self.s.unsqueeze(-1) if mat else self.s)
         out = self._left(u, mat)
         if self.d is not None:
             out = out + (self.d.unsqueeze(-1) * x if mat else self.d * x)
         return out
+
+    def _lstm(self, x: torch.Tensor) -> torch.Tensor:
+        """:class:`LSTMFactored` times ``x`` ``(..., 2Hc, M)`` (see its docstring)."""
+        Hc = self.H // 2
+        s, f, k = self.s.unsqueeze(-1), self.f.unsqueeze(-1), self.k.unsqueeze(-1)
+        xh, xc = x[..., :Hc, :], x[..., Hc:, :]
+        if self.tr:
+            v = torch.addcmul(xc, k, xh)
+            u = s * torch.cat([v, v, v, xh], -2)
+            return torch.cat([self.W.t() @ u, f * v], -2)
+        u = s * (self.W @ xh)
+        yc = (u[..., :Hc, :] + u[..., Hc:2 * Hc, :] + u[..., 2 * Hc:3 * Hc, :]).addcmul_(f, xc)
+        return torch.cat([torch.addcmul(u[..., 3 * Hc:, :], k, yc), yc], -2)
 
     def dense(self) -> torch.Tensor:
         """The matrices themselves: ``(N|1, T, H, H)`` (diagonal ones are embedded)."""
@@ -146,4 +219,4 @@ class Op:
         return self.apply(eye.expand(*self.s.shape[:-1], self.H, self.H), mat=True)
 
     def tensors(self) -> list[torch.Tensor | None]:
-        return [self.a] if self.kind != "factored" else [self.d, self.s, self.L, self.R]
+        return [getattr(self, name) for name in self.FIELDS[self.kind]]

@@ -15,7 +15,7 @@ import torch
 
 from paraprop import checks
 from paraprop.scan import blelloch, chunked, hillis_steele, native, sequential
-from paraprop.scan.operators import Factored, Op
+from paraprop.scan.operators import Factored, LSTMFactored, Op
 
 ALGORITHMS = ("auto", "sequential", "blelloch", "hillis_steele", "chunked")
 # Below this length the tree and chunked algorithms cannot beat T small steps.
@@ -44,11 +44,18 @@ def canonicalise(A, b, h0) -> Canonical:
     nb = b.dim()
     if isinstance(A, Factored):
         tensors = {"A.scale": A.scale, "A.left": A.left, "A.right": A.right, "A.diag": A.diag}
+    elif isinstance(A, LSTMFactored):
+        tensors = {"A.scale": A.scale, "A.forget": A.forget, "A.output": A.output,
+                   "A.weight": A.weight}
+        if any(t is None for t in tensors.values()):
+            raise TypeError("LSTMFactored needs scale, forget, output and weight (none is "
+                            "optional)")
+        checks.boolean("A.transposed", A.transposed)
     elif isinstance(A, torch.Tensor):
         tensors = {"A": A}
     else:
-        raise TypeError(f"A must be a torch.Tensor or a paraprop.scan.Factored, "
-                        f"got {type(A).__name__}")
+        raise TypeError(f"A must be a torch.Tensor, a paraprop.scan.Factored or a "
+                        f"paraprop.scan.LSTMFactored, got {type(A).__name__}")
     tensors["h0"] = h0
     for name, t in tensors.items():
         if t is None:
@@ -71,6 +78,21 @@ def canonicalise(A, b, h0) -> Canonical:
                 f"A must be dense (..., T, H, H) or diagonal (..., T, H) with the batch dims of b "
                 f"written out; got A {tuple(A.shape)} for b {tuple(b.shape)} (T={T}, H={H})")
         batches.append(A.shape[:-3] if kind == "dense" else A.shape[:-2])
+    elif isinstance(A, LSTMFactored):
+        kind = "lstm"
+        if H % 2:
+            raise ValueError(f"LSTMFactored acts on the state [h; c]: b must have an even "
+                             f"size H = 2 * hidden, got {tuple(b.shape)}")
+        Hc = H // 2
+        if tuple(A.weight.shape) != (4 * Hc, Hc):
+            raise ValueError(f"A.weight must have shape (4 * hidden, hidden) = ({4 * Hc}, "
+                             f"{Hc}) for b {tuple(b.shape)}, got {tuple(A.weight.shape)}")
+        for name, t, size in (("scale", A.scale, 4 * Hc), ("forget", A.forget, Hc),
+                              ("output", A.output, Hc)):
+            if t.dim() != nb or t.shape[-2:] != (T, size):
+                raise ValueError(f"A.{name} must have shape (..., T, {size}) with T={T} and as "
+                                 f"many dims as b {tuple(b.shape)}; got {tuple(t.shape)}")
+            batches.append(t.shape[:-2])
     else:
         kind = "factored"
         s = A.scale
@@ -117,6 +139,9 @@ def canonicalise(A, b, h0) -> Canonical:
         op = Op("dense", H, a=rows(A, 3))
     elif kind == "diag":
         op = Op("diag", H, a=rows(A, 2))
+    elif kind == "lstm":
+        op = Op("lstm", H, s=rows(A.scale, 2), f=rows(A.forget, 2), k=rows(A.output, 2),
+                W=A.weight, tr=bool(A.transposed))
     else:
         op = Op("factored", H, d=rows(A.diag, 2), s=rows(A.scale, 2), L=A.left, R=A.right)
     return Canonical(op, rows(b, 2, True), rows(h0, 1, True), batch)
@@ -190,21 +215,21 @@ class _LinearRecurrence(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, meta, b, h0, a, d, s, L, R):
-        kind, H, reverse, algorithm, chunk_size, levels, use_native = meta
-        op = Op(kind, H, a=a, d=d, s=s, L=L, R=R)
+    def forward(ctx, meta, b, h0, *tensors):
+        kind, H, tr, reverse, algorithm, chunk_size, levels, use_native = meta
+        op = Op.build(kind, H, tensors, tr)
         h = solve(op, b, h0, reverse=reverse, algorithm=algorithm, chunk_size=chunk_size,
                   levels=levels, use_native=use_native)
         ctx.meta = meta
-        ctx.save_for_backward(h, h0, a, d, s, L, R)
+        ctx.save_for_backward(h, h0, *tensors)
         return h
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, G):
-        kind, H, reverse, algorithm, chunk_size, levels, use_native = ctx.meta
-        h, h0, a, d, s, L, R = ctx.saved_tensors
-        op = Op(kind, H, a=a, d=d, s=s, L=L, R=R)
+        kind, H, tr, reverse, algorithm, chunk_size, levels, use_native = ctx.meta
+        h, h0, *tensors = ctx.saved_tensors
+        op = Op.build(kind, H, tensors, tr)
         opT = op.transpose()
         mu = solve(opT, opT.apply(G), None, reverse=not reverse, algorithm=algorithm,
                    chunk_size=chunk_size, levels=levels, use_native=use_native)
@@ -219,6 +244,13 @@ class _LinearRecurrence(torch.autograd.Function):
             hprev = torch.cat([start, h[:, :-1]], 1)
             g_h0 = mu[:, 0]
         need = ctx.needs_input_grad
+        if kind == "lstm":
+            g_op = _step_gradients(op, tensors, need[3:], hprev, lam)
+            return (None, lam if need[1] else None, g_h0 if need[2] else None, *g_op)
+        a = tensors[0] if kind != "factored" else None
+        d, s, L, R = tensors if kind == "factored" else (None,) * 4
+        if kind == "factored":      # needs of d, s, L, R at the positions of a, d, s, L, R
+            need = (*need[:3], False, *need[3:])
         g_a = g_d = g_s = g_L = g_R = None
 
         def fit(g, like):  # sum over a broadcast batch
@@ -240,8 +272,24 @@ class _LinearRecurrence(torch.autograd.Function):
                     g_L = torch.einsum("nth,ntk->hk", lam, s * u)
                 if R is not None and need[7]:
                     g_R = torch.einsum("ntk,nth->kh", s * v, hprev)
-        return (None, lam if need[1] else None, g_h0 if need[2] else None,
-                g_a, g_d, g_s, g_L, g_R)
+        g_op = [g_a] if kind != "factored" else [g_d, g_s, g_L, g_R]
+        return (None, lam if need[1] else None, g_h0 if need[2] else None, *g_op)
+
+
+def _step_gradients(op: Op, tensors, need, hprev, lam) -> list:
+    """``d/dtheta sum_t lam_t . A_t(theta) hprev_t`` for each tensor ``theta`` of ``op`` that
+    ``need`` marks, by autograd through one batched application of every step (the steps are
+    multilinear in their tensors; a broadcast batch is summed by autograd)."""
+    leaves = [t.detach().requires_grad_(bool(n)) if t is not None else None
+              for t, n in zip(tensors, need, strict=True)]
+    wanted = [t for t, n in zip(leaves, need, strict=True) if n and t is not None]
+    if not wanted:
+        return [None] * len(tensors)
+    with torch.enable_grad():
+        y = Op.build(op.kind, op.H, leaves, op.tr).apply(hprev)
+        grads = iter(torch.autograd.grad(y, wanted, lam))
+    return [next(grads) if n and t is not None else None
+            for t, n in zip(tensors, need, strict=True)]
 
 
 def linear_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
@@ -256,9 +304,10 @@ def linear_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
     backward pass is this same function run in the other direction with ``A_t^T``.
 
     Arguments:
-        A: the transitions: a dense tensor ``(..., T, H, H)``, a diagonal ``(..., T, H)`` or a
-            :class:`Factored` ``diag(d_t) + L diag(s_t) R``. Its batch dims must be written out
-            (size 1 to broadcast) so that dense and diagonal are never ambiguous.
+        A: the transitions: a dense tensor ``(..., T, H, H)``, a diagonal ``(..., T, H)``, a
+            :class:`Factored` ``diag(d_t) + L diag(s_t) R`` or an :class:`LSTMFactored` (LSTM
+            Jacobians on the state ``[h; c]``, ``H = 2 * hidden``). Its batch dims must be
+            written out (size 1 to broadcast) so that dense and diagonal are never ambiguous.
         b: ``(..., T, H)``, any ``T >= 1`` (no padding to a power of two).
         h0: ``(..., H)`` initial state (batch dims broadcast), or ``None`` for zero.
         reverse: run from ``t = T-1`` down to 0.
@@ -269,7 +318,7 @@ def linear_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
             ``"auto"``: the native sequential kernel where it runs (CPU, float32/float64),
             otherwise ``sequential`` for ``T <= 16``, ``blelloch`` for diagonal ``A`` and
             ``chunked`` for dense and factored ``A``. The tree algorithms materialise factored
-            ``A`` densely.
+            (and LSTM) ``A`` densely.
         chunk_size: chunk length for ``"chunked"`` (default ``ceil(sqrt(T / 2))``).
         levels: tree levels run in parallel by ``"blelloch"`` (BPPSA's level cap; the rest of
             the tree is scanned sequentially); ``None`` for all.
@@ -295,10 +344,10 @@ def linear_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
     checks.boolean("reverse", reverse)
     c = canonicalise(A, b, h0)
     op = c.op
-    meta = (op.kind, op.H, reverse, algorithm, chunk_size, levels, native)
+    meta = (op.kind, op.H, op.tr, reverse, algorithm, chunk_size, levels, native)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (c.b, c.h0, *op.tensors())):
-        h = _LinearRecurrence.apply(meta, c.b, c.h0, op.a, op.d, op.s, op.L, op.R)
+        h = _LinearRecurrence.apply(meta, c.b, c.h0, *op.tensors())
     else:
         h = solve(op, c.b, c.h0, reverse=reverse, algorithm=algorithm, chunk_size=chunk_size,
                   levels=levels, use_native=native)

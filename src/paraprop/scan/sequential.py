@@ -81,6 +81,10 @@ def _native(op: Op, b: torch.Tensor, h0: torch.Tensor | None, reverse: bool) -> 
         return native.dense(_rows_contiguous(op.a, 2), b, h0, out, reverse)
     if op.kind == "diag":
         return native.diag(_rows_contiguous(op.a, 1), b, h0, out, reverse)
+    if op.kind == "lstm":   # the kernel takes W_hh (transposed steps) or W_hh^T (forward)
+        W = (op.W if op.tr else op.W.t()).contiguous()
+        return native.lstm(_rows_contiguous(op.s, 1), _rows_contiguous(op.f, 1),
+                           _rows_contiguous(op.k, 1), W, op.tr, b, h0, out, reverse)
     LT = op.L.t().contiguous() if op.L is not None else None   # the kernel takes L^T and R^T
     RT = op.R.t().contiguous() if op.R is not None else None
     return native.factored(_rows_contiguous(op.d, 1), _rows_contiguous(op.s, 1), LT, RT, b, h0,
