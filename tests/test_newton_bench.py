@@ -47,7 +47,7 @@ def test_newton_suite_quick(tmp_path):
             assert r["max_err"] <= 1e-4 and r["exact_prefix"] == r["T"]
     assert len(sine["wave"]) > 0 and sine["train_loss_last"] > 0
     targets = {t["target"]: t for t in record["targets"]}
-    assert len(targets) == 4 and all(isinstance(t["met"], bool) for t in targets.values())
+    assert len(targets) == 5 and all(isinstance(t["met"], bool) for t in targets.values())
     for png in payload["plots"]:
         assert (tmp_path / png).stat().st_size > 0
     md = (tmp_path / "newton.md").read_text()

@@ -22,6 +22,10 @@ Two experiments on the CPU (issue 11):
    iterations, convergence, resets (diverging steps replaced by the Jacobi update), error
    against ``method="sequential"`` and time. The claim under test: ELK converges with damping
    where undamped Newton does not.
+3. **ParaGRU / ParaLSTM** (ParaRNN's diagonal-recurrence cells, :mod:`paraprop.nn.para`) at
+   ``T = 100000``, hidden 64, batch 4, input 1: the Newton forward against the module's own
+   sequential loop (``forward="sequential"``), same weights, no graph; reported: median times,
+   iterations and ``max |h_newton - h_loop|``.
 
 Every time is a median over interleaved rounds (A B A B ...) from the same run; speedups are
 ratios of those medians. Benchmarks are not tests: nothing here asserts on time.
@@ -44,10 +48,11 @@ from paraprop.experiments.harness import interleaved, machine_info, median
 from paraprop.experiments.plots import plt, save_figure
 from paraprop.experiments.progress import progress as progress_bar
 from paraprop.experiments.report import markdown_table, text_table, write_results
-from paraprop.nn import GRU, ParallelForward
+from paraprop.nn import GRU, ParaGRU, ParallelForward, ParaLSTM
 from paraprop.solvers import ELK
 
-DESCRIPTION = "Newton / quasi-Newton / ELK forward: GRU vs torch.nn.GRU (T, hidden); sine-wave GRU"
+DESCRIPTION = ("Newton / quasi-Newton / ELK forward: GRU vs torch.nn.GRU; sine-wave GRU; "
+               "ParaGRU / ParaLSTM")
 
 BATCH, INPUTS = 16, 1
 METHODS = ("newton", "quasi_newton")
@@ -72,6 +77,7 @@ class Config:
     dampings: list[float]
     elk_seconds: dict[int, float] = field(default_factory=dict)   # T -> time cap per ELK solve
     long_dampings: int | None = None        # at the longest T only the first so many dampings
+    para: tuple[int, int, int] = (100000, 64, 4)    # ParaGRU / ParaLSTM: (T, hidden, batch)
 
 
 FULL = Config(hidden=[1, 2, 4, 8, 16, 32, 64], lengths=[1000, 3000, 10000, 30000, 100000],
@@ -81,7 +87,8 @@ FULL = Config(hidden=[1, 2, 4, 8, 16, 32, 64], lengths=[1000, 3000, 10000, 30000
               long_dampings=1)
 QUICK = Config(hidden=[2, 8], lengths=[64, 256], head=(8, 256), fb_max_T=256, budget_s=None,
                reserve_s=0.0, sine_T=[150], sine_steps=5, sine_max_iters=40,
-               dampings=[1e-3, 1e-2])
+               dampings=[1e-3, 1e-2], para=(256, 8, 4))
+PARA_SPEEDUP = 10.0     # the issue's target for ParaGRU: Newton >= 10x its sequential loop
 
 
 def rounds(kind: str, T: int, head: bool, quick: bool, repeats: int | None) -> tuple[int, dict]:
@@ -348,8 +355,47 @@ def sine_section(cfg: Config, quick: bool) -> dict:
             "wave": wave}
 
 
+# -- ParaGRU / ParaLSTM: Newton forward vs their sequential loop -----------------------------
+def para_section(cfg: Config, quick: bool, repeats: int | None) -> dict:
+    """Each cell's Newton forward (default ``tol``) against its ``forward="sequential"`` loop:
+    the same module, weights and inputs (``N(0, 1)``, input size 1, batch first), no graph."""
+    T, H, B = cfg.para
+    rows = []
+    for cls in (ParaGRU, ParaLSTM):
+        torch.manual_seed(2000 + H)
+        model = cls(INPUTS, H, batch_first=True)
+        x = torch.randn(B, T, INPUTS, generator=torch.Generator().manual_seed(T + 1))
+        outs, iters = {}, []
+
+        def case(name, model=model, x=x, outs=outs, iters=iters):
+            def go():
+                model.forward_config = name
+                with torch.no_grad():
+                    outs[name] = model(x)[0]
+                if name == "newton":
+                    iters.append(model.forward_stats["iterations"][0])
+            return go
+
+        cases = {"sequential": case("sequential"), "newton": case("newton")}
+        with torch.no_grad():                   # first calls (kernel builds) outside the timing
+            for name in cases:
+                model.forward_config = name
+                model(x[:, :min(T, 1000)])
+        n = repeats or (1 if quick else 3)
+        times = interleaved(cases, repeats=n, warmup=1 if quick else 0,
+                            desc=f"{cls.__name__} T={T}")
+        row = {"cell": cls.__name__, "T": T, "hidden": H, "batch": B, "rounds": n,
+               "sequential_ms": 1e3 * median(times["sequential"]),
+               "newton_ms": 1e3 * median(times["newton"])}
+        row["speedup"] = row["sequential_ms"] / row["newton_ms"]
+        row["newton_iters"] = iters[-1]
+        row["err"] = float((outs["newton"] - outs["sequential"]).abs().max())
+        rows.append(row)
+    return {"rows": rows, "T": T, "hidden": H, "batch": B}
+
+
 # -- targets, plots, the suite ---------------------------------------------------------------
-def targets(gru: dict, sine: dict) -> list[dict]:
+def targets(gru: dict, sine: dict, para: dict | None = None) -> list[dict]:
     """The issue's claims against the measured figures."""
     out = []
     H, T = gru["head"]["hidden"], gru["head"]["T"]
@@ -385,6 +431,13 @@ def targets(gru: dict, sine: dict) -> list[dict]:
         out.append({"target": f"sine GRU, T={Tl}: ELK converges with damping where undamped "
                     "Newton does not", "measured": measured,
                     "met": bool(ok) and not newton["converged"]})
+    p = next((r for r in (para or {}).get("rows", []) if r["cell"] == "ParaGRU"), None)
+    if p:
+        out.append({"target": f"ParaGRU, T={p['T']}, hidden {p['hidden']}, batch {p['batch']}: "
+                    f"Newton forward >= {PARA_SPEEDUP:g}x faster than its sequential loop, "
+                    f"equal within {STATE_TOL:g}",
+                    "measured": f"{p['speedup']:.2f}x, max error {p['err']:.1e}",
+                    "met": p["speedup"] >= PARA_SPEEDUP and p["err"] <= STATE_TOL})
     return out
 
 
@@ -466,6 +519,8 @@ FB_COLUMNS = ["hidden", "T", "torch_rounds", "ours_rounds", "torch_ms", "newton_
               "quasi_newton_iters", "newton_grad_err", "quasi_newton_grad_err"]
 SINE_COLUMNS = ["T", "method", "damping", "max_iters", "iterations", "converged", "resets",
                 "residual", "max_residual", "max_err", "exact_prefix", "time_s", "note"]
+PARA_COLUMNS = ["cell", "T", "hidden", "batch", "rounds", "sequential_ms", "newton_ms", "speedup",
+                "newton_iters", "err"]
 TARGET_COLUMNS = ["target", "measured", "met"]
 
 
@@ -490,6 +545,11 @@ def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> di
           f"generation by newton / elk")
     sine = sine_section(cfg, quick)
     print(text_table(sine["rows"], SINE_COLUMNS))
+
+    para = para_section(cfg, quick, repeats)
+    print(f"\nParaGRU / ParaLSTM forward (T={para['T']}, hidden {para['hidden']}, batch "
+          f"{para['batch']}): Newton vs the sequential loop; times in ms")
+    print(text_table(para["rows"], PARA_COLUMNS))
 
     plots = [plot_gru(out_dir / "newton_gru.png", gru), plot_sine(out_dir / "newton_sine.png",
                                                                    sine)]
@@ -524,7 +584,13 @@ def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> di
                  f"{sine['train_loss_last']:.3g}. Generation: s_t = cell(readout(s_(t-1)) + "
                  f"eps_t, s_(t-1)), eps ~ 0.01 N(0, 1) fixed, s_(-1) = 0, a Recurrence with a "
                  f"plain Python cell (Jacobians by autograd), batch 1.")
-    goal = targets(gru, sine)
+    para_note = (f"ParaGRU and ParaLSTM (paraprop.nn, diagonal hidden weights) with input "
+                 f"{INPUTS}, batch first, inputs N(0, 1), default init and the default tol "
+                 f"(1e-5, float32); both forwards under no_grad, interleaved (sequential, "
+                 f"newton), after one untimed call at T <= 1000. `sequential` is the module's "
+                 f"forward=\"sequential\": a Python loop over time with the input projection "
+                 f"computed up front; `err` is max |h_newton - h_sequential| over all outputs.")
+    goal = targets(gru, sine, para)
     table_rows = [{k: v for k, v in r.items() if k != "residuals"} for r in sine["rows"]]
     sections = [("Method", note), ("Targets", markdown_table(goal, TARGET_COLUMNS)),
                 ("Measured cells (hidden x T)",
@@ -535,13 +601,16 @@ def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> di
                                                                       FB_COLUMNS)),
                 (f"Autoregressive sine-wave GRU (hidden {SINE_H}): newton vs elk",
                  sine_note + "\n\n" + markdown_table(table_rows, SINE_COLUMNS)
-                 + f"\n\n![]({plots[1].name})")]
+                 + f"\n\n![]({plots[1].name})"),
+                ("ParaGRU / ParaLSTM: Newton forward vs the sequential loop (times in ms)",
+                 para_note + "\n\n" + markdown_table(para["rows"], PARA_COLUMNS))]
     print("\nIssue targets:")
     print(text_table(goal, TARGET_COLUMNS))
     print("\n" + note)
     payload = {"suite": "newton", "machine": machine_info(), "quick": quick, "repeats": repeats,
                "load_avg": {"start": list(load_start), "end": list(load_end)},
                "budget_s": cfg.budget_s, "forward_tol": FORWARD_TOL, "gru": gru, "sine": sine,
+               "para": para,
                "targets": goal, "plots": [p.name for p in plots], "seconds": took}
     cmd = "paraprop bench newton" + (" --quick" if quick else "") + (
         f" --repeats {repeats}" if repeats else "")
