@@ -26,6 +26,8 @@ CASES = {
     "gru_classifier.py": ([sys.executable], r"gradients equal to torch's within .*: OK$"),
     "layer_parallel_resnet.py": (TORCHRUN, r"first gradients equal to serial on every rank: OK$"),
     "fused_optimizer.py": ([sys.executable], r"parameters and losses bitwise equal: OK$"),
+    "para_rnn_bitstreams.py": ([sys.executable],
+                               r"gradients equal to autograd through the loop within .*: OK$"),
 }
 
 
