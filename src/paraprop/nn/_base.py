@@ -77,6 +77,18 @@ class _SecondOrderRefused(torch.autograd.Function):
         raise NotImplementedError(ctx.message)
 
 
+def unpack_saved(ctx, lead: int = 0):
+    """What a layer stack's scan Function saved, for its ``backward``: ``(cfg, layers,
+    per_layer_weights, leading, weights, rest)``, where ``leading`` are the first ``lead`` saved
+    tensors (e.g. ``h0``), ``weights`` the parameters of every layer in torch's order and
+    ``rest`` what the layers saved. Clears the run's backward stats."""
+    cfg = ctx.cfg
+    nl, per = cfg["layers"], 4 if cfg["bias"] else 2
+    saved = ctx.saved_tensors
+    cfg["stats"].clear()
+    return cfg, nl, per, saved[:lead], saved[lead:lead + nl * per], saved[lead + nl * per:]
+
+
 def first_order_only(backward):
     """Decorate the ``backward`` of the scan Functions: gradients are computed without a graph,
     and when a graph is wanted (``create_graph=True``) they carry a node that refuses the second

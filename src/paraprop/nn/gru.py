@@ -27,7 +27,13 @@ import torch.nn.functional as F
 from torch import _VF
 
 from paraprop.jacobians.cells import BLOCK_ROWS, GRUCellJacobian, gru_gates, gru_scale
-from paraprop.nn._base import ScanBackwardMixin, check_options, first_order_only, solve_layer
+from paraprop.nn._base import (
+    ScanBackwardMixin,
+    check_options,
+    first_order_only,
+    solve_layer,
+    unpack_saved,
+)
 from paraprop.nn.rnn import solve_hidden
 from paraprop.scan import Factored
 
@@ -90,11 +96,7 @@ class GRUScanFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, g_out, g_hn):
-        cfg = ctx.cfg
-        nl, per = cfg["layers"], 4 if cfg["bias"] else 2
-        saved = ctx.saved_tensors
-        weights, per_layer = saved[:nl * per], saved[nl * per:]
-        cfg["stats"].clear()
+        cfg, nl, per, _, weights, per_layer = unpack_saved(ctx)
         T, B, H = g_out.shape
         grads_w: list = [None] * len(weights)
         g_h0 = g_out.new_empty(nl, B, H)

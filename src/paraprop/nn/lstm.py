@@ -53,7 +53,13 @@ from paraprop.jacobians.cells import (
     lstm_gates,
     lstm_scale,
 )
-from paraprop.nn._base import ScanBackwardMixin, check_options, first_order_only, solve_layer
+from paraprop.nn._base import (
+    ScanBackwardMixin,
+    check_options,
+    first_order_only,
+    solve_layer,
+    unpack_saved,
+)
 from paraprop.nn.rnn import solve_hidden
 from paraprop.scan import LSTMFactored, linear_recurrence
 
@@ -140,11 +146,7 @@ class LSTMScanFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, g_out, g_hn, g_cn):
-        cfg = ctx.cfg
-        nl, per = cfg["layers"], 4 if cfg["bias"] else 2
-        saved = ctx.saved_tensors
-        weights, per_layer = saved[:nl * per], saved[nl * per:]
-        cfg["stats"].clear()
+        cfg, nl, per, _, weights, per_layer = unpack_saved(ctx)
         T, B, H = g_out.shape
         grads_w: list = [None] * len(weights)
         g_h0 = g_out.new_empty(nl, B, H)

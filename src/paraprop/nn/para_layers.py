@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from paraprop.jacobians.diagonal import blocks, gru_linearize, gru_step, lstm_linearize, lstm_step
-from paraprop.nn._base import first_order_only
+from paraprop.nn._base import first_order_only, unpack_saved
 from paraprop.nn.rnn import solve_hidden
 from paraprop.recurrence import Recurrence
 
@@ -216,12 +216,8 @@ class ParaGRUFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, g_out, g_hn):
-        cfg = ctx.cfg
-        nl, per = cfg["layers"], 4 if cfg["bias"] else 2
-        saved = ctx.saved_tensors
-        h0, weights = saved[0], saved[1:1 + nl * per]
-        inputs, outs = saved[1 + nl * per:1 + nl * per + nl], saved[1 + nl * per + nl:]
-        cfg["stats"].clear()
+        cfg, nl, per, (h0,), weights, rest = unpack_saved(ctx, lead=1)
+        inputs, outs = rest[:nl], rest[nl:]
         T, B, H = g_out.shape
         grads: list = [None] * len(weights)
         g_h0 = torch.empty_like(h0)
@@ -322,13 +318,8 @@ class ParaLSTMFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, g_out, g_hn, g_cn):
-        cfg = ctx.cfg
-        nl, per = cfg["layers"], 4 if cfg["bias"] else 2
-        saved = ctx.saved_tensors
-        h0, c0, weights = saved[0], saved[1], saved[2:2 + nl * per]
-        rest = saved[2 + nl * per:]
+        cfg, nl, per, (h0, c0), weights, rest = unpack_saved(ctx, lead=2)
         inputs, hs, cs = rest[:nl], rest[nl:2 * nl], rest[2 * nl:]
-        cfg["stats"].clear()
         T, B, H = g_out.shape
         grads: list = [None] * len(weights)
         g_h0, g_c0 = torch.empty_like(h0), torch.empty_like(c0)

@@ -20,7 +20,13 @@ import torch
 from torch import _VF
 
 from paraprop.jacobians.cells import RNNCellJacobian
-from paraprop.nn._base import ScanBackwardMixin, check_options, first_order_only, solve_layer
+from paraprop.nn._base import (
+    ScanBackwardMixin,
+    check_options,
+    first_order_only,
+    solve_layer,
+    unpack_saved,
+)
 from paraprop.nn.options import JacobiBackward
 from paraprop.scan import Factored, jacobi_recurrence, linear_recurrence
 
@@ -82,14 +88,8 @@ class RNNScanFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, g_out, g_hn):
-        cfg = ctx.cfg
-        nl, per = cfg["layers"], 4 if cfg["bias"] else 2
-        saved = ctx.saved_tensors
-        h0, weights = saved[0], saved[1:1 + nl * per]
-        inputs = saved[1 + nl * per:1 + nl * per + nl]
-        outs = saved[1 + nl * per + nl:1 + nl * per + 2 * nl]
-        slopes = saved[1 + nl * per + 2 * nl:]
-        cfg["stats"].clear()
+        cfg, nl, per, (h0,), weights, rest = unpack_saved(ctx, lead=1)
+        inputs, outs, slopes = rest[:nl], rest[nl:2 * nl], rest[2 * nl:]
         T, B, H = g_out.shape
         grads_w: list = [None] * len(weights)
         g_h0 = torch.empty_like(h0)
