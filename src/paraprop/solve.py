@@ -172,7 +172,7 @@ def _validate(fn, x0, dim, tol, norm, max_iters, callback) -> tuple[int, int]:
     check_tol(tol)
     check_max_iters(max_iters)
     checks.callable_arg("callback", callback, allow_none=True)
-    dims = _normalise_dims(dim, x0.dim())
+    dims = normalise_dims(dim, x0.dim())
     if x0.numel() == 0:
         raise ValueError(f"x0 must not be empty, got shape {tuple(x0.shape)}")
     if not bool(torch.isfinite(x0).all()):
@@ -180,7 +180,7 @@ def _validate(fn, x0, dim, tol, norm, max_iters, callback) -> tuple[int, int]:
     return dims
 
 
-def _normalise_dims(dim, ndim: int) -> tuple[int, int]:
+def normalise_dims(dim, ndim: int) -> tuple[int, int]:
     raw = dim if isinstance(dim, tuple) else (dim,)
     if not raw or not all(checks.is_int(d) for d in raw):
         raise TypeError(f"dim must be an int or a non-empty tuple of ints, got {dim!r}")

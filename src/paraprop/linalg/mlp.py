@@ -42,7 +42,7 @@ from paraprop.linalg.mlp_layers import (
     parse_mlp,
     per_layer,
 )
-from paraprop.linalg.mlp_systems import NegOnes, _backward_system, forward_only, gradients
+from paraprop.linalg.mlp_systems import NegOnes, backward_system, forward_only, gradients
 from paraprop.result import Solution, ensure_converged
 
 __all__ = ["mlp_backward", "mlp_forward"]
@@ -106,7 +106,7 @@ def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tenso
             points = activation_points(model, x)
         l = len(parsed.linears)
         groups = chain_groups(parsed.chains, list(points.pre))
-        bwd, b_rhs = _backward_system(parsed, x, groups, per_layer(groups, l, 2), grad_output,
+        bwd, b_rhs = backward_system(parsed, x, groups, per_layer(groups, l, 2), grad_output,
                                       NegOnes(x))
     sol = solve(bwd, b_rhs, method=method, tol=tol, max_iters=max_iters)
     with torch.no_grad():

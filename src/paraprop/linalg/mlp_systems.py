@@ -96,8 +96,8 @@ def build_systems(parsed: ParsedMLP, x, points: ActivationPoints, grad_output) -
     groups = chain_groups(parsed.chains, list(points.pre))
     D = per_layer(groups, l, 2)
     neg_one = NegOnes(x)
-    fwd, fwd_rhs = _forward_system(parsed, x, points, per_layer(groups, l, 1), D, neg_one)
-    bwd, b_rhs = _backward_system(parsed, x, groups, D, grad_output, neg_one)
+    fwd, fwd_rhs = forward_system(parsed, x, points, per_layer(groups, l, 1), D, neg_one)
+    bwd, b_rhs = backward_system(parsed, x, groups, D, grad_output, neg_one)
     return MLPSystems(points, fwd, fwd_rhs, bwd, b_rhs, tuple(D))
 
 
@@ -113,7 +113,7 @@ class NegOnes(dict):
         return t
 
 
-def _backward_system(parsed: ParsedMLP, x, groups, D, grad_output, neg_one: NegOnes):
+def backward_system(parsed: ParsedMLP, x, groups, D, grad_output, neg_one: NegOnes):
     """Block (k, k+1) = -E_k W_{k+1}^T, identity diagonal; right-hand side E_l g in the last
     block. ``groups``/``D``: the chain groups of all ``l`` layers and the per-layer derivatives
     (:func:`chain_groups`, :func:`per_layer`). When layers 1..l-1 share one activation chain
@@ -147,11 +147,11 @@ def forward_only(parsed: ParsedMLP, x, points: ActivationPoints):
     :func:`mlp_forward` needs); the inputs are trusted."""
     l = len(parsed.linears)
     groups = chain_groups(parsed.chains, list(points.pre))
-    return _forward_system(parsed, x, points, per_layer(groups, l, 1), per_layer(groups, l, 2),
+    return forward_system(parsed, x, points, per_layer(groups, l, 1), per_layer(groups, l, 2),
                            NegOnes(x))
 
 
-def _forward_system(parsed, x, points, values, D, neg_one: NegOnes):
+def forward_system(parsed, x, points, values, D, neg_one: NegOnes):
     """Block (k, k-1) = -D_k W_k; right-hand side D_k b_k + e_k (plus D_1 W_1 z_0 in block 1)."""
     lins, l = parsed.linears, len(parsed.linears)
     B = x.shape[0]

@@ -58,7 +58,7 @@ def solve_layer(cfg: dict, adapter, x: torch.Tensor, h0: torch.Tensor) -> torch.
     return sol.value.transpose(0, 1)
 
 
-def _transforms_active() -> bool:
+def transforms_active() -> bool:
     """Whether a :mod:`torch.func` transform (grad, vjp, jacrev, vmap, ...) is running."""
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
     return bool(active()) if active is not None else False
@@ -75,6 +75,25 @@ class _SecondOrderRefused(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *_):
         raise NotImplementedError(ctx.message)
+
+
+def time_major(name: str, input: torch.Tensor, input_size: int, batch_first: bool  # noqa: A002
+               ) -> tuple[torch.Tensor, bool]:
+    """``input`` checked (2-D or 3-D, ``input_size`` features, at least one step) and seen as
+    ``(T, B, input_size)``; also whether it had a batch dim."""
+    if input.dim() not in (2, 3):
+        raise ValueError(f"{name}: expected input to be 2D or 3D, got "
+                         f"{input.dim()}D tensor of shape {tuple(input.shape)}")
+    if input.shape[-1] != input_size:
+        raise ValueError(f"input.size(-1) must be equal to input_size={input_size}, got "
+                         f"input of shape {tuple(input.shape)}")
+    batched = input.dim() == 3
+    x = input if batched else input.unsqueeze(1)
+    if batched and batch_first:
+        x = x.transpose(0, 1)
+    if x.shape[0] < 1:
+        raise ValueError(f"{name}: the sequence is empty (input shape {tuple(input.shape)})")
+    return x, batched
 
 
 def unpack_saved(ctx, lead: int = 0):
@@ -191,7 +210,7 @@ class ScanBackwardMixin:
                 "batch to one length or use the torch module")
         fwd, bwd = self._forward_config, self._backward_config
         parallel = isinstance(fwd, ParallelForward)
-        if _transforms_active():
+        if transforms_active():
             # torch.func runs its own differentiation and batching: torch's kernel with
             # autograd behaves exactly as torch.nn.RNN / GRU there; a solve cannot (its
             # iteration count depends on the values)
@@ -208,20 +227,8 @@ class ScanBackwardMixin:
             or any(w.requires_grad for w in weights))
         if not parallel and (isinstance(bwd, AutogradBackward) or not needs_grad):
             return super().forward(input, hx)
-        if input.dim() not in (2, 3):
-            raise ValueError(f"{name}: expected input to be 2D or 3D, got "
-                             f"{input.dim()}D tensor of shape {tuple(input.shape)}")
-        if input.shape[-1] != self.input_size:
-            raise ValueError(f"input.size(-1) must be equal to input_size={self.input_size}, got "
-                             f"input of shape {tuple(input.shape)}")
-        batched = input.dim() == 3
-        x = input if batched else input.unsqueeze(1)
-        if batched and self.batch_first:
-            x = x.transpose(0, 1)
+        x, batched = time_major(name, input, self.input_size, self.batch_first)
         T, B = x.shape[:2]
-        if T < 1:
-            raise ValueError(f"{name}: the sequence is empty (input shape "
-                             f"{tuple(input.shape)})")
         expect = (self.num_layers, B, self.hidden_size)
         states = []
         for h in hxs or (None,) * self._state_parts:

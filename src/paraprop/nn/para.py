@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from paraprop import checks
-from paraprop.nn._base import ScanBackwardMixin, _transforms_active
+from paraprop.nn._base import ScanBackwardMixin, time_major, transforms_active
 from paraprop.nn.options import AutogradBackward, ParallelForward, describe
 from paraprop.nn.para_layers import ParaGRUFunction, ParaLSTMFunction
 
@@ -104,28 +104,16 @@ class _ParaRNN(ScanBackwardMixin, nn.Module):
                                       "the batch to one length")
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"{name}: input must be a torch.Tensor, got {type(input).__name__}")
-        if input.dim() not in (2, 3):
-            raise ValueError(f"{name}: expected input to be 2D or 3D, got {input.dim()}D tensor "
-                             f"of shape {tuple(input.shape)}")
-        if input.shape[-1] != self.input_size:
-            raise ValueError(f"input.size(-1) must be equal to input_size={self.input_size}, got "
-                             f"input of shape {tuple(input.shape)}")
+        x, batched = time_major(name, input, self.input_size, self.batch_first)
         weights = self._weights()
         if input.dtype != weights[0].dtype or input.device != weights[0].device:
             raise TypeError(f"{name}: input ({input.dtype}, {input.device}) must match the "
                             f"parameters ({weights[0].dtype}, {weights[0].device})")
-        batched = input.dim() == 3
-        x = input if batched else input.unsqueeze(1)
-        if batched and self.batch_first:
-            x = x.transpose(0, 1)
         T, B = x.shape[:2]
-        if T < 1:
-            raise ValueError(f"{name}: the sequence is empty (input shape "
-                             f"{tuple(input.shape)})")
         states = self._initial(hx, x, batched)
         fwd, bwd = self._forward_config, self._backward_config
         parallel = isinstance(fwd, ParallelForward)
-        if parallel and _transforms_active():
+        if parallel and transforms_active():
             raise NotImplementedError(
                 f"paraprop.nn.{name}(forward={describe(fwd)}) cannot run under torch.func "
                 "transforms (grad, jacrev, vmap, ...): the solver's stopping depends on the "
@@ -143,7 +131,7 @@ class _ParaRNN(ScanBackwardMixin, nn.Module):
         if not needs_grad:
             with torch.no_grad():
                 res = fn.layers(cfg, x, *states, weights)[:1 + self._parts]
-        elif isinstance(bwd, AutogradBackward) or _transforms_active() or B == 0:
+        elif isinstance(bwd, AutogradBackward) or transforms_active() or B == 0:
             res = fn.layers(cfg, x, *states, weights)[:1 + self._parts]   # autograd, loop
         else:
             res = fn.apply(cfg, x, *states, *weights)

@@ -13,7 +13,7 @@ import time
 import torch
 
 from paraprop import checks
-from paraprop.solve import Solution, _normalise_dims, solve
+from paraprop.solve import Solution, normalise_dims, solve
 from paraprop.solvers import is_solver
 
 SAMPLING_METHODS = ("sequential", "jacobi", "jacobi_gs", "gs_jacobi", "sliding_jacobi",
@@ -100,7 +100,7 @@ def sample(model, n: int, *, method="jacobi", tol: float = 1e-5, noise=None,
 def _fixed_passes(system) -> Solution:
     """``T`` Jacobi passes from ``x0`` without a stopping rule (nflows/zuko-style inverse)."""
     x = system.x0
-    first, last = _normalise_dims(system.dim, x.dim())
+    first, last = normalise_dims(system.dim, x.dim())
     T = math.prod(x.shape[first : last + 1])
     start = time.perf_counter()
     for _ in range(T):
