@@ -180,11 +180,7 @@ class ForwardStepper(_Stepper):
     def sweep(self, first, stride, count, length, u0, scale, g, out_f, out_w):
         if not self.batched or count == 1 or self._hook is not None:
             return super().sweep(first, stride, count, length, u0, scale, g, out_f, out_w)
-        steps = length - 1 + (out_w is not None)
-        self.counts.add(count * steps, steps)
-        i0 = first - self.offset
-        p = _intervals(self.params, i0, stride, count, length, steps)
-        b = _intervals(self.buffers, i0, stride, count, length, steps)
+        steps, i0, p, b = _sweep_intervals(self, first, stride, count, length, out_w)
         try:
             self._sweep_fn(length, g is not None, out_w is not None)(p, b, u0, g, out_f, out_w,
                                                                      scale)
@@ -192,6 +188,17 @@ class ForwardStepper(_Stepper):
             j, shape_in, shape_out = e.args
             raise ValueError(f"block {first + j * stride} maps a state of shape {shape_in} to "
                              f"{shape_out}; residual blocks must keep the shape") from None
+
+
+def _sweep_intervals(stepper, first, stride, count, length, out_w):
+    """A batched sweep's step count (counted on ``stepper``), its first local layer, and the
+    parameters and buffers of its ``count`` intervals."""
+    steps = length - 1 + (out_w is not None)
+    stepper.counts.add(count * steps, steps)
+    i0 = first - stepper.offset
+    p = _intervals(stepper.params, i0, stride, count, length, steps)
+    b = _intervals(stepper.buffers, i0, stride, count, length, steps)
+    return steps, i0, p, b
 
 
 class _ShapeError(Exception):
@@ -369,11 +376,7 @@ class AdjointStepper(_Stepper):
     def sweep(self, first, stride, count, length, u0, scale, g, out_f, out_w):
         if not self.batched or count == 1 or self._hook is not None:
             return super().sweep(first, stride, count, length, u0, scale, g, out_f, out_w)
-        steps = length - 1 + (out_w is not None)
-        self.counts.add(count * steps, steps)
-        i0 = first - self.offset
-        p = _intervals(self.params, i0, stride, count, length, steps)
-        b = _intervals(self.buffers, i0, stride, count, length, steps)
+        steps, i0, p, b = _sweep_intervals(self, first, stride, count, length, out_w)
         xs = _intervals({"x": self.inputs}, i0, stride, count, length, steps)["x"]
         out_p = None if self._collect is None else \
             _intervals(self._collect, i0, stride, count, length, steps)
