@@ -78,4 +78,4 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) $(OLDEST) build dist results src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) build dist results site src/*.egg-info .pytest_cache .ruff_cache
