@@ -32,7 +32,9 @@ class JacobiGS:
         workers: with ``blocks``, run the blocks of one iteration on this many threads (PyTorch
             operators release the GIL, so their kernels overlap). Each thread works on its own
             copy of the iterate and takes its blocks last to first, so the iterates are bitwise
-            those of ``workers=1``; the iteration ends when every thread is done. Default 1.
+            those of ``workers=1``; the iteration ends when every thread is done. ``fn`` (its
+            ``update``) is then called from several threads at once, so it must not keep
+            mutable state between calls (a bound network's ``LayerSystem`` does not). Default 1.
         costs: with ``workers``, the cost of each position (e.g. seconds per state from
             :func:`paraprop.networks.profile`): the blocks are dealt slowest first, each to the
             least loaded thread. Default: round-robin.
