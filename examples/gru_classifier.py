@@ -25,19 +25,9 @@ from torch import nn
 
 import paraprop.nn
 from paraprop.data import bitstreams  # (T, batch, 1) bits with P(1) = 0.05 + 0.1 * label
-
-
-class Classifier(nn.Module):
-    """A GRU read out by a linear layer from its last hidden state."""
-
-    def __init__(self, gru, classes):
-        super().__init__()
-        self.gru = gru
-        self.head = nn.Linear(gru.hidden_size, classes)
-
-    def forward(self, x):
-        out, _ = self.gru(x)
-        return self.head(out[-1])
+from paraprop.models import (
+    RecurrentClassifier,  # a recurrent layer, then a linear readout of its last state
+)
 
 
 def main():
@@ -53,8 +43,8 @@ def main():
         args.length, args.steps = 50, 4
 
     torch.manual_seed(0)
-    ref = Classifier(nn.GRU(1, args.hidden), args.classes)
-    model = Classifier(paraprop.nn.GRU(1, args.hidden), args.classes)  # backward="scan"
+    ref = RecurrentClassifier(nn.GRU(1, args.hidden), args.classes)
+    model = RecurrentClassifier(paraprop.nn.GRU(1, args.hidden), args.classes)  # backward="scan"
     model.load_state_dict(ref.state_dict())                             # the same weights
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
 

@@ -33,26 +33,16 @@ from torch import nn  # noqa: E402
 
 import paraprop.nn  # noqa: E402
 from paraprop.data import bitstreams  # noqa: E402  (T, batch, 1) bits, P(1) = 0.05 + 0.1 c
-
-
-class Classifier(nn.Module):
-    """A recurrent layer read out by a linear layer from its last hidden state."""
-
-    def __init__(self, rnn, classes):
-        super().__init__()
-        self.rnn = rnn
-        self.head = nn.Linear(rnn.hidden_size, classes)
-
-    def forward(self, x):
-        out, _ = self.rnn(x)
-        return self.head(out[-1])
+from paraprop.models import (
+    RecurrentClassifier,  # a recurrent layer, then a linear readout of its last state
+)
 
 
 def check_against_the_loop(model, x, y):
     """The Newton forward and the scan backward against autograd through the sequential loop
     (a copy of the model, the same weights): max |out difference| and the largest relative
     gradient difference."""
-    ref = Classifier(type(model.rnn)(1, model.rnn.hidden_size, forward="sequential",
+    ref = RecurrentClassifier(type(model.rnn)(1, model.rnn.hidden_size, forward="sequential",
                                      backward="autograd"), model.head.out_features)
     ref.load_state_dict(model.state_dict())
     outs, grads = [], []
@@ -69,7 +59,7 @@ def check_against_the_loop(model, x, y):
 
 def train(cls, args):
     torch.manual_seed(0)
-    model = Classifier(cls(1, args.hidden), args.classes)      # forward="newton", backward="scan"
+    model = RecurrentClassifier(cls(1, args.hidden), args.classes)  # newton fwd, scan bwd
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(1)
     losses, iters, checks = [], [], None

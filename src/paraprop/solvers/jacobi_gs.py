@@ -98,8 +98,11 @@ class JacobiGS:
                 shares = share_blocks(self.blocks, cost, self.workers,
                                       balanced=self.costs is not None)
                 # per thread: its blocks last to first, as (flat index, position) pairs
-                state.extra["shares"] = [[(index[t], t) for b in reversed(sh) for t in b]
+                state.extra["shares"] = [[index[t] for b in reversed(sh) for t in b]
                                          for sh in shares]
+                # each thread's positions, to copy its results back in one call
+                state.extra["owned"] = [torch.tensor([t for b in sh for t in b], device=device)
+                                        for sh in shares]
                 state.extra["stats"]["workers"] = len(shares)
             return
         bs = self.size(system)
@@ -125,7 +128,7 @@ class JacobiGS:
         def run(share):
             with torch.no_grad():
                 mine = state.x.clone()
-                for index, _ in share:
+                for index in share:
                     vals = system.update(mine, index)
                     system.check_finite(vals, index)
                     mine.index_copy_(1, index, vals)
@@ -134,9 +137,8 @@ class JacobiGS:
         pool = _pool(self.workers, self.intra_op_threads)
         copies = list(pool.map(run, state.extra["shares"]))
         work = state.x.clone()
-        for share, mine in zip(state.extra["shares"], copies, strict=True):
-            for _, t in share:
-                work[:, t] = mine[:, t]
+        for owned, mine in zip(state.extra["owned"], copies, strict=True):
+            work.index_copy_(1, owned, mine.index_select(1, owned))
         return work
 
     def _exact(self, system: System, k: int) -> int:
