@@ -84,7 +84,7 @@ def assert_stats(mod, layers, T):
 
 
 def test_every_forward_is_covered():
-    assert sorted(FORWARDS) == sorted(["sequential", *PARALLEL])
+    assert sorted(FORWARDS) == sorted(["sequential", "native", "auto", *PARALLEL])
 
 
 @pytest.mark.parametrize("cls,tcls,extra", CASES, ids=IDS)

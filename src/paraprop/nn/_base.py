@@ -58,6 +58,17 @@ def solve_layer(cfg: dict, adapter, x: torch.Tensor, h0: torch.Tensor) -> torch.
     return sol.value.transpose(0, 1)
 
 
+def native_runs(fwd, *tensors: torch.Tensor) -> bool:
+    """Whether a ``forward=`` of ``fwd`` runs paraprop's native loop on these tensors: a
+    :class:`SequentialForward` with ``kernel="native"`` or ``"auto"``, CPU tensors of one dtype
+    (float32 or float64), the kernels built, no :mod:`torch.func` transform running."""
+    if not isinstance(fwd, SequentialForward) or fwd.kernel == "torch" or transforms_active():
+        return False
+    from paraprop.scan import native
+
+    return native.supports(*tensors)
+
+
 def transforms_active() -> bool:
     """Whether a :mod:`torch.func` transform (grad, vjp, jacrev, vmap, ...) is running."""
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
@@ -225,7 +236,11 @@ class ScanBackwardMixin:
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or any(h.requires_grad for h in hxs)
             or any(w.requires_grad for w in weights))
-        if not parallel and (isinstance(bwd, AutogradBackward) or not needs_grad):
+        native = native_runs(fwd, input, *hxs, *weights)
+        self.forward_stats.clear()
+        if isinstance(fwd, SequentialForward) and fwd.kernel != "torch":
+            self.forward_stats["kernel"] = ["native" if native else "torch"] * self.num_layers
+        if not parallel and not native and (isinstance(bwd, AutogradBackward) or not needs_grad):
             return super().forward(input, hx)
         x, batched = time_major(name, input, self.input_size, self.batch_first)
         T, B = x.shape[:2]
@@ -245,11 +260,10 @@ class ScanBackwardMixin:
         if any(w.dtype != x.dtype for w in weights):
             raise TypeError(f"input has dtype {x.dtype} but the parameters have "
                             f"{weights[0].dtype}")
-        self.forward_stats.clear()
         if B == 0:      # nothing to solve or to scan: torch's kernel (and autograd) as is
             return super().forward(input, hx)
         cfg = {"name": name, "mode": self.mode, "layers": self.num_layers, "bias": self.bias,
-               "forward": fwd if parallel else None,
+               "forward": fwd if parallel else None, "native": native,
                "forward_tol": fwd.tol_for(x.dtype) if parallel else None,
                "forward_stats": self.forward_stats,
                "backward": bwd, "backward_name": describe(bwd),
@@ -267,6 +281,7 @@ class ScanBackwardMixin:
 
     def extra_repr(self) -> str:
         s = super().extra_repr()
-        if isinstance(self._forward_config, ParallelForward):
-            s += f", forward={describe(self._forward_config)}"
+        fwd = self._forward_config
+        if isinstance(fwd, ParallelForward) or fwd != SequentialForward():
+            s += f", forward={describe(fwd)}"
         return s + f", backward={describe(self._backward_config)}"

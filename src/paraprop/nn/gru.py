@@ -35,7 +35,7 @@ from paraprop.nn._base import (
     unpack_saved,
 )
 from paraprop.nn.rnn import solve_hidden
-from paraprop.scan import Factored
+from paraprop.scan import Factored, native
 
 
 def jacobian_factors(x, hprev, w_ih, w_hh, b_ih, b_hh):
@@ -59,6 +59,19 @@ def jacobian_factors(x, hprev, w_ih, w_hh, b_ih, b_hh):
     return z, s, dn
 
 
+def native_layer(x, h0, w_ih, w_hh, b_ih, b_hh, factors: bool):
+    """One layer's outputs ``(T, B, H)`` by the native loop (the input terms of all steps in
+    one matrix product, then :func:`paraprop.scan.native.gru_forward`) and, with ``factors``,
+    ``(z, s, dn)`` as :func:`jacobian_factors` gives them, written by the same loop."""
+    gi = F.linear(x, w_ih, b_ih)
+    T, B, H = gi.shape[0], gi.shape[1], w_hh.shape[1]
+    out = gi.new_empty(T, B, H)
+    fac = ((gi.new_empty(T, B, H), gi.new_empty(T, B, 3 * H), gi.new_empty(T, B, H))
+           if factors else None)
+    native.gru_forward(gi, w_hh.t().contiguous(), b_hh, h0, out, fac)
+    return out, fac
+
+
 class GRUScanFunction(torch.autograd.Function):
     """Forward: torch's fused GRU per layer, then the gates of all steps in a few batched ops."""
 
@@ -72,6 +85,14 @@ class GRUScanFunction(torch.autograd.Function):
         for k in range(cfg["layers"]):
             w = list(weights[k * per:(k + 1) * per])
             b_ih, b_hh = (w[2], w[3]) if cfg["bias"] else (None, None)
+            if cfg["native"]:
+                out, factors = native_layer(layer_in, h0[k], w[0], w[1], b_ih, b_hh, save)
+                if save:
+                    hprev = torch.cat([h0[k:k + 1], out[:-1]], 0)
+                    saved += [layer_in, hprev, *factors]
+                last.append(out[-1:])
+                layer_in = out
+                continue
             if cfg["forward"] is None:
                 out, hn = _VF.gru(layer_in, h0[k:k + 1], w, cfg["bias"], 1, 0.0, False, False,
                                   False)

@@ -44,6 +44,7 @@ recurrence ``c_t = f_t c_{t-1} + i_t g_t`` (one :func:`paraprop.scan.linear_recu
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import _VF
 
 from paraprop.jacobians.cells import (
@@ -61,7 +62,7 @@ from paraprop.nn._base import (
     unpack_saved,
 )
 from paraprop.nn.rnn import solve_hidden
-from paraprop.scan import LSTMFactored, linear_recurrence
+from paraprop.scan import LSTMFactored, linear_recurrence, native
 
 
 def jacobian_factors(x, hprev, c0, w_ih, w_hh, b_ih, b_hh, c=None):
@@ -102,6 +103,20 @@ def jacobian_factors(x, hprev, c0, w_ih, w_hh, b_ih, b_hh, c=None):
     return s, f, k
 
 
+def native_layer(x, h0, c0, w_ih, w_hh, b_ih, b_hh, factors: bool):
+    """One layer's hidden states and cells ``(T, B, H)`` by the native loop (the input terms of
+    all steps, both biases folded in, in one matrix product, then
+    :func:`paraprop.scan.native.lstm_forward`) and, with ``factors``, ``(s, f, k)`` as
+    :func:`jacobian_factors` gives them, written by the same loop."""
+    gi = F.linear(x, w_ih, None if b_ih is None else b_ih + b_hh)
+    T, B, H = gi.shape[0], gi.shape[1], w_hh.shape[1]
+    out, cell = gi.new_empty(T, B, H), gi.new_empty(T, B, H)
+    fac = ((gi.new_empty(T, B, 4 * H), gi.new_empty(T, B, H), gi.new_empty(T, B, H))
+           if factors else None)
+    native.lstm_forward(gi, w_hh.t().contiguous(), h0, c0, out, cell, fac)
+    return out, cell, fac
+
+
 class LSTMScanFunction(torch.autograd.Function):
     """Forward: torch's fused LSTM per layer, then the factors of all steps in a few batched
     ops. Backward: see the module doc."""
@@ -118,6 +133,16 @@ class LSTMScanFunction(torch.autograd.Function):
             w = list(weights[k * per:(k + 1) * per])
             b_ih, b_hh = (w[2], w[3]) if cfg["bias"] else (None, None)
             c = None
+            if cfg["native"]:
+                out, cell, factors = native_layer(layer_in, h0[k], c0[k], w[0], w[1], b_ih, b_hh,
+                                                  save)
+                if save:
+                    hprev = torch.cat([h0[k:k + 1], out[:-1]], 0)
+                    saved += [layer_in, hprev, *factors]
+                last_h.append(out[-1:])
+                last_c.append(cell[-1:])
+                layer_in = out
+                continue
             if cfg["forward"] is None:
                 out, hn, cn = _VF.lstm(layer_in, (h0[k:k + 1], c0[k:k + 1]), w, cfg["bias"], 1,
                                        0.0, False, False, False)

@@ -7,6 +7,8 @@ Each option is a name (the defaults of its class apply) or a configuration objec
 ``forward=``           meaning
 =====================  ======================================================================
 ``"sequential"``       :class:`SequentialForward`: torch's fused kernel, ``T`` dependent steps
+``"native"``           ``SequentialForward(kernel="native")``: paraprop's native (C) loop
+``"auto"``             ``SequentialForward(kernel="auto")``: the fastest measured forward here
 ``"newton"``, ...      ``ParallelForward(method=name)``: any method of :func:`paraprop.solve`
 a solver object        ``ParallelForward(method=obj)``, e.g. ``ELK(damping=1e-3)``
 ``ParallelForward``    the method with its ``tol``, ``max_iters`` and ``throw``
@@ -34,7 +36,7 @@ import torch
 
 from paraprop.solvers import METHODS, is_solver, make_solver
 
-__all__ = ["FORWARD_TOL", "FORWARDS", "BACKWARDS", "AutogradBackward", "JacobiBackward",
+__all__ = ["FORWARD_TOL", "FORWARDS", "BACKWARDS", "KERNELS", "AutogradBackward", "JacobiBackward",
            "ParallelForward", "ScanBackward", "SequentialForward", "backward_option",
            "check_pair", "default_forward_tol", "describe", "forward_option"]
 
@@ -57,10 +59,38 @@ def default_forward_tol(dtype: torch.dtype) -> float:
     return FORWARD_TOL[dtype]
 
 
+KERNELS = ("torch", "native", "auto")
+
+
 @dataclass(frozen=True)
 class SequentialForward:
-    """Torch's own fused kernel (``forward="sequential"``, the default): ``T`` dependent steps,
-    bitwise the outputs of :class:`torch.nn.RNN` / :class:`torch.nn.GRU`."""
+    """The ``T`` dependent steps one after another.
+
+    Arguments:
+        kernel: which loop runs them:
+
+            - ``"torch"`` (``forward="sequential"``, the default): torch's own fused kernel,
+              bitwise the outputs of :class:`torch.nn.RNN` / ``GRU`` / ``LSTM``.
+            - ``"native"`` (``forward="native"``): paraprop's native C loop
+              (:mod:`paraprop.scan.native`): the input projections of all steps in one matrix
+              product, then the recurrence in one call per layer, batch rows split across
+              threads, writing what the scan backward needs as it goes. Equal to torch's
+              outputs within rounding (float32: a few units in the last place per step; its
+              ``tanh``/``sigmoid`` are within 3 ulp). Where it cannot run (not on the CPU, not
+              float32/float64, no C compiler, ``PARAPROP_NATIVE=0``, under :mod:`torch.func`)
+              torch's kernel runs instead; ``forward_stats["kernel"]`` says which ran.
+            - ``"auto"`` (``forward="auto"``): the forward measured fastest for the device:
+              the native loop on the CPU (it beat torch's kernel and every parallel solver at
+              every size measured on a 2-core CPU, docs/recurrences.md), torch's fused kernel
+              elsewhere (no measurement on other devices decides otherwise yet).
+    """
+
+    kernel: str = "torch"
+
+    def __post_init__(self):
+        if not isinstance(self.kernel, str) or self.kernel not in KERNELS:
+            raise ValueError(f"SequentialForward: kernel must be one of "
+                             f"{', '.join(map(repr, KERNELS))}, got {self.kernel!r}")
 
 
 @dataclass(frozen=True)
@@ -96,14 +126,15 @@ class ParallelForward:
 
     def __post_init__(self):
         from paraprop.solve import check_max_iters, check_tol
-        if self.method == "sequential" or getattr(self.method, "name", None) == "sequential":
-            raise ValueError("ParallelForward: method='sequential' is torch's own kernel; pass "
-                             "forward='sequential' to the module instead")
-        if isinstance(self.method, str) and self.method not in FORWARDS:
+        if self.method in SEQUENTIAL_NAMES or getattr(self.method, "name", None) == "sequential":
+            raise ValueError(f"ParallelForward: method={self.method!r} is a sequential loop; "
+                             f"pass forward={self.method!r} to the module instead")
+        if isinstance(self.method, str) and self.method not in PARALLEL_FORWARDS:
             raise ValueError(f"ParallelForward: unknown method={self.method!r}; choose one of "
-                             f"{', '.join(FORWARDS[1:])}, or a solver object from "
+                             f"{', '.join(PARALLEL_FORWARDS)}, or a solver object from "
                              "paraprop.solvers")
-        solver = make_solver(self.method, argument="ParallelForward: method", names=FORWARDS[1:])
+        solver = make_solver(self.method, argument="ParallelForward: method",
+                             names=PARALLEL_FORWARDS)
         object.__setattr__(self, "solver", solver)
         if self.tol is not None:
             check_tol(self.tol, "ParallelForward: tol")
@@ -169,7 +200,9 @@ class AutogradBackward:
 
 
 # the names forward= and backward= accept
-FORWARDS = ("sequential", *(m for m in METHODS if m not in ("sequential", "anderson")))
+SEQUENTIAL_NAMES = ("sequential", "native", "auto")
+PARALLEL_FORWARDS = tuple(m for m in METHODS if m not in ("sequential", "anderson"))
+FORWARDS = (*SEQUENTIAL_NAMES, *PARALLEL_FORWARDS)
 BACKWARDS = {"scan": ScanBackward, "jacobi": JacobiBackward, "autograd": AutogradBackward}
 
 
@@ -183,7 +216,9 @@ def forward_option(value) -> SequentialForward | ParallelForward:
             raise ValueError(f"unknown forward={value!r}; choose one of {', '.join(FORWARDS)}, "
                              "a solver object from paraprop.solvers, or "
                              "paraprop.nn.ParallelForward(method=..., tol=..., max_iters=...)")
-        return SequentialForward() if value == "sequential" else ParallelForward(method=value)
+        if value in SEQUENTIAL_NAMES:
+            return SequentialForward("torch" if value == "sequential" else value)
+        return ParallelForward(method=value)
     if isinstance(value, type):
         raise TypeError(f"forward must be a name or an object, got the class {value.__name__}; "
                         f"pass an instance, e.g. {value.__name__}()")
@@ -223,7 +258,9 @@ def describe(option) -> str:
         if isinstance(option.method, str) and option == ParallelForward(method=option.method):
             return repr(option.method)
         return repr(option)
-    for name, cls in (("sequential", SequentialForward), *BACKWARDS.items()):
+    if isinstance(option, SequentialForward):
+        return repr("sequential" if option.kernel == "torch" else option.kernel)
+    for name, cls in BACKWARDS.items():
         if option == cls():
             return repr(name)
     return repr(option)
@@ -235,3 +272,8 @@ def check_pair(forward, backward) -> None:
         raise ValueError(f"forward={describe(forward)} differentiates implicitly at the "
                          "solution, with backward='scan' or 'jacobi'; backward='autograd' needs "
                          "forward='sequential'")
+    if (isinstance(forward, SequentialForward) and forward.kernel != "torch"
+            and isinstance(backward, AutogradBackward)):
+        raise ValueError(f"forward={describe(forward)} runs paraprop's native loop, which "
+                         "records no autograd graph; backward='autograd' needs "
+                         "forward='sequential' (torch's kernel)")

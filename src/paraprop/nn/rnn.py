@@ -17,6 +17,7 @@ All weight gradients then follow in batched contractions over all steps:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import _VF
 
 from paraprop.jacobians.cells import RNNCellJacobian
@@ -28,7 +29,7 @@ from paraprop.nn._base import (
     unpack_saved,
 )
 from paraprop.nn.options import JacobiBackward
-from paraprop.scan import Factored, jacobi_recurrence, linear_recurrence
+from paraprop.scan import Factored, jacobi_recurrence, linear_recurrence, native
 
 
 def solve_hidden(cfg: dict, A: Factored, b: torch.Tensor, h0: torch.Tensor | None):
@@ -47,6 +48,15 @@ def solve_hidden(cfg: dict, A: Factored, b: torch.Tensor, h0: torch.Tensor | Non
     return linear_recurrence(A, b, h0, reverse=True, algorithm=bwd.algorithm)
 
 
+def native_layer(cfg: dict, x: torch.Tensor, h0: torch.Tensor, w: list) -> torch.Tensor:
+    """One layer's outputs ``(T, B, H)`` by the native loop: the input terms of all steps (both
+    biases folded in) in one matrix product, then :func:`paraprop.scan.native.rnn_forward`."""
+    bias = w[2] + w[3] if cfg["bias"] else None
+    p = F.linear(x, w[0], bias)
+    out = torch.empty_like(p)
+    return native.rnn_forward(p, w[1].t().contiguous(), h0, out, cfg["mode"] == "RNN_RELU")
+
+
 class RNNScanFunction(torch.autograd.Function):
     """Forward: torch's own fused loop per layer (no graph). Backward: see the module doc."""
 
@@ -60,7 +70,10 @@ class RNNScanFunction(torch.autograd.Function):
         layer_in = x
         for k in range(cfg["layers"]):
             w = list(weights[k * per:(k + 1) * per])
-            if cfg["forward"] is None:
+            if cfg["native"]:
+                out = native_layer(cfg, layer_in, h0[k], w)
+                hn = out[-1:]
+            elif cfg["forward"] is None:
                 out, hn = run(layer_in, h0[k:k + 1], w, cfg["bias"], 1, 0.0, False, False, False)
             else:
                 b_ih, b_hh = (w[2], w[3]) if cfg["bias"] else (None, None)

@@ -10,7 +10,9 @@ body is compiled twice, once per scalar type (``float`` -> ``*_f32``, ``double``
 # time-major, batch-major and broadcast (stride 0) layouts need no copy. `reverse` walks t from
 # T-1 down to 0 (h_prev = h_{t+1}); h0 == NULL means a zero initial state.
 BODY = r"""
+#include <math.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__SSE__)
@@ -232,9 +234,280 @@ void SFX(pp_lstm)(i64 N, i64 T, i64 H, int transposed, int reverse,
     free(x);
     pp_ftz_end(csr);
 }
+/* ---- the cells' forward recurrences (paraprop.nn forward="native") ----------------------------
+   Elementwise functions: in float, exp by range reduction and a degree-7 polynomial, exact to
+   about 1 ulp and written so that the compiler vectorises the loops that call it (libm's scalar
+   expf/tanhf would cost more than the matrix-vector products at these sizes); tanh as an odd
+   polynomial below |x| = 0.55 and from exp above; in double, libm. */
+#ifdef PP_SINGLE
+static inline float pp_exp_neg(float y) {          /* exp(y) for y <= 0 (clamped at -87) */
+    y = y < -87.0f ? -87.0f : y;
+    const float kf = floorf(y * 1.44269504088896341f + 0.5f);
+    /* y - k ln2 with ln2 in two parts (k 0.693359375 is exact); explicit fmas, which the
+       reassociation the kernels are compiled with leaves alone */
+    const float r = fmaf(kf, 2.12194440e-4f, fmaf(-kf, 0.693359375f, y));
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)kf + 127) * (1 << 23);           /* 2^k as a float */
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline float pp_tanh1(float x) {
+    const float a = fabsf(x), x2 = x * x;
+    float p = 6404582.0f / 10854718875.0f;          /* Taylor series to x^17 (|x| < 0.55) */
+    p = p * x2 - 929569.0f / 638512875.0f;
+    p = p * x2 + 21844.0f / 6081075.0f;
+    p = p * x2 - 1382.0f / 155925.0f;
+    p = p * x2 + 62.0f / 2835.0f;
+    p = p * x2 - 17.0f / 315.0f;
+    p = p * x2 + 2.0f / 15.0f;
+    p = p * x2 - 1.0f / 3.0f;
+    const float small = x + x * x2 * p;
+    const float e = pp_exp_neg(-2.0f * (a > 9.0f ? 9.0f : a));
+    const float big = copysignf((1.0f - e) / (1.0f + e), x);
+    return a < 0.55f ? small : big;
+}
+
+static inline float pp_sigmoid1(float x) {
+    const float e = pp_exp_neg(-fabsf(x)), q = 1.0f / (1.0f + e);
+    return x >= 0.0f ? q : e * q;                   /* NaN stays NaN */
+}
+#else
+static inline double pp_tanh1(double x) { return tanh(x); }
+
+static inline double pp_sigmoid1(double x) {
+    const double e = exp(-fabs(x)), q = 1.0 / (1.0 + e);
+    return x >= 0.0 ? q : e * q;
+}
+#endif
+
+/* Several batch rows' hidden products at once, so that each row of W_hh^T is loaded once per
+   group of rows and the partial sums stay in registers (a small matrix-matrix product):
+       acc[r * G + q] = init[r][q] (0 for init[r] NULL) + sum_{j < H} h[r][j] WT[j * G + q],
+   r < R <= 4, WT (H x G) row-major. Summation order over j is the same for every layout. */
+#if defined(__AVX512F__)
+#define PP_VBYTES 64
+#define PP_NV 4
+#else
+#define PP_VBYTES 32
+#define PP_NV 2
+#endif
+typedef T_ SFX(pp_vec) __attribute__((vector_size(PP_VBYTES), aligned(sizeof(T_))));
+#define VEC SFX(pp_vec)
+#define VL ((i64)(PP_VBYTES / sizeof(T_)))
+
+static void SFX(pp_rows_product)(i64 R, i64 H, i64 G, const T_ *restrict WT,
+                                 const T_ *const *init, const T_ *const *h, T_ *restrict acc) {
+    i64 q0 = 0;
+    if (R == 4) {
+        for (; q0 + PP_NV * VL <= G; q0 += PP_NV * VL) {
+            VEC a[4][PP_NV];
+            for (int r = 0; r < 4; ++r)
+                for (int v = 0; v < PP_NV; ++v)
+                    a[r][v] = init[r] ? *(const VEC *)(init[r] + q0 + v * VL) : (VEC){0};
+            for (i64 j = 0; j < H; ++j) {
+                const T_ *restrict w = WT + j * G + q0;
+                VEC wv[PP_NV];
+                for (int v = 0; v < PP_NV; ++v) wv[v] = *(const VEC *)(w + v * VL);
+                for (int r = 0; r < 4; ++r) {
+                    const T_ hr = h[r][j];
+                    for (int v = 0; v < PP_NV; ++v) a[r][v] += hr * wv[v];
+                }
+            }
+            for (int r = 0; r < 4; ++r)
+                for (int v = 0; v < PP_NV; ++v) *(VEC *)(acc + r * G + q0 + v * VL) = a[r][v];
+        }
+        for (; q0 + VL <= G; q0 += VL) {
+            VEC a[4];
+            for (int r = 0; r < 4; ++r)
+                a[r] = init[r] ? *(const VEC *)(init[r] + q0) : (VEC){0};
+            for (i64 j = 0; j < H; ++j) {
+                const VEC wv = *(const VEC *)(WT + j * G + q0);
+                for (int r = 0; r < 4; ++r) a[r] += h[r][j] * wv;
+            }
+            for (int r = 0; r < 4; ++r) *(VEC *)(acc + r * G + q0) = a[r];
+        }
+    }
+    for (i64 r = 0; r < R; ++r) {
+        T_ *restrict ar = acc + r * G;
+        if (init[r]) memcpy(ar + q0, init[r] + q0, sizeof(T_) * (size_t)(G - q0));
+        else memset(ar + q0, 0, sizeof(T_) * (size_t)(G - q0));
+        const T_ *restrict hr = h[r];
+        for (i64 j = 0; j < H; ++j) {
+            const T_ hj = hr[j];
+            const T_ *restrict row = WT + j * G;
+            for (i64 q = q0; q < G; ++q) ar[q] += hj * row[q];
+        }
+    }
+}
+
+/* The forward kernels walk time in the outer loop and the batch rows in groups of four inside
+   it (rows are independent; the caller splits them across threads). h0 NULL: zero states. */
+#define PP_ROWS_BEGIN(G)                                                                        \
+    for (i64 t = 0; t < T; ++t)                                                                 \
+        for (i64 n0 = 0; n0 < N; n0 += 4) {                                                     \
+            const i64 R = N - n0 < 4 ? N - n0 : 4;                                              \
+            const T_ *prev[4] = {zero, zero, zero, zero};                                       \
+            for (i64 r = 0; r < R; ++r) {                                                       \
+                const i64 n = n0 + r;                                                           \
+                if (t) prev[r] = out + n * o_sn + (t - 1) * o_st;                               \
+                else if (h0) prev[r] = h0 + n * h0_sn;                                          \
+            }
+
+/* Elman RNN: out_t = act(p_t + W_hh h_{t-1}), p (N, T, H) = W_ih x_t + b_ih + b_hh. */
+void SFX(pp_rnn_fwd)(i64 N, i64 T, i64 H, int relu,
+                     const T_ *restrict p, i64 p_sn, i64 p_st,
+                     const T_ *restrict WT,
+                     const T_ *restrict h0, i64 h0_sn,
+                     T_ *restrict out, i64 o_sn, i64 o_st) {
+    const unsigned csr = pp_ftz_begin();
+    T_ *restrict a = (T_ *)malloc(sizeof(T_) * (size_t)(5 * HH));
+    T_ *restrict zero = a + 4 * HH;
+    memset(zero, 0, sizeof(T_) * (size_t)HH);
+    PP_ROWS_BEGIN(HH)
+        const T_ *init[4] = {NULL, NULL, NULL, NULL};
+        for (i64 r = 0; r < R; ++r) init[r] = p + (n0 + r) * p_sn + t * p_st;
+        SFX(pp_rows_product)(R, HH, HH, WT, init, prev, a);
+        for (i64 r = 0; r < R; ++r) {
+            const T_ *restrict ar = a + r * HH;
+            T_ *restrict ot = out + (n0 + r) * o_sn + t * o_st;
+            if (relu) {
+                for (i64 i = 0; i < HH; ++i) ot[i] = ar[i] < 0 ? (T_)0 : ar[i];
+            } else {
+                for (i64 i = 0; i < HH; ++i) ot[i] = pp_tanh1(ar[i]);
+            }
+        }
+    }
+    free(a);
+    pp_ftz_end(csr);
+}
+
+/* torch's GRU step (gates r, z, n):  r = sig(gi_r + gh_r), z = sig(gi_z + gh_z),
+   n = tanh(gi_n + r gh_n), h' = (h - n) z + n,  gi (N, T, 3H) = W_ih x_t + b_ih,
+   gh = W_hh h + b_hh (bh, or NULL). When zz is given, also the factors of the transposed
+   Jacobian (paraprop.jacobians.cells.gru_scale): z (N, T, H), s (N, T, 3H), dn (N, T, H). */
+void SFX(pp_gru_fwd)(i64 N, i64 T, i64 H,
+                     const T_ *restrict gi, i64 g_sn, i64 g_st,
+                     const T_ *restrict WT, const T_ *restrict bh,
+                     const T_ *restrict h0, i64 h0_sn,
+                     T_ *restrict out, i64 o_sn, i64 o_st,
+                     T_ *restrict zz, i64 z_sn, i64 z_st,
+                     T_ *restrict ss, i64 s_sn, i64 s_st,
+                     T_ *restrict dd, i64 d_sn, i64 d_st) {
+    const unsigned csr = pp_ftz_begin();
+    T_ *restrict gh_all = (T_ *)malloc(sizeof(T_) * (size_t)(13 * HH));
+    T_ *restrict zero = gh_all + 12 * HH;
+    memset(zero, 0, sizeof(T_) * (size_t)HH);
+    const T_ *bias[4] = {bh, bh, bh, bh};
+    PP_ROWS_BEGIN(3 * HH)
+        SFX(pp_rows_product)(R, HH, 3 * HH, WT, bias, prev, gh_all);
+        for (i64 r = 0; r < R; ++r) {
+            const i64 n = n0 + r;
+            const T_ *restrict gh = gh_all + r * 3 * HH;
+            const T_ *restrict h = prev[r];
+            const T_ *restrict gt = gi + n * g_sn + t * g_st;
+            T_ *restrict ot = out + n * o_sn + t * o_st;
+            if (zz) {
+                T_ *restrict zt = zz + n * z_sn + t * z_st;
+                T_ *restrict st = ss + n * s_sn + t * s_st;
+                T_ *restrict dt = dd + n * d_sn + t * d_st;
+                for (i64 i = 0; i < HH; ++i) {
+                    const T_ rg = pp_sigmoid1(gt[i] + gh[i]);
+                    const T_ z = pp_sigmoid1(gt[HH + i] + gh[HH + i]);
+                    const T_ c = pp_tanh1(gt[2 * HH + i] + rg * gh[2 * HH + i]);
+                    const T_ dn = (1 - c * c) * (1 - z);
+                    ot[i] = (h[i] - c) * z + c;
+                    zt[i] = z;
+                    dt[i] = dn;
+                    st[2 * HH + i] = dn * rg;
+                    st[i] = dn * rg * gh[2 * HH + i] * (1 - rg);
+                    st[HH + i] = (h[i] - c) * z * (1 - z);
+                }
+            } else {
+                for (i64 i = 0; i < HH; ++i) {
+                    const T_ rg = pp_sigmoid1(gt[i] + gh[i]);
+                    const T_ z = pp_sigmoid1(gt[HH + i] + gh[HH + i]);
+                    const T_ c = pp_tanh1(gt[2 * HH + i] + rg * gh[2 * HH + i]);
+                    ot[i] = (h[i] - c) * z + c;
+                }
+            }
+        }
+    }
+    free(gh_all);
+    pp_ftz_end(csr);
+}
+
+/* torch's LSTM step (gates i, f, g, o): a = gi + W_hh h, c' = f c + i g, h' = o tanh(c'),
+   gi (N, T, 4H) = W_ih x_t + b_ih + b_hh. Writes h' to out and c' to cell (N, T, H). When ss is
+   given, also the factors of paraprop.jacobians.cells.lstm_scale: s (N, T, 4H), f and k
+   (N, T, H). */
+void SFX(pp_lstm_fwd)(i64 N, i64 T, i64 H,
+                      const T_ *restrict gi, i64 g_sn, i64 g_st,
+                      const T_ *restrict WT,
+                      const T_ *restrict h0, i64 h0_sn,
+                      const T_ *restrict c0, i64 c0_sn,
+                      T_ *restrict out, i64 o_sn, i64 o_st,
+                      T_ *restrict cell, i64 c_sn, i64 c_st,
+                      T_ *restrict ss, i64 s_sn, i64 s_st,
+                      T_ *restrict ff, i64 f_sn, i64 f_st,
+                      T_ *restrict kk, i64 k_sn, i64 k_st) {
+    const unsigned csr = pp_ftz_begin();
+    T_ *restrict a_all = (T_ *)malloc(sizeof(T_) * (size_t)(17 * HH));
+    T_ *restrict zero = a_all + 16 * HH;
+    memset(zero, 0, sizeof(T_) * (size_t)HH);
+    PP_ROWS_BEGIN(4 * HH)
+        const T_ *init[4] = {NULL, NULL, NULL, NULL};
+        for (i64 r = 0; r < R; ++r) init[r] = gi + (n0 + r) * g_sn + t * g_st;
+        SFX(pp_rows_product)(R, HH, 4 * HH, WT, init, prev, a_all);
+        for (i64 r = 0; r < R; ++r) {
+            const i64 n = n0 + r;
+            const T_ *restrict a = a_all + r * 4 * HH;
+            const T_ *restrict cp = t ? cell + n * c_sn + (t - 1) * c_st
+                                      : (c0 ? c0 + n * c0_sn : zero);
+            T_ *restrict ot = out + n * o_sn + t * o_st;
+            T_ *restrict ct = cell + n * c_sn + t * c_st;
+            if (ss) {
+                T_ *restrict st = ss + n * s_sn + t * s_st;
+                T_ *restrict ft = ff + n * f_sn + t * f_st;
+                T_ *restrict kt = kk + n * k_sn + t * k_st;
+                for (i64 q = 0; q < HH; ++q) {
+                    const T_ i = pp_sigmoid1(a[q]), f = pp_sigmoid1(a[HH + q]);
+                    const T_ g = pp_tanh1(a[2 * HH + q]), o = pp_sigmoid1(a[3 * HH + q]);
+                    const T_ c = f * cp[q] + i * g, tc = pp_tanh1(c);
+                    st[q] = g * i * (1 - i);
+                    st[HH + q] = cp[q] * f * (1 - f);
+                    st[2 * HH + q] = i * (1 - g * g);
+                    st[3 * HH + q] = tc * o * (1 - o);
+                    ft[q] = f;
+                    kt[q] = o * (1 - tc * tc);
+                    ct[q] = c;
+                    ot[q] = o * tc;
+                }
+            } else {
+                for (i64 q = 0; q < HH; ++q) {
+                    const T_ i = pp_sigmoid1(a[q]), f = pp_sigmoid1(a[HH + q]);
+                    const T_ g = pp_tanh1(a[2 * HH + q]), o = pp_sigmoid1(a[3 * HH + q]);
+                    const T_ c = f * cp[q] + i * g;
+                    ct[q] = c;
+                    ot[q] = o * pp_tanh1(c);
+                }
+            }
+        }
+    }
+    free(a_all);
+    pp_ftz_end(csr);
+}
 """
 
 UNITS = {
-    "f32": "#define SCALAR float\n#define SFX(name) name##_f32\n",
+    "f32": "#define SCALAR float\n#define PP_SINGLE 1\n#define SFX(name) name##_f32\n",
     "f64": "#define SCALAR double\n#define SFX(name) name##_f64\n",
 }

@@ -45,7 +45,8 @@ from paraprop.scan._kernel_source import BODY, UNITS
 __all__ = ["available", "status"]
 
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
-          "-fassociative-math", "-fno-signed-zeros", "-std=c99"]
+          "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast", "-std=c99"]
+_LIBS = ["-lm"]  # after the sources: the float64 cells call libm's tanh and exp
 _DTYPES = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes.c_double)}
 # Below this many multiply-adds a call runs on one thread (thread hand-off costs ~20 us).
 _MIN_WORK_PER_THREAD = 200_000
@@ -171,7 +172,7 @@ def _compile_into(cc: str, flags: list[str], target: Path, manifest: Path) -> No
             src.write_text(defs + '#include "body.h"\n')
             sources.append(str(src))
         out = tmpd / "lib.so"
-        _compile(cc, [*flags, "-o", str(out), *sources])
+        _compile(cc, [*flags, "-o", str(out), *sources, *_LIBS])
         size, sha = _digest(out)
         man = tmpd / "manifest.json"
         man.write_text(json.dumps({"version": _MANIFEST_VERSION, "library": target.name,
@@ -194,9 +195,13 @@ def _open(target: Path) -> ctypes.CDLL:
             vp, i64, i64]
     lstm = [i64, i64, i64, ci, ci, vp, i64, i64, vp, i64, i64, vp, i64, i64, vp, vp, i64, i64,
             vp, i64, vp, i64, i64]
+    rnn = [i64, i64, i64, ci, vp, i64, i64, vp, vp, i64, vp, i64, i64]
+    gru = [i64, i64, i64, vp, i64, i64, vp, vp, vp, i64, *[vp, i64, i64] * 4]
+    lstm_fwd = [i64, i64, i64, vp, i64, i64, vp, vp, i64, vp, i64, *[vp, i64, i64] * 5]
     for suffix in UNITS:
         for kind, argtypes in (("dense", plain), ("diag", plain), ("factored", fact),
-                               ("lstm", lstm)):
+                               ("lstm", lstm), ("rnn_fwd", rnn), ("gru_fwd", gru),
+                               ("lstm_fwd", lstm_fwd)):
             fn = getattr(lib, f"pp_{kind}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
     return lib
@@ -231,7 +236,7 @@ def _build(defines: tuple[tuple[str, int], ...] = ()) -> ctypes.CDLL:
     except OSError:
         pass
     flags = [*_FLAGS, *(f"-D{k}={v}" for k, v in defines)]
-    key = hashlib.sha256("\n".join([BODY, *UNITS.values(), *flags, cc, *version, cpu,
+    key = hashlib.sha256("\n".join([BODY, *UNITS.values(), *flags, *_LIBS, cc, *version, cpu,
                                     platform.machine()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"scan_kernels_{key}.so"
     manifest = target.with_suffix(".json")
@@ -454,4 +459,99 @@ def lstm(s: torch.Tensor, f: torch.Tensor, k: torch.Tensor, W: torch.Tensor, tra
            o_st)
 
     _run_split(N, T * Hc * Hc * 8, call)
+    return out
+
+
+# -- the cells' forward recurrences (paraprop.nn forward="native") --------------------------------
+# Each takes time-major (T, B, .) tensors: the input terms of every step (computed beforehand in
+# one matrix product), the transposed hidden weights W_hh^T contiguous, and writes the states (and
+# optionally what the scan backward needs) into time-major outputs. Batch rows run on threads.
+
+def _tb(t: torch.Tensor | None) -> tuple[int, int]:
+    """(batch, time) strides in elements of a time-major (T, B, ...) tensor."""
+    return (0, 0) if t is None else (t.stride(1), t.stride(0))
+
+
+def _row(t: torch.Tensor | None, n0: int) -> int | None:
+    return None if t is None else t.data_ptr() + n0 * t.stride(1) * t.element_size()
+
+
+def _row0(t: torch.Tensor | None, n0: int) -> int | None:
+    """Pointer to batch row ``n0`` of a ``(B, H)`` initial state."""
+    return None if t is None else t.data_ptr() + n0 * t.stride(0) * t.element_size()
+
+
+def rnn_forward(p: torch.Tensor, WT: torch.Tensor, h0: torch.Tensor | None, out: torch.Tensor,
+                relu: bool) -> torch.Tensor:
+    """``out_t = act(p_t + W_hh out_{t-1})``: ``p``/``out`` ``(T, B, H)`` (``p`` holds
+    ``W_ih x_t`` and both biases), ``WT = W_hh^T`` contiguous, ``h0`` ``(B, H)`` or None
+    (zeros); ``act`` is tanh, or ReLU with ``relu``."""
+    T, N, H = p.shape
+    fn = getattr(_library(H, 0, N * T), f"pp_rnn_fwd_{_DTYPES[p.dtype][0]}")
+    p_sn, p_st = _tb(p)
+    o_sn, o_st = _tb(out)
+    h_sn = h0.stride(0) if h0 is not None else 0
+    Wp = WT.data_ptr()
+
+    def call(n0: int, n1: int) -> None:
+        fn(n1 - n0, T, H, int(relu), _row(p, n0), p_sn, p_st, Wp, _row0(h0, n0), h_sn,
+           _row(out, n0), o_sn, o_st)
+
+    _run_split(N, T * H * H, call)
+    return out
+
+
+def gru_forward(gi: torch.Tensor, WT: torch.Tensor, b_hh: torch.Tensor | None,
+                h0: torch.Tensor | None, out: torch.Tensor,
+                factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
+    """torch's GRU steps: ``gi`` ``(T, B, 3H)`` = ``W_ih x_t + b_ih``, ``WT = W_hh^T``
+    ``(H, 3H)`` contiguous, ``b_hh`` ``(3H,)`` or None, ``h0`` ``(B, H)`` or None; the states
+    into ``out`` ``(T, B, H)``, and with ``factors = (z, s, dn)`` (``(T, B, H)``,
+    ``(T, B, 3H)``, ``(T, B, H)``) the factors of the transposed Jacobians
+    (:func:`paraprop.jacobians.cells.gru_scale`)."""
+    T, N, G = gi.shape
+    H = G // 3
+    fn = getattr(_library(H, 0, N * T), f"pp_gru_fwd_{_DTYPES[gi.dtype][0]}")
+    z, s, dn = factors if factors is not None else (None, None, None)
+    g_sn, g_st = _tb(gi)
+    o_sn, o_st = _tb(out)
+    strides = [_tb(z), _tb(s), _tb(dn)]
+    h_sn = h0.stride(0) if h0 is not None else 0
+    Wp, bp = WT.data_ptr(), (b_hh.data_ptr() if b_hh is not None else None)
+
+    def call(n0: int, n1: int) -> None:
+        fn(n1 - n0, T, H, _row(gi, n0), g_sn, g_st, Wp, bp, _row0(h0, n0), h_sn,
+           _row(out, n0), o_sn, o_st, _row(z, n0), *strides[0], _row(s, n0), *strides[1],
+           _row(dn, n0), *strides[2])
+
+    _run_split(N, T * H * H * 3, call)
+    return out
+
+
+def lstm_forward(gi: torch.Tensor, WT: torch.Tensor, h0: torch.Tensor | None,
+                 c0: torch.Tensor | None, out: torch.Tensor, cell: torch.Tensor,
+                 factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> torch.Tensor:
+    """torch's LSTM steps: ``gi`` ``(T, B, 4H)`` = ``W_ih x_t + b_ih + b_hh``,
+    ``WT = W_hh^T`` ``(H, 4H)`` contiguous, ``h0``/``c0`` ``(B, H)`` or None; the hidden
+    states into ``out`` and the cells into ``cell`` (``(T, B, H)``), and with
+    ``factors = (s, f, k)`` (``(T, B, 4H)``, ``(T, B, H)``, ``(T, B, H)``) the factors of
+    :func:`paraprop.jacobians.cells.lstm_scale`."""
+    T, N, G = gi.shape
+    H = G // 4
+    fn = getattr(_library(H, 0, N * T), f"pp_lstm_fwd_{_DTYPES[gi.dtype][0]}")
+    s, f, k = factors if factors is not None else (None, None, None)
+    g_sn, g_st = _tb(gi)
+    strides = [_tb(t) for t in (out, cell, s, f, k)]
+    h_sn = h0.stride(0) if h0 is not None else 0
+    c_sn = c0.stride(0) if c0 is not None else 0
+    Wp = WT.data_ptr()
+
+    def call(n0: int, n1: int) -> None:
+        fn(n1 - n0, T, H, _row(gi, n0), g_sn, g_st, Wp, _row0(h0, n0), h_sn, _row0(c0, n0),
+           c_sn, *[v for t, st in zip((out, cell, s, f, k), strides, strict=True)
+                   for v in (_row(t, n0), *st)])
+
+    _run_split(N, T * H * H * 4, call)
     return out
