@@ -93,3 +93,48 @@ def threads(n: int | None):
         yield torch.get_num_threads()
     finally:
         torch.set_num_threads(old)
+
+
+@contextlib.contextmanager
+def busy_core(seconds: float = 600.0):
+    """Keep one core busy with a second process while the block runs (a machine shared with
+    another job): a Python busy loop that stops by itself after ``seconds`` at the latest, and
+    is stopped when the block ends.
+
+    Yields:
+        The :class:`subprocess.Popen` of the busy process.
+    """
+    import subprocess
+    import sys
+
+    code = (f"import time\nend = time.monotonic() + {float(seconds)}\n"
+            "while time.monotonic() < end: pass\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.2)          # let it start spinning
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def matmul_rate(rows: int, inner: int, cols: int, repeats: int = 5,
+                dtype: torch.dtype = torch.float32) -> float:
+    """The machine's measured matrix-product rate, in multiply-adds per second, on a product of
+    the shape a benchmark's own step performs (``(rows, inner) @ (inner, cols)``, torch's
+    threads as set): the rate that turns a step's multiply-add count into its physical limit."""
+    a = torch.randn(rows, inner, dtype=dtype)
+    b = torch.randn(inner, cols, dtype=dtype)
+    out = torch.empty(rows, cols, dtype=dtype)
+    torch.mm(a, b, out=out)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return rows * inner * cols / best
