@@ -231,6 +231,43 @@ def peer_row(kind: str, T: int, inputs: int, hidden: int, batch: int, repeats: i
     return row
 
 
+def long_forward_row(T: int, hidden: int, batch: int, repeats: int, seed: int) -> dict:
+    """A long GRU's forward (no graph, input 1): torch's kernel, ``forward="native"``,
+    ``forward="newton"`` (DEER, default tolerance) and the JAX ``lax.scan`` peer, interleaved;
+    what ``forward="auto"`` chooses between."""
+    from paraprop.experiments import jax_peers
+    from paraprop.nn import GRU
+
+    torch.manual_seed(seed)
+    ref = nn.GRU(1, hidden)
+    x = torch.randn(T, batch, 1)
+    mods = {"torch": ref}
+    for name in ("native", "newton"):
+        mods[name] = GRU(1, hidden, forward=name)
+        mods[name].load_state_dict(ref.state_dict())
+    outs: dict = {}
+
+    def forward(name, m):
+        def run():
+            with torch.no_grad():
+                outs[name] = m(x)[0]
+        return run
+
+    cases = {k: forward(k, m) for k, m in mods.items()}
+    if jax_peers.available():
+        cases["jax"] = jax_peers.peer(ref).runner(x)
+    t = interleaved(cases, repeats=repeats, warmup=1, desc=f"gru forward T={T}")
+    ms = {k: 1e3 * median(v) for k, v in t.items()}
+    nan = float("nan")
+    return {"kind": "gru", "T": T, "hidden": hidden, "batch": batch, "repeats": repeats,
+            "torch_ms": ms["torch"], "native_ms": ms["native"], "newton_ms": ms["newton"],
+            "jax_ms": ms.get("jax", nan), "native_vs_jax": ms.get("jax", nan) / ms["native"],
+            "native_vs_newton": ms["newton"] / ms["native"],
+            "native_vs_torch": ms["torch"] / ms["native"],
+            "native_err": float((outs["native"] - outs["torch"]).abs().max()),
+            "newton_err": float((outs["newton"] - outs["torch"]).abs().max())}
+
+
 def limit_row(row: dict, kind: str, hidden: int, rate: float) -> dict:
     """A training-step row against its physical limit: the step's multiply-adds
     (:func:`step_macs`) at the machine's measured matrix-product ``rate``."""
@@ -389,6 +426,11 @@ LIMIT_COLUMNS = ["kind", "T", "batch", "hidden", "gmacs", "rate_gmacs_per_s", "l
                  "max_step_speedup"]
 
 
+LONG_COLUMNS = ["kind", "T", "hidden", "batch", "repeats", "torch_ms", "native_ms", "newton_ms",
+                "jax_ms", "native_vs_jax", "native_vs_newton", "native_vs_torch", "native_err",
+                "newton_err"]
+
+
 LOAD_COLUMNS = ["T", "batch", "repeats", "threads", "quiet_torch_bwd_ms", "quiet_scan_bwd_ms",
                 "quiet_bwd_speedup", "loaded_torch_bwd_ms", "loaded_scan_bwd_ms",
                 "loaded_bwd_speedup", "quiet_native_step_speedup", "loaded_native_step_speedup"]
@@ -475,6 +517,12 @@ def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> di
     print(text_table(peer_rows, PEER_COLUMNS))
     sections.append((title, markdown_table(peer_rows, PEER_COLUMNS)))
 
+    long_rows = [long_forward_row(1000 if quick else 100000, 8, 16, repeats or 3, seed=13)]
+    title = "A long GRU forward (hidden 8, input 1): native loop, Newton (DEER) and JAX"
+    print(f"\n{title}: times in ms")
+    print(text_table(long_rows, LONG_COLUMNS))
+    sections.append((title, markdown_table(long_rows, LONG_COLUMNS)))
+
     load = [load_row(100 if quick else 1000, 16, repeats or 5, seed=5)]
     title = "RNN under load: a second process keeps one core busy"
     print(f"\n{title}: times in ms")
@@ -508,7 +556,8 @@ def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> di
     payload = {"suite": "bppsa", "machine": machine_info(), "quick": quick,
                "repeats": repeats, "native": native.status(), "rnn_T": rnn_rows,
                "rnn_batch": batch_rows, "gru": gru_rows, "wide": wide_rows,
-               "limit": limit_rows, "peers": peer_rows, "load": load, "jacobi": {
+               "limit": limit_rows, "peers": peer_rows, "long_forward": long_rows,
+               "load": load, "jacobi": {
                    "T": jac_T, "lr": jac_lr, "rows": jac_rows, "curves": curves},
                "plots": [p.name for p in plots], "seconds": took}
     goal = targets(payload)
@@ -554,6 +603,10 @@ def targets(payload: dict) -> list[dict]:
         rows.append({"target": f"{name} step >= 5x", "measured": best, "met": best >= 5})
         rows.append({"target": f"{name} gradients within 1e-5", "measured": r["grad_rel_err"],
                      "met": r["grad_rel_err"] <= 1e-5})
+    for r in payload.get("long_forward", []):
+        if r["T"] == 100000:
+            rows.append({"target": "GRU H=8 T=100000 B=16 forward at least as fast as JAX",
+                         "measured": r["native_vs_jax"], "met": r["native_vs_jax"] >= 1})
     for r in payload.get("load", []):
         if r["T"] == 1000:
             rows.append({"target": "RNN T=1000 backward under load >= 3x",
