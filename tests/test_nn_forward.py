@@ -230,7 +230,7 @@ def test_forward_max_iters(cls, tcls, extra):
     (lambda: {"forward": ParallelForward(method="deer")}, ValueError,
      r"ParallelForward: unknown method='deer'; choose one of newton|jacobi"),
     (lambda: {"forward": ParallelForward(method="sequential")}, ValueError,
-     r"method='sequential' is torch's own kernel; pass forward='sequential'"),
+     r"method='sequential' is a sequential loop; pass forward='sequential'"),
     (lambda: {"forward": Sequential()}, ValueError, r"pass forward='sequential'"),
     (lambda: {"forward": ELK}, TypeError, r"forward must be .* got the class ELK"),
     (lambda: {"forward": 3}, TypeError, r"forward must be a method name, .* got int: 3"),
