@@ -113,127 +113,6 @@ void SFX(pp_diag)(i64 N, i64 T, i64 H, int reverse,
     pp_ftz_end(csr);
 }
 
-/* A_t = diag(d_t) + L diag(s_t) R with L (H x K) or NULL = [I ... I] (block sum) and
-   R (K x H) or NULL = [I; ...; I] (block tile). The caller passes the transposes
-   LT = L^T (K x H) and RT = R^T (H x K), row-major, so that both products are axpy loops over
-   contiguous rows (vectorised without reassociating sums):
-   u = s_t * (R h) = s_t * sum_j h_j RT[j, :],   out = b_t + d_t * h + sum_k u_k LT[k, :]. */
-void SFX(pp_factored)(i64 N, i64 T, i64 H, i64 K, int reverse,
-                      const T_ *restrict d, i64 d_sn, i64 d_st,
-                      const T_ *restrict sc, i64 s_sn, i64 s_st,
-                      const T_ *restrict LT, const T_ *restrict RT,
-                      const T_ *restrict b, i64 b_sn, i64 b_st,
-                      const T_ *restrict h0, i64 h0_sn,
-                      T_ *restrict out, i64 o_sn, i64 o_st) {
-    const unsigned csr = pp_ftz_begin();
-    T_ *restrict h = (T_ *)malloc(sizeof(T_) * (size_t)(H + K));
-    T_ *restrict u = h + H;
-    for (i64 n = 0; n < N; ++n) {
-        if (h0) memcpy(h, h0 + n * h0_sn, sizeof(T_) * (size_t)HH);
-        else memset(h, 0, sizeof(T_) * (size_t)HH);
-        for (i64 s = 0; s < T; ++s) {
-            const i64 t = reverse ? T - 1 - s : s;
-            const T_ *restrict st = sc + n * s_sn + t * s_st;
-            const T_ *restrict bt = b + n * b_sn + t * b_st;
-            T_ *restrict ot = out + n * o_sn + t * o_st;
-            if (RT) {
-                for (i64 k = 0; k < KK; ++k) u[k] = 0;
-                for (i64 j = 0; j < HH; ++j) {
-                    const T_ hj = h[j];
-                    const T_ *restrict row = RT + j * KK;
-                    for (i64 k = 0; k < KK; ++k) u[k] += hj * row[k];
-                }
-                for (i64 k = 0; k < KK; ++k) u[k] *= st[k];
-            } else {
-                for (i64 j0 = 0; j0 < KK; j0 += HH)
-                    for (i64 i = 0; i < HH; ++i) u[j0 + i] = h[i] * st[j0 + i];
-            }
-            for (i64 i = 0; i < HH; ++i) ot[i] = bt[i];
-            if (d) {
-                const T_ *restrict dt = d + n * d_sn + t * d_st;
-                for (i64 i = 0; i < HH; ++i) ot[i] += dt[i] * h[i];
-            }
-            if (LT) {
-                for (i64 k = 0; k < KK; ++k) {
-                    const T_ uk = u[k];
-                    const T_ *restrict row = LT + k * HH;
-                    for (i64 i = 0; i < HH; ++i) ot[i] += uk * row[i];
-                }
-            } else {
-                for (i64 j0 = 0; j0 < KK; j0 += HH)
-                    for (i64 i = 0; i < HH; ++i) ot[i] += u[j0 + i];
-            }
-            memcpy(h, ot, sizeof(T_) * (size_t)HH);
-        }
-    }
-    free(h);
-    pp_ftz_end(csr);
-}
-
-/* The LSTM Jacobians on the state x = [x_h; x_c] (H here is the hidden size, the state has 2H;
-   see paraprop.scan.LSTMFactored), s_t (4H), f_t and k_t (H) per step, W_hh shared.
-   transposed (back-propagation), W = W_hh (4H x H) row-major, axpy over its rows:
-       v = x_c + k_t x_h,  u = s_t * [v; v; v; x_h],  y_h = sum_q u_q W[q, :],  y_c = f_t v;
-   forward (Newton), W = W_hh^T (H x 4H) row-major:
-       u = s_t * sum_j x_h[j] W[j, :],  y_c = u_i + u_f + u_g + f_t x_c,  y_h = u_o + k_t y_c;
-   and out = y + b_t. */
-void SFX(pp_lstm)(i64 N, i64 T, i64 H, int transposed, int reverse,
-                  const T_ *restrict sc, i64 s_sn, i64 s_st,
-                  const T_ *restrict fg, i64 f_sn, i64 f_st,
-                  const T_ *restrict kk, i64 k_sn, i64 k_st,
-                  const T_ *restrict W,
-                  const T_ *restrict b, i64 b_sn, i64 b_st,
-                  const T_ *restrict h0, i64 h0_sn,
-                  T_ *restrict out, i64 o_sn, i64 o_st) {
-    const unsigned csr = pp_ftz_begin();
-    T_ *restrict x = (T_ *)malloc(sizeof(T_) * (size_t)(7 * H));
-    T_ *restrict u = x + 2 * H;      /* 4H */
-    T_ *restrict v = u + 4 * H;      /* H */
-    for (i64 n = 0; n < N; ++n) {
-        if (h0) memcpy(x, h0 + n * h0_sn, sizeof(T_) * (size_t)(2 * HH));
-        else memset(x, 0, sizeof(T_) * (size_t)(2 * HH));
-        for (i64 s = 0; s < T; ++s) {
-            const i64 t = reverse ? T - 1 - s : s;
-            const T_ *restrict st = sc + n * s_sn + t * s_st;
-            const T_ *restrict ft = fg + n * f_sn + t * f_st;
-            const T_ *restrict kt = kk + n * k_sn + t * k_st;
-            const T_ *restrict bt = b + n * b_sn + t * b_st;
-            T_ *restrict ot = out + n * o_sn + t * o_st;
-            if (transposed) {
-                for (i64 i = 0; i < HH; ++i) v[i] = x[HH + i] + kt[i] * x[i];
-                for (i64 i = 0; i < HH; ++i) {
-                    u[i] = st[i] * v[i];
-                    u[HH + i] = st[HH + i] * v[i];
-                    u[2 * HH + i] = st[2 * HH + i] * v[i];
-                    u[3 * HH + i] = st[3 * HH + i] * x[i];
-                }
-                for (i64 i = 0; i < HH; ++i) ot[i] = bt[i];
-                for (i64 q = 0; q < 4 * HH; ++q) {
-                    const T_ uq = u[q];
-                    const T_ *restrict row = W + q * HH;
-                    for (i64 i = 0; i < HH; ++i) ot[i] += uq * row[i];
-                }
-                for (i64 i = 0; i < HH; ++i) ot[HH + i] = bt[HH + i] + ft[i] * v[i];
-            } else {
-                for (i64 q = 0; q < 4 * HH; ++q) u[q] = 0;
-                for (i64 j = 0; j < HH; ++j) {
-                    const T_ xj = x[j];
-                    const T_ *restrict row = W + j * 4 * HH;
-                    for (i64 q = 0; q < 4 * HH; ++q) u[q] += xj * row[q];
-                }
-                for (i64 i = 0; i < HH; ++i) {
-                    const T_ yc = st[i] * u[i] + st[HH + i] * u[HH + i]
-                                  + st[2 * HH + i] * u[2 * HH + i] + ft[i] * x[HH + i];
-                    ot[HH + i] = yc + bt[HH + i];
-                    ot[i] = st[3 * HH + i] * u[3 * HH + i] + kt[i] * yc + bt[i];
-                }
-            }
-            memcpy(x, ot, sizeof(T_) * (size_t)(2 * HH));
-        }
-    }
-    free(x);
-    pp_ftz_end(csr);
-}
 /* ---- the cells' forward recurrences (paraprop.nn forward="native") ----------------------------
    Elementwise functions: in float, exp by range reduction and a degree-7 polynomial, exact to
    about 1 ulp and written so that the compiler vectorises the loops that call it (libm's scalar
@@ -347,6 +226,161 @@ static void SFX(pp_rows_product)(i64 R, i64 H, i64 G, const T_ *restrict WT,
             for (i64 q = q0; q < G; ++q) ar[q] += hj * row[q];
         }
     }
+}
+
+/* The factored and LSTM kernels below walk time in the outer loop and the batch rows in groups
+   of four inside it, like the forward kernels: their products with W go through
+   pp_rows_product. prev[r] is row r's state of the previous step (h0, or zeros, first). */
+#define PP_PREV_ROWS(width_zero)                                                                \
+            const i64 R = N - n0 < 4 ? N - n0 : 4;                                              \
+            const T_ *prev[4] = {width_zero, width_zero, width_zero, width_zero};               \
+            for (i64 r = 0; r < R; ++r) {                                                       \
+                const i64 n = n0 + r;                                                           \
+                if (s) prev[r] = out + n * o_sn + tp * o_st;                                    \
+                else if (h0) prev[r] = h0 + n * h0_sn;                                          \
+            }
+
+/* A_t = diag(d_t) + L diag(s_t) R with L (H x K) or NULL = [I ... I] (block sum) and
+   R (K x H) or NULL = [I; ...; I] (block tile). The caller passes the transposes
+   LT = L^T (K x H) and RT = R^T (H x K), row-major:
+   u = s_t * (R h) = s_t * sum_j h_j RT[j, :],   out = b_t + sum_k u_k LT[k, :] + d_t * h. */
+void SFX(pp_factored)(i64 N, i64 T, i64 H, i64 K, int reverse,
+                      const T_ *restrict d, i64 d_sn, i64 d_st,
+                      const T_ *restrict sc, i64 s_sn, i64 s_st,
+                      const T_ *restrict LT, const T_ *restrict RT,
+                      const T_ *restrict b, i64 b_sn, i64 b_st,
+                      const T_ *restrict h0, i64 h0_sn,
+                      T_ *restrict out, i64 o_sn, i64 o_st) {
+    const unsigned csr = pp_ftz_begin();
+    T_ *restrict u = (T_ *)malloc(sizeof(T_) * (size_t)(4 * KK + 5 * HH));
+    T_ *restrict acc = u + 4 * KK;
+    T_ *restrict zero = acc + 4 * HH;
+    memset(zero, 0, sizeof(T_) * (size_t)HH);
+    const T_ *none[4] = {NULL, NULL, NULL, NULL};
+    for (i64 s = 0; s < T; ++s) {
+        const i64 t = reverse ? T - 1 - s : s, tp = reverse ? t + 1 : t - 1;
+        for (i64 n0 = 0; n0 < N; n0 += 4) {
+            PP_PREV_ROWS(zero)
+            const T_ *bt[4] = {NULL, NULL, NULL, NULL}, *ur[4] = {u, u, u, u};
+            for (i64 r = 0; r < R; ++r) {
+                bt[r] = b + (n0 + r) * b_sn + t * b_st;
+                ur[r] = u + r * KK;
+            }
+            if (RT) SFX(pp_rows_product)(R, HH, KK, RT, none, prev, u);
+            for (i64 r = 0; r < R; ++r) {
+                const T_ *restrict st = sc + (n0 + r) * s_sn + t * s_st;
+                T_ *restrict ru = u + r * KK;
+                if (RT) {
+                    for (i64 k = 0; k < KK; ++k) ru[k] *= st[k];
+                } else {
+                    for (i64 j0 = 0; j0 < KK; j0 += HH)
+                        for (i64 i = 0; i < HH; ++i) ru[j0 + i] = prev[r][i] * st[j0 + i];
+                }
+            }
+            if (LT) {
+                SFX(pp_rows_product)(R, KK, HH, LT, bt, ur, acc);
+            } else {
+                for (i64 r = 0; r < R; ++r) {
+                    T_ *restrict ra = acc + r * HH;
+                    const T_ *restrict ru = u + r * KK;
+                    for (i64 i = 0; i < HH; ++i) ra[i] = bt[r][i];
+                    for (i64 j0 = 0; j0 < KK; j0 += HH)
+                        for (i64 i = 0; i < HH; ++i) ra[i] += ru[j0 + i];
+                }
+            }
+            for (i64 r = 0; r < R; ++r) {
+                const i64 n = n0 + r;
+                const T_ *restrict ra = acc + r * HH;
+                T_ *restrict ot = out + n * o_sn + t * o_st;
+                if (d) {
+                    const T_ *restrict dt = d + n * d_sn + t * d_st;
+                    const T_ *restrict h = prev[r];
+                    for (i64 i = 0; i < HH; ++i) ot[i] = ra[i] + dt[i] * h[i];
+                } else {
+                    for (i64 i = 0; i < HH; ++i) ot[i] = ra[i];
+                }
+            }
+        }
+    }
+    free(u);
+    pp_ftz_end(csr);
+}
+
+/* The LSTM Jacobians on the state x = [x_h; x_c] (H here is the hidden size, the state has 2H;
+   see paraprop.scan.LSTMFactored), s_t (4H), f_t and k_t (H) per step, W_hh shared.
+   transposed (back-propagation), W = W_hh (4H x H) row-major:
+       v = x_c + k_t x_h,  u = s_t * [v; v; v; x_h],  y_h = sum_q u_q W[q, :],  y_c = f_t v;
+   forward (Newton), W = W_hh^T (H x 4H) row-major:
+       u = s_t * sum_j x_h[j] W[j, :],  y_c = u_i + u_f + u_g + f_t x_c,  y_h = u_o + k_t y_c;
+   and out = y + b_t. */
+void SFX(pp_lstm)(i64 N, i64 T, i64 H, int transposed, int reverse,
+                  const T_ *restrict sc, i64 s_sn, i64 s_st,
+                  const T_ *restrict fg, i64 f_sn, i64 f_st,
+                  const T_ *restrict kk, i64 k_sn, i64 k_st,
+                  const T_ *restrict W,
+                  const T_ *restrict b, i64 b_sn, i64 b_st,
+                  const T_ *restrict h0, i64 h0_sn,
+                  T_ *restrict out, i64 o_sn, i64 o_st) {
+    const unsigned csr = pp_ftz_begin();
+    T_ *restrict u = (T_ *)malloc(sizeof(T_) * (size_t)(16 * HH + 4 * HH + 4 * HH + 2 * HH));
+    T_ *restrict v = u + 16 * HH;      /* 4 x H */
+    T_ *restrict acc = v + 4 * HH;     /* 4 x H */
+    T_ *restrict zero = acc + 4 * HH;  /* 2H */
+    memset(zero, 0, sizeof(T_) * (size_t)(2 * HH));
+    const T_ *none[4] = {NULL, NULL, NULL, NULL};
+    for (i64 s = 0; s < T; ++s) {
+        const i64 t = reverse ? T - 1 - s : s, tp = reverse ? t + 1 : t - 1;
+        for (i64 n0 = 0; n0 < N; n0 += 4) {
+            PP_PREV_ROWS(zero)
+            if (transposed) {
+                const T_ *bt[4] = {NULL, NULL, NULL, NULL}, *ur[4] = {u, u, u, u};
+                for (i64 r = 0; r < R; ++r) {
+                    const i64 n = n0 + r;
+                    const T_ *restrict st = sc + n * s_sn + t * s_st;
+                    const T_ *restrict kt = kk + n * k_sn + t * k_st;
+                    const T_ *restrict x = prev[r];
+                    T_ *restrict rv = v + r * HH, *restrict ru = u + r * 4 * HH;
+                    for (i64 i = 0; i < HH; ++i) rv[i] = x[HH + i] + kt[i] * x[i];
+                    for (i64 i = 0; i < HH; ++i) {
+                        ru[i] = st[i] * rv[i];
+                        ru[HH + i] = st[HH + i] * rv[i];
+                        ru[2 * HH + i] = st[2 * HH + i] * rv[i];
+                        ru[3 * HH + i] = st[3 * HH + i] * x[i];
+                    }
+                    bt[r] = b + n * b_sn + t * b_st;
+                    ur[r] = ru;
+                }
+                SFX(pp_rows_product)(R, 4 * HH, HH, W, bt, ur, acc);
+                for (i64 r = 0; r < R; ++r) {
+                    const i64 n = n0 + r;
+                    const T_ *restrict ft = fg + n * f_sn + t * f_st;
+                    const T_ *restrict rv = v + r * HH, *restrict ra = acc + r * HH;
+                    T_ *restrict ot = out + n * o_sn + t * o_st;
+                    for (i64 i = 0; i < HH; ++i) ot[i] = ra[i];
+                    for (i64 i = 0; i < HH; ++i) ot[HH + i] = bt[r][HH + i] + ft[i] * rv[i];
+                }
+            } else {
+                SFX(pp_rows_product)(R, HH, 4 * HH, W, none, prev, u);
+                for (i64 r = 0; r < R; ++r) {
+                    const i64 n = n0 + r;
+                    const T_ *restrict st = sc + n * s_sn + t * s_st;
+                    const T_ *restrict ft = fg + n * f_sn + t * f_st;
+                    const T_ *restrict kt = kk + n * k_sn + t * k_st;
+                    const T_ *restrict bt = b + n * b_sn + t * b_st;
+                    const T_ *restrict x = prev[r], *restrict ru = u + r * 4 * HH;
+                    T_ *restrict ot = out + n * o_sn + t * o_st;
+                    for (i64 i = 0; i < HH; ++i) {
+                        const T_ yc = st[i] * ru[i] + st[HH + i] * ru[HH + i]
+                                      + st[2 * HH + i] * ru[2 * HH + i] + ft[i] * x[HH + i];
+                        ot[HH + i] = yc + bt[HH + i];
+                        ot[i] = st[3 * HH + i] * ru[3 * HH + i] + kt[i] * yc + bt[i];
+                    }
+                }
+            }
+        }
+    }
+    free(u);
+    pp_ftz_end(csr);
 }
 
 /* The forward kernels walk time in the outer loop and the batch rows in groups of four inside
