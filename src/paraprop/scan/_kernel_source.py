@@ -168,10 +168,12 @@ static inline double pp_sigmoid1(double x) {
 }
 #endif
 
-/* Several batch rows' hidden products at once, so that each row of W_hh^T is loaded once per
-   group of rows and the partial sums stay in registers (a small matrix-matrix product):
-       acc[r * G + q] = init[r][q] (0 for init[r] NULL) + sum_{j < H} h[r][j] WT[j * G + q],
-   r < R <= 4, WT (H x G) row-major. Summation order over j is the same for every layout. */
+/* Several batch rows' hidden products at once, so that each row of W is loaded once per group
+   of rows and the partial sums stay in registers (a small matrix-matrix product):
+       acc[r * Gp + q] = init[r][q] (0 for init[r] NULL) + sum_{j < H} h[r][j] W[j * Gp + q],
+   r < R <= 4, q < G, with W (H x Gp) row-major, its rows zero-padded to Gp, a multiple of the
+   vector length (pp_pad), so that no scalar tail is left. The summation order over j is the
+   same for every layout. */
 #if defined(__AVX512F__)
 #define PP_VBYTES 64
 #define PP_NV 4
@@ -183,17 +185,34 @@ typedef T_ SFX(pp_vec) __attribute__((vector_size(PP_VBYTES), aligned(sizeof(T_)
 #define VEC SFX(pp_vec)
 #define VL ((i64)(PP_VBYTES / sizeof(T_)))
 
-static void SFX(pp_rows_product)(i64 R, i64 H, i64 G, const T_ *restrict WT,
+/* W (H x G) as rows of Gp = G rounded up to the vector length: W itself when G is a multiple,
+   else a zero-padded copy in *owned (free it; NULL when none was made). */
+static const T_ *SFX(pp_pad)(const T_ *W, i64 H, i64 G, i64 *Gp, T_ **owned) {
+    *Gp = (G + VL - 1) / VL * VL;
+    *owned = NULL;
+    if (*Gp == G) return W;
+    T_ *p = (T_ *)calloc((size_t)(H * *Gp), sizeof(T_));
+    for (i64 j = 0; j < H; ++j) memcpy(p + j * *Gp, W + j * G, sizeof(T_) * (size_t)G);
+    *owned = p;
+    return p;
+}
+
+static void SFX(pp_rows_product)(i64 R, i64 H, i64 G, i64 Gp, const T_ *restrict W,
                                  const T_ *const *init, const T_ *const *h, T_ *restrict acc) {
+    for (i64 r = 0; r < R; ++r) {
+        T_ *restrict ar = acc + r * Gp;
+        if (init[r]) memcpy(ar, init[r], sizeof(T_) * (size_t)G);
+        else memset(ar, 0, sizeof(T_) * (size_t)G);
+        for (i64 q = G; q < Gp; ++q) ar[q] = 0;
+    }
     i64 q0 = 0;
     if (R == 4) {
-        for (; q0 + PP_NV * VL <= G; q0 += PP_NV * VL) {
+        for (; q0 + PP_NV * VL <= Gp; q0 += PP_NV * VL) {
             VEC a[4][PP_NV];
             for (int r = 0; r < 4; ++r)
-                for (int v = 0; v < PP_NV; ++v)
-                    a[r][v] = init[r] ? *(const VEC *)(init[r] + q0 + v * VL) : (VEC){0};
+                for (int v = 0; v < PP_NV; ++v) a[r][v] = *(const VEC *)(acc + r * Gp + q0 + v * VL);
             for (i64 j = 0; j < H; ++j) {
-                const T_ *restrict w = WT + j * G + q0;
+                const T_ *restrict w = W + j * Gp + q0;
                 VEC wv[PP_NV];
                 for (int v = 0; v < PP_NV; ++v) wv[v] = *(const VEC *)(w + v * VL);
                 for (int r = 0; r < 4; ++r) {
@@ -202,28 +221,25 @@ static void SFX(pp_rows_product)(i64 R, i64 H, i64 G, const T_ *restrict WT,
                 }
             }
             for (int r = 0; r < 4; ++r)
-                for (int v = 0; v < PP_NV; ++v) *(VEC *)(acc + r * G + q0 + v * VL) = a[r][v];
+                for (int v = 0; v < PP_NV; ++v) *(VEC *)(acc + r * Gp + q0 + v * VL) = a[r][v];
         }
-        for (; q0 + VL <= G; q0 += VL) {
+        for (; q0 < Gp; q0 += VL) {
             VEC a[4];
-            for (int r = 0; r < 4; ++r)
-                a[r] = init[r] ? *(const VEC *)(init[r] + q0) : (VEC){0};
+            for (int r = 0; r < 4; ++r) a[r] = *(const VEC *)(acc + r * Gp + q0);
             for (i64 j = 0; j < H; ++j) {
-                const VEC wv = *(const VEC *)(WT + j * G + q0);
+                const VEC wv = *(const VEC *)(W + j * Gp + q0);
                 for (int r = 0; r < 4; ++r) a[r] += h[r][j] * wv;
             }
-            for (int r = 0; r < 4; ++r) *(VEC *)(acc + r * G + q0) = a[r];
+            for (int r = 0; r < 4; ++r) *(VEC *)(acc + r * Gp + q0) = a[r];
         }
+        return;
     }
     for (i64 r = 0; r < R; ++r) {
-        T_ *restrict ar = acc + r * G;
-        if (init[r]) memcpy(ar + q0, init[r] + q0, sizeof(T_) * (size_t)(G - q0));
-        else memset(ar + q0, 0, sizeof(T_) * (size_t)(G - q0));
         const T_ *restrict hr = h[r];
-        for (i64 j = 0; j < H; ++j) {
-            const T_ hj = hr[j];
-            const T_ *restrict row = WT + j * G;
-            for (i64 q = q0; q < G; ++q) ar[q] += hj * row[q];
+        for (q0 = 0; q0 < Gp; q0 += VL) {
+            VEC a = *(const VEC *)(acc + r * Gp + q0);
+            for (i64 j = 0; j < H; ++j) a += hr[j] * *(const VEC *)(W + j * Gp + q0);
+            *(VEC *)(acc + r * Gp + q0) = a;
         }
     }
 }
@@ -252,9 +268,15 @@ void SFX(pp_factored)(i64 N, i64 T, i64 H, i64 K, int reverse,
                       const T_ *restrict h0, i64 h0_sn,
                       T_ *restrict out, i64 o_sn, i64 o_st) {
     const unsigned csr = pp_ftz_begin();
-    T_ *restrict u = (T_ *)malloc(sizeof(T_) * (size_t)(4 * KK + 5 * HH));
-    T_ *restrict acc = u + 4 * KK;
-    T_ *restrict zero = acc + 4 * HH;
+    i64 Kp = KK, Hp = HH;
+    T_ *ownR = NULL, *ownL = NULL;
+    const T_ *Rp = RT ? SFX(pp_pad)(RT, HH, KK, &Kp, &ownR) : NULL;
+    const T_ *Lp = LT ? SFX(pp_pad)(LT, KK, HH, &Hp, &ownL) : NULL;
+    if (!RT) Kp = (KK + VL - 1) / VL * VL;
+    if (!LT) Hp = (HH + VL - 1) / VL * VL;
+    T_ *restrict u = (T_ *)malloc(sizeof(T_) * (size_t)(4 * Kp + 4 * Hp + HH));
+    T_ *restrict acc = u + 4 * Kp;
+    T_ *restrict zero = acc + 4 * Hp;
     memset(zero, 0, sizeof(T_) * (size_t)HH);
     const T_ *none[4] = {NULL, NULL, NULL, NULL};
     for (i64 s = 0; s < T; ++s) {
@@ -264,12 +286,12 @@ void SFX(pp_factored)(i64 N, i64 T, i64 H, i64 K, int reverse,
             const T_ *bt[4] = {NULL, NULL, NULL, NULL}, *ur[4] = {u, u, u, u};
             for (i64 r = 0; r < R; ++r) {
                 bt[r] = b + (n0 + r) * b_sn + t * b_st;
-                ur[r] = u + r * KK;
+                ur[r] = u + r * Kp;
             }
-            if (RT) SFX(pp_rows_product)(R, HH, KK, RT, none, prev, u);
+            if (RT) SFX(pp_rows_product)(R, HH, KK, Kp, Rp, none, prev, u);
             for (i64 r = 0; r < R; ++r) {
                 const T_ *restrict st = sc + (n0 + r) * s_sn + t * s_st;
-                T_ *restrict ru = u + r * KK;
+                T_ *restrict ru = u + r * Kp;
                 if (RT) {
                     for (i64 k = 0; k < KK; ++k) ru[k] *= st[k];
                 } else {
@@ -278,11 +300,11 @@ void SFX(pp_factored)(i64 N, i64 T, i64 H, i64 K, int reverse,
                 }
             }
             if (LT) {
-                SFX(pp_rows_product)(R, KK, HH, LT, bt, ur, acc);
+                SFX(pp_rows_product)(R, KK, HH, Hp, Lp, bt, ur, acc);
             } else {
                 for (i64 r = 0; r < R; ++r) {
-                    T_ *restrict ra = acc + r * HH;
-                    const T_ *restrict ru = u + r * KK;
+                    T_ *restrict ra = acc + r * Hp;
+                    const T_ *restrict ru = u + r * Kp;
                     for (i64 i = 0; i < HH; ++i) ra[i] = bt[r][i];
                     for (i64 j0 = 0; j0 < KK; j0 += HH)
                         for (i64 i = 0; i < HH; ++i) ra[i] += ru[j0 + i];
@@ -290,7 +312,7 @@ void SFX(pp_factored)(i64 N, i64 T, i64 H, i64 K, int reverse,
             }
             for (i64 r = 0; r < R; ++r) {
                 const i64 n = n0 + r;
-                const T_ *restrict ra = acc + r * HH;
+                const T_ *restrict ra = acc + r * Hp;
                 T_ *restrict ot = out + n * o_sn + t * o_st;
                 if (d) {
                     const T_ *restrict dt = d + n * d_sn + t * d_st;
@@ -303,6 +325,8 @@ void SFX(pp_factored)(i64 N, i64 T, i64 H, i64 K, int reverse,
         }
     }
     free(u);
+    free(ownR);
+    free(ownL);
     pp_ftz_end(csr);
 }
 
@@ -322,10 +346,14 @@ void SFX(pp_lstm)(i64 N, i64 T, i64 H, int transposed, int reverse,
                   const T_ *restrict h0, i64 h0_sn,
                   T_ *restrict out, i64 o_sn, i64 o_st) {
     const unsigned csr = pp_ftz_begin();
-    T_ *restrict u = (T_ *)malloc(sizeof(T_) * (size_t)(16 * HH + 4 * HH + 4 * HH + 2 * HH));
-    T_ *restrict v = u + 16 * HH;      /* 4 x H */
-    T_ *restrict acc = v + 4 * HH;     /* 4 x H */
-    T_ *restrict zero = acc + 4 * HH;  /* 2H */
+    i64 Gp;                            /* the padded width of W's rows: H or 4H, rounded up */
+    T_ *ownW = NULL;
+    const T_ *Wp = SFX(pp_pad)(W, transposed ? 4 * HH : HH, transposed ? HH : 4 * HH, &Gp, &ownW);
+    T_ *restrict u = (T_ *)malloc(sizeof(T_) * (size_t)(4 * (4 * HH + Gp) + 4 * HH + 4 * Gp
+                                                         + 2 * HH));
+    T_ *restrict v = u + 4 * (4 * HH + Gp);  /* 4 x H */
+    T_ *restrict acc = v + 4 * HH;           /* 4 x Gp */
+    T_ *restrict zero = acc + 4 * Gp;        /* 2H */
     memset(zero, 0, sizeof(T_) * (size_t)(2 * HH));
     const T_ *none[4] = {NULL, NULL, NULL, NULL};
     for (i64 s = 0; s < T; ++s) {
@@ -339,7 +367,7 @@ void SFX(pp_lstm)(i64 N, i64 T, i64 H, int transposed, int reverse,
                     const T_ *restrict st = sc + n * s_sn + t * s_st;
                     const T_ *restrict kt = kk + n * k_sn + t * k_st;
                     const T_ *restrict x = prev[r];
-                    T_ *restrict rv = v + r * HH, *restrict ru = u + r * 4 * HH;
+                    T_ *restrict rv = v + r * HH, *restrict ru = u + r * (4 * HH + Gp);
                     for (i64 i = 0; i < HH; ++i) rv[i] = x[HH + i] + kt[i] * x[i];
                     for (i64 i = 0; i < HH; ++i) {
                         ru[i] = st[i] * rv[i];
@@ -350,24 +378,24 @@ void SFX(pp_lstm)(i64 N, i64 T, i64 H, int transposed, int reverse,
                     bt[r] = b + n * b_sn + t * b_st;
                     ur[r] = ru;
                 }
-                SFX(pp_rows_product)(R, 4 * HH, HH, W, bt, ur, acc);
+                SFX(pp_rows_product)(R, 4 * HH, HH, Gp, Wp, bt, ur, acc);
                 for (i64 r = 0; r < R; ++r) {
                     const i64 n = n0 + r;
                     const T_ *restrict ft = fg + n * f_sn + t * f_st;
-                    const T_ *restrict rv = v + r * HH, *restrict ra = acc + r * HH;
+                    const T_ *restrict rv = v + r * HH, *restrict ra = acc + r * Gp;
                     T_ *restrict ot = out + n * o_sn + t * o_st;
                     for (i64 i = 0; i < HH; ++i) ot[i] = ra[i];
                     for (i64 i = 0; i < HH; ++i) ot[HH + i] = bt[r][HH + i] + ft[i] * rv[i];
                 }
             } else {
-                SFX(pp_rows_product)(R, HH, 4 * HH, W, none, prev, u);
+                SFX(pp_rows_product)(R, HH, 4 * HH, Gp, Wp, none, prev, u);
                 for (i64 r = 0; r < R; ++r) {
                     const i64 n = n0 + r;
                     const T_ *restrict st = sc + n * s_sn + t * s_st;
                     const T_ *restrict ft = fg + n * f_sn + t * f_st;
                     const T_ *restrict kt = kk + n * k_sn + t * k_st;
                     const T_ *restrict bt = b + n * b_sn + t * b_st;
-                    const T_ *restrict x = prev[r], *restrict ru = u + r * 4 * HH;
+                    const T_ *restrict x = prev[r], *restrict ru = u + r * Gp;
                     T_ *restrict ot = out + n * o_sn + t * o_st;
                     for (i64 i = 0; i < HH; ++i) {
                         const T_ yc = st[i] * ru[i] + st[HH + i] * ru[HH + i]
@@ -380,6 +408,7 @@ void SFX(pp_lstm)(i64 N, i64 T, i64 H, int transposed, int reverse,
         }
     }
     free(u);
+    free(ownW);
     pp_ftz_end(csr);
 }
 
@@ -403,24 +432,29 @@ void SFX(pp_rnn_fwd)(i64 N, i64 T, i64 H, int relu,
                      const T_ *restrict h0, i64 h0_sn,
                      T_ *restrict out, i64 o_sn, i64 o_st) {
     const unsigned csr = pp_ftz_begin();
-    T_ *restrict a = (T_ *)malloc(sizeof(T_) * (size_t)(5 * HH));
-    T_ *restrict zero = a + 4 * HH;
+    i64 Gp;
+    T_ *ownW = NULL;
+    const T_ *Wp = SFX(pp_pad)(WT, HH, HH, &Gp, &ownW);
+    T_ *restrict a = (T_ *)malloc(sizeof(T_) * (size_t)(4 * Gp + HH));
+    T_ *restrict zero = a + 4 * Gp;
     memset(zero, 0, sizeof(T_) * (size_t)HH);
     PP_ROWS_BEGIN(HH)
         const T_ *init[4] = {NULL, NULL, NULL, NULL};
         for (i64 r = 0; r < R; ++r) init[r] = p + (n0 + r) * p_sn + t * p_st;
-        SFX(pp_rows_product)(R, HH, HH, WT, init, prev, a);
+        SFX(pp_rows_product)(R, HH, HH, Gp, Wp, init, prev, a);
         for (i64 r = 0; r < R; ++r) {
-            const T_ *restrict ar = a + r * HH;
+            T_ *restrict ar = a + r * Gp;
             T_ *restrict ot = out + (n0 + r) * o_sn + t * o_st;
             if (relu) {
                 for (i64 i = 0; i < HH; ++i) ot[i] = ar[i] < 0 ? (T_)0 : ar[i];
-            } else {
-                for (i64 i = 0; i < HH; ++i) ot[i] = pp_tanh1(ar[i]);
+            } else {  /* over the padded row: whole vectors, no scalar tail */
+                for (i64 i = 0; i < Gp; ++i) ar[i] = pp_tanh1(ar[i]);
+                memcpy(ot, ar, sizeof(T_) * (size_t)HH);
             }
         }
     }
     free(a);
+    free(ownW);
     pp_ftz_end(csr);
 }
 
@@ -437,15 +471,18 @@ void SFX(pp_gru_fwd)(i64 N, i64 T, i64 H,
                      T_ *restrict ss, i64 s_sn, i64 s_st,
                      T_ *restrict dd, i64 d_sn, i64 d_st) {
     const unsigned csr = pp_ftz_begin();
-    T_ *restrict gh_all = (T_ *)malloc(sizeof(T_) * (size_t)(13 * HH));
-    T_ *restrict zero = gh_all + 12 * HH;
+    i64 Gp;
+    T_ *ownW = NULL;
+    const T_ *Wp = SFX(pp_pad)(WT, HH, 3 * HH, &Gp, &ownW);
+    T_ *restrict gh_all = (T_ *)malloc(sizeof(T_) * (size_t)(4 * Gp + HH));
+    T_ *restrict zero = gh_all + 4 * Gp;
     memset(zero, 0, sizeof(T_) * (size_t)HH);
     const T_ *bias[4] = {bh, bh, bh, bh};
     PP_ROWS_BEGIN(3 * HH)
-        SFX(pp_rows_product)(R, HH, 3 * HH, WT, bias, prev, gh_all);
+        SFX(pp_rows_product)(R, HH, 3 * HH, Gp, Wp, bias, prev, gh_all);
         for (i64 r = 0; r < R; ++r) {
             const i64 n = n0 + r;
-            const T_ *restrict gh = gh_all + r * 3 * HH;
+            const T_ *restrict gh = gh_all + r * Gp;
             const T_ *restrict h = prev[r];
             const T_ *restrict gt = gi + n * g_sn + t * g_st;
             T_ *restrict ot = out + n * o_sn + t * o_st;
@@ -476,6 +513,7 @@ void SFX(pp_gru_fwd)(i64 N, i64 T, i64 H,
         }
     }
     free(gh_all);
+    free(ownW);
     pp_ftz_end(csr);
 }
 
@@ -494,16 +532,19 @@ void SFX(pp_lstm_fwd)(i64 N, i64 T, i64 H,
                       T_ *restrict ff, i64 f_sn, i64 f_st,
                       T_ *restrict kk, i64 k_sn, i64 k_st) {
     const unsigned csr = pp_ftz_begin();
-    T_ *restrict a_all = (T_ *)malloc(sizeof(T_) * (size_t)(17 * HH));
-    T_ *restrict zero = a_all + 16 * HH;
+    i64 Gp;
+    T_ *ownW = NULL;
+    const T_ *Wp = SFX(pp_pad)(WT, HH, 4 * HH, &Gp, &ownW);
+    T_ *restrict a_all = (T_ *)malloc(sizeof(T_) * (size_t)(4 * Gp + HH));
+    T_ *restrict zero = a_all + 4 * Gp;
     memset(zero, 0, sizeof(T_) * (size_t)HH);
     PP_ROWS_BEGIN(4 * HH)
         const T_ *init[4] = {NULL, NULL, NULL, NULL};
         for (i64 r = 0; r < R; ++r) init[r] = gi + (n0 + r) * g_sn + t * g_st;
-        SFX(pp_rows_product)(R, HH, 4 * HH, WT, init, prev, a_all);
+        SFX(pp_rows_product)(R, HH, 4 * HH, Gp, Wp, init, prev, a_all);
         for (i64 r = 0; r < R; ++r) {
             const i64 n = n0 + r;
-            const T_ *restrict a = a_all + r * 4 * HH;
+            const T_ *restrict a = a_all + r * Gp;
             const T_ *restrict cp = t ? cell + n * c_sn + (t - 1) * c_st
                                       : (c0 ? c0 + n * c0_sn : zero);
             T_ *restrict ot = out + n * o_sn + t * o_st;
@@ -537,6 +578,7 @@ void SFX(pp_lstm_fwd)(i64 N, i64 T, i64 H,
         }
     }
     free(a_all);
+    free(ownW);
     pp_ftz_end(csr);
 }
 """
