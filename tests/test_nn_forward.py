@@ -59,6 +59,13 @@ def err(a, b):
     return float((a - b).abs().max())
 
 
+def grad_err(a, b):
+    """Gradients: the error relative to their scale, ``max |a - b| / max(1, max |b|)`` (float32
+    gradients of size ~20 differ from torch's by a few units in the last place, ~1e-5
+    absolute, whatever the forward)."""
+    return err(a, b) / max(1.0, float(b.abs().max()))
+
+
 def assert_same(results, tol):
     (o1, h1, gx1, gh1, gw1), (o2, h2, gx2, gh2, gw2) = results
     assert o2.shape == o1.shape and h2.shape == h1.shape
@@ -69,7 +76,7 @@ def assert_same(results, tol):
         assert err(gh2, gh1) <= tol
     assert gw1.keys() == gw2.keys()
     for name in gw1:
-        assert err(gw2[name], gw1[name]) <= tol, name
+        assert grad_err(gw2[name], gw1[name]) <= tol, name
 
 
 def assert_stats(mod, layers, T):

@@ -259,3 +259,14 @@ def test_native_layer_input_projection_is_one_product():
     for t in range(12):
         h = torch.tanh(F.linear(x[t], w[0], w[2]) + F.linear(h, w[1], w[3]))
         assert torch.allclose(out[t], h, atol=1e-14, rtol=0)
+
+
+@pytest.mark.parametrize("kernel", ["native", "auto"])
+def test_para_cells_refuse_a_native_forward(kernel):
+    with pytest.raises(ValueError, match=f"ParaGRU has no forward='{kernel}'.*'sequential' is "
+                                         "its step-by-step loop"):
+        paraprop.nn.ParaGRU(2, 3, forward=kernel)
+    m = paraprop.nn.ParaLSTM(2, 3)
+    with pytest.raises(ValueError, match=f"ParaLSTM has no forward='{kernel}'"):
+        m.forward_config = kernel
+    assert m.forward_config == paraprop.nn.ParallelForward()      # unchanged

@@ -177,6 +177,7 @@ class ScanBackwardMixin:
     @forward_config.setter
     def forward_config(self, value) -> None:
         fwd = forward_option(value)
+        self._check_kernel(fwd)
         check_pair(fwd, getattr(self, "_backward_config", None))
         object.__setattr__(self, "_forward_config", fwd)
 
@@ -192,10 +193,20 @@ class ScanBackwardMixin:
         check_pair(getattr(self, "_forward_config", None), bwd)
         object.__setattr__(self, "_backward_config", bwd)
 
-    @staticmethod
-    def _init_options(forward, backward):
+    # the SequentialForward kernels a module runs (ParaGRU / ParaLSTM: only their own loop)
+    _sequential_kernels = ("torch", "native", "auto")
+
+    def _check_kernel(self, fwd) -> None:
+        if isinstance(fwd, SequentialForward) and fwd.kernel not in self._sequential_kernels:
+            name = type(self).__name__
+            raise ValueError(f"paraprop.nn.{name} has no forward={fwd.kernel!r} (no native loop "
+                             f"for its cell); forward='sequential' is its step-by-step loop, "
+                             f"or choose a parallel method such as 'newton'")
+
+    def _init_options(self, forward, backward):
         """Validate both options once (before torch's constructor allocates anything)."""
         fwd, bwd = forward_option(forward), backward_option(backward)
+        self._check_kernel(fwd)
         check_pair(fwd, bwd)
         return fwd, bwd
 
