@@ -210,7 +210,8 @@ static void SFX(pp_rows_product)(i64 R, i64 H, i64 G, i64 Gp, const T_ *restrict
         for (; q0 + PP_NV * VL <= Gp; q0 += PP_NV * VL) {
             VEC a[4][PP_NV];
             for (int r = 0; r < 4; ++r)
-                for (int v = 0; v < PP_NV; ++v) a[r][v] = *(const VEC *)(acc + r * Gp + q0 + v * VL);
+                for (int v = 0; v < PP_NV; ++v)
+                    a[r][v] = *(const VEC *)(acc + r * Gp + q0 + v * VL);
             for (i64 j = 0; j < H; ++j) {
                 const T_ *restrict w = W + j * Gp + q0;
                 VEC wv[PP_NV];
