@@ -1,8 +1,9 @@
 """The layers of :class:`paraprop.nn.ParaGRU` / :class:`~paraprop.nn.ParaLSTM`: forward by a loop or
 by :func:`paraprop.solve` on a diagonal :class:`paraprop.Recurrence`, backward by a scan.
 
-Forward, per layer: the input terms ``gi = W_ih x + b`` of all steps in one matrix product, then
-either the sequential loop (``forward="sequential"``) or Newton's method (or any method of
+Forward, per layer: the input terms ``gi = W_ih x + b`` of all steps in one matrix product (for
+Newton on the CPU with at most :data:`INPUTS_PER_BLOCK` inputs per step, block by block instead),
+then either the sequential loop (``forward="sequential"``) or Newton's method (or any method of
 :func:`paraprop.solve`) on the layer's recurrence. The recurrences below are
 :class:`paraprop.Recurrence` objects whose Jacobians come from
 :mod:`paraprop.jacobians.diagonal`: for ParaGRU the states are ``(B, T, H)`` with diagonal
@@ -11,6 +12,10 @@ independent given ``gi``), so the states are laid out ``(B, H, T, 2)`` (``(h, c)
 per position) and the Jacobians are dense ``2 x 2`` per unit and step, ``(B, H, T, 2, 2)``: both
 forms :func:`paraprop.scan.linear_recurrence` runs in ``O(T H)`` (its native kernels on the CPU).
 Exact Newton stops on the size of its step (the linearised error), as for every recurrence.
+Each recurrence also gives :mod:`paraprop.solvers.newton` a fused step (``newton_step``): per
+block of steps the cell, its Jacobians and the step's linear recurrence (a carry from block to
+block) in cache-resident scratch reused across blocks and iterations, so that an iteration
+makes one pass over the states and allocates nothing of size ``T`` after the first.
 
 Backward (implicit at the computed states, whichever forward produced them): with ``lam_t =
 dL/ds_t`` and ``e_t`` the gradient arriving from outside the layer, ``lam_t = e_t + J_{t+1}^T
@@ -25,10 +30,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from paraprop.jacobians.diagonal import blocks, gru_linearize, gru_step, lstm_linearize, lstm_step
+from paraprop.jacobians import diagonal
+from paraprop.jacobians.diagonal import (
+    GRU_SCRATCH,
+    LSTM_SCRATCH,
+    blocks,
+    gru_linearize,
+    gru_newton_block,
+    gru_step,
+    lstm_linearize,
+    lstm_newton_block,
+    lstm_step,
+)
 from paraprop.nn._base import first_order_only, unpack_saved
 from paraprop.nn.rnn import solve_hidden
 from paraprop.recurrence import Recurrence
+from paraprop.scan import linear_recurrence, native
+
+# Up to this many inputs per step, the Newton forward on the CPU forms the input terms block by
+# block in every iteration (an (n, I) x (I, 3H) or (4H, I) x (I, n) product into a cache-
+# resident block) instead of storing all of them: a fresh (B, T, 3H) array costs more (a page
+# fault per 4 KB, ~1.6 ns per value here) than a few products per value and iteration.
+INPUTS_PER_BLOCK = 4
 
 
 # -- the recurrences solved by paraprop.solve -----------------------------------------------------
@@ -53,34 +76,117 @@ class GRURecurrence(_DiagonalRecurrence):
     """One ParaGRU layer as ``fn`` of :func:`paraprop.solve`: states ``(B, T, H)``, diagonal
     Jacobians (``"any"`` and ``"diag"`` are the same, exact form).
 
+    Besides ``linearize`` it has the fused step ``newton_step`` of
+    :mod:`paraprop.solvers.newton`: block by block along time, the cell's values, the
+    Jacobians' diagonals and the step's diagonal recurrence (its carry passed from block to
+    block), in scratch arrays of one block, so that an iteration reads the states (and the
+    input terms) once and allocates nothing of size ``T`` after the first.
+
     Arguments:
-        gi: the input terms ``W_ih x + b_ih`` ``(B, T, 3H)``.
+        gi: the input terms ``W_ih x + b_ih`` ``(B, T, 3H)``, or ``None`` with ``inputs``.
         h0: ``(B, H)``.
         w, b: the diagonal weights and hidden bias, ``(3, H)`` (``b`` may be ``None``).
+        inputs: ``(x, w_ih, b_ih)`` (``x`` ``(B, T, I)``, ``b_ih`` may be ``None``) instead of
+            ``gi``: the input terms are then formed block by block, each time they are needed
+            (for a few inputs per step that is cheaper than storing ``3 H`` values per step).
     """
 
-    def __init__(self, gi: torch.Tensor, h0: torch.Tensor, w: torch.Tensor,
-                 b: torch.Tensor | None):
+    def __init__(self, gi: torch.Tensor | None, h0: torch.Tensor, w: torch.Tensor,
+                 b: torch.Tensor | None, *, inputs: tuple | None = None):
         self._w, self._b = w.detach(), None if b is None else b.detach()
-        super().__init__(gi, h0)
-        self._gi = self._u.view(self.B, self.T, 3, self.H)
+        if (gi is None) == (inputs is None):
+            raise ValueError("GRURecurrence: pass either gi or inputs=(x, w_ih, b_ih)")
+        self._x = None
+        if inputs is not None:
+            x, w_ih, b_ih = inputs
+            self._x, self._w_ih = x.detach(), w_ih.detach()
+            self._b_ih = None if b_ih is None else b_ih.detach()
+            super().__init__(None, h0, length=x.shape[1])
+        else:
+            super().__init__(gi, h0)
+            self._gi = self._u.view(self.B, self.T, 3, self.H)
+        self._scratch: torch.Tensor | None = None      # one block's temporaries
+        self._out: tuple[torch.Tensor, torch.Tensor] | None = None   # newton_step's y, trial
 
     def _cell(self, u, h):
         return gru_step(u.unflatten(-1, (3, -1)), h, self._w, self._b)
 
+    def _inputs_at(self, idx):
+        if self._x is None:
+            return super()._inputs_at(idx)
+        u = self._x.index_select(1, idx)
+        return F.linear(u.reshape(-1, u.shape[-1]), self._w_ih, self._b_ih)
+
     def linearize(self, xc: torch.Tensor, lo: int, form: str | None):
         """``fn(x)`` at positions ``[lo, T)`` and the diagonals of its Jacobians there (also
         for ``form="any"``: they are exact); ``"dense"`` embeds them ``(B, n, H, H)``."""
-        B, T, H = self.B, self.T, self.H
-        y = xc.new_empty(B, T - lo, H)
+        y = xc.new_empty(self.B, self.T - lo, self.H)
         a = None if form is None else torch.empty_like(y)
-        for blk in blocks(T - lo, B * H, xc.device):
-            p0, p1 = lo + blk.start, lo + blk.stop
-            gru_linearize(self._gi[:, p0:p1], self._prev(xc, p0, p1), self._w, self._b, y[:, blk],
-                          None if a is None else a[:, blk])
+        for p0, p1, (gi, sc, _, _) in self._blocks(xc, lo, None):
+            gru_newton_block(gi, self._prev(xc, p0, p1), self._w, self._b,
+                             y[:, p0 - lo:p1 - lo], None if a is None else a[:, p0 - lo:p1 - lo],
+                             sc)
         if form == "dense":
             a = torch.diag_embed(a)
         return y, a
+
+    def newton_step(self, xc: torch.Tensor, lo: int, form: str):
+        """The step of :mod:`paraprop.solvers.newton` at ``x`` from position ``lo``, fused:
+        ``(y, trial)`` with ``y = fn(x)`` and ``trial = x + delta``, ``delta_t = a_t
+        delta_{t-1} + y_t - x_t`` (``delta_{lo-1} = 0``), both ``(B, T - lo, H)`` views of
+        arrays that the next call overwrites (one solve at a time per object). ``None`` for a
+        ``form`` other than the exact diagonal ones (the driver then calls
+        :meth:`linearize`)."""
+        if form not in ("any", "diag"):
+            return None
+        if self._out is None:
+            self._out = (torch.empty_like(xc), torch.empty_like(xc))
+        y, trial = (t[:, lo:] for t in self._out)
+        carry, last = None, xc.new_empty(self.B, self.H)   # delta at the previous block's end
+        use_native = native.supports(xc)
+        for p0, p1, (gi, sc, a, r) in self._blocks(xc, lo, "_scratch"):
+            yb, tb, xb = y[:, p0 - lo:p1 - lo], trial[:, p0 - lo:p1 - lo], xc[:, p0:p1]
+            gru_newton_block(gi, self._prev(xc, p0, p1), self._w, self._b, yb, a, sc)
+            torch.sub(yb, xb, out=r)
+            if use_native:                        # the kernel linear_recurrence runs here
+                native.diag(a, r, carry, tb, False)
+            else:
+                tb.copy_(linear_recurrence(a, r, carry))
+            carry = last.copy_(tb[:, -1])
+            tb.add_(xb)
+        return y, trial
+
+    def _blocks(self, xc: torch.Tensor, lo: int, keep: str | None):
+        """``(p0, p1, (gi, scratch, a, r))`` for the blocks of positions ``[lo, T)``: the input
+        terms ``(B, n, 3, H)``, :func:`gru_newton_block`'s scratch and two ``(B, n, H)``
+        arrays, all in one array reused from block to block (and, kept as attribute ``keep``,
+        from call to call)."""
+        B, H = self.B, self.H
+        spans = [(lo + b.start, lo + b.stop) for b in blocks(
+            self.T - lo, B * H, xc.device, diagonal.NEWTON_BLOCK_ELEMENTS)]
+        units = GRU_SCRATCH + 2 + (3 if self._x is not None else 0)
+        need = units * B * H * max(p1 - p0 for p0, p1 in spans)
+        scratch = getattr(self, keep, None) if keep else None
+        if scratch is None or scratch.numel() < need:
+            scratch = xc.new_empty(need)
+            if keep:
+                setattr(self, keep, scratch)
+        for p0, p1 in spans:
+            m = B * (p1 - p0) * H
+            parts = scratch[:units * m].split([GRU_SCRATCH * m, m, m,
+                                               (units - GRU_SCRATCH - 2) * m])
+            a, r = (t.view(B, p1 - p0, H) for t in parts[1:3])
+            if self._x is None:
+                gi = self._gi[:, p0:p1]
+            else:                                 # the input terms of the block, (B, n, 3, H)
+                u = self._x[:, p0:p1]
+                gi = parts[3].view(B, p1 - p0, 3, H)
+                u2, rows = u.reshape(-1, u.shape[-1]), gi.view(-1, 3 * H)
+                if self._b_ih is None:
+                    torch.mm(u2, self._w_ih.t(), out=rows)
+                else:
+                    torch.addmm(self._b_ih, u2, self._w_ih.t(), out=rows)
+            yield p0, p1, (gi, parts[0], a, r)
 
     def _prev(self, xc, p0, p1):
         """``x_{t-1}`` for ``t`` in ``[p0, p1)`` (``h0`` before position 0)."""
@@ -95,22 +201,51 @@ class LSTMRecurrence(_DiagonalRecurrence):
     exact) or their diagonals ``(B, H, T, 2)`` (``"diag"``, quasi-Newton).
 
     The input terms are kept gate-major and the blocks of steps are computed on contiguous
-    ``(B, H, steps)`` arrays, then interleaved into the ``(h, c)`` layout of the solver.
+    ``(B, H, steps)`` arrays (:func:`~paraprop.jacobians.diagonal.lstm_newton_block`), then
+    interleaved into the ``(h, c)`` layout of the solver. The fused step ``newton_step`` of
+    :mod:`paraprop.solvers.newton` works as :class:`GRURecurrence`'s, with the ``2 x 2``
+    blocks' recurrence.
 
     Arguments:
-        gi: the input terms ``W_ih x + b_ih + b_hh``, ``(4, B, H, T)`` (gates i, f, g, o).
+        gi: the input terms ``W_ih x + b_ih + b_hh``, ``(4, B, H, T)`` (gates i, f, g, o), or
+            ``None`` with ``inputs``.
         h0: ``(B, H, 2)``.
         w: the diagonal weights ``(4, H)``.
+        inputs: ``(x, w_ih, b)`` (``x`` ``(B, T, I)``, ``b = b_ih + b_hh`` or ``None``)
+            instead of ``gi``: the input terms formed block by block, as for
+            :class:`GRURecurrence`.
     """
 
-    def __init__(self, gi: torch.Tensor, h0: torch.Tensor, w: torch.Tensor):
-        self._gi4 = gi.detach()
+    def __init__(self, gi: torch.Tensor | None, h0: torch.Tensor, w: torch.Tensor, *,
+                 inputs: tuple | None = None):
+        if (gi is None) == (inputs is None):
+            raise ValueError("LSTMRecurrence: pass either gi or inputs=(x, w_ih, b)")
+        self._gi4 = self._x = None
+        if inputs is not None:
+            x, w_ih, b = inputs
+            self._x, self._w_ih = x.detach(), w_ih.detach()
+            self._b_ih = None if b is None else b.detach().view(-1, 1)
+            T = x.shape[1]
+        else:
+            self._gi4, T = gi.detach(), gi.shape[-1]
         self._w = w.detach().reshape(4, 1, -1, 1)                # broadcasts on (4, B, H, steps)
-        super().__init__(None, h0, length=gi.shape[-1])
+        super().__init__(None, h0, length=T)
         self._units = tuple(self.batch_shape)                   # (B, H)
+        self._scratch: torch.Tensor | None = None               # one block's temporaries
+        self._out: tuple[torch.Tensor, torch.Tensor] | None = None   # newton_step's y, trial
 
-    def _inputs_at(self, idx):
-        return self._gi4.index_select(-1, idx)                   # (4, B, H, k), for _cell
+    def _inputs_at(self, idx):                                  # (4, B, H, k), for _cell
+        if self._x is None:
+            return self._gi4.index_select(-1, idx)
+        return self._input_terms(self._x.index_select(1, idx), None)
+
+    def _input_terms(self, u: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """``W_ih u + b`` of ``u`` ``(B, k, I)`` as ``(4, B, H, k)`` (a view of ``out``
+        ``(B, 4H, k)`` when given)."""
+        gi = torch.matmul(self._w_ih, u.transpose(1, 2), out=out)    # (B, 4H, k)
+        if self._b_ih is not None:
+            gi += self._b_ih
+        return gi.view(u.shape[0], 4, self._units[1], -1).transpose(0, 1)
 
     def _cell(self, u, s):
         B, H = self._units
@@ -121,27 +256,83 @@ class LSTMRecurrence(_DiagonalRecurrence):
 
     def linearize(self, xc: torch.Tensor, lo: int, form: str | None):
         B, H = self._units
-        T, n = self.T, self.T - lo
-        x = xc.view(B, H, T, 2)
-        y = xc.new_empty(B, H, n, 2)
-        J = None if form is None else xc.new_empty(B, H, n, 2, 2)
-        for blk in blocks(n, B * H, xc.device):
-            p0, p1 = lo + blk.start, lo + blk.stop
-            prev = x[:, :, p0 - 1:p1 - 1] if p0 > 0 else torch.cat(
-                [self._h0.view(B, H, 1, 2), x[:, :, :p1 - 1]], 2)
-            hc = prev.permute(3, 0, 1, 2).contiguous()          # (2, B, H, steps)
-            out = torch.empty_like(hc)
-            Jc = None if J is None else hc.new_empty(2, 2, *hc.shape[1:])
-            lstm_linearize(self._gi4[..., p0:p1], hc[0], hc[1], self._w, out[0], out[1],
-                           None if Jc is None else Jc.permute(2, 3, 4, 0, 1), dim=0)
-            y[:, :, blk] = out.permute(1, 2, 3, 0)
-            if J is not None:
-                J[:, :, blk] = Jc.permute(2, 3, 4, 0, 1)
-        y = y.view(B * H, n, 2)
+        y = xc.new_empty(B, H, self.T - lo, 2)
+        J = None if form is None else xc.new_empty(B, H, self.T - lo, 2, 2)
+        for p0, p1, gi, sc in self._blocks(xc, lo, None):
+            prev = self._prev(xc, p0, p1)
+            yb = y[:, :, p0 - lo:p1 - lo]
+            lstm_newton_block(gi, prev[..., 0], prev[..., 1], self._w,
+                              yb[..., 0], yb[..., 1],
+                              None if J is None else J[:, :, p0 - lo:p1 - lo], sc)
+        y = y.view(B * H, self.T - lo, 2)
         if J is None:
             return y, None
-        J = J.view(B * H, n, 2, 2)
+        J = J.view(B * H, self.T - lo, 2, 2)
         return y, (J.diagonal(dim1=-2, dim2=-1) if form == "diag" else J)
+
+    def newton_step(self, xc: torch.Tensor, lo: int, form: str):
+        """The step of :mod:`paraprop.solvers.newton` fused, as
+        :meth:`GRURecurrence.newton_step`, for the exact ``2 x 2`` blocks (``form="any"``;
+        ``None`` otherwise): ``(y, trial)``, ``(B * H, T - lo, 2)`` views of arrays that the
+        next call overwrites."""
+        if form != "any":
+            return None
+        B, H = self._units
+        N, T = B * H, self.T
+        if self._out is None:
+            self._out = (torch.empty_like(xc), torch.empty_like(xc))
+        x = xc.view(B, H, T, 2)
+        y, trial = (t.view(B, H, T, 2) for t in self._out)
+        carry, last = None, xc.new_empty(N, 2)      # delta at the previous block's end
+        use_native = native.supports(xc)
+        for p0, p1, gi, sc in self._blocks(xc, lo, "_scratch"):
+            s, prev = p1 - p0, self._prev(xc, p0, p1)
+            m = N * s
+            J = sc[LSTM_SCRATCH * m:(LSTM_SCRATCH + 4) * m].view(N, s, 2, 2)
+            r = sc[(LSTM_SCRATCH + 4) * m:(LSTM_SCRATCH + 6) * m].view(N, s, 2)
+            yb, tb, xb = y[:, :, p0:p1], trial[:, :, p0:p1].view(N, s, 2), x[:, :, p0:p1]
+            lstm_newton_block(gi, prev[..., 0], prev[..., 1], self._w, yb[..., 0], yb[..., 1],
+                              J.view(B, H, s, 2, 2), sc)
+            torch.sub(yb, xb, out=r.view(B, H, s, 2))
+            if use_native:                          # the kernel linear_recurrence runs here
+                native.dense(J, r, carry, tb, False)
+            else:
+                tb.copy_(linear_recurrence(J, r, carry))
+            carry = last.copy_(tb[:, -1])
+            tb.add_(xb.reshape(N, s, 2))
+        return tuple(t[:, lo:] for t in self._out)
+
+    def _blocks(self, xc: torch.Tensor, lo: int, keep: str | None):
+        """``(p0, p1, gi, scratch)`` for the blocks of positions ``[lo, T)``: the input terms
+        ``(4, B, H, n)`` and the scratch (:func:`lstm_newton_block`'s, then a block's ``J`` and
+        ``r``), one array reused from block to block (and, kept as attribute ``keep``, from
+        call to call)."""
+        N = self.B
+        spans = [(lo + b.start, lo + b.stop) for b in blocks(
+            self.T - lo, 2 * N, xc.device, diagonal.NEWTON_BLOCK_ELEMENTS)]
+        units = LSTM_SCRATCH + 6 + (4 if self._x is not None else 0)
+        need = units * N * max(p1 - p0 for p0, p1 in spans)
+        scratch = getattr(self, keep, None) if keep else None
+        if scratch is None or scratch.numel() < need:
+            scratch = xc.new_empty(need)
+            if keep:
+                setattr(self, keep, scratch)
+        for p0, p1 in spans:
+            if self._x is None:
+                gi = self._gi4[..., p0:p1]
+            else:
+                m = N * (p1 - p0)
+                out = scratch[(LSTM_SCRATCH + 6) * m:units * m].view(self._units[0], -1, p1 - p0)
+                gi = self._input_terms(self._x[:, p0:p1], out)
+            yield p0, p1, gi, scratch
+
+    def _prev(self, xc: torch.Tensor, p0: int, p1: int) -> torch.Tensor:
+        """``(h, c)`` at ``t - 1`` for ``t`` in ``[p0, p1)``, ``(B, H, p1 - p0, 2)``."""
+        B, H = self._units
+        x = xc.view(B, H, self.T, 2)
+        if p0 > 0:
+            return x[:, :, p0 - 1:p1 - 1]
+        return torch.cat([self._h0.view(B, H, 1, 2), x[:, :, :p1 - 1]], 2)
 
 
 def _solve(cfg: dict, rec: Recurrence) -> torch.Tensor:
@@ -150,7 +341,8 @@ def _solve(cfg: dict, rec: Recurrence) -> torch.Tensor:
     from paraprop.solve import solve
 
     fwd = cfg["forward"]
-    sol = solve(rec, rec.zeros(), method=fwd.solver, dim=-2, tol=cfg["forward_tol"],
+    zeros = torch.zeros((), dtype=rec.dtype, device=rec.device).expand(rec.shape)  # (copied)
+    sol = solve(rec, zeros, method=fwd.solver, dim=-2, tol=cfg["forward_tol"],
                 max_iters=fwd.max_iters, throw=fwd.throw)
     record = cfg["forward_stats"]
     for key, value in (("iterations", sol.iterations),
@@ -186,8 +378,12 @@ def gru_layer(cfg: dict, x: torch.Tensor, h0: torch.Tensor, w_ih, w_hh, b_ih, b_
     w, b = w_hh.view(3, H), None if b_hh is None else b_hh.view(3, H)
     if cfg["forward"] is None:
         return gru_loop(F.linear(x, w_ih, b_ih).unflatten(-1, (3, H)), h0, w, b)
-    gi = F.linear(x.transpose(0, 1), w_ih, b_ih)                       # (B, T, 3H)
-    return _solve(cfg, GRURecurrence(gi, h0, w, b)).transpose(0, 1)
+    xb = x.transpose(0, 1)                                              # (B, T, I)
+    if x.shape[-1] <= INPUTS_PER_BLOCK and x.device.type == "cpu":
+        rec = GRURecurrence(None, h0, w, b, inputs=(xb, w_ih, b_ih))
+    else:
+        rec = GRURecurrence(F.linear(xb, w_ih, b_ih), h0, w, b)         # gi (B, T, 3H)
+    return _solve(cfg, rec).transpose(0, 1)
 
 
 class ParaGRUFunction(torch.autograd.Function):
@@ -282,10 +478,14 @@ def lstm_layer(cfg: dict, x, h0, c0, w_ih, w_hh, b):
     H = h0.shape[-1]
     if cfg["forward"] is None:
         return lstm_loop(F.linear(x, w_ih, b).unflatten(-1, (4, H)), h0, c0, w_hh.view(4, H))
-    gi = torch.matmul(w_ih.view(4, 1, H, -1), x.permute(1, 2, 0))      # (4, B, H, T)
-    if b is not None:
-        gi += b.view(4, 1, H, 1)
-    rec = LSTMRecurrence(gi, torch.stack([h0, c0], -1), w_hh.view(4, H))
+    hc0, w = torch.stack([h0, c0], -1), w_hh.view(4, H)
+    if x.shape[-1] <= INPUTS_PER_BLOCK and x.device.type == "cpu":
+        rec = LSTMRecurrence(None, hc0, w, inputs=(x.transpose(0, 1), w_ih, b))
+    else:
+        gi = torch.matmul(w_ih.view(4, 1, H, -1), x.permute(1, 2, 0))  # (4, B, H, T)
+        if b is not None:
+            gi += b.view(4, 1, H, 1)
+        rec = LSTMRecurrence(gi, hc0, w)
     s = _solve(cfg, rec).permute(2, 0, 1, 3)                         # (T, B, H, 2)
     return s[..., 0], s[..., 1]
 

@@ -27,6 +27,12 @@ iterations are needed. A sample stops on an estimate of its error, never on the 
 the contraction of successive steps (:mod:`paraprop.solvers.stopping`). A step that overflows
 (Newton can diverge) is replaced by the Jacobi update for that sample and counted in
 ``stats["resets"]``; it never reaches the result.
+
+A :class:`paraprop.Recurrence` may also offer ``newton_step(x, lo, form)``: the undamped step's
+values ``y = fn(x)`` and ``trial = x + delta`` at positions ``[lo, T)`` computed together (the
+cell, its Jacobians and the linear recurrence in one blocked pass, as ParaGRU's and ParaLSTM's
+recurrences do), or ``None`` for a form it does not fuse; the checks and the stopping rule that
+follow are the same either way.
 """
 
 from __future__ import annotations
@@ -81,7 +87,11 @@ class _NewtonFamily:
         ex = state.extra
         access = ex["access"]
         lo, T, x, act = ex["lo"], system.T, state.x, state.active
-        y, J = access.linearize(x, lo, self.form, state, tol)
+        fused = None if self.damped else access.newton_step(x, lo, self.form)
+        if fused is None:
+            y, J = access.linearize(x, lo, self.form, state, tol)
+        else:
+            y, trial = fused
         if not access.markov:
             ex["stats"]["jvps"] = access.jvps
         try:
@@ -91,22 +101,23 @@ class _NewtonFamily:
                 raise
             raise NonFiniteError(f"{e}; the iterate came from a {self.name} step, which can "
                                  "diverge: try method='elk' (damped) or 'jacobi'") from None
-        r = y - x[:, lo:]
         state.sample_iterations += act.long()
         seg = x[:, lo:]
-        if self.damped:
-            trial = self._elk(x, r, J, lo)
-        else:
-            trial = linear_recurrence(J, r).add_(seg)
+        if fused is None:
+            r = torch.sub(y, seg, out=_work(ex, x, lo))
+            if self.damped:
+                trial = self._elk(x, r, J, lo)
+            else:
+                trial = linear_recurrence(J, r).add_(seg)
         bad = _non_finite_rows(trial) & act
         if bool(bad.any()):     # a diverging step: the Jacobi update keeps the guarantees
             ex["stats"]["resets"] += int(bad.sum())
             trial = torch.where(bad[:, None, None], y, trial)
         trial[:, 0] = y[:, 0]   # exact: computed from the exact prefix
-        delta = trial - seg
         if norm == "max":
-            size = delta.abs().amax(dim=(1, 2))
+            size = _max_difference(trial, seg)
         else:
+            delta = trial - seg
             size = torch.linalg.vector_norm(delta.reshape(delta.shape[0], -1), dim=1)
         size = torch.where(act, size, torch.zeros_like(size)).to(torch.float64)
         if self.form == "any" and not self.damped and access.markov:
@@ -120,11 +131,16 @@ class _NewtonFamily:
             # map that accumulates small steps), so that sum is what must fit tol.
             est = est + size
             stop = stop & ~bad & (est <= tol)
-        new = torch.where(stop[:, None, None], y, trial) if bool(stop.any()) else trial
+        stopping = bool(stop.any())
         if bool(act.all()):
-            seg.copy_(new)
-        else:
-            seg.copy_(torch.where(act[:, None, None], new, seg))
+            if stopping:
+                torch.where(stop[:, None, None], y, trial, out=seg)
+            else:
+                seg.copy_(trial)
+        else:               # (trial is this step's own array: overwritten in place)
+            if stopping:
+                torch.where(stop[:, None, None], y, trial, out=trial)
+            torch.where(act[:, None, None], trial, seg, out=seg)
         state.estimate = torch.where(stop, est, state.estimate)
         state.residual = float(size.max())
         cont = act & ~stop
@@ -143,6 +159,35 @@ class _NewtonFamily:
             and r.device.type != "mps" else r.dtype
         step = kalman_step(J.to(wide), r.to(wide), self.damping)
         return x[:, lo:] + step.to(r.dtype)
+
+
+def _work(ex: dict, x: torch.Tensor, lo: int) -> torch.Tensor:
+    """A ``(B, T - lo, F)`` array for the residual, carved from one array of ``x``'s size kept
+    for the whole solve (on a CPU a fresh array costs a page fault per 4 KB, every iteration)."""
+    if "work" not in ex:
+        ex["work"] = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+    B, T, F = x.shape
+    return ex["work"][:B * (T - lo) * F].view(B, T - lo, F)
+
+
+# Values per chunk of :func:`_max_difference` on a CPU: the chunk's difference stays in cache.
+DIFFERENCE_CHUNK = 1 << 18
+
+
+def _max_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(B,)``: ``max |a - b|`` per sample of ``(B, n, F)`` arrays (NaN where one is), chunk by
+    chunk along the positions on a CPU (the exact maximum, without a ``B n F`` temporary)."""
+    B, n, F = a.shape
+    step = n if a.device.type != "cpu" else max(1, DIFFERENCE_CHUNK // max(1, B * F))
+    if step >= n:
+        return (a - b).abs_().amax(dim=(1, 2))
+    buf = a.new_empty(B, step, F)
+    out = None
+    for t0 in range(0, n, step):
+        t1 = min(n, t0 + step)
+        m = torch.sub(a[:, t0:t1], b[:, t0:t1], out=buf[:, :t1 - t0]).abs_().amax(dim=(1, 2))
+        out = m if out is None else torch.maximum(out, m)
+    return out
 
 
 def _non_finite_rows(t: torch.Tensor) -> torch.Tensor:
@@ -258,6 +303,19 @@ class _MarkovAccess:
         self.system.positions += x.shape[1] - lo
         return y, J
 
+    def newton_step(self, x, lo, form):
+        """``fn.newton_step(x, lo, form)`` where ``fn`` has it: the undamped step fused, ``(y,
+        trial)`` with ``y = fn(x)`` at ``[lo, T)`` and ``trial = x + delta`` there, ``delta``
+        the solution of ``delta_t = J_t delta_{t-1} + y_t - x_t`` (``delta_{lo-1} = 0``) for
+        ``form``'s Jacobians, as the driver computes them from :meth:`linearize`; ``None``
+        (and without it) for the unfused step."""
+        fused = getattr(self.system.fn, "newton_step", None)
+        out = None if fused is None else fused(x, lo, form)
+        if out is not None:
+            self.system.evaluations += 1
+            self.system.positions += x.shape[1] - lo
+        return out
+
 
 class _FullAccess:
     """Any triangular ``fn``: full evaluations, and the sub-diagonal Jacobian blocks by one
@@ -270,6 +328,9 @@ class _FullAccess:
     def __init__(self, system: System):
         self.system = system
         self.jvps = 0   # forward-mode products for the Jacobians, each about one evaluation
+
+    def newton_step(self, x, lo, form):
+        return None
 
     def linearize(self, x, lo, form, state, tol):
         system = self.system
