@@ -175,7 +175,9 @@ def _validate(fn, x0, dim, tol, norm, max_iters, callback) -> tuple[int, int]:
     dims = normalise_dims(dim, x0.dim())
     if x0.numel() == 0:
         raise ValueError(f"x0 must not be empty, got shape {tuple(x0.shape)}")
-    if not bool(torch.isfinite(x0).all()):
+    # a finite sum means finite entries (NaN and inf propagate); the full check (a boolean
+    # array of x0's size) only where the sum is not, e.g. where it overflows
+    if not bool(torch.isfinite(x0.sum())) and not bool(torch.isfinite(x0).all()):
         raise ValueError("x0 must be finite (NaN or inf would leak through masked weights)")
     return dims
 
