@@ -227,6 +227,16 @@ def test_bad_x0():
     x0[1, 2] = float("nan")
     with pytest.raises(ValueError, match="x0 must be finite"):
         paraprop.solve(prob, x0)
+    for bad in ([float("inf")], [float("inf"), -float("inf")]):   # the latter sums to NaN
+        x0 = prob.x0()
+        x0.view(-1)[:len(bad)] = torch.tensor(bad, dtype=x0.dtype)
+        with pytest.raises(ValueError, match="x0 must be finite"):
+            paraprop.solve(prob, x0)
+    # finite entries whose sum overflows are finite: accepted (the full check decides)
+    x0 = prob.x0()
+    x0.fill_(1e308)
+    assert not torch.isfinite(x0.sum())
+    paraprop.solve(prob, x0, method="sequential")
     with pytest.raises(TypeError, match="fn must be callable"):
         paraprop.solve(42, prob.x0())
 
