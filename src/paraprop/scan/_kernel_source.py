@@ -414,17 +414,10 @@ void SFX(pp_lstm)(i64 N, i64 T, i64 H, int transposed, int reverse,
 }
 
 /* The forward kernels walk time in the outer loop and the batch rows in groups of four inside
-   it (rows are independent; the caller splits them across threads). h0 NULL: zero states. */
-#define PP_ROWS_BEGIN(G)                                                                        \
-    for (i64 t = 0; t < T; ++t)                                                                 \
-        for (i64 n0 = 0; n0 < N; n0 += 4) {                                                     \
-            const i64 R = N - n0 < 4 ? N - n0 : 4;                                              \
-            const T_ *prev[4] = {zero, zero, zero, zero};                                       \
-            for (i64 r = 0; r < R; ++r) {                                                       \
-                const i64 n = n0 + r;                                                           \
-                if (t) prev[r] = out + n * o_sn + (t - 1) * o_st;                               \
-                else if (h0) prev[r] = h0 + n * h0_sn;                                          \
-            }
+   it, as the scan kernels above (PP_PREV_ROWS; h0 NULL: zero states). */
+#define PP_FORWARD_ROWS                                                                         \
+    for (i64 s = 0; s < T; ++s)                                                                 \
+        for (i64 n0 = 0, t = s, tp = s - 1; n0 < N; n0 += 4)
 
 /* Elman RNN: out_t = act(p_t + W_hh h_{t-1}), p (N, T, H) = W_ih x_t + b_ih + b_hh. */
 void SFX(pp_rnn_fwd)(i64 N, i64 T, i64 H, int relu,
@@ -439,7 +432,8 @@ void SFX(pp_rnn_fwd)(i64 N, i64 T, i64 H, int relu,
     T_ *restrict a = (T_ *)malloc(sizeof(T_) * (size_t)(4 * Gp + HH));
     T_ *restrict zero = a + 4 * Gp;
     memset(zero, 0, sizeof(T_) * (size_t)HH);
-    PP_ROWS_BEGIN(HH)
+    PP_FORWARD_ROWS {
+        PP_PREV_ROWS(zero)
         const T_ *init[4] = {NULL, NULL, NULL, NULL};
         for (i64 r = 0; r < R; ++r) init[r] = p + (n0 + r) * p_sn + t * p_st;
         SFX(pp_rows_product)(R, HH, HH, Gp, Wp, init, prev, a);
@@ -479,7 +473,8 @@ void SFX(pp_gru_fwd)(i64 N, i64 T, i64 H,
     T_ *restrict zero = gh_all + 4 * Gp;
     memset(zero, 0, sizeof(T_) * (size_t)HH);
     const T_ *bias[4] = {bh, bh, bh, bh};
-    PP_ROWS_BEGIN(3 * HH)
+    PP_FORWARD_ROWS {
+        PP_PREV_ROWS(zero)
         SFX(pp_rows_product)(R, HH, 3 * HH, Gp, Wp, bias, prev, gh_all);
         for (i64 r = 0; r < R; ++r) {
             const i64 n = n0 + r;
@@ -487,28 +482,21 @@ void SFX(pp_gru_fwd)(i64 N, i64 T, i64 H,
             const T_ *restrict h = prev[r];
             const T_ *restrict gt = gi + n * g_sn + t * g_st;
             T_ *restrict ot = out + n * o_sn + t * o_st;
-            if (zz) {
-                T_ *restrict zt = zz + n * z_sn + t * z_st;
-                T_ *restrict st = ss + n * s_sn + t * s_st;
-                T_ *restrict dt = dd + n * d_sn + t * d_st;
-                for (i64 i = 0; i < HH; ++i) {
-                    const T_ rg = pp_sigmoid1(gt[i] + gh[i]);
-                    const T_ z = pp_sigmoid1(gt[HH + i] + gh[HH + i]);
-                    const T_ c = pp_tanh1(gt[2 * HH + i] + rg * gh[2 * HH + i]);
+            T_ *restrict zt = zz ? zz + n * z_sn + t * z_st : NULL;
+            T_ *restrict st = zz ? ss + n * s_sn + t * s_st : NULL;
+            T_ *restrict dt = zz ? dd + n * d_sn + t * d_st : NULL;
+            for (i64 i = 0; i < HH; ++i) {   /* (the compiler unswitches the zz test) */
+                const T_ rg = pp_sigmoid1(gt[i] + gh[i]);
+                const T_ z = pp_sigmoid1(gt[HH + i] + gh[HH + i]);
+                const T_ c = pp_tanh1(gt[2 * HH + i] + rg * gh[2 * HH + i]);
+                ot[i] = (h[i] - c) * z + c;
+                if (zz) {
                     const T_ dn = (1 - c * c) * (1 - z);
-                    ot[i] = (h[i] - c) * z + c;
                     zt[i] = z;
                     dt[i] = dn;
                     st[2 * HH + i] = dn * rg;
                     st[i] = dn * rg * gh[2 * HH + i] * (1 - rg);
                     st[HH + i] = (h[i] - c) * z * (1 - z);
-                }
-            } else {
-                for (i64 i = 0; i < HH; ++i) {
-                    const T_ rg = pp_sigmoid1(gt[i] + gh[i]);
-                    const T_ z = pp_sigmoid1(gt[HH + i] + gh[HH + i]);
-                    const T_ c = pp_tanh1(gt[2 * HH + i] + rg * gh[2 * HH + i]);
-                    ot[i] = (h[i] - c) * z + c;
                 }
             }
         }
@@ -539,7 +527,8 @@ void SFX(pp_lstm_fwd)(i64 N, i64 T, i64 H,
     T_ *restrict a_all = (T_ *)malloc(sizeof(T_) * (size_t)(4 * Gp + HH));
     T_ *restrict zero = a_all + 4 * Gp;
     memset(zero, 0, sizeof(T_) * (size_t)HH);
-    PP_ROWS_BEGIN(4 * HH)
+    PP_FORWARD_ROWS {
+        PP_PREV_ROWS(zero)
         const T_ *init[4] = {NULL, NULL, NULL, NULL};
         for (i64 r = 0; r < R; ++r) init[r] = gi + (n0 + r) * g_sn + t * g_st;
         SFX(pp_rows_product)(R, HH, 4 * HH, Gp, Wp, init, prev, a_all);
@@ -550,30 +539,22 @@ void SFX(pp_lstm_fwd)(i64 N, i64 T, i64 H,
                                       : (c0 ? c0 + n * c0_sn : zero);
             T_ *restrict ot = out + n * o_sn + t * o_st;
             T_ *restrict ct = cell + n * c_sn + t * c_st;
-            if (ss) {
-                T_ *restrict st = ss + n * s_sn + t * s_st;
-                T_ *restrict ft = ff + n * f_sn + t * f_st;
-                T_ *restrict kt = kk + n * k_sn + t * k_st;
-                for (i64 q = 0; q < HH; ++q) {
-                    const T_ i = pp_sigmoid1(a[q]), f = pp_sigmoid1(a[HH + q]);
-                    const T_ g = pp_tanh1(a[2 * HH + q]), o = pp_sigmoid1(a[3 * HH + q]);
-                    const T_ c = f * cp[q] + i * g, tc = pp_tanh1(c);
+            T_ *restrict st = ss ? ss + n * s_sn + t * s_st : NULL;
+            T_ *restrict ft = ss ? ff + n * f_sn + t * f_st : NULL;
+            T_ *restrict kt = ss ? kk + n * k_sn + t * k_st : NULL;
+            for (i64 q = 0; q < HH; ++q) {   /* (the compiler unswitches the ss test) */
+                const T_ i = pp_sigmoid1(a[q]), f = pp_sigmoid1(a[HH + q]);
+                const T_ g = pp_tanh1(a[2 * HH + q]), o = pp_sigmoid1(a[3 * HH + q]);
+                const T_ c = f * cp[q] + i * g, tc = pp_tanh1(c);
+                ct[q] = c;
+                ot[q] = o * tc;
+                if (ss) {
                     st[q] = g * i * (1 - i);
                     st[HH + q] = cp[q] * f * (1 - f);
                     st[2 * HH + q] = i * (1 - g * g);
                     st[3 * HH + q] = tc * o * (1 - o);
                     ft[q] = f;
                     kt[q] = o * (1 - tc * tc);
-                    ct[q] = c;
-                    ot[q] = o * tc;
-                }
-            } else {
-                for (i64 q = 0; q < HH; ++q) {
-                    const T_ i = pp_sigmoid1(a[q]), f = pp_sigmoid1(a[HH + q]);
-                    const T_ g = pp_tanh1(a[2 * HH + q]), o = pp_sigmoid1(a[3 * HH + q]);
-                    const T_ c = f * cp[q] + i * g;
-                    ct[q] = c;
-                    ot[q] = o * pp_tanh1(c);
                 }
             }
         }
