@@ -55,6 +55,17 @@ INPUTS_PER_BLOCK = 4
 
 
 # -- the recurrences solved by paraprop.solve -----------------------------------------------------
+def _scratch(owner, keep: str | None, need: int, like: torch.Tensor) -> torch.Tensor:
+    """A flat array of at least ``need`` values like ``like``: the one kept as ``owner``'s
+    attribute ``keep`` when it is large enough, else a new one (kept there when ``keep``)."""
+    scratch = getattr(owner, keep, None) if keep else None
+    if scratch is None or scratch.numel() < need:
+        scratch = like.new_empty(need)
+        if keep:
+            setattr(owner, keep, scratch)
+    return scratch
+
+
 class _DiagonalRecurrence(Recurrence):
     """A :class:`paraprop.Recurrence` of input terms ``gi`` whose linearization is analytic
     (:mod:`paraprop.jacobians.diagonal`): the subclasses define ``_cell`` (rows, for the
@@ -166,11 +177,7 @@ class GRURecurrence(_DiagonalRecurrence):
             self.T - lo, B * H, xc.device, diagonal.NEWTON_BLOCK_ELEMENTS)]
         units = GRU_SCRATCH + 2 + (3 if self._x is not None else 0)
         need = units * B * H * max(p1 - p0 for p0, p1 in spans)
-        scratch = getattr(self, keep, None) if keep else None
-        if scratch is None or scratch.numel() < need:
-            scratch = xc.new_empty(need)
-            if keep:
-                setattr(self, keep, scratch)
+        scratch = _scratch(self, keep, need, xc)
         for p0, p1 in spans:
             m = B * (p1 - p0) * H
             parts = scratch[:units * m].split([GRU_SCRATCH * m, m, m,
@@ -312,11 +319,7 @@ class LSTMRecurrence(_DiagonalRecurrence):
             self.T - lo, 2 * N, xc.device, diagonal.NEWTON_BLOCK_ELEMENTS)]
         units = LSTM_SCRATCH + 6 + (4 if self._x is not None else 0)
         need = units * N * max(p1 - p0 for p0, p1 in spans)
-        scratch = getattr(self, keep, None) if keep else None
-        if scratch is None or scratch.numel() < need:
-            scratch = xc.new_empty(need)
-            if keep:
-                setattr(self, keep, scratch)
+        scratch = _scratch(self, keep, need, xc)
         for p0, p1 in spans:
             if self._x is None:
                 gi = self._gi4[..., p0:p1]
