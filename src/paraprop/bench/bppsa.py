@@ -112,12 +112,19 @@ def repeats_for(T: int, batch: int, repeats: int | None) -> int:
     return 5 if work <= 16 * 3000 else (3 if work <= 16 * 10000 else 2)
 
 
+def three_models(kind: str, inputs: int, classes: int, seed: int, **size) -> dict:
+    """torch's classifier (``"torch"``) and ours with torch's forward kernel (``"scan"``) and
+    with ``forward="native"`` (``"native"``), identical weights."""
+    ref, mine = pair(kind, inputs, classes, seed, **size)
+    return {"torch": ref, "scan": mine,
+            "native": pair(kind, inputs, classes, seed, forward="native", **size)[1]}
+
+
 def rnn_row(T: int, batch: int, repeats: int | None, seed: int, chunked: bool) -> dict:
     g = torch.Generator().manual_seed(seed)
     x, y = bitstreams(T, batch, generator=g)
-    ref, mine = pair("rnn", 1, CLASSES, seed)
-    fast = pair("rnn", 1, CLASSES, seed, forward="native")[1]
-    models = {"torch": ref, "scan": mine, "native": fast}
+    models = three_models("rnn", 1, CLASSES, seed)
+    ref, mine, fast = models.values()
     if chunked:
         models["chunked"] = pair("rnn", 1, CLASSES, seed,
                                  backward=ScanBackward(algorithm="chunked"))[1]
@@ -148,13 +155,11 @@ def gru_row(T: int, inputs: int, batch: int, repeats: int | None, seed: int, *,
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, batch, inputs, generator=g)
     y = torch.randint(0, classes, (batch,), generator=g)
-    size = {"hidden": hidden} if hidden else {}
-    ref, mine = pair(kind, inputs, classes, seed, **size)
-    fast = pair(kind, inputs, classes, seed, forward="native", **size)[1]
+    models = three_models(kind, inputs, classes, seed, **({"hidden": hidden} if hidden else {}))
+    ref, mine, fast = models.values()
     err = max(grad_error(ref, mine, x, y), grad_error(ref, fast, x, y))
     reps = repeats_for(T, batch, repeats)
-    m = measure({"torch": ref, "scan": mine, "native": fast}, x, y, reps,
-                f"{kind} T={T} B={batch}")
+    m = measure(models, x, y, reps, f"{kind} T={T} B={batch}")
     extra = {"kind": kind, "hidden": hidden} if hidden else {}
     return {**extra, "T": T, "inputs": inputs, "batch": batch, "repeats": reps,
             "torch_fwd_ms": m["torch"]["fwd_ms"], "torch_bwd_ms": m["torch"]["bwd_ms"],
@@ -289,9 +294,7 @@ def load_row(T: int, batch: int, repeats: int, seed: int) -> dict:
 
     g = torch.Generator().manual_seed(seed)
     x, y = bitstreams(T, batch, generator=g)
-    ref, mine = pair("rnn", 1, CLASSES, seed)
-    fast = pair("rnn", 1, CLASSES, seed, forward="native")[1]
-    models = {"torch": ref, "scan": mine, "native": fast}
+    models = three_models("rnn", 1, CLASSES, seed)
     quiet = measure(models, x, y, repeats, f"rnn T={T} quiet")
     with busy_core(seconds=300):
         busy = measure(models, x, y, repeats, f"rnn T={T} one core busy")
