@@ -323,6 +323,20 @@ def test_gradients_equal_the_library(name, float64):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
 
 
+def test_second_order_is_refused_not_wrong():
+    """The implicit gradient is first order: a double backward through it raises, where it
+    would otherwise differ from the library's own second derivative without a word."""
+    flow = _seeded(lambda: zuko.flows.MAF(4, transforms=1), 4).to(F64)
+    z = torch.randn(3, 4, dtype=F64, requires_grad=True)
+    (g_lib,) = torch.autograd.grad(flow().transform.inv(z).pow(3).sum(), z, create_graph=True)
+    torch.autograd.grad(g_lib.sum(), z)          # the library's own second order works
+    x, _ = parallel_inverse(flow, z)
+    (g_par,) = torch.autograd.grad(x.pow(3).sum(), z, create_graph=True)
+    torch.testing.assert_close(g_par, g_lib, rtol=1e-10, atol=1e-12)   # first order: equal
+    with pytest.raises(NotImplementedError, match="first order only"):
+        torch.autograd.grad(g_par.sum(), z)
+
+
 def test_gradient_reaches_the_points_inverted():
     flow = _seeded(lambda: zuko.flows.MAF(5, transforms=2), 4).to(F64)
     z = torch.randn(4, 5, dtype=F64, requires_grad=True)

@@ -13,7 +13,9 @@ graph and attaches the gradient of the fixed point by implicit differentiation i
 differentiable pass ``h(x*)`` (the same value, bitwise, at a fixed point) whose incoming
 gradient ``v`` a hook replaces by ``u = (I - N)^{-T} v``, found by the iteration
 ``u <- v + N^T u`` (exact after at most ``D`` steps, stopped at its bitwise fixed point).
-First-order gradients only: the hook's products are not themselves differentiated.
+First-order gradients only: the hook's products are not themselves differentiated, and under
+``create_graph=True`` they carry a node that refuses a second differentiation
+(:func:`paraprop.first_order.refuse_second_order`) rather than give a wrong second derivative.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
+from paraprop.first_order import refuse_second_order
 from paraprop.result import Solution
 from paraprop.solve import solve
 from paraprop.solvers import METHODS, NEWTON_METHODS, make_solver
@@ -112,6 +115,13 @@ def _implicit(h, x_star: torch.Tensor) -> torch.Tensor:
                 if torch.equal(nu, u):
                     break
                 u = nu
+        if torch.is_grad_enabled():   # a graph is wanted (create_graph=True): u has none
+            (u,) = refuse_second_order(
+                "paraprop.flows computes the gradients of an inverse by implicit "
+                "differentiation, first order only: differentiating them again (double "
+                "backward, create_graph=True, hessians) is not supported; call the "
+                "library's own inverse (outside paraprop.flows.accelerate) for that", u,
+                anchors=(v,))
         return u
 
     out.register_hook(adjoint)

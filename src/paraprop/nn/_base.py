@@ -7,6 +7,7 @@ import functools
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
+from paraprop.first_order import refuse_second_order
 from paraprop.nn.options import (
     AutogradBackward,
     ParallelForward,
@@ -75,19 +76,6 @@ def transforms_active() -> bool:
     return bool(active()) if active is not None else False
 
 
-class _SecondOrderRefused(torch.autograd.Function):
-    """Carries first-order gradients; differentiating them again raises NotImplementedError."""
-
-    @staticmethod
-    def forward(ctx, message, *grads):
-        ctx.message = message
-        return tuple(g.clone() for g in grads)
-
-    @staticmethod
-    def backward(ctx, *_):
-        raise NotImplementedError(ctx.message)
-
-
 def time_major(name: str, input: torch.Tensor, input_size: int, batch_first: bool  # noqa: A002
                ) -> tuple[torch.Tensor, bool]:
     """``input`` checked (2-D or 3-D, ``input_size`` features, at least one step) and seen as
@@ -136,8 +124,7 @@ def first_order_only(backward):
                    "differentiable), so double backward / create_graph=True / hessians are not "
                    "supported; use backward='autograd' (with forward='sequential') for them")
         idx = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
-        leaves = [grads[i].detach().requires_grad_() for i in idx]
-        carried = _SecondOrderRefused.apply(message, *leaves)
+        carried = refuse_second_order(message, *(grads[i] for i in idx))
         out = list(grads)
         for i, g in zip(idx, carried, strict=True):
             out[i] = g
