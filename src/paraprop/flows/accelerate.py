@@ -41,7 +41,6 @@ class Accelerated:
     def __init__(self, flow: nn.Module, parts: list[tuple[object, nn.Module]],
                  cfg: core.Settings):
         self.flow = flow
-        self._adapters = parts
         self.parts = tuple(p for _, p in parts)
         self._counters = core.Counters()
         for adapter, part in parts:

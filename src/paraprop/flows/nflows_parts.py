@@ -45,23 +45,12 @@ def _bind(t, context):
     return t, context
 
 
-def _parts(t):
-    from nflows.transforms import CompositeTransform
-    from nflows.transforms.autoregressive import AutoregressiveTransform
-
-    if isinstance(t, CompositeTransform):
-        for part in t._transforms:
-            yield from _parts(part)
-    elif isinstance(t, AutoregressiveTransform):
-        yield t
-
-
 def _check(t, y, context):
     ref = core.reference(t)
     core.check_like("y", y, ref, "transform")
     if context is not None:
         core.check_like("context", context, ref, "transform")
-    for part in _parts(t):
+    for part in parts(t):
         net = part.autoregressive_net
         core.check_features(y, getattr(getattr(net, "initial_layer", None), "in_features", None),
                             "transform")
