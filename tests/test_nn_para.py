@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 MODULES = {"gru": (ParaGRU, torch.nn.GRU), "lstm": (ParaLSTM, torch.nn.LSTM)}
 # per dtype: the solver's tol for the forward comparisons, the allowed max |Newton - loop|, and
 # the allowed relative gradient difference (scan backward vs autograd through the loop)
-TOL = {torch.float64: (1e-12, 1e-10, 1e-10), torch.float32: (1e-6, 1e-5, 1e-5)}
+TOL = {torch.float64: (1e-12, 5e-12, 1e-10), torch.float32: (1e-6, 1e-5, 1e-5)}
 
 
 def make(kind, dtype=torch.float64, seed=0, **kw):

@@ -228,10 +228,11 @@ def test_newton_within_1e10_of_the_loop_in_float64(small_blocks, cls, inputs):
         m.forward_config = "sequential"
         ref, r_hn = m(x, hx)
     assert st["converged"] == [True, True]
-    assert err(out, ref) < 1e-10
+    bound = 5 * 1e-12       # the modules' stated bound: 5 tol (max |out| <= 1 here)
+    assert err(out, ref) <= bound
     for a, b in zip(hn if isinstance(hn, tuple) else (hn,),
                     r_hn if isinstance(r_hn, tuple) else (r_hn,), strict=True):
-        assert err(a, b) < 1e-10
+        assert err(a, b) <= bound
 
 
 def test_paragru_gradients_unchanged_by_the_fused_forward(small_blocks):
