@@ -13,3 +13,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(params=[
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not CUDA, reason="no CUDA device (make test-gpu on a GPU machine)"),
+    ]),
+])
+def device(request) -> torch.device:
+    """The device an exactness test runs on: ``cpu`` always, ``cuda`` where a GPU is present
+    (those cases carry the ``gpu`` marker: ``make test-gpu`` runs them alone)."""
+    return torch.device(request.param)

@@ -13,7 +13,13 @@ import importlib
 import importlib.metadata
 
 from paraprop import solvers
-from paraprop.errors import ConvergenceError, NonFiniteError, NotTriangularError
+from paraprop.errors import (
+    ConvergenceError,
+    NonFiniteError,
+    NotTriangularError,
+    ProtocolError,
+    StochasticModelError,
+)
 from paraprop.recurrence import Recurrence
 from paraprop.result import Solution
 from paraprop.solve import solve
@@ -45,8 +51,10 @@ __all__ = [
     "ConvergenceError",
     "NonFiniteError",
     "NotTriangularError",
+    "ProtocolError",
     "Recurrence",
     "Solution",
+    "StochasticModelError",
     "__version__",
     "solve",
     "solvers",

@@ -1,0 +1,115 @@
+"""Is a user's module a fixed function of its input?
+
+Every parallel method evaluates the user's module more often than the sequential loop does, on
+other batches of positions. That reproduces the sequential result only when the module is a
+fixed function of its input. A module in train mode with active dropout (or another layer that
+draws random numbers, or a norm layer that reads batch statistics and updates running ones) is
+not: two calls on the same input differ, so there is no sequential result to reproduce, and a
+parallel method would report a difference that is the model's, not the solver's.
+
+:func:`require_deterministic` is the one check every entry point that calls a user's module runs
+before it starts (decoding, diffusion, flows, sampling, networks, multigrid). It finds such layers
+by type (``torch.nn`` dropout layers, ``RReLU``, batch and instance norm) and by the attributes
+through which ``transformers`` and other libraries apply functional dropout in train mode
+(``attention_dropout``, ``dropout`` and the like, when positive). A stochastic module that hides
+its randomness elsewhere is caught later, by the solvers' verification of the fixed point
+(:class:`paraprop.NotTriangularError`, whose message names this cause too).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from torch import nn
+
+from paraprop.errors import StochasticModelError
+
+__all__ = ["NORM_MODULES", "RANDOM_MODULES", "require_deterministic", "stochastic_parts"]
+
+# layers that draw random numbers in train mode
+RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU)
+# layers whose train-mode output reads batch statistics (and updates running ones)
+NORM_MODULES = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+# attributes through which a module applies functional dropout in train mode (transformers'
+# attention classes read `attention_dropout`, GPT-2 style configs `attn_pdrop` and the like,
+# torch.nn.RNN/GRU/LSTM `dropout` between layers, timm-style blocks `drop_rate`/`drop_path`)
+DROPOUT_ATTRIBUTES = ("dropout", "dropout_p", "dropout_rate", "attention_dropout",
+                      "attn_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "drop_rate",
+                      "drop_path_rate", "hidden_dropout", "activation_dropout", "layerdrop")
+
+
+def stochastic_parts(module, *, norms: bool = True) -> list[tuple[str, str, str]]:
+    """The parts of ``module`` that make its train-mode output not a fixed function of its
+    input: ``(qualified name, type name, what it does)`` for each, in ``named_modules`` order;
+    empty for a module in eval mode, and for anything that is not a ``torch.nn.Module``.
+
+    Arguments:
+        module: the user's module (a bound method of a module counts as that module).
+        norms: include batch/instance norm layers in train mode that track running statistics
+            or read batch statistics (``False``: only layers that draw random numbers).
+    """
+    module = _as_module(module)
+    if module is None:
+        return []
+    out = []
+    for name, m in module.named_modules():
+        if not m.training:
+            continue
+        where = name or "(the model)"
+        if isinstance(m, RANDOM_MODULES):
+            if isinstance(m, nn.modules.dropout._DropoutNd) and m.p == 0:
+                continue
+            p = f" p={m.p}" if hasattr(m, "p") else ""
+            out.append((where, type(m).__name__, f"draws random numbers at every call{p}"))
+            continue
+        if norms and isinstance(m, NORM_MODULES):
+            if isinstance(m, nn.modules.instancenorm._InstanceNorm) and \
+                    not m.track_running_stats:
+                continue   # per-sample statistics: a fixed function of each sample
+            out.append((where, type(m).__name__,
+                        "normalises with batch statistics and updates its running ones"))
+            continue
+        for attr in DROPOUT_ATTRIBUTES:
+            v = getattr(m, attr, None)
+            if isinstance(v, numbers.Real) and not isinstance(v, bool) and \
+                    math.isfinite(float(v)) and 0 < float(v) < 1 and \
+                    not isinstance(getattr(type(m), attr, None), property):
+                out.append((where, type(m).__name__,
+                            f"applies dropout in train mode ({attr}={v})"))
+                break
+    return out
+
+
+def require_deterministic(module, *, argument: str = "model", entry: str = "paraprop",
+                          norms: bool = True) -> None:
+    """Refuse a module whose repeated evaluation differs (see the module doc).
+
+    Arguments:
+        module: the user's module; anything that is not a ``torch.nn.Module`` (or a bound
+            method of one) passes, and is checked later by the solvers' verification.
+        argument: the argument's name as the caller wrote it, for the message.
+        entry: the entry point, for the message (e.g. ``"decoding.generate"``).
+        norms: also refuse norm layers in train mode (see :func:`stochastic_parts`).
+
+    Raises:
+        paraprop.StochasticModelError: a ``ValueError`` naming the layer, what it does and the
+            fix (``model.eval()``).
+    """
+    parts = stochastic_parts(module, norms=norms)
+    if not parts:
+        return
+    where, kind, does = parts[0]
+    more = f" (and {len(parts) - 1} more such layers)" if len(parts) > 1 else ""
+    raise StochasticModelError(
+        f"{entry}: {argument} is in train mode, and its layer {where!r} ({kind}) {does}{more}: "
+        "two evaluations of the same input differ, so there is no sequential result to "
+        f"reproduce; call {argument}.eval() first (expected a module in eval mode, or one "
+        "without stochastic layers; found train mode)")
+
+
+def _as_module(obj):
+    if isinstance(obj, nn.Module):
+        return obj
+    owner = getattr(obj, "__self__", None)   # a bound method such as unet.forward
+    return owner if isinstance(owner, nn.Module) else None
