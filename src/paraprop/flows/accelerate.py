@@ -8,6 +8,16 @@ their fixed-pass inverse loop, on those instances only, by the solve of
 ``inverse`` / ``log_prob`` / ``forward_kld``) then run unchanged around it, and return bitwise
 what they returned before at ``tol=0``, with the same gradients (implicit differentiation at the
 fixed point, see :mod:`paraprop.flows.core`). The class is never modified.
+
+What is checked when: the arguments of :func:`accelerate` at once; the flow's state (train mode
+with dropout or another stochastic layer in an autoregressive network) at every accelerated
+call, since ``flow.train()`` / ``flow.eval()`` may be switched at any time after
+:func:`accelerate`.
+
+Saving: ``pickle`` / ``torch.save`` of an accelerated flow saves the flow, not the patch: it
+loads as the library's plain flow (apply :func:`accelerate` again after loading).
+``copy.deepcopy`` copies the patch with the flow (the copy is accelerated, bound to its own
+modules). The :class:`Accelerated` handle itself refuses to be pickled.
 """
 
 from __future__ import annotations
@@ -43,9 +53,11 @@ class Accelerated:
         self.flow = flow
         self.parts = tuple(p for _, p in parts)
         self._counters = core.Counters()
+        names = {id(m): name for name, m in flow.named_modules()}
         for adapter, part in parts:
             core.install(part, adapter.ATTRIBUTE, adapter.accelerated,
-                         core.Patch(cfg, self._counters, adapter.ATTRIBUTE))
+                         core.Patch(cfg, self._counters, adapter.ATTRIBUTE,
+                                    where=names.get(id(part), "")))
         self.active = True
         self.method, self.tol, self.max_iters, self.throw = (cfg.solver.name, cfg.tol,
                                                             cfg.max_iters, cfg.throw)
@@ -67,6 +79,13 @@ class Accelerated:
         for part in self.parts:
             core.remove(part)
         self.active = False
+
+    def __reduce__(self):
+        raise TypeError(
+            "an Accelerated handle (from paraprop.flows.accelerate) cannot be pickled: it "
+            "patches live modules. Pickle or torch.save the flow itself instead: it loads as "
+            "the library's plain flow (call paraprop.flows.accelerate on it again after "
+            "loading); or call undo() first")
 
     def __enter__(self) -> Accelerated:
         return self
@@ -90,6 +109,14 @@ def accelerate(flow: nn.Module, *, method="jacobi", tol: float = 0.0,
     has its inverse loop replaced on the instance by the solve of
     :func:`paraprop.flows.parallel_inverse`; everything else, and the class, stays the library's.
     Applied once it stays until ``undo()``; as a context manager it is undone on exit.
+
+    At every accelerated call the autoregressive networks must be deterministic: one in train
+    mode with dropout (or another stochastic layer, or a batch norm reading batch statistics)
+    is refused with :class:`paraprop.StochasticModelError` (call ``flow.eval()``, or ``undo()``
+    to run the library's own loop). Gradients are first order: a second differentiation
+    (``create_graph=True`` then another backward, a gradient penalty) raises
+    ``NotImplementedError`` instead of returning a wrong value. Pickling or ``torch.save`` saves
+    the plain flow (it loads without the patch); the handle refuses to be pickled.
 
     Which calls get faster is where the library runs that loop: sampling for zuko and nflows
     (``flow().sample``, ``rsample``, ``Flow.sample``, ``sample_and_log_prob``) and for normflows'
@@ -117,6 +144,8 @@ def accelerate(flow: nn.Module, *, method="jacobi", tol: float = 0.0,
             ``max_iters``.
         NotImplementedError: a zuko ``MaskedAutoregressiveTransform`` built from an adjacency
             matrix (it has no feature order).
+        paraprop.StochasticModelError: (at a call, not here) a stochastic autoregressive
+            network.
 
     Example:
         >>> import zuko
@@ -140,7 +169,7 @@ def accelerate(flow: nn.Module, *, method="jacobi", tol: float = 0.0,
         raise ValueError(f"flow has no autoregressive part to accelerate (looked for "
                          f"{'; '.join(_PARTS)}), "
                          f"got {type(flow).__name__}")
-    done = [p for _, p in found if core.PATCH in p.__dict__]
+    done = [p for _, p in found if core.is_patched(p)]
     if done:
         raise ValueError(f"flow is already accelerated ({len(done)} of its {len(found)} "
                          "autoregressive parts are patched): call undo() on the earlier "

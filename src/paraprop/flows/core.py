@@ -16,19 +16,28 @@ gradient ``v`` a hook replaces by ``u = (I - N)^{-T} v``, found by the iteration
 First-order gradients only: the hook's products are not themselves differentiated, and under
 ``create_graph=True`` they carry a node that refuses a second differentiation
 (:func:`paraprop.first_order.refuse_second_order`) rather than give a wrong second derivative.
+That node hangs from the incoming gradient *and* from the differentiable pass itself, so every
+second differentiation reaches it: with respect to the flow's parameters, the inverted points or
+the context, whether or not the incoming gradient depends on them.
+
+Every entry point refuses an autoregressive network in train mode with dropout or another
+stochastic layer (:func:`require_deterministic_parts`): its passes would differ from call to
+call, so there is no fixed point, and the library's own loop returns a different value each time.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
+from paraprop.determinism import require_deterministic
+from paraprop.errors import StochasticModelError
 from paraprop.first_order import refuse_second_order
 from paraprop.result import Solution
 from paraprop.solve import solve
@@ -96,6 +105,14 @@ def _ordered_solve(h, y, order, cfg, record):
     return run(permuted).index_select(-1, inv)
 
 
+SECOND_ORDER = (
+    "paraprop.flows computes the gradients of an inverse by implicit differentiation, first "
+    "order only: differentiating them again (double backward, create_graph=True followed by "
+    "another backward or grad, gradient penalties, hessians) is not supported; for that, run "
+    "the library's own inverse: call undo() on the paraprop.flows.accelerate handle (or use "
+    "the flow outside its `with` block), or call the library instead of parallel_inverse")
+
+
 def _implicit(h, x_star: torch.Tensor) -> torch.Tensor:
     """``h(x_star)`` (bitwise ``x_star`` at a fixed point) carrying the gradient of the fixed
     point: the gradient arriving at it is replaced by ``(I - N)^{-T} v``, ``N = ∂h/∂x``."""
@@ -116,12 +133,11 @@ def _implicit(h, x_star: torch.Tensor) -> torch.Tensor:
                     break
                 u = nu
         if torch.is_grad_enabled():   # a graph is wanted (create_graph=True): u has none
-            (u,) = refuse_second_order(
-                "paraprop.flows computes the gradients of an inverse by implicit "
-                "differentiation, first order only: differentiating them again (double "
-                "backward, create_graph=True, hessians) is not supported; call the "
-                "library's own inverse (outside paraprop.flows.accelerate) for that", u,
-                anchors=(v,))
+            # u depends on v and, through N, on everything `out` depends on (parameters,
+            # points, context): the refusing node hangs from both, so that a second
+            # differentiation with respect to any of them reaches it (anchored on v alone, a
+            # gradient penalty with a constant incoming gradient went silently wrong)
+            (u,) = refuse_second_order(SECOND_ORDER, u, anchors=(v, out))
         return u
 
     out.register_hook(adjoint)
@@ -143,6 +159,71 @@ def combine(parts: list[Solution], method: str, value: torch.Tensor, time_s: flo
 
 
 # -- argument checks ---------------------------------------------------------------------------
+def require_deterministic_parts(parts: Iterable[tuple[str, nn.Module]], *, entry: str,
+                                argument: str, hint: str = "") -> None:
+    """Refuse an autoregressive network whose repeated evaluation differs (train mode with
+    dropout, a random layer, a norm layer reading batch statistics): the solve evaluates it more
+    often, on other iterates, than the library's loop, and neither has a fixed point to return.
+
+    Arguments:
+        parts: ``(name, module)`` of each autoregressive part (``name`` as in the flow, for the
+            message; ``""`` for the flow itself).
+        entry, argument: for the message (see :func:`paraprop.determinism.require_deterministic`).
+        hint: appended to the message (e.g. how to get the library's own loop back).
+
+    Raises:
+        paraprop.StochasticModelError: naming the part, the layer and the fix.
+    """
+    for name, module in parts:
+        where = f"{entry} (autoregressive part {name!r})" if name else entry
+        try:
+            require_deterministic(module, argument=argument, entry=where)
+        except StochasticModelError as e:
+            raise StochasticModelError(f"{e}{hint}") from None
+
+
+def named_parts(root, parts: Iterable[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """``(name, part)``: each part's qualified name in ``root`` (a module), else its rank and
+    class."""
+    names = {id(m): n for n, m in root.named_modules()} if isinstance(root, nn.Module) else {}
+    return [(names.get(id(m)) or f"#{i} ({type(m).__name__})", m) for i, m in enumerate(parts)]
+
+
+def check_parts(root, parts: Iterable[nn.Module]) -> None:
+    """:func:`require_deterministic_parts` for :func:`paraprop.flows.parallel_inverse`."""
+    require_deterministic_parts(named_parts(root, parts), entry="paraprop.flows.parallel_inverse",
+                                argument="transform")
+
+
+def functorch_active() -> bool:
+    """Whether a :mod:`torch.func` transform (grad, vjp, jacrev, vmap, ...) is running: the
+    solve's data-dependent stop and the gradient hook cannot run under one."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active()) if active is not None else False
+
+
+def refuse_functorch() -> None:
+    """:func:`paraprop.flows.parallel_inverse` under a :mod:`torch.func` transform."""
+    if functorch_active():
+        raise NotImplementedError(
+            "paraprop.flows.parallel_inverse cannot run under torch.func transforms (grad, "
+            "vjp, jacrev, vmap, ...): its early stop depends on the values and its gradient is "
+            "a backward hook; call the library's own inverse there (an accelerated flow does "
+            "so by itself under torch.func)")
+
+
+ACCELERATE_HINT = ("; or call undo() on the paraprop.flows.accelerate handle to run the "
+                   "library's own loop")
+
+
+def check_accelerated(part: nn.Module) -> None:
+    """At an accelerated call: the part's network must be deterministic now (the flow's mode
+    may have changed since :func:`paraprop.flows.accelerate`)."""
+    require_deterministic_parts([(patch_of(part).where, part)],
+                                entry="paraprop.flows.accelerate", argument="flow",
+                                hint=ACCELERATE_HINT)
+
+
 def reference(module) -> torch.Tensor | None:
     """The first floating-point parameter of ``module`` (``None``: it has none)."""
     if not isinstance(module, nn.Module):
@@ -216,12 +297,25 @@ class Counters:
 
 @dataclasses.dataclass
 class Patch:
-    """One patched method of one part: the settings, and what to restore."""
+    """One patched method of one part: the settings, and what to restore.
+
+    Pickling (``pickle``, ``torch.save``) does not carry a patch: the part comes back with the
+    library's own method (see :class:`Bound`), and this record as ``None``. ``copy.deepcopy``
+    carries it (the copy is accelerated too, bound to its own modules).
+    """
 
     cfg: Settings
     counters: Counters
     attribute: str                  # the patched method's name
     saved: Callable | None = None   # the instance attribute it replaced (None: the class's)
+    where: str = ""                 # the part's name in the accelerated flow (for messages)
+
+    def __reduce__(self):
+        return (_no_patch, ())
+
+    def __deepcopy__(self, memo) -> Patch:
+        return Patch(copy.deepcopy(self.cfg, memo), copy.deepcopy(self.counters, memo),
+                     self.attribute, copy.deepcopy(self.saved, memo), self.where)
 
     def original(self, part) -> Callable:
         """The method as it was before the patch, bound to ``part``."""
@@ -237,21 +331,67 @@ class Patch:
         return record
 
 
+def _no_patch() -> None:
+    """What a pickled :class:`Patch` loads as: no patch."""
+    return None
+
+
+def _same(obj):
+    return obj
+
+
+class Bound:
+    """``method`` bound to ``part``, installed as the part's instance attribute in place of the
+    library's method (like ``types.MethodType``, with ``__func__`` and ``__self__``).
+
+    Pickled (``pickle``, ``torch.save``) it becomes the method it replaced, so a saved flow
+    loads as the library's plain flow: acceleration is a patch of live instances, not state.
+    ``copy.deepcopy`` binds the method to the copy.
+    """
+
+    __slots__ = ("__func__", "__self__", "attribute")
+
+    def __init__(self, method: Callable, part: nn.Module, attribute: str):
+        self.__func__, self.__self__, self.attribute = method, part, attribute
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def __reduce__(self):
+        patch = self.__self__.__dict__.get(PATCH)
+        saved = patch.saved if isinstance(patch, Patch) else None
+        if saved is None:   # the class's method, looked up when the part loads
+            return (getattr, (self.__self__, self.attribute))
+        return (_same, (saved,))
+
+    def __deepcopy__(self, memo) -> Bound:
+        return Bound(self.__func__, copy.deepcopy(self.__self__, memo), self.attribute)
+
+    def __repr__(self) -> str:
+        return (f"<paraprop.flows accelerated {type(self.__self__).__name__}.{self.attribute} "
+                f"of {object.__repr__(self.__self__)}>")
+
+
 def patch_of(part) -> Patch:
     return part.__dict__[PATCH]
+
+
+def is_patched(part) -> bool:
+    """Whether ``part`` carries an active patch (a loaded pickle carries ``None``)."""
+    return isinstance(getattr(part, "__dict__", {}).get(PATCH), Patch)
 
 
 def install(part: nn.Module, attribute: str, method: Callable, patch: Patch) -> None:
     """Bind ``method`` to ``part`` as its ``attribute`` (the instance only)."""
     patch.saved = part.__dict__.get(attribute)
     part.__dict__[PATCH] = patch
-    part.__dict__[attribute] = types.MethodType(method, part)
+    part.__dict__[attribute] = Bound(method, part, attribute)
 
 
 def remove(part: nn.Module) -> None:
     """Undo :func:`install` (nothing if ``part`` is not patched)."""
     patch = part.__dict__.pop(PATCH, None)
-    if patch is None:
+    if not isinstance(patch, Patch):
         return
     if patch.saved is None:
         part.__dict__.pop(patch.attribute, None)

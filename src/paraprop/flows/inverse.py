@@ -109,6 +109,7 @@ def parallel_inverse(transform, y: torch.Tensor, *, context: torch.Tensor | None
     if context is not None and not isinstance(context, torch.Tensor):
         raise TypeError(f"context must be a torch.Tensor or None, got {type(context).__name__}")
     cfg = core.settings(method, tol, max_iters, throw)
+    core.refuse_functorch()
     lib = library_of(transform)
     if lib is None:
         raise TypeError(f"transform must be a zuko, nflows or normflows transform or flow, got "

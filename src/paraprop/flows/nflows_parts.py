@@ -23,8 +23,10 @@ LIBRARY = "nflows"
 def inverse(t, y, context, cfg, record):
     """``t.inverse(y, context)[0]`` of an nflows transform, or of an nflows ``Flow``'s transform
     with ``context`` passed through its embedding net (as ``Flow.sample`` does)."""
+    root = t
     t, context = _bind(t, context)
     _check(t, y, context)
+    core.check_parts(root, parts(t))
     return _walk(t, y, context, cfg, record)
 
 
@@ -85,5 +87,8 @@ ATTRIBUTE = "inverse"   # patched on each part's instance
 def accelerated(self, inputs, context=None):
     """``AutoregressiveTransform.inverse`` by the early-stopping solve (bound to the instance)."""
     patch = core.patch_of(self)
+    if core.functorch_active():   # torch.func: the library's own loop
+        return patch.original(self)(inputs, context)
+    core.check_accelerated(self)
     record = patch.recorder(math.prod(inputs.shape[1:]))
     return core.made_inverse(self, inputs, context, None, patch.cfg, record)

@@ -64,6 +64,7 @@ def inverse(t, y, context, cfg, record):
         _check(t, y, None, contexts=False)
     else:
         _check(t, y, context, contexts=True)
+    core.check_parts(t, parts(t))
     return _walk(t, y, context, cfg, record)
 
 
@@ -112,6 +113,9 @@ ATTRIBUTE = "inverse"   # patched on each part's instance
 def accelerated(self, inputs, context=None):
     """``Autoregressive.inverse`` by the early-stopping solve (bound to the instance)."""
     patch = core.patch_of(self)
+    if core.functorch_active():   # torch.func: the library's own loop
+        return patch.original(self)(inputs, context)
+    core.check_accelerated(self)
     record = patch.recorder(math.prod(inputs.shape[1:]))
     return core.made_inverse(self, inputs, context, order(self).to(inputs.device), patch.cfg,
                              record)

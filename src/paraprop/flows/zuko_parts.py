@@ -32,8 +32,10 @@ def _lazy_classes():
 def inverse(t, y, context, cfg, record):
     """``t``'s inverse at ``y`` (``t`` a zuko Flow, lazy transform, NormalizingFlow or
     transform); the autoregressive parts solved by ``cfg``."""
+    root = t
     t = _bind(t, context)
     _check(t, y)
+    core.check_parts(root, [m for m in map(_module, _parts(t)) if m is not None])
     return _walk(t, y, cfg, record)
 
 
@@ -161,13 +163,18 @@ ATTRIBUTE = "forward"   # patched on each part's instance
 
 def accelerated(self, c=None):
     """``MaskedAutoregressiveTransform.forward`` with the early-stopping ``_inverse``: bound to
-    the instance in place of the library's (``types.MethodType``, so that a deep copy of the
-    flow stays bound to its own modules)."""
+    the instance in place of the library's (:class:`paraprop.flows.core.Bound`, so that a deep
+    copy of the flow stays bound to its own modules). The network is checked for train-mode
+    stochastic layers when the transform is inverted (the mode may change after
+    ``accelerate``)."""
     patch = core.patch_of(self)
     t = patch.original(self)(c)
     meta, passes, order = t.meta, t.passes, self.order
 
     def _inverse(y: torch.Tensor) -> torch.Tensor:
+        if core.functorch_active():   # torch.func: the library's own loop
+            return type(t)._inverse(t, y)
+        core.check_accelerated(self)
         if y.numel() == 0:   # nothing to solve: one pass gives the (empty) result
             return meta(torch.zeros_like(y)).inv(y)
         return _solve(meta, order, y, patch.cfg, patch.recorder(passes))
