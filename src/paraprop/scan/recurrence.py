@@ -14,10 +14,10 @@ import math
 import torch
 
 from paraprop import checks
-from paraprop.scan import blelloch, chunked, hillis_steele, native, sequential
+from paraprop.scan import blelloch, chunked, hillis_steele, native, sequential, triton_kernels
 from paraprop.scan.operators import Factored, LSTMFactored, Op
 
-ALGORITHMS = ("auto", "sequential", "blelloch", "hillis_steele", "chunked")
+ALGORITHMS = ("auto", "sequential", "blelloch", "hillis_steele", "chunked", "triton")
 # Below this length the tree and chunked algorithms cannot beat T small steps.
 _SHORT = 16
 
@@ -162,18 +162,29 @@ def _broadcast(shapes) -> torch.Size | None:
     return torch.Size(reversed(out))
 
 
+def choose(op: Op, b: torch.Tensor, h0: torch.Tensor | None,
+           use_native: bool | None = None) -> str:
+    """The algorithm ``"auto"`` runs on canonical inputs: the native sequential kernel where it
+    runs (CPU), the Triton kernels on CUDA tensors where they apply (diagonal ``A``, or a state
+    of at most :data:`~paraprop.scan.triton_kernels.MAX_DENSE`), else ``sequential`` for
+    ``T <= 16``, ``blelloch`` for diagonal ``A`` and ``chunked`` otherwise."""
+    if use_native or (use_native is None and native.supports(b, h0, *op.tensors())):
+        return "sequential"
+    if triton_kernels.applies(op, b):
+        return "triton"
+    if b.shape[1] <= _SHORT:
+        return "sequential"
+    return "blelloch" if op.kind == "diag" else "chunked"
+
+
 def solve(op: Op, b: torch.Tensor, h0: torch.Tensor | None, *, reverse: bool, algorithm: str,
           chunk_size: int | None = None, levels: int | None = None,
           use_native: bool | None = None) -> torch.Tensor:
     """The states ``(N, T, H)`` on canonical inputs (no autograd of its own)."""
-    T = b.shape[1]
     if algorithm == "auto":
-        if use_native or (use_native is None and native.supports(b, h0, *op.tensors())):
-            algorithm = "sequential"
-        elif T <= _SHORT:
-            algorithm = "sequential"
-        else:
-            algorithm = "blelloch" if op.kind == "diag" else "chunked"
+        algorithm = choose(op, b, h0, use_native)
+    if algorithm == "triton":
+        return triton_kernels.recurrence(op, b, h0, reverse)
     if algorithm == "sequential":
         return sequential.recurrence(op, b, h0, reverse, use_native)
     if reverse:  # run forward in time on flipped inputs
@@ -314,11 +325,15 @@ def linear_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
         algorithm: ``"sequential"`` (``T`` steps; one native call on the CPU when available),
             ``"blelloch"`` (BPPSA's modified Blelloch scan, ``2 log2 T`` batched steps),
             ``"hillis_steele"`` (``log2 T`` steps, ``T log T`` work), ``"chunked"`` (sequential
-            inside ``chunk_size`` chunks, batched across chunks, then the carries), or
-            ``"auto"``: the native sequential kernel where it runs (CPU, float32/float64),
-            otherwise ``sequential`` for ``T <= 16``, ``blelloch`` for diagonal ``A`` and
-            ``chunked`` for dense and factored ``A``. The tree algorithms materialise factored
-            (and LSTM) ``A`` densely.
+            inside ``chunk_size`` chunks, batched across chunks, then the carries),
+            ``"triton"`` (the Triton kernels of :mod:`paraprop.scan.triton_kernels`: CUDA
+            tensors, or CPU tensors in Triton's interpreter under ``TRITON_INTERPRET=1``;
+            diagonal ``A`` of any size, other forms with ``H <= 64``), or ``"auto"``: the
+            native sequential kernel where it runs (CPU, float32/float64), the Triton kernels
+            on CUDA tensors where they apply, otherwise ``sequential`` for ``T <= 16``,
+            ``blelloch`` for diagonal ``A`` and ``chunked`` for dense and factored ``A``. The
+            tree algorithms (and ``"triton"`` for non-diagonal ``A``) materialise factored (and
+            LSTM) ``A`` densely.
         chunk_size: chunk length for ``"chunked"`` (default ``ceil(sqrt(T / 2))``).
         levels: tree levels run in parallel by ``"blelloch"`` (BPPSA's level cap; the rest of
             the tree is scanned sequentially); ``None`` for all.
@@ -332,7 +347,10 @@ def linear_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
     Raises:
         TypeError: non-tensor arguments, integer dtypes, mixed dtypes.
         ValueError: shapes that do not fit (the message prints them), unknown ``algorithm``,
-            options given to an algorithm that does not use them.
+            options given to an algorithm that does not use them, ``algorithm="triton"`` for
+            non-diagonal ``A`` with ``H > 64``.
+        RuntimeError: ``native=True`` or ``algorithm="triton"`` where those kernels cannot
+            run (the message says why).
 
     Example:
         >>> A = 0.2 * torch.randn(4, 100, 8, 8); b = torch.randn(4, 100, 8)   # stable: |A| < 1

@@ -1,0 +1,432 @@
+"""Triton kernels for :func:`paraprop.scan.linear_recurrence` on the GPU (``algorithm="triton"``).
+
+The GPU's counterpart of :mod:`paraprop.scan.native`: where the CPU runs one native C call, a
+CUDA tensor runs one (or three) Triton kernels (:mod:`paraprop.scan._triton_scan` says how they
+work). Two entry points a benchmark can call directly:
+
+- :func:`diagonal_scan`: ``h_t = a_t * h_{t-1} + b_t`` elementwise along any dim, forward or
+  reverse, any length, float16 / bfloat16 / float32 / float64 inputs with float32 (float64)
+  accumulation;
+- :func:`dense_scan`: ``h_t = A_t h_{t-1} + b_t`` with dense ``H x H`` steps, ``H <=``
+  :data:`MAX_DENSE` (the BPPSA backward of small recurrent cells, and ParaLSTM's ``2 x 2``
+  blocks).
+
+triton is imported only when a kernel is first needed, never by ``import paraprop``. Where it is
+missing :func:`available` is ``False`` and :func:`status` says why. CUDA tensors run the
+compiled kernels; CPU tensors run them in Triton's interpreter, and only when the environment
+says ``TRITON_INTERPRET=1`` (the tests do; it is far too slow for real work). The kernels are
+loaded once per mode, each mode a module of its own, so the two can be used in one process in
+any order.
+
+Exactness: a tree scan groups the products and sums differently from the sequential loop, so
+the results are not bitwise the loop's. Every computed state is a sum of products of at most
+``T + 1`` factors, summed over at most ``T`` terms, in the accumulation precision ``u``
+(``2^-24`` for float32): whatever the grouping, ``|h_t - h_t^exact| <= (2 T + 2) u M_t`` with
+``M_t = sum_s |a_{s+1} ... a_t| |b_s|`` (plus the last rounding to a float16 / bfloat16
+output, half an ulp of ``|h_t|``). The tests check this bound against float64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+import sys
+import types
+
+import torch
+
+__all__ = ["MAX_DENSE", "available", "dense_scan", "diagonal_scan", "interpreting", "status",
+           "why_not"]
+
+# Largest state size of the dense kernel: one H x H step lives in a program's registers.
+MAX_DENSE = 64
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Tile of the diagonal kernel, in values: 2048 per block of steps (16 per thread of 4 warps).
+TILE = 2048
+
+_loaded: dict[tuple[str, bool], types.ModuleType] = {}
+_missing: list[str] = []
+
+
+def _import_error() -> str | None:
+    if not _missing:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+            _missing.append("")
+        except ImportError as e:
+            _missing.append(f"triton is not installed ({e})")
+    return _missing[0] or None
+
+
+def available() -> bool:
+    """Whether triton can be imported (the kernels may still need a CUDA tensor to run)."""
+    return _import_error() is None
+
+
+def interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET=1`` is set: CPU tensors may then run the kernels."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def status() -> str:
+    """``"ok (...)"`` with the triton version and the modes, or ``"unavailable: <why>"``."""
+    err = _import_error()
+    if err:
+        return f"unavailable: {err}"
+    import triton
+    cpu = "interpreted" if interpreting() else "refused (set TRITON_INTERPRET=1 to interpret)"
+    return f"ok (triton {triton.__version__}; CUDA tensors compiled, CPU tensors {cpu})"
+
+
+def why_not(*tensors: torch.Tensor | None) -> str | None:
+    """``None`` if the kernels can run on ``tensors`` (one device, one supported dtype), else
+    the reason, for an error message."""
+    err = _import_error()
+    if err:
+        return err
+    ts = [t for t in tensors if t is not None]
+    device = ts[0].device
+    if device.type == "cpu":
+        if not interpreting():
+            return ("the Triton kernels run on CUDA tensors; CPU tensors run them only in "
+                    "Triton's interpreter, with TRITON_INTERPRET=1 set (slow: for tests)")
+    elif device.type != "cuda":
+        return f"the Triton kernels run on CUDA tensors, not on {device.type}"
+    for t in ts:
+        if t.dtype not in DTYPES:
+            return (f"the Triton kernels take float16, bfloat16, float32 or float64, "
+                    f"not {t.dtype}")
+        if t.device != device:
+            return f"tensors on {device} and {t.device}"
+    return None
+
+
+def require(what: str, *tensors: torch.Tensor | None) -> None:
+    """Raise ``RuntimeError`` naming ``what`` if the kernels cannot run on ``tensors``."""
+    reason = why_not(*tensors)
+    if reason is not None:
+        raise RuntimeError(f"{what} cannot run here: {reason}")
+
+
+@contextlib.contextmanager
+def _mode(interpret: bool):
+    """Triton's interpreter switch, forced for the duration (triton reads it when a kernel is
+    decorated): the environment variable and, where triton has them, its knobs."""
+    import triton
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    knobs = getattr(triton, "knobs", None)
+    try:
+        if knobs is not None and hasattr(knobs, "runtime") and hasattr(knobs.runtime, "scope"):
+            with knobs.runtime.scope():
+                knobs.runtime.interpret = interpret
+                yield
+        else:
+            yield
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def load(source: str, device: torch.device) -> types.ModuleType:
+    """The kernel module ``source`` (e.g. ``"paraprop.scan._triton_scan"``) in the mode that
+    runs on ``device``: interpreted for CPU tensors (or anywhere with ``TRITON_INTERPRET=1``),
+    compiled for CUDA tensors. Each mode is loaded once, as a module of its own."""
+    interpret = device.type != "cuda" or interpreting()
+    key = (source, interpret)
+    module = _loaded.get(key)
+    if module is None:
+        origin = importlib.util.find_spec(source).origin
+        name = f"{source}__{'interpreted' if interpret else 'compiled'}"
+        spec = importlib.util.spec_from_file_location(name, origin)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        with _mode(interpret):
+            spec.loader.exec_module(module)
+        _loaded[key] = module
+    return module
+
+
+@contextlib.contextmanager
+def on(device: torch.device):
+    """Launch on ``device`` (Triton launches on the current CUDA device)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            yield
+    else:
+        yield
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (0 elsewhere: no chunking by default)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _acc(module: types.ModuleType, dtype: torch.dtype):
+    return module.tl.float64 if dtype == torch.float64 else module.tl.float32
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_tensors(entry: str, **tensors: torch.Tensor | None) -> None:
+    """Tensors (``h0`` may be ``None``) of one supported dtype."""
+    for name, t in tensors.items():
+        if t is None and name == "h0":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    b = tensors["b"]
+    if b.dtype not in DTYPES:
+        raise TypeError(f"{entry} takes float16, bfloat16, float32 or float64, got {b.dtype}")
+    for name, t in tensors.items():
+        if t is not None and t.dtype != b.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but b has {b.dtype}; use one dtype")
+
+
+# -- the diagonal scan ----------------------------------------------------------------------------
+def diag_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.Tensor | None,
+                reverse: bool, block_t: int | None = None, chunks: int | None = None) -> None:
+    """The diagonal kernel on ``(N, T, D)`` views (any strides; ``a`` may be expanded), ``h0``
+    ``(N, D)`` or ``None``; writes ``out``."""
+    N, T, D = b.shape
+    if N == 0 or T == 0 or D == 0:
+        return
+    mod = load("paraprop.scan._triton_scan", b.device)
+    if block_t is not None:
+        BT = _pow2(block_t)
+        BD = min(_pow2(D), max(1, TILE // BT))
+    elif b.stride(1) == 1 or D == 1:          # time contiguous: long blocks of steps
+        BD = 1 if D == 1 else min(_pow2(D), 4)
+        BT = min(_pow2(T), TILE // BD)
+    elif b.stride(2) == 1:                    # channels contiguous: wide tiles
+        BD = min(_pow2(D), 32)
+        BT = min(_pow2(T), TILE // BD)
+    else:
+        BD = min(_pow2(D), 16)
+        BT = min(_pow2(T), 64)
+    BT = max(BT, 2)
+    tiles = math.ceil(D / BD)
+    blocks = math.ceil(T / BT)
+    if chunks is None:
+        sms = _sms(b.device)
+        C = 1 if not sms or N * tiles >= 2 * sms else min(math.ceil(4 * sms / (N * tiles)),
+                                                          max(1, blocks // 4))
+    else:
+        C = min(chunks, blocks)
+    L = math.ceil(blocks / C) * BT
+    C = math.ceil(T / L)
+    acc = _acc(mod, b.dtype)
+    hs = h0.stride() if h0 is not None else (0, 0)
+    strides = (*a.stride(), *b.stride(), *out.stride(), *hs)
+    meta = {"HAS_H0": h0 is not None, "REVERSE": bool(reverse), "ACC": acc, "BLOCK_D": BD,
+            "BLOCK_T": BT, "num_warps": 4}
+    with on(b.device):
+        if C == 1:
+            mod.diag_scan[(tiles, N, 1)](a, b, out, h0, None, None, T, D, L, *strides,
+                                         PASS=0, **meta)
+            return
+        wide = _wide(b.dtype)
+        tot = torch.empty(N, C, 2, D, dtype=wide, device=b.device)
+        start = torch.empty(N, C, D, dtype=wide, device=b.device)
+        mod.diag_scan[(tiles, N, C)](a, b, out, h0, None, tot, T, D, L, *strides, PASS=1,
+                                     **meta)
+        mod.diag_carries[(tiles, N)](tot, h0, start, C, D, *hs, HAS_H0=h0 is not None,
+                                     ACC=acc, BLOCK_D=BD)
+        mod.diag_scan[(tiles, N, C)](a, b, out, h0, start, None, T, D, L, *strides, PASS=2,
+                                     **meta)
+
+
+def _three(x: torch.Tensor, N: int, T: int, D: int) -> torch.Tensor:
+    try:
+        return x.view(N, T, D)
+    except RuntimeError:
+        return x.reshape(N, T, D)
+
+
+def diagonal_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None, *,
+                  reverse: bool = False, dim: int = -1, block_t: int | None = None,
+                  chunks: int | None = None) -> torch.Tensor:
+    """All states of the elementwise recurrence ``h_t = a_t * h_{t-1} + b_t`` along ``dim``,
+    by the Triton kernel (one ``tl.associative_scan`` per block of steps, a carry between
+    blocks; see :mod:`paraprop.scan._triton_scan`).
+
+    Forward: ``t = 0 .. T-1`` with ``h_{-1} = h0``; ``reverse=True``: ``h_t = a_t h_{t+1} +
+    b_t`` for ``t = T-1 .. 0`` with ``h_T = h0``. The layout of ``(B, D, T)`` work with
+    ``dim=-1`` (time contiguous) is the fastest; ``(B, T, D)`` with ``dim=-2`` is coalesced
+    along ``D``; other strides work too.
+
+    Arguments:
+        a: the multipliers, ``b``'s shape or broadcasting to it.
+        b: ``(..., T, ...)``, ``T`` along ``dim``, any ``T >= 1``.
+        h0: the initial state, ``b``'s shape without ``dim`` (or broadcasting to it), or
+            ``None`` for zero.
+        reverse: run from the last step to the first.
+        dim: the time dim.
+        block_t: steps per block (a power of two; by default from the layout): for tests and
+            tuning.
+        chunks: split time into this many chunks (three kernels instead of one; by default
+            only when there are too few rows to fill the device): for tests and tuning.
+
+    Returns:
+        The states, ``b``'s shape and dtype (accumulated in float32, float64 for float64).
+
+    Raises:
+        TypeError: non-tensors, mixed or unsupported dtypes.
+        ValueError: shapes that do not broadcast, a bad ``dim``, ``block_t`` or ``chunks``.
+        RuntimeError: no triton, or tensors the kernels cannot run on (a CPU tensor without
+            ``TRITON_INTERPRET=1``; the message says which).
+
+    Example (needs a CUDA device, or ``TRITON_INTERPRET=1`` on the CPU):
+        >>> a, b = torch.rand(8, 64, 1000), torch.randn(8, 64, 1000)       # (B, D, T)
+        >>> h = diagonal_scan(a, b)                                           # doctest: +SKIP
+    """
+    _check_tensors("diagonal_scan", a=a, b=b, h0=h0)
+    if not isinstance(reverse, bool):
+        raise TypeError(f"reverse must be a bool, got {reverse!r}")
+    if b.dim() < 1:
+        raise ValueError(f"b must have at least one dim (time), got shape {tuple(b.shape)}")
+    if not isinstance(dim, int) or not -b.dim() <= dim < b.dim():
+        raise ValueError(f"dim must be an int in [{-b.dim()}, {b.dim() - 1}] for b of shape "
+                         f"{tuple(b.shape)}, got {dim!r}")
+    for name, v in (("block_t", block_t), ("chunks", chunks)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+    dim %= b.dim()
+    try:
+        a = a.expand(b.shape)
+    except RuntimeError:
+        raise ValueError(f"a of shape {tuple(a.shape)} does not broadcast to b's "
+                         f"{tuple(b.shape)}") from None
+    rest = b.shape[:dim] + b.shape[dim + 1:]
+    if h0 is not None:
+        try:
+            h0 = h0.expand(rest)
+        except RuntimeError:
+            raise ValueError(f"h0 must have b's shape without dim {dim}, {tuple(rest)}, or "
+                             f"broadcast to it; got {tuple(h0.shape)}") from None
+    require("diagonal_scan", a, b, h0)
+    N, T, D = math.prod(b.shape[:dim]), b.shape[dim], math.prod(b.shape[dim + 1:])
+    out = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    diag_launch(_three(a, N, T, D), _three(b, N, T, D), out.view(N, T, D),
+                None if h0 is None else _three(h0, N, 1, D)[:, 0], reverse, block_t, chunks)
+    return out
+
+
+# -- the dense small-block scan -------------------------------------------------------------------
+def dense_launch(A: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.Tensor | None,
+                 reverse: bool, chunks: int | None = None) -> None:
+    """The dense kernel on ``A`` ``(N, T, H, H)`` (any strides; expanded or transposed views
+    are free), ``b``, ``out`` ``(N, T, H)``, ``h0`` ``(N, H)`` or ``None``."""
+    N, T, H = b.shape
+    if N == 0 or T == 0:
+        return
+    mod = load("paraprop.scan._triton_scan", b.device)
+    HP = max(16, _pow2(H))
+    if chunks is None:
+        sms = _sms(b.device)
+        C = 1 if not sms or N >= 4 * sms else max(1, min(T // 8, max(math.ceil(math.sqrt(T)),
+                                                                     math.ceil(4 * sms / N))))
+    else:
+        C = min(chunks, T)
+    L = math.ceil(T / C)
+    C = math.ceil(T / L)
+    acc = _acc(mod, b.dtype)
+    hs = h0.stride() if h0 is not None else (0, 0)
+    strides = (*A.stride(), *b.stride(), *out.stride(), *hs)
+    meta = {"HAS_H0": h0 is not None, "REVERSE": bool(reverse), "ACC": acc, "HP": HP,
+            "num_warps": 4}
+    with on(b.device):
+        if C == 1:
+            mod.dense_scan[(N, 1)](A, b, out, h0, None, None, T, H, L, *strides, PASS=0,
+                                   **meta)
+            return
+        wide = _wide(b.dtype)
+        tot = torch.empty(N, C, HP + 1, HP, dtype=wide, device=b.device)
+        start = torch.empty(N, C, HP, dtype=wide, device=b.device)
+        mod.dense_scan[(N, C)](A, b, out, h0, None, tot, T, H, L, *strides, PASS=1, **meta)
+        mod.dense_carries[(N,)](tot, h0, start, C, H, *hs, HAS_H0=h0 is not None, ACC=acc,
+                                HP=HP)
+        mod.dense_scan[(N, C)](A, b, out, h0, start, None, T, H, L, *strides, PASS=2, **meta)
+
+
+def dense_scan(A: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None, *,
+               reverse: bool = False, chunks: int | None = None) -> torch.Tensor:
+    """All states of ``h_t = A_t h_{t-1} + b_t`` with dense ``H x H`` steps, ``H <=``
+    :data:`MAX_DENSE`, by the Triton kernel (sequential in time within a chunk, one
+    matrix-vector product per step; chunks of time in parallel when the batch is small).
+
+    Arguments:
+        A: ``(N | 1, T, H, H)`` (``1`` broadcasts; transposed views cost nothing).
+        b: ``(N, T, H)``.
+        h0: ``(N, H)`` or ``None``.
+        reverse: ``h_t = A_t h_{t+1} + b_t`` from ``t = T-1`` down.
+        chunks: the number of chunks of time (default: by the device's size): for tests and
+            tuning.
+
+    Returns:
+        ``(N, T, H)`` in ``b``'s dtype.
+
+    Raises:
+        TypeError, ValueError: bad types, dtypes or shapes, ``H > MAX_DENSE``.
+        RuntimeError: as :func:`diagonal_scan`.
+    """
+    _check_tensors("dense_scan", A=A, b=b, h0=h0)
+    if b.dim() != 3:
+        raise ValueError(f"b must have shape (N, T, H), got {tuple(b.shape)}")
+    N, T, H = b.shape
+    if A.dim() != 4 or A.shape[1:] != (T, H, H) or A.shape[0] not in (1, N):
+        raise ValueError(f"A must have shape (N or 1, T, H, H) = ({N} or 1, {T}, {H}, {H}), "
+                         f"got {tuple(A.shape)}")
+    if H > MAX_DENSE:
+        raise ValueError(f"dense_scan takes H <= {MAX_DENSE}, got H={H}")
+    if h0 is not None and tuple(h0.shape) != (N, H):
+        raise ValueError(f"h0 must have shape (N, H) = ({N}, {H}), got {tuple(h0.shape)}")
+    if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool)
+                               or chunks < 1):
+        raise ValueError(f"chunks must be a positive int or None, got {chunks!r}")
+    require("dense_scan", A, b, h0)
+    out = torch.empty(N, T, H, dtype=b.dtype, device=b.device)
+    dense_launch(A.expand(N, T, H, H), b, out, h0, reverse, chunks)
+    return out
+
+
+# -- linear_recurrence(algorithm="triton") --------------------------------------------------------
+def applies(op, b: torch.Tensor) -> bool:
+    """Whether ``algorithm="auto"`` picks the kernels for this canonical recurrence: CUDA
+    tensors, triton, a supported dtype, and a diagonal ``A`` or a state of at most
+    :data:`MAX_DENSE`."""
+    if b.device.type != "cuda" or why_not(b, *op.tensors()) is not None:
+        return False
+    return op.kind == "diag" or op.H <= MAX_DENSE
+
+
+def recurrence(op, b: torch.Tensor, h0: torch.Tensor | None, reverse: bool) -> torch.Tensor:
+    """The states ``(N, T, H)`` of a canonical recurrence (:class:`paraprop.scan.operators.Op`)
+    by the kernels: diagonal ``A`` by the diagonal scan; dense, factored and LSTM ``A`` with
+    ``H <= MAX_DENSE`` by the dense scan (factored and LSTM steps materialised densely)."""
+    require("linear_recurrence(algorithm='triton')", b, h0, *op.tensors())
+    N, T, H = b.shape
+    if op.kind != "diag" and H > MAX_DENSE:
+        raise ValueError(f"algorithm='triton' runs {op.kind} transitions with a state of at "
+                         f"most {MAX_DENSE} (one H x H step per program); got H={H}: use "
+                         "algorithm='chunked' or 'blelloch'")
+    out = torch.empty(N, T, H, dtype=b.dtype, device=b.device)
+    if op.kind == "diag":
+        diag_launch(op.a.expand(N, T, H), b, out, h0, reverse)
+    else:
+        dense_launch(op.dense().expand(N, T, H, H), b, out, h0, reverse)
+    return out
