@@ -292,3 +292,315 @@ def test_parallel_forward_under_torch_func_is_refused(cls, tcls, transform):
                        match=rf"paraprop.nn.{cls.__name__}\(forward='newton'\) cannot run under "
                              r"torch.func transforms .* use forward='sequential'"):
         run()
+
+
+# -- 3. settings assigned after construction (issue 27, item 5) ----------------------------------
+# The constructor refuses dropout, bidirectional and proj_size; torch.nn's attributes can still be
+# assigned afterwards, and those that fixed the parameters (num_layers, bias, sizes, the
+# nonlinearity) would make the module compute something else. Every call checks them.
+ALL = [(pnn.RNN, torch.nn.RNN), (pnn.GRU, torch.nn.GRU), (pnn.LSTM, torch.nn.LSTM)]
+ALL_IDS = ["rnn", "gru", "lstm"]
+LATER = [
+    ("dropout", 0.5, NotImplementedError, r"does not support dropout between layers \(got "
+                                          r"dropout=0.5\)"),
+    ("bidirectional", True, NotImplementedError, r"does not support bidirectional=True"),
+    ("proj_size", 2, NotImplementedError, r"does not support proj_size"),
+    ("num_layers", 3, ValueError, r"num_layers was assigned after construction \(expected "
+                                  r"num_layers=2, the value the parameters were built for; "
+                                  r"found 3\)"),
+    ("bias", False, ValueError, r"bias was assigned after construction \(expected bias=True"),
+    ("hidden_size", 5, ValueError, r"hidden_size was assigned .* found 5\)"),
+    ("input_size", 4, ValueError, r"input_size was assigned .* found 4\)"),
+]
+
+
+def _call_paths(m, x):
+    """The module's entry paths: scan backward with a graph, no graph, torch.func."""
+    xi = x.clone().requires_grad_()
+    yield lambda: m(xi)[0].sum().backward()
+    yield lambda: m(x)
+    yield lambda: torch.func.grad(lambda z: m(z)[0].sum())(x)
+
+
+@pytest.mark.parametrize("cls,tcls", ALL, ids=ALL_IDS)
+@pytest.mark.parametrize("attr,value,exc,match", LATER, ids=[c[0] for c in LATER])
+def test_settings_assigned_after_construction_are_refused_at_call_time(cls, tcls, attr, value,
+                                                                        exc, match):
+    m = cls(3, 4, num_layers=2)
+    x = torch.randn(5, 2, 3)
+    before = getattr(m, attr)
+    setattr(m, attr, value)
+    m.train()
+    for call in _call_paths(m, x):
+        with pytest.raises(exc, match=rf"paraprop.nn.{cls.__name__}"):
+            call()
+        with pytest.raises(exc, match=match):
+            call()
+    with torch.no_grad():
+        with pytest.raises(exc, match=match):
+            m(x)
+    setattr(m, attr, before)          # restored: the module runs again, as torch's
+    ref = tcls(3, 4, num_layers=2)
+    ref.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        assert torch.equal(m(x)[0], ref(x)[0])
+
+
+def test_rnn_nonlinearity_assigned_after_construction_is_refused():
+    """torch.nn.RNN reads ``mode`` (set at construction), so an assigned ``nonlinearity`` is
+    ignored by torch itself; the drop-in refuses it instead."""
+    m = pnn.RNN(3, 4)
+    m.nonlinearity = "relu"
+    with pytest.raises(ValueError, match=r"nonlinearity was assigned after construction "
+                                         r"\(expected nonlinearity='tanh', .* found 'relu'\)"):
+        m(torch.randn(5, 2, 3))
+    m.nonlinearity = "tanh"
+    m.mode = "RNN_RELU"
+    with pytest.raises(ValueError, match=r"mode was assigned after construction \(expected "
+                                         r"mode='RNN_TANH'"):
+        m(torch.randn(5, 2, 3))
+
+
+def test_bias_true_assigned_to_a_bias_free_module_is_refused():
+    m = pnn.GRU(3, 4, bias=False)
+    m.bias = True
+    with pytest.raises(ValueError, match=r"bias was assigned after construction \(expected "
+                                         r"bias=False, .* found True\)"):
+        m(torch.randn(5, 2, 3, requires_grad=True))
+    m.bias = 1                          # not the bool the parameters were built for
+    with pytest.raises(ValueError, match=r"expected bias=False, .* found 1\)"):
+        m(torch.randn(5, 2, 3))
+
+
+@pytest.mark.parametrize("cls,tcls", ALL, ids=ALL_IDS)
+@pytest.mark.parametrize("forward", ["sequential", "newton"])
+def test_batch_first_assigned_after_construction_is_honoured(cls, tcls, forward):
+    """``batch_first`` does not change the parameters: both torch and the drop-in read it at
+    every call, so an assignment is honoured, outputs and gradients as torch's."""
+    torch.manual_seed(0)
+    ref = tcls(3, 4, num_layers=2, dtype=torch.float64)
+    ours = cls(3, 4, num_layers=2, dtype=torch.float64, forward=forward)
+    ours.load_state_dict(ref.state_dict())
+    ref.batch_first = ours.batch_first = True
+    x = torch.randn(2, 7, 3, dtype=torch.float64)
+    got, want = [], []
+    for m, out in ((ours, got), (ref, want)):
+        xi = x.clone().requires_grad_()
+        y = m(xi)[0]
+        y.pow(2).sum().backward()
+        out += [y.detach(), xi.grad]
+    assert got[0].shape == (2, 7, 4)
+    assert err(got[0], want[0]) <= 1e-10 and err(got[1], want[1]) <= 1e-10
+
+
+def err(a, b):
+    return float((a - b).abs().max())
+
+
+def test_para_cells_check_their_options_on_assignment():
+    m = pnn.ParaGRU(3, 4)
+    with pytest.raises(ValueError, match="unknown forward='deer'"):
+        m.forward_config = "deer"
+    with pytest.raises(TypeError, match="backward must be one of"):
+        m.backward_config = 3
+
+
+# -- 4. torch.jit (issue 27, cryptic errors) ------------------------------------------------------
+class _Wrapper(torch.nn.Module):
+    def __init__(self, rnn):
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("make", [lambda: pnn.RNN(3, 4), lambda: pnn.GRU(3, 4),
+                                  lambda: pnn.LSTM(3, 4, forward="newton"),
+                                  lambda: pnn.ParaGRU(3, 4)],
+                         ids=["rnn", "gru", "lstm", "paragru"])
+def test_jit_script_is_refused_by_name(make):
+    m = make()
+    name = type(m).__name__
+    match = (rf"paraprop.nn.{name} cannot be compiled by torch.jit.script: .* use "
+             rf"torch.compile\(module\) instead, or the module without jit")
+    with pytest.raises(NotImplementedError, match=match):
+        torch.jit.script(m)
+    with pytest.raises(NotImplementedError, match=match):     # inside a scripted model
+        torch.jit.script(_Wrapper(m))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("cls", [pnn.RNN, pnn.GRU, pnn.LSTM], ids=ALL_IDS)
+def test_jit_trace_is_refused_by_name(cls):
+    m = cls(3, 4)
+    x = torch.randn(5, 2, 3)
+    match = (rf"paraprop.nn.{cls.__name__} cannot be traced by torch.jit.trace: .* use "
+             r"torch.compile\(module\) instead, or the module without jit. To export torch's "
+             rf"own module, load the state dict into torch.nn.{cls.__name__}")
+    with pytest.raises(NotImplementedError, match=match):
+        torch.jit.trace(m, (x,))
+    with pytest.raises(NotImplementedError, match=match):
+        torch.jit.trace(_Wrapper(m), (x,))
+    assert m(x)[0].shape == (5, 2, 4)     # the module itself is untouched
+
+
+# -- 5. torch.autocast ----------------------------------------------------------------------------
+@pytest.mark.parametrize("cls,tcls", ALL, ids=ALL_IDS)
+def test_autocast_runs_torch_or_is_refused_by_name(cls, tcls):
+    torch.manual_seed(0)
+    ref = tcls(3, 4, num_layers=2)
+    ours = cls(3, 4, num_layers=2)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(6, 2, 3)
+    name = cls.__name__
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        # the scan backward cannot follow autocast's per-operation dtypes: refused by name
+        with pytest.raises(NotImplementedError,
+                           match=rf"paraprop.nn.{name}\(backward='scan'\) does not run under "
+                                 r"torch.autocast: .* use backward='autograd'"):
+            ours(x.clone().requires_grad_())
+        ours.forward_config = "newton"
+        with pytest.raises(NotImplementedError,
+                           match=rf"paraprop.nn.{name}\(forward='newton'\) does not run under "
+                                 r"torch.autocast .*\(module.to\(torch.bfloat16\): the solve then "
+                                 r"runs in float32"):
+            with torch.no_grad():
+                ours(x)
+        # without a graph, the sequential forward is torch's module under autocast, bitwise
+        for kernel in ("sequential", "native", "auto"):
+            ours.forward_config = kernel
+            with torch.no_grad():
+                got, want = ours(x)[0], ref(x)[0]
+            assert got.dtype == want.dtype and torch.equal(got, want)
+            assert ours.forward_stats == ({} if kernel == "sequential"
+                                          else {"kernel": ["torch", "torch"]})
+        # backward='autograd': torch's module and torch's backward under autocast, bitwise
+        ours.forward_config = "sequential"
+        ours.backward_config = "autograd"
+        grads = []
+        for m in (ours, ref):
+            m.zero_grad()
+            xi = x.clone().requires_grad_()
+            y = m(xi)[0]
+            y.float().pow(2).sum().backward()
+            grads.append([y.detach(), xi.grad, *(p.grad for p in m.parameters())])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
+# -- 6. low precision (issue 27, item 3) ----------------------------------------------------------
+# bf16 / fp16 modules: the sequential forward is torch's kernel in that dtype (bitwise torch's
+# outputs); the Jacobian factors, the scan or Jacobi backward and a parallel forward compute in
+# float32 and round to the module's dtype. The stated bound (docs/recurrences.md, "Low
+# precision"): outputs and gradients within LOW_BOUND times torch's own deviation from the
+# float64 computation with the same (rounded) weights and inputs, plus one eps of the dtype, both
+# relative to the largest value.
+LOW_BOUND = 2.0
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _low_run(m, x, w, dtype=None):
+    m.zero_grad()
+    xi = x.clone().requires_grad_()
+    out, h = m(xi)
+    h = h[0] if isinstance(h, tuple) else h
+    ((out.double() * w).sum() + h.double().sum()).backward()
+    return [out.detach().double(), xi.grad.double(),
+            *(p.grad.double() for p in m.parameters())], out
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
+@pytest.mark.parametrize("path", ["sequential-scan", "sequential-jacobi", "newton-scan"])
+@pytest.mark.parametrize("cls,tcls", ALL, ids=ALL_IDS)
+def test_low_precision_within_the_stated_bound_of_torch(cls, tcls, path, dtype):
+    torch.manual_seed(1)
+    fwd, bwd = path.split("-")
+    ref = tcls(4, 8, num_layers=2).to(dtype)
+    ours = cls(4, 8, num_layers=2, forward=fwd, backward=bwd).to(dtype)
+    ours.load_state_dict(ref.state_dict())
+    ref64 = tcls(4, 8, num_layers=2, dtype=torch.float64)
+    ref64.load_state_dict(ref.state_dict())            # the same rounded weights in float64
+    T = 60
+    x = torch.randn(T, 3, 4).to(dtype)
+    w = torch.randn(T, 3, 8, dtype=torch.float64)
+    exact, _ = _low_run(ref64, x.double(), w)
+    theirs, t_out = _low_run(ref, x, w)
+    ours_, o_out = _low_run(ours, x, w)
+    assert o_out.dtype == dtype and all(p.grad.dtype == dtype for p in ours.parameters())
+    for e, t, o in zip(exact, theirs, ours_, strict=True):
+        assert _rel(o, e) <= LOW_BOUND * _rel(t, e) + torch.finfo(dtype).eps
+    if fwd == "sequential":
+        assert torch.equal(o_out, t_out)               # torch's own kernel in this dtype
+        assert ours.forward_stats == {}
+    else:                                              # solved in float32, said so
+        assert ours.forward_stats["compute_dtype"] == [torch.float32] * 2
+        assert ours.forward_stats["converged"] == [True, True]
+    assert ours.backward_stats["compute_dtype"] == torch.float32
+
+
+@pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
+@pytest.mark.parametrize("cls,tcls", ALL, ids=ALL_IDS)
+def test_low_precision_native_forward_falls_back_to_torch_and_says_so(cls, tcls, dtype):
+    """The native loop is float32/float64 only: a bf16/fp16 module runs torch's kernel in its
+    own dtype (no silent upcast), and forward_stats names the kernel that ran."""
+    torch.manual_seed(0)
+    ref = tcls(3, 4, num_layers=2).to(dtype)
+    ours = cls(3, 4, num_layers=2, forward="native").to(dtype)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(7, 2, 3).to(dtype)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            got, want = ours(x)[0], ref(x)[0]
+        assert got.dtype == dtype and torch.equal(got, want)
+        assert ours.forward_stats == {"kernel": ["torch", "torch"]}
+
+
+def test_low_precision_parallel_forward_honours_an_explicit_tol():
+    torch.manual_seed(0)
+    ours = pnn.GRU(3, 4, forward=ParallelForward(method="jacobi", tol=1e-2)).to(torch.bfloat16)
+    with torch.no_grad():
+        ours(torch.randn(30, 2, 3).to(torch.bfloat16))
+    assert ours.forward_stats["tol"] == [1e-2]
+    assert ours.forward_stats["error_estimate"][0] <= 1e-2
+
+
+# -- 7. the one-block path of other devices, run with CPU tensors (issue 28) ----------------------
+@pytest.mark.parametrize("forward", ["sequential", "newton"])
+@pytest.mark.parametrize("cls,tcls", [(pnn.GRU, torch.nn.GRU), (pnn.LSTM, torch.nn.LSTM)],
+                         ids=["gru", "lstm"])
+def test_one_block_path_of_other_devices_equals_torch(monkeypatch, cls, tcls, forward):
+    """Off the CPU the gates and factors are recomputed in one block over all steps (the CPU
+    uses cache-sized blocks); with CPU_BLOCKS off the CPU runs that same path."""
+    from paraprop.jacobians import cells
+
+    monkeypatch.setattr(cells, "CPU_BLOCKS", False)
+    assert cells.steps_per_block(torch.device("cpu"), 37, 8, 4) == 37
+    torch.manual_seed(0)
+    ref = tcls(3, 5, num_layers=2, dtype=torch.float64)
+    ours = cls(3, 5, num_layers=2, dtype=torch.float64, forward=forward)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(37, 3, 3, dtype=torch.float64)
+    res = []
+    for m in (ours, ref):
+        xi = x.clone().requires_grad_()
+        y = m(xi)[0]
+        y.pow(2).sum().backward()
+        res.append([y.detach(), xi.grad, *(p.grad for p in m.parameters())])
+    for a, b in zip(*res, strict=True):
+        assert err(a, b) <= 1e-10 * max(1.0, float(b.abs().max()))
+
+
+def test_steps_per_block_per_device():
+    from paraprop.jacobians import cells
+
+    cpu, gpu = torch.device("cpu"), torch.device("meta")
+    assert cells.steps_per_block(cpu, 1000, 8192, 16) == 512
+    assert cells.steps_per_block(cpu, 1000, 8, 16) == 1
+    assert cells.steps_per_block(gpu, 1000, 8192, 16) == 1000
+    assert cells.steps_per_block(gpu, 0, 8192, 16) == 1

@@ -155,6 +155,21 @@ BLOCK_ROWS = 8192
 # The same for the LSTM's gates (4H wide: 2048 rows of H = 64 fill 2 MiB; paraprop.nn.LSTM's
 # factors measured 1.2-1.5x faster than with 8192 rows at T = 1000, B = 32).
 LSTM_BLOCK_ROWS = 2048
+# Whether the CPU runs the blocked passes in cache-sized blocks (True) or, as every other device
+# does, in one block over all steps. The tests set it to False to run the one-block path of the
+# GPU with CPU tensors.
+CPU_BLOCKS = True
+
+
+def steps_per_block(device: torch.device, steps: int, rows: int, per_step: int) -> int:
+    """How many of ``steps`` time steps one block of a blocked pass covers: all of them off the
+    CPU (a GPU wants the largest batched operations; launches, not caches, bound it), about
+    ``rows`` rows (``per_step`` rows per step) on the CPU, at least one step. The one place the
+    CPU and GPU branches of the blocked passes (:mod:`paraprop.nn`, this module,
+    :mod:`paraprop.jacobians.diagonal`) differ."""
+    if device.type != "cpu" or not CPU_BLOCKS:
+        return max(1, steps)
+    return max(1, rows // max(1, per_step))
 
 
 def cell_adapter(cell):
@@ -290,7 +305,7 @@ def gru_linearize(gi, prev, w_hh, b_hh, form):
             wd = w_hh.reshape(3, H, H).diagonal(dim1=-2, dim2=-1)      # (3, H) diag of blocks
         else:
             z, s = prev.new_empty(B, n, H), prev.new_empty(B, n, 3 * H)
-    step = n if prev.device.type != "cpu" else max(1, BLOCK_ROWS // B)
+    step = steps_per_block(prev.device, n, BLOCK_ROWS, B)
     for t0 in range(0, n, step):
         blk = slice(t0, min(n, t0 + step))
         h = prev[:, blk]
@@ -348,7 +363,7 @@ def lstm_linearize(gi, prev, w_hh, b_hh, form):
         wd = w_hh.reshape(4, H, H).diagonal(dim1=-2, dim2=-1)      # (4, H) diag of blocks
     elif form is not None:
         s, f, k = prev.new_empty(B, n, 4 * H), prev.new_empty(B, n, H), prev.new_empty(B, n, H)
-    step = n if prev.device.type != "cpu" else max(1, LSTM_BLOCK_ROWS // B)
+    step = steps_per_block(prev.device, n, LSTM_BLOCK_ROWS, B)
     for t0 in range(0, n, step):
         blk = slice(t0, min(n, t0 + step))
         h, c = prev[:, blk, :H], prev[:, blk, H:]

@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import torch
 
+from paraprop.jacobians.cells import steps_per_block
+
 __all__ = ["GRU_COEFFICIENTS", "GRU_SCRATCH", "LSTM_COEFFICIENTS", "LSTM_SCRATCH",
            "NEWTON_BLOCK_ELEMENTS", "blocks", "gru_linearize", "gru_newton_block", "gru_step",
            "lstm_linearize", "lstm_newton_block", "lstm_step"]
@@ -71,7 +73,7 @@ def blocks(steps: int, per_step: int, device: torch.device,
     step: one block on a GPU, cache-sized blocks of about ``elements`` values (default
     :data:`BLOCK_ELEMENTS`) on a CPU."""
     size = BLOCK_ELEMENTS if elements is None else elements
-    step = steps if device.type != "cpu" else max(1, size // max(1, per_step))
+    step = steps_per_block(device, steps, size, per_step)
     return [slice(t0, min(steps, t0 + step)) for t0 in range(0, steps, step)]
 
 

@@ -1,4 +1,6 @@
-"""What the drop-in recurrent modules share: option checks, input plumbing, the backward switch."""
+"""What the drop-in recurrent modules share: option checks (at construction and at every call),
+input plumbing, the backward switch, the compute dtype of low-precision modules and the refusals
+of torch.jit and torch.autocast."""
 
 from __future__ import annotations
 
@@ -18,9 +20,21 @@ from paraprop.nn.options import (
     forward_option,
 )
 
+# bf16 / fp16 modules: the scan backward, the Jacobian factors and the parallel forward compute
+# in float32 (the sequential forward stays torch's kernel in the module's dtype)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the scan / Jacobi backward, the Jacobian factors and a parallel forward of a
+    module in ``dtype`` compute in: float32 for bfloat16 and float16 (their rounding would
+    otherwise accumulate over the ``T`` steps of the scan), the dtype itself otherwise."""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
 
 def check_options(cls_name: str, *, dropout, bidirectional, proj_size) -> None:
-    """Reject the torch options the scan backward does not implement."""
+    """Reject the torch options the scan backward does not implement (at construction, and at
+    every call: the attributes may be assigned after construction)."""
     if bidirectional:
         raise NotImplementedError(
             f"paraprop.nn.{cls_name} does not support bidirectional=True; use "
@@ -36,14 +50,37 @@ def check_options(cls_name: str, *, dropout, bidirectional, proj_size) -> None:
             f"proj_size={proj_size}")
 
 
+# the attributes that fix a module's parameters at construction: assigning one later would make
+# the module compute with parameters of another shape, or silently drop some (bias=False)
+STRUCTURE = ("input_size", "hidden_size", "num_layers", "bias", "mode", "nonlinearity")
+
+
+def structure(module) -> tuple:
+    """The values of :data:`STRUCTURE` (``None`` for an attribute the module does not have)."""
+    return tuple(getattr(module, a, None) for a in STRUCTURE)
+
+
+def refuse_jit(name: str) -> None:
+    """Raise the refusal of ``torch.jit.trace`` (called from ``forward`` while tracing)."""
+    raise NotImplementedError(
+        f"paraprop.nn.{name} cannot be traced by torch.jit.trace: its forward and backward are "
+        "Python (a solver loop and an autograd Function that torch.jit does not record); use "
+        f"torch.compile(module) instead, or the module without jit. To export torch's own "
+        f"module, load the state dict into torch.nn.{name}")
+
+
 def solve_layer(cfg: dict, adapter, x: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
     """One layer's outputs ``(T, B, H)`` for time-major inputs ``x`` by ``cfg["forward"]`` (a
     :class:`ParallelForward`): :func:`paraprop.solve` on the layer's
-    :class:`paraprop.Recurrence` (no graph)."""
+    :class:`paraprop.Recurrence` (no graph), in ``cfg["compute"]`` (``adapter`` holds weights of
+    that dtype; float32 for a bf16 / fp16 module: the result is rounded to ``x``'s dtype and
+    ``forward_stats["compute_dtype"]`` says so)."""
     from paraprop.recurrence import Recurrence
     from paraprop.solve import solve
 
     fwd: ParallelForward = cfg["forward"]
+    dtype, cdt = x.dtype, cfg["compute"]
+    x, h0 = x.to(cdt), h0.to(cdt)
     rec = Recurrence(adapter, x.transpose(0, 1), h0)
     sol = solve(rec, rec.zeros(), method=fwd.solver, dim=-2, tol=cfg["forward_tol"],
                 max_iters=fwd.max_iters, throw=fwd.throw)
@@ -56,14 +93,19 @@ def solve_layer(cfg: dict, adapter, x: torch.Tensor, h0: torch.Tensor) -> torch.
                        ("converged", sol.converged),
                        ("tol", cfg["forward_tol"])):
         record.setdefault(key, []).append(value)
-    return sol.value.transpose(0, 1)
+    if cdt != dtype:     # bf16 / fp16: solved in float32, rounded to the module's dtype
+        record.setdefault("compute_dtype", []).append(cdt)
+    return sol.value.transpose(0, 1).to(dtype)
 
 
 def native_runs(fwd, *tensors: torch.Tensor) -> bool:
     """Whether a ``forward=`` of ``fwd`` runs paraprop's native loop on these tensors: a
     :class:`SequentialForward` with ``kernel="native"`` or ``"auto"``, CPU tensors of one dtype
-    (float32 or float64), the kernels built, no :mod:`torch.func` transform running."""
+    (float32 or float64), the kernels built, no :mod:`torch.func` transform running, no
+    :func:`torch.autocast` region active."""
     if not isinstance(fwd, SequentialForward) or fwd.kernel == "torch" or transforms_active():
+        return False
+    if any(t is not None and torch.is_autocast_enabled(t.device.type) for t in tensors[:1]):
         return False
     from paraprop.scan import native
 
@@ -99,23 +141,38 @@ def unpack_saved(ctx, lead: int = 0):
     """What a layer stack's scan Function saved, for its ``backward``: ``(cfg, layers,
     per_layer_weights, leading, weights, rest)``, where ``leading`` are the first ``lead`` saved
     tensors (e.g. ``h0``), ``weights`` the parameters of every layer in torch's order and
-    ``rest`` what the layers saved. Clears the run's backward stats."""
+    ``rest`` what the layers saved. Clears the run's backward stats. ``leading`` and
+    ``weights`` come in ``cfg["compute"]`` (float32 for a bf16 / fp16 module; then
+    ``backward_stats["compute_dtype"]`` says so); the layers save the rest in it."""
     cfg = ctx.cfg
     nl, per = cfg["layers"], 4 if cfg["bias"] else 2
     saved = ctx.saved_tensors
     cfg["stats"].clear()
-    return cfg, nl, per, saved[:lead], saved[lead:lead + nl * per], saved[lead + nl * per:]
+    lead_t, weights = saved[:lead], saved[lead:lead + nl * per]
+    cdt = cfg.get("compute")
+    if cdt is not None and weights and weights[0].dtype != cdt:
+        lead_t = tuple(t.to(cdt) for t in lead_t)
+        weights = tuple(w.to(cdt) for w in weights)
+        cfg["stats"]["compute_dtype"] = cdt
+    return cfg, nl, per, lead_t, weights, saved[lead + nl * per:]
 
 
 def first_order_only(backward):
     """Decorate the ``backward`` of the scan Functions: gradients are computed without a graph,
-    and when a graph is wanted (``create_graph=True``) they carry a node that refuses the second
-    differentiation with a message naming the alternative, instead of torch's generic error."""
+    in ``cfg["compute"]`` and returned in the dtypes of the inputs, and when a graph is wanted
+    (``create_graph=True``) they carry a node that refuses the second differentiation with a
+    message naming the alternative, instead of torch's generic error."""
 
     @functools.wraps(backward)
     def wrapper(ctx, *grad_outputs):
+        cdt, dtypes = ctx.cfg.get("compute"), ctx.cfg.get("input_dtypes")
         with torch.no_grad():
+            if cdt is not None:
+                grad_outputs = tuple(g.to(cdt) for g in grad_outputs)
             grads = backward(ctx, *grad_outputs)
+            if dtypes is not None:   # computed in cdt: each gradient in its input's dtype
+                grads = tuple(g.to(dt) if isinstance(g, torch.Tensor) and dt is not None else g
+                              for g, dt in zip(grads, dtypes, strict=True))
         if not torch.is_grad_enabled():
             return grads
         cfg = ctx.cfg
@@ -202,6 +259,38 @@ class ScanBackwardMixin:
         object.__setattr__(self, "_backward_config", bwd)
         self.forward_stats: dict = {}
         self.backward_stats: dict = {}
+        self._structure = structure(self)
+
+    # -- the settings at call time ---------------------------------------------------------------
+    def _check_settings(self) -> None:
+        """Every call: the torch options the module refuses (``dropout``, ``bidirectional``,
+        ``proj_size``), and the attributes its parameters were built for (:data:`STRUCTURE`)
+        unchanged. The constructor checks them too, but an attribute may be assigned later
+        (``module.dropout = 0.5``); a few attribute reads."""
+        name = type(self).__name__
+        check_options(name, dropout=getattr(self, "dropout", 0),
+                      bidirectional=getattr(self, "bidirectional", False),
+                      proj_size=getattr(self, "proj_size", 0))
+        now = structure(self)
+        if now == self._structure:
+            return
+        for attr, was, new in zip(STRUCTURE, self._structure, now, strict=True):
+            if was != new or type(was) is not type(new):
+                raise ValueError(
+                    f"paraprop.nn.{name}: {attr} was assigned after construction (expected "
+                    f"{attr}={was!r}, the value the parameters were built for; found {new!r}); "
+                    f"build a new module with {attr}={new!r} instead")
+
+    def __prepare_scriptable__(self):
+        """``torch.jit.script`` calls this first (also on the submodules of a scripted model):
+        refuse by name instead of torch's error about the options' types."""
+        name = type(self).__name__
+        raise NotImplementedError(
+            f"paraprop.nn.{name} cannot be compiled by torch.jit.script: its forward and "
+            "backward are Python (a solver loop, an autograd Function, option objects) that "
+            "TorchScript does not support; use torch.compile(module) instead, or the module "
+            f"without jit. To export torch's own module, load the state dict into "
+            f"torch.nn.{name}")
 
     def _weights(self) -> list[torch.Tensor]:
         names = []
@@ -213,6 +302,9 @@ class ScanBackwardMixin:
 
     def forward(self, input, hx=None):  # noqa: A002 - torch's argument name
         name = type(self).__name__
+        if torch.jit.is_tracing():
+            refuse_jit(name)
+        self._check_settings()
         if isinstance(input, PackedSequence):
             raise NotImplementedError(
                 f"paraprop.nn.{name} does not take a PackedSequence; pad the "
@@ -229,11 +321,25 @@ class ScanBackwardMixin:
                     "transforms (grad, jacrev, vmap, ...): the solver's stopping depends on the "
                     f"values; use forward='sequential' (torch's kernel) there")
             return super().forward(input, hx)
+        if parallel and torch.is_autocast_enabled(input.device.type):
+            raise NotImplementedError(
+                f"paraprop.nn.{name}(forward={describe(fwd)}) does not run under torch.autocast "
+                "(autocast picks the dtype of every operation inside the solver); convert the "
+                "module and its inputs instead (module.to(torch.bfloat16): the solve then runs "
+                "in float32 and rounds to bfloat16), or use forward='sequential' under autocast")
         weights = self._weights()
         hxs = self._state_tensors(hx)
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or any(h.requires_grad for h in hxs)
             or any(w.requires_grad for w in weights))
+        if needs_grad and not isinstance(bwd, AutogradBackward) and \
+                torch.is_autocast_enabled(input.device.type):
+            raise NotImplementedError(
+                f"paraprop.nn.{name}(backward={describe(bwd)}) does not run under "
+                "torch.autocast: autocast runs torch's kernel in a dtype of its choosing, which "
+                "the scan backward cannot reproduce; use backward='autograd' (torch's own "
+                "backward) under autocast, or convert the module and its inputs instead "
+                "(module.to(torch.bfloat16), where the scan backward runs in float32)")
         native = native_runs(fwd, input, *hxs, *weights)
         self.forward_stats.clear()
         if isinstance(fwd, SequentialForward) and fwd.kernel != "torch":
@@ -260,9 +366,12 @@ class ScanBackwardMixin:
                             f"{weights[0].dtype}")
         if B == 0:      # nothing to solve or to scan: torch's kernel (and autograd) as is
             return super().forward(input, hx)
+        cdt = compute_dtype(x.dtype)
         cfg = {"name": name, "mode": self.mode, "layers": self.num_layers, "bias": self.bias,
-               "forward": fwd if parallel else None, "native": native,
-               "forward_tol": fwd.tol_for(x.dtype) if parallel else None,
+               "forward": fwd if parallel else None, "native": native, "compute": cdt,
+               "input_dtypes": (None, x.dtype, *(s.dtype for s in states),
+                                *(w.dtype for w in weights)),
+               "forward_tol": fwd.tol_for(cdt) if parallel else None,
                "forward_stats": self.forward_stats,
                "backward": bwd, "backward_name": describe(bwd),
                "stats": self.backward_stats}

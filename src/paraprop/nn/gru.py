@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import _VF
 
+from paraprop.jacobians import cells
 from paraprop.jacobians.cells import BLOCK_ROWS, GRUCellJacobian, gru_gates, gru_scale
 from paraprop.nn._base import (
     ScanBackwardMixin,
@@ -49,7 +50,7 @@ def jacobian_factors(x, hprev, w_ih, w_hh, b_ih, b_hh):
     z = hprev.new_empty(T, B, H)
     dn = hprev.new_empty(T, B, H)
     s = hprev.new_empty(T, B, 3 * H)
-    step = T if hprev.device.type != "cpu" else max(1, BLOCK_ROWS // B)
+    step = cells.steps_per_block(hprev.device, T, BLOCK_ROWS, B)
     for t0 in range(0, T, step):
         blk = slice(t0, min(T, t0 + step))
         hp = hprev[blk]
@@ -80,6 +81,7 @@ class GRUScanFunction(torch.autograd.Function):
         """Every layer's outputs (torch's fused kernel, or ``cfg["forward"]`` by
         :func:`paraprop.solve`), the last states and, with ``save``, what backward needs."""
         per = 4 if cfg["bias"] else 2
+        cdt = cfg["compute"]
         saved, last = [], []
         layer_in = x
         for k in range(cfg["layers"]):
@@ -97,12 +99,15 @@ class GRUScanFunction(torch.autograd.Function):
                 out, hn = _VF.gru(layer_in, h0[k:k + 1], w, cfg["bias"], 1, 0.0, False, False,
                                   False)
             else:
-                out = solve_layer(cfg, GRUCellJacobian(w[0], w[1], b_ih, b_hh), layer_in, h0[k])
+                wc = [None if t is None else t.to(cdt) for t in (w[0], w[1], b_ih, b_hh)]
+                out = solve_layer(cfg, GRUCellJacobian(*wc), layer_in, h0[k])
                 hn = out[-1:]
-            if save:
-                hprev = torch.cat([h0[k:k + 1], out[:-1]], 0)
-                z, s, dn = jacobian_factors(layer_in, hprev, w[0], w[1], b_ih, b_hh)
-                saved += [layer_in, hprev, z, s, dn]
+            if save:   # the factors in cfg["compute"] (float32 for bf16 / fp16 modules)
+                inp = layer_in.to(cdt)
+                hprev = torch.cat([h0[k:k + 1], out[:-1]], 0).to(cdt)
+                z, s, dn = jacobian_factors(inp, hprev, *(None if t is None else t.to(cdt)
+                                                          for t in (w[0], w[1], b_ih, b_hh)))
+                saved += [inp, hprev, z, s, dn]
             last.append(hn)
             layer_in = out
         return layer_in, torch.cat(last, 0), saved

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import _VF
 
+from paraprop.jacobians import cells
 from paraprop.jacobians.cells import (
     LSTM_BLOCK_ROWS,
     LSTMCellJacobian,
@@ -83,7 +84,7 @@ def jacobian_factors(x, hprev, c0, w_ih, w_hh, b_ih, b_hh, c=None):
     bias = None if b_ih is None else b_ih + b_hh
     x2, h2 = x.reshape(T * B, -1), hprev.reshape(T * B, H)
     s2, f2, k2 = s.view(-1, 4 * H), f.view(-1, H), k.view(-1, H)
-    step = T if hprev.device.type != "cpu" else max(1, LSTM_BLOCK_ROWS // B)
+    step = cells.steps_per_block(hprev.device, T, LSTM_BLOCK_ROWS, B)
     c_last = c0
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
@@ -127,6 +128,7 @@ class LSTMScanFunction(torch.autograd.Function):
         :func:`paraprop.solve` on the state ``[h, c]``), the last hidden states and cells and,
         with ``save``, what backward needs."""
         per = 4 if cfg["bias"] else 2
+        cdt = cfg["compute"]
         saved, last_h, last_c = [], [], []
         layer_in = x
         for k in range(cfg["layers"]):
@@ -148,14 +150,19 @@ class LSTMScanFunction(torch.autograd.Function):
                                        0.0, False, False, False)
             else:
                 H = h0.shape[-1]
-                states = solve_layer(cfg, LSTMCellJacobian(w[0], w[1], b_ih, b_hh), layer_in,
+                wc = [None if t is None else t.to(cdt) for t in (w[0], w[1], b_ih, b_hh)]
+                states = solve_layer(cfg, LSTMCellJacobian(*wc), layer_in,
                                      torch.cat([h0[k], c0[k]], -1))
                 out, c = states[..., :H].contiguous(), states[..., H:]
                 hn, cn = out[-1:], c[-1:].contiguous()
-            if save:
-                hprev = torch.cat([h0[k:k + 1], out[:-1]], 0)
-                s, f, kk = jacobian_factors(layer_in, hprev, c0[k], w[0], w[1], b_ih, b_hh, c)
-                saved += [layer_in, hprev, s, f, kk]
+            if save:   # the factors in cfg["compute"] (float32 for bf16 / fp16 modules)
+                inp = layer_in.to(cdt)
+                hprev = torch.cat([h0[k:k + 1], out[:-1]], 0).to(cdt)
+                s, f, kk = jacobian_factors(
+                    inp, hprev, c0[k].to(cdt),
+                    *(None if t is None else t.to(cdt) for t in (w[0], w[1], b_ih, b_hh)),
+                    None if c is None else c.to(cdt))
+                saved += [inp, hprev, s, f, kk]
             last_h.append(hn)
             last_c.append(cn)
             layer_in = out
@@ -200,7 +207,7 @@ class LSTMScanFunction(torch.autograd.Function):
             g_b = w_hh.new_zeros(4 * H) if cfg["bias"] else None
             want_e = layer > 0 or ctx.needs_input_grad[1]
             e = g_out.new_empty(T, B, x2.shape[1]) if want_e else None
-            step = T * B if X.device.type != "cpu" else max(1, LSTM_BLOCK_ROWS // B) * B
+            step = cells.steps_per_block(X.device, T, LSTM_BLOCK_ROWS, B) * B
             for r0 in range(0, T * B, step):
                 rows = slice(r0, min(T * B, r0 + step))
                 lam = X2[rows, :H]

@@ -63,8 +63,10 @@ class RNNScanFunction(torch.autograd.Function):
     @staticmethod
     def layers(cfg, x, h0, weights, save: bool):
         """Every layer's outputs (torch's fused loop, or ``cfg["forward"]`` by
-        :func:`paraprop.solve`), the last states and, with ``save``, what backward needs."""
+        :func:`paraprop.solve`), the last states and, with ``save``, what backward needs (in
+        ``cfg["compute"]``)."""
         per = 4 if cfg["bias"] else 2
+        cdt = cfg["compute"]
         run = _VF.rnn_tanh if cfg["mode"] == "RNN_TANH" else _VF.rnn_relu
         inputs, outs, slopes, last = [], [], [], []
         layer_in = x
@@ -76,16 +78,18 @@ class RNNScanFunction(torch.autograd.Function):
             elif cfg["forward"] is None:
                 out, hn = run(layer_in, h0[k:k + 1], w, cfg["bias"], 1, 0.0, False, False, False)
             else:
-                b_ih, b_hh = (w[2], w[3]) if cfg["bias"] else (None, None)
-                cell = RNNCellJacobian(w[0], w[1], b_ih, b_hh,
-                                "tanh" if cfg["mode"] == "RNN_TANH" else "relu")
+                wc = [t.to(cdt) for t in w]
+                b_ih, b_hh = (wc[2], wc[3]) if cfg["bias"] else (None, None)
+                cell = RNNCellJacobian(wc[0], wc[1], b_ih, b_hh,
+                                       "tanh" if cfg["mode"] == "RNN_TANH" else "relu")
                 out = solve_layer(cfg, cell, layer_in, h0[k])
                 hn = out[-1:]
             if save:
                 # the analytic transposed Jacobian J_t^T = W_hh^T diag(slope_t), slope = f'(z_t)
-                slope = 1 - out * out if cfg["mode"] == "RNN_TANH" else (out > 0).to(out.dtype)
-                inputs.append(layer_in)
-                outs.append(out)
+                o = out.to(cdt)
+                slope = 1 - o * o if cfg["mode"] == "RNN_TANH" else (o > 0).to(cdt)
+                inputs.append(layer_in.to(cdt))
+                outs.append(o)
                 slopes.append(slope)
             last.append(hn)
             layer_in = out
