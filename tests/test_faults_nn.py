@@ -518,17 +518,17 @@ def _rel(a, b):
 @pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
 @pytest.mark.parametrize("path", ["sequential-scan", "sequential-jacobi", "newton-scan"])
 @pytest.mark.parametrize("cls,tcls", ALL, ids=ALL_IDS)
-def test_low_precision_within_the_stated_bound_of_torch(cls, tcls, path, dtype):
+def test_low_precision_within_the_stated_bound_of_torch(cls, tcls, path, dtype, device):
     torch.manual_seed(1)
     fwd, bwd = path.split("-")
-    ref = tcls(4, 8, num_layers=2).to(dtype)
-    ours = cls(4, 8, num_layers=2, forward=fwd, backward=bwd).to(dtype)
+    ref = tcls(4, 8, num_layers=2).to(device, dtype)
+    ours = cls(4, 8, num_layers=2, forward=fwd, backward=bwd).to(device, dtype)
     ours.load_state_dict(ref.state_dict())
-    ref64 = tcls(4, 8, num_layers=2, dtype=torch.float64)
+    ref64 = tcls(4, 8, num_layers=2).to(device, torch.float64)
     ref64.load_state_dict(ref.state_dict())            # the same rounded weights in float64
     T = 60
-    x = torch.randn(T, 3, 4).to(dtype)
-    w = torch.randn(T, 3, 8, dtype=torch.float64)
+    x = torch.randn(T, 3, 4).to(device, dtype)
+    w = torch.randn(T, 3, 8, dtype=torch.float64).to(device)
     exact, _ = _low_run(ref64, x.double(), w)
     theirs, t_out = _low_run(ref, x, w)
     ours_, o_out = _low_run(ours, x, w)
@@ -536,7 +536,8 @@ def test_low_precision_within_the_stated_bound_of_torch(cls, tcls, path, dtype):
     for e, t, o in zip(exact, theirs, ours_, strict=True):
         assert _rel(o, e) <= LOW_BOUND * _rel(t, e) + torch.finfo(dtype).eps
     if fwd == "sequential":
-        assert torch.equal(o_out, t_out)               # torch's own kernel in this dtype
+        if device.type == "cpu":                       # torch's own kernel in this dtype
+            assert torch.equal(o_out, t_out)
         assert ours.forward_stats == {}
     else:                                              # solved in float32, said so
         assert ours.forward_stats["compute_dtype"] == [torch.float32] * 2
@@ -559,6 +560,24 @@ def test_low_precision_native_forward_falls_back_to_torch_and_says_so(cls, tcls,
             got, want = ours(x)[0], ref(x)[0]
         assert got.dtype == dtype and torch.equal(got, want)
         assert ours.forward_stats == {"kernel": ["torch", "torch"]}
+
+
+@pytest.mark.parametrize("kernel", ["native", "auto"])
+def test_native_kernel_runs_on_the_cpu_only_and_the_stats_say_which_ran(kernel, device):
+    """The native C loops are CPU-only: elsewhere torch's kernel runs, and forward_stats says
+    so; the outputs are torch's either way (within the native loop's rounding)."""
+    from paraprop.scan import native
+
+    torch.manual_seed(0)
+    ref = torch.nn.GRU(3, 4, num_layers=2, dtype=torch.float64).to(device)
+    ours = pnn.GRU(3, 4, num_layers=2, dtype=torch.float64, forward=kernel, device=device)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(9, 2, 3, dtype=torch.float64).to(device)
+    with torch.no_grad():
+        got, want = ours(x)[0], ref(x)[0]
+    ran = "native" if device.type == "cpu" and native.available() else "torch"
+    assert ours.forward_stats == {"kernel": [ran, ran]}
+    assert err(got, want) <= 1e-12
 
 
 def test_low_precision_parallel_forward_honours_an_explicit_tol():

@@ -24,12 +24,12 @@ TOL = {torch.float64: (1e-13, 1e-10), torch.float32: (1e-6, 1e-5)}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def pair(cls, tcls, extra, dtype=torch.float64, seed=0, forward="newton", **kw):
+def pair(cls, tcls, extra, dtype=torch.float64, seed=0, forward="newton", device="cpu", **kw):
     torch.manual_seed(seed)
-    ref = tcls(3, 5, dtype=dtype, **extra, **kw)
+    ref = tcls(3, 5, dtype=dtype, **extra, **kw).to(device)
     fwd = forward if forward == "sequential" else ParallelForward(method=forward,
                                                                      tol=TOL[dtype][0])
-    ours = cls(3, 5, dtype=dtype, forward=fwd, **extra, **kw)
+    ours = cls(3, 5, dtype=dtype, forward=fwd, device=device, **extra, **kw)
     ours.load_state_dict(ref.state_dict())
     return ref, ours
 
@@ -45,9 +45,9 @@ def run_both(ref, ours, x, h0):
         xi = x.clone().requires_grad_()
         hi = h0.clone().requires_grad_() if h0 is not None else None
         out, hn = mod(xi, hi)
-        if w_out is None:
-            w_out = torch.randn(out.shape, generator=g, dtype=out.dtype)
-            w_h = torch.randn(hn.shape, generator=g, dtype=hn.dtype)
+        if w_out is None:   # drawn on the CPU, then moved: the same loss on every device
+            w_out = torch.randn(out.shape, generator=g, dtype=out.dtype).to(out.device)
+            w_h = torch.randn(hn.shape, generator=g, dtype=hn.dtype).to(hn.device)
         ((out * w_out).sum() + (hn * w_h).sum()).backward()
         grads = {n: p.grad for n, p in mod.named_parameters()}
         results.append((out.detach(), hn.detach(), xi.grad, None if hi is None else hi.grad,
@@ -98,12 +98,13 @@ def test_every_forward_is_covered():
 @pytest.mark.parametrize("num_layers,batch_first,bias",
                          list(itertools.product([1, 2], [False, True], [True, False])))
 @pytest.mark.parametrize("forward", PARALLEL)
-def test_parallel_forward_equals_torch(cls, tcls, extra, num_layers, batch_first, bias, forward):
+def test_parallel_forward_equals_torch(cls, tcls, extra, num_layers, batch_first, bias, forward,
+                                       device):
     ref, ours = pair(cls, tcls, extra, forward=forward, num_layers=num_layers,
-                     batch_first=batch_first, bias=bias)
+                     batch_first=batch_first, bias=bias, device=device)
     T, B = 9, 4
-    x = torch.randn((B, T, 3) if batch_first else (T, B, 3), dtype=torch.float64)
-    h0 = torch.randn(num_layers, B, 5, dtype=torch.float64)
+    x = torch.randn((B, T, 3) if batch_first else (T, B, 3), dtype=torch.float64).to(device)
+    h0 = torch.randn(num_layers, B, 5, dtype=torch.float64).to(device)
     results = run_both(ref, ours, x, h0)
     assert_same(results, TOL[torch.float64][1])
     assert_stats(ours, num_layers, T)
@@ -156,9 +157,10 @@ def test_unbatched_input(cls, tcls, extra, forward):
 
 @pytest.mark.parametrize("cls,tcls,extra", CASES, ids=IDS)
 @pytest.mark.parametrize("forward", PARALLEL)
-def test_float32(cls, tcls, extra, forward):
-    ref, ours = pair(cls, tcls, extra, dtype=torch.float32, forward=forward, num_layers=2)
-    x = torch.randn(40, 3, 3)
+def test_float32(cls, tcls, extra, forward, device):
+    ref, ours = pair(cls, tcls, extra, dtype=torch.float32, forward=forward, num_layers=2,
+                     device=device)
+    x = torch.randn(40, 3, 3).to(device)
     assert_same(run_both(ref, ours, x, None), TOL[torch.float32][1])
     assert_stats(ours, 2, 40)
 

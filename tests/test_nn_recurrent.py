@@ -19,10 +19,10 @@ def rel(x, ref):
     return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def pair(cls, tcls, extra, dtype=torch.float64, seed=0, **kw):
+def pair(cls, tcls, extra, dtype=torch.float64, seed=0, device="cpu", **kw):
     torch.manual_seed(seed)
-    ref = tcls(3, 5, dtype=dtype, **extra, **kw)
-    ours = cls(3, 5, dtype=dtype, **extra, **{k: v for k, v in kw.items()})
+    ref = tcls(3, 5, dtype=dtype, **extra, **kw).to(device)
+    ours = cls(3, 5, dtype=dtype, device=device, **extra, **kw)
     ours.load_state_dict(ref.state_dict())
     return ref, ours
 
@@ -36,9 +36,9 @@ def run_both(ref, ours, x, h0):
         xi = x.clone().requires_grad_()
         hi = h0.clone().requires_grad_() if h0 is not None else None
         out, hn = mod(xi, hi)
-        if w_out is None:
-            w_out = torch.randn(out.shape, generator=g, dtype=out.dtype)
-            w_h = torch.randn(hn.shape, generator=g, dtype=hn.dtype)
+        if w_out is None:   # drawn on the CPU, then moved: the same loss on every device
+            w_out = torch.randn(out.shape, generator=g, dtype=out.dtype).to(out.device)
+            w_h = torch.randn(hn.shape, generator=g, dtype=hn.dtype).to(hn.device)
         ((out * w_out).sum() + (hn * w_h).sum()).backward()
         grads = {n: p.grad for n, p in mod.named_parameters()}
         results.append((out, hn, xi.grad, None if hi is None else hi.grad, grads))
@@ -61,29 +61,30 @@ def assert_same(results, tol):
 @pytest.mark.parametrize("num_layers,batch_first,bias",
                          list(itertools.product([1, 2], [False, True], [True, False])))
 @pytest.mark.parametrize("backward", ["scan", "jacobi", "autograd"])
-def test_equal_to_torch(cls, tcls, extra, num_layers, batch_first, bias, backward):
-    ref, ours = pair(cls, tcls, extra, num_layers=num_layers, batch_first=batch_first, bias=bias)
+def test_equal_to_torch(cls, tcls, extra, num_layers, batch_first, bias, backward, device):
+    ref, ours = pair(cls, tcls, extra, num_layers=num_layers, batch_first=batch_first, bias=bias,
+                     device=device)
     ours.backward_config = backward
     T, B = 9, 4
-    x = torch.randn((B, T, 3) if batch_first else (T, B, 3), dtype=torch.float64)
-    h0 = torch.randn(num_layers, B, 5, dtype=torch.float64)
+    x = torch.randn((B, T, 3) if batch_first else (T, B, 3), dtype=torch.float64).to(device)
+    h0 = torch.randn(num_layers, B, 5, dtype=torch.float64).to(device)
     assert_same(run_both(ref, ours, x, h0), TOL[torch.float64])
 
 
 @pytest.mark.parametrize("cls,tcls,extra", CASES, ids=IDS)
-def test_float32_long_sequence_without_h0(cls, tcls, extra):
-    ref, ours = pair(cls, tcls, extra, dtype=torch.float32, num_layers=2)
-    x = torch.randn(300, 6, 3)
+def test_float32_long_sequence_without_h0(cls, tcls, extra, device):
+    ref, ours = pair(cls, tcls, extra, dtype=torch.float32, num_layers=2, device=device)
+    x = torch.randn(300, 6, 3).to(device)
     assert_same(run_both(ref, ours, x, None), TOL[torch.float32])
 
 
 @pytest.mark.parametrize("cls,tcls,extra", CASES, ids=IDS)
 @pytest.mark.parametrize("algorithm", ["sequential", "chunked", "blelloch"])
-def test_every_scan_algorithm(cls, tcls, extra, algorithm):
-    ref, ours = pair(cls, tcls, extra, num_layers=2, batch_first=True)
+def test_every_scan_algorithm(cls, tcls, extra, algorithm, device):
+    ref, ours = pair(cls, tcls, extra, num_layers=2, batch_first=True, device=device)
     ours.backward_config = ScanBackward(algorithm=algorithm)
-    x = torch.randn(3, 40, 3, dtype=torch.float64)
-    assert_same(run_both(ref, ours, x, torch.randn(2, 3, 5, dtype=torch.float64)),
+    x = torch.randn(3, 40, 3, dtype=torch.float64).to(device)
+    assert_same(run_both(ref, ours, x, torch.randn(2, 3, 5, dtype=torch.float64).to(device)),
                 TOL[torch.float64])
 
 
