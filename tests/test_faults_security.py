@@ -1,0 +1,346 @@
+"""Faults of trust in the native kernel cache: a library that someone else could have written is
+never loaded; the kernels are rebuilt privately or refused, and ``native.status()`` says why.
+
+The attack (issue 27): a shared library planted in a cache directory another user can write,
+next to a manifest that matches it, was loaded, and its constructor ran in this process. Here
+the planted library's constructor writes a marker file; a control case proves that loading it
+does write the marker, and every other case asserts that the marker never appears.
+
+The end-to-end cases run in fresh subprocesses (a planted library that got loaded would run in
+them, not in the test process); the checks of directories and files run in process. Other
+owners are made with ``chown`` to an unused uid, so those cases need root and skip otherwise.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from paraprop.scan import linear_recurrence, native
+
+FOREIGN = 12345  # a uid that no account on the test machine uses
+ROOT = os.geteuid() == 0
+as_root = pytest.mark.skipif(not ROOT, reason="needs root to chown files to another uid")
+builds = pytest.mark.skipif(native._compiler() is None, reason="no C compiler to build kernels")
+
+PLANTED_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    const char *path = getenv("PARAPROP_PLANTED_MARKER");
+    FILE *f = path ? fopen(path, "w") : NULL;
+    if (f) { fputs("the planted library ran\n", f); fclose(f); }
+}
+"""
+
+# Run in the subprocess: report status(), where the kernels were built, and check that a
+# native-eligible scan equals the PyTorch reference.
+SCRIPT = r"""
+import json
+import torch
+from paraprop.scan import linear_recurrence, native
+
+status = native.status()
+g = torch.Generator().manual_seed(0)
+A = 0.5 * torch.randn(2, 30, 3, 3, generator=g, dtype=torch.float64)
+b = torch.randn(2, 30, 3, generator=g, dtype=torch.float64)
+got = linear_recurrence(A, b, algorithm="sequential")
+ref = linear_recurrence(A, b, algorithm="sequential", native=False)
+torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+print(json.dumps({"status": status, "available": native.available(),
+                  "where": None if native._where is None else str(native._where)}))
+"""
+
+
+def run_fresh(cache: Path, marker: Path, **env) -> dict:
+    """Import paraprop in a new interpreter with ``cache`` as its kernel cache; the process must
+    exit 0 with a correct scan, and the planted library must not have run."""
+    env = {**os.environ, "PARAPROP_CACHE_DIR": str(cache),
+           "PARAPROP_PLANTED_MARKER": str(marker), **env}
+    env.pop("PARAPROP_NATIVE", None)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not marker.exists(), "the planted library was loaded: its constructor ran"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def library_name() -> str:
+    """The file name of the generic kernel library this machine's processes look for."""
+    return f"scan_kernels_{native._key(native._compiler())[0]}.so"
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory) -> Path:
+    """A shared library whose constructor writes ``$PARAPROP_PLANTED_MARKER``."""
+    if native._compiler() is None:
+        pytest.skip("no C compiler")
+    d = tmp_path_factory.mktemp("planted")
+    (d / "planted.c").write_text(PLANTED_C)
+    subprocess.run([native._compiler(), "-shared", "-fPIC", "-o", str(d / "planted.so"),
+                    str(d / "planted.c")], check=True, capture_output=True, timeout=120)
+    return d / "planted.so"
+
+
+def plant(cache: Path, planted: Path, *, uid: int | None = None, mode: int = 0o755,
+          link: bool = False, manifest_uid: int | None = None) -> Path:
+    """Put the planted library in ``cache`` under the name the kernels are looked up by, with a
+    manifest that matches it (size and sha256): the library owned by ``uid`` and with ``mode``,
+    or a symbolic link to it (``link``), the manifest owned by ``manifest_uid``. Returns the
+    planted path."""
+    target = cache / library_name()
+    if link:
+        target.symlink_to(planted)
+    else:
+        shutil.copyfile(planted, target)
+        os.chmod(target, mode)
+    size, sha = native._digest(planted)
+    manifest = target.with_suffix(".json")
+    manifest.write_text(json.dumps({"version": 1, "library": target.name, "size": size,
+                                    "sha256": sha}) + "\n")
+    if uid is not None:
+        os.chown(target, uid, uid)
+    if manifest_uid is not None:
+        os.chown(manifest, manifest_uid, manifest_uid)
+    return target
+
+
+def directory(path: Path, mode: int, uid: int | None = None) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, mode)
+    if uid is not None:
+        os.chown(path, uid, uid)
+    return path
+
+
+@pytest.mark.slow
+@builds
+def test_control_the_planted_library_runs_when_loaded(planted, tmp_path):
+    """The marker is a real witness: loading the planted library writes it."""
+    marker = tmp_path / "marker"
+    env = {**os.environ, "PARAPROP_PLANTED_MARKER": str(marker)}
+    subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(planted)!r})"],
+                   env=env, check=True, timeout=120)
+    assert marker.read_text() == "the planted library ran\n"
+
+
+# -- the cache directory is not safe: build in a private directory -------------------------------
+def private_build(rec: dict, cache: Path, reason: str) -> None:
+    """The kernels were built and used in a private directory that is gone after the process."""
+    status = rec["status"]
+    assert rec["available"], rec
+    assert status.startswith(f"ok (the kernel cache directory {cache} is not safe to load "
+                             "libraries from ("), status
+    assert reason in status, status
+    assert f"built into the private directory {rec['where']} instead" in status, status
+    assert Path(rec["where"]).name.startswith("paraprop-kernels-")
+    assert not Path(rec["where"]).exists(), "the private directory was left behind"
+
+
+@pytest.mark.slow
+@builds
+@as_root
+def test_world_writable_cache_of_another_user_is_not_used(planted, tmp_path):
+    """The case of issue 27: another user's world-writable cache with a matching manifest."""
+    cache = directory(tmp_path / "cache", 0o777)
+    lib = plant(cache, planted, uid=FOREIGN, manifest_uid=FOREIGN)
+    os.chown(cache, FOREIGN, FOREIGN)
+    before = lib.read_bytes()
+    rec = run_fresh(cache, tmp_path / "marker")
+    private_build(rec, cache, f"it is owned by uid {FOREIGN}, not by this user (uid 0)")
+    assert lib.read_bytes() == before, "a file in another user's directory was changed"
+
+
+@pytest.mark.slow
+@builds
+def test_own_world_writable_cache_is_not_used(planted, tmp_path):
+    cache = directory(tmp_path / "cache", 0o777)
+    plant(cache, planted)
+    rec = run_fresh(cache, tmp_path / "marker")
+    private_build(rec, cache, "it is writable by its group or others (mode 0o777)")
+
+
+@pytest.mark.slow
+@builds
+@as_root
+def test_cache_linked_to_another_users_directory_is_not_used(planted, tmp_path):
+    theirs = directory(tmp_path / "theirs", 0o755)
+    plant(theirs, planted, uid=FOREIGN, manifest_uid=FOREIGN)
+    os.chown(theirs, FOREIGN, FOREIGN)
+    (tmp_path / "cache").symlink_to(theirs)
+    rec = run_fresh(tmp_path / "cache", tmp_path / "marker")
+    private_build(rec, tmp_path / "cache", f"{theirs}: it is owned by uid {FOREIGN}")
+
+
+@pytest.mark.slow
+@builds
+def test_nowhere_safe_refuses_with_the_reason(planted, tmp_path):
+    """An unsafe cache and an unsafe temporary directory: no kernels (the scans run on the
+    PyTorch algorithms), and status() says why."""
+    cache = directory(tmp_path / "cache", 0o777)
+    plant(cache, planted)
+    tmp = directory(tmp_path / "tmp", 0o777)  # writable by all, no sticky bit
+    rec = run_fresh(cache, tmp_path / "marker", TMPDIR=str(tmp))
+    assert not rec["available"], rec
+    status = rec["status"]
+    assert status.startswith(f"unavailable: the kernel cache directory {cache} is not safe to "
+                             "load libraries from (")
+    assert (f"and neither is a private directory {tmp}/paraprop-kernels-" in status
+            and f"{tmp} is writable by its group or others without the sticky bit (mode 0o777)"
+            in status and "no library is loaded" in status), status
+    assert not list(tmp.iterdir()), "the private directory was left behind"
+
+
+# -- the cache directory is safe, a file in it is not: rebuild in place ---------------------------
+REBUILD = {
+    "foreign-library": (dict(uid=FOREIGN), f"the library is owned by uid {FOREIGN}, not by this "
+                                           "user (uid 0) or root"),
+    "group-writable-library": (dict(mode=0o775), "the library is writable by its group or "
+                                                 "others (mode 0o775)"),
+    "linked-library": (dict(link=True), "the library is a symbolic link"),
+}
+
+
+@pytest.mark.slow
+@builds
+@pytest.mark.parametrize("case", list(REBUILD))
+def test_untrusted_file_in_a_safe_cache_is_rebuilt(planted, tmp_path, case):
+    kw, reason = REBUILD[case]
+    if FOREIGN in kw.values() and not ROOT:
+        pytest.skip("needs root to chown files to another uid")
+    cache = directory(tmp_path / "cache", 0o700)
+    lib = plant(cache, planted, **kw)
+    rec = run_fresh(cache, tmp_path / "marker")
+    assert rec["available"] and rec["where"] == str(cache), rec
+    assert rec["status"] == f"ok (rebuilt the untrusted cached {lib.name}: {reason})", rec
+    st = os.lstat(lib)  # replaced by a library of this user, which the next process loads
+    assert not os.path.islink(lib) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+    assert native._verify(lib, lib.with_suffix(".json")) is None
+    assert lib.read_bytes() != planted.read_bytes()
+    if case == "linked-library":  # the repaired cache is used as is by the next process
+        assert run_fresh(cache, tmp_path / "marker")["status"] == "ok"
+
+
+@pytest.mark.slow
+@builds
+def test_sticky_world_writable_parent_is_accepted(tmp_path):
+    """A private cache inside a sticky world-writable directory (like /tmp) is safe: the
+    kernels are built there once and reused, no false refusal."""
+    cache = directory(tmp_path / "shared", 0o1777) / "mine"
+    first = run_fresh(cache, tmp_path / "marker")
+    assert first["status"] == "ok" and first["where"] == str(cache), first
+    assert oct(os.stat(cache).st_mode & 0o777) == "0o700"  # created private
+    lib = cache / library_name()
+    mtime = lib.stat().st_mtime_ns
+    assert run_fresh(cache, tmp_path / "marker")["status"] == "ok"
+    assert lib.stat().st_mtime_ns == mtime, "a safe cached library was rebuilt"
+
+
+# -- the checks themselves, in process ------------------------------------------------------------
+def test_dir_problem_accepts_private_and_sticky_directories(tmp_path):
+    assert native._dir_problem(directory(tmp_path / "mine", 0o700)) is None
+    assert native._dir_problem(directory(tmp_path / "readable", 0o755)) is None
+    sticky = directory(tmp_path / "sticky", 0o1777)
+    assert native._dir_problem(directory(sticky / "c", 0o700)) is None
+    assert native._dir_problem(sticky / "not" / "there" / "yet") is None  # made 0700 later
+    (tmp_path / "link").symlink_to(tmp_path / "mine")
+    assert native._dir_problem(tmp_path / "link") is None
+
+
+def test_dir_problem_refuses_writable_directories(tmp_path):
+    assert native._dir_problem(directory(tmp_path / "a", 0o777)) == \
+        f"{tmp_path / 'a'}: it is writable by its group or others (mode 0o777)"
+    assert native._dir_problem(directory(tmp_path / "b", 0o770)) == \
+        f"{tmp_path / 'b'}: it is writable by its group or others (mode 0o770)"
+    assert native._dir_problem(directory(tmp_path / "s", 0o1777)) == \
+        f"{tmp_path / 's'}: it is writable by its group or others (mode 0o1777)"  # itself
+    above = directory(tmp_path / "open", 0o777)
+    for below in (directory(above / "c", 0o700), above / "missing" / "c"):
+        assert native._dir_problem(below) == (f"{above} is writable by its group or others "
+                                              "without the sticky bit (mode 0o777)")
+    (tmp_path / "file").write_text("x")
+    assert native._dir_problem(tmp_path / "file") == f"{tmp_path / 'file'} is not a directory"
+    # a link into a writable directory is judged where it points
+    (tmp_path / "to-open").symlink_to(above / "c")
+    assert "without the sticky bit" in native._dir_problem(tmp_path / "to-open")
+
+
+@as_root
+def test_dir_problem_refuses_directories_of_another_user(tmp_path):
+    theirs = directory(tmp_path / "theirs", 0o755, uid=FOREIGN)
+    assert native._dir_problem(theirs) == (f"{theirs}: it is owned by uid {FOREIGN}, not by "
+                                           "this user (uid 0) or root")
+    mine = directory(theirs / "mine", 0o700, uid=0)  # theirs can swap it: refused
+    assert native._dir_problem(mine) == (f"{theirs} is owned by uid {FOREIGN}, not by this "
+                                         "user (uid 0) or root")
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    os.lchown(link, FOREIGN, FOREIGN)  # a link of theirs on the way is refused too
+    assert native._dir_problem(link / "mine2") == (f"{link} is owned by uid {FOREIGN}, not by "
+                                                   "this user (uid 0) or root")
+
+
+def built_pair(tmp_path: Path) -> tuple[Path, Path]:
+    """A library and manifest that pass the check (any file: only bytes are compared)."""
+    lib, manifest = tmp_path / "scan_kernels_x.so", tmp_path / "scan_kernels_x.json"
+    lib.write_bytes(b"\x7fELF not really")
+    size, sha = native._digest(lib)
+    manifest.write_text(json.dumps({"version": 1, "library": lib.name, "size": size,
+                                    "sha256": sha}))
+    return lib, manifest
+
+
+def test_checked_file_modes_and_links(tmp_path):
+    lib, manifest = built_pair(tmp_path)
+    fd, problem = native._checked(lib, manifest)
+    assert problem is None and fd is not None
+    os.close(fd)
+    os.chmod(lib, 0o666)
+    assert native._verify(lib, manifest) == ("the library is writable by its group or others "
+                                             "(mode 0o666)")
+    os.chmod(lib, 0o644)
+    os.chmod(manifest, 0o620)
+    assert native._verify(lib, manifest) == ("its manifest is writable by its group or others "
+                                             "(mode 0o620)")
+    os.chmod(manifest, 0o644)
+    real = tmp_path / "real.so"
+    lib.rename(real)
+    lib.symlink_to(real)
+    assert native._verify(lib, manifest) == "the library is a symbolic link"
+    real_manifest = tmp_path / "real.json"
+    manifest.rename(real_manifest)
+    manifest.symlink_to(real_manifest)
+    assert native._verify(lib, manifest) == "its manifest is a symbolic link"
+
+
+@as_root
+def test_checked_foreign_files(tmp_path):
+    lib, manifest = built_pair(tmp_path)
+    os.chown(lib, FOREIGN, FOREIGN)
+    assert native._verify(lib, manifest) == (f"the library is owned by uid {FOREIGN}, not by "
+                                             "this user (uid 0) or root")
+    os.chown(lib, 0, 0)
+    os.chown(manifest, FOREIGN, 0)
+    assert native._verify(lib, manifest) == (f"its manifest is owned by uid {FOREIGN}, not by "
+                                             "this user (uid 0) or root")
+
+
+def test_this_process_loads_only_checked_libraries():
+    """The kernels of this test process come from a checked directory, loaded through the
+    checked descriptor."""
+    if not native.available():
+        pytest.skip(native.status())
+    assert native._where is not None and native._dir_problem(native._where) is None
+    assert native._fds, "no descriptor kept for the loaded library"
+    for fd in native._fds:
+        st = os.fstat(fd)
+        assert st.st_uid in (os.geteuid(), 0) and not st.st_mode & 0o022
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.rand(1, 20, 2, generator=g), torch.randn(1, 20, 2, generator=g)
+    torch.testing.assert_close(linear_recurrence(a, b, algorithm="sequential", native=True),
+                               linear_recurrence(a, b, algorithm="sequential", native=False))
