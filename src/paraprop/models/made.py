@@ -5,6 +5,14 @@ evaluations. With the noise drawn up front, sampling is the triangular system
 ``x = g(x, noise)`` (Song et al. 2021, §5.3.1, eq. 9): position ``d`` of ``g`` is the inverse CDF
 of the ``d``-th conditional at its noise. :meth:`MADE.sampling_map` builds that system for
 :func:`paraprop.sampling.sample`.
+
+The system computes its output layer in :data:`OUT_CHUNKS` fixed chunks of positions, and its
+``update`` (one position of the ancestral sampler, a few of Jacobi-GS) computes the chunks that
+hold the positions asked for with the same products: a product over a subset of the output rows
+is another kernel call, which BLAS may round differently from the full product (it does on this
+project's AVX-512 machines, in float32 and float64), so the ancestral sampler would not be
+bitwise the fixed point of the full map that Jacobi returns. With the chunks it is, in every
+dtype and on every device.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from paraprop.models.masked import MaskedLinear, made_masks
 
 CONDITIONALS = {"logistic": 2, "gaussian": 2, "bernoulli": 1}
 _LOG_SCALE_MID, _LOG_SCALE_HALF = -2.0, 4.0  # log-scales are squashed into [-6, 2]
+OUT_CHUNKS = 16  # the sampling map's output layer, in this many chunks of positions
 
 
 class MADE(Checkpointed, nn.Module):
@@ -88,9 +97,7 @@ class MADE(Checkpointed, nn.Module):
         if self.conditional == "bernoulli":
             return {"logits": raw}
         loc, s = raw.chunk(2, dim=-1)
-        log_scale = _LOG_SCALE_MID + _LOG_SCALE_HALF * torch.tanh((s - _LOG_SCALE_MID)
-                                                                   / _LOG_SCALE_HALF)
-        return {"loc": loc, "log_scale": log_scale}
+        return {"loc": loc, "log_scale": _squash(s)}
 
     def conditional_params(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """Parameters of every conditional ``p(x_d | x_<d)``, each ``(N, D)``: ``loc`` and
@@ -142,6 +149,11 @@ class MADE(Checkpointed, nn.Module):
 
 
 
+def _squash(s: torch.Tensor) -> torch.Tensor:
+    """Raw log-scales squashed into ``[-6, 2]``."""
+    return _LOG_SCALE_MID + _LOG_SCALE_HALF * torch.tanh((s - _LOG_SCALE_MID) / _LOG_SCALE_HALF)
+
+
 def _as_order(order, features: int) -> torch.Tensor:
     """``order`` as a long tensor, checked to be a permutation of ``0 .. features-1``."""
     if isinstance(order, torch.Tensor):
@@ -166,32 +178,56 @@ def _as_order(order, features: int) -> torch.Tensor:
 
 
 class _MADESampler:
-    """``x = g(x, noise)`` in sampling order (position ``k`` is feature ``perm[k]``)."""
+    """``x = g(x, noise)`` in sampling order (position ``k`` is feature ``perm[k]``).
+
+    The output layer's rows are taken once in sampling order, position-major (the ``k``
+    parameters of a position side by side), and multiplied in :data:`OUT_CHUNKS` chunks of
+    ``step`` positions: the full map computes every chunk, ``update`` the chunks holding its
+    positions, with the same products on the same slices (see the module doc).
+    """
 
     def __init__(self, model: MADE, noise: torch.Tensor):
-        self.m, self.noise = model, noise
+        m = model
+        self.m, self.noise = m, noise
         self.x0 = torch.zeros_like(noise)
         self.dim = -1
+        D, k = m.features, m.k
+        self.step = -(-D // OUT_CHUNKS)   # positions per chunk
+        rows = (m.perm[:, None] + D * torch.arange(k, device=m.perm.device)[None]).reshape(-1)
+        self.w = m.out.masked_weight().index_select(0, rows)   # (D k, hidden)
+        self.b = m.out.bias.index_select(0, rows)
+        self.noise_s = noise if m.natural else noise.index_select(-1, m.perm)
 
     def to_data(self, xo: torch.Tensor) -> torch.Tensor:
         """From sampling order to feature order."""
         return xo if self.m.natural else xo.index_select(-1, self.m.order)
 
-    def _transform(self, params: dict, noise: torch.Tensor) -> torch.Tensor:
+    def _chunk(self, h: torch.Tensor, c: int) -> torch.Tensor:
+        """The raw outputs of the positions of chunk ``c``: ``(B, n, k)``."""
+        k, lo = self.m.k, c * self.step
+        hi = min(lo + self.step, self.m.features)
+        return F.linear(h, self.w[lo * k : hi * k], self.b[lo * k : hi * k]).view(
+            h.shape[0], hi - lo, k)
+
+    def _transform(self, raw: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """The inverse CDF at ``noise`` of the conditionals with raw parameters ``raw``
+        ``(B, n, k)``."""
         if self.m.conditional == "bernoulli":
-            return (noise < torch.sigmoid(params["logits"])).to(noise.dtype)
-        return params["loc"] + torch.exp(params["log_scale"]) * noise
+            return (noise < torch.sigmoid(raw[..., 0])).to(noise.dtype)
+        return raw[..., 0] + torch.exp(_squash(raw[..., 1])) * noise
 
     def __call__(self, xo: torch.Tensor) -> torch.Tensor:
-        m = self.m
-        out = self._transform(m._params(m.out(m._features(self.to_data(xo)))), self.noise)
-        return out if m.natural else out.index_select(-1, m.perm)
+        h = self.m._features(self.to_data(xo))
+        chunks = -(-self.m.features // self.step)
+        raw = torch.cat([self._chunk(h, c) for c in range(chunks)], dim=1)
+        return self._transform(raw, self.noise_s)
 
     def update(self, xo: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        m = self.m
-        feats = index if m.natural else m.perm.index_select(0, index)
-        rows = torch.cat([feats + j * m.features for j in range(m.k)])
-        # only the selected rows of the masked weight (the same products as the full one)
-        w = m.out.masked_weight().index_select(0, rows)
-        raw = F.linear(m._features(self.to_data(xo)), w, m.out.bias.index_select(0, rows))
-        return self._transform(m._params(raw), self.noise.index_select(-1, feats))
+        h = self.m._features(self.to_data(xo))
+        positions = index.tolist()   # one host read per call: which chunks to compute
+        chunks = sorted({p // self.step for p in positions})
+        first = {c: i * self.step for i, c in enumerate(chunks)}   # offset in `raw`
+        raw = torch.cat([self._chunk(h, c) for c in chunks], dim=1)
+        local = [first[p // self.step] + p % self.step for p in positions]
+        pick = torch.tensor(local, device=raw.device)
+        return self._transform(raw.index_select(1, pick), self.noise_s.index_select(-1, index))

@@ -31,6 +31,7 @@ from torch.nn import functional as F
 
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
+from paraprop.determinism import require_deterministic
 from paraprop.models.checkpoint import Checkpointed
 from paraprop.result import Solution, ensure_converged
 from paraprop.solve import solve
@@ -40,6 +41,9 @@ __all__ = ["CHUNK", "METHODS", "BlockInverse", "TarFlow", "default_chunk", "inve
            "patchify", "unpatchify"]
 
 CHUNK = 8  # about this many positions per batched product of the sampling maps
+# "auto" hands a block to the KV-cached loop (tol > 0) only if the loop's rounding deviation
+# from the exact inverse, measured at calibration, is at most this share of tol
+CACHED_SHARE = 0.25
 SOLVE_METHODS = ("sequential", "jacobi", "jacobi_gs", "gs_jacobi", "sliding_jacobi")
 METHODS = ("sequential_cached", *SOLVE_METHODS, "auto")
 
@@ -245,9 +249,12 @@ class TarFlow(Checkpointed, nn.Module):
         Raises:
             ValueError / TypeError: a bad ``n``, ``temperature`` or ``noise``, and everything
                 :meth:`inverse` raises.
+            paraprop.StochasticModelError: the flow is in train mode with a stochastic layer
+                (dropout, ...): call ``flow.eval()``.
         """
         checks.positive_int("n", n)
         checks.positive_number("temperature", temperature, finite=True)
+        require_deterministic(self, argument="flow", entry="TarFlow.sample")
         ref = self.blocks[0].out.weight
         if noise is None:
             where = generator.device if generator is not None else torch.device("cpu")
@@ -337,7 +344,8 @@ class TarFlow(Checkpointed, nn.Module):
         check_max_iters(max_iters)
         checks.boolean("throw", throw)
         chunk = default_chunk(self.T) if chunk is None else checks.positive_int("chunk", chunk)
-        plan = self._plan(method, tol, chunk, z.shape[0])
+        require_deterministic(self, argument="flow", entry="TarFlow.inverse")
+        plan, measured = self._plan(method, tol, chunk, z.shape[0])
         # (an "auto" plan may hand a block to the cached loop: max_iters caps the others)
         if max_iters is not None and "sequential_cached" in plan and method != "auto":
             raise ValueError("max_iters is not used by method='sequential_cached' (always T - 1 "
@@ -348,7 +356,8 @@ class TarFlow(Checkpointed, nn.Module):
         with torch.no_grad():
             for k in reversed(range(len(self.blocks))):
                 hk = h.flip(1) if k % 2 else h
-                sols[k] = self._invert_block(k, hk, plan[k], tol, max_iters, chunk)
+                sols[k] = self._invert_block(k, hk, plan[k], tol, max_iters, chunk,
+                                             measured[k])
                 h = sols[k].value.flip(1) if k % 2 else sols[k].value
         images = unpatchify(h, self.patch_size, self.channels)
         name = method if isinstance(method, str) else \
@@ -370,30 +379,39 @@ class TarFlow(Checkpointed, nn.Module):
                                         hint="a block's solve stopped at max_iters")
 
     def _invert_block(self, k: int, z: torch.Tensor, method, tol: float, max_iters,
-                      chunk: int):
+                      chunk: int, measured: float | None = None):
         if method == "sequential_cached":
             start = time.perf_counter()
             x = inverse_cached(self.blocks[k], z)
             T = self.T
+            # asked for by name, the loop is its own reference (estimate 0: it is the result of
+            # the KV-cached loop); handed a block by "auto", its deviation from the exact
+            # inverse measured at calibration (at most CACHED_SHARE * tol)
+            est = 0.0 if measured is None else measured
             return Solution(value=x, method="sequential_cached", iterations=T - 1,
                             evaluations=T - 1, converged=True,
                             residuals=torch.empty(0, dtype=torch.float64),
                             stats={"positions": T - 1, "sequential_steps": T - 1,
-                                   "bound": T - 1, "T": T, "error_estimate": 0.0,
+                                   "bound": T - 1, "T": T, "error_estimate": est,
+                                   "error_estimate_source": "the loop itself"
+                                   if measured is None else "calibration",
                                    "time_s": time.perf_counter() - start})
         f = self.sampling_map(z, k, chunk)
         sol = solve(f, f.x0, method=method, dim=-2, tol=tol, max_iters=max_iters, throw=False)
         sol.stats["chunks"] = f.chunks
         return sol
 
-    def _plan(self, method, tol: float, chunk: int, batch: int) -> list:
-        """One method per block (block order): ``"sequential_cached"`` or a solver object."""
+    def _plan(self, method, tol: float, chunk: int, batch: int) -> tuple[list, list]:
+        """One method per block (block order): ``"sequential_cached"`` or a solver object; and
+        per block the cached loop's deviation measured at calibration (``None``: not an
+        ``"auto"`` plan's cached block)."""
         K = len(self.blocks)
+        none = [None] * K
         if isinstance(method, list | tuple):
             if len(method) != K:
                 raise ValueError(f"method must be one method per block ({K}), got a list of "
                                  f"{len(method)}")
-            return [_one(m, f"method[{k}]") for k, m in enumerate(method)]
+            return [_one(m, f"method[{k}]") for k, m in enumerate(method)], none
         if isinstance(method, str):
             checks.one_of("method", method, METHODS)
         if method == "auto":
@@ -402,10 +420,11 @@ class TarFlow(Checkpointed, nn.Module):
             key = (float(tol), chunk, samples, self.blocks[0].out.weight.dtype, version)
             if key not in self._plans:   # plans of older weights go; other settings stay
                 self._plans = {k: v for k, v in self._plans.items() if k[-1] == version}
-                self._plans[key] = self.calibrate(tol=tol, chunk=chunk, samples=samples,
-                                                  cost="time")
-            return self._plans[key]
-        return [_one(method, "method")] * K
+                self._plans[key] = self._calibrate(tol, samples, 0, chunk, "time")
+            plan, deviation = self._plans[key]
+            return plan, [d if m == "sequential_cached" else None
+                          for m, d in zip(plan, deviation, strict=True)]
+        return [_one(method, "method")] * K, none
 
     def _weights_version(self) -> int:
         """Changes whenever a parameter is modified in place (an optimizer step, a load)."""
@@ -428,7 +447,14 @@ class TarFlow(Checkpointed, nn.Module):
         third candidate when ``tol > 0``, at ``2 (T - 1)``: ``T - 1`` calls that compute one
         position each; it takes a block that neither iteration inverts in fewer than about
         ``T`` chunks (on a trained model, the block inverted first: Liu & Qin's slow block). It
-        is exact up to rounding, not bitwise, so ``tol=0`` leaves it out.
+        is exact up to rounding, not bitwise, so ``tol=0`` leaves it out; and since its rounding
+        is not the solve's (a one-patch product is another kernel), it is a candidate for a
+        block only where its deviation from the exact inverse of that block, measured on the
+        calibration latents (the exact inverse by ``GSJacobi(chunk)`` at ``tol=0``), is at most
+        :data:`CACHED_SHARE` ``* tol``. That measurement is what a cached block of an
+        ``"auto"`` plan reports as its ``error_estimate``: an estimate from other latents, not
+        a proof; in bf16 and fp16 the loop's rounding is far above any useful ``tol``
+        (``docs/sampling.md``), so it is left out there.
 
         With ``cost="time"`` (what ``method="auto"`` uses, with as many calibration latents as
         the batch it inverts, up to 64) the candidates are compared by their measured wall time
@@ -454,28 +480,59 @@ class TarFlow(Checkpointed, nn.Module):
         checks.positive_int("samples", samples)
         checks.nonneg_int("seed", seed)
         checks.one_of("cost", cost, ("count", "time"))
+        chunk = default_chunk(self.T) if chunk is None else checks.positive_int("chunk", chunk)
+        require_deterministic(self, argument="flow", entry="TarFlow.calibrate")
+        return self._calibrate(tol, samples, seed, chunk, cost)[0]
+
+    def _calibrate(self, tol: float, samples: int, seed: int, chunk: int, cost: str
+                   ) -> tuple[list, list]:
+        """:meth:`calibrate`'s plan, and per block the cached loop's measured deviation from
+        the exact inverse (``inf`` where it was not measured: ``tol=0``)."""
         ref = self.blocks[0].out.weight
         g = torch.Generator().manual_seed(seed)
         shape = (samples, self.channels, self.image_size, self.image_size)
         z = torch.randn(shape, generator=g, dtype=ref.dtype).to(ref.device)
-        chunk = default_chunk(self.T) if chunk is None else chunk
+        K = len(self.blocks)
         candidates = [Jacobi(), GSJacobi(chunk)]
         if tol > 0:   # not at tol=0, whose promise is the bits of "sequential"
             candidates.append("sequential_cached")
         costs = []    # per candidate, per block
+        deviation = [math.inf] * K
         for m in candidates:
             runs = [self.inverse(z, method=m, tol=tol, throw=False, chunk=chunk)[1]
                     for _ in range(2 if cost == "time" else 1)]
             if cost == "time":
                 costs.append([min(r.stats["blocks"][k].stats["time_s"] for r in runs)
-                              for k in range(len(self.blocks))])
+                              for k in range(K)])
             elif m == "sequential_cached":   # T - 1 calls of one position: a call and a chunk
-                costs.append([2 * (self.T - 1)] * len(self.blocks))
+                costs.append([2 * (self.T - 1)] * K)
             else:
                 costs.append([b.stats["chunks"] + b.evaluations
                               for b in runs[0].stats["blocks"]])
-        return [candidates[min(range(len(candidates)), key=lambda i: (c[i], i))]
+            if m == "sequential_cached":   # only where its rounding is well within tol
+                deviation = self._cached_deviation(z, runs[0], chunk)
+                costs[-1] = [c if d <= CACHED_SHARE * tol else math.inf
+                             for c, d in zip(costs[-1], deviation, strict=True)]
+        plan = [candidates[min(range(len(candidates)), key=lambda i: (c[i], i))]
                 for c in zip(*costs, strict=True)]
+        return plan, deviation
+
+    def _cached_deviation(self, z: torch.Tensor, run: Solution, chunk: int) -> list[float]:
+        """Per block (block order): ``max |x - x*|`` of the KV-cached loop's inverse ``x`` in
+        ``run`` against the exact inverse ``x*`` of the same input (``GSJacobi(chunk)`` at
+        ``tol=0``, bitwise the sequential solve)."""
+        out = [math.inf] * len(self.blocks)
+        h = patchify(z, self.patch_size)
+        with torch.no_grad():
+            for k in reversed(range(len(self.blocks))):
+                hk = h.flip(1) if k % 2 else h
+                f = self.sampling_map(hk, k, chunk)
+                exact = solve(f, f.x0, method=GSJacobi(chunk), dim=-2, tol=0.0,
+                              throw=False).value
+                got = run.stats["blocks"][k].value
+                out[k] = float((got - exact).abs().max())
+                h = got.flip(1) if k % 2 else got
+        return out
 
 
 

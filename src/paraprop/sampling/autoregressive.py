@@ -13,6 +13,7 @@ import time
 import torch
 
 from paraprop import checks
+from paraprop.determinism import require_deterministic
 from paraprop.solve import Solution, normalise_dims, solve
 from paraprop.solvers import is_solver
 
@@ -60,12 +61,17 @@ def sample(model, n: int, *, method="jacobi", tol: float = 1e-5, noise=None,
         ValueError: bad ``n``, ``method`` or a ``noise`` of the wrong shape; and everything
             :func:`paraprop.solve` raises (a model with broken masks gives
             :class:`paraprop.NotTriangularError`).
+        paraprop.StochasticModelError: ``model`` (an ``nn.Module``) is in train mode with
+            dropout, another random layer or a norm layer reading batch statistics: its
+            repeated evaluation differs, so there is no ancestral sample to reproduce; call
+            ``model.eval()``.
 
     Example:
         >>> m = paraprop.models.MADE(64, (128, 128))
         >>> x, sol = paraprop.sampling.sample(m, 10, generator=torch.Generator().manual_seed(0))
     """
     checks.positive_int("n", n)
+    require_deterministic(model, argument="model", entry="paraprop.sampling.sample")
     special = model.samplers() if callable(getattr(model, "samplers", None)) else {}
     solver, block_size = None, None
     if is_solver(method):
