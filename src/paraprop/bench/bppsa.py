@@ -32,15 +32,25 @@ import torch
 from torch import nn
 
 from paraprop.data import bitstreams
+from paraprop.experiments import rows_recurrent as _rows
 from paraprop.experiments.bppsa import CLASSES, LR, pair
+from paraprop.experiments.device import resolve
 from paraprop.experiments.harness import interleaved, machine_info, matmul_rate, median
 from paraprop.experiments.plots import plt, save_figure
 from paraprop.experiments.report import markdown_table, text_table, write_results
+from paraprop.experiments.rows import RowSpec
+from paraprop.experiments.rows_report import device_suite
 from paraprop.nn import JacobiBackward, ScanBackward
 from paraprop.scan import native
 
 DESCRIPTION = ("BPPSA: RNN/GRU/LSTM backward as a scan vs torch autograd (T, batch, GRU, "
                "GRU/LSTM hidden 64, Jacobi)")
+
+# the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
+DEVICE_ROWS = [RowSpec("bppsa.rnn", _rows.bppsa_rows("rnn"), 15),
+               RowSpec("bppsa.gru", _rows.bppsa_rows("gru"), 8),
+               RowSpec("bppsa.lstm", _rows.bppsa_rows("lstm"), 8),
+               RowSpec("bppsa.forward_choice", _rows.rnn_forward_choice, 25)]
 
 
 T_SWEEP = [10, 30, 100, 300, 1000, 3000, 10000, 30000]
@@ -439,7 +449,11 @@ LOAD_COLUMNS = ["T", "batch", "repeats", "threads", "quiet_torch_bwd_ms", "quiet
                 "loaded_bwd_speedup", "quiet_native_step_speedup", "loaded_native_step_speedup"]
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
+def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+        device: str | None = None) -> dict:
+    if resolve(device).type != "cpu":        # the headline rows, on that device
+        return device_suite(Path(out_dir), "bppsa", DEVICE_ROWS, resolve(device), quick=quick,
+                            repeats=repeats)
     out_dir = Path(out_dir)
     t_start = time.perf_counter()
     t_sweep = [10, 100] if quick else T_SWEEP

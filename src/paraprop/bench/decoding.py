@@ -17,15 +17,26 @@ import matplotlib
 
 matplotlib.use("Agg")
 from paraprop.decoding import generate  # noqa: E402
+from paraprop.experiments import rows_sampling as _rows
 from paraprop.experiments.decoding import COLUMNS, case_rows, plot, prompts  # noqa: E402
+from paraprop.experiments.device import resolve
 from paraprop.experiments.harness import machine_info  # noqa: E402
 from paraprop.experiments.report import markdown_table, text_table, write_results  # noqa: E402
+from paraprop.experiments.rows import RowSpec
+from paraprop.experiments.rows_report import device_suite
 from paraprop.training.charlm import corpus, trained_charlm  # noqa: E402
 
 DESCRIPTION = "Jacobi decoding of a char LM: generate vs sequential KV-cached loop vs Jacobi"
 
+# the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
+DEVICE_ROWS = [RowSpec("decoding.greedy", _rows.decoding_rows, 35)]
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
+
+def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+        device: str | None = None) -> dict:
+    if resolve(device).type != "cpu":        # the headline rows, on that device
+        return device_suite(Path(out_dir), "decoding", DEVICE_ROWS, resolve(device), quick=quick,
+                            repeats=repeats)
     repeats = repeats or (1 if quick else 3)
     out_dir.mkdir(parents=True, exist_ok=True)
     model, vocab, info = trained_charlm(out_dir, **({"steps": 20} if quick else {}))

@@ -20,12 +20,19 @@ matplotlib.use("Agg")
 import torch  # noqa: E402
 
 from paraprop.diffusion import step_table  # noqa: E402
+from paraprop.experiments import rows_sampling as _rows
+from paraprop.experiments.device import resolve
 from paraprop.experiments.diffusion import COLUMNS, TOL, chain_rows, curves_plot  # noqa: E402
 from paraprop.experiments.harness import machine_info  # noqa: E402
 from paraprop.experiments.report import markdown_table, text_table, write_results  # noqa: E402
+from paraprop.experiments.rows import RowSpec
+from paraprop.experiments.rows_report import device_suite
 from paraprop.training.ddpm import trained_denoiser  # noqa: E402
 
 DESCRIPTION = "diffusion sampling: diffusers loop vs Picard (ParaDiGMS) vs Anderson (ParaTAA)"
+
+# the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
+DEVICE_ROWS = [RowSpec("diffusion.picard", _rows.diffusion_rows, 35)]
 
 
 def parallel_scheduler_rows(steps_list=(50, 100, 1000)) -> list[dict]:
@@ -78,7 +85,11 @@ PARALLEL_COLUMNS = ["scheduler", "config", "steps", "max_abs_err", "steps that d
                     "reproduces sequential"]
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
+def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+        device: str | None = None) -> dict:
+    if resolve(device).type != "cpu":        # the headline rows, on that device
+        return device_suite(Path(out_dir), "diffusion", DEVICE_ROWS, resolve(device), quick=quick,
+                            repeats=repeats)
     from diffusers import DDIMScheduler, DDPMScheduler
 
     repeats = repeats or (1 if quick else 5)

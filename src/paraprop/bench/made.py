@@ -17,15 +17,22 @@ import matplotlib
 matplotlib.use("Agg")
 import torch  # noqa: E402
 
+from paraprop.experiments import rows_sampling as _rows
+from paraprop.experiments.device import resolve
 from paraprop.experiments.harness import interleaved, machine_info, median  # noqa: E402
 from paraprop.experiments.made import COLUMNS, TOL, image_grid, sampling_rows
 from paraprop.experiments.plots import convergence_plot  # noqa: E402
 from paraprop.experiments.report import markdown_table, text_table, write_results  # noqa: E402
+from paraprop.experiments.rows import RowSpec
+from paraprop.experiments.rows_report import device_suite
 from paraprop.flows import parallel_inverse  # noqa: E402
 from paraprop.sampling import sample  # noqa: E402
 from paraprop.training.made import trained_made
 
 DESCRIPTION = "MADE sampling: ancestral vs Jacobi (online / oracle stop) vs fixed passes; flows"
+
+# the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
+DEVICE_ROWS = [RowSpec("made.jacobi", _rows.made_rows, 15)]
 
 
 def flow_rows(features: int, n: int, *, repeats: int) -> list[dict]:
@@ -70,7 +77,11 @@ FLOW_COLUMNS = ["flow", "D", "library passes", "paraprop passes", "fewer passes"
                 "paraprop_ms", "speedup", "bitwise equal", "max_abs_err"]
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
+def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+        device: str | None = None) -> dict:
+    if resolve(device).type != "cpu":        # the headline rows, on that device
+        return device_suite(Path(out_dir), "made", DEVICE_ROWS, resolve(device), quick=quick,
+                            repeats=repeats)
     repeats = repeats or (1 if quick else 5)
     out_dir.mkdir(parents=True, exist_ok=True)
     sections, payload = [], {"suite": "made", "machine": machine_info(), "tol": TOL,

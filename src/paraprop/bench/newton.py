@@ -44,15 +44,22 @@ from torch import nn
 
 import paraprop
 from paraprop.errors import NonFiniteError
+from paraprop.experiments import rows_recurrent as _rows
+from paraprop.experiments.device import resolve
 from paraprop.experiments.harness import interleaved, machine_info, median
 from paraprop.experiments.plots import plt, save_figure
 from paraprop.experiments.progress import progress as progress_bar
 from paraprop.experiments.report import markdown_table, text_table, write_results
+from paraprop.experiments.rows import RowSpec
+from paraprop.experiments.rows_report import device_suite
 from paraprop.nn import GRU, ParaGRU, ParallelForward, ParaLSTM
 from paraprop.solvers import ELK
 
 DESCRIPTION = ("Newton / quasi-Newton / ELK forward: GRU vs torch.nn.GRU; sine-wave GRU; "
                "ParaGRU / ParaLSTM")
+
+# the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
+DEVICE_ROWS = [RowSpec("newton.gru_forward", _rows.newton_rows, 10)]
 
 BATCH, INPUTS = 16, 1
 METHODS = ("newton", "quasi_newton")
@@ -529,7 +536,11 @@ PARA_COLUMNS = ["cell", "T", "hidden", "batch", "rounds", "sequential_ms", "newt
 TARGET_COLUMNS = ["target", "measured", "met"]
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
+def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+        device: str | None = None) -> dict:
+    if resolve(device).type != "cpu":        # the headline rows, on that device
+        return device_suite(Path(out_dir), "newton", DEVICE_ROWS, resolve(device), quick=quick,
+                            repeats=repeats)
     out_dir = Path(out_dir)
     cfg = QUICK if quick else FULL
     t_start = time.perf_counter()

@@ -15,11 +15,19 @@ from pathlib import Path
 import torch
 
 from paraprop.bench import newton
+from paraprop.experiments import rows_recurrent as _rows
+from paraprop.experiments.device import resolve
 from paraprop.experiments.harness import interleaved, machine_info, median
 from paraprop.experiments.report import markdown_table, text_table, write_results
+from paraprop.experiments.rows import RowSpec
+from paraprop.experiments.rows_report import device_suite
 from paraprop.nn import ParaGRU, ParaLSTM
 
 DESCRIPTION = "ParaGRU / ParaLSTM: Newton forward vs their sequential loop, and JAX lax.scan"
+
+# the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
+DEVICE_ROWS = [RowSpec("pararnn.gru", _rows.para_rows("gru"), 60),
+               RowSpec("pararnn.lstm", _rows.para_rows("lstm"), 60)]
 
 COLUMNS = ["cell", "T", "hidden", "batch", "rounds", "sequential_ms", "newton_ms", "speedup",
            "newton_iters", "err", "jax_ms", "newton_vs_jax"]
@@ -40,7 +48,11 @@ def jax_ms(cell: str, T: int, H: int, B: int, repeats: int) -> float:
                                     desc=f"{cell} JAX")["jax"])
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
+def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+        device: str | None = None) -> dict:
+    if resolve(device).type != "cpu":        # the headline rows, on that device
+        return device_suite(Path(out_dir), "pararnn", DEVICE_ROWS, resolve(device), quick=quick,
+                            repeats=repeats)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     cfg = newton.QUICK if quick else newton.FULL

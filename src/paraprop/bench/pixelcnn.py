@@ -14,9 +14,13 @@ from pathlib import Path
 
 import torch
 
+from paraprop.experiments import rows_sampling as _rows
+from paraprop.experiments.device import resolve
 from paraprop.experiments.harness import interleaved, machine_info, median
 from paraprop.experiments.made import image_rows
 from paraprop.experiments.report import markdown_table, text_table, write_results
+from paraprop.experiments.rows import RowSpec
+from paraprop.experiments.rows_report import device_suite
 from paraprop.models import PixelCNN
 from paraprop.sampling import sample
 from paraprop.sampling.pixelcnn import DEFAULT_BLOCK_ROWS, DEFAULT_WINDOW_ROWS
@@ -26,6 +30,9 @@ from paraprop.training.pixelcnn import pixel_data, train_pixelcnn
 SWEEP_REPEATS = 3  # at least this many timed runs per sweep row (after one warm-up run)
 
 DESCRIPTION = "PixelCNN sampling: sequential with/without cache vs Jacobi, GS-Jacobi, Jacobi-GS"
+
+# the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
+DEVICE_ROWS = [RowSpec("pixelcnn.gs_jacobi", _rows.pixelcnn_rows, 20)]
 COLUMNS = ["method", "block_size", "iterations", "evaluations", "time_s", "vs uncached",
            "vs cached", "identical"]
 
@@ -109,7 +116,11 @@ def samples_figure(path: Path, images: dict[str, torch.Tensor], title: str, n: i
     return image_rows(path, [(k, (x[:, 0] + 1) / 2) for k, x in images.items()], title, n)
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
+def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+        device: str | None = None) -> dict:
+    if resolve(device).type != "cpu":        # the headline rows, on that device
+        return device_suite(Path(out_dir), "pixelcnn", DEVICE_ROWS, resolve(device), quick=quick,
+                            repeats=repeats)
     repeats = repeats or (1 if quick else 2)
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"suite": "pixelcnn", "machine": machine_info(), "repeats": repeats,

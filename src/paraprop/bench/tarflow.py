@@ -19,13 +19,20 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from paraprop.experiments import rows_sampling as _rows
+from paraprop.experiments.device import resolve
 from paraprop.experiments.harness import machine_info  # noqa: E402
 from paraprop.experiments.plots import save_figure  # noqa: E402
 from paraprop.experiments.report import markdown_table, text_table, write_results  # noqa: E402
+from paraprop.experiments.rows import RowSpec
+from paraprop.experiments.rows_report import device_suite
 from paraprop.experiments.tarflow import COLUMNS, TOL, method_rows  # noqa: E402
 from paraprop.training.tarflow import trained_tarflow  # noqa: E402
 
 DESCRIPTION = "TarFlow sampling: KV-cached sequential loop vs Jacobi, GS-Jacobi, auto plan"
+
+# the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
+DEVICE_ROWS = [RowSpec("tarflow.sampling", _rows.tarflow_rows, 30)]
 
 
 BATCH = 16
@@ -46,7 +53,11 @@ def residual_plot(path: Path, title: str, curves: dict) -> Path:
     return save_figure(fig, path, dpi=110)
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
+def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+        device: str | None = None) -> dict:
+    if resolve(device).type != "cpu":        # the headline rows, on that device
+        return device_suite(Path(out_dir), "tarflow", DEVICE_ROWS, resolve(device), quick=quick,
+                            repeats=repeats)
     repeats = repeats or (1 if quick else 5)
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"suite": "tarflow", "machine": machine_info(), "tol": TOL, "batch": BATCH,

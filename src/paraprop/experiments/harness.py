@@ -17,11 +17,18 @@ from collections.abc import Callable
 
 import torch
 
+from paraprop.experiments.device import synchronize
 from paraprop.experiments.progress import progress
 
 
-def machine_info() -> dict:
-    """Where and when a figure was measured."""
+def machine_info(device: torch.device | str | None = None) -> dict:
+    """Where and when a figure was measured: on ``device`` when given
+    (:func:`paraprop.experiments.device.record`: a GPU's name, CUDA and Triton too), else this
+    machine with the CUDA device it has, if any."""
+    if device is not None:
+        from paraprop.experiments.device import record, resolve
+
+        return record(resolve(device))
     return {
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "cpu_count": os.cpu_count(),
@@ -34,17 +41,13 @@ def machine_info() -> dict:
     }
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def interleaved(
     cases: dict[str, Callable[[], object]],
     *,
     repeats: int = 5,
     warmup: int = 1,
     desc: str = "timing",
+    device: torch.device | None = None,
 ) -> dict[str, list[float]]:
     """Time every case ``repeats`` times, interleaved, after ``warmup`` untimed rounds.
 
@@ -54,6 +57,9 @@ def interleaved(
         warmup: untimed rounds first (allocations, caches, lazy initialisation).
         desc: label of the progress bar (one summary line when the output is not a terminal:
             :func:`paraprop.experiments.progress.progress`).
+        device: the device the cases run on: each timed call starts and ends with a
+            synchronization of it, so that its time covers the work it queued
+            (:func:`paraprop.experiments.device.synchronize`; ``None``: every CUDA device in use).
 
     Returns:
         name -> list of wall times in seconds, one per round.
@@ -62,10 +68,10 @@ def interleaved(
     with progress(total=(warmup + repeats) * len(cases), desc=desc, unit="runs") as bar:
         for r in range(warmup + repeats):
             for name, run in cases.items():
-                _sync()
+                synchronize(device)
                 t0 = time.perf_counter()
                 run()
-                _sync()
+                synchronize(device)
                 dt = time.perf_counter() - t0
                 if r >= warmup:
                     times[name].append(dt)
