@@ -42,10 +42,19 @@ from paraprop.jacobians.diagonal import (
     lstm_newton_block,
     lstm_step,
 )
+from paraprop.nn import triton_cells
 from paraprop.nn._base import first_order_only, unpack_saved
 from paraprop.nn.rnn import solve_hidden
 from paraprop.recurrence import Recurrence
-from paraprop.scan import linear_recurrence, native
+from paraprop.scan import linear_recurrence, native, triton_kernels
+
+# The fused Newton step the layers' recurrences run (their ``kernel`` argument): ``None`` picks
+# the Triton kernels of :mod:`paraprop.nn.triton_cells` for CUDA tensors where triton runs, and
+# the blocked native/PyTorch step otherwise; ``"triton"`` requires the kernels (on a CPU they
+# run only in Triton's interpreter, under ``TRITON_INTERPRET=1``: for tests); ``"blocks"`` never
+# uses them. ``forward_stats["newton_step"]`` records which ran.
+STEP_KERNEL: str | None = None
+STEP_KERNELS = (None, "triton", "blocks")
 
 # Up to this many inputs per step, the Newton forward on the CPU forms the input terms block by
 # block in every iteration (an (n, I) x (I, 3H) or (4H, I) x (I, n) product into a cache-
@@ -71,9 +80,29 @@ class _DiagonalRecurrence(Recurrence):
     (:mod:`paraprop.jacobians.diagonal`): the subclasses define ``_cell`` (rows, for the
     sequential and Jacobi-type methods) and ``linearize`` (blocks of steps, for Newton)."""
 
-    def __init__(self, gi: torch.Tensor | None, h0: torch.Tensor, length: int | None = None):
+    def __init__(self, gi: torch.Tensor | None, h0: torch.Tensor, length: int | None = None,
+                 kernel: str | None = None):
+        if not any(kernel == k for k in STEP_KERNELS):
+            raise ValueError(f"{type(self).__name__}: unknown kernel={kernel!r}; choose one of "
+                             "None, 'triton', 'blocks'")
         super().__init__(self._cell, gi, h0, length=length, params=[])
         self._adapter = self
+        self._kernel = kernel
+        self.step_kernel: str | None = None    # the fused step's kernel that ran last
+
+    def _step_kernel(self, xc: torch.Tensor, formed: bool) -> str:
+        """``"triton"``, ``"native"`` or ``"torch"`` for the fused step on ``xc`` (``formed``:
+        the input terms are stored, as the Triton step needs)."""
+        if self._kernel == "triton":
+            if not formed:
+                raise ValueError(f"{type(self).__name__}(kernel='triton') needs the input terms "
+                                 "gi, not inputs=(x, ...)")
+            triton_kernels.require(f"{type(self).__name__}(kernel='triton')", xc)
+            return "triton"
+        if (self._kernel is None and formed and xc.device.type == "cuda"
+                and triton_kernels.why_not(xc) is None):
+            return "triton"
+        return "native" if native.supports(xc) else "torch"
 
     def rows(self, u, h, rec):
         return self._cell(u, h)
@@ -103,7 +132,8 @@ class GRURecurrence(_DiagonalRecurrence):
     """
 
     def __init__(self, gi: torch.Tensor | None, h0: torch.Tensor, w: torch.Tensor,
-                 b: torch.Tensor | None, *, inputs: tuple | None = None):
+                 b: torch.Tensor | None, *, inputs: tuple | None = None,
+                 kernel: str | None = None):
         self._w, self._b = w.detach(), None if b is None else b.detach()
         if (gi is None) == (inputs is None):
             raise ValueError("GRURecurrence: pass either gi or inputs=(x, w_ih, b_ih)")
@@ -112,9 +142,9 @@ class GRURecurrence(_DiagonalRecurrence):
             x, w_ih, b_ih = inputs
             self._x, self._w_ih = x.detach(), w_ih.detach()
             self._b_ih = None if b_ih is None else b_ih.detach()
-            super().__init__(None, h0, length=x.shape[1])
+            super().__init__(None, h0, length=x.shape[1], kernel=kernel)
         else:
-            super().__init__(gi, h0)
+            super().__init__(gi, h0, kernel=kernel)
             self._gi = self._u.view(self.B, self.T, 3, self.H)
         self._scratch: torch.Tensor | None = None      # one block's temporaries
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None   # newton_step's y, trial
@@ -152,9 +182,14 @@ class GRURecurrence(_DiagonalRecurrence):
             return None
         if self._out is None:
             self._out = (torch.empty_like(xc), torch.empty_like(xc))
+        kernel = self.step_kernel = self._step_kernel(xc, self._x is None)
+        if kernel == "triton":
+            triton_cells.gru_newton_step(self._gi, xc, self._h0, self._w, self._b, lo,
+                                         *self._out)
+            return tuple(t[:, lo:] for t in self._out)
         y, trial = (t[:, lo:] for t in self._out)
         carry, last = None, xc.new_empty(self.B, self.H)   # delta at the previous block's end
-        use_native = native.supports(xc)
+        use_native = kernel == "native"
         for p0, p1, (gi, sc, a, r) in self._blocks(xc, lo, "_scratch"):
             yb, tb, xb = y[:, p0 - lo:p1 - lo], trial[:, p0 - lo:p1 - lo], xc[:, p0:p1]
             gru_newton_block(gi, self._prev(xc, p0, p1), self._w, self._b, yb, a, sc)
@@ -224,7 +259,7 @@ class LSTMRecurrence(_DiagonalRecurrence):
     """
 
     def __init__(self, gi: torch.Tensor | None, h0: torch.Tensor, w: torch.Tensor, *,
-                 inputs: tuple | None = None):
+                 inputs: tuple | None = None, kernel: str | None = None):
         if (gi is None) == (inputs is None):
             raise ValueError("LSTMRecurrence: pass either gi or inputs=(x, w_ih, b)")
         self._gi4 = self._x = None
@@ -236,7 +271,7 @@ class LSTMRecurrence(_DiagonalRecurrence):
         else:
             self._gi4, T = gi.detach(), gi.shape[-1]
         self._w = w.detach().reshape(4, 1, -1, 1)                # broadcasts on (4, B, H, steps)
-        super().__init__(None, h0, length=T)
+        super().__init__(None, h0, length=T, kernel=kernel)
         self._units = tuple(self.batch_shape)                   # (B, H)
         self._scratch: torch.Tensor | None = None               # one block's temporaries
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None   # newton_step's y, trial
@@ -288,10 +323,15 @@ class LSTMRecurrence(_DiagonalRecurrence):
         N, T = B * H, self.T
         if self._out is None:
             self._out = (torch.empty_like(xc), torch.empty_like(xc))
+        kernel = self.step_kernel = self._step_kernel(xc, self._x is None)
+        if kernel == "triton":
+            triton_cells.lstm_newton_step(self._gi4, xc, self._h0, self._w.view(4, H), lo,
+                                          *self._out)
+            return tuple(t[:, lo:] for t in self._out)
         x = xc.view(B, H, T, 2)
         y, trial = (t.view(B, H, T, 2) for t in self._out)
         carry, last = None, xc.new_empty(N, 2)      # delta at the previous block's end
-        use_native = native.supports(xc)
+        use_native = kernel == "native"
         for p0, p1, gi, sc in self._blocks(xc, lo, "_scratch"):
             s, prev = p1 - p0, self._prev(xc, p0, p1)
             m = N * s
@@ -353,7 +393,8 @@ def _solve(cfg: dict, rec: Recurrence) -> torch.Tensor:
                        ("resets", sol.stats.get("resets", 0)),
                        ("error_estimate", sol.stats["error_estimate"]),
                        ("converged", sol.converged),
-                       ("tol", cfg["forward_tol"])):
+                       ("tol", cfg["forward_tol"]),
+                       ("newton_step", rec.step_kernel)):
         record.setdefault(key, []).append(value)
     return sol.value
 
@@ -382,10 +423,10 @@ def gru_layer(cfg: dict, x: torch.Tensor, h0: torch.Tensor, w_ih, w_hh, b_ih, b_
     if cfg["forward"] is None:
         return gru_loop(F.linear(x, w_ih, b_ih).unflatten(-1, (3, H)), h0, w, b)
     xb = x.transpose(0, 1)                                              # (B, T, I)
-    if x.shape[-1] <= INPUTS_PER_BLOCK and x.device.type == "cpu":
-        rec = GRURecurrence(None, h0, w, b, inputs=(xb, w_ih, b_ih))
-    else:
-        rec = GRURecurrence(F.linear(xb, w_ih, b_ih), h0, w, b)         # gi (B, T, 3H)
+    if x.shape[-1] <= INPUTS_PER_BLOCK and x.device.type == "cpu" and STEP_KERNEL != "triton":
+        rec = GRURecurrence(None, h0, w, b, inputs=(xb, w_ih, b_ih), kernel=STEP_KERNEL)
+    else:                                                               # gi (B, T, 3H)
+        rec = GRURecurrence(F.linear(xb, w_ih, b_ih), h0, w, b, kernel=STEP_KERNEL)
     return _solve(cfg, rec).transpose(0, 1)
 
 
@@ -482,13 +523,14 @@ def lstm_layer(cfg: dict, x, h0, c0, w_ih, w_hh, b):
     if cfg["forward"] is None:
         return lstm_loop(F.linear(x, w_ih, b).unflatten(-1, (4, H)), h0, c0, w_hh.view(4, H))
     hc0, w = torch.stack([h0, c0], -1), w_hh.view(4, H)
-    if x.shape[-1] <= INPUTS_PER_BLOCK and x.device.type == "cpu":
-        rec = LSTMRecurrence(None, hc0, w, inputs=(x.transpose(0, 1), w_ih, b))
+    if x.shape[-1] <= INPUTS_PER_BLOCK and x.device.type == "cpu" and STEP_KERNEL != "triton":
+        rec = LSTMRecurrence(None, hc0, w, inputs=(x.transpose(0, 1), w_ih, b),
+                             kernel=STEP_KERNEL)
     else:
         gi = torch.matmul(w_ih.view(4, 1, H, -1), x.permute(1, 2, 0))  # (4, B, H, T)
         if b is not None:
             gi += b.view(4, 1, H, 1)
-        rec = LSTMRecurrence(gi, hc0, w)
+        rec = LSTMRecurrence(gi, hc0, w, kernel=STEP_KERNEL)
     s = _solve(cfg, rec).permute(2, 0, 1, 3)                         # (T, B, H, 2)
     return s[..., 0], s[..., 1]
 

@@ -13,6 +13,8 @@ first step, forward or reverse:
   for the next block is ``h`` at the block's last step. Positions past the end are identity maps
   (``a = 1``, ``b = 0``), so any ``T`` works. Reverse runs the same tiles in decreasing time with
   the scan's ``reverse=True`` (the loads stay in increasing address order: vectorised).
+- :func:`pair_scan`: ``2 x 2`` steps (ParaLSTM's per-unit blocks), the same tree scan on the
+  six entries of the affine maps (:func:`_affine2`).
 - :func:`dense_scan`: dense ``H x H`` steps, ``H <= 64`` (padded to ``HP``, a power of two
   ``>= 16``): sequential in time inside a program, one matrix-vector product per step.
 
@@ -66,7 +68,7 @@ def diag_scan(a_ptr, b_ptr, out_ptr, h0_ptr, start_ptr, tot_ptr,
     i = tl.arange(0, BLOCK_T)
     if PASS == 2:
         carry = tl.load(start_ptr + (n * C + c) * D + d64, mask=dm, other=0.0).to(ACC)
-    elif HAS_H0:
+    elif HAS_H0 and PASS == 0:
         carry = tl.load(h0_ptr + n * sh_n + d64 * sh_d, mask=dm, other=0.0).to(ACC)
     else:
         carry = tl.zeros([BLOCK_D], dtype=ACC)
@@ -123,6 +125,117 @@ def diag_carries(tot_ptr, h0_ptr, start_ptr, C, D, sh_n, sh_d,
         p = tl.load(tot_ptr + base + d64, mask=dm, other=1.0)
         y = tl.load(tot_ptr + base + D + d64, mask=dm, other=0.0)
         e = p * e + y
+
+
+@_jit
+def _affine2(a00, a01, a10, a11, u0, u1, b00, b01, b10, b11, v0, v1):
+    """``(A, u)`` then ``(B, v)`` for ``2 x 2`` matrices: ``x -> B (A x + u) + v``."""
+    return (b00 * a00 + b01 * a10, b00 * a01 + b01 * a11, b10 * a00 + b11 * a10,
+            b10 * a01 + b11 * a11, b00 * u0 + b01 * u1 + v0, b10 * u0 + b11 * u1 + v1)
+
+
+@_jit
+def pair_scan(A_ptr, b_ptr, out_ptr, h0_ptr, start_ptr, tot_ptr,
+              T, N, L,
+              sA_n, sA_t, sA_i, sA_j, sb_n, sb_t, sb_h, so_n, so_t, so_h, sh_n, sh_h,
+              HAS_H0: tl.constexpr, REVERSE: tl.constexpr, PASS: tl.constexpr,
+              ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    """:func:`diag_scan` for ``2 x 2`` steps (ParaLSTM's blocks): grid ``(cdiv(N, BLOCK_N), 1,
+    C)``, a tile of ``BLOCK_N`` rows, the scan of the affine maps ``(A_t, b_t)`` by
+    :func:`_affine2`. Pass 1 keeps ``(P, end)`` in ``tot`` ``(N, C, 6)``, pass 2 reads
+    ``start`` ``(N, C, 2)``."""
+    row = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c = tl.program_id(2)
+    C = tl.num_programs(2)
+    nm = row < N
+    r64 = row.to(tl.int64)
+    i = tl.arange(0, BLOCK_T)
+    if PASS == 2:
+        c0 = tl.load(start_ptr + (r64 * C + c) * 2, mask=nm, other=0.0).to(ACC)
+        c1 = tl.load(start_ptr + (r64 * C + c) * 2 + 1, mask=nm, other=0.0).to(ACC)
+    elif HAS_H0 and PASS == 0:
+        c0 = tl.load(h0_ptr + r64 * sh_n, mask=nm, other=0.0).to(ACC)
+        c1 = tl.load(h0_ptr + r64 * sh_n + sh_h, mask=nm, other=0.0).to(ACC)
+    else:
+        c0 = tl.zeros([BLOCK_N], dtype=ACC)
+        c1 = tl.zeros([BLOCK_N], dtype=ACC)
+    p00 = tl.full([BLOCK_N], 1.0, dtype=ACC)
+    p01 = tl.zeros([BLOCK_N], dtype=ACC)
+    p10 = tl.zeros([BLOCK_N], dtype=ACC)
+    p11 = tl.full([BLOCK_N], 1.0, dtype=ACC)
+    s_lo = c * L
+    s_hi = tl.minimum(T, s_lo + L)
+    for blk in range(0, tl.cdiv(s_hi - s_lo, BLOCK_T)):
+        s0 = s_lo + blk * BLOCK_T
+        if REVERSE:
+            t = T - s0 - BLOCK_T + i
+            tm = t >= T - s_hi
+        else:
+            t = s0 + i
+            tm = t < s_hi
+        m = nm[:, None] & tm[None, :]
+        t64 = t.to(tl.int64)
+        pa = A_ptr + r64[:, None] * sA_n + t64[None, :] * sA_t
+        m00 = tl.where(m, tl.load(pa, mask=m, other=1.0).to(ACC), 1.0)
+        m01 = tl.where(m, tl.load(pa + sA_j, mask=m, other=0.0).to(ACC), 0.0)
+        m10 = tl.where(m, tl.load(pa + sA_i, mask=m, other=0.0).to(ACC), 0.0)
+        m11 = tl.where(m, tl.load(pa + sA_i + sA_j, mask=m, other=1.0).to(ACC), 1.0)
+        pb = b_ptr + r64[:, None] * sb_n + t64[None, :] * sb_t
+        v0 = tl.where(m, tl.load(pb, mask=m, other=0.0).to(ACC), 0.0)
+        v1 = tl.where(m, tl.load(pb + sb_h, mask=m, other=0.0).to(ACC), 0.0)
+        M00, M01, M10, M11, V0, V1 = tl.associative_scan(
+            (m00, m01, m10, m11, v0, v1), 1, _affine2, reverse=REVERSE)
+        h0 = M00 * c0[:, None] + M01 * c1[:, None] + V0
+        h1 = M10 * c0[:, None] + M11 * c1[:, None] + V1
+        if PASS != 1:
+            po = out_ptr + r64[:, None] * so_n + t64[None, :] * so_t
+            tl.store(po, h0.to(out_ptr.dtype.element_ty), mask=m)
+            tl.store(po + so_h, h1.to(out_ptr.dtype.element_ty), mask=m)
+        last = ((i == 0) if REVERSE else (i == BLOCK_T - 1))[None, :]
+        c0 = tl.sum(tl.where(last, h0, 0.0), 1)
+        c1 = tl.sum(tl.where(last, h1, 0.0), 1)
+        if PASS == 1:       # P <- (the block's map) P
+            q00 = tl.sum(tl.where(last, M00, 0.0), 1)
+            q01 = tl.sum(tl.where(last, M01, 0.0), 1)
+            q10 = tl.sum(tl.where(last, M10, 0.0), 1)
+            q11 = tl.sum(tl.where(last, M11, 0.0), 1)
+            p00, p01, p10, p11 = (q00 * p00 + q01 * p10, q00 * p01 + q01 * p11,
+                                  q10 * p00 + q11 * p10, q10 * p01 + q11 * p11)
+    if PASS == 1:
+        base = (r64 * C + c) * 6
+        tl.store(tot_ptr + base, p00, mask=nm)
+        tl.store(tot_ptr + base + 1, p01, mask=nm)
+        tl.store(tot_ptr + base + 2, p10, mask=nm)
+        tl.store(tot_ptr + base + 3, p11, mask=nm)
+        tl.store(tot_ptr + base + 4, c0, mask=nm)
+        tl.store(tot_ptr + base + 5, c1, mask=nm)
+
+
+@_jit
+def pair_carries(tot_ptr, h0_ptr, start_ptr, C, N, sh_n, sh_h,
+                 HAS_H0: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid ``(cdiv(N, BLOCK_N),)``: the chunks' starts for :func:`pair_scan` (``e_c = P_c
+    e_{c-1} + end_c``, ``e_{-1} = h0``)."""
+    row = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = row < N
+    r64 = row.to(tl.int64)
+    if HAS_H0:
+        e0 = tl.load(h0_ptr + r64 * sh_n, mask=nm, other=0.0).to(ACC)
+        e1 = tl.load(h0_ptr + r64 * sh_n + sh_h, mask=nm, other=0.0).to(ACC)
+    else:
+        e0 = tl.zeros([BLOCK_N], dtype=ACC)
+        e1 = tl.zeros([BLOCK_N], dtype=ACC)
+    for c in range(0, C):
+        tl.store(start_ptr + (r64 * C + c) * 2, e0, mask=nm)
+        tl.store(start_ptr + (r64 * C + c) * 2 + 1, e1, mask=nm)
+        base = (r64 * C + c) * 6
+        p00 = tl.load(tot_ptr + base, mask=nm, other=1.0)
+        p01 = tl.load(tot_ptr + base + 1, mask=nm, other=0.0)
+        p10 = tl.load(tot_ptr + base + 2, mask=nm, other=0.0)
+        p11 = tl.load(tot_ptr + base + 3, mask=nm, other=1.0)
+        y0 = tl.load(tot_ptr + base + 4, mask=nm, other=0.0)
+        y1 = tl.load(tot_ptr + base + 5, mask=nm, other=0.0)
+        e0, e1 = p00 * e0 + p01 * e1 + y0, p10 * e0 + p11 * e1 + y1
 
 
 @_jit

@@ -221,12 +221,7 @@ def diag_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.T
     BT = max(BT, 2)
     tiles = math.ceil(D / BD)
     blocks = math.ceil(T / BT)
-    if chunks is None:
-        sms = _sms(b.device)
-        C = 1 if not sms or N * tiles >= 2 * sms else min(math.ceil(4 * sms / (N * tiles)),
-                                                          max(1, blocks // 4))
-    else:
-        C = min(chunks, blocks)
+    C = _time_chunks(b.device, N * tiles, blocks, chunks)
     L = math.ceil(blocks / C) * BT
     C = math.ceil(T / L)
     acc = _acc(mod, b.dtype)
@@ -326,6 +321,58 @@ def diagonal_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = No
     return out
 
 
+# -- 2 x 2 steps ----------------------------------------------------------------------------------
+# Tile of the 2 x 2 kernel, in rows x steps (six values per position).
+PAIR_TILE = 512
+
+
+def pair_launch(A: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.Tensor | None,
+                reverse: bool, block_t: int | None = None, chunks: int | None = None) -> None:
+    """The ``2 x 2`` kernel on ``A`` ``(N, T, 2, 2)``, ``b``, ``out`` ``(N, T, 2)`` (any
+    strides), ``h0`` ``(N, 2)`` or ``None``."""
+    N, T, _ = b.shape
+    if N == 0 or T == 0:
+        return
+    mod = load("paraprop.scan._triton_scan", b.device)
+    BT = max(2, _pow2(block_t) if block_t is not None else min(_pow2(T), PAIR_TILE // 2))
+    BN = min(_pow2(N), max(1, PAIR_TILE // BT))
+    tiles, blocks = math.ceil(N / BN), math.ceil(T / BT)
+    C = _time_chunks(b.device, tiles, blocks, chunks)
+    L = math.ceil(blocks / C) * BT
+    C = math.ceil(T / L)
+    acc = _acc(mod, b.dtype)
+    hs = h0.stride() if h0 is not None else (0, 0)
+    strides = (*A.stride(), *b.stride(), *out.stride(), *hs)
+    meta = {"HAS_H0": h0 is not None, "REVERSE": bool(reverse), "ACC": acc, "BLOCK_N": BN,
+            "BLOCK_T": BT, "num_warps": 4}
+    with on(b.device):
+        if C == 1:
+            mod.pair_scan[(tiles, 1, 1)](A, b, out, h0, None, None, T, N, L, *strides, PASS=0,
+                                         **meta)
+            return
+        wide = _wide(b.dtype)
+        tot = torch.empty(N, C, 6, dtype=wide, device=b.device)
+        start = torch.empty(N, C, 2, dtype=wide, device=b.device)
+        mod.pair_scan[(tiles, 1, C)](A, b, out, h0, None, tot, T, N, L, *strides, PASS=1,
+                                     **meta)
+        mod.pair_carries[(tiles,)](tot, h0, start, C, N, *hs, HAS_H0=h0 is not None, ACC=acc,
+                                   BLOCK_N=BN)
+        mod.pair_scan[(tiles, 1, C)](A, b, out, h0, start, None, T, N, L, *strides, PASS=2,
+                                     **meta)
+
+
+def _time_chunks(device: torch.device, programs: int, blocks: int, chunks: int | None) -> int:
+    """Chunks of time for a tree-scan kernel: ``chunks`` if given, else 1 unless ``programs``
+    (independent tiles) leave the device's multiprocessors idle; then enough chunks of at least
+    four blocks each to give every multiprocessor about four programs."""
+    if chunks is not None:
+        return min(chunks, blocks)
+    sms = _sms(device)
+    if not sms or programs >= 2 * sms:
+        return 1
+    return max(1, min(math.ceil(4 * sms / programs), blocks // 4))
+
+
 # -- the dense small-block scan -------------------------------------------------------------------
 def dense_launch(A: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.Tensor | None,
                  reverse: bool, chunks: int | None = None) -> None:
@@ -416,8 +463,9 @@ def applies(op, b: torch.Tensor) -> bool:
 
 def recurrence(op, b: torch.Tensor, h0: torch.Tensor | None, reverse: bool) -> torch.Tensor:
     """The states ``(N, T, H)`` of a canonical recurrence (:class:`paraprop.scan.operators.Op`)
-    by the kernels: diagonal ``A`` by the diagonal scan; dense, factored and LSTM ``A`` with
-    ``H <= MAX_DENSE`` by the dense scan (factored and LSTM steps materialised densely)."""
+    by the kernels: diagonal ``A`` by the diagonal scan, ``2 x 2`` steps by the pair scan;
+    dense, factored and LSTM ``A`` with ``H <= MAX_DENSE`` by the dense scan (factored and LSTM
+    steps materialised densely)."""
     require("linear_recurrence(algorithm='triton')", b, h0, *op.tensors())
     N, T, H = b.shape
     if op.kind != "diag" and H > MAX_DENSE:
@@ -427,6 +475,8 @@ def recurrence(op, b: torch.Tensor, h0: torch.Tensor | None, reverse: bool) -> t
     out = torch.empty(N, T, H, dtype=b.dtype, device=b.device)
     if op.kind == "diag":
         diag_launch(op.a.expand(N, T, H), b, out, h0, reverse)
+    elif H == 2:
+        pair_launch(op.dense().expand(N, T, 2, 2), b, out, h0, reverse)
     else:
         dense_launch(op.dense().expand(N, T, H, H), b, out, h0, reverse)
     return out
