@@ -87,10 +87,13 @@ def invert_part(h: Callable[[torch.Tensor], torch.Tensor], y: torch.Tensor,
 
 
 def _ordered_solve(h, y, order, cfg, record):
-    """Solve ``x = h(x)`` from zeros along the last dim, positions sorted by ``order``."""
-    def run(fn):
+    """Solve ``x = h(x)`` from zeros along the last dim, positions sorted by ``order``; the
+    recorded Solution's value is in feature order, like the result."""
+    def run(fn, back=None):
         sol = solve(fn, torch.zeros_like(y), method=cfg.solver, tol=cfg.tol,
                     max_iters=cfg.max_iters, throw=cfg.throw)
+        if back is not None:
+            sol = dataclasses.replace(sol, value=sol.value.index_select(-1, back))
         record(sol)
         return sol.value
 
@@ -102,7 +105,7 @@ def _ordered_solve(h, y, order, cfg, record):
     def permuted(xp):
         return h(xp.index_select(-1, inv)).index_select(-1, perm)
 
-    return run(permuted).index_select(-1, inv)
+    return run(permuted, inv)
 
 
 SECOND_ORDER = (

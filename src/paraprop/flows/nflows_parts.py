@@ -26,7 +26,7 @@ def inverse(t, y, context, cfg, record):
     root = t
     t, context = _bind(t, context)
     _check(t, y, context)
-    core.check_parts(root, parts(t))
+    core.check_parts(root, _solved(t))
     return _walk(t, y, context, cfg, record)
 
 
@@ -58,6 +58,18 @@ def _check(t, y, context):
                             "transform")
         n_ctx = getattr(getattr(net, "context_layer", None), "in_features", None)
         core.check_context_rows(y, context, n_ctx, type(part).__name__)
+
+
+def _solved(t):
+    """The autoregressive transforms :func:`_walk` solves (others run their own inverse)."""
+    from nflows.transforms import CompositeTransform
+    from nflows.transforms.autoregressive import AutoregressiveTransform
+
+    if isinstance(t, CompositeTransform):
+        for part in t._transforms:
+            yield from _solved(part)
+    elif isinstance(t, AutoregressiveTransform):
+        yield t
 
 
 def _walk(t, y, context, cfg, record):

@@ -64,7 +64,7 @@ def inverse(t, y, context, cfg, record):
         _check(t, y, None, contexts=False)
     else:
         _check(t, y, context, contexts=True)
-    core.check_parts(t, parts(t))
+    core.check_parts(t, _solved(t))
     return _walk(t, y, context, cfg, record)
 
 
@@ -81,6 +81,18 @@ def _check(t, y, context, *, contexts: bool):
         if contexts:
             n_ctx = getattr(getattr(net, "context_layer", None), "in_features", None)
             core.check_context_rows(y, context, n_ctx, type(part).__name__)
+
+
+def _solved(t):
+    """The autoregressive layers :func:`_walk` solves (others run their own inverse)."""
+    from normflows.core import NormalizingFlow
+    from normflows.flows import Composite
+
+    if isinstance(t, NormalizingFlow | Composite):
+        for layer in (t.flows if isinstance(t, NormalizingFlow) else t._flows):
+            yield from _solved(layer)
+    elif isinstance(t, _autoregressive()):
+        yield t
 
 
 def _walk(t, y, context, cfg, record):

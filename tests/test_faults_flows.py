@@ -1,0 +1,364 @@
+"""Fault tests of paraprop.flows (issue 27), one class of defect per section, with flows built to
+break the accelerated paths: zuko MAF/NSF, nflows and normflows, affine and spline, with dropout
+and batch norm, in bf16 and fp16, under second-order autograd, torch.func and pickle.
+
+1. A stochastic network (train mode with dropout or batch norm) is refused by name, at every call.
+2. Low precision: tol=0 is bitwise the library's own loop in bf16 and fp16, every method.
+3. Second order through the implicit gradient is refused, never wrong.
+4. torch.func: an accelerated flow runs the library's loop; parallel_inverse refuses.
+5. Pickling: an accelerated flow saves and loads as the plain flow; the handle refuses.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+import zuko
+
+import paraprop
+from paraprop.flows import accelerate, parallel_inverse
+from paraprop.flows.core import is_patched
+from paraprop.solvers import GSJacobi, JacobiGS, SlidingJacobi
+
+nflows = pytest.importorskip("nflows")
+nf = pytest.importorskip("normflows")
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Tiny flows: one thread."""
+
+
+def _seeded(fn, seed=0):
+    torch.manual_seed(seed)
+    return fn()
+
+
+def _zuko_maf(d=4, dropout=None, transforms=2):
+    flow = zuko.flows.MAF(d, transforms=transforms)
+    if dropout is not None:   # zuko has no dropout option: put one into the second network
+        flow.transform.transforms[1].hyper[1] = torch.nn.Sequential(torch.nn.ReLU(), dropout)
+    return flow
+
+
+def _nflows_maf(d=4, **kw):
+    from nflows.distributions import StandardNormal
+    from nflows.flows import Flow
+    from nflows.transforms import (
+        CompositeTransform,
+        MaskedAffineAutoregressiveTransform,
+        ReversePermutation,
+    )
+
+    t = CompositeTransform([ReversePermutation(d), MaskedAffineAutoregressiveTransform(d, 8, **kw),
+                            ReversePermutation(d), MaskedAffineAutoregressiveTransform(d, 8)])
+    return Flow(t, StandardNormal([d]))
+
+
+def _nflows_rq(d=4):
+    from nflows.distributions import StandardNormal
+    from nflows.flows import Flow
+    from nflows.transforms import MaskedPiecewiseRationalQuadraticAutoregressiveTransform as RQ
+
+    return Flow(RQ(d, 8, num_bins=4, tails="linear"), StandardNormal([d]))
+
+
+def _normflows(kind="maf", d=4, **kw):
+    if kind == "maf":
+        layers = [nf.flows.MaskedAffineAutoregressive(d, 8, **kw), nf.flows.LULinearPermute(d)]
+    else:
+        layers = [nf.flows.AutoregressiveRationalQuadraticSpline(d, 2, 8, num_bins=4,
+                                                                  init_identity=False, **kw),
+                  nf.flows.LULinearPermute(d)]
+    return nf.NormalizingFlow(nf.distributions.DiagGaussian(d), layers)
+
+
+# -- 1. stochastic networks ------------------------------------------------------------------------
+# name: (build a flow in train mode, the library's own loop, the module parallel_inverse takes,
+#        the part and layer the message names)
+STOCHASTIC = {
+    "zuko MAF, dropout put into its network": (
+        lambda: _zuko_maf(dropout=torch.nn.Dropout(0.3)),
+        lambda f, y: f().transform.inv(y), lambda f: f,
+        r"'transform.transforms.1'\): flow is in train mode, and its layer 'hyper.1.1' "
+        r"\(Dropout\)"),
+    "nflows MAF, dropout_probability": (
+        lambda: _nflows_maf(dropout_probability=0.2),
+        lambda f, y: f._transform.inverse(y)[0], lambda f: f,
+        r"'_transform._transforms.1'\): flow is in train mode, and its layer "
+        r"'autoregressive_net.blocks.0.dropout' \(Dropout\)"),
+    "nflows MAF, use_batch_norm": (
+        lambda: _nflows_maf(use_batch_norm=True),
+        lambda f, y: f._transform.inverse(y)[0], lambda f: f,
+        r"'_transform._transforms.1'\): flow is in train mode, and its layer "
+        r"'autoregressive_net.blocks.0.batch_norm_layers.0' \(BatchNorm1d\) normalises with "
+        r"batch statistics"),
+    "normflows MAF, dropout_probability": (
+        lambda: _normflows("maf", dropout_probability=0.2),
+        lambda f, y: f.inverse(y), lambda f: f,
+        r"'flows.0'\): flow is in train mode, and its layer "
+        r"'autoregressive_net.blocks.0.dropout' \(Dropout\)"),
+    "normflows RQ spline, dropout_probability": (
+        lambda: _normflows("rqs", dropout_probability=0.2),
+        lambda f, y: f.flows[0](y)[0], lambda f: f.flows[0].mprqat,
+        r"'flows.0.mprqat'\): flow is in train mode, and its layer "
+        r"'autoregressive_net.blocks.0.dropout' \(Dropout\)"),
+}
+
+
+@pytest.mark.parametrize("name", list(STOCHASTIC))
+def test_a_stochastic_network_is_refused_at_every_accelerated_call(name):
+    build, loop, _, where = STOCHASTIC[name]
+    flow = _seeded(build)
+    y = torch.randn(5, 4)
+    handle = accelerate(flow)   # accepted in train mode: the mode may change before a call
+    with torch.no_grad(), pytest.raises(
+            paraprop.StochasticModelError,
+            match=rf"paraprop.flows.accelerate \(autoregressive part {where}.*call flow.eval\(\) "
+                  r"first .*; or call undo\(\) on the paraprop.flows.accelerate handle"):
+        loop(flow, y)
+    flow.eval()                 # deterministic now: the library's result, bitwise
+    with torch.no_grad():
+        got = loop(flow, y)
+        handle.undo()
+        assert torch.equal(got, loop(flow, y))
+    flow.train()                # and back: refused again, since the check is at the call
+    with accelerate(flow), torch.no_grad(), pytest.raises(paraprop.StochasticModelError):
+        loop(flow, y)
+
+
+@pytest.mark.parametrize("name", list(STOCHASTIC))
+def test_parallel_inverse_refuses_a_stochastic_network(name):
+    build, loop, target, where = STOCHASTIC[name]
+    flow = _seeded(build)
+    y = torch.randn(5, 4)
+    layer = where.split("its layer ")[1]
+    with pytest.raises(paraprop.StochasticModelError,
+                       match=r"paraprop.flows.parallel_inverse \(autoregressive part '.*'\): "
+                             rf"transform is in train mode, and its layer {layer}.*call "
+                             r"transform.eval\(\) first"):
+        parallel_inverse(target(flow), y)
+    flow.eval()
+    with torch.no_grad():
+        assert torch.equal(parallel_inverse(target(flow), y)[0], loop(flow, y))
+
+
+def test_a_stochastic_layer_outside_the_solved_parts_is_not_refused():
+    """normflows' spline layers invert in one pass (their loop is the sampling direction):
+    parallel_inverse of the flow solves no part, so dropout there is the library's business."""
+    flow = _seeded(lambda: _normflows("rqs", dropout_probability=0.2)).eval()
+    y = torch.randn(5, 4)
+    flow.flows[0].train()
+    x, sol = parallel_inverse(flow, y)
+    assert sol.stats["parts"] == [] and x.shape == y.shape
+
+
+# -- 2. low precision ------------------------------------------------------------------------------
+LOW = {   # name: (build, the library's inverse, dim)
+    "zuko MAF": (lambda: zuko.flows.MAF(6, transforms=3, randperm=True),
+                 lambda f, y: f().transform.inv(y), 6),
+    "zuko NSF": (lambda: zuko.flows.NSF(5, transforms=2), lambda f, y: f().transform.inv(y), 5),
+    "zuko conditional MAF": (lambda: zuko.flows.MAF(4, context=2, transforms=2),
+                             lambda f, y: f(torch.ones(2, device=y.device, dtype=y.dtype))
+                             .transform.inv(y), 4),
+    "nflows MAF": (lambda: _nflows_maf(5), lambda f, y: f._transform.inverse(y)[0], 5),
+    "nflows RQ": (lambda: _nflows_rq(5), lambda f, y: f._transform.inverse(y)[0], 5),
+    "normflows MAF": (lambda: _normflows("maf", 5), lambda f, y: f.inverse(y), 5),
+    "normflows RQ spline": (lambda: _normflows("rqs", 5), lambda f, y: f.flows[0](y)[0], 5),
+}
+METHODS = ["jacobi", SlidingJacobi(2), GSJacobi(3), JacobiGS(2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(LOW))
+def test_low_precision_tol_0_is_bitwise_the_library(name, dtype, device):
+    build, loop, d = LOW[name]
+    flow = _seeded(build).to(device=device, dtype=dtype).eval()
+    y = (2 * torch.randn(16, d, generator=torch.Generator().manual_seed(1))).to(device, dtype)
+    with torch.no_grad():
+        expected = loop(flow, y)
+        assert torch.isfinite(expected).all()
+        for method in METHODS:
+            with accelerate(flow, method=method) as handle:
+                got = loop(flow, y)
+            assert torch.equal(got, expected), method
+            assert handle.inversions > 0
+            if method == "jacobi":   # the block methods evaluate full passes per window
+                assert handle.passes <= handle.library_passes + handle.inversions
+    if not name.startswith("zuko conditional"):   # (the zuko Flow takes its context itself)
+        target = flow.flows[0].mprqat if name == "normflows RQ spline" else flow
+        with torch.no_grad():
+            x, sol = parallel_inverse(target, y, method="jacobi")
+        assert sol.converged and torch.equal(x, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_tol_gt_0_certifies_each_part_or_says_no(dtype):
+    """converged=True at tol > 0 promises each autoregressive part within tol of the exact inverse
+    of the input that part was given (the library's own inverse of it, bitwise exact)."""
+    flow = _seeded(lambda: zuko.flows.MAF(8, transforms=3, randperm=True)).to(dtype)
+    y = (3 * torch.randn(64, 8, generator=torch.Generator().manual_seed(2))).to(dtype)
+    transforms = list(reversed(flow().transform.transforms))   # inversion order
+    for method in METHODS:
+        for tol in (1e-1, 1e-2, 1e-3):
+            with torch.no_grad():
+                _, sol = parallel_inverse(flow, y, method=method, tol=tol, throw=False)
+                inp = y
+                for part, t in zip(sol.stats["parts"], transforms, strict=True):
+                    exact = t.inv(inp)
+                    if part.converged:
+                        err = float((part.value.float() - exact.float()).abs().max())
+                        assert err <= tol, (method, tol, err)
+                    inp = part.value
+
+
+# -- 3. second order -------------------------------------------------------------------------------
+SECOND = {   # name: (build in float64, the inverse through the library's API)
+    "zuko MAF": (lambda: zuko.flows.MAF(4, transforms=2), lambda f, z: f().transform.inv(z)),
+    "zuko NSF": (lambda: zuko.flows.NSF(3, transforms=1), lambda f, z: f().transform.inv(z)),
+    "nflows MAF": (lambda: _nflows_maf(4).eval(), lambda f, z: f._transform.inverse(z)[0]),
+    "normflows MAF log_prob": (lambda: _normflows("maf", 4).eval(), lambda f, z: f.log_prob(z)),
+}
+
+
+def _second_order(flow, call, z, kind):
+    """A gradient penalty: the gradient in z with a graph, then its square differentiated."""
+    params = [p for p in flow.parameters() if p.requires_grad]
+    zz = z.clone().requires_grad_()
+    out = call(flow, zz)
+    if kind == "hessian in z":
+        return torch.autograd.functional.hessian(lambda v: call(flow, v).pow(3).sum(), z)
+    if kind == "incoming gradient depends on x":
+        loss = out.pow(3).sum()
+    else:   # a constant incoming gradient: the case the earlier refusal missed
+        loss = (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)).sum()
+    (g,) = torch.autograd.grad(loss, zz, create_graph=True)
+    penalty = g.pow(2).sum()
+    if kind.endswith("backward()"):
+        flow.zero_grad()
+        penalty.backward()
+        return [p.grad for p in params]
+    return [a for a in torch.autograd.grad(penalty, params, allow_unused=True) if a is not None]
+
+
+@pytest.mark.parametrize("kind", ["constant incoming gradient, grad in the parameters",
+                                  "constant incoming gradient, backward()",
+                                  "incoming gradient depends on x", "hessian in z"])
+@pytest.mark.parametrize("name", list(SECOND))
+def test_second_order_is_refused_never_wrong(name, kind):
+    build, call = SECOND[name]
+    flow = _seeded(build, 3).to(F64)
+    z = torch.randn(3, 4 if "NSF" not in name else 3, dtype=F64,
+                    generator=torch.Generator().manual_seed(4))
+    expected = _second_order(flow, call, z, kind)   # the library's own second order
+    values = expected if isinstance(expected, list) else [expected]
+    assert values and max(float(v.abs().max()) for v in values) > 1e-3
+    with accelerate(flow), pytest.raises(
+            NotImplementedError,
+            match=r"paraprop.flows computes the gradients of an inverse by implicit "
+                  r"differentiation, first order only.*call undo\(\) on the "
+                  r"paraprop.flows.accelerate handle"):
+        _second_order(flow, call, z, kind)
+
+
+def test_first_order_with_a_graph_is_still_the_library_gradient():
+    """create_graph=True alone is fine: the first-order values are the library's."""
+    flow = _seeded(lambda: zuko.flows.MAF(4, transforms=2), 3).to(F64)
+    z = torch.randn(3, 4, dtype=F64, requires_grad=True)
+    (want,) = torch.autograd.grad(flow().transform.inv(z).sum(), z, create_graph=True)
+    with accelerate(flow):
+        (got,) = torch.autograd.grad(flow().transform.inv(z).sum(), z, create_graph=True)
+    assert got.requires_grad
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    x, _ = parallel_inverse(flow, z)   # the same refusal through parallel_inverse
+    (g,) = torch.autograd.grad(x.sum(), z, create_graph=True)
+    with pytest.raises(NotImplementedError, match="first order only"):
+        torch.autograd.grad(g.pow(2).sum(), list(flow.parameters()), allow_unused=True)
+
+
+# -- 4. torch.func ---------------------------------------------------------------------------------
+def test_torch_func_runs_the_library_loop_and_parallel_inverse_refuses():
+    flow = _seeded(lambda: zuko.flows.MAF(4, transforms=2), 5).to(F64)
+    z = torch.randn(3, 4, dtype=F64)
+    params = dict(flow.named_parameters())
+
+    def loss(p, v):
+        return torch.func.functional_call(flow, p, ()).transform.inv(v).pow(3).sum()
+
+    want_p, want_z = torch.func.grad(loss, argnums=(0, 1))(params, z)
+    want_j = torch.func.jacrev(lambda v: flow().transform.inv(v))(z)
+    with accelerate(flow) as handle:
+        got_p, got_z = torch.func.grad(loss, argnums=(0, 1))(params, z)
+        got_j = torch.func.jacrev(lambda v: flow().transform.inv(v))(z)
+        got_v = torch.func.vmap(lambda v: flow().transform.inv(v))(z[:, None])
+    assert handle.inversions == 0   # the library's own loop ran
+    assert torch.equal(got_z, want_z) and torch.equal(got_j, want_j)
+    assert all(torch.equal(got_p[k], want_p[k]) for k in want_p)
+    assert torch.equal(got_v[:, 0], flow().transform.inv(z).detach())
+    with pytest.raises(NotImplementedError, match=r"paraprop.flows.parallel_inverse cannot run "
+                                                  r"under torch.func transforms"):
+        torch.func.grad(lambda v: parallel_inverse(flow, v)[0].sum())(z)
+
+
+# -- 5. pickling -----------------------------------------------------------------------------------
+SAVES = {
+    "pickle": lambda obj: pickle.loads(pickle.dumps(obj)),
+    "torch.save": lambda obj: _torch_round_trip(obj),
+}
+
+
+def _torch_round_trip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+PICKLED = {   # name: (build, the library's sampling call that runs the accelerated loop)
+    "zuko MAF": (lambda: zuko.flows.MAF(4, transforms=2), lambda f: f().sample((5,))),
+    "nflows MAF": (lambda: _nflows_maf(4).eval(), lambda f: f.sample(5)),
+    "normflows MAF": (lambda: _normflows("maf", 4).eval(),
+                      lambda f: f.log_prob(torch.linspace(-1, 1, 20).view(5, 4))),
+    "normflows RQ spline": (lambda: _normflows("rqs", 4).eval(), lambda f: f.sample(5)[0]),
+}
+
+
+@pytest.mark.parametrize("save", list(SAVES))
+@pytest.mark.parametrize("name", list(PICKLED))
+def test_an_accelerated_flow_saves_and_loads_as_the_plain_flow(name, save):
+    build, call = PICKLED[name]
+    flow = _seeded(build)
+    with torch.no_grad():
+        expected = _seeded(lambda: call(flow), 7)
+        handle = accelerate(flow)
+        loaded = SAVES[save](flow)
+        assert not any(is_patched(m) for m in loaded.modules())      # plain: no patch ...
+        assert torch.equal(_seeded(lambda: call(loaded), 7), expected)   # ... the library's
+        assert handle.active and all(is_patched(p) for p in handle.parts)   # the original: kept
+        assert torch.equal(_seeded(lambda: call(flow), 7), expected)
+        n = handle.inversions
+        with accelerate(loaded) as again:   # the loaded flow can be accelerated anew
+            assert torch.equal(_seeded(lambda: call(loaded), 7), expected)
+        assert again.inversions > 0 and handle.inversions == n   # with its own counters
+        assert not any(is_patched(m) for m in loaded.modules())
+        twin = copy.deepcopy(flow)   # a deep copy keeps the patch, bound to the copy
+        assert all(is_patched(p) for p in twin.modules() if type(p) in
+                   {type(q) for q in handle.parts})
+        assert torch.equal(_seeded(lambda: call(twin), 7), expected)
+    handle.undo()
+
+
+def test_the_handle_refuses_to_be_pickled():
+    flow = zuko.flows.MAF(3, transforms=1)
+    with accelerate(flow) as handle:
+        for save in SAVES.values():
+            with pytest.raises(TypeError, match=r"an Accelerated handle \(from "
+                                                r"paraprop.flows.accelerate\) cannot be pickled.*"
+                                                r"Pickle or torch.save the flow itself instead: "
+                                                r"it loads as the library's plain flow"):
+                save(handle)
