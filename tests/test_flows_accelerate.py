@@ -87,41 +87,48 @@ def _tensors(out):
 C = torch.randn(4, 3, generator=torch.Generator().manual_seed(5))
 X6 = torch.randn(5, 6, generator=torch.Generator().manual_seed(6))
 
+
+def _on(f, t):
+    """``t`` on the device of the flow ``f``'s parameters."""
+    return t.to(next(f.parameters()).device)
+
 # name: (build, [calls of the library's own API]); every call is seeded the same way
 CASES = {
     "zuko MAF": (lambda: zuko.flows.MAF(6, transforms=3, randperm=True), [
         lambda f: f().sample((7,)), lambda f: f().rsample((2, 3)), lambda f: f().sample(),
-        lambda f: f().rsample_and_log_prob((5,)), lambda f: f().transform.inv(X6)]),
+        lambda f: f().rsample_and_log_prob((5,)), lambda f: f().transform.inv(_on(f, X6))]),
     "zuko MAF passes=2": (lambda: zuko.flows.MAF(6, transforms=2, passes=2), [
         lambda f: f().sample((7,))]),
     "zuko NSF": (lambda: zuko.flows.NSF(5, transforms=2), [
         lambda f: f().sample((6,)), lambda f: f().rsample_and_log_prob((4,))]),
     "zuko conditional MAF": (lambda: zuko.flows.MAF(5, context=3, transforms=2), [
-        lambda f: f(C).sample((2,)), lambda f: f(C[0]).rsample((3,))]),
+        lambda f: f(_on(f, C)).sample((2,)), lambda f: f(_on(f, C[0])).rsample((3,))]),
     "nflows MAF": (_nflows_maf, [
         lambda f: f.sample(7), lambda f: f.sample_and_log_prob(4),
-        lambda f: f._transform.inverse(X6)]),
+        lambda f: f._transform.inverse(_on(f, X6))]),
     "nflows conditional MAF": (lambda: _nflows_maf(context=3), [
-        lambda f: f.sample(3, context=C), lambda f: f.sample_and_log_prob(2, context=C)]),
+        lambda f: f.sample(3, context=_on(f, C)),
+        lambda f: f.sample_and_log_prob(2, context=_on(f, C))]),
     "nflows RQ": (_nflows_rq, [lambda f: f.sample(6), lambda f: f.sample_and_log_prob(3)]),
     "normflows MAF": (lambda: _normflows("maf"), [
-        lambda f: f.sample(7), lambda f: f.log_prob(X6), lambda f: f.inverse(X6),
-        lambda f: f.forward_kld(X6)]),
+        lambda f: f.sample(7), lambda f: f.log_prob(_on(f, X6)),
+        lambda f: f.inverse(_on(f, X6)), lambda f: f.forward_kld(_on(f, X6))]),
     "normflows conditional MAF": (lambda: _normflows("maf", context=3), [
-        lambda f: f.sample(4, context=C), lambda f: f.log_prob(X6[:4], context=C)]),
+        lambda f: f.sample(4, context=_on(f, C)),
+        lambda f: f.log_prob(_on(f, X6[:4]), context=_on(f, C))]),
     "normflows RQ spline": (lambda: _normflows("rqs"), [
-        lambda f: f.sample(7), lambda f: f.log_prob(X6)]),
+        lambda f: f.sample(7), lambda f: f.log_prob(_on(f, X6))]),
     "normflows conditional RQ spline": (lambda: _normflows("rqs", context=3), [
-        lambda f: f.sample(4, context=C)]),
+        lambda f: f.sample(4, context=_on(f, C))]),
     "normflows circular RQ spline": (lambda: _normflows("circular"), [
-        lambda f: f.sample(7), lambda f: f.log_prob(X6.clamp(-2, 2))]),
+        lambda f: f.sample(7), lambda f: f.log_prob(_on(f, X6.clamp(-2, 2)))]),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_accelerate_is_bitwise_the_library(name):
+def test_accelerate_is_bitwise_the_library(name, device):
     build, calls = CASES[name]
-    flow = _seeded(build, 1)
+    flow = _seeded(build, 1).to(device)
     with torch.no_grad():
         expected = [_tensors(_seeded(lambda c=c: c(flow))) for c in calls]
         with accelerate(flow) as handle:
@@ -289,22 +296,23 @@ GRAD_CASES = {
     "zuko MAF rsample": (lambda: zuko.flows.MAF(5, transforms=2, randperm=True),
                          lambda f: f().rsample_and_log_prob((6,))),
     "zuko conditional NSF rsample": (lambda: zuko.flows.NSF(4, context=2, transforms=2),
-                                     lambda f: f(C[:3, :2].to(F64)).rsample((2,))),
+                                     lambda f: f(_on(f, C[:3, :2].to(F64))).rsample((2,))),
     "nflows MAF sample": (_nflows_maf, lambda f: f.sample_and_log_prob(6)),
     "nflows RQ sample": (_nflows_rq, lambda f: f.sample_and_log_prob(6)),
-    "normflows MAF log_prob": (lambda: _normflows("maf"), lambda f: f.log_prob(X6.to(F64))),
+    "normflows MAF log_prob": (lambda: _normflows("maf"),
+                               lambda f: f.log_prob(_on(f, X6.to(F64)))),
     "normflows RQ spline sample": (lambda: _normflows("rqs"), lambda f: f.sample(6)),
 }
 
 
 @pytest.mark.parametrize("name", list(GRAD_CASES))
-def test_gradients_equal_the_library(name, float64):
+def test_gradients_equal_the_library(name, float64, device):
     build, call = GRAD_CASES[name]
-    flow = _seeded(build, 3)
+    flow = _seeded(build, 3).to(device)
 
     def loss():
         out = _tensors(_seeded(lambda: call(flow)))
-        return sum((o * torch.linspace(-1, 1, o.numel()).reshape(o.shape)).sum()
+        return sum((o * torch.linspace(-1, 1, o.numel(), device=o.device).reshape(o.shape)).sum()
                    + (o ** 2).sum() for o in out)
 
     def grads():
@@ -349,12 +357,12 @@ def test_gradient_reaches_the_points_inverted():
 
 
 # -- parallel_inverse -----------------------------------------------------------------------------
-def test_zuko_inverse_equals_library():
+def test_zuko_inverse_equals_library(device):
     torch.manual_seed(0)
     for passes in (None, 3):
-        flow = zuko.flows.MAF(12, transforms=3, randperm=True, passes=passes)
+        flow = zuko.flows.MAF(12, transforms=3, randperm=True, passes=passes).to(device)
         t = flow().transform
-        y = torch.randn(20, 12)
+        y = torch.randn(20, 12, device=device)
         with torch.no_grad():
             expected = t.inv(y)
         x, sol = parallel_inverse(t, y)
@@ -362,8 +370,8 @@ def test_zuko_inverse_equals_library():
         parts = sol.stats["parts"]
         assert len(parts) == 3 and all(s.converged for s in parts) and sol.converged
         assert sol.evaluations == sum(s.evaluations for s in parts)
-    spline = zuko.flows.NSF(6, transforms=2)().transform
-    y = torch.randn(10, 6)
+    spline = zuko.flows.NSF(6, transforms=2).to(device)().transform
+    y = torch.randn(10, 6, device=device)
     with torch.no_grad():
         assert torch.equal(parallel_inverse(spline, y)[0], spline.inv(y))
     adjacency = torch.ones(4, 4, dtype=torch.bool).tril()
@@ -372,7 +380,7 @@ def test_zuko_inverse_equals_library():
         parallel_inverse(built, torch.randn(3, 4))
 
 
-def test_nflows_inverse_equals_library():
+def test_nflows_inverse_equals_library(device):
     from nflows.transforms import (
         CompositeTransform,
         MaskedAffineAutoregressiveTransform,
@@ -386,8 +394,8 @@ def test_nflows_inverse_equals_library():
         RandomPermutation(10),
         MaskedPiecewiseRationalQuadraticAutoregressiveTransform(
             10, 32, num_bins=4, tails="linear", context_features=3),
-    ]).eval()
-    y, c = torch.randn(16, 10), torch.randn(16, 3)
+    ]).eval().to(device)
+    y, c = torch.randn(16, 10, device=device), torch.randn(16, 3, device=device)
     with torch.no_grad():
         expected, _ = t.inverse(y, c)
     x, sol = parallel_inverse(t, y, context=c)
@@ -397,17 +405,17 @@ def test_nflows_inverse_equals_library():
                                         "transform or flow, got Linear"):
         parallel_inverse(torch.nn.Linear(2, 2), y)
     with pytest.raises(ValueError, match=r"y must be a tensor of shape \(N, D\)"):
-        parallel_inverse(t, torch.randn(3))
+        parallel_inverse(t, torch.randn(3, device=device))
 
 
-def test_normflows_inverse_equals_library():
+def test_normflows_inverse_equals_library(device):
     torch.manual_seed(2)
-    y, c = torch.randn(8, 6), torch.randn(8, 3)
-    maf = nf.flows.MaskedAffineAutoregressive(6, 16, context_features=3).eval()
+    y, c = torch.randn(8, 6, device=device), torch.randn(8, 3, device=device)
+    maf = nf.flows.MaskedAffineAutoregressive(6, 16, context_features=3).eval().to(device)
     rqs = nf.flows.AutoregressiveRationalQuadraticSpline(6, 2, 16, num_bins=4,
-                                                          init_identity=False).eval()
+                                                          init_identity=False).eval().to(device)
     circ = nf.flows.CircularAutoregressiveRationalQuadraticSpline(
-        6, 2, 16, [1, 4], num_bins=4, init_identity=False).eval()   # permuted masks
+        6, 2, 16, [1, 4], num_bins=4, init_identity=False).eval().to(device)   # permuted masks
     with torch.no_grad():
         x, sol = parallel_inverse(maf, y, context=c)
         assert torch.equal(x, maf.inverse(y, context=c)[0]) and sol.converged
@@ -416,15 +424,15 @@ def test_normflows_inverse_equals_library():
             x, sol = parallel_inverse(layer.mprqat, y)
             assert torch.equal(x, layer(y)[0]) and sol.evaluations < 6 * 2
             assert torch.equal(parallel_inverse(layer, y)[0], layer.inverse(y)[0])
-        assert not torch.equal(paraprop.flows.normflows_parts.order(circ.mprqat),
+        assert not torch.equal(paraprop.flows.normflows_parts.order(circ.mprqat).cpu(),
                                torch.arange(6))
         # MAF: its two autoregressive layers solved; the splines' inverse is one pass, the
         # library's own
         for kind, solved in (("maf", 2), ("rqs", 0), ("circular", 0)):
-            flow = _normflows(kind)
+            flow = _normflows(kind).to(device)
             x, sol = parallel_inverse(flow, y)
             assert torch.equal(x, flow.inverse(y)) and len(sol.stats["parts"]) == solved
-        cond = _normflows("maf", context=3)
+        cond = _normflows("maf", context=3).to(device)
         assert torch.equal(parallel_inverse(cond, y, context=c)[0], cond.inverse(y, context=c))
         # a block method needs the permuted order of the circular spline's MADE
         x, sol = parallel_inverse(circ.mprqat, y, method=GSJacobi(2), tol=1e-7)
@@ -459,9 +467,9 @@ def test_normflows_inverse_refuses(make, exc, match):
         parallel_inverse(t, y, context=c)
 
 
-def test_parallel_inverse_methods_caps_and_errors():
-    t = zuko.flows.MAF(6, transforms=2)().transform
-    y = torch.randn(5, 6)
+def test_parallel_inverse_methods_caps_and_errors(device):
+    t = zuko.flows.MAF(6, transforms=2).to(device)().transform
+    y = torch.randn(5, 6, device=device)
     with torch.no_grad():
         expected = t.inv(y)
     for method in ("jacobi", SlidingJacobi(2), GSJacobi(3)):
