@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.paraprop-installed
 
-.PHONY: install demo test test-oldest bench clean docs
+.PHONY: install demo test test-oldest test-gpu gpu-check gpu-wheels bench clean docs
 
 # pyproject.toml states ranges; constraints.txt pins the tested releases, and installs use it.
 # torch is installed first, as PyTorch's CPU build on a machine without an NVIDIA GPU:
@@ -43,16 +43,22 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-# The suite on the oldest torch the library supports (pyproject.toml: torch>=2.13), every other
-# pin of constraints.txt, in a venv of its own. No torchvision there (no build of it imports
-# beside torch 2.13.0+cpu on this machine), so the tests that need it skip.
-OLDEST_TORCH ?= 2.13.0
+# The suite on the oldest torch the library supports (pyproject.toml: torch>=2.11, the torch of
+# the GPU machine `make gpu-check` runs on: docs/gpu.md), every other pin of constraints.txt, in
+# a venv of its own. PyTorch's CPU build of 2.11.0 is not found here (its index is unreachable),
+# so torch_step falls back to PyPI's default build: on Linux x86_64 the CUDA 13 build, which pins
+# its own nvidia-*, cuda-* and triton 3.6 wheels (about 4 GB in .venv-oldest); the pins of those
+# in constraints.txt belong to the newest torch and are dropped here. The suite runs on the CPU
+# there, Triton's interpreter tests with the GPU machine's Triton. No torchvision in this venv
+# (its tests and doctests skip, as the conftest says).
+OLDEST_TORCH ?= 2.11.0
 OLDEST       := .venv-oldest
 
 $(OLDEST)/.paraprop-installed: pyproject.toml constraints.txt
 	test -x $(OLDEST)/bin/python || $(PYTHON) -m venv $(OLDEST)
 	$(OLDEST)/bin/python -m pip install --upgrade pip
-	grep -v -E '^(torch|torchvision)==' constraints.txt > $(OLDEST)/constraints.txt
+	grep -v -E '^(torch|torchvision|triton|nvidia-[A-Za-z0-9_.-]+|cuda-[A-Za-z0-9_.-]+)==' \
+	  constraints.txt > $(OLDEST)/constraints.txt
 	echo 'torch==$(OLDEST_TORCH)' >> $(OLDEST)/constraints.txt
 	$(call torch_step,$(OLDEST),$(OLDEST_TORCH),,$(OLDEST)/constraints.txt)
 	$(OLDEST)/bin/python -m pip install -c $(OLDEST)/constraints.txt -e '.[test]'
@@ -62,6 +68,41 @@ $(OLDEST)/.paraprop-installed: pyproject.toml constraints.txt
 
 test-oldest: $(OLDEST)/.paraprop-installed
 	$(OLDEST)/bin/python -m pytest -p no:cacheprovider
+
+# The cuda half of the tests (the `device` fixture's cases marked gpu), where a GPU is. Without
+# one they skip, and pytest reports the skips (exit 0); make test and CI are unchanged.
+test-gpu: install
+	$(BIN)/python -m pytest -p no:cacheprovider -m gpu -rs
+
+# One prepared check for a GPU machine (docs/gpu.md): environment report, pytest -m gpu, the
+# papers' headline rows (paraprop bench gpu) and their report, at most 7 files in $(GPU_OUT),
+# under 8 minutes. It installs nothing from the network: the wheels and data of `make
+# gpu-wheels`, carried in .gpu/, are installed with pip --no-index --no-deps, and paraprop runs
+# from src/. On the GPU machine python3 is the one that has torch (no .venv there).
+# DEVICE=cpu runs the same flow on the CPU at tiny sizes (a test runs it too).
+DEVICE  ?= cuda
+GPU_OUT ?= $(or $(OUT),results/gpu-check)
+GPU_PY  ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) src/paraprop/bench/gpu_check.py \
+	  --device $(DEVICE) --out $(GPU_OUT)
+
+# What the GPU machine lacks (no network there; Python 3.12): wheels of the packages below, at
+# the versions constraints.txt pins, into .gpu/wheels, and the MNIST test files into .gpu/mnist.
+# All are pure Python (a py3-none-any wheel fits any Python 3; the check below refuses any
+# other): `pip wheel` takes the published wheel, or builds one from the sdist where PyPI has
+# none (nflows 0.14). .gpu/ is ignored by git; the device run carries it.
+GPU_DIR    ?= .gpu
+GPU_WHEELS := diffusers zuko nflows normflows importlib_metadata lazy-importer
+MNIST_DIR  ?= $(or $(PARAPROP_MNIST_DIR),../shared/data/mnist)
+gpu-wheels:
+	rm -rf $(GPU_DIR)/wheels && mkdir -p $(GPU_DIR)/wheels $(GPU_DIR)/mnist
+	$(PYTHON) -m pip wheel --no-deps -w $(GPU_DIR)/wheels \
+	  $(foreach p,$(GPU_WHEELS),$(p)==$(call pin,$(p)))
+	@if ls $(GPU_DIR)/wheels/*.whl | grep -v -e '-none-any\.whl$$'; then \
+	  echo "gpu-wheels: the wheels above are not pure Python" >&2; exit 1; fi
+	cp -f $(MNIST_DIR)/t10k-*-ubyte* $(GPU_DIR)/mnist/
+	ls -l $(GPU_DIR)/wheels $(GPU_DIR)/mnist
 
 demo: install
 	$(BIN)/paraprop demo
@@ -78,4 +119,5 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) $(OLDEST) build dist results site src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) $(GPU_DIR) build dist results site src/*.egg-info .pytest_cache \
+	  .ruff_cache

@@ -1,11 +1,15 @@
 """Benchmark suites: ``paraprop bench SUITE``.
 
 A suite is a module of this package that defines ``DESCRIPTION`` (one line) and
-``run(out_dir: pathlib.Path, *, quick: bool, repeats: int | None) -> dict``; it measures with
-:mod:`paraprop.experiments` (the timing harness, the report writer and the measurements it shares
-with ``paraprop demo``) and writes ``SUITE.json``, ``SUITE.md`` and PNG plots under ``out_dir``.
-New suites are found by name, nothing to register. Nothing in the package imports ``bench`` but
-the CLI: it is a leaf.
+``run(out_dir: pathlib.Path, *, quick: bool, repeats: int | None, device=None) -> dict``; it
+measures with :mod:`paraprop.experiments` (the timing harness, the report writer and the
+measurements it shares with ``paraprop demo``) and writes ``SUITE.json``, ``SUITE.md`` and PNG
+plots under ``out_dir``. ``device`` (``None``: the CPU) is where it measures: a suite with a
+GPU row lists it in ``DEVICE_ROWS`` (:class:`paraprop.experiments.rows.RowSpec`) and runs it
+there (reported as ``SUITE_cuda``); one without refuses any device but the CPU, saying why.
+``gpu`` runs every suite's ``DEVICE_ROWS`` side by side (``make gpu-check``,
+:mod:`paraprop.bench.gpu_check`). New suites are found by name, nothing to register. Nothing in
+the package imports ``bench`` but the CLI: it is a leaf.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-_NOT_SUITES = {"collect"}
+_NOT_SUITES = {"collect", "gpu_check"}
 
 
 def suites() -> dict[str, str]:

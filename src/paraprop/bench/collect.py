@@ -12,8 +12,11 @@ Two inputs, both kept in the repository:
 
 The page is then rendered from the stored reports (alphabetical order) and notes: each suite's
 headings move one level down, its note follows its command and date lines, and its images point
-into ``img/``. A test renders the page again and compares: a hand edit of the page itself fails
-it, so every word lives in a report or a note.
+into ``img/``. The reports of a GPU (``gpu.md``, from ``make gpu-check``, and ``SUITE_cuda.md``,
+from ``paraprop bench SUITE --device cuda``) come last, one level further down, under a section
+"On the GPU" that opens with the note ``_gpu.md`` (rendered even before a first GPU run, to say
+where those figures come from: docs/gpu.md). A test renders the page again and compares: a hand
+edit of the page itself fails it, so every word lives in a report or a note.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ Figures quoted in the README and the docs. Every table was produced by the comma
 the machine it names; ratios are medians of interleaved runs (A B A B ...) from the same run.
 Regenerate with `paraprop bench SUITE --out results` for each suite, then
 `paraprop report results`: it stores the new reports in `benchmarks/reports/` and writes this
-page from them and the notes in `benchmarks/notes/` (do not edit the page itself).
+page from them and the notes in `benchmarks/notes/` (do not edit the page itself). The figures
+of a GPU come from `make gpu-check` ([gpu.md](gpu.md)) and close the page.
 """
 
 REPORTS = Path("benchmarks/reports")
@@ -71,6 +75,27 @@ def _split_header(text: str) -> tuple[list[str], str]:
     return head, "\n".join(lines)
 
 
+def is_gpu(name: str) -> bool:
+    """Whether a stored report holds GPU figures: ``gpu`` (``make gpu-check``) or
+    ``SUITE_cuda`` (``paraprop bench SUITE --device cuda``)."""
+    return name == "gpu" or name.endswith("_cuda")
+
+
+def _section(name: str, reports: Path, notes: Path, level: int) -> str:
+    """One stored report as a section at heading ``level`` (its own headings below it)."""
+    head, body = _split_header((reports / f"{name}.md").read_text())
+    body = re.sub(r"^(#+) ", lambda m: "#" * (level - 1) + m.group(1) + " ", body, flags=re.M)
+    body = _IMAGE.sub(r"![\1](img/\2)", body)
+    section = ["#" * level + f" {name}", ""]
+    if head:
+        section += [*head, ""]
+    note = notes / f"{name}.md"
+    if note.exists():
+        section += [note.read_text().strip("\n"), ""]
+    section.append(body.strip("\n"))
+    return "\n".join(section) + "\n"
+
+
 def render(reports: Path, notes: Path) -> str:
     """The page from the stored reports and notes."""
     names = sorted(p.stem for p in reports.glob("*.md"))
@@ -80,18 +105,13 @@ def render(reports: Path, notes: Path) -> str:
     intro = notes / "_intro.md"
     if intro.exists():
         parts.append(intro.read_text().strip("\n") + "\n")
-    for name in names:
-        head, body = _split_header((reports / f"{name}.md").read_text())
-        body = re.sub(r"^(#+) ", r"#\1 ", body, flags=re.M)
-        body = _IMAGE.sub(r"![\1](img/\2)", body)
-        section = [f"## {name}", ""]
-        if head:
-            section += [*head, ""]
-        note = notes / f"{name}.md"
-        if note.exists():
-            section += [note.read_text().strip("\n"), ""]
-        section.append(body.strip("\n"))
-        parts.append("\n".join(section) + "\n")
+    parts += [_section(n, reports, notes, 2) for n in names if not is_gpu(n)]
+    gpus = [n for n in names if is_gpu(n)]
+    gpu_note = notes / "_gpu.md"
+    if gpus or gpu_note.exists():
+        text = gpu_note.read_text().strip("\n") if gpu_note.exists() else ""
+        parts.append("## On the GPU\n" + (f"\n{text}\n" if text else ""))
+        parts += [_section(n, reports, notes, 3) for n in gpus]
     return "\n".join(parts)
 
 

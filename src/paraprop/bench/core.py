@@ -14,14 +14,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from paraprop.experiments import rows_more as _rows
 from paraprop.experiments.core import run_problems  # noqa: E402
+from paraprop.experiments.device import resolve
 from paraprop.experiments.harness import machine_info
 from paraprop.experiments.report import write_results
+from paraprop.experiments.rows import RowSpec
+from paraprop.experiments.rows_report import device_suite
 
 DESCRIPTION = "sequential vs Jacobi vs hybrids on a MADE-shaped map and an MLP-depth recurrence"
 
+# its comparison on a GPU (``run(device="cuda")``, ``make gpu-check``)
+DEVICE_ROWS = [RowSpec("core.triangular_maps", _rows.core_rows, 10)]
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
+
+def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+        device: str | None = None) -> dict:
+    if resolve(device).type != "cpu":        # its device rows, on that device
+        return device_suite(Path(out_dir), "core", DEVICE_ROWS, resolve(device), quick=quick,
+                            repeats=repeats)
     repeats = repeats or (3 if quick else 5)
     tol = 1e-5
     res = run_problems(out_dir, quick=quick, repeats=repeats, tol=tol, name="core")

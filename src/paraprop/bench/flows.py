@@ -27,11 +27,18 @@ from pathlib import Path
 
 import torch
 
+from paraprop.experiments import rows_more as _rows
+from paraprop.experiments.device import resolve
 from paraprop.experiments.harness import interleaved, machine_info, median
 from paraprop.experiments.report import markdown_table, text_table, write_results
+from paraprop.experiments.rows import RowSpec
+from paraprop.experiments.rows_report import device_suite
 from paraprop.flows import accelerate
 
 DESCRIPTION = "zuko / nflows / normflows sampling: the library's own vs paraprop.flows.accelerate"
+
+# its comparison on a GPU (``run(device="cuda")``, ``make gpu-check``)
+DEVICE_ROWS = [RowSpec("flows.maf_sample", _rows.flows_rows, 12)]
 TARGET = 20.0     # the ratio for sampling a MAF of 784 features
 FEATURES, SAMPLES, LAYERS, HIDDEN = 784, 100, 3, 64
 SPLINE_FEATURES = 64
@@ -120,7 +127,11 @@ def row(label: str, call_label: str, d: int, build, call, target: bool, n: int, 
             "times_s": times}
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
+def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+        device: str | None = None) -> dict:
+    if resolve(device).type != "cpu":        # its device rows, on that device
+        return device_suite(Path(out_dir), "flows", DEVICE_ROWS, resolve(device), quick=quick,
+                            repeats=repeats)
     repeats = repeats or (1 if quick else 5)
     out_dir.mkdir(parents=True, exist_ok=True)
     n = 10 if quick else SAMPLES

@@ -29,9 +29,15 @@ from torch import nn  # noqa: E402
 from paraprop.experiments.harness import interleaved, machine_info, median  # noqa: E402
 from paraprop.experiments.plots import save_figure  # noqa: E402
 from paraprop.experiments.report import markdown_table, text_table, write_results  # noqa: E402
+from paraprop.experiments.rows_report import cpu_only
 from paraprop.jacobians import bppsa, patterns, transposed_jacobian  # noqa: E402
 
 DESCRIPTION = "CSR transposed Jacobians (BPPSA Table 1) and BPPSA FLOPs on (pruned) VGG-11"
+
+# no device rows: ``run(device=...)`` refuses any device but the CPU, saying why
+CPU_ONLY = ("its figures are the CPU's: the CSR transposed Jacobians built and filled on the "
+            "host, and the sparse scan backward on CPU tensors")
+
 PAPER_SPARSITY = {"conv": 0.99157, "relu": 0.99998, "maxpool": 0.99994}
 T1_COLUMNS = ["layer", "JT shape", "sparsity", "paper", "dense MB", "csr MB", "analytic_ms",
               "analytic_fill_ms", "autograd_cols_s", "jacrev_vmap_s", "speedup vs autograd",
@@ -173,7 +179,9 @@ def _plot(path: Path, steps: list[dict], rows: list[dict]) -> Path:
     return save_figure(fig, path, dpi=110)
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
+def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+        device: str | None = None) -> dict:
+    cpu_only("jacobians", device, CPU_ONLY)
     repeats = repeats or (1 if quick else 3)
     out_dir.mkdir(parents=True, exist_ok=True)
     warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")

@@ -31,8 +31,12 @@ from torch.func import functional_call, vjp, vmap
 
 import paraprop.experiments.plots  # noqa: F401  (selects matplotlib's headless backend)
 from paraprop.data import find_mnist_dir
+from paraprop.experiments import rows_more as _rows
+from paraprop.experiments.device import resolve
 from paraprop.experiments.harness import interleaved, machine_info, median
 from paraprop.experiments.report import markdown_table, text_table, write_results
+from paraprop.experiments.rows import RowSpec
+from paraprop.experiments.rows_report import device_suite
 from paraprop.models.blocks import ConvBlock, mlp_blocks
 from paraprop.multigrid import (
     CostModel,
@@ -45,6 +49,9 @@ from paraprop.multigrid import (
 
 DESCRIPTION = ("MGRIT: residual per cycle vs depth, batched MG vs serial forward, torchrun "
                "ranks vs model partitioning, simulated speedups, training accuracy")
+
+# its comparison on a GPU (``run(device="cuda")``, ``make gpu-check``)
+DEVICE_ROWS = [RowSpec("multigrid.forward", _rows.multigrid_rows, 10)]
 
 
 def _plt():
@@ -430,7 +437,11 @@ def training_study(out_dir: Path, quick: bool) -> dict:
             "md": md + "\n\n" + note + f"\n\n![]({png.name})"}
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
+def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+        device: str | None = None) -> dict:
+    if resolve(device).type != "cpu":        # its device rows, on that device
+        return device_suite(Path(out_dir), "multigrid", DEVICE_ROWS, resolve(device), quick=quick,
+                            repeats=repeats)
     """Run the suite; writes ``multigrid.json``, ``multigrid.md`` and PNGs under ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

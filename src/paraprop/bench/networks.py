@@ -38,6 +38,7 @@ from paraprop.experiments.harness import (
 )
 from paraprop.experiments.networks import COLUMNS, MEASURE_COLUMNS, TOL, fig1d, network_rows
 from paraprop.experiments.report import markdown_table, text_table, write_results  # noqa: E402
+from paraprop.experiments.rows_report import cpu_only
 from paraprop.models import small_densenet
 from paraprop.training.networks import (  # noqa: E402
     image_data,
@@ -49,6 +50,10 @@ from paraprop.training.networks import (  # noqa: E402
 
 DESCRIPTION = ("DenseNet-121/201, ResNet-18, deep MLP by Jacobi-GS over layers: iterations to zero "
                "top-5 changes, estimated speedup, measured time")
+
+# no device rows: ``run(device=...)`` refuses any device but the CPU, saying why
+CPU_ONLY = ("its parallel measurement runs Jacobi-GS blocks on CPU threads (workers=cores) "
+            "and times states at batch 1 on the host")
 
 
 def configs(quick: bool) -> list[dict]:
@@ -100,7 +105,9 @@ NOTES = (
     "with the same iterations.")
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
+def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+        device: str | None = None) -> dict:
+    cpu_only("networks", device, CPU_ONLY)
     repeats = repeats or (1 if quick else 4)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -23,14 +23,21 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from paraprop.errors import ConvergenceError, NonFiniteError
+from paraprop.experiments import rows_more as _rows
+from paraprop.experiments.device import resolve
 from paraprop.experiments.harness import interleaved, machine_info, median, threads
 from paraprop.experiments.plots import plt, save_figure
 from paraprop.experiments.report import markdown_table, text_table, write_results
+from paraprop.experiments.rows import RowSpec
+from paraprop.experiments.rows_report import device_suite
 from paraprop.linalg import activation_points, mlp_backward, mlp_forward, rnn_backward
 from paraprop.models import deep_mlp
 
 DESCRIPTION = ("MLP/RNN backward as block bi-diagonal systems: cyclic reduction vs autograd, "
                "Jacobi, BiCGStab")
+
+# its comparison on a GPU (``run(device="cuda")``, ``make gpu-check``)
+DEVICE_ROWS = [RowSpec("triangular.mlp_backward", _rows.triangular_rows, 8)]
 
 MLP_COLUMNS = ["l", "width", "batch", "threads", "autograd_ms", "cr_ms", "subst_ms", "cr_speedup",
                "fwd_bwd_speedup", "cr_levels", "log2_bound", "subst_levels", "cr_mflop",
@@ -265,7 +272,11 @@ def rnn_configs(quick: bool) -> list[tuple[int, int, int, int]]:
     return [(2, 8, 8, 2)] if quick else [(4, 16, 16, 4), (4, 64, 16, 4), (8, 32, 16, 1)]
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None) -> dict:
+def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+        device: str | None = None) -> dict:
+    if resolve(device).type != "cpu":        # its device rows, on that device
+        return device_suite(Path(out_dir), "triangular", DEVICE_ROWS, resolve(device), quick=quick,
+                            repeats=repeats)
     """Run the suite; timings use 1 intra-op thread except the thread comparison.
 
     On the shared 2-core machine, batched kernels with 2 threads open OpenMP parallel regions

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from paraprop.experiments.device import record
+from paraprop.experiments.device import record, resolve
 from paraprop.experiments.plots import plt, save_figure
 from paraprop.experiments.report import fmt, markdown_table, text_table, write_results
 from paraprop.experiments.rows import Context, RowSpec, run_specs
@@ -125,3 +125,16 @@ def device_suite(out_dir: Path, suite: str, specs: list[RowSpec], device: torch.
            + (" --quick" if quick else "") + (f" --repeats {repeats}" if repeats else ""))
     return write(out_dir, suite if cpu else f"{suite}_{device.type}", records, record(device),
                  cmd, payload={"quick": quick, "repeats": repeats})
+
+
+def cpu_only(suite: str, device, why: str) -> None:
+    """The check of a suite without device rows: nothing for the CPU (or ``None``), else a
+    ``ValueError`` that names the suite, the device and ``why``.
+
+    Raises:
+        ValueError: a device other than the CPU (or one :func:`resolve` refuses).
+    """
+    dev = resolve(device)
+    if dev.type != "cpu":
+        raise ValueError(f"paraprop bench {suite} measures on the CPU only, not on {dev}: {why}; "
+                         "the GPU rows are those of paraprop bench gpu (make gpu-check)")
