@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from paraprop import ConvergenceError
+from paraprop import ConvergenceError, StochasticModelError
 from paraprop.distributed import PeerError, layer_range, spawn
 from paraprop.multigrid import (
     ForwardStepper,
@@ -216,10 +216,10 @@ def _bn_blocks(n=8):
 def test_train_mode_batchnorm_is_refused():
     net = ParallelResidualStack(_bn_blocks(), 0.1)
     x = torch.randn(5, 4)
-    with pytest.raises(ValueError, match=r"blocks\[0\]\.1 is a BatchNorm1d in training mode, "
-                                         r"which updates its running statistics .*\(stack\.eval"
-                                         r"\(\) or blocks\[0\]\.1\.eval\(\)\) .* plain "
-                                         r"nn\.Sequential"):
+    with pytest.raises(StochasticModelError,
+                       match=r"blocks\[0\]\.1 is a BatchNorm1d in training mode, which updates "
+                             r"its running statistics .* Call stack\.eval\(\) \(or "
+                             r"blocks\[0\]\.1\.eval\(\)\) first .* plain nn\.Sequential"):
         net(x)
     assert all(float(b[1].running_mean.abs().max()) == 0 for b in net.blocks)  # untouched
     net.eval()
@@ -242,8 +242,10 @@ def test_train_mode_batchnorm_is_refused():
 def test_train_mode_dropout_is_refused():
     blocks = [nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Dropout(0.2)) for _ in range(8)]
     net = ParallelResidualStack(blocks, 0.1, batched=False)
-    with pytest.raises(ValueError, match=r"blocks\[0\]\.2 is a Dropout in training mode, which "
-                                         r"draws new random numbers"):
+    with pytest.raises(StochasticModelError,
+                       match=r"blocks\[0\]\.2 is a Dropout in training mode, which draws random "
+                             r"numbers at every call p=0.2, and MGRIT calls every block several "
+                             r"times per solve"):
         net(torch.randn(5, 4))
     net.eval()
     net(torch.randn(5, 4))
@@ -298,6 +300,187 @@ def test_dtype_and_device_mismatch_are_named():
         ParallelResidualStack(mixed, 0.1, batched=False)(inputs(width=4))
 
 
+# -- other stochastic blocks (issue 27, item 2): the shared determinism check, per block ----------
+class FunctionalDropout(nn.Module):
+    """Dropout applied through an attribute, as transformers' blocks do (no Dropout module)."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.dropout = p
+
+    def forward(self, u):
+        return nn.functional.dropout(torch.tanh(self.linear(u)), self.dropout, self.training)
+
+
+@pytest.mark.parametrize("make,where,match", [
+    (lambda: nn.Sequential(nn.Linear(4, 4), nn.RReLU()), r"blocks\[0\]\.1",
+     r"is a RReLU in training mode, which draws random numbers at every call"),
+    (lambda: FunctionalDropout(0.1), r"blocks\[0\]",
+     r"is a FunctionalDropout in training mode, which applies dropout in train mode "
+     r"\(dropout=0.1\)"),
+    (lambda: nn.Sequential(nn.Conv1d(4, 4, 1), nn.InstanceNorm1d(4, track_running_stats=True)),
+     r"blocks\[0\]\.1", r"is a InstanceNorm1d in training mode, which updates its running "
+                         r"statistics"),
+], ids=["rrelu", "functional-dropout", "instancenorm-running-stats"])
+def test_other_stochastic_blocks_are_refused(make, where, match):
+    blocks = [make() for _ in range(8)]
+    x = torch.randn(5, 4) if "Instance" not in match else torch.randn(5, 4, 3)
+    net = ParallelResidualStack(blocks, 0.1, batched=False)
+    with pytest.raises(StochasticModelError, match=where + " " + match + r".* Call stack\.eval"):
+        net(x)
+    with pytest.raises(StochasticModelError, match=where):
+        mgrit(ForwardStepper(blocks, batched=False), x, Hierarchy.build(8, levels=2,
+                                                                         coarsening=2), 0.1)
+    net.eval()                          # eval mode: a fixed function, the serial result
+    with torch.no_grad():
+        assert max_err(net(x), net.serial_forward(x)) <= 1e-5
+
+
+def test_inactive_dropout_attribute_and_eval_switch_after_construction():
+    blocks = [FunctionalDropout(0.0) for _ in range(8)]   # p = 0: the identity, accepted
+    net = ParallelResidualStack(blocks, 0.1)
+    net(torch.randn(3, 4))
+    blocks[6].dropout = 0.3             # assigned after construction: checked at forward time
+    with pytest.raises(StochasticModelError, match=r"blocks\[6\] is a FunctionalDropout"):
+        net(torch.randn(3, 4))
+    blocks[6].eval()
+    net(torch.randn(3, 4))
+
+
+# -- settings assigned after construction (issue 27, item 5) ------------------------------------
+@pytest.mark.parametrize("attr,value,exc,match", [
+    ("relax", "C", ValueError, r"unknown relax='C'; choose one of F, FCF"),
+    ("tol", -1.0, ValueError, r"tol must be a number >= 0 or None, got -1.0"),
+    ("max_iters", 0, ValueError, r"max_iters must be a positive int or None, got 0"),
+    ("step_size", 0.0, ValueError, r"step_size must be"),
+    ("backward_mode", "adjont", ValueError, r"unknown backward='adjont'"),
+    ("c_weight", 3.0, ValueError, r"c_weight must be a number in \(0, 2\], got 3.0"),
+    ("throw", "yes", TypeError, r"throw must be a bool"),
+    ("warm_start", 1, TypeError, r"warm_start must be a bool"),
+])
+def test_settings_assigned_after_construction_are_checked(attr, value, exc, match):
+    net = ParallelResidualStack(accumulating(16, width=4), 0.1)
+    setattr(net, attr, value)
+    with pytest.raises(exc, match=match):
+        net(inputs(width=4))
+
+
+def test_settings_assigned_after_construction_are_honoured():
+    blocks = accumulating(16, width=4, seed=2)
+    net = ParallelResidualStack(blocks, 1 / 16)
+    x = inputs(width=4).requires_grad_()
+    net.tol, net.backward_mode = 1e-12, "serial"
+    net(x).square().sum().backward()
+    st = net.last_stats
+    assert st["forward"].stats["tol"] == 1e-12 and st["forward"].stats["error_estimate"] <= 1e-12
+    assert st["backward"].iterations == 0 and st["backward"].method == "sequential"
+    mixed = accumulating(7, width=4) + [nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double()]
+    net = ParallelResidualStack(mixed, 0.1)
+    assert net.batched is False
+    with pytest.raises(ValueError, match="batched=True needs blocks that share an architecture"):
+        net.batched = True
+    with pytest.raises(TypeError, match="batched must be a bool or None, got 'yes'"):
+        net.batched = "yes"
+    assert net.batched is False
+
+
+# -- low precision and tol=0: the batched evaluation rounds differently (issue 27, item 3) -------
+def _mlp(depth, dtype, seed=0):
+    from paraprop.models.blocks import mlp_blocks
+
+    return [b.to(dtype) for b in mlp_blocks(depth, 6, kind="iid", gain=1.5, seed=seed)]
+
+
+LOWP = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize("dtype", list(LOWP.values()), ids=list(LOWP))
+def test_low_precision_stack_is_the_serial_loop(dtype, device):
+    """bf16 / fp16: the blocks run one by one (the batched vmap rounds several ulp away from
+    the loop), so tol=0 gives bitwise the serial network and a tol holds; gradients within
+    twice autograd's own deviation from float64 plus one eps (docs/multigrid.md)."""
+    blocks = [b.to(device) for b in _mlp(32, dtype)]
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    for tol in (0.0, 1e-2):
+        net = ParallelResidualStack(blocks, 1 / 32, coarsening=4, levels=2, tol=tol)
+        with torch.no_grad():
+            y, ref = net(x), net.serial_forward(x)
+        st = net.last_stats["forward"]
+        assert st.converged and st.stats["batched"] is False
+        assert torch.equal(y, ref) if tol == 0 else max_err(y.float(), ref.float()) <= tol
+    blocks64 = [b.to(device, torch.float64) for b in _mlp(32, dtype)]    # the same weights
+    grads = []
+    for run, bl in (("mgrit", blocks), ("autograd", blocks), ("float64", blocks64)):
+        xi = (x.double() if run == "float64" else x).clone().requires_grad_()
+        if run == "mgrit":
+            y = ParallelResidualStack(bl, 1 / 32, coarsening=4, levels=2)(xi)
+        else:
+            y = xi
+            for b in bl:
+                y = y + (1 / 32) * b(y)
+        (y.double() ** 2).sum().backward()
+        grads.append([xi.grad.double(), *(p.grad.double() for b in bl for p in b.parameters())])
+        for b in bl:
+            b.zero_grad()
+
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max())
+
+    for ours, theirs, exact in zip(*grads, strict=True):
+        assert rel(ours, exact) <= 2 * rel(theirs, exact) + torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 1e-3),
+                                       (torch.float32, 0.0), (torch.float64, 0.0)],
+                         ids=["bf16", "fp16", "f32-tol0", "f64-tol0"])
+def test_batched_true_is_refused_where_it_cannot_be_exact(dtype, tol):
+    blocks = _mlp(16, dtype)
+    x = torch.randn(3, 6).to(dtype)
+    match = r"batched=True with .*rounds differently from the per-block serial loop"
+    net = ParallelResidualStack(blocks, 1 / 16, tol=tol, batched=True)
+    with pytest.raises(ValueError, match=r"ParallelResidualStack: " + match + r".* pass "
+                                         r"batched=None"):
+        net(x)
+    hier = Hierarchy.build(16, levels=2, coarsening=4)
+    with pytest.raises(ValueError, match=r"mgrit \(ForwardStepper\(batched=True\)\): " + match
+                                         + r".* pass a ForwardStepper\(\.\.\., batched=False\)"):
+        mgrit(ForwardStepper(blocks), x, hier, 1 / 16, tol=tol)
+    net.batched = None                   # the stack's choice: block by block for this solve
+    with torch.no_grad():
+        y = net(x)
+    assert net.last_stats["forward"].stats["batched"] is False
+    if tol == 0:
+        assert torch.equal(y, net.serial_forward(x))
+    net.tol = 1e-3 if dtype in (torch.float32, torch.float64) else tol
+    if dtype in (torch.float32, torch.float64):   # batched again where it is exact enough
+        with torch.no_grad():
+            net(x)
+        assert net.last_stats["forward"].stats["batched"] is True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("depth,levels,c,relax,w", [(16, 2, 4, "FCF", 1.0), (19, 2, 3, "F", 1.0),
+                                                    (23, 3, 2, "FCF", 0.7), (37, 3, 3, "F", 1.0)])
+def test_tol_zero_is_bitwise_the_serial_loop(depth, levels, c, relax, w, dtype, device):
+    """tol=0 means bitwise the serial network or converged=False: the blocks then run one by
+    one on states of their own (a row of a buffer would meet BLAS at another alignment and round
+    differently), so the fixed point is the serial loop's, bit for bit."""
+    blocks = [b.to(device) for b in _mlp(depth, dtype, seed=depth)]
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(depth)).to(device, dtype)
+    net = ParallelResidualStack(blocks, 1.5 / depth, coarsening=c, levels=levels, relax=relax,
+                                c_weight=w, tol=0)
+    with torch.no_grad():
+        y = net(x)
+    st = net.last_stats["forward"]
+    assert st.converged and st.stats["batched"] is False
+    assert torch.equal(y, net.serial_forward(x))
+    hier = Hierarchy.build(depth, levels=levels, coarsening=c)
+    sol = mgrit(ForwardStepper(blocks, batched=False), x, hier, 1.5 / depth, relax=relax,
+                c_weight=w, tol=0)
+    assert sol.converged and torch.equal(sol.value, serial_states(blocks, x, 1.5 / depth))
+
+
 # -- distributed -----------------------------------------------------------------------------
 def test_layer_range_rank_out_of_range():
     with pytest.raises(ValueError, match=r"rank must be an int in 0 \.\. 1 \(world=2\), got 2"):
@@ -345,5 +528,5 @@ def _mismatched_inputs(rank, case):
 def test_distributed_mismatch_raises_on_every_rank(case):
     names = spawn(_mismatched_inputs, 2, case, timeout=120, threads=1)
     want = {"shape": ["PeerError", "PeerError"], "dtype": ["PeerError", "TypeError"],
-            "batchnorm": ["PeerError", "ValueError"]}[case]
+            "batchnorm": ["PeerError", "StochasticModelError"]}[case]
     assert names == want

@@ -42,12 +42,12 @@ CONFIGS = [  # depth, levels, coarsening, relax: odd depths, depths not divisibl
 
 @pytest.mark.parametrize("mode", ["vmap", "loop", "hook"])
 @pytest.mark.parametrize("depth,levels,c,relax", CONFIGS)
-def test_converged_mgrit_equals_serial(depth, levels, c, relax, mode):
+def test_converged_mgrit_equals_serial(depth, levels, c, relax, mode, device):
     """vmap over stacked parameters, a loop over blocks, or the blocks' batched_forward."""
     dtype = torch.float64
-    blocks = mlp_blocks(depth, 6, kind="iid", gain=1.5, seed=depth, dtype=dtype,
-                        fast=mode == "hook")
-    x = torch.randn(3, 6, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    blocks = [b.to(device) for b in mlp_blocks(depth, 6, kind="iid", gain=1.5, seed=depth,
+                                                dtype=dtype, fast=mode == "hook")]
+    x = torch.randn(3, 6, dtype=dtype, generator=torch.Generator().manual_seed(1)).to(device)
     h = 2.0 / depth
     hier = Hierarchy.build(depth, levels=levels, coarsening=c)
     res = mgrit(ForwardStepper(blocks, batched=mode != "loop"), x, hier, h, relax=relax,
@@ -71,9 +71,9 @@ def test_exact_after_the_cycle_bound_without_tol(depth, levels, c, relax):
     assert rel_err(res.value, serial_states(blocks, x, 1.0 / depth)) <= 1e-12
 
 
-def test_float32_converges_to_serial():
-    blocks = mlp_blocks(40, 8, seed=2)
-    x = torch.randn(4, 8)
+def test_float32_converges_to_serial(device):
+    blocks = [b.to(device) for b in mlp_blocks(40, 8, seed=2)]
+    x = torch.randn(4, 8).to(device)
     hier = Hierarchy.build(40, levels=3, coarsening=3)
     res = mgrit(ForwardStepper(blocks), x, hier, 0.05, max_iters=20, tol=TOL[torch.float32][1])
     assert res.converged

@@ -20,7 +20,8 @@ def grads_of(loss_fn, params):
 
 
 def loss_of(y):
-    return (y ** 2).sum() + (y * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)).sum()
+    return (y ** 2).sum() + (y * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype,
+                                                device=y.device)).sum()
 
 
 @pytest.mark.parametrize("depth,levels,c,relax,backward,batched,fast", [
@@ -31,13 +32,14 @@ def loss_of(y):
     (40, 3, 3, "FCF", "adjoint", None, True),
     (19, 2, 3, "FCF", "serial", None, False),
 ])
-def test_converged_gradients_equal_autograd(depth, levels, c, relax, backward, batched, fast):
-    blocks = mlp_blocks(depth, 5, kind="iid", gain=1.5, seed=depth, dtype=torch.float64,
-                        fast=fast)
+def test_converged_gradients_equal_autograd(depth, levels, c, relax, backward, batched, fast,
+                                            device):
+    blocks = [b.to(device) for b in mlp_blocks(depth, 5, kind="iid", gain=1.5, seed=depth,
+                                                dtype=torch.float64, fast=fast)]
     h = 1.5 / depth
     net = ParallelResidualStack(blocks, h, coarsening=c, levels=levels, relax=relax,
                                 max_iters=None, tol=1e-14, backward=backward, batched=batched)
-    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 5, dtype=torch.float64).to(device).requires_grad_()
     params = [x, *net.parameters()]
     g_mg = grads_of(lambda: loss_of(net(x)), params)
     g_ref = grads_of(lambda: loss_of(serial_net(blocks, x, h)), params)

@@ -41,6 +41,7 @@ from paraprop.multigrid.common import (
     check_input,
     check_settings,
     resolve_batched,
+    run_batched,
     solve_through,
     warn_unchecked,
 )
@@ -144,7 +145,8 @@ class LayerParallelStack(nn.Module):
         check_settings(step_size=step_size, relax=relax, max_iters=max_iters, tol=tol,
                        c_weight=c_weight, backward=backward)
         check_timeout(timeout)
-        batched = resolve_batched(blocks, batched)
+        batched_arg = batched
+        resolve_batched(blocks, batched)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised; call "
                                "paraprop.distributed.init_from_env() first")
@@ -160,8 +162,8 @@ class LayerParallelStack(nn.Module):
                              f"needs {b - a} blocks, got {len(blocks)}")
         self.hierarchy = Hierarchy.build(depth, levels=levels,
                                          coarsening=as_coarsening(coarsening))
-        self.batched = batched
         self.blocks = nn.ModuleList(blocks)
+        self.batched = batched_arg
         self.depth, self.step_size = depth, float(step_size)
         self.relax, self.max_iters, self.tol, self.throw = relax, max_iters, tol, bool(throw)
         self.c_weight, self.backward_mode = float(c_weight), backward
@@ -177,6 +179,17 @@ class LayerParallelStack(nn.Module):
         return self.parts[self.rank]
 
     @property
+    def batched(self) -> bool:
+        """As :attr:`paraprop.multigrid.ParallelResidualStack.batched` (assignments checked)."""
+        return self._batched
+
+    @batched.setter
+    def batched(self, value) -> None:
+        checks.boolean("batched", value, allow_none=True)
+        object.__setattr__(self, "_batched", resolve_batched(self.blocks, value))
+        object.__setattr__(self, "_batched_arg", value)
+
+    @property
     def is_last(self) -> bool:
         return self.rank == self.world - 1
 
@@ -184,8 +197,8 @@ class LayerParallelStack(nn.Module):
         self._params.reset()
         return super()._apply(fn, *args, **kwargs)
 
-    def _stacked(self):
-        return self._params.stack() if self.batched else None
+    def _stacked(self, batched: bool):
+        return self._params.stack() if batched else None
 
     def _record(self, key, sol, link, t0, evaluations=None):
         stats = {k: v for k, v in sol.stats.items() if k != "parameter_grads"}
@@ -245,9 +258,11 @@ class LayerParallelStack(nn.Module):
     def _solve_forward(self, x: torch.Tensor):
         t0 = time.perf_counter()
         x = self._broadcast(x, self.ranks[0], "forward")
-        stacked = self._stacked()
+        batched = run_batched("LayerParallelStack", self.batched, self._batched_arg, x.dtype,
+                              self.tol)
+        stacked = self._stacked(batched)
         a, _ = self.layers
-        stepper = ForwardStepper(self.blocks, a, batched=self.batched, stacked=stacked)
+        stepper = ForwardStepper(self.blocks, a, batched=batched, stacked=stacked)
         link = DistLink(self.ranks, timeout=self.timeout, group=self.group, what="forward")
         sol = self._mgrit(stepper, x, self.hierarchy, link, self.parts, self.rank, "forward")
         self._record("forward", sol, link, t0)
@@ -257,7 +272,7 @@ class LayerParallelStack(nn.Module):
         t0 = time.perf_counter()
         a, b = self.layers
         n = self.depth
-        stepper = AdjointStepper(self.blocks, a, n, states, batched=self.batched,
+        stepper = AdjointStepper(self.blocks, a, n, states, batched=stacked is not None,
                                  stacked=stacked)
         rparts = [(n - hi, n - lo) for lo, hi in reversed(self.parts)]
         rranks = list(reversed(self.ranks))
@@ -285,8 +300,15 @@ class LayerParallelStack(nn.Module):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"x must be a floating-point torch.Tensor, got {type(x).__name__}")
         try:
+            # the settings again (attributes may be assigned after construction)
+            check_settings(step_size=self.step_size, relax=self.relax,
+                           max_iters=self.max_iters, tol=self.tol, c_weight=self.c_weight,
+                           backward=self.backward_mode, throw=self.throw)
+            check_timeout(self.timeout)
             check_input(x, self._params.floating(), self.layers[0])
             check_block_modes(self._params.stateful(), self.layers[0])
+            run_batched("LayerParallelStack", self.batched, self._batched_arg, x.dtype,
+                        self.tol)
         except (TypeError, ValueError):
             try:
                 self._check_peers(x, refused=True)  # the others learn of it and raise too

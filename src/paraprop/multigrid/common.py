@@ -18,12 +18,15 @@ import torch
 from torch import nn
 
 from paraprop import checks
-from paraprop.multigrid.params import RANDOM_MODULES, stateful_modules
+from paraprop.determinism import NORM_MODULES, stochastic_parts
+from paraprop.errors import StochasticModelError
+from paraprop.multigrid.params import stateful_modules
 from paraprop.multigrid.steps import shares_architecture
 
-__all__ = ["BACKWARD", "DEFAULT_TOL", "RELAX", "UncheckedResultWarning", "as_coarsening",
-           "check_block_modes", "check_blocks", "check_c_weight", "check_input", "check_settings",
-           "resolve_batched", "solve_through", "stateful_modules", "warn_unchecked"]
+__all__ = ["BACKWARD", "DEFAULT_TOL", "LOW_PRECISION", "RELAX", "UncheckedResultWarning",
+           "as_coarsening", "check_block_modes", "check_blocks", "check_c_weight", "check_input",
+           "check_settings", "resolve_batched", "run_batched", "solve_through",
+           "stateful_modules", "warn_unchecked"]
 
 RELAX = ("F", "FCF")
 BACKWARD = ("adjoint", "serial")
@@ -56,8 +59,10 @@ def check_c_weight(c_weight) -> None:
         raise ValueError(f"c_weight must be a number in (0, 2], got {c_weight!r}")
 
 
-def check_settings(*, step_size, relax, max_iters, tol, c_weight, backward) -> None:
-    """The settings of a residual-stack module (``max_iters``: ``>= 1`` or ``None``).
+def check_settings(*, step_size, relax, max_iters, tol, c_weight, backward, throw=True
+                   ) -> None:
+    """The settings of a residual-stack module (``max_iters``: ``>= 1`` or ``None``), checked
+    at construction and again at every forward (the attributes may be assigned later).
 
     Raises:
         ValueError: the first bad setting, named, with its value.
@@ -68,6 +73,46 @@ def check_settings(*, step_size, relax, max_iters, tol, c_weight, backward) -> N
     checks.nonneg_number("tol", tol, allow_none=True)
     checks.one_of("backward", backward, BACKWARD)
     check_c_weight(c_weight)
+    checks.boolean("throw", throw)
+
+
+#: dtypes in which the batched evaluation of the blocks is not used (see :func:`run_batched`)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def run_batched(entry: str, batched: bool, requested, dtype: torch.dtype, tol,
+                remedy: str | None = None) -> bool:
+    """Whether this solve evaluates the blocks batched (one ``vmap`` over stacked parameters).
+
+    The batched evaluation rounds differently from the per-block serial loop (other kernels):
+    by about one unit in the last place per layer, which float32 and float64 certificates far
+    above rounding absorb, but which makes ``tol=0`` (bitwise the serial result) impossible and
+    is several units of the certified error in bfloat16 / float16 (measured: 2 to 4 ulp at depth
+    32). So those solves evaluate block by block, whose fixed point is bitwise the serial loop.
+
+    Arguments:
+        batched: the module's setting resolved at construction (blocks share an architecture).
+        requested: what the user passed (``None``: the module's choice; ``True``: required).
+        remedy: what to do instead, for the message (default: the modules' ``batched``).
+
+    Raises:
+        ValueError: ``batched=True`` was required with ``tol=0`` or a bf16 / fp16 input.
+    """
+    if not batched:
+        return False
+    why = (f"x has dtype {dtype}" if dtype in LOW_PRECISION else
+           "tol=0 (bitwise the serial result)" if tol == 0 else None)
+    if why is None:
+        return True
+    if requested:
+        raise ValueError(
+            f"{entry}: batched=True with {why}: the batched evaluation (vmap over stacked "
+            "parameters) rounds differently from the per-block serial loop (about one unit in "
+            "the last place per layer), so it can neither give the serial result bitwise nor "
+            "certify a tol in bfloat16 / float16; " + (remedy or
+            "pass batched=None (such solves then evaluate the blocks one by one, bitwise the "
+            "serial loop's steps) or batched=False"))
+    return False
 
 
 def check_blocks(blocks) -> list[nn.Module]:
@@ -131,32 +176,46 @@ def solve_through(module, x: torch.Tensor, params: list[torch.Tensor]) -> torch.
 
 # -- checks at every forward ---------------------------------------------------------------------
 def check_block_modes(stateful: list[tuple[int, str, nn.Module]], offset: int = 0) -> None:
-    """Refuse a block with a module that would update buffers, or draw random numbers, in this
-    forward call (train mode can be switched after construction, so this runs every time).
+    """Refuse a block whose output in this forward call would not be a fixed function of its
+    input (train mode can be switched after construction, so this runs every time): a layer
+    that draws random numbers (:func:`paraprop.determinism.stochastic_parts`: dropout, RReLU,
+    functional dropout attributes), or a norm layer that updates running statistics. A norm layer
+    without running statistics reads only the statistics of the state it is given (the whole
+    batch at one depth, as in the serial network), so it is accepted.
+
+    Arguments:
+        stateful: the candidates (:func:`stateful_modules`; listed once per module).
+        offset: the global index of block 0 (named in the message).
 
     Raises:
-        ValueError: naming the block index, the module and the remedies.
+        paraprop.StochasticModelError: a ``ValueError`` naming the block index, the layer, what
+            it does and the remedy (``stack.eval()``).
     """
     for i, name, m in stateful:
         if not m.training:
             continue
-        if isinstance(m, RANDOM_MODULES):
-            if isinstance(m, nn.modules.dropout._DropoutNd) and m.p == 0:
-                continue
-            does = ("draws new random numbers at every call, and MGRIT calls every block "
-                    "several times per solve, so no serial network computes its result")
-        else:
+        where = f"blocks[{i + offset}]" + (f".{name}" if name else "")
+        if isinstance(m, NORM_MODULES):
             if not m.track_running_stats:
                 continue  # batch statistics only: a pure function of the state
             does = ("updates its running statistics (buffers) at every call; MGRIT evaluates "
                     "the block several times per solve on intermediate states (on stacked "
                     "copies of the buffers when batched), so the statistics would not be the "
                     "serial network's (or would never be updated)")
-        where = f"blocks[{i + offset}]" + (f".{name}" if name else "")
-        raise ValueError(
-            f"{where} is a {type(m).__name__} in training mode, which {does}. Put it in "
-            f"evaluation mode (stack.eval() or {where}.eval()) to use it as a fixed function, "
-            "or train with a plain nn.Sequential of the residual blocks instead")
+            kind = type(m).__name__
+        else:
+            parts = stochastic_parts(m, norms=False)
+            own = [p for p in parts if p[0] == "(the model)"]   # m itself, not its children
+            if not own:
+                continue   # p = 0, or the attribute is not an active dropout rate
+            _, kind, what = own[0]
+            does = (f"{what}, and MGRIT calls every block several times per solve, so no "
+                    "serial network computes its result")
+        raise StochasticModelError(
+            f"{where} is a {kind} in training mode, which {does}. Call stack.eval() (or "
+            f"{where}.eval()) first to use it as a fixed function of its input (expected a "
+            "block in eval mode or without stochastic layers; found train mode), or train "
+            "with a plain nn.Sequential of the residual blocks instead")
 
 
 def floating_tensors(blocks: Sequence[nn.Module]):

@@ -65,6 +65,7 @@ from paraprop.multigrid.common import (
     check_c_weight,
     check_input,
     floating_tensors,
+    run_batched,
     stateful_modules,
     warn_unchecked,
 )
@@ -436,6 +437,11 @@ def mgrit(
         offset = getattr(stepper, "a", stepper.offset)
         check_input(x, floating_tensors(blocks), offset)
         check_block_modes(stateful_modules(blocks), offset)
+    if getattr(stepper, "batched", False):
+        name = type(stepper).__name__
+        run_batched(f"mgrit ({name}(batched=True))", True, True, x.dtype, tol,
+                    remedy=f"pass a {name}(..., batched=False), whose steps are the serial "
+                           "loop's")
     bound = hierarchy.exact_cycles()
     if tol is None and hierarchy.levels > 1 and max_iters is not None and max_iters < bound:
         warn_unchecked("mgrit", max_iters, bound)

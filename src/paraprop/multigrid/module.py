@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from paraprop import checks
 from paraprop.multigrid.common import (
     BACKWARD,
     DEFAULT_TOL,
@@ -31,6 +32,7 @@ from paraprop.multigrid.common import (
     check_input,
     check_settings,
     resolve_batched,
+    run_batched,
     solve_through,
     warn_unchecked,
 )
@@ -123,7 +125,7 @@ class ParallelResidualStack(nn.Module):
                        c_weight=c_weight, backward=backward)
         self.hierarchy = Hierarchy.build(len(blocks), levels=levels,
                                          coarsening=as_coarsening(coarsening))
-        batched = resolve_batched(blocks, batched)
+        resolve_batched(blocks, batched)
         self.blocks = nn.ModuleList(blocks)
         self.step_size = float(step_size)
         self.relax = relax
@@ -133,7 +135,7 @@ class ParallelResidualStack(nn.Module):
         self.backward_mode = backward
         self.warm_start = bool(warm_start)
         self.c_weight = float(c_weight)
-        self.batched = bool(batched)
+        self.batched = batched
         self.last_stats: dict[str, Solution] = {}
         self._warm: dict[str, torch.Tensor] = {}
         self._params = BlockParams(self.blocks)
@@ -144,6 +146,20 @@ class ParallelResidualStack(nn.Module):
     @property
     def levels(self) -> int:
         return self.hierarchy.levels
+
+    @property
+    def batched(self) -> bool:
+        """Whether the blocks are evaluated batched (``vmap`` over stacked parameters) where a
+        solve allows it (not with ``tol=0`` nor in bf16 / fp16, see
+        :func:`paraprop.multigrid.common.run_batched`). Assigning ``None``, ``True`` or
+        ``False`` is checked as the constructor's ``batched``."""
+        return self._batched
+
+    @batched.setter
+    def batched(self, value) -> None:
+        checks.boolean("batched", value, allow_none=True)
+        object.__setattr__(self, "_batched", resolve_batched(self.blocks, value))
+        object.__setattr__(self, "_batched_arg", value)
 
     def extra_repr(self) -> str:
         h = self.hierarchy
@@ -157,14 +173,15 @@ class ParallelResidualStack(nn.Module):
         self._warm = {}
         return super()._apply(fn, *args, **kwargs)
 
-    def _stack(self):
-        return self._params.stack() if self.batched else None
+    def _stack(self, batched: bool):
+        return self._params.stack() if batched else None
 
     # -- solves -------------------------------------------------------------------------------
-    def _record(self, key: str, sol: Solution, t0: float, evaluations: int | None = None
-                ) -> None:
+    def _record(self, key: str, sol: Solution, t0: float, batched: bool,
+                evaluations: int | None = None) -> None:
         stats = {k: v for k, v in sol.stats.items() if k != "parameter_grads"}
         stats["time_s"] = time.perf_counter() - t0
+        stats["batched"] = batched
         self.last_stats[key] = dataclasses.replace(
             sol, value=sol.value[-1].clone(), stats=stats,
             evaluations=sol.evaluations if evaluations is None else evaluations)
@@ -188,14 +205,16 @@ class ParallelResidualStack(nn.Module):
 
     def _solve_forward(self, x: torch.Tensor):
         t0 = time.perf_counter()
-        stacked = self._stack()
-        stepper = ForwardStepper(self.blocks, batched=self.batched, stacked=stacked)
-        versions = None if self.batched else self._params.buffer_versions()
+        batched = run_batched("ParallelResidualStack", self.batched, self._batched_arg,
+                              x.dtype, self.tol)
+        stacked = self._stack(batched)
+        stepper = ForwardStepper(self.blocks, batched=batched, stacked=stacked)
+        versions = None if batched else self._params.buffer_versions()
         sol = self._mgrit(stepper, x.detach(), self.hierarchy, "forward",
                           init=self._init_for("forward", x))
         self._check_buffers(stacked, versions)
         self._keep("forward", sol.value, self.hierarchy)
-        self._record("forward", sol, t0)
+        self._record("forward", sol, t0, batched)
         return sol.value, stacked
 
     def _check_buffers(self, stacked, versions) -> None:
@@ -215,8 +234,8 @@ class ParallelResidualStack(nn.Module):
     def _solve_backward(self, states, stacked, grad_out, params):
         t0 = time.perf_counter()
         n = len(self.blocks)
-        stepper = AdjointStepper(self.blocks, 0, n, states, batched=self.batched,
-                                 stacked=stacked)
+        batched = stacked is not None      # as the forward solve of these states
+        stepper = AdjointStepper(self.blocks, 0, n, states, batched=batched, stacked=stacked)
         g = grad_out.detach().to(states.dtype).contiguous()
         if self.backward_mode == "serial":
             hier = Hierarchy.build(n, levels=1, coarsening=2)
@@ -231,7 +250,7 @@ class ParallelResidualStack(nn.Module):
         if per_block is None:
             per_block = stepper.parameter_grads(lam[:-1].flip(0), self.step_size)
         grads = self._params.order(per_block, params)
-        self._record("backward", sol, t0, evaluations=stepper.counts.evaluations)
+        self._record("backward", sol, t0, batched, evaluations=stepper.counts.evaluations)
         return lam[-1], grads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -240,8 +259,15 @@ class ParallelResidualStack(nn.Module):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
             raise TypeError(f"x must have a floating-point dtype, got {x.dtype}")
+        # the settings again (attributes may be assigned after construction), a few reads
+        check_settings(step_size=self.step_size, relax=self.relax, max_iters=self.max_iters,
+                       tol=self.tol, c_weight=self.c_weight, backward=self.backward_mode,
+                       throw=self.throw)
+        checks.boolean("warm_start", self.warm_start)
         check_input(x, self._params.floating())
         check_block_modes(self._params.stateful())
+        run_batched("ParallelResidualStack", self.batched, self._batched_arg, x.dtype,
+                    self.tol)   # refuses batched=True where it cannot be exact, before a solve
         params = self._params.trainable() if torch.is_grad_enabled() else []
         return solve_through(self, x, params)
 

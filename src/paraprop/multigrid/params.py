@@ -13,27 +13,35 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from paraprop.determinism import DROPOUT_ATTRIBUTES, NORM_MODULES, RANDOM_MODULES
+
 __all__ = ["NORM_MODULES", "RANDOM_MODULES", "STATEFUL_MODULES", "BlockParams",
            "stateful_modules"]
 
-# Module types whose training mode MGRIT cannot reproduce: norm layers that update running
-# statistics, and layers that draw random numbers.
-NORM_MODULES = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
-RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU)
+# Module types whose training mode MGRIT cannot reproduce (paraprop.determinism's lists): norm
+# layers that update running statistics, and layers that draw random numbers.
 STATEFUL_MODULES = NORM_MODULES + RANDOM_MODULES
 
 
+def _may_be_stochastic(m: nn.Module) -> bool:
+    return isinstance(m, STATEFUL_MODULES) or any(
+        getattr(m, a, None) is not None for a in DROPOUT_ATTRIBUTES)
+
+
 def stateful_modules(blocks: Sequence[nn.Module]) -> list[tuple[int, str, nn.Module]]:
-    """``(block index, qualified name, module)`` of every submodule of ``blocks`` whose type
-    updates buffers or draws random numbers in training mode (norm layers with running
-    statistics, dropout, RReLU); a block used at several depths is listed at its first."""
+    """``(block index, qualified name, module)`` of every submodule of ``blocks`` that may make
+    a block's training-mode output not a fixed function of its input: the types of
+    :data:`paraprop.determinism.RANDOM_MODULES` and :data:`~paraprop.determinism.NORM_MODULES`,
+    and modules with an attribute through which libraries apply functional dropout
+    (:data:`paraprop.determinism.DROPOUT_ATTRIBUTES`); a block used at several depths is listed
+    at its first. Listed once (a walk over every module); whether each one is active is decided
+    at every forward (:func:`paraprop.multigrid.common.check_block_modes`)."""
     out, seen = [], set()
     for i, b in enumerate(blocks):
         if id(b) in seen:
             continue
         seen.add(id(b))
-        out.extend((i, name, m) for name, m in b.named_modules()
-                   if isinstance(m, STATEFUL_MODULES))
+        out.extend((i, name, m) for name, m in b.named_modules() if _may_be_stochastic(m))
     return out
 
 
