@@ -21,6 +21,7 @@ from paraprop.errors import ConvergenceError, NonFiniteError
 from paraprop.experiments.harness import machine_info
 from paraprop.experiments.report import markdown_table, text_table, write_results
 from paraprop.optim.errors import FusionError
+from paraprop.training._common import check_out_dir, check_out_file
 
 # Exceptions that report a user error (bad arguments, files or data): one line, exit status 2.
 USER_ERRORS = (ValueError, TypeError, OSError, ConvergenceError, NonFiniteError, FusionError)
@@ -73,6 +74,7 @@ def _cmd_report(args) -> int:
     from paraprop.bench.collect import collect
 
     results = None if args.results is None else Path(args.results)
+    check_out_file(args.out, example="benchmarks.md")
     out = collect(results, Path(args.out), args.suites, reports=Path(args.reports),
                   notes=Path(args.notes))
     print(f"wrote {out} (reports: {args.reports}, notes: {args.notes})")
@@ -90,13 +92,9 @@ def _cmd_info(args) -> int:
 
 
 def _out_dir(out: str) -> Path:
-    """The results directory, created before any work (an unusable ``--out`` fails at once)."""
-    path = Path(out)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OSError(f"--out {out}: cannot create the results directory ({e.strerror})") from e
-    return path
+    """The results directory, created and checked writable before any work (an unusable
+    ``--out``, a file, a directory that cannot be created or written in, fails at once)."""
+    return check_out_dir(out, what="the results directory")
 
 
 class _Parser(argparse.ArgumentParser):

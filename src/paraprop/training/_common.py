@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,6 +12,78 @@ import torch
 
 from paraprop.data import load_digits, load_mnist
 from paraprop.experiments.progress import progress as progress_bar
+
+
+def _can_write_in(directory: Path, option: str, path: Path) -> None:
+    """Create and remove a temporary file in ``directory`` (the test that also holds for root,
+    read-only file systems and ACLs); an ``OSError`` naming ``option`` if that fails."""
+    try:
+        fd, name = tempfile.mkstemp(dir=directory, prefix=".paraprop-write-test-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise OSError(f"{option} {path}: cannot write in {directory} "
+                      f"({e.strerror or e})") from None
+
+
+def _make_dir(directory: Path, option: str, path: Path, what: str) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"{option} {path}: cannot create {what} ({e.strerror or e})") from None
+
+
+def check_out_file(path, option: str = "--out", *, example: str = "model.pt") -> Path:
+    """Check, before any training, that the file ``path`` can be written: not a directory, and
+    its folder writable (or, if it does not exist yet, the nearest existing folder above it,
+    where saving will create it). Nothing is left behind.
+
+    Arguments:
+        path: the output file.
+        option: the command-line option it came from, for the messages.
+        example: a file name to suggest when ``path`` is a directory.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        ValueError: ``path`` is a directory or another non-regular file.
+        OSError: nothing can be written in its folder, a folder on its way is a file, or
+            the file exists and is read-only.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{option} {path}: is a directory; expected the path of a file to "
+                         f"write, e.g. {path / example}")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{option} {path}: exists and is not a regular file; expected the "
+                         "path of a file to write")
+    folder = path.absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise OSError(f"{option} {path}: cannot create its directory {path.parent} ({folder} "
+                      "is a file)")
+    _can_write_in(folder, option, path)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise OSError(f"{option} {path}: the file exists and is not writable")
+    return path
+
+
+def check_out_dir(path, option: str = "--out", *, what: str = "the output directory") -> Path:
+    """Check, before any work, that the directory ``path`` can be written in: created if
+    missing (with its parents), not a file, writable.
+
+    Raises:
+        ValueError: ``path`` exists and is not a directory.
+        OSError: it cannot be created or written in.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option} {path}: is a file, not a directory; expected {what}")
+    _make_dir(path, option, path, what)
+    _can_write_in(path, option, path)
+    return path
 
 
 def load_images(data: str, *, mnist_dir=None) -> tuple[torch.Tensor, int]:

@@ -20,7 +20,7 @@ from paraprop import checks
 from paraprop.data import make_moons
 from paraprop.experiments.progress import progress as progress_bar
 from paraprop.models.denoisers import MLPDenoiser, load_unet, save_unet, small_unet
-from paraprop.training._common import fit, image_panel, load_images, save_png
+from paraprop.training._common import check_out_file, fit, image_panel, load_images, save_png
 
 NAME = "ddpm"
 HELP = "train a diffusion model (DDPM) on two moons, the digits or MNIST (needs diffusers)"
@@ -278,17 +278,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     start = time.perf_counter()
+    out = check_out_file(args.out or f"results/ddpm_{args.data}.pt",
+                         example=f"ddpm_{args.data}.pt")
+    png = check_out_file(args.png or out.with_suffix(".png"), "--png" if args.png else "--out",
+                         example=f"ddpm_{args.data}.png")
     x = ddpm_data(args.data, mnist_dir=args.mnist_dir, n=args.n, seed=args.seed)
     checks.positive_int("steps", args.steps)
     model = make_denoiser(args.data, x, steps=args.steps, seed=args.seed)
     epochs = EPOCHS[args.data] if args.epochs is None else args.epochs
     hist = train_ddpm(model, x, steps=args.steps, epochs=epochs, batch_size=args.batch_size,
                       lr=args.lr, seed=args.seed)
-    out = Path(args.out or f"results/ddpm_{args.data}.pt")
     save_denoiser(model, out)
     trained = time.perf_counter() - start
-    png = samples_png(Path(args.png) if args.png else out.with_suffix(".png"), model.eval(),
-                      args.data, x, steps=args.steps, seed=args.seed, progress=True)
+    png = samples_png(png, model.eval(), args.data, x, steps=args.steps, seed=args.seed,
+                      progress=True)
     params = sum(p.numel() for p in model.parameters())
     print(f"trained DDPM on {args.data} ({len(x)} x {'x'.join(map(str, x.shape[1:]))}), "
           f"{type(model).__name__} {params} parameters, {epochs} epochs, {args.steps} "

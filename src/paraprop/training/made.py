@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from paraprop.models import MADE
-from paraprop.training._common import fit, load_images
+from paraprop.training._common import check_out_file, fit, load_images
 
 NAME = "made"
 HELP = "train a MADE (Germain et al. 2015) on digits or MNIST"
@@ -68,12 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    out = check_out_file(args.out or f"results/made_{args.data}.pt",
+                         example=f"made_{args.data}.pt")
     torch.manual_seed(args.seed)
     x = made_data(args.data, args.conditional, mnist_dir=args.mnist_dir, seed=args.seed)
     model = MADE(x.shape[1], tuple(args.hidden), args.conditional, seed=args.seed)
     hist = train_made(model, x, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                       seed=args.seed)
-    out = Path(args.out or f"results/made_{args.data}.pt")
     model.save(out)
     print(f"trained MADE on {args.data} ({len(x)} x {x.shape[1]}), {args.epochs} epochs: "
           f"NLL {hist[0]:.4f} -> {hist[-1]:.4f} nats/dim; saved {out}")

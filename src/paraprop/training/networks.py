@@ -24,6 +24,8 @@ from torch import nn
 from paraprop import checks
 from paraprop.data import load_digits, load_mnist
 from paraprop.experiments.progress import progress as progress_bar
+from paraprop.models.checkpoint import build_within_budget, read_torch_file
+from paraprop.training._common import check_out_file
 
 NAME = "densenet"
 HELP = "train a DenseNet (or the benchmark's ResNet / deep MLP) briefly on digits or MNIST"
@@ -176,37 +178,69 @@ _OLD_DENSE_KEY = re.compile(
     r"^(.*denselayer\d+\.(?:norm|relu|conv))\.((?:[12])\.(?:weight|bias|running_mean|running_var))$")
 
 
-def load_weights(model: nn.Module, path: str | Path) -> dict:
-    """Load a checkpoint into ``model``: this job's format or a plain ``state_dict`` (old
-    torchvision DenseNet key names such as ``norm.1`` are renamed). Returns its ``info``.
+def read_weights(path: str | Path, arch: str | None = None) -> tuple[dict, dict]:
+    """``(state_dict, info)`` of a weights file for an ``arch`` network (``None``: any of
+    :data:`ARCHS`): this job's format
+    (``{"arch", "state_dict", "info"}``) or a plain ``state_dict`` (old torchvision DenseNet key
+    names such as ``norm.1`` are renamed), read with ``weights_only=True``.
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file holds no state dict, or its tensors do not fit the model (the
-            message lists missing and unexpected keys).
+        ValueError: the file is not a checkpoint (a directory, an empty, text or truncated
+            file, pickled Python objects), a checkpoint of another model (a paraprop model's,
+            or this job's for another ``--arch``), or holds no state dict of tensors; the
+            message names the file and what was expected.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--weights {path}: no such file")
-    blob = torch.load(path, map_location="cpu", weights_only=True)
+    expected = (f"a {arch or 'network'} checkpoint (this job's format or a plain state_dict "
+                "of tensors, e.g. torchvision's)")
+    blob = read_torch_file(path, expected)
+    if isinstance(blob, dict) and isinstance(blob.get("kind"), str) and "config" in blob:
+        raise ValueError(f"{path}: holds a paraprop {blob['kind']} checkpoint, not {expected}")
+    if isinstance(blob, dict) and arch is not None and "arch" in blob and blob["arch"] != arch:
+        hint = f" (pass --arch {blob['arch']})" if blob["arch"] in ARCHS else ""
+        raise ValueError(f"{path}: holds a {blob['arch']!r} network's checkpoint, not "
+                         f"{expected}{hint}")
     state = blob.get("state_dict", blob) if isinstance(blob, dict) else None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"{path}: not a checkpoint (expected a state_dict or a dict with one)")
+    if not isinstance(state, dict) or not state or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        found = type(state if isinstance(blob, dict) else blob).__name__
+        raise ValueError(f"{path}: not a checkpoint (expected a state_dict or a dict with one: "
+                         f"names to tensors; it holds a {found}"
+                         f"{' that is empty or holds other values' if found == 'dict' else ''})")
     state = {_OLD_DENSE_KEY.sub(r"\1\2", k): v for k, v in state.items()}
+    info = blob.get("info", {}) if "state_dict" in blob else {}
+    return state, dict(info) if isinstance(info, dict) else {}
+
+
+def load_weights(model: nn.Module, path: str | Path, arch: str | None = None) -> dict:
+    """Load a checkpoint of an ``arch`` network (``None``: any) into ``model``
+    (:func:`read_weights`); returns its ``info``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a checkpoint of ``arch`` (:func:`read_weights`), or its tensors do not
+            fit the model (the message lists missing and unexpected keys).
+    """
+    state, info = read_weights(path, arch)
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
         raise ValueError(f"{path}: its weights do not fit the model: {e}") from None
     model.eval()
-    return dict(blob.get("info", {})) if "state_dict" in blob else {}
+    return info
 
 
-def checkpoint_classes(path: str | Path) -> int | None:
+def checkpoint_classes(path: str | Path, arch: str | None = None) -> int | None:
     """The number of outputs of the checkpoint's last linear layer, if it can be told."""
-    blob = torch.load(Path(path), map_location="cpu", weights_only=True)
-    state = blob.get("state_dict", blob) if isinstance(blob, dict) else {}
+    state, _ = read_weights(path, arch)
+    return classes_of(state)
+
+
+def classes_of(state: dict) -> int | None:
+    """The number of outputs of the last linear layer of ``state``, if it can be told."""
     for key in ("classifier.weight", "fc.weight"):
-        if key in state:
+        if key in state and state[key].dim() == 2:
             return int(state[key].shape[0])
     weights = [v for k, v in state.items() if k.endswith("weight") and v.dim() == 2]
     return int(weights[-1].shape[0]) if weights else None
@@ -229,7 +263,7 @@ def trained_network(arch: str, *, data: str = "mnist", size: int = 32, steps: in
         path = Path(cache_dir) / (f"networks_{arch}_{data}{size}_s{steps}_b{batch_size}_"
                                   f"lr{lr:g}_{seed}.pt")
         if path.is_file():
-            info = load_weights(model, path)
+            info = load_weights(model, path, arch)
             return model, {**info, "checkpoint": str(path), "trained_now": False}
     record = train_network(model, xt, yt, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                            progress=progress, desc=f"train {arch}")
@@ -264,27 +298,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "that evaluation")
 
 
+def _network_from(path, arch: str, *, size: int, seed: int) -> tuple[nn.Module, int]:
+    """``(model, num_classes)``: an ``arch`` network with the weights of the file ``path``
+    (:func:`read_weights`), its number of classes read from its last linear layer. The network
+    is built within the budget the file justifies
+    (:func:`paraprop.models.checkpoint.build_within_budget`), so a checkpoint that claims a
+    billion classes is refused before anything that size is allocated.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`read_weights`; an absurd number of classes;
+            weights that do not fit the network.
+    """
+    state, _ = read_weights(path, arch)
+    num_classes = classes_of(state) or 10
+    config = {"arch": arch, "num_classes": num_classes, "size": size, "seed": seed}
+    model = build_within_budget(make_network, config, path=path, kind=arch,
+                                file_bytes=Path(path).stat().st_size, tensors=len(state))
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: its weights do not fit the {arch} network: {e}") from None
+    return model.eval(), num_classes
+
+
 def run(args) -> int:
     from paraprop.networks import evaluate
 
     if args.steps < 0 or args.eval_batch < 0:
-        raise SystemExit(f"paraprop train densenet: --steps and --eval-batch must be >= 0, got "
-                         f"{args.steps}, {args.eval_batch}")
-    num_classes = 10
-    if args.weights is not None:
-        num_classes = checkpoint_classes(args.weights) or 10
-    model = make_network(args.arch, num_classes, size=args.size, seed=args.seed)
+        raise ValueError(f"--steps and --eval-batch must be >= 0, got {args.steps}, "
+                         f"{args.eval_batch}")
+    out = check_out_file(args.out or f"results/networks_{args.arch}_{args.data}.pt",
+                         example=f"networks_{args.arch}_{args.data}.pt")
+    num_classes, source = 10, "random initialisation"
+    if args.weights is None:
+        model = make_network(args.arch, num_classes, size=args.size, seed=args.seed)
+    else:
+        model, num_classes = _network_from(args.weights, args.arch, size=args.size,
+                                           seed=args.seed)
+        source = f"loaded from {args.weights}"
+    if args.steps > 0 and num_classes < 10:
+        raise ValueError(f"--weights {args.weights}: the checkpoint has {num_classes} outputs, "
+                         "fewer than the 10 classes to train on (use --steps 0 to evaluate it)")
     x, y = image_data(args.data, size=args.size, channels=input_channels(args.arch),
                       mnist_dir=args.mnist_dir)
     xt, yt, xh, yh = split(args.data, x, y)
-    source = "random initialisation"
-    if args.weights is not None:
-        load_weights(model, args.weights)
-        source = f"loaded from {args.weights}"
     if args.steps > 0:
-        if num_classes < 10:
-            raise SystemExit(f"paraprop train densenet: the checkpoint has {num_classes} "
-                             "outputs, fewer than the 10 classes to train on")
         lr = default_lr(args.arch) if args.lr is None else args.lr
         rec = train_network(model, xt, yt, steps=args.steps, batch_size=args.batch_size,
                             lr=lr, seed=args.seed, desc=f"train {args.arch}")
@@ -293,7 +351,6 @@ def run(args) -> int:
                    f"{rec['loss_first']:.3f} -> {rec['loss_last']:.3f}")
     acc = accuracy(model, xh, yh) if num_classes == 10 else math.nan
     info = {"weights": source, "held_out_accuracy": acc, "data": args.data, "size": args.size}
-    out = Path(args.out or f"results/networks_{args.arch}_{args.data}.pt")
     save_checkpoint(out, model, args.arch, info)
     print(f"{args.arch}: weights = {source}")
     print(f"held-out accuracy ({len(xh)} {args.data} images): {acc:.4f}; saved {out}")

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 import torch
 
 from paraprop.models import PixelCNN
-from paraprop.training._common import fit, load_images
+from paraprop.training._common import check_out_file, fit, load_images
 
 NAME = "pixelcnn"
 HELP = "train a gated PixelCNN (discretized logistic mixture) on digits or MNIST"
@@ -50,12 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    out = check_out_file(args.out or f"results/pixelcnn_{args.data}.pt",
+                         example=f"pixelcnn_{args.data}.pt")
     x, levels = pixel_data(args.data, mnist_dir=args.mnist_dir)
     model = PixelCNN(1, x.shape[-1], hidden=args.hidden, layers=args.layers,
                      mixtures=args.mixtures, levels=levels, seed=args.seed)
     hist = train_pixelcnn(model, x, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                           seed=args.seed)
-    out = Path(args.out or f"results/pixelcnn_{args.data}.pt")
     model.save(out)
     print(f"trained PixelCNN on {args.data} ({len(x)} images), {args.epochs} epochs: "
           f"{hist[0]:.3f} -> {hist[-1]:.3f} bits/dim; saved {out}")

@@ -27,6 +27,7 @@ from paraprop.data import IDXError, load_digits, load_mnist
 from paraprop.experiments.progress import progress as progress_bar
 from paraprop.models.blocks import ConvBlock
 from paraprop.multigrid import ParallelResidualStack
+from paraprop.training._common import check_out_file
 
 NAME = "resnet-mg"
 HELP = "a ResNet whose layers are solved by nonlinear multigrid (MGRIT), forward and backward"
@@ -202,6 +203,12 @@ def run(args) -> int:
     if args.threads < 0:
         print(f"paraprop train resnet-mg: --threads must be >= 0, got {args.threads}",
               file=sys.stderr)
+        return 2
+    try:
+        if args.out:
+            check_out_file(args.out, example="history.json")
+    except (ValueError, OSError) as e:
+        print(f"paraprop train resnet-mg: {e}", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)

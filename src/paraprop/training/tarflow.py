@@ -17,7 +17,7 @@ import torch
 
 from paraprop import checks
 from paraprop.models.tarflow import TarFlow
-from paraprop.training._common import fit, image_panel, load_images, save_png
+from paraprop.training._common import check_out_file, fit, image_panel, load_images, save_png
 
 NAME = "tarflow"
 HELP = "train a TarFlow (transformer autoregressive flow, Zhai et al. 2024) on digits or MNIST"
@@ -185,8 +185,8 @@ def run(args) -> int:
         settings["patch_size"] = args.patch_size
     epochs = EPOCHS[args.data] if args.epochs is None else args.epochs
     checks.positive_int("epochs", epochs)
-    out = Path(args.out) if args.out else OUT_DIR / checkpoint_name(
-        args.data, epochs, seed=args.seed, n=args.n, **settings)
+    name = checkpoint_name(args.data, epochs, seed=args.seed, n=args.n, **settings)
+    out = check_out_file(args.out or OUT_DIR / name, example=name)
     model, info = _train(args.data, out, epochs=epochs, seed=args.seed, n=args.n,
                          mnist_dir=args.mnist_dir, progress=True, settings=settings)
     cfg, hist = model.config, info["loss"]
