@@ -82,6 +82,18 @@ def _lerp(start, end, weight):
 
 
 @_jit
+def _add(x, y):
+    return x + y
+
+
+# The sums of the kernels: the interpreter adds with numpy when it is given triton's own sum
+# (any other combine runs element by element in Python); compiled, our own function, so that
+# nothing here depends on the mode triton's standard library was imported in.
+_SUM = getattr(getattr(tl, "standard", None), "_sum_combine", None) if INTERPRETED else None
+_SUM = _SUM if _SUM is not None else _add
+
+
+@_jit
 def _affine(a1, b1, a2, b2):
     """``(a1, b1)`` then ``(a2, b2)``: ``h -> a2 (a1 h + b1) + b2``."""
     return a2 * a1, a2 * b1 + b2
@@ -122,11 +134,11 @@ def gru_step(gi_ptr, x_ptr, h0_ptr, w_ptr, bh_ptr, y_ptr, trial_ptr, start_ptr, 
     if PASS == 2:
         carry = tl.load(start_ptr + (n * C + c) * H + u64, mask=um, other=0.0).to(ACC)
     else:
-        carry = tl.zeros([BLOCK_H], dtype=ACC)
+        carry = tl.full([BLOCK_H], 0.0, dtype=ACC)
     prod = tl.full([BLOCK_H], 1.0, dtype=ACC)
     s_lo = lo + c * L
     s_hi = tl.minimum(T, s_lo + L)
-    for blk in range(0, tl.cdiv(s_hi - s_lo, BLOCK_T)):
+    for blk in range(0, (s_hi - s_lo + BLOCK_T - 1) // BLOCK_T):
         t = s_lo + blk * BLOCK_T + i
         m = um[:, None] & (t < s_hi)[None, :]
         t64 = t.to(tl.int64)
@@ -164,9 +176,9 @@ def gru_step(gi_ptr, x_ptr, h0_ptr, w_ptr, bh_ptr, y_ptr, trial_ptr, start_ptr, 
             tl.store(y_ptr + po, y.to(y_ptr.dtype.element_ty), mask=m)
             tl.store(trial_ptr + po, (x + delta).to(trial_ptr.dtype.element_ty), mask=m)
         last = (i == BLOCK_T - 1)[None, :]
-        carry = tl.sum(tl.where(last, delta, 0.0), 1)
+        carry = tl.reduce(tl.where(last, delta, 0.0), 1, _SUM)
         if PASS == 1:
-            prod = prod * tl.sum(tl.where(last, A, 0.0), 1)
+            prod = prod * tl.reduce(tl.where(last, A, 0.0), 1, _SUM)
     if PASS == 1:
         base = (n * C + c) * 2 * H
         tl.store(tot_ptr + base + u64, prod, mask=um)
@@ -201,15 +213,15 @@ def lstm_step(gi_ptr, x_ptr, h0_ptr, w_ptr, y_ptr, trial_ptr, start_ptr, tot_ptr
         k0 = tl.load(start_ptr + (u64 * C + c) * 2, mask=um, other=0.0).to(ACC)
         k1 = tl.load(start_ptr + (u64 * C + c) * 2 + 1, mask=um, other=0.0).to(ACC)
     else:
-        k0 = tl.zeros([BLOCK_U], dtype=ACC)
-        k1 = tl.zeros([BLOCK_U], dtype=ACC)
+        k0 = tl.full([BLOCK_U], 0.0, dtype=ACC)
+        k1 = tl.full([BLOCK_U], 0.0, dtype=ACC)
     p00 = tl.full([BLOCK_U], 1.0, dtype=ACC)
-    p01 = tl.zeros([BLOCK_U], dtype=ACC)
-    p10 = tl.zeros([BLOCK_U], dtype=ACC)
+    p01 = tl.full([BLOCK_U], 0.0, dtype=ACC)
+    p10 = tl.full([BLOCK_U], 0.0, dtype=ACC)
     p11 = tl.full([BLOCK_U], 1.0, dtype=ACC)
     s_lo = lo + c * L
     s_hi = tl.minimum(T, s_lo + L)
-    for blk in range(0, tl.cdiv(s_hi - s_lo, BLOCK_T)):
+    for blk in range(0, (s_hi - s_lo + BLOCK_T - 1) // BLOCK_T):
         t = s_lo + blk * BLOCK_T + steps
         m = um[:, None] & (t < s_hi)[None, :]
         t64 = t.to(tl.int64)
@@ -250,13 +262,13 @@ def lstm_step(gi_ptr, x_ptr, h0_ptr, w_ptr, y_ptr, trial_ptr, start_ptr, tot_ptr
             tl.store(trial_ptr + po, (xh + d0).to(trial_ptr.dtype.element_ty), mask=m)
             tl.store(trial_ptr + po + sy_c, (xc + d1).to(trial_ptr.dtype.element_ty), mask=m)
         last = (steps == BLOCK_T - 1)[None, :]
-        k0 = tl.sum(tl.where(last, d0, 0.0), 1)
-        k1 = tl.sum(tl.where(last, d1, 0.0), 1)
+        k0 = tl.reduce(tl.where(last, d0, 0.0), 1, _SUM)
+        k1 = tl.reduce(tl.where(last, d1, 0.0), 1, _SUM)
         if PASS == 1:
-            q00 = tl.sum(tl.where(last, M00, 0.0), 1)
-            q01 = tl.sum(tl.where(last, M01, 0.0), 1)
-            q10 = tl.sum(tl.where(last, M10, 0.0), 1)
-            q11 = tl.sum(tl.where(last, M11, 0.0), 1)
+            q00 = tl.reduce(tl.where(last, M00, 0.0), 1, _SUM)
+            q01 = tl.reduce(tl.where(last, M01, 0.0), 1, _SUM)
+            q10 = tl.reduce(tl.where(last, M10, 0.0), 1, _SUM)
+            q11 = tl.reduce(tl.where(last, M11, 0.0), 1, _SUM)
             p00, p01, p10, p11 = (q00 * p00 + q01 * p10, q00 * p01 + q01 * p11,
                                   q10 * p00 + q11 * p10, q10 * p01 + q11 * p11)
     if PASS == 1:

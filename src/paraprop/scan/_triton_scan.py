@@ -29,6 +29,7 @@ float64 inputs); inputs and outputs may be float16 or bfloat16.
 
 from __future__ import annotations
 
+import os
 import types
 
 try:
@@ -40,6 +41,30 @@ except ImportError:     # no triton: the module imports, and nothing here is eve
 
 def _jit(fn):
     return triton.jit(fn) if triton is not None else fn
+
+
+def _interpreted() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and hasattr(knobs, "runtime"):
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Whether this copy of the module is the interpreted one (the loader forces the mode while it
+# runs the file; triton reads it when a function is decorated).
+INTERPRETED = triton is not None and _interpreted()
+
+
+@_jit
+def _add(x, y):
+    return x + y
+
+
+# The sums of the kernels: the interpreter adds with numpy when it is given triton's own sum
+# (any other combine runs element by element in Python); compiled, our own function, so that
+# nothing here depends on the mode triton's standard library was imported in.
+_SUM = getattr(getattr(tl, "standard", None), "_sum_combine", None) if INTERPRETED else None
+_SUM = _SUM if _SUM is not None else _add
 
 
 @_jit
@@ -71,11 +96,11 @@ def diag_scan(a_ptr, b_ptr, out_ptr, h0_ptr, start_ptr, tot_ptr,
     elif HAS_H0 and PASS == 0:
         carry = tl.load(h0_ptr + n * sh_n + d64 * sh_d, mask=dm, other=0.0).to(ACC)
     else:
-        carry = tl.zeros([BLOCK_D], dtype=ACC)
+        carry = tl.full([BLOCK_D], 0.0, dtype=ACC)
     prod = tl.full([BLOCK_D], 1.0, dtype=ACC)
     s_lo = c * L
     s_hi = tl.minimum(T, s_lo + L)
-    for blk in range(0, tl.cdiv(s_hi - s_lo, BLOCK_T)):
+    for blk in range(0, (s_hi - s_lo + BLOCK_T - 1) // BLOCK_T):
         s0 = s_lo + blk * BLOCK_T
         if REVERSE:     # the block's times, increasing: [T - s0 - BLOCK_T, T - s0)
             t = T - s0 - BLOCK_T + i
@@ -97,9 +122,9 @@ def diag_scan(a_ptr, b_ptr, out_ptr, h0_ptr, start_ptr, tot_ptr,
             tl.store(out_ptr + n * so_n + d64[:, None] * so_d + t64[None, :] * so_t,
                      h.to(out_ptr.dtype.element_ty), mask=m)
         last = (i == 0) if REVERSE else (i == BLOCK_T - 1)
-        carry = tl.sum(tl.where(last[None, :], h, 0.0), 1)
+        carry = tl.reduce(tl.where(last[None, :], h, 0.0), 1, _SUM)
         if PASS == 1:
-            prod = prod * tl.sum(tl.where(last[None, :], A, 0.0), 1)
+            prod = prod * tl.reduce(tl.where(last[None, :], A, 0.0), 1, _SUM)
     if PASS == 1:
         base = (n * C + c) * 2 * D
         tl.store(tot_ptr + base + d64, prod, mask=dm)
@@ -118,7 +143,7 @@ def diag_carries(tot_ptr, h0_ptr, start_ptr, C, D, sh_n, sh_d,
     if HAS_H0:
         e = tl.load(h0_ptr + n * sh_n + d64 * sh_d, mask=dm, other=0.0).to(ACC)
     else:
-        e = tl.zeros([BLOCK_D], dtype=ACC)
+        e = tl.full([BLOCK_D], 0.0, dtype=ACC)
     for c in range(0, C):
         tl.store(start_ptr + (n * C + c) * D + d64, e, mask=dm)
         base = (n * C + c) * 2 * D
@@ -157,15 +182,15 @@ def pair_scan(A_ptr, b_ptr, out_ptr, h0_ptr, start_ptr, tot_ptr,
         c0 = tl.load(h0_ptr + r64 * sh_n, mask=nm, other=0.0).to(ACC)
         c1 = tl.load(h0_ptr + r64 * sh_n + sh_h, mask=nm, other=0.0).to(ACC)
     else:
-        c0 = tl.zeros([BLOCK_N], dtype=ACC)
-        c1 = tl.zeros([BLOCK_N], dtype=ACC)
+        c0 = tl.full([BLOCK_N], 0.0, dtype=ACC)
+        c1 = tl.full([BLOCK_N], 0.0, dtype=ACC)
     p00 = tl.full([BLOCK_N], 1.0, dtype=ACC)
-    p01 = tl.zeros([BLOCK_N], dtype=ACC)
-    p10 = tl.zeros([BLOCK_N], dtype=ACC)
+    p01 = tl.full([BLOCK_N], 0.0, dtype=ACC)
+    p10 = tl.full([BLOCK_N], 0.0, dtype=ACC)
     p11 = tl.full([BLOCK_N], 1.0, dtype=ACC)
     s_lo = c * L
     s_hi = tl.minimum(T, s_lo + L)
-    for blk in range(0, tl.cdiv(s_hi - s_lo, BLOCK_T)):
+    for blk in range(0, (s_hi - s_lo + BLOCK_T - 1) // BLOCK_T):
         s0 = s_lo + blk * BLOCK_T
         if REVERSE:
             t = T - s0 - BLOCK_T + i
@@ -192,13 +217,13 @@ def pair_scan(A_ptr, b_ptr, out_ptr, h0_ptr, start_ptr, tot_ptr,
             tl.store(po, h0.to(out_ptr.dtype.element_ty), mask=m)
             tl.store(po + so_h, h1.to(out_ptr.dtype.element_ty), mask=m)
         last = ((i == 0) if REVERSE else (i == BLOCK_T - 1))[None, :]
-        c0 = tl.sum(tl.where(last, h0, 0.0), 1)
-        c1 = tl.sum(tl.where(last, h1, 0.0), 1)
+        c0 = tl.reduce(tl.where(last, h0, 0.0), 1, _SUM)
+        c1 = tl.reduce(tl.where(last, h1, 0.0), 1, _SUM)
         if PASS == 1:       # P <- (the block's map) P
-            q00 = tl.sum(tl.where(last, M00, 0.0), 1)
-            q01 = tl.sum(tl.where(last, M01, 0.0), 1)
-            q10 = tl.sum(tl.where(last, M10, 0.0), 1)
-            q11 = tl.sum(tl.where(last, M11, 0.0), 1)
+            q00 = tl.reduce(tl.where(last, M00, 0.0), 1, _SUM)
+            q01 = tl.reduce(tl.where(last, M01, 0.0), 1, _SUM)
+            q10 = tl.reduce(tl.where(last, M10, 0.0), 1, _SUM)
+            q11 = tl.reduce(tl.where(last, M11, 0.0), 1, _SUM)
             p00, p01, p10, p11 = (q00 * p00 + q01 * p10, q00 * p01 + q01 * p11,
                                   q10 * p00 + q11 * p10, q10 * p01 + q11 * p11)
     if PASS == 1:
@@ -223,8 +248,8 @@ def pair_carries(tot_ptr, h0_ptr, start_ptr, C, N, sh_n, sh_h,
         e0 = tl.load(h0_ptr + r64 * sh_n, mask=nm, other=0.0).to(ACC)
         e1 = tl.load(h0_ptr + r64 * sh_n + sh_h, mask=nm, other=0.0).to(ACC)
     else:
-        e0 = tl.zeros([BLOCK_N], dtype=ACC)
-        e1 = tl.zeros([BLOCK_N], dtype=ACC)
+        e0 = tl.full([BLOCK_N], 0.0, dtype=ACC)
+        e1 = tl.full([BLOCK_N], 0.0, dtype=ACC)
     for c in range(0, C):
         tl.store(start_ptr + (r64 * C + c) * 2, e0, mask=nm)
         tl.store(start_ptr + (r64 * C + c) * 2 + 1, e1, mask=nm)
@@ -259,11 +284,11 @@ def dense_scan(A_ptr, b_ptr, out_ptr, h0_ptr, start_ptr, tot_ptr,
     if PASS == 2:
         h = tl.load(start_ptr + (n * C + c) * HP + k).to(ACC)
     elif PASS == 1:
-        h = tl.zeros([HP], dtype=ACC)
+        h = tl.full([HP], 0.0, dtype=ACC)
     elif HAS_H0:
         h = tl.load(h0_ptr + n * sh_n + k * sh_h, mask=km, other=0.0).to(ACC)
     else:
-        h = tl.zeros([HP], dtype=ACC)
+        h = tl.full([HP], 0.0, dtype=ACC)
     P = tl.where(r[:, None] == k[None, :], 1.0, 0.0).to(ACC)
     s_lo = c * L
     s_hi = tl.minimum(T, s_lo + L)
@@ -275,7 +300,7 @@ def dense_scan(A_ptr, b_ptr, out_ptr, h0_ptr, start_ptr, tot_ptr,
         At = tl.load(A_ptr + n * sA_n + t * sA_t + r[:, None] * sA_i + k[None, :] * sA_j,
                      mask=Am, other=0.0).to(ACC)
         bt = tl.load(b_ptr + n * sb_n + t * sb_t + r * sb_h, mask=rm, other=0.0).to(ACC)
-        hn = tl.sum(At * h[None, :], 1) + bt
+        hn = tl.reduce(At * h[None, :], 1, _SUM) + bt
         if PASS != 1:
             tl.store(out_ptr + n * so_n + t * so_t + r * so_h, hn.to(out_ptr.dtype.element_ty),
                      mask=rm)
@@ -298,10 +323,10 @@ def dense_carries(tot_ptr, h0_ptr, start_ptr, C, H, sh_n, sh_h,
     if HAS_H0:
         e = tl.load(h0_ptr + n * sh_n + k * sh_h, mask=k < H, other=0.0).to(ACC)
     else:
-        e = tl.zeros([HP], dtype=ACC)
+        e = tl.full([HP], 0.0, dtype=ACC)
     for c in range(0, C):
         tl.store(start_ptr + (n * C + c) * HP + k, e)
         base = (n * C + c) * (HP + 1) * HP
         P = tl.load(tot_ptr + base + r[:, None] * HP + k[None, :])
         y = tl.load(tot_ptr + base + HP * HP + r)
-        e = tl.sum(P * e[None, :], 1) + y
+        e = tl.reduce(P * e[None, :], 1, _SUM) + y
