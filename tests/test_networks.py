@@ -141,10 +141,10 @@ MODEL_NAMES = [name if name == "mlp" else pytest.param(name, marks=needs_torchvi
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 @pytest.mark.parametrize("method", JACOBI_FAMILY)
-def test_every_method_returns_the_sequential_output(name, method):
+def test_every_method_returns_the_sequential_output(name, method, device):
     make, shape = MODELS[name]
-    model = make()
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    model = make().to(device)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(device)
     configured = {"jacobi_gs": JacobiGS(block_size=3), "gs_jacobi": GSJacobi(block_size=3),
                   "sliding_jacobi": SlidingJacobi(window=3)}
     out, sol = evaluate(model, x, method=configured.get(method, method), tol=0)
@@ -326,10 +326,12 @@ def test_container_without_forward_is_named():
 @needs_torchvision
 def test_training_mode_is_refused_naming_the_module():
     model = torchvision.models.densenet121(num_classes=10)  # training mode
-    with pytest.raises(ValueError, match=r"'features\.norm0' \(BatchNorm2d\).*model\.eval\(\)"):
+    with pytest.raises(paraprop.StochasticModelError,
+                       match=r"networks.as_recurrence: model is in train mode, and its layer "
+                             r"'features\.norm0' \(BatchNorm2d\).*model\.eval\(\)"):
         as_recurrence(model)
     drop = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
-    with pytest.raises(ValueError, match=r"'1' \(Dropout\) is in training mode"):
+    with pytest.raises(ValueError, match=r"its layer '1' \(Dropout\) draws random numbers"):
         as_recurrence(drop)
     as_recurrence(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))  # training mode without either
 

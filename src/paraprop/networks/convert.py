@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from paraprop import checks
+from paraprop.determinism import require_deterministic
 from paraprop.networks.recurrence import LayerRecurrence, Step
 
 __all__ = ["UnsupportedModuleError", "as_recurrence", "register_converter"]
@@ -36,11 +37,6 @@ class UnsupportedModuleError(TypeError):
 _CONVERTERS: dict[type, Callable[[nn.Module], list[Step]]] = {}
 _BUILTIN_REGISTERED = False  # user converters registered first take precedence
 
-# Modules whose output in training mode depends on the batch or on chance, or whose evaluation
-# updates statistics: evaluating them repeatedly (as every parallel method does) is not the
-# forward pass.
-_MODE_DEPENDENT = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd,
-                   nn.modules.instancenorm._InstanceNorm)
 # Containers that have no forward of their own.
 _NOT_CALLABLE = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -80,8 +76,11 @@ def as_recurrence(model: nn.Module | LayerRecurrence) -> LayerRecurrence:
     Arguments:
         model: an ``nn.Sequential``, a torchvision DenseNet or ResNet, a model of a class given
             to :func:`register_converter`, or a :class:`LayerRecurrence` (returned as it is). It
-            must be in eval mode if it has batch norm or dropout; it is used, not copied (states
-            share its parameters, so a later ``model.to(device)`` applies to them).
+            must be in eval mode if it has batch/instance norm, dropout or another stochastic
+            layer (:func:`paraprop.determinism.stochastic_parts`; checked here and again at
+            every :meth:`LayerRecurrence.bind`, since ``model.train()`` may come later); it is
+            used, not copied (states share its parameters, so a later ``model.to(device)``
+            applies to them).
 
     Returns:
         A :class:`LayerRecurrence` whose sequential evaluation is ``model(x)``.
@@ -90,8 +89,9 @@ def as_recurrence(model: nn.Module | LayerRecurrence) -> LayerRecurrence:
         UnsupportedModuleError: a model or module whose structure is unknown (its ``forward`` is
             arbitrary Python), a container without ``forward``, or a torchvision model whose
             ``forward`` was overridden; the message names the module and the reason.
-        ValueError: a batch-norm, instance-norm or dropout module in training mode (named), or
-            an empty ``nn.Sequential``.
+        paraprop.StochasticModelError: (a ``ValueError``) a model in train mode with a
+            stochastic layer (named, with the fix: ``model.eval()``).
+        ValueError: an empty ``nn.Sequential``.
 
     Example:
         >>> import torchvision
@@ -108,7 +108,7 @@ def as_recurrence(model: nn.Module | LayerRecurrence) -> LayerRecurrence:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or a LayerRecurrence, got "
                         f"{type(model).__name__}")
-    _check_eval_mode(model)
+    require_deterministic(model, argument="model", entry="networks.as_recurrence")
     _register_builtin()
     converter = _find_converter(type(model))
     if converter is None:
@@ -126,18 +126,6 @@ def _find_converter(cls: type):
         if base in _CONVERTERS:
             return _CONVERTERS[base]
     return None
-
-
-def _check_eval_mode(model: nn.Module) -> None:
-    for name, m in model.named_modules():
-        if m.training and isinstance(m, _MODE_DEPENDENT):
-            raise ValueError(
-                f"module {name or '(the model)'!r} ({type(m).__name__}) is in training mode: its "
-                "output then depends on the batch or on chance and every evaluation updates its "
-                "statistics, so it is not a fixed function of its input; call model.eval()")
-        if m.training and getattr(m, "drop_rate", 0) > 0:
-            raise ValueError(f"module {name!r} ({type(m).__name__}) applies dropout "
-                             f"(drop_rate={m.drop_rate}) in training mode; call model.eval()")
 
 
 # -- nn.Sequential ----------------------------------------------------------------------------

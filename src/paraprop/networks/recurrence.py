@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from paraprop.determinism import stochastic_parts
+from paraprop.errors import StochasticModelError
+
 COMBINES = ("single", "list", "cat")
 
 
@@ -138,14 +141,42 @@ class LayerRecurrence:
         """The network output (the last state) by sequential evaluation."""
         return self.states(u)[-1]
 
+    def check_deterministic(self, entry: str = "networks") -> None:
+        """Refuse steps whose modules are not fixed functions of their inputs now: a layer in
+        train mode that draws random numbers or reads batch statistics
+        (:func:`paraprop.determinism.stochastic_parts`). Run by :meth:`bind`, so that a model
+        switched to train mode after :func:`~paraprop.networks.as_recurrence` is caught.
+
+        Raises:
+            paraprop.StochasticModelError: naming the step, the layer and the fix.
+        """
+        for t, step in enumerate(self.steps):
+            parts = stochastic_parts(step.module)
+            if not parts:
+                continue
+            where, kind, does = parts[0]
+            layer = "its module" if where == "(the model)" else f"its layer {where!r}"
+            raise StochasticModelError(
+                f"{entry}: step {t} ({step.name!r}) is in train mode, and {layer} ({kind}) "
+                f"{does}: two evaluations of the same input differ, so there is no sequential "
+                "result to reproduce; call model.eval() first (expected every layer in eval "
+                "mode or deterministic; found train mode)")
+
     def bind(self, u: torch.Tensor) -> LayerSystem:
         """The triangular system of this recurrence for the input batch ``u`` (see
-        :class:`LayerSystem`); evaluates the network once to learn the state shapes."""
+        :class:`LayerSystem`); evaluates the network once to learn the state shapes.
+
+        Raises:
+            paraprop.StochasticModelError: a step's module is in train mode with a stochastic
+                layer (:meth:`check_deterministic`).
+            TypeError / ValueError: ``u`` is not a tensor with a leading batch dim.
+        """
         if not isinstance(u, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(u).__name__}")
         if u.dim() < 1 or u.shape[0] < 1:
             raise ValueError(f"x must have a leading batch dim of size >= 1, got shape "
                              f"{tuple(u.shape)}")
+        self.check_deterministic("networks.bind")
         return LayerSystem(self, u, self.states(u))
 
 
