@@ -54,7 +54,7 @@ class Solution:
 
 def ensure_converged(solution: Solution, throw: bool, *, entry: str, max_iters,
                      tol, measure: str = "error estimate", last: float | None = None,
-                     hint: str = "") -> Solution:
+                     hint: str = "", reason: str | None = None) -> Solution:
     """Return ``solution``, or raise :class:`ConvergenceError` if it did not converge and
     ``throw`` is true.
 
@@ -67,9 +67,17 @@ def ensure_converged(solution: Solution, throw: bool, *, entry: str, max_iters,
         measure: what was compared with ``tol`` (e.g. ``"error estimate"``).
         last: the last value of that measure, if known.
         hint: an extra sentence of advice.
+        reason: why the result is not certified, where that is not ``max_iters`` (e.g. a
+            ``tol=0`` value that differs from ``fn(x)`` by rounding); it replaces the
+            "within max_iters" wording.
     """
     if solution.converged or not throw:
         return solution
+    if reason:
+        raise ConvergenceError(
+            f"{entry}: method={solution.method!r} did not converge: {reason}; "
+            f"{hint + '; ' if hint else ''}pass throw=False to inspect the unconverged Solution",
+            solution=solution)
     last_txt = "" if last is None else f" (last {measure} {last:.3g} > tol={tol})"
     raise ConvergenceError(
         f"{entry}: method={solution.method!r} did not converge within max_iters={max_iters} "

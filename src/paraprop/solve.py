@@ -24,6 +24,7 @@ from paraprop.errors import ConvergenceError, NonFiniteError, NotTriangularError
 from paraprop.result import Solution, ensure_converged
 from paraprop.solvers import make_solver
 from paraprop.solvers.base import State, System
+from paraprop.solvers.verify import verify_final
 
 __all__ = [
     "ConvergenceError",
@@ -119,7 +120,7 @@ def solve(
     )
     bound = solver.bound(system)
     cap = bound if max_iters is None else max_iters
-    residuals: list[float] = []
+    residuals: list = []
     iterations = 0
     start = time.perf_counter()
     with torch.no_grad():
@@ -131,10 +132,26 @@ def solve(
             if state.residual is not None:
                 residuals.append(state.residual)
             if callback is not None:
-                callback(iterations, system.user(state.x), state.residual)
+                last = None if state.residual is None else float(state.residual)
+                callback(iterations, system.user(state.x), last)
+        converged = bool(state.finished)
+        reason, checked = None, "none"
+        if converged and tol == 0 and solver.name != "sequential":
+            checked = "iterations"
+            if not state.verified:   # one evaluation of fn at the value (solvers.verify)
+                reason = verify_final(system, state)
+                checked = "evaluation" if reason is None else "failed"
+                converged = reason is None
     elapsed = time.perf_counter() - start
-    converged = bool(state.finished)
     estimate = float(state.estimate.max()) if converged else float("inf")
+    history = _history(residuals, device)
+    floor = float(state.rule.blocked)
+    if not converged and reason is None and floor > 0:
+        reason = (f"max_iters={max_iters} ended it before a certificate, and the error estimate "
+                  f"could not certify tol={tol} earlier in {x0.dtype}: the steps or the estimate "
+                  f"were at the rounding floor of the values ({floor:.3g} at their scale), so "
+                  "only a bitwise fixed point or the exactness bound certifies it; pass "
+                  "max_iters=None (the bound) or a larger tol")
 
     sol = Solution(
         value=system.user(state.x),
@@ -142,7 +159,7 @@ def solve(
         iterations=iterations,
         evaluations=system.evaluations,
         converged=converged,
-        residuals=torch.tensor(residuals, dtype=torch.float64),
+        residuals=history,
         stats={
             "positions": system.positions,
             "sequential_steps": system.evaluations,
@@ -151,14 +168,28 @@ def solve(
             "T": system.T,
             "error_estimate": estimate,
             "time_s": elapsed,
-            **state.extra.get("stats", {}),
+            "verification": checked,
+            "rounding_floor": floor,
+            "kept_non_finite": system.kept,
+            **({"not_converged": reason} if reason else {}),
+            **{k: (v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v)
+               for k, v in state.extra.get("stats", {}).items()},
         },
     )
     if getattr(fn, "markov", False) and callable(getattr(fn, "attach", None)):
         sol = dataclasses.replace(sol, value=fn.attach(sol.value))
     return ensure_converged(sol, throw, entry="solve", max_iters=max_iters, tol=tol,
-                            last=residuals[-1] if residuals else None,
-                            measure="convergence measure")
+                            last=float(history[-1]) if len(history) else None,
+                            measure="convergence measure", reason=reason)
+
+
+def _history(residuals: list, device) -> torch.Tensor:
+    """The per-iteration residuals (floats or device scalars) as one float64 CPU tensor, with
+    one transfer at the end instead of one per iteration."""
+    if not residuals:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.stack([torch.as_tensor(r, dtype=torch.float64, device=device).reshape(())
+                        for r in residuals]).cpu()
 
 
 def _validate(fn, x0, dim, tol, norm, max_iters, callback) -> tuple[int, int]:

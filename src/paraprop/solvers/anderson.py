@@ -28,7 +28,14 @@ from __future__ import annotations
 import torch
 
 from paraprop import checks
-from paraprop.solvers.base import State, System, check_final, verify_fixed_point
+from paraprop.solvers.base import (
+    State,
+    System,
+    check_final,
+    rounding_floor,
+    sync,
+    verify_fixed_point,
+)
 
 
 class TriangularAnderson:
@@ -78,24 +85,32 @@ class TriangularAnderson:
         B, dev = system.B, state.x.device
         state.extra.update(
             final=torch.zeros(B, dtype=torch.long, device=dev),  # positions < final are final
+            lo=0,  # the smallest final of the samples still iterating (known on the host)
+            index=torch.arange(system.T, device=dev),
             xs=[], rs=[],  # the last iterates and their residuals
             picard=torch.zeros(B, dtype=torch.bool, device=dev),  # finishing with plain steps
         )
+        # it stops only where fn(x) == x bitwise (tol=0), or verifies at the bound
+        state.verified = True
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
         e = state.extra
         X, T = state.x, system.T
         final, act = e["final"], state.active
+        pos = e["index"]
         Y = system.evaluate(X)
-        system.check_finite(Y)
+        # position `final` is computed from final inputs; later ones may hold an overflowed
+        # iterate's value, which keeps the old one and counts as not converged
+        Y, kept = system.keep_finite(Y, X, final, pos, act)
         R = Y - X
         per_pos = R.abs().amax(dim=2) if norm == "max" else R.pow(2).sum(2).sqrt()  # (B, T)
-        lo = int(final[act].min()) if bool(act.any()) else T
+        lo = e["lo"]
         if lo > 0:  # final positions were computed from final inputs: they must not move
             check_final(system, per_pos[:, :lo], tol, act)
+        if kept is not None:
+            per_pos = torch.where(kept, torch.inf, per_pos)
 
         # the exact prefix: position `final` and a run of zero residuals after it
-        pos = torch.arange(T, device=X.device)
         behind = pos[None, :] < final[:, None]
         nonzero = (per_pos != 0) & ~behind
         first = torch.where(nonzero, pos[None, :], torch.full_like(nonzero, T, dtype=torch.long))
@@ -107,10 +122,12 @@ class TriangularAnderson:
         # contraction rule over those (exactly the Jacobi rule)
         d = per_pos.amax(dim=1).to(torch.float64) if norm == "max" else \
             torch.linalg.vector_norm(R.reshape(R.shape[0], -1), dim=1).to(torch.float64)
+        if kept is not None:
+            d = torch.where(kept.any(dim=1), torch.inf, d)
         picard = e["picard"]
         rate = torch.where(picard, d / state.rule.d_prev, torch.full_like(d, float("nan")))
         stop, est = state.rule.update(torch.where(act, d, torch.zeros_like(d)), tol, act,
-                                      rate=rate)
+                                      rate=rate, floor=lambda: rounding_floor(Y, norm))
         at_bound = act & (new_final >= T) & ~stop & (d > 0)
         stop = stop | (act & (new_final >= T))
         e["picard"] = picard | (act & (d <= tol))
@@ -126,18 +143,23 @@ class TriangularAnderson:
         new = torch.where(take_y[:, :, None], Y, new)
         X.copy_(torch.where(act[:, None, None], new, X))
 
-        if bool(at_bound.any()):
+        state.estimate = torch.where(stop & (new_final < T), est, state.estimate)
+        e["final"] = torch.where(act, torch.maximum(final, new_final), final)
+        state.sample_iterations += act.long()
+        state.active = act & ~stop
+        state.residual = torch.where(act, d, torch.zeros_like(d)).max()
+        # the iteration's one synchronisation: samples at the bound still moving, samples
+        # left, and the smallest final among them
+        n_bound, n_left, e["lo"] = sync(at_bound.sum(), state.active.sum(),
+                                        torch.where(state.active, e["final"], T).min())
+        if n_bound:
             # every position is final by the triangular structure: one more evaluation checks
             # it (a position that reads itself or a later one would still move), as Jacobi does
             state.active = at_bound
             verify_fixed_point(system, state, 0, system.evaluate(X), tol)
-        if bool(stop.any()):
-            state.estimate = torch.where(stop & (new_final < T), est, state.estimate)
-        e["final"] = torch.where(act, torch.maximum(final, new_final), final)
-        state.sample_iterations += act.long()
-        state.active = act & ~stop
-        state.residual = float(torch.where(act, d, torch.zeros_like(d)).max())
-        state.finished = not bool(state.active.any())
+            state.active = act & ~stop
+        e["lo"] = int(e["lo"])
+        state.finished = n_left == 0
 
     def _extrapolate(self, X, R, xs, rs) -> torch.Tensor:
         """``x + r - (dX + dR) gamma``, ``gamma`` fitted per position on the positions ``<= j``."""

@@ -18,20 +18,30 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paraprop.errors import NonFiniteError, NotTriangularError
+from paraprop.errors import NonFiniteError, NotTriangularError, ProtocolError
+from paraprop.solvers.protocols import HOOKS
 from paraprop.solvers.stopping import ContractionRule
+
+# the other common cause of a position that moves although its inputs are final
+NONDETERMINISTIC = ("or fn's repeated evaluation differs (a module in train mode with dropout or "
+                    "batch statistics: call model.eval())")
 
 
 class System:
     """A triangular system ``x = fn(x)`` in the canonical ``(B, T, F)`` layout.
 
     Counts the calls of ``fn`` (``evaluations``) and the positions computed (``positions``, the
-    hardware-independent work).
+    hardware-independent work). Every call of ``fn`` or of a hook goes through here, and the
+    promises of :mod:`paraprop.solvers.protocols` that can be checked cheaply are checked on the
+    way: the output's shape and dtype, that the call left ``x`` unchanged (a copy of ``x`` taken
+    before the call is compared after it, unless ``guard=False``: the caller passed a private
+    copy), and that the output is not ``x`` itself.
     """
 
     def __init__(self, fn, shape: torch.Size, dtype: torch.dtype, dims: tuple[int, int]):
         self.fn = fn
         self._lock = threading.Lock()  # the counters, when a solver evaluates on threads
+        self._local = threading.local()  # the snapshot buffer of each thread
         self.shape = shape
         self.dtype = dtype
         start, end = dims  # inclusive range of autoregressive dims, already normalised
@@ -47,6 +57,9 @@ class System:
         self.evaluations = 0
         self.positions = 0
         self.iteration = 0  # set by the driver, used in error messages
+        self.used: set[str] = set()  # the hooks whose values entered the iterate
+        self.kept = 0  # non-finite values of non-final positions replaced by the old ones
+        self.nonfinite = False  # the last call's values may hold NaN or inf
 
     # -- layout -------------------------------------------------------------------------------
     def canon(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,46 +75,108 @@ class System:
         return _unravel(b, self.batch_shape)
 
     # -- evaluation ---------------------------------------------------------------------------
-    def evaluate(self, xc: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, xc: torch.Tensor, *, guard: bool = True) -> torch.Tensor:
         """All positions of ``fn(x)``, canonical layout."""
-        y = self.fn(self.user(xc))
-        self._check_output(y, self.shape, "fn(x)")
+        y = self._call("fn", xc, self.fn, self.shape, guard)
         self._count(self.T)
         return self.canon(y)
 
-    def update(self, xc: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def update(self, xc: torch.Tensor, index: torch.Tensor, *,
+               guard: bool = True) -> torch.Tensor:
         """Positions ``index`` (flat, 1-D) of ``fn(x)``, shape ``(B, len(index), F)``.
 
         Uses ``fn.update(x, index)`` when ``fn`` provides it, otherwise evaluates ``fn`` fully.
         """
         if not self.fast:
-            return self.evaluate(xc).index_select(1, index)
-        y = self.fn.update(self.user(xc), index)
-        expected = (*self.batch_shape, index.numel(), *self.feature_shape)
-        self._check_output(y, torch.Size(expected), "fn.update(x, index)")
+            return self.evaluate(xc, guard=guard).index_select(1, index)
+        expected = torch.Size((*self.batch_shape, index.numel(), *self.feature_shape))
+        y = self._call("update", xc, lambda xu: self.fn.update(xu, index), expected, guard)
+        self.used.add("update")
         self._count(index.numel())
         return y.reshape(self.B, index.numel(), self.F)
 
-    def window(self, xc: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    def window(self, xc: torch.Tensor, start: int, stop: int, *,
+               guard: bool = True) -> torch.Tensor:
         """Positions ``[start, stop)`` (flat) of ``fn(x)``, shape ``(B, stop - start, F)``.
 
-        The cached-prefix protocol: with ``fn.window(x, start, stop, cache)`` the driver promises
-        that the positions ``< start`` of ``x`` are final, and passes back the cache ``fn``
-        returned last time (``None`` at first); ``fn`` returns ``(values, cache)``. Without it,
-        ``fn.update`` (or a full evaluation) computes the window.
+        The cached-prefix protocol (:class:`~paraprop.solvers.protocols.SupportsWindow`): with
+        ``fn.window(x, start, stop, cache)`` the driver promises that the positions ``< start``
+        of ``x`` are final, and passes back the cache ``fn`` returned last time (``None`` at
+        first); ``fn`` returns ``(values, cache)``. Without it, ``fn.update`` (or a full
+        evaluation) computes the window.
         """
         n = stop - start
         if not self.windowed:
-            return self.update(xc, torch.arange(start, stop, device=xc.device))
-        out = self.fn.window(self.user(xc), start, stop, self.cache)
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError("fn.window(x, start, stop, cache) must return a tuple (values, "
-                            f"cache), got {type(out).__name__}")
-        y, self.cache = out
+            return self.update(xc, torch.arange(start, stop, device=xc.device), guard=guard)
+
+        def call(xu):
+            out = self.fn.window(xu, start, stop, self.cache)
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError("fn.window(x, start, stop, cache) must return a tuple (values, "
+                                f"cache), got {type(out).__name__}")
+            y, self.cache = out
+            return y
+
         expected = torch.Size((*self.batch_shape, n, *self.feature_shape))
-        self._check_output(y, expected, "fn.window(x, start, stop, cache)")
+        y = self._call("window", xc, call, expected, guard, lo=start)
+        self.used.add("window")
         self._count(n)
         return y.reshape(self.B, n, self.F)
+
+    def propose(self, xc: torch.Tensor, final: torch.Tensor) -> torch.Tensor | None:
+        """``fn.propose(x, final)`` in the canonical layout (``None`` without the hook or
+        when it has no guesses), its promise not to modify ``x`` checked."""
+        hook = getattr(self.fn, "propose", None)
+        if not callable(hook):
+            return None
+        guess = self._call("propose", xc, lambda xu: hook(xu, final), None, True)
+        if guess is None:
+            return None
+        if not isinstance(guess, torch.Tensor) or guess.shape != self.shape or \
+                guess.dtype != self.dtype:
+            got = (f"{tuple(guess.shape)} {guess.dtype}" if isinstance(guess, torch.Tensor)
+                   else type(guess).__name__)
+            raise ProtocolError(f"fn.propose(x, final) must return None or a tensor shaped like "
+                                f"x {tuple(self.shape)} {self.dtype}, got {got}")
+        return self.canon(guess)
+
+    def _call(self, hook: str, xc: torch.Tensor, call, shape, guard: bool, lo: int = 0):
+        """``call(x)`` in the caller's layout, with the cheap checks of the hook's promises."""
+        snap = self._snapshot(xc) if guard else None
+        y = call(self.user(xc))
+        if shape is not None:
+            self._check_output(y, shape, HOOKS[hook])
+        flags = [] if y is None else [~torch.isfinite(y.sum())]
+        if snap is not None:
+            flags.append((xc != snap).any())
+        hit = torch.stack(flags).tolist() if flags else []  # one transfer for both checks
+        if snap is not None and hit[-1]:
+            self._mutated(hook, xc, snap)
+        self.nonfinite = bool(hit[0]) if y is not None else False
+        if y is not None and _shares_memory(y, xc):
+            if _same_positions(y, xc, lo):
+                raise NotTriangularError(
+                    f"{HOOKS[hook]} returned positions of its input x itself (a view of x, not "
+                    "new values): every position then depends on itself, which is not "
+                    "autoregressive; return fn's values computed from the earlier positions")
+            y = y.clone()  # a view of other positions of x (a shift): the iterate will change
+        return y
+
+    def _snapshot(self, xc: torch.Tensor) -> torch.Tensor:
+        buf = getattr(self._local, "snap", None)
+        if buf is None or buf.shape != xc.shape or buf.dtype != xc.dtype or \
+                buf.device != xc.device:
+            buf = torch.empty_like(xc)
+            self._local.snap = buf
+        return buf.copy_(xc)
+
+    def _mutated(self, hook: str, xc: torch.Tensor, snap: torch.Tensor):
+        b, t, f = (int(i) for i in (xc != snap).nonzero()[0])
+        raise ProtocolError(
+            f"{HOOKS[hook]} modified its input x in place at iteration {self.iteration} (sample "
+            f"{self.unravel_sample(b)}, position {self.unravel_position(t)}: "
+            f"{float(snap[b, t, f]):.6g} became {float(xc[b, t, f]):.6g}); a hook must leave "
+            "the solver's iterate unchanged: compute on a copy (x.clone()) and return new values")
 
     def _count(self, positions: int) -> None:
         with self._lock:
@@ -129,12 +204,46 @@ class System:
         b, t, _ = (int(i) for i in (~finite).nonzero()[0])
         if index is not None:
             t = int(index[t])
+        self._non_finite(b, t)
+
+    def _non_finite(self, b: int, t: int, extra: str = ""):
         raise NonFiniteError(
             f"fn produced a non-finite value at iteration {self.iteration}, sample "
-            f"{self.unravel_sample(b)}, position {self.unravel_position(t)} "
+            f"{self.unravel_sample(b)}, position {self.unravel_position(t)}{extra} "
             "(NaN or inf; note that 0 * inf is NaN, so an overflow at a later position can "
             "poison earlier ones in masked networks)"
         )
+
+    def keep_finite(self, new: torch.Tensor, old: torch.Tensor, first, positions: torch.Tensor,
+                    active: torch.Tensor | None = None):
+        """Deal with NaN/inf in freshly computed values ``new`` ``(B, n, F)`` of the flat
+        ``positions`` ``(n,)``, whose previous values are ``old``.
+
+        A value of a position ``<= first`` (``first``: int or ``(B,)``, the first position that
+        is not final; it was computed from final inputs only) is the map's own: the sequential
+        loop produces it too, so :class:`NonFiniteError`. A value of a later position was
+        computed from inputs that are not final yet (an fp16 Jacobi iterate can overflow where
+        the sequential loop stays finite): that entry keeps ``old``. Returns ``(values, kept)``;
+        ``kept`` is ``None`` when nothing was replaced, else ``(B, n)`` bool: the positions that
+        kept their old value (they must not count as unchanged in this iteration).
+        """
+        if not self.nonfinite:
+            return new, None
+        bad = ~torch.isfinite(new)
+        badpos = bad.any(dim=2)
+        if not bool(badpos.any()):  # the sum overflowed, the values are fine
+            return new, None
+        B = new.shape[0]
+        first = torch.as_tensor(first, device=new.device).expand(B)
+        fatal = badpos & (positions[None, :] <= first[:, None])
+        if active is not None:
+            fatal &= active[:, None]
+        if bool(fatal.any()):
+            b, j = (int(i) for i in fatal.nonzero()[0])
+            self._non_finite(b, int(positions[j]), " (computed from final positions only, so "
+                             "the sequential loop produces it too)")
+        self.kept += int(badpos.sum())
+        return torch.where(bad, old, new), badpos
 
 
 @dataclass
@@ -144,11 +253,14 @@ class State:
     x: torch.Tensor  # (B, T, F), owned by the solver
     active: torch.Tensor  # (B,) bool: samples still iterating
     sample_iterations: torch.Tensor  # (B,) long: sweeps each sample took part in
-    residual: float = math.inf  # convergence measure of the last iteration (max over samples)
+    residual: float | torch.Tensor | None = math.inf  # convergence measure of the last iteration
     finished: bool = False
     extra: dict = field(default_factory=dict)
     rule: ContractionRule | None = None  # the per-sample contraction estimate
     estimate: torch.Tensor | None = None  # (B,) float64: error estimate where a sample stopped
+    # the final value was already checked against fn bitwise by the solver's own evaluations
+    # (at tol=0); otherwise the driver spends one evaluation on it (paraprop.solvers.verify)
+    verified: bool = False
 
     def __post_init__(self):
         B, device = self.active.shape[0], self.active.device
@@ -158,21 +270,51 @@ class State:
             self.estimate = torch.zeros(B, dtype=torch.float64, device=device)
 
 
+def rounding_floor(values: torch.Tensor, norm: str) -> torch.Tensor:
+    """``(B,)`` float64: one unit in the last place of ``values`` ``(B, n, F)`` at their scale,
+    in ``norm`` (``eps * max |v|``, or ``eps * ||v||_2``): what two evaluations of the same
+    position from inputs within rounding of each other can differ by, so the least an error
+    estimate in this dtype can certify (:mod:`paraprop.solvers.stopping`)."""
+    eps = torch.finfo(values.dtype).eps
+    flat = values.reshape(values.shape[0], -1)
+    if norm == "max":
+        scale = flat.abs().amax(dim=1).to(torch.float64)
+    else:
+        scale = torch.linalg.vector_norm(flat.to(torch.float64), dim=1)
+    return scale * eps
+
+
+def sync(*values) -> list:
+    """Several device scalars (0-d tensors, or Python values passed through) on the host in one
+    transfer: the one synchronisation of an iteration."""
+    idx = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    out = list(values)
+    if idx:
+        host = torch.stack([values[i].to(torch.float64).reshape(()) for i in idx]).tolist()
+        for i, h in zip(idx, host, strict=True):
+            out[i] = h
+    return out
+
+
 def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, tol: float,
-           norm: str, exact: int = 0, budget: float | None = None) -> None:
+           norm: str, exact: int = 0, budget: float | None = None,
+           kept: torch.Tensor | None = None) -> None:
     """Write ``new`` into positions ``[lo, hi)`` of the active samples, with per-sample stopping.
 
     Arguments:
         system, state: the system and the solver state (``state.x`` is updated in place).
         lo, hi: the positions ``new`` holds (canonical layout ``(B, hi - lo, F)``).
         tol, norm: a sample stops when the contraction estimate of its error
-            (:class:`~paraprop.solvers.stopping.ContractionRule`) and its forward difference are
-            ``<= tol``, or when it did not move at all; its values are then frozen.
+            (:class:`~paraprop.solvers.stopping.ContractionRule`, with the rounding floor of the
+            dtype) and its forward difference are ``<= tol``, or when it did not move at all;
+            its values are then frozen.
         exact: the first ``exact`` positions of ``[lo, hi)`` are final already. For an
             autoregressive ``fn`` they cannot move (Song et al. 2021, Prop. 1-2), so a change
             larger than ``tol`` there proves that ``fn`` is not triangular.
         budget: the bound the error estimate must meet (default ``tol``; windowed methods pass
             their share of it).
+        kept: ``(B, n)`` bool, the positions where a non-finite value was replaced by the old
+            one (:meth:`System.keep_finite`): their samples count as moved.
     """
     old = state.x[:, lo:hi]
     d = new - old
@@ -184,17 +326,30 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
         res = per_pos.amax(dim=1)
     else:
         res = torch.linalg.vector_norm(d.reshape(d.shape[0], -1), dim=1)
-    if bool(active.all()):
+    if kept is not None:
+        res = torch.where(kept.any(dim=1), torch.full_like(res, math.inf), res)
+    all_active = state.extra.get("all_active", True)
+    if all_active:
         old.copy_(new)
     else:
         res = torch.where(active, res, torch.zeros_like(res))
         old.copy_(torch.where(active[:, None, None], new, old))
-    stop, est = state.rule.update(res, tol, active, budget)
+    stop, est = state.rule.update(res, tol, active, budget,
+                                  floor=lambda: rounding_floor(state.x[:, lo:hi], norm))
     state.sample_iterations += active.long()
-    if bool(stop.any()):
-        state.estimate = torch.where(stop, est, state.estimate)
+    state.estimate = torch.where(stop, est, state.estimate)
     state.active = active & ~stop
-    state.residual = float(res.max())
+    state.residual = res.max()
+
+
+def settle(state: State, at_bound: bool) -> bool:
+    """End an iteration with its one synchronisation: the number of samples still iterating.
+    Sets ``state.finished`` (none left, or ``at_bound``) and ``state.extra["all_active"]``;
+    returns whether any sample is still iterating."""
+    n = int(state.active.sum())
+    state.extra["all_active"] = n == state.active.numel()
+    state.finished = at_bound or n == 0
+    return n > 0
 
 
 def check_final(system: System, moved_by: torch.Tensor, tol: float, active: torch.Tensor,
@@ -202,14 +357,14 @@ def check_final(system: System, moved_by: torch.Tensor, tol: float, active: torc
     """Raise :class:`NotTriangularError` if a final position moved: ``moved_by`` ``(B, n)`` is
     the change of the final positions ``[lo, lo + n)``; by the triangular structure (Song et al.
     2021, Prop. 1-2) none may move by more than ``tol``."""
-    moved = (moved_by > tol) & active[:, None]
+    moved = ~(moved_by <= tol) & active[:, None]   # NaN moves
     if bool(moved.any()):
         b, t = (int(i) for i in moved.nonzero()[0])
         raise NotTriangularError(
             f"fn is not autoregressive along dim: position {system.unravel_position(lo + t)} of "
             f"sample {system.unravel_sample(b)} changed at iteration {system.iteration} although "
             "every position it may depend on was already final; some position depends on itself "
-            "or on a later one")
+            f"or on a later one, {NONDETERMINISTIC}")
 
 
 def verify_fixed_point(system: System, state: State, lo: int, new: torch.Tensor,
@@ -219,15 +374,26 @@ def verify_fixed_point(system: System, state: State, lo: int, new: torch.Tensor,
     position depends on itself or on a later one. Costs one evaluation, and only when the bound
     was reached with a forward difference still above ``tol``."""
     old = state.x[:, lo : lo + new.shape[1]]
-    moved = ((new - old).abs().amax(dim=2) > tol) & state.active[:, None]
+    moved = ~((new - old).abs().amax(dim=2) <= tol) & state.active[:, None]   # NaN moves
     if bool(moved.any()):
         b, t = (int(i) for i in moved.nonzero()[0])
         raise NotTriangularError(
             f"fn is not autoregressive along dim: position {system.unravel_position(lo + t)} "
             f"of sample {system.unravel_sample(b)} still changes after {system.iteration} "
             "iterations, the bound by which every position of a triangular system is final; "
-            "some position depends on itself or on a later one"
+            f"some position depends on itself or on a later one, {NONDETERMINISTIC}"
         )
+
+
+def _shares_memory(y: torch.Tensor, x: torch.Tensor) -> bool:
+    return y.device == x.device and y.numel() > 0 and \
+        y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+def _same_positions(y: torch.Tensor, xc: torch.Tensor, lo: int) -> bool:
+    """Whether ``y`` (a view of ``xc``'s storage) starts at position ``lo`` of ``xc``: the
+    positions it claims to compute are the input's own."""
+    return lo < xc.shape[1] and y.data_ptr() == xc[:, lo].data_ptr()
 
 
 def _unravel(i: int, shape: torch.Size) -> tuple[int, ...]:

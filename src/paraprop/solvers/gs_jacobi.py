@@ -7,7 +7,7 @@ import math
 import torch
 
 from paraprop import checks
-from paraprop.solvers.base import State, System, accept, verify_fixed_point
+from paraprop.solvers.base import State, System, accept, settle, verify_fixed_point
 
 
 class GSJacobi:
@@ -44,26 +44,35 @@ class GSJacobi:
     def init(self, system: System, state: State) -> None:
         bs = self.size(system)
         state.extra.update(block=0, sweep=0, blocks=math.ceil(system.T / bs), bs=bs,
-                           stats={"block_size": bs})
+                           stats={"block_size": bs},
+                           index=torch.arange(system.T, device=state.x.device))
+        # a block is certified by reasoning (its inputs were final), with the window's values:
+        # at tol=0 one evaluation of fn at the end checks them all (paraprop.solvers.verify)
+        state.verified = False
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
         e = state.extra
         lo = e["block"] * e["bs"]
         hi = min(system.T, lo + e["bs"])
-        index = torch.arange(lo, hi, device=state.x.device)
         vals = system.window(state.x, lo, hi)
-        system.check_finite(vals, index)
         e["sweep"] += 1
+        # positions < lo + sweep - 1 are final; position lo + sweep - 1 is computed from them
+        vals, kept = system.keep_finite(vals, state.x[:, lo:hi], lo + e["sweep"] - 1,
+                                        e["index"][lo:hi], state.active)
         accept(system, state, lo, hi, vals, tol, norm, exact=e["sweep"] - 1,
-               budget=tol * (hi - lo) / system.T)
-        if e["sweep"] >= hi - lo and bool(state.active.any()):  # block bound, still moving
+               budget=tol * (hi - lo) / system.T, kept=kept)
+        at_bound = e["sweep"] >= hi - lo
+        moving = settle(state, False)
+        if at_bound and moving and tol > 0:  # block bound, still moving: verify
+            # (at tol=0 the evaluation of fn at the end checks every block at once)
             verify_fixed_point(system, state, lo, system.window(state.x, lo, hi), tol)
-        if e["sweep"] >= hi - lo or not bool(state.active.any()):
+        if at_bound or not moving:
             e["block"] += 1
             e["sweep"] = 0
             e.setdefault("estimates", []).append(state.estimate.clone())
             state.estimate.zero_()
             state.active[:] = True  # every sample starts the next block
+            e["all_active"] = True
             state.rule.reset()
             state.finished = e["block"] == e["blocks"]
             if state.finished:  # the frozen blocks' estimates add up along the sequence

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from paraprop.solvers.base import State, System, accept, verify_fixed_point
+import torch
+
+from paraprop.solvers.base import State, System, accept, settle, verify_fixed_point
 
 
 class Jacobi:
@@ -32,13 +34,16 @@ class Jacobi:
 
     def init(self, system: System, state: State) -> None:
         state.extra["k"] = 0
+        state.extra["positions"] = torch.arange(system.T, device=state.x.device)
+        state.verified = True  # it stops only on a sweep of fn that reproduced the iterate
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
         k = state.extra["k"] + 1
         y = system.evaluate(state.x)
-        system.check_finite(y)
-        accept(system, state, 0, system.T, y, tol, norm, exact=k - 1)
+        # positions < k - 1 are final, position k - 1 is computed from them
+        y, kept = system.keep_finite(y, state.x, k - 1, state.extra["positions"], state.active)
+        accept(system, state, 0, system.T, y, tol, norm, exact=k - 1, kept=kept)
         state.extra["k"] = k
-        state.finished = k >= system.T or not bool(state.active.any())
-        if k >= system.T and bool(state.active.any()):  # the bound, still moving: verify
+        moving = settle(state, k >= system.T)
+        if k >= system.T and moving:  # the bound, still moving: verify
             verify_fixed_point(system, state, 0, system.evaluate(state.x), tol)

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from paraprop import checks
-from paraprop.solvers.base import State, System, accept, verify_fixed_point
+from paraprop.solvers.base import State, System, accept, settle, verify_fixed_point
 
 
 class JacobiGS:
@@ -110,17 +110,26 @@ class JacobiGS:
         state.extra["offsets"] = [torch.arange(j, system.T, bs, device=device) for j in range(bs)]
         state.extra["stats"] = {"block_size": bs}
 
-    def _sweep(self, system: System, state: State) -> torch.Tensor:
+    def _sweep(self, system: System, state: State, first: int) -> tuple[torch.Tensor, object]:
+        """One iteration on a copy of the iterate; ``first``: the first position that is not
+        final (the positions up to the end of its block are computed from final inputs).
+        Returns the new values and the samples that kept a non-finite value's old one."""
         if "shares" in state.extra:
-            return self._threaded_sweep(system, state)
+            return self._threaded_sweep(system, state, first)
         work = state.x.clone()
+        kept = None
+        # a plain fn sees the copy whole (its promise not to modify it is checked); fn.update
+        # gets the private copy, and the final evaluation of fn checks its values (tol=0)
+        guard = not system.fast
         for index in state.extra["offsets"]:
-            vals = system.update(work, index)
-            system.check_finite(vals, index)
+            vals = system.update(work, index, guard=guard)
+            vals, k = system.keep_finite(vals, work.index_select(1, index), first, index,
+                                         state.active)
+            kept = _merge(kept, k)
             work.index_copy_(1, index, vals)
-        return work
+        return work, kept
 
-    def _threaded_sweep(self, system: System, state: State) -> torch.Tensor:
+    def _threaded_sweep(self, system: System, state: State, first: int):
         """The sweep with each thread's blocks on its own copy of the iterate (see
         ``workers``): bitwise the sequential sweep, whose blocks read only their own new
         values and the previous values of the blocks before them."""
@@ -128,18 +137,23 @@ class JacobiGS:
         def run(share):
             with torch.no_grad():
                 mine = state.x.clone()
+                kept = None
                 for index in share:
-                    vals = system.update(mine, index)
-                    system.check_finite(vals, index)
+                    vals = system.update(mine, index, guard=False)
+                    vals, k = system.keep_finite(vals, mine.index_select(1, index), first,
+                                                 index, state.active)
+                    kept = _merge(kept, k)
                     mine.index_copy_(1, index, vals)
-            return mine
+            return mine, kept
 
         pool = _pool(self.workers, self.intra_op_threads)
-        copies = list(pool.map(run, state.extra["shares"]))
+        results = list(pool.map(run, state.extra["shares"]))
         work = state.x.clone()
-        for owned, mine in zip(state.extra["owned"], copies, strict=True):
+        kept = None
+        for owned, (mine, k) in zip(state.extra["owned"], results, strict=True):
             work.index_copy_(1, owned, mine.index_select(1, owned))
-        return work
+            kept = _merge(kept, k)
+        return work, kept
 
     def _exact(self, system: System, k: int) -> int:
         """Positions final before iteration ``k`` (the first ``k - 1`` blocks)."""
@@ -147,16 +161,37 @@ class JacobiGS:
             return self.blocks[k - 2].stop if k >= 2 else 0
         return min((k - 1) * self.size(system), system.T)
 
+    def _first_block_end(self, system: System, k: int) -> int:
+        """The last position of block ``k - 1`` (0-based), which iteration ``k`` computes
+        from final inputs only (Proposition 2)."""
+        if self.blocks is not None:
+            return self.blocks[min(k, len(self.blocks)) - 1].stop - 1
+        return min(k * self.size(system), system.T) - 1
+
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
         k = state.extra["k"] + 1
-        work = self._sweep(system, state)
+        if k == 1:
+            # a plain fn: a sweep that reproduced the iterate evaluated fn at it (the check);
+            # fn.update's values are checked by one evaluation of fn at the end (tol=0)
+            state.verified = not system.fast
+        work, kept = self._sweep(system, state, self._first_block_end(system, k))
         exact = self._exact(system, k)
-        accept(system, state, 0, system.T, work, tol, norm, exact=exact)
+        accept(system, state, 0, system.T, work, tol, norm, exact=exact, kept=kept)
         state.extra["k"] = k
         at_bound = k >= self.bound(system)
-        state.finished = at_bound or not bool(state.active.any())
-        if at_bound and bool(state.active.any()):  # still moving at the bound: verify
-            verify_fixed_point(system, state, 0, self._sweep(system, state), tol)
+        moving = settle(state, at_bound)
+        if at_bound and moving and not (tol == 0 and system.fast):
+            # still moving at the bound: verify (at tol=0 with fn.update, the evaluation of fn
+            # at the end does it)
+            verify_fixed_point(system, state, 0, self._sweep(system, state, system.T)[0], tol)
+
+
+def _merge(kept, k):
+    """The samples that kept a non-finite value's old one, as ``(B, 1)`` (``None``: none)."""
+    if k is None:
+        return kept
+    k = k.any(dim=1, keepdim=True)
+    return k if kept is None else kept | k
 
 
 @functools.cache

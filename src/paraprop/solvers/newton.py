@@ -40,9 +40,17 @@ from __future__ import annotations
 import torch
 
 from paraprop import checks
-from paraprop.errors import NonFiniteError
+from paraprop.errors import ProtocolError
 from paraprop.scan import linear_recurrence
-from paraprop.solvers.base import State, System, check_final, verify_fixed_point
+from paraprop.solvers.base import (
+    State,
+    System,
+    check_final,
+    rounding_floor,
+    sync,
+    verify_fixed_point,
+)
+from paraprop.solvers.protocols import HOOKS
 
 FORMS = {"newton": "any", "quasi_newton": "diag", "elk": "dense", "quasi_elk": "diag"}
 DEFAULT_DAMPING = 1e-2
@@ -80,6 +88,11 @@ class _NewtonFamily:
         ex["access"] = _access(system)
         ex["lo"] = 0                # positions < lo are exact for every active sample
         ex["stats"] = {"resets": 0, "jacobian": self.form}
+        ex["resets"] = 0
+        ex["index"] = torch.arange(system.T, device=state.x.device)
+        # it stops only where fn(x) == x bitwise (tol=0), or at the bound by the exact prefix
+        # (a plain fn: verified there by one evaluation)
+        state.verified = True
         if self.damped:
             ex["stats"]["damping"] = self.damping
 
@@ -94,15 +107,14 @@ class _NewtonFamily:
             y, trial = fused
         if not access.markov:
             ex["stats"]["jvps"] = access.jvps
-        try:
-            system.check_finite(y, torch.arange(lo, T, device=y.device))
-        except NonFiniteError as e:
-            if lo == 0 and system.iteration == 1:
-                raise
-            raise NonFiniteError(f"{e}; the iterate came from a {self.name} step, which can "
-                                 "diverge: try method='elk' (damped) or 'jacobi'") from None
         state.sample_iterations += act.long()
         seg = x[:, lo:]
+        # position lo is computed from the exact prefix: a non-finite value there is the map's;
+        # later ones may come from a diverging iterate (they keep the old value, and the sample
+        # takes no Newton step: a reset)
+        if access.markov:
+            system.nonfinite = not bool(torch.isfinite(y.sum()))
+        y, kept = system.keep_finite(y, seg, lo, ex["index"][lo:], act)
         if fused is None:
             r = torch.sub(y, seg, out=_work(ex, x, lo))
             if self.damped:
@@ -110,9 +122,12 @@ class _NewtonFamily:
             else:
                 trial = linear_recurrence(J, r).add_(seg)
         bad = _non_finite_rows(trial) & act
-        if bool(bad.any()):     # a diverging step: the Jacobi update keeps the guarantees
-            ex["stats"]["resets"] += int(bad.sum())
+        if kept is not None:
+            bad = bad | (kept.any(dim=1) & act)
             trial = torch.where(bad[:, None, None], y, trial)
+        elif bool(bad.any()):     # a diverging step: the Jacobi update keeps the guarantees
+            trial = torch.where(bad[:, None, None], y, trial)
+        ex["resets"] = ex["stats"]["resets"] = ex["resets"] + bad.sum()
         trial[:, 0] = y[:, 0]   # exact: computed from the exact prefix
         if norm == "max":
             size = _max_difference(trial, seg)
@@ -120,34 +135,51 @@ class _NewtonFamily:
             delta = trial - seg
             size = torch.linalg.vector_norm(delta.reshape(delta.shape[0], -1), dim=1)
         size = torch.where(act, size, torch.zeros_like(size)).to(torch.float64)
-        if self.form == "any" and not self.damped and access.markov:
-            stop = act & (size <= tol) & ~bad
-            est = size
+        if tol == 0:
+            # a bitwise fixed point of fn: y == x (a step below the rounding of x is not one)
+            still = (_max_difference(y, seg) != 0) & act
         else:
-            stop, est = state.rule.update(size, tol, act)
+            still = None
+        if self.form == "any" and not self.damped and access.markov:
+            # the step bounds the error of the iterate, fn(x) adds one rounding at most
+            floor = rounding_floor(y, norm)
+            est = size + floor
+            stop = act & (est <= tol) & ~bad
+            held = act & ~stop & (size <= tol) & ~bad
+            state.rule.blocked = torch.maximum(state.rule.blocked,
+                                               torch.where(held, floor, 0.0).amax())
+            stop = stop | (act & (size == 0) & ~bad)
+        else:
+            stop, est = state.rule.update(size, tol, act,
+                                          floor=lambda: rounding_floor(y, norm))
             # A stopping sample keeps fn(x), a value the cell produces (ReLU outputs stay
             # >= 0), not the new iterate that `est` is about: fn(x) is within about
             # |delta| + est of the solution (times the Lipschitz constant of a step, ~1 on a
             # map that accumulates small steps), so that sum is what must fit tol.
             est = est + size
             stop = stop & ~bad & (est <= tol)
-        stopping = bool(stop.any())
-        if bool(act.all()):
-            if stopping:
-                torch.where(stop[:, None, None], y, trial, out=seg)
+        take_y = stop
+        if still is not None:   # tol=0: a step that did not move x while fn(x) != x
+            take_y = stop | (act & (size == 0) & still)
+            stop = stop & ~still
+            est = torch.zeros_like(est)
+        n_y, n_act, n_cont = sync(take_y.sum(), act.sum(), (act & ~stop).sum())
+        if n_act == act.numel():
+            if n_y:
+                torch.where(take_y[:, None, None], y, trial, out=seg)
             else:
                 seg.copy_(trial)
         else:               # (trial is this step's own array: overwritten in place)
-            if stopping:
-                torch.where(stop[:, None, None], y, trial, out=trial)
+            if n_y:
+                torch.where(take_y[:, None, None], y, trial, out=trial)
             torch.where(act[:, None, None], trial, seg, out=seg)
         state.estimate = torch.where(stop, est, state.estimate)
-        state.residual = float(size.max())
+        state.residual = size.max()
         cont = act & ~stop
         state.active = cont
         ex["lo"] = lo + 1
-        state.finished = not bool(cont.any()) or lo + 1 >= T
-        if lo + 1 >= T and bool(cont.any()) and not access.markov:
+        state.finished = n_cont == 0 or lo + 1 >= T
+        if lo + 1 >= T and n_cont and not access.markov:
             verify_fixed_point(system, state, 0, system.evaluate(state.x), tol)
 
     def _elk(self, x, r, J, lo):
@@ -298,7 +330,12 @@ class _MarkovAccess:
         self.system = system
 
     def linearize(self, x, lo, form, state, tol):
-        y, J = self.system.fn.linearize(x, lo, form)
+        out = self.system.fn.linearize(x, lo, form)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ProtocolError(f"{HOOKS['linearize']} must return a tuple (values, "
+                                f"jacobians), got {type(out).__name__}")
+        y, J = out
+        _check_values(self.system, y, x, lo, "linearize")
         self.system.evaluations += 1
         self.system.positions += x.shape[1] - lo
         return y, J
@@ -312,9 +349,27 @@ class _MarkovAccess:
         fused = getattr(self.system.fn, "newton_step", None)
         out = None if fused is None else fused(x, lo, form)
         if out is not None:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise ProtocolError(f"{HOOKS['newton_step']} must return None or a tuple "
+                                    f"(values, trial), got {type(out).__name__}")
+            for v in out:
+                _check_values(self.system, v, x, lo, "newton_step")
             self.system.evaluations += 1
             self.system.positions += x.shape[1] - lo
         return out
+
+
+def _check_values(system: System, v, x: torch.Tensor, lo: int, hook: str) -> None:
+    """A hook's values at positions ``[lo, T)``: a tensor ``(B, T - lo, F)`` of ``x``'s dtype,
+    and not a view of ``x`` (the driver writes into ``x`` while it reads them)."""
+    want = (x.shape[0], x.shape[1] - lo, x.shape[2])
+    if not isinstance(v, torch.Tensor) or tuple(v.shape) != want or v.dtype != x.dtype:
+        got = (f"{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor)
+               else type(v).__name__)
+        raise ProtocolError(f"{HOOKS[hook]} must return values of shape {want} and dtype "
+                            f"{x.dtype} (positions lo..T-1), got {got}")
+    if v.device == x.device and v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ProtocolError(f"{HOOKS[hook]} returned a view of its input x; return new values")
 
 
 class _FullAccess:

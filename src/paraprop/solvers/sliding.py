@@ -36,7 +36,9 @@ from __future__ import annotations
 import torch
 
 from paraprop import checks
+from paraprop.errors import ProtocolError
 from paraprop.solvers.base import State, System
+from paraprop.solvers.protocols import HOOKS
 from paraprop.solvers.stopping import freeze_budget
 
 
@@ -48,7 +50,9 @@ class SlidingJacobi:
             ``T`` is Jacobi restricted to the positions not yet final.
 
     Counters: ``stats["positions"]`` (positions computed) and ``iterations`` (parallel sweeps).
-    It does not check that ``fn`` is triangular (run ``"jacobi"`` for that).
+    At ``tol=0`` one evaluation of ``fn`` at the end checks the value
+    (:mod:`paraprop.solvers.verify`); on the way, each call of ``fn.window`` and
+    ``fn.propose`` is checked not to modify ``x``.
 
     Example:
         >>> W = torch.randn(16, 16).tril(-1) * 0.3
@@ -80,24 +84,32 @@ class SlidingJacobi:
         dev = state.x.device
         state.extra.update(
             final=torch.zeros(B, dtype=torch.long, device=dev),  # positions < final are final
+            start=0,  # the smallest final of the samples still iterating (known on the host)
+            index=torch.arange(system.T, device=dev),
             stats={"window": self.size(system)},
         )
+        # positions are certified by reasoning (their inputs were final), with the window's
+        # values: at tol=0 one evaluation of fn at the end checks them (paraprop.solvers.verify)
+        state.verified = False
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
         e = state.extra
         final, T = e["final"], system.T
-        act = final < T
-        start = int(final[act].min()) if bool(act.any()) else T
+        act = state.active
+        start = e["start"]
         stop = min(T, start + self.size(system))
         n = stop - start
+        pos = e["index"][start:stop]
         vals = system.window(state.x, start, stop)
-        system.check_finite(vals, torch.arange(start, stop, device=vals.device))
         old = state.x[:, start:stop]
-        pos = torch.arange(start, stop, device=vals.device)
+        # the first writable position of each sample is computed from final inputs only
+        vals, kept = system.keep_finite(vals, old, final, pos, act)
         # only positions that are not final yet (recomputing a final one may differ by rounding)
         writable = (pos[None, :] >= final[:, None]) & act[:, None]          # (B, n)
         d = (vals - old).abs()
         d_pos = (d.amax(dim=2) if norm == "max" else d.pow(2).sum(2).sqrt()).to(torch.float64)
+        if kept is not None:  # a kept value did not come from its inputs: it counts as moved
+            d_pos = torch.where(kept, torch.inf, d_pos)
         d_pos = torch.where(writable, d_pos, torch.zeros_like(d_pos))
         old.copy_(torch.where(writable[:, :, None], vals, old))
 
@@ -110,71 +122,92 @@ class SlidingJacobi:
         exact_to = torch.minimum(torch.maximum(first_change + 1, off + 1),
                                  torch.full_like(off, n))
         new_final = start + exact_to
-        if tol > 0:   # estimated: the changes before a position bound its error
-            # A position computed from inputs with errors e_i has an error <= max_i e_i when the
-            # map does not expand differences; the input errors are at most the changes of the
-            # sweep plus the new values' own errors, so error(x_new[j]) <= sum_{i<j} d_i over
-            # the non-final positions (the final ones have d = 0).
-            est = d_pos.cumsum(1) - d_pos
-            sens = getattr(system.fn, "sensitivity", None)
-            if isinstance(sens, torch.Tensor):
-                # fn states how much a change at position i moves the later positions (lam_i):
-                # error(x_new[j]) <= sum_{i<j} lam_i (d_i + error(x_new[i])), which solves to
-                # sum_{i<j} lam_i d_i / (1 - sum_{i<j} lam_i) while that sum is below 1
-                lam = sens.reshape(system.B, T)[:, start:stop].to(est.dtype)
-                lam = torch.where(lam.isnan(), torch.ones_like(lam), lam)
-                lam = torch.where(writable, lam, torch.zeros_like(lam))
-                wsum = (lam * d_pos).cumsum(1) - lam * d_pos
-                total = lam.cumsum(1) - lam
-                tight = torch.where(total < 1, wsum / (1 - total), torch.inf)
-                est = torch.minimum(est, tight)
-            shift = new_final - start
-            ar = torch.arange(n, device=vals.device)[None, :]
-            idx = (ar + shift[:, None]).clamp(max=n - 1)
-            cand = torch.where(ar + shift[:, None] < n, est.gather(1, idx),
-                               torch.full_like(est, float("inf")))
-            raw = cand
-            growth = getattr(system.fn, "growth", None)
-            if isinstance(growth, torch.Tensor):
-                # fn says how much an error at each position grows by the end of the chain:
-                # a freeze must fit its share after that growth
-                g = growth.reshape(system.B, T).gather(1, new_final.clamp(max=T - 1)[:, None])
-                cand = cand * g.to(cand.dtype)
-            m = freeze_budget(cand, tol, T)
-            if bool((m > 0).any()):
-                block = ar < m[:, None]
-                worst = torch.where(block, raw, torch.zeros_like(raw)).amax(1)
-                worst = torch.where(act & (m > 0), worst, 0.0)
-                state.estimate = state.estimate + torch.where(
-                    act & (m > 0), torch.where(block, cand, torch.zeros_like(cand)).amax(1), 0.0)
-                # where each freeze began and its estimate: a caller that knows how errors
-                # grow along its map can propagate them (paraprop.diffusion does)
-                log = e["stats"].setdefault("freeze_estimates", torch.zeros(
-                    system.B, T, dtype=torch.float64, device=vals.device))
-                log.scatter_add_(1, new_final.clamp(max=T - 1)[:, None], worst[:, None])
-            new_final = new_final + m
+        if tol > 0:
+            new_final = new_final + self._freeze(system, state, start, stop, d_pos, writable,
+                                                 new_final, tol, norm)
         e["final"] = torch.where(act, torch.maximum(final, new_final), final)
         state.sample_iterations += act.long()
         state.active = e["final"] < T
-        state.residual = float(d_pos.max()) if n else 0.0
-        state.finished = not bool(state.active.any())
-        propose = getattr(system.fn, "propose", None)
-        if callable(propose) and not state.finished:
-            _take_guesses(system, state, propose(system.user(state.x), e["final"]))
+        state.residual = d_pos.max() if n else 0.0
+        # the iteration's one synchronisation: where the next window starts (T: done)
+        e["start"] = int(torch.where(state.active, e["final"], T).min())
+        state.finished = e["start"] >= T
+        if not state.finished:
+            guess = system.propose(state.x, e["final"])
+            if guess is not None:
+                system.check_finite(guess)
+                free = e["index"][None, :] >= e["final"][:, None]
+                state.x.copy_(torch.where(free[:, :, None], guess, state.x))
+
+    def _freeze(self, system, state, start, stop, d_pos, writable, new_final, tol, norm):
+        """``(B,)``: how many positions after the certified ones may be frozen at ``tol > 0``
+        (see the module doc); logs each freeze's estimate in ``stats["freeze_estimates"]``."""
+        e, T, n = state.extra, system.T, stop - start
+        act = state.active
+        # A position computed from inputs with errors e_i has an error <= max_i e_i when the
+        # map does not expand differences; the input errors are at most the changes of the
+        # sweep plus the new values' own errors, so error(x_new[j]) <= sum_{i<j} d_i over
+        # the non-final positions (the final ones have d = 0).
+        est = d_pos.cumsum(1) - d_pos
+        sens = _hook_tensor(system, "sensitivity")
+        if sens is not None:
+            # fn states how much a change at position i moves the later positions (lam_i):
+            # error(x_new[j]) <= sum_{i<j} lam_i (d_i + error(x_new[i])), which solves to
+            # sum_{i<j} lam_i d_i / (1 - sum_{i<j} lam_i) while that sum is below 1
+            lam = sens[:, start:stop].to(est.dtype)
+            lam = torch.where(lam.isnan(), torch.ones_like(lam), lam)
+            lam = torch.where(writable, lam, torch.zeros_like(lam))
+            wsum = (lam * d_pos).cumsum(1) - lam * d_pos
+            total = lam.cumsum(1) - lam
+            tight = torch.where(total < 1, wsum / (1 - total), torch.inf)
+            est = torch.minimum(est, tight)
+        shift = new_final - start
+        ar = torch.arange(n, device=d_pos.device)[None, :]
+        idx = (ar + shift[:, None]).clamp(max=n - 1)
+        raw = torch.where(ar + shift[:, None] < n, est.gather(1, idx),
+                          torch.full_like(est, float("inf")))
+        # a value computed from inputs within est of the sequential ones is within est plus
+        # one rounding flip of the sequential value: the floor of the dtype at the values' scale
+        vals = state.x[:, start:stop]
+        per = vals.abs().amax(2) if norm == "max" else \
+            torch.linalg.vector_norm(vals.to(torch.float64), dim=2)
+        floor = (per.amax(1).to(torch.float64) * torch.finfo(vals.dtype).eps)[:, None]
+        cand = raw + floor
+        growth = _hook_tensor(system, "growth")
+        g = None
+        if growth is not None:
+            # fn says how much an error at each position grows by the end of the chain:
+            # a freeze must fit its share after that growth
+            g = growth.gather(1, new_final.clamp(max=T - 1)[:, None]).to(cand.dtype)
+            cand = cand * g
+        m = freeze_budget(cand, tol, T)
+        m0 = freeze_budget(raw if g is None else raw * g, tol, T)  # without the floor
+        state.rule.blocked = torch.maximum(
+            state.rule.blocked, torch.where(act & (m0 > m), floor[:, 0], 0.0).amax())
+        froze = act & (m > 0)
+        block = ar < m[:, None]
+        worst = torch.where(block, raw, torch.zeros_like(raw)).amax(1)
+        worst = torch.where(froze, worst, 0.0)
+        state.estimate = state.estimate + torch.where(
+            froze, torch.where(block, cand, torch.zeros_like(cand)).amax(1), 0.0)
+        # where each freeze began and its estimate: a caller that knows how errors grow along
+        # its map can propagate them (paraprop.diffusion does)
+        log = e["stats"].setdefault("freeze_estimates", torch.zeros(
+            system.B, T, dtype=torch.float64, device=d_pos.device))
+        log.scatter_add_(1, new_final.clamp(max=T - 1)[:, None], worst[:, None])
+        return m
 
 
-def _take_guesses(system: System, state: State, guess) -> None:
-    """Write ``fn.propose``'s guesses into the positions that are not final (any guess keeps
-    the result exact: a position is accepted only when its inputs reproduce it)."""
-    if guess is None:
-        return
-    if not isinstance(guess, torch.Tensor) or guess.shape != system.shape or \
-            guess.dtype != system.dtype:
-        got = (f"{tuple(guess.shape)} {guess.dtype}" if isinstance(guess, torch.Tensor)
-               else type(guess).__name__)
-        raise ValueError(f"fn.propose(x, final) must return None or a tensor shaped like x "
-                         f"{tuple(system.shape)} {system.dtype}, got {got}")
-    g = system.canon(guess)
-    system.check_finite(g)
-    free = torch.arange(system.T, device=g.device)[None, :] >= state.extra["final"][:, None]
-    state.x.copy_(torch.where(free[:, :, None], g, state.x))
+def _hook_tensor(system: System, name: str) -> torch.Tensor | None:
+    """``fn.sensitivity`` or ``fn.growth`` as ``(B, T)``, ``None`` where ``fn`` states none;
+    anything else breaks the hook's promise (:mod:`paraprop.solvers.protocols`)."""
+    value = getattr(system.fn, name, None)
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor) or value.numel() != system.B * system.T or \
+            not value.is_floating_point():
+        got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+               if isinstance(value, torch.Tensor) else type(value).__name__)
+        raise ProtocolError(f"{HOOKS[name]} must be None or a floating-point tensor of "
+                            f"batch x positions = {system.B} x {system.T} values, got {got}")
+    return value.reshape(system.B, system.T)

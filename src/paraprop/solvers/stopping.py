@@ -33,37 +33,56 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RATES", "ContractionRule", "freeze_budget"]
+__all__ = ["NOISE", "RATES", "ContractionRule", "freeze_budget"]
 
 RATES = 3  # ratios d_j / d_{j-1} the contraction estimate takes the largest of
+NOISE = 4  # a step within this many rounding floors is rounding noise (no ratio)
 
 class ContractionRule:
     """Per-sample contraction estimate over successive differences ``d_k`` (shape ``(B,)``).
 
     Call :meth:`update` once per iteration with the new differences of the samples that iterated;
     it returns ``(stop, estimate)``: which samples may stop, and the estimated error of each.
+
+    **Rounding.** In floating point the iteration is ``x_{k+1} = fl(f(x_k))`` and the sequential
+    result ``x* = fl(f(x*))``; two evaluations from inputs within ``e`` of each other differ by
+    up to ``q e`` plus a rounding flip ``r`` (one unit in the last place at the values' scale,
+    the ``floor``). So ``|x_k - x*| <= (q d_k + r) / (1 - q)``, and that is the estimate. A step
+    ``d_{j-1} <= NOISE * r`` is rounding noise: a ratio over it says nothing about contraction
+    (an accumulating map moving one unit in the last place per sweep shows ratios near 1 or
+    anything else), so it counts as no contraction, and such a sample does not stop early on it
+    (it goes on to a bitwise fixed point or the exactness bound). A ``tol`` below the floor can
+    only be met bitwise; :attr:`blocked` records the largest floor that kept a sample from
+    stopping, for the message when ``max_iters`` ends the solve first.
     """
 
     def __init__(self, B: int, device, dtype=torch.float64):
         nan = torch.full((B,), float("nan"), dtype=dtype, device=device)
         self.d_prev = nan                  # d_{k-1}
-        # the previous RATES - 1 ratios d_j / d_{j-1}, newest first (0 before they exist)
+        # the previous RATES - 1 ratios d_j / d_{j-1}, newest first (0 before they exist), and
+        # their denominators d_{j-1} (NaN before they exist)
         self.q_prev = torch.zeros(RATES - 1, B, dtype=dtype, device=device)
+        self.den_prev = torch.full((RATES - 1, B), float("nan"), dtype=dtype, device=device)
+        # the largest rounding floor that kept a sample from stopping (0: none did)
+        self.blocked = torch.zeros((), dtype=dtype, device=device)
 
     def reset(self) -> None:
         """Forget the history: a new problem starts (the next block of GS-Jacobi)."""
         self.d_prev.fill_(float("nan"))
         self.q_prev.zero_()
+        self.den_prev.fill_(float("nan"))
 
-    def _record(self, d, q, active) -> None:
+    def _record(self, d, q, den, active) -> None:
         q = torch.nan_to_num(q, nan=0.0)
         shifted = torch.cat([q[None], self.q_prev[:-1]])
         self.q_prev = torch.where(active[None], shifted, self.q_prev)
+        shifted = torch.cat([den[None], self.den_prev[:-1]])
+        self.den_prev = torch.where(active[None], shifted, self.den_prev)
         self.d_prev = torch.where(active, d, self.d_prev)
 
     def update(self, d: torch.Tensor, tol: float, active: torch.Tensor,
-               budget: float | None = None, rate: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               budget: float | None = None, rate: torch.Tensor | None = None,
+               floor=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Record ``d`` (``(B,)``) for the ``active`` samples; return ``(stop, estimate)``.
 
         ``budget`` (default ``tol``) is the bound the estimate must meet; ``d`` itself must also
@@ -71,23 +90,44 @@ class ContractionRule:
         place per step accumulates (``tests/test_faults_solve.py``).
 
         ``rate`` (``(B,)``, optional) is the observed contraction of the map itself,
-        ``||fn(x_k) - fn(x_{k-1})|| / ||x_k - x_{k-1}||``, for methods whose iterates are not
-        ``fn``'s own (Anderson); ``d`` is then the residual ``||fn(x_k) - x_k||``, and the
-        estimate ``q / (1 - q) * d`` bounds the error of ``fn(x_k)``. Without it the rate is
-        ``d_k / d_{k-1}``.
+        ``||fn(x_k) - fn(x_{k-1})|| / ||x_k - x_{k-1}||`` with ``||x_k - x_{k-1}||`` the
+        previous ``d``, for methods whose iterates are not ``fn``'s own (Anderson); ``d`` is
+        then the residual ``||fn(x_k) - x_k||``, and the estimate bounds the error of
+        ``fn(x_k)``. Without it the rate is ``d_k / d_{k-1}``.
+
+        ``floor`` (``(B,)`` float64, or a callable returning it, evaluated only when a sample
+        may stop): the rounding floor of the values (:func:`paraprop.solvers.base.rounding_floor`;
+        ``None``: exact arithmetic). A ratio whose denominator is within :data:`NOISE` floors
+        is rounding noise and gives no estimate.
         """
         d = d.to(self.d_prev.dtype)
-        q_now = d / self.d_prev if rate is None else rate.to(d.dtype)
-        if not bool(((d <= tol) & active).any()):   # no sample can stop: record and go on
-            self._record(d, q_now, active)
+        den = self.d_prev
+        q_now = d / den if rate is None else rate.to(d.dtype)
+        # no sample can stop: record and go on (on a CPU the test is free and saves the
+        # estimate; on an accelerator it would cost a synchronisation, so it is skipped there)
+        if d.device.type == "cpu" and not bool(((d <= tol) & active).any()):
+            self._record(d, q_now, den, active)
             return torch.zeros_like(active), torch.full_like(d, float("inf"))
-        q = q_now                                 # NaN on the first iteration
-        rate = torch.maximum(q, self.q_prev.amax(0))  # NaN propagates: no estimate yet
-        est = torch.where(rate < 1, rate / (1 - rate) * d, torch.full_like(d, float("inf")))
+        r = floor() if callable(floor) else floor
+        r = torch.zeros_like(d) if r is None else r.to(d.dtype)
+        inf = torch.full_like(d, float("inf"))
+        signal = NOISE * r
+        # the current ratio: NaN on the first iteration (no estimate yet), inf where its
+        # denominator is noise; earlier ones: ignored before they exist, inf where noise
+        q = torch.where(den > signal, q_now, torch.where(den.isnan(), q_now, inf))
+        older = torch.where(self.den_prev.isnan(), torch.zeros_like(self.q_prev),
+                            torch.where(self.den_prev > signal, self.q_prev, inf))
+        rate = torch.maximum(q, older.amax(0))   # NaN propagates: no estimate yet
+        est = torch.where(rate < 1, (rate * d + r) / (1 - rate), inf)
         est = torch.where(d == 0, torch.zeros_like(d), est)
         limit = tol if budget is None else budget
         stop = (d == 0) | ((d <= tol) & (est <= limit))
-        self._record(d, q, active)
+        # a sample that the estimate in exact arithmetic would have stopped
+        raw = torch.maximum(q_now, self.q_prev.amax(0))
+        exact_est = torch.where(raw < 1, raw / (1 - raw) * d, inf)
+        held = active & ~stop & (d <= tol) & (exact_est <= limit)
+        self.blocked = torch.maximum(self.blocked, torch.where(held, r, 0.0).amax())
+        self._record(d, q_now, den, active)
         return stop & active, est
 
 
