@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+import paraprop
 from paraprop.linalg import METHODS, from_rnn, rnn_backward, solve
 
 CASES = [  # (K layers, tau steps, nonlinearity, batch_first, bias)
@@ -99,8 +100,18 @@ def test_rnn_errors_are_reported():
     with pytest.raises(TypeError, match=r"x has dtype torch.float32 but the rnn has"):
         rnn_backward(rnn, x.float(), g)
     drop = nn.RNN(3, 4, num_layers=2, dropout=0.5).double()
-    with pytest.raises(ValueError, match=r"dropout=0.5 in training mode"):
+    with pytest.raises(paraprop.StochasticModelError,
+                       match=r"linalg.rnn_backward: rnn is in train mode, .* applies dropout in "
+                             r"train mode \(dropout=0.5\).* call rnn.eval\(\) first"):
         rnn_backward(drop, x, g)
+    with pytest.raises(paraprop.StochasticModelError, match=r"linalg.from_rnn: rnn is in train"):
+        from_rnn(drop, x)
+    drop.eval()                          # eval mode: no dropout, the gradients of autograd
+    (gx, _, gp), _ = rnn_backward(drop, x, g)
+    xi = x.clone().requires_grad_()
+    ref = torch.autograd.grad(drop(xi)[0], [xi, *drop.parameters()], g)
+    for a, b in zip([gx, *gp], ref, strict=True):
+        assert torch.allclose(a, b, atol=1e-12, rtol=1e-10)
 
 
 def test_rnn_argument_checks_name_the_argument():

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paraprop.determinism import require_deterministic
 from paraprop.linalg.driver import check_solver_args, solve
 from paraprop.linalg.operators import BlockDiagonalOperator, MatrixOperator
 from paraprop.linalg.system import BlockBidiagonal
@@ -75,15 +76,15 @@ def _weights(rnn: nn.RNN):
     return W, U, b
 
 
-def _validate(rnn, x, h0, grad_output, grad_hn):
+def _validate(rnn, x, h0, grad_output, grad_hn, entry: str):
     """Check every argument once; return ``x`` detached, time-major ``(tau, B, input_size)``,
     and ``h0``, ``grad_output``, ``grad_hn`` detached (``None`` stays ``None``)."""
     if not isinstance(rnn, nn.RNN):
         raise TypeError(f"rnn must be an nn.RNN, got {type(rnn).__name__}")
     if rnn.bidirectional:
         raise ValueError("bidirectional RNNs are not supported (two systems; solve each)")
-    if rnn.dropout and rnn.training:
-        raise ValueError(f"rnn has dropout={rnn.dropout} in training mode; call rnn.eval()")
+    # dropout between layers in train mode: the shared check (paraprop.determinism)
+    require_deterministic(rnn, argument="rnn", entry=entry)
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != rnn.input_size:
         raise ValueError(f"x must have shape (tau, B, {rnn.input_size}) "
                          f"({'(B, tau, ...)' if rnn.batch_first else 'batch_first=False'}), "
@@ -144,6 +145,8 @@ def from_rnn(rnn: nn.RNN, x: torch.Tensor, *, h0: torch.Tensor | None = None,
     Raises:
         TypeError / ValueError: unsupported RNNs; shapes, dtypes or devices of ``x``, ``h0``,
             ``grad_output``, ``grad_hn``, or a NaN/inf in them (named).
+        paraprop.StochasticModelError: (a ``ValueError``) ``rnn`` in train mode with
+            ``dropout > 0`` (call ``rnn.eval()``).
 
     Example:
         >>> rnn = nn.RNN(3, 4, num_layers=2).double()
@@ -153,7 +156,8 @@ def from_rnn(rnn: nn.RNN, x: torch.Tensor, *, h0: torch.Tensor | None = None,
         >>> torch.allclose(h[:, :, -1].transpose(0, 1), rnn(x)[0])
         True
     """
-    xs, h0, grad_output, grad_hn = _validate(rnn, x, h0, grad_output, grad_hn)
+    xs, h0, grad_output, grad_hn = _validate(rnn, x, h0, grad_output, grad_hn,
+                                             "linalg.from_rnn")
     with torch.no_grad():
         return _build(rnn, xs, h0, grad_output, grad_hn)
 
@@ -237,7 +241,8 @@ def rnn_backward(rnn: nn.RNN, x: torch.Tensor, grad_output: torch.Tensor | None,
     Raises:
         TypeError / ValueError: unsupported RNNs; shapes, dtypes, devices or NaN/inf of the
             tensors (named); no gradient given; bad solver options (as
-            :func:`paraprop.linalg.solve`). An empty batch gives zero gradients;
+            :func:`paraprop.linalg.solve`); ``paraprop.StochasticModelError`` for an ``rnn`` in
+            train mode with ``dropout > 0``. An empty batch gives zero gradients;
         ConvergenceError: an iterative method did not converge.
 
     Example:
@@ -251,7 +256,8 @@ def rnn_backward(rnn: nn.RNN, x: torch.Tensor, grad_output: torch.Tensor | None,
     """
     if grad_output is None and grad_hn is None:
         raise ValueError("give grad_output and/or grad_hn")
-    xs, h0, grad_output, grad_hn = _validate(rnn, x, h0, grad_output, grad_hn)
+    xs, h0, grad_output, grad_hn = _validate(rnn, x, h0, grad_output, grad_hn,
+                                             "linalg.rnn_backward")
     if xs.shape[1] == 0:  # an empty batch: zero gradients, as autograd gives
         check_solver_args(method, tol, max_iters)
         K, n = rnn.num_layers, rnn.hidden_size
