@@ -226,7 +226,11 @@ def diag_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.T
     C = math.ceil(T / L)
     acc = _acc(mod, b.dtype)
     hs = h0.stride() if h0 is not None else (0, 0)
-    strides = (*a.stride(), *b.stride(), *out.stride(), *hs)
+    # With one channel its stride is never used: 0 tells the compiler the rows stay aligned (a
+    # stride of 1 would make every offset's alignment unknown, and the loads scalar).
+    hs = hs if D > 1 else (hs[0], 0)
+    strides = (*(s for x in (a, b, out) for s in (x.stride(0), x.stride(1),
+                                                  x.stride(2) if D > 1 else 0)), *hs)
     meta = {"HAS_H0": h0 is not None, "REVERSE": bool(reverse), "ACC": acc, "BLOCK_D": BD,
             "BLOCK_T": BT, "num_warps": 4}
     with on(b.device):
