@@ -20,6 +20,7 @@ import torch
 
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
+from paraprop.determinism import require_deterministic
 from paraprop.errors import ConvergenceError, NonFiniteError, NotTriangularError
 from paraprop.result import Solution, ensure_converged
 from paraprop.solvers import make_solver
@@ -195,6 +196,7 @@ def _history(residuals: list, device) -> torch.Tensor:
 def _validate(fn, x0, dim, tol, norm, max_iters, callback) -> tuple[int, int]:
     """Check every argument once; return the normalised (first, last) autoregressive dims."""
     checks.callable_arg("fn", fn)
+    require_deterministic(fn, argument="fn", entry="solve")
     if not isinstance(x0, torch.Tensor):
         raise TypeError(f"x0 must be a torch.Tensor, got {type(x0).__name__}")
     if not x0.is_floating_point():
