@@ -111,3 +111,34 @@ def test_no_mnist_directory(monkeypatch):
     monkeypatch.setattr(mnist, "find_mnist_dir", lambda mnist_dir=None: None)
     with pytest.raises(IDXError, match=r"no MNIST directory: pass mnist_dir, set \$PARAPROP"):
         load_mnist()
+
+
+def test_gzip_that_expands_beyond_its_header_is_not_expanded(tmp_path):
+    """A decompression bomb: a header for 3 images of 4x4, then 64 MB of zeros that compress
+    to about 64 kB. Only what the header announces (plus one byte) is decompressed."""
+    header = bytes([0, 0, 0x08, 3]) + b"".join(n.to_bytes(4, "big") for n in (3, 4, 4))
+    g = tmp_path / "bomb-idx3-ubyte.gz"
+    with gzip.open(g, "wb") as f:
+        f.write(header)
+        for _ in range(64):
+            f.write(bytes(1 << 20))
+    assert g.stat().st_size < 1 << 17
+    with pytest.raises(IDXError, match=r"bomb-idx3-ubyte.gz: more than the 64 bytes expected "
+                                       r"for shape \(3, 4, 4\) \(trailing data"):
+        read_idx(g)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_header_that_announces_more_than_the_file_holds(tmp_path, gz):
+    """A header of 10**9 images of 10**4 x 10**4 pixels (10**17 bytes, past int64 products of
+    numpy) in a file of a few bytes: refused from the header, nothing that size is read."""
+    header = bytes([0, 0, 0x08, 3]) + b"".join(int(n).to_bytes(4, "big")
+                                               for n in (10**9, 10**4, 10**4))
+    p = tmp_path / ("huge-idx3-ubyte" + (".gz" if gz else ""))
+    p.write_bytes(gzip.compress(header + bytes(16)) if gz else header + bytes(16))
+    match = (r"huge-idx3-ubyte.gz: the header announces shape \(1000000000, 10000, 10000\) "
+             r"\(100000000000000000 bytes\), more than a gzip file of \d+ bytes can hold"
+             if gz else r"huge-idx3-ubyte: 32 bytes, expected 100000000000000016 for shape "
+             r"\(1000000000, 10000, 10000\)")
+    with pytest.raises(IDXError, match=match):
+        read_idx(p)

@@ -26,11 +26,40 @@ class IDXError(ValueError):
     """A missing, truncated or corrupt IDX file (the message names the file)."""
 
 
+# Deflate expands at most about 1032:1, so a gzip file of n bytes holds at most this many times n.
+_GZIP_MAX_RATIO = 1032
+
+
+def _gunzip_bounded(path: Path) -> bytes:
+    """Decompress ``path``, reading no more than its IDX header announces (plus one byte, to
+    tell trailing data), and refusing a header that announces more than a gzip file of this
+    size can hold: a small file that expands to gigabytes (a decompression bomb) is never
+    expanded."""
+    with gzip.open(path, "rb") as f:
+        head = f.read(4)
+        if len(head) < 4 or head[0] != 0 or head[1] != 0 or head[2] not in _DTYPES:
+            return head  # read_idx reports the bad magic number
+        dims = f.read(4 * head[3])
+        if len(dims) < 4 * head[3]:
+            return head + dims  # read_idx reports the truncated header
+        shape = [int.from_bytes(dims[4 * i : 4 * i + 4], "big") for i in range(head[3])]
+        body = int(np.prod(shape, dtype=object)) * np.dtype(_DTYPES[head[2]]).itemsize
+        limit = _GZIP_MAX_RATIO * path.stat().st_size
+        if body > limit:
+            raise IDXError(f"{path}: the header announces shape {tuple(shape)} ({body} bytes), "
+                           f"more than a gzip file of {path.stat().st_size} bytes can hold "
+                           f"(at most {limit}); corrupt or not an IDX file")
+        return head + dims + f.read(body + 1)
+
+
 def read_idx(path: str | os.PathLike) -> np.ndarray:
-    """Read one IDX file (``.gz`` or raw) into a numpy array, validating its header and size."""
+    """Read one IDX file (``.gz`` or raw) into a numpy array, validating its header and size.
+
+    A ``.gz`` file is decompressed only as far as its header announces, and a header that
+    announces more than the file can hold is refused (:func:`_gunzip_bounded`)."""
     path = Path(path)
     try:
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        raw = _gunzip_bounded(path) if path.suffix == ".gz" else path.read_bytes()
     except FileNotFoundError:
         raise IDXError(f"{path}: no such file") from None
     except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
@@ -44,7 +73,10 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         raise IDXError(f"{path}: truncated header ({len(raw)} bytes, {ndim} dims)")
     shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     dtype = np.dtype(_DTYPES[raw[2]])
-    expected = header + int(np.prod(shape)) * dtype.itemsize
+    expected = header + int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if len(raw) > expected:
+        raise IDXError(f"{path}: more than the {expected} bytes expected for shape {shape} "
+                       "(trailing data; corrupt or not an IDX file)")
     if len(raw) != expected:
         raise IDXError(f"{path}: {len(raw)} bytes, expected {expected} for shape {shape} "
                        f"(truncated or corrupt)")

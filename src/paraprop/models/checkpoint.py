@@ -237,7 +237,8 @@ def _int_fields(config: dict) -> list[tuple[str, int]]:
 def _suspects(config: dict, shape: tuple | None, above: int) -> list[tuple[str, int]]:
     """The config fields that most likely asked for a tensor of ``shape``: those equal to its
     largest dimension, else those that divide it (up to a factor 64, e.g. ``3 * hidden``), else
-    the largest field; without a shape, the fields larger than ``above``."""
+    the largest field; without a shape, the fields larger than ``above`` and within a factor
+    16 of the largest."""
     fields = [(k, v) for k, v in _int_fields(config) if v > 1]
     if shape:
         d = max(shape)
@@ -246,7 +247,8 @@ def _suspects(config: dict, shape: tuple | None, above: int) -> list[tuple[str, 
             if hits:
                 return hits[:3]
         return fields[:1]
-    return [(k, v) for k, v in fields if v > above][:3] or fields[:1]
+    big = [(k, v) for k, v in fields if v > above and 16 * v >= fields[0][1]]
+    return big[:3] or fields[:1]
 
 
 def build_within_budget(build, config: dict, *, path, kind: str, file_bytes: int,
@@ -304,7 +306,7 @@ def build_within_budget(build, config: dict, *, path, kind: str, file_bytes: int
         with _Budget(budget):
             return build(**config)
     except _OverBudget as e:
-        suspects = _suspects(config, e.shape, above=max(tensors, 64))
+        suspects = _suspects(config, e.shape, above=limit)
         named = ", ".join(f"{k}={v}" for k, v in suspects) or "(no integer field)"
         raise ValueError(
             f"{path}: the {kind} config in this checkpoint asks for an absurd model ({named}): "
