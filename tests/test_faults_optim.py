@@ -361,3 +361,56 @@ def test_two_fused_optimizers_on_one_model_and_unfuse():
         o.unfuse()
     assert type(model.head._parameters) is dict and not model.head._forward_pre_hooks
     assert_params_close(model, ref)
+
+
+# -- settings assigned after fusing (issue 27, item 5) ------------------------------------------
+@pytest.mark.parametrize("attr,value", [("mode", "backward"), ("bucket_numel", 100),
+                                        ("overlap", True), ("model", torch.nn.Linear(2, 2))])
+def test_fixed_settings_refuse_assignment_with_the_way_to_change_them(attr, value):
+    model, opt = make(True)
+    before = getattr(opt, attr)
+    with pytest.raises(AttributeError, match=rf"FusedOptimizer.{attr} is fixed when the "
+                                             rf"optimizer is fused .* assigning {attr}=.* would "
+                                             r"be ignored. Call opt.unfuse\(\) and fuse it again"):
+        setattr(opt, attr, value)
+    assert getattr(opt, attr) is before
+    ref_model, ref_opt = make(False)
+    for idx in batches(3):                   # still the unfused result
+        train_step(model, opt, idx)
+        train_step(ref_model, ref_opt, idx)
+    opt.flush()
+    assert_params_close(model, ref_model)
+
+
+def test_accumulation_steps_assigned_between_updates_is_honoured():
+    model, opt = make(True)
+    ref_model, ref_opt = make(False)
+    data = batches(STEPS)
+    for i, idx in enumerate(data):
+        if i == 2:
+            opt.accumulation_steps = 2       # between updates: the next windows are of 2
+        loss_fn(model, idx).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_fn(ref_model, idx).backward()
+        if i < 2 or i % 2 == 1:
+            ref_opt.step()
+            ref_opt.zero_grad()
+    opt.flush()
+    assert_params_close(model, ref_model)
+
+
+def test_accumulation_steps_assignment_is_checked():
+    _, opt = make(True, accumulation_steps=3)
+    with pytest.raises(ValueError, match="accumulation_steps must be a positive int, got 0"):
+        opt.accumulation_steps = 0
+    with pytest.raises(ValueError, match="accumulation_steps must be a positive int, got 2.0"):
+        opt.accumulation_steps = 2.0
+    model = opt.model
+    loss_fn(model, batches(1)[0]).backward()
+    opt.step()                               # 1 of 3 accumulated
+    with pytest.raises(ValueError, match=r"accumulation_steps cannot change inside an "
+                                         r"accumulation window \(1 of 3 backward passes "
+                                         r"accumulated\); .*expected 3 until then, got 2\)"):
+        opt.accumulation_steps = 2
+    assert opt.accumulation_steps == 3

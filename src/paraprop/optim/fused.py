@@ -136,12 +136,16 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     Attributes:
         optimizer: the wrapped optimizer.
-        model: the fused module.
-        mode: ``"forward"`` or ``"backward"``.
-        accumulation_steps: backward passes per update.
-        bucket_numel: the smallest bucket before merging with the next module.
-        overlap: whether the updates run on a background thread.
+        model: the fused module (read-only).
+        mode: ``"forward"`` or ``"backward"`` (read-only).
+        accumulation_steps: backward passes per update (assignable between updates, checked).
+        bucket_numel: the smallest bucket before merging with the next module (read-only).
+        overlap: whether the updates run on a background thread (read-only).
         buckets: the parameter buckets (root first), for inspection.
+
+    The read-only settings fix the hooks and buckets built at :func:`fuse`: assigning one
+    raises ``AttributeError`` naming the way to change it (``unfuse()``, then :func:`fuse`
+    again) instead of being ignored.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, *,
@@ -153,14 +157,57 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._optimizer_step_post_hooks = OrderedDict()
         self._zero_grad_profile_name = "Optimizer.zero_grad#FusedOptimizer.zero_grad"
         self.optimizer = optimizer
-        self.model = model
-        self.mode = mode
-        self.accumulation_steps = accumulation_steps
-        self.bucket_numel = bucket_numel
-        self.overlap = overlap
         self._calls = 0  # step() calls in the current accumulation window
+        self._settings = {"model": model, "mode": mode, "bucket_numel": bucket_numel,
+                          "overlap": overlap}
+        self.accumulation_steps = accumulation_steps
         self._build()
         optimizer._paraprop_fused = True
+
+    # -- the settings: fixed when fused, or checked when assigned --------------------------
+    def _fixed(name: str, doc: str):  # a property factory, used in the class body only
+        def get(self):
+            return self._settings[name]
+
+        def refuse(self, value):
+            def show(v):
+                return f"a {type(v).__name__}" if isinstance(v, nn.Module) else repr(v)
+
+            again = ("paraprop.optim.fuse(optimizer, new_model, ...)" if name == "model" else
+                     f"paraprop.optim.fuse(optimizer, model, {name}={value!r}, ...)")
+            raise AttributeError(
+                f"FusedOptimizer.{name} is fixed when the optimizer is fused (the hooks and "
+                f"buckets are built for {name}={show(self._settings[name])}); assigning "
+                f"{name}={show(value)} would be ignored. Call opt.unfuse() and fuse it again: "
+                f"{again}")
+
+        return property(get, refuse, doc=doc)
+
+    model = _fixed("model", "The fused module (fixed when fused).")
+    mode = _fixed("mode", "``\"forward\"`` or ``\"backward\"`` (fixed when fused).")
+    bucket_numel = _fixed("bucket_numel", "The smallest bucket before merging with the next "
+                                          "module (fixed when fused).")
+    overlap = _fixed("overlap", "Whether the updates run on a background thread (fixed when "
+                                "fused).")
+    del _fixed
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Backward passes per update. May be assigned between updates (the next window then
+        has the new length); an assignment inside a window, or of anything but an int
+        ``>= 1``, is refused."""
+        return self._accumulation_steps
+
+    @accumulation_steps.setter
+    def accumulation_steps(self, value) -> None:
+        checks.positive_int("accumulation_steps", value)
+        if self._calls:
+            raise ValueError(
+                f"accumulation_steps cannot change inside an accumulation window ({self._calls} "
+                f"of {self._accumulation_steps} backward passes accumulated); assign it right "
+                f"after the step() that updates (expected {self._accumulation_steps} until then, "
+                f"got {value})")
+        self._accumulation_steps = value
 
     def _build(self) -> None:
         opt = self.optimizer
