@@ -9,6 +9,10 @@ only) and each following one whose input did not change (:class:`~paraprop.solve
 at ``tol=0``). So the result is the sequential one, token for token, whatever the guesses;
 guesses only decide how many tokens each model pass accepts. The accepted prefix lives in the
 key/value cache (:class:`~paraprop.decoding.lm.CachedLM`), so a pass runs the window only.
+
+The settings are ``generate``'s, read from the call, a ``generation_config`` and
+``model.generation_config`` as ``generate`` reads them (:mod:`paraprop.decoding.settings`); the
+scores are processed as ``generate`` processes them (:mod:`paraprop.decoding.processors`).
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from types import SimpleNamespace
 import torch
 
 from paraprop import checks
+from paraprop.decoding import settings as _settings
 from paraprop.decoding.lm import CachedLM, cache_keyword
 from paraprop.decoding.ngrams import NgramPool
-from paraprop.decoding.processors import check_sampling, choose, process_logits
-from paraprop.result import Solution
+from paraprop.decoding.processors import Pipeline
+from paraprop.determinism import require_deterministic
+from paraprop.errors import ConvergenceError
 from paraprop.solve import solve
 from paraprop.solvers import GSJacobi, Sequential, SlidingJacobi, is_solver
 
@@ -30,76 +36,125 @@ METHODS = ("sequential", "jacobi", "gs_jacobi")
 DEFAULT_WINDOW = 16
 
 
-def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, method="jacobi",
-             window: int | None = None, do_sample: bool = False, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None,
+def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = None,
+             method="jacobi", window: int | None = None, do_sample: bool | None = None,
+             temperature: float | None = None, top_k: int | None = None,
+             top_p: float | None = None, min_p: float | None = None,
+             repetition_penalty: float | None = None, no_repeat_ngram_size: int | None = None,
+             min_new_tokens: int | None = None, eos_token_id: int | list[int] | None = None,
+             pad_token_id: int | None = None, generation_config=None,
              generator: torch.Generator | None = None, noise: torch.Tensor | None = None,
-             eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
              attention_mask: torch.Tensor | None = None, ngram: int = 2,
-             max_iters: int | None = None, throw: bool = True) -> tuple[torch.Tensor, Solution]:
-    """Generate ``max_new_tokens`` tokens after ``input_ids``; the same tokens as the
-    sequential loop (and, greedy, as ``model.generate(do_sample=False)``) in fewer passes.
+             max_iters: int | None = None, throw: bool = True):
+    """Generate tokens after ``input_ids``: the tokens of the sequential loop (greedy: of
+    ``model.generate``), with the model's own generation settings, in fewer model passes.
+
+    Every generation setting left at ``None`` comes from ``generation_config``, else from
+    ``model.generation_config``, else from ``generate``'s defaults, as ``model.generate`` reads
+    it (so ``do_sample=True`` alone samples with ``top_k=50``, as ``generate`` does). Settings
+    that are not arguments here (``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``,
+    ``begin_suppress_tokens``, ``forced_bos_token_id``, ``forced_eos_token_id``,
+    ``min_length``, ``max_length``, ``epsilon_cutoff``, ``remove_invalid_values``,
+    ``renormalize_logits``) are honoured from a ``generation_config``. A setting that is not
+    implemented (beam search, contrastive search, assisted decoding, watermarking, ...) is
+    refused by name; see docs/decoding.md for the table.
 
     Arguments:
-        model: a ``transformers`` causal LM (any architecture with a key/value cache), or any
-            module with ``forward(input_ids, past_key_values=..., use_cache=True)`` returning
-            the logits and the cache (see :mod:`paraprop.decoding.lm`).
+        model: a ``transformers`` causal LM (any decoder-only architecture with a key/value
+            cache), or any module with ``forward(input_ids, past_key_values=...,
+            use_cache=True)`` returning the logits and the cache (see
+            :mod:`paraprop.decoding.lm`); in eval mode (a train-mode model with dropout is
+            refused: :class:`paraprop.StochasticModelError`).
         input_ids: ``(B, P)`` int64 prompts, left-padded when their lengths differ.
-        max_new_tokens: tokens to generate per sample (fewer come back when every sample
-            ended with EOS, as ``generate`` does).
+        max_new_tokens: tokens to generate per sample (default: from the configuration, else
+            ``max_length - P`` with ``generate``'s default ``max_length`` of 20 new tokens;
+            fewer come back when every sample ended with EOS, as ``generate`` does).
         method: ``"jacobi"`` (:class:`~paraprop.solvers.SlidingJacobi` over ``window``
             tokens), ``"gs_jacobi"`` (blocks of ``window`` tokens, Jacobi inside each),
             ``"sequential"`` (one token per pass, the reference: ``generate``'s own loop), or a
             ``SlidingJacobi`` / ``GSJacobi`` / ``Sequential`` object.
         window: tokens per pass (default 16, at most ``max_new_tokens``).
         do_sample: sample instead of greedy; the tokens are then a function of the noise.
-        temperature, top_k, top_p: the warpers of ``generate``, applied as it applies them
-            (temperature, then top-k, then top-p, on float32 logits). Note that ``generate``
-            defaults to ``top_k=50``; here ``None`` means no top-k.
-        generator: draws the noise (one uniform variate per sample and position).
+        temperature, top_k, top_p, min_p: the sampling warpers of ``generate`` (``top_k=0``:
+            no top-k; ``top_p=1.0``: no top-p); passing one without sampling is an error.
+        repetition_penalty, no_repeat_ngram_size, min_new_tokens: ``generate``'s processors.
+        eos_token_id: token(s) that end a sample; later positions get the pad token. ``[]``:
+            no EOS (``None`` reads the configuration, as everywhere here).
+        pad_token_id: default: the configuration's, else the first EOS token.
+        generation_config: a ``transformers.GenerationConfig`` whose set fields override
+            ``model.generation_config``, as for ``model.generate``.
+        generator: draws the noise (one uniform variate per sample and position, float64), on
+            the generator's device, then moved to the prompt's: a CPU generator gives the same
+            sample on every device. Without one, the default CPU generator draws it.
         noise: the uniform variates ``(B, max_new_tokens)`` in ``[0, 1)`` instead.
-        eos_token_id: token(s) that end a sample; later positions get ``pad_token_id``.
-        pad_token_id: default: ``model.config.pad_token_id``, else the first EOS token.
-        attention_mask: ``(B, P)`` of 0/1, zeros on the left padding only.
+        attention_mask: ``(B, P)`` of 0/1, zeros on the left padding only. Without one, a
+            ``transformers`` model infers it from ``pad_token_id`` as ``generate`` does.
         ngram: guesses the undecided tokens from the continuation of the last ``ngram``
             accepted tokens seen earlier in the prompt or output (``0``: no guesses; the
             previous iterate then stays the guess). Guesses never change the result.
         max_iters: cap on passes (default: the exactness bound ``max_new_tokens``).
-        throw: raise :class:`paraprop.ConvergenceError` if ``max_iters`` stops it first.
+        throw: raise :class:`paraprop.ConvergenceError` if ``max_iters`` stops it first or a
+            token is not certified (see below); ``False`` returns ``converged=False`` instead.
 
     Returns:
         ``(tokens, solution)``: ``tokens`` is ``(B, P + n)`` (prompt, then the new tokens) as
         ``generate`` returns it; ``solution.value`` holds all ``max_new_tokens`` positions.
-        ``stats``: ``model_calls`` (forward passes, prefill included: the sequential steps),
-        ``tokens_per_call`` (new tokens per decoding pass), ``positions`` (token positions
-        computed), ``window``, ``batch_advance`` (the window starts at the batch's least
-        accepted length; a sample ahead of it recomputes tokens it already has).
+        ``stats``: ``model_calls`` (forward passes, prefill included: the sequential steps;
+        the sequential loop takes ``max_new_tokens``), ``decode_calls`` (after the prefill),
+        ``tokens_per_call`` (new tokens per model call), ``fed_positions``, ``window``,
+        ``new_tokens``, ``batch_advance``, ``processors`` (applied, in order), and the
+        certificate: ``margin_ratio`` (the smallest margin of a decision over its bound) and
+        ``uncertified`` (the ``(sample, position)`` pairs below the bound).
 
     Raises:
-        TypeError: a model without the cache contract.
-        ValueError: bad arguments (named, with the expected and the actual value).
+        TypeError: a model without the cache contract, an encoder-decoder model, a cache that
+            cannot be cut back.
+        ValueError: bad arguments or a refused setting (named, with the expected and the actual
+            value); a prompt too long for the model; token ids outside the vocabulary.
+        paraprop.StochasticModelError: a model in train mode with active dropout.
+        paraprop.ConvergenceError: with ``throw=True``, see ``throw``.
 
-    Floating-point fine print: a window pass and a one-token pass compute the same logits in
-    a different order, so they may round differently; a token can differ from the sequential
-    one only where two scores (greedy) or a variate and a cumulative probability (sampling) tie
-    to within that rounding. In float64 this does not happen in practice (the tests compare
-    with ``generate`` there).
+    The certificate: the first new token comes from the prompt's prefill, computed as
+    ``generate`` computes it. Every later token comes from a window pass, which computes its
+    logits in another order than the sequential loop's one-token pass (and from key/value
+    entries computed in window passes), so they round differently. A token is certified when
+    its decision has a margin above a bound on that difference (``c * max|logits|``, ``c`` from
+    the dtype and the depth: :func:`~paraprop.decoding.settings.rounding_factor`); otherwise
+    the result says so (``converged=False``). ``method="sequential"`` is ``generate``'s loop and
+    needs no margin.
+
+    Example:
+        >>> from transformers import GPT2Config, GPT2LMHeadModel
+        >>> cfg = GPT2Config(vocab_size=40, n_positions=64, n_embd=16, n_layer=1, n_head=2)
+        >>> lm = GPT2LMHeadModel(cfg).eval()
+        >>> ids = torch.randint(0, 40, (1, 5))
+        >>> out, sol = paraprop.decoding.generate(lm, ids, max_new_tokens=12, eos_token_id=[])
+        >>> ref = lm.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
+        ...                   pad_token_id=0)
+        >>> bool(torch.equal(out, ref)), sol.converged
+        (True, True)
     """
-    B, P, T = _validate(model, input_ids, max_new_tokens, window, attention_mask, noise,
-                        do_sample, temperature, top_k, top_p, ngram)
+    require_deterministic(model, argument="model", entry="decoding.generate")
+    _settings.check_causal(model)
+    cache_keyword(model)
+    B, P = _check_ids(input_ids)
+    explicit = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                    top_k=top_k, top_p=top_p, min_p=min_p,
+                    repetition_penalty=repetition_penalty,
+                    no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens,
+                    eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    s = _settings.resolve(model, P, explicit, generation_config)
+    T = s.max_new_tokens
+    _settings.check_model(model, input_ids, s)
+    attention_mask = _mask(model, input_ids, attention_mask, s)
+    _check_run(B, T, window, noise, s.do_sample, ngram)
     solver = _solver(method, window, T)
-    eos = _token_list("eos_token_id", eos_token_id)
-    if pad_token_id is None:
-        pad_token_id = getattr(getattr(model, "config", None), "pad_token_id", None)
-        if pad_token_id is None:
-            pad_token_id = eos[0] if eos else 0
-    checks.nonneg_int("pad_token_id", pad_token_id)
     device = input_ids.device
     u = None
-    if do_sample:
-        u = noise if noise is not None else torch.rand(B, T, generator=generator,
-                                                       dtype=torch.float64, device=device)
-    tokens = torch.cat([input_ids, input_ids.new_full((B, T), pad_token_id)], dim=1)
+    if s.do_sample:
+        u = noise.to(device, torch.float64) if noise is not None else _draw(B, T, generator,
+                                                                           device)
+    tokens = torch.cat([input_ids, input_ids.new_full((B, T), s.pad)], dim=1).to(torch.long)
     mask = None
     if attention_mask is not None:
         mask = torch.cat([attention_mask.to(torch.long),
@@ -109,27 +164,55 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int, method="jac
     if ngram and not isinstance(solver, Sequential):
         real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None \
             else attention_mask.bool()
-        pool = NgramPool([row[keep].tolist() for row, keep in zip(input_ids, real, strict=True)],
-                         ngram, solver_size(solver, T))
-    tmap = _TokenMap(lm, P, T, u, dict(temperature=temperature, top_k=top_k, top_p=top_p),
-                     eos, pad_token_id, pool)
+        rows, keep = input_ids.tolist(), real.tolist()
+        pool = NgramPool([[t for t, k in zip(r, m, strict=True) if k]
+                          for r, m in zip(rows, keep, strict=True)], ngram, solver_size(solver, T))
     with torch.no_grad():
-        lm.prefill(P - 1)
-        sol = solve(tmap, torch.full((B, T), float(pad_token_id), dtype=torch.float64,
-                                     device=device),
-                    method=solver, dim=-1, tol=0.0, max_iters=max_iters, throw=throw)
+        first = lm.prefill(P)
+        factor, coarse = _settings.rounding_factor(model, first.dtype)
+        pipe = Pipeline(s, P, attention_mask, device, factor)
+        tmap = _TokenMap(lm, P, T, u, pipe, s.eos, s.pad, pool, first)
+        sol = solve(tmap, tmap.start_guess(input_ids), method=solver, dim=-1, tol=0.0,
+                    max_iters=max_iters, throw=throw)
+        if sol.converged:
+            tmap.check_final(sol.value)
     gen = sol.value.to(torch.long)
+    ended = tmap.ended(gen)
     n = T
-    if eos:
-        is_eos = torch.isin(gen, torch.tensor(eos, device=device))
+    if s.eos:
+        is_eos = torch.isin(gen, torch.tensor(s.eos, device=device))
         if bool(is_eos.any(1).all()):
             n = int(is_eos.long().argmax(1).max()) + 1
-    decode_calls = lm.calls - (1 if P > 1 else 0)
-    stats = {**sol.stats, "model_calls": lm.calls, "decode_calls": decode_calls,
-             "tokens_per_call": n / max(decode_calls, 1), "fed_positions": lm.fed,
+    stats = {**sol.stats, "model_calls": lm.calls, "decode_calls": lm.calls - 1,
+             "tokens_per_call": n / lm.calls, "fed_positions": lm.fed,
              "window": solver_size(solver, T), "new_tokens": n,
-             "batch_advance": "minimum" if B > 1 else "per-sample"}
-    sol = dataclasses.replace(sol, value=gen, stats=stats)
+             "batch_advance": "minimum" if B > 1 else "per-sample",
+             "processors": pipe.active}
+    converged, message = sol.converged, None
+    if isinstance(solver, Sequential):
+        stats.update(certificate="sequential", margin_ratio=float("inf"), uncertified=[])
+    else:
+        live = ~ended[:, :n]
+        ratio = torch.where(live, tmap.ratio[:, :n], torch.inf)
+        bad = ratio <= 1
+        low = torch.stack([ratio.min(), bad.any().to(ratio.dtype)]).tolist()   # one sync
+        where = bad.nonzero().tolist() if low[1] else []
+        stats.update(certificate="margin", rounding_factor=factor, rounding_dtype=str(coarse),
+                     margin_ratio=low[0], uncertified=[tuple(w) for w in where])
+        if where and sol.converged:
+            converged = False
+            b, t = where[0]
+            message = (
+                f"decoding.generate: the token at new position {t} of sample {b} was decided by "
+                f"a margin of {float(tmap.ratio[b, t]):.3g} times the bound on the rounding "
+                f"difference between a window pass and the sequential loop's one-token pass in "
+                f"{coarse} ({len(where)} such token(s)), so the sequential loop may choose "
+                "another token there (and differ after it). For generate's tokens in this "
+                "dtype use method='sequential' (or a float32 model); pass throw=False to get "
+                "these tokens with converged=False (stats['uncertified'] lists them)")
+    sol = dataclasses.replace(sol, value=gen, stats=stats, converged=converged)
+    if message is not None and throw:
+        raise ConvergenceError(message, solution=sol)
     return torch.cat([input_ids, gen[:, :n]], dim=1), sol
 
 
@@ -143,18 +226,46 @@ def solver_size(solver, T: int) -> int:
 
 class _TokenMap:
     """The triangular system of the generated tokens (float64 ids, ``(B, T)``), with the
-    cached-prefix protocol and guesses."""
+    cached-prefix protocol and guesses.
+
+    Each decision is kept with the pass that made it (a memo): a position whose prefix has not
+    changed since it was decided gets the same token without a model call, so the map is a
+    function of the prefix even where two passes of different shapes would round differently
+    (a full evaluation, e.g. a solver's verification, agrees with the window passes). A position
+    computed again with the same prefix (a sample ahead of the batch's window) keeps its first
+    decision, and the smaller margin of the two.
+    """
 
     markov = False
 
-    def __init__(self, lm: CachedLM, P: int, T: int, u, warpers: dict, eos: list[int],
-                 pad: int, pool: NgramPool | None):
+    def __init__(self, lm: CachedLM, P: int, T: int, u, pipe: Pipeline, eos: list[int],
+                 pad: int, pool: NgramPool | None, first: torch.Tensor):
         self.lm, self.P, self.T, self.u = lm, P, T, u
-        self.warpers, self.pad, self.pool = warpers, pad, pool
-        self.eos = torch.tensor(eos, dtype=torch.long, device=lm.tokens.device) if eos else None
+        self.pipe, self.pad, self.pool = pipe, pad, pool
+        dev = lm.tokens.device
+        self.eos = torch.tensor(eos, dtype=torch.long, device=dev) if eos else None
+        self.first = first                      # the prefill's logits of position 0
+        B = lm.tokens.shape[0]
+        self.stamp = 0
+        self.prev = lm.tokens[:, P:].clone()    # the tokens written last time
+        self.changed = torch.zeros(B, T, dtype=torch.long, device=dev)     # stamp of change
+        self.computed = torch.full((B, T), -1, dtype=torch.long, device=dev)
+        self.tok = torch.zeros(B, T, dtype=torch.long, device=dev)        # decisions
+        self.ratio = torch.full((B, T), torch.inf, dtype=torch.float64, device=dev)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.window(x, 0, self.T, None)[0]
+
+    def start_guess(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first iterate: the first token (decided from the prefill, no model call), then
+        the n-gram guesses or the last prompt token repeated."""
+        B = input_ids.shape[0]
+        x = input_ids[:, -1:].to(torch.float64).repeat(1, self.T)
+        x[:, :1] = self.window(x, 0, 1, None)[0]
+        guess = self.propose(x, torch.ones(B, dtype=torch.long, device=x.device))
+        if guess is not None:
+            x[:, 1:] = guess[:, 1:]
+        return x
 
     def update(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         lo, hi = int(index[0]), int(index[-1]) + 1
@@ -163,43 +274,129 @@ class _TokenMap:
             return full.index_select(1, index)
         return self.window(x, lo, hi, None)[0]
 
+    def ended(self, gen: torch.Tensor) -> torch.Tensor:
+        """``(B, T)``: the positions after a sample's first EOS (they get the pad token)."""
+        if self.eos is None:
+            return torch.zeros_like(gen, dtype=torch.bool)
+        hit = torch.isin(gen, self.eos).long().cumsum(1) > 0               # EOS at or before t
+        return torch.cat([hit.new_zeros(hit.shape[0], 1), hit[:, :-1]], 1)
+
     def window(self, x: torch.Tensor, start: int, stop: int, cache):
         P, lm = self.P, self.lm
         gen = x.to(torch.long)
+        self.stamp += 1
+        self.changed.masked_fill_(gen != self.prev, self.stamp)
+        self.prev.copy_(gen)
         lm.tokens[:, P:] = gen
-        ended = None
-        if self.eos is not None:
-            hit = torch.isin(gen, self.eos).long().cumsum(1) > 0    # EOS at or before t
-            ended = torch.cat([hit.new_zeros(hit.shape[0], 1), hit[:, :-1]], 1)[:, start:stop]
-            if start > 0 and bool(hit[:, start - 1].all()):        # every sample has ended
-                return x.new_full((x.shape[0], stop - start), float(self.pad)), None
-        logits = lm.logits(P - 1 + start, P - 1 + stop)
-        if self.u is None:   # greedy: generate's argmax of the float32 logits
-            tok = choose(logits.to(torch.float32), None)
+        last = self.changed.cummax(1).values                               # latest change <= t
+        since = torch.cat([last.new_zeros(last.shape[0], 1), last[:, :-1]], 1)
+        valid = self.computed >= since               # decided with the current prefix
+        ended = self.ended(gen)
+        need = (~valid & ~ended)[:, start:stop].any(0)                     # (n,)
+        n = stop - start
+        ar = torch.arange(n, device=need.device)
+        span = torch.stack([need.any().long(), torch.where(need, ar, n).min(),
+                            torch.where(need, ar, -1).max()]).tolist()     # one sync
+        if span[0]:
+            a, b = start + span[1], start + span[2] + 1
+            self._decide(a, b, valid[:, a:b])
+        out = torch.where(ended[:, start:stop], self.pad, self.tok[:, start:stop])
+        return out.to(x.dtype), None
+
+    def _decide(self, a: int, b: int, valid: torch.Tensor) -> None:
+        """Decide the positions ``[a, b)`` from the current buffer (one model pass)."""
+        P, lm = self.P, self.lm
+        if a == 0:
+            parts = [self.first[:, None]]
+            if b > 1:
+                parts.append(lm.logits(P, P - 1 + b))
+            logits = torch.cat(parts, 1)
         else:
-            tok = choose(process_logits(logits, **self.warpers), self.u[:, start:stop])
-        if ended is not None:
-            tok = torch.where(ended, self.pad, tok)
-        return tok.to(x.dtype), None
+            logits = lm.logits(P - 1 + a, P - 1 + b)
+        u = None if self.u is None else self.u[:, a:b]
+        tok, ratio = self.pipe.decide(logits, lm.tokens, a, u)
+        if a == 0:          # computed by the prefill, exactly as generate's first step
+            ratio[:, 0] = torch.inf
+        old_tok, old_ratio = self.tok[:, a:b], self.ratio[:, a:b]
+        flip = valid & (tok != old_tok)          # same prefix, another decision: a near-tie
+        ratio = torch.where(valid, torch.minimum(old_ratio, ratio), ratio)
+        self.ratio[:, a:b] = torch.where(flip, 0.0, ratio)
+        self.tok[:, a:b] = torch.where(valid, old_tok, tok)
+        self.computed[:, a:b] = torch.where(valid, self.computed[:, a:b], self.stamp)
+
+    def check_final(self, x: torch.Tensor) -> None:
+        """Every accepted token must be the decision made from its final prefix (one
+        evaluation of the map; no model call when the memo covers every position)."""
+        y = self(x)
+        if not torch.equal(y, x):
+            from paraprop.errors import NotTriangularError
+            b, t = (int(i) for i in (y != x).nonzero()[0])
+            raise NotTriangularError(
+                f"decoding.generate: the accepted token at new position {t} of sample {b} is not "
+                "what the model gives for its accepted prefix; the model's logits at a position "
+                "read later tokens (is it causal?) or its cache served stale entries")
 
     def propose(self, x: torch.Tensor, final: torch.Tensor):
         """Guesses for the undecided tokens: the n-gram continuation of each sample's accepted
-        text (positions before ``final`` are kept by the solver)."""
+        text (positions before ``final`` are kept by the solver). One transfer to the host and
+        at most one back per pass."""
         if self.pool is None:
             return None
-        out = None
-        rows = x.to(torch.long).tolist()    # one transfer for the whole batch
-        for b, f in enumerate(final.tolist()):
+        both = torch.cat([final.to(torch.long)[:, None], x.to(torch.long)], 1).tolist()
+        rows, changed = [], False
+        for b, row in enumerate(both):
+            f, toks = row[0], row[1:]
+            rows.append(toks)
             if f >= self.T:
                 continue
-            text = self.pool.prompts[b] + rows[b][:f]
+            text = self.pool.prompts[b] + toks[:f]
             self.pool.add(b, text)
             cont = self.pool.guess(b, text)[: self.T - f]
             if cont:
-                if out is None:
-                    out = x.clone()
-                out[b, f : f + len(cont)] = torch.tensor(cont, dtype=x.dtype, device=x.device)
-        return out
+                toks[f : f + len(cont)] = cont
+                changed = True
+        if not changed:
+            return None
+        return torch.tensor(rows, dtype=x.dtype, device=x.device)
+
+
+def _draw(B: int, T: int, generator, device) -> torch.Tensor:
+    """The variates, drawn on the generator's device (the default CPU generator without one)
+    and moved: the same seed gives the same sample on every device."""
+    where = generator.device if generator is not None else torch.device("cpu")
+    return torch.rand(B, T, generator=generator, dtype=torch.float64,
+                      device=where).to(device)
+
+
+def _mask(model, input_ids, attention_mask, s):
+    """The attention mask: the given one, checked; else, for a ``transformers`` model, the one
+    ``generate`` infers (the positions holding the pad token, when it is in the prompt and is
+    not an EOS token); else ``None``."""
+    B, P = input_ids.shape
+    inferred = False
+    if attention_mask is None:
+        known_pad = "pad_token_id" in s.sources or bool(s.eos)   # generate's pad token
+        if getattr(model, "generation_config", None) is None or not known_pad or s.pad in s.eos:
+            return None
+        is_pad = input_ids == s.pad
+        if not bool(is_pad.any()):
+            return None
+        attention_mask, inferred = (~is_pad).long(), True
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != (B, P):
+        got = (tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor)
+               else type(attention_mask).__name__)
+        raise ValueError(f"attention_mask must have the shape of input_ids {(B, P)}, got {got}")
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 and 1")
+    m = attention_mask.long()
+    how = (f" (inferred, as generate does, from the positions holding pad_token_id={s.pad}; "
+           "pass attention_mask)") if inferred else ""
+    if not bool(m[:, -1].bool().all()):
+        raise ValueError("attention_mask: the last prompt position of every sample must be 1 "
+                         f"(pad prompts on the left, as generate expects){how}")
+    if bool((m[:, 1:] < m[:, :-1]).any()):
+        raise ValueError(f"attention_mask must be left padding: zeros, then ones, per row{how}")
+    return attention_mask
 
 
 def _solver(method, window, T):
@@ -219,18 +416,7 @@ def _solver(method, window, T):
     return SlidingJacobi(w) if method == "jacobi" else GSJacobi(w)
 
 
-def _token_list(name: str, value) -> list[int]:
-    if value is None:
-        return []
-    items = [value] if not isinstance(value, (list, tuple)) else list(value)
-    for v in items:
-        checks.nonneg_int(name, v)
-    return items
-
-
-def _validate(model, input_ids, max_new_tokens, window, attention_mask, noise, do_sample,
-              temperature, top_k, top_p, ngram) -> tuple[int, int, int]:
-    cache_keyword(model)
+def _check_ids(input_ids) -> tuple[int, int]:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or \
             input_ids.dtype not in (torch.int64, torch.int32):
         got = (f"{tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor)
@@ -240,30 +426,14 @@ def _validate(model, input_ids, max_new_tokens, window, attention_mask, noise, d
     B, P = input_ids.shape
     if B < 1 or P < 1:
         raise ValueError(f"input_ids must hold at least one token per sample, got shape {(B, P)}")
-    T = checks.positive_int("max_new_tokens", max_new_tokens)
+    return B, P
+
+
+def _check_run(B, T, window, noise, do_sample, ngram) -> None:
     if window is not None:
         checks.positive_int("window", window)
         if window > T:
             raise ValueError(f"window must be at most max_new_tokens={T}, got window={window}")
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != (B, P):
-            got = (tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor)
-                   else type(attention_mask).__name__)
-            raise ValueError(f"attention_mask must have the shape of input_ids {(B, P)}, got "
-                             f"{got}")
-        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-            raise ValueError("attention_mask must hold only 0 and 1")
-        if not bool(attention_mask[:, -1].bool().all()):
-            raise ValueError("attention_mask: the last prompt position of every sample must be "
-                             "1 (pad prompts on the left, as generate expects)")
-        m = attention_mask.long()
-        if bool((m[:, 1:] < m[:, :-1]).any()):
-            raise ValueError("attention_mask must be left padding: zeros, then ones, per row")
-    checks.boolean("do_sample", do_sample)
-    check_sampling(temperature, top_k, top_p)
-    if not do_sample and (temperature != 1.0 or top_k is not None or top_p is not None):
-        raise ValueError("temperature, top_k and top_p apply to sampling; pass do_sample=True "
-                         f"(got temperature={temperature}, top_k={top_k}, top_p={top_p})")
     if noise is not None:
         if not do_sample:
             raise ValueError("noise is used only with do_sample=True")
@@ -275,4 +445,3 @@ def _validate(model, input_ids, max_new_tokens, window, attention_mask, noise, d
         if not bool(((noise >= 0) & (noise < 1)).all()):
             raise ValueError("noise must hold uniform variates in [0, 1)")
     checks.nonneg_int("ngram", ngram)
-    return B, P, T

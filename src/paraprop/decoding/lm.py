@@ -61,6 +61,8 @@ class CachedLM:
         self.model = model
         self.key = cache_keyword(model)
         self.tokens = tokens
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None     # no padding: the model's own causal mask, as generate does
         self.mask = attention_mask
         self.pass_mask = attention_mask is not None and _accepts(model, "attention_mask")
         self.pass_pos = attention_mask is not None and _accepts(model, "position_ids")
@@ -88,11 +90,12 @@ class CachedLM:
         out = self._forward(valid, b)
         return out[:, a - valid :]
 
-    def prefill(self, n: int) -> None:
-        """Fill the cache with the first ``n`` positions of the buffer (no logits kept)."""
-        if n > 0:
-            self._crop(0)
-            self._forward(0, n, keep=1)
+    def prefill(self, n: int) -> torch.Tensor:
+        """Fill the cache with the first ``n`` positions of the buffer in one pass and return
+        the logits ``(B, V)`` of the last one: ``generate``'s first step, computed as it
+        computes it (one pass over the prompt, the head applied to the last position only)."""
+        self._crop(0)
+        return self._forward(0, n, keep=1)[:, -1]
 
     def _crop(self, length: int) -> None:
         n = self.cached.shape[1]
@@ -101,7 +104,14 @@ class CachedLM:
         if length == 0:
             self.past = None
         elif callable(getattr(self.past, "crop", None)):
-            self.past.crop(length - n)          # a negative count removes that many positions
+            try:
+                self.past.crop(length - n)      # a negative count removes that many positions
+            except RuntimeError as e:           # e.g. a sliding-window or linear-attention layer
+                raise TypeError(
+                    f"model {type(self.model).__name__}: its cache "
+                    f"({type(self.past).__name__}) cannot be cut back to the accepted prefix, "
+                    "which Jacobi decoding needs after each pass (transformers says: "
+                    f"{e}); use method='sequential' or model.generate") from e
         else:
             self.past = tuple(tuple(t[..., :length, :] for t in layer) for layer in self.past)
         self.cached = self.cached[:, :length]

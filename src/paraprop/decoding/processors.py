@@ -1,15 +1,31 @@
-"""The sampling rule of ``transformers``' ``generate``, written as a deterministic function of
-noise drawn up front.
+"""The logits processing of ``transformers``' ``generate``, position by position, and the
+margins by which each token was decided.
 
-``generate`` takes the last position's logits in float32, applies its logits warpers in the
-order temperature, top-k, top-p (``GenerationMixin._get_logits_processor``), and draws with
-``torch.multinomial``. Here the same warpers are applied (same operations, so the same scores,
-which the tests check against ``transformers`` itself), and the draw is the inverse CDF of the
-resulting distribution at one uniform variate per position: the token is a function of the
-prefix and that variate, so the whole sample is a triangular system in the tokens.
+``generate`` takes the last position's logits in float32, applies its logits processors and then,
+when sampling, its warpers, in the order ``GenerationMixin._get_logits_processor`` builds them,
+and picks the argmax or draws with ``torch.multinomial``. :class:`Pipeline` applies the same
+processors, built from the same public ``transformers`` classes in the same order, to each
+position of a window with that position's own prefix ``input_ids[:, :P + t]`` (which keeps the
+tokens a triangular system: a position's scores depend only on its prefix). Temperature, top-k
+and top-p are :func:`process_logits` (the same operations as ``transformers``' warpers, so the
+same scores, without importing ``transformers``). The draw is the inverse CDF of the processed
+distribution at one uniform variate per position (:func:`choose`), so a token is a function of
+its prefix and its variate.
+
+Each decision also gets a **margin ratio**: how far the decision is from flipping, relative to a
+bound ``delta`` on the rounding difference of the logits between two ways of computing them (see
+:func:`paraprop.decoding.settings.rounding_factor`); a ratio above 1 means that no change of the
+logits within ``delta`` changes the token. Greedy: the gap between the best and the second best
+processed score against ``2 * gain * delta``, where ``gain`` is how much the processors scale a
+score (``1 / temperature`` and the repetition penalty). Sampling: the distance of the variate
+from the boundaries of its token's interval of the cumulative distribution, and the distance of
+each filter (top-k, top-p, min-p, epsilon) from its threshold, against the change that ``delta``
+can cause.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -31,21 +47,28 @@ def process_logits(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int
     ``temperature``, then all but the ``top_k`` largest set to ``-inf``, then the smallest ones
     whose total probability stays within ``1 - top_p`` set to ``-inf`` (the largest always
     kept). ``logits`` is ``(..., V)``; the result has its shape, in float32."""
-    scores = logits.to(torch.float32)
+    return _warp(logits.to(torch.float32), temperature, top_k, top_p)[-1]
+
+
+def _warp(scores: torch.Tensor, temperature, top_k, top_p) -> list[torch.Tensor]:
+    """The scores after temperature, after top-k and after top-p (each stage, in order)."""
     if temperature != 1.0:
         scores = scores / temperature
+    stages = [scores]
     shape = scores.shape
-    scores = scores.reshape(-1, shape[-1])
+    flat = scores.reshape(-1, shape[-1])
     if top_k is not None and top_k < shape[-1]:
-        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, -torch.inf)
+        kth = torch.topk(flat, top_k, dim=-1).values[:, -1:]
+        flat = flat.masked_fill(flat < kth, -torch.inf)
+    stages.append(flat.reshape(shape))
     if top_p is not None and top_p < 1.0:
-        ordered, order = torch.sort(scores, dim=-1)                 # ascending
+        ordered, order = torch.sort(flat, dim=-1)                   # ascending
         mass = ordered.softmax(dim=-1).cumsum(dim=-1)
         drop = mass <= 1 - top_p
         drop[:, -1] = False                                         # keep the most likely one
-        scores = scores.masked_fill(drop.scatter(1, order, drop), -torch.inf)
-    return scores.reshape(shape)
+        flat = flat.masked_fill(drop.scatter(1, order, drop), -torch.inf)
+    stages.append(flat.reshape(shape))
+    return stages
 
 
 def choose(scores: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
@@ -58,3 +81,221 @@ def choose(scores: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
     level = u.to(torch.float64)[..., None] * cdf[..., -1:]
     tok = (cdf <= level).sum(dim=-1)
     return tok.clamp(max=scores.shape[-1] - 1)
+
+
+class Pipeline:
+    """``generate``'s logits processing for one call (see the module doc).
+
+    Arguments:
+        s: the effective settings (:class:`paraprop.decoding.settings.Settings`).
+        P: the prompt length (padding included).
+        attention_mask: ``(B, P)`` or ``None``; the repetition penalty skips left padding where
+            the installed ``generate`` does.
+        device: where the processors' tensors live.
+        factor: the rounding bound's factor ``c`` (``delta = c * max|logits|`` per position).
+    """
+
+    def __init__(self, s, P: int, attention_mask: torch.Tensor | None, device, factor: float):
+        self.s, self.P, self.factor = s, P, factor
+        self.procs = _processors(s, P, attention_mask, device)
+        self.post = _post_warpers(s) if s.do_sample else []
+        self.normalize = None
+        if s.renormalize_logits:
+            from transformers.generation.logits_process import LogitNormalization
+            self.normalize = LogitNormalization()
+        gain = 1.0
+        if s.repetition_penalty is not None:
+            gain = max(s.repetition_penalty, 1 / s.repetition_penalty)
+        if s.do_sample:
+            gain /= s.temperature
+        self.gain = gain
+
+    @property
+    def active(self) -> list[str]:
+        """The names of the processors and warpers applied, in order (for ``stats``)."""
+        names = [type(p).__name__ for p in self.procs]
+        if self.s.do_sample:
+            names += [n for n, on in (("temperature", self.s.temperature != 1.0),
+                                      ("top_k", self.s.top_k is not None),
+                                      ("top_p", self.s.top_p is not None)) if on]
+            names += [type(p).__name__ for p in self.post]
+        if self.normalize is not None:
+            names.append("LogitNormalization")
+        return names
+
+    def process(self, logits: torch.Tensor, tokens: torch.Tensor,
+                first: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The processed scores ``(B, n, V)`` float32 that ``generate`` picks from (greedy) or
+        samples from, for the logits ``(B, n, V)`` of the positions ``first .. first + n - 1``;
+        ``tokens`` is the token buffer (prompt, then the generated positions), whose prefix
+        ``[:, :P + t]`` the processors of position ``t`` read. Also the intermediate stages of
+        the sampling warpers (for the margins)."""
+        scores = logits.to(torch.float32)
+        if self.procs:
+            rows = []
+            for i in range(scores.shape[1]):
+                ids = tokens[:, : self.P + first + i]
+                sc = scores[:, i]
+                for proc in self.procs:
+                    sc = proc(ids, sc)
+                rows.append(sc)
+            scores = torch.stack(rows, 1)
+        stages = []
+        if self.s.do_sample:
+            s = self.s
+            stages = _warp(scores, s.temperature, s.top_k, s.top_p)
+            scores = stages[-1]
+            shape = scores.shape
+            for proc in self.post:
+                stages.append(scores)
+                scores = proc(None, scores.reshape(-1, shape[-1])).reshape(shape)
+        if self.normalize is not None:
+            scores = self.normalize(None, scores.reshape(-1, scores.shape[-1])).reshape(
+                scores.shape)
+        return scores, stages
+
+    def decide(self, logits: torch.Tensor, tokens: torch.Tensor, first: int,
+               u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and margin ratios ``(B, n)`` for the logits of the positions ``first ..
+        first + n - 1`` (see :meth:`process`), with the variates ``u`` ``(B, n)`` when
+        sampling."""
+        scores, stages = self.process(logits, tokens, first)
+        ratios = []
+        tok = choose(scores, u)
+        delta = self.factor * _scale(logits) * self.gain          # (B, n) score-space bound
+        if u is None:
+            ratios.append(_gap(scores, 1) / (2 * delta))
+        else:
+            rel = torch.expm1(2 * delta)                          # relative change of a mass
+            ratios.append(_draw_margin(scores, u, tok) / rel)
+            ratios += self._filter_ratios(stages, delta, rel)
+        ratio = torch.stack(ratios).amin(0) if len(ratios) > 1 else ratios[0]
+        ratio = ratio.to(torch.float64)
+        return tok, torch.where(ratio.isnan(), 0.0, ratio)     # 0/0: an exact tie
+
+    def _filter_ratios(self, stages, delta, rel) -> list[torch.Tensor]:
+        s, out = self.s, []
+        if s.top_k is not None and s.top_k < stages[0].shape[-1]:
+            out.append(_gap(stages[0], s.top_k) / (2 * delta))
+        if s.top_p is not None:
+            ordered = torch.sort(stages[1], dim=-1).values
+            mass = ordered.softmax(dim=-1).cumsum(dim=-1)[..., :-1]
+            out.append((mass - (1 - s.top_p)).abs().amin(-1) / rel)
+        for stage, proc in zip(stages[3:], self.post, strict=True):
+            if type(proc).__name__ == "MinPLogitsWarper":
+                if s.min_p <= 0:
+                    continue
+                rel_logp = stage - stage.amax(-1, keepdim=True)
+                dist = _finite_min((rel_logp - math.log(s.min_p)).abs(), stage)
+            else:   # EpsilonLogitsWarper
+                dist = _finite_min((stage.log_softmax(-1) - math.log(s.epsilon_cutoff)).abs(),
+                                   stage)
+            out.append(dist / (2 * delta))
+        return out
+
+
+def _scale(logits: torch.Tensor) -> torch.Tensor:
+    """``max |logit|`` over the finite logits of each position, float32 ``(B, n)``."""
+    a = logits.to(torch.float32).abs()
+    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax(-1)
+
+
+def _gap(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The gap between the ``k``-th and the ``(k + 1)``-th largest score (``inf`` where the
+    latter is ``-inf`` or there is none)."""
+    if scores.shape[-1] <= k:
+        return torch.full(scores.shape[:-1], torch.inf, device=scores.device)
+    top = torch.topk(scores, k + 1, dim=-1).values
+    hi, lo = top[..., k - 1], top[..., k]
+    return torch.where(lo == -torch.inf, torch.inf, hi - lo)
+
+
+def _finite_min(dist: torch.Tensor, stage: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(stage), dist, torch.inf).amin(-1)
+
+
+def _draw_margin(scores: torch.Tensor, u: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """The distance (as a fraction of the total mass) of ``u`` from the inner boundaries of the
+    chosen token's interval of the cumulative distribution (the boundaries at 0 and at the total
+    do not move)."""
+    cdf = scores.softmax(dim=-1).to(torch.float64).cumsum(dim=-1)
+    total = cdf[..., -1]
+    level = u.to(torch.float64) * total
+    hi = cdf.gather(-1, tok[..., None])[..., 0]
+    lo = torch.where(tok > 0, cdf.gather(-1, (tok - 1).clamp(min=0)[..., None])[..., 0], 0.0)
+    below = torch.where(lo > 0, level - lo, torch.inf)
+    above = torch.where(hi < total, hi - level, torch.inf)
+    return torch.minimum(below, above) / total
+
+
+def _processors(s, P: int, attention_mask, device) -> list:
+    """The logits processors of ``generate`` for these settings, in its order
+    (``GenerationMixin._get_logits_processor``), from ``transformers``' public classes."""
+    wanted = (s.sequence_bias is not None or s.repetition_penalty is not None
+              or s.no_repeat_ngram_size > 0 or s.bad_words_ids is not None
+              or (s.eos and (s.min_length > 0 or (s.min_new_tokens or 0) > 0))
+              or s.forced_bos_token_id is not None or s.forced_eos_token_id is not None
+              or s.remove_invalid_values or s.suppress_tokens is not None
+              or s.begin_suppress_tokens is not None)
+    if not wanted:
+        return []
+    try:
+        from transformers.generation import logits_process as lp
+    except ImportError as e:   # pragma: no cover - transformers is there in the test environments
+        raise ImportError("decoding.generate: the logits processors (repetition_penalty, "
+                          "no_repeat_ngram_size, ...) need transformers installed") from e
+    eos = torch.tensor(s.eos, dtype=torch.long, device=device) if s.eos else None
+    out = []
+    if s.sequence_bias is not None:
+        out.append(lp.SequenceBiasLogitsProcessor(sequence_bias=s.sequence_bias))
+    if s.repetition_penalty is not None:
+        out.append(_repetition_penalty(lp, s.repetition_penalty, attention_mask))
+    if s.no_repeat_ngram_size > 0:
+        out.append(lp.NoRepeatNGramLogitsProcessor(s.no_repeat_ngram_size))
+    if s.bad_words_ids is not None:
+        out.append(lp.NoBadWordsLogitsProcessor(s.bad_words_ids, eos))
+    if eos is not None and s.min_length > 0:
+        out.append(lp.MinLengthLogitsProcessor(s.min_length, eos, device=device))
+    if eos is not None and (s.min_new_tokens or 0) > 0:
+        out.append(lp.MinNewTokensLengthLogitsProcessor(P, s.min_new_tokens, eos,
+                                                        device=device))
+    if s.forced_bos_token_id is not None:
+        out.append(lp.ForcedBOSTokenLogitsProcessor(s.forced_bos_token_id))
+    if s.forced_eos_token_id is not None:
+        out.append(lp.ForcedEOSTokenLogitsProcessor(s.max_length, s.forced_eos_token_id,
+                                                    device=device))
+    if s.remove_invalid_values:
+        out.append(lp.InfNanRemoveLogitsProcessor())
+    if s.suppress_tokens is not None:
+        out.append(lp.SuppressTokensLogitsProcessor(s.suppress_tokens, device=device))
+    if s.begin_suppress_tokens is not None:
+        begin = P if (P > 1 or s.forced_bos_token_id is None) else P + 1
+        out.append(lp.SuppressTokensAtBeginLogitsProcessor(s.begin_suppress_tokens, begin,
+                                                           device=device))
+    return out
+
+
+def _repetition_penalty(lp, penalty: float, attention_mask):
+    """``generate``'s repetition penalty: transformers >= 5.18 skips the left padding of each
+    prompt (its ``prompt_ignore_length`` per sample); older ones penalise it too, as their
+    ``generate`` does (their class refuses a tensor there)."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        padding = (attention_mask != 0).int().argmax(dim=1)
+        try:
+            return lp.RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=padding)
+        except (TypeError, ValueError):
+            pass
+    return lp.RepetitionPenaltyLogitsProcessor(penalty)
+
+
+def _post_warpers(s) -> list:
+    """The warpers after top-p that are supported (min-p, epsilon), in ``generate``'s order."""
+    if s.min_p is None and s.epsilon_cutoff is None:
+        return []
+    from transformers.generation import logits_process as lp
+    out = []
+    if s.min_p is not None:
+        out.append(lp.MinPLogitsWarper(min_p=s.min_p))
+    if s.epsilon_cutoff is not None:
+        out.append(lp.EpsilonLogitsWarper(epsilon=s.epsilon_cutoff))
+    return out

@@ -1,0 +1,303 @@
+"""Fault tests for decoding (issue 27): each class of defect with cases built here, on other
+models and settings than the issue's.
+
+1. a generation setting ignored silently (the model's generation_config, other models);
+2. a setting that is not implemented, accepted instead of refused by name;
+3. a stochastic model (train mode with dropout) accepted;
+4. low precision: a token that may differ from generate's reported as certified;
+5. cryptic errors: sliding-window attention, encoder-decoder models, positions beyond the
+   model's, token ids outside the vocabulary, a cache that cannot be cut back.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from paraprop import ConvergenceError, StochasticModelError
+from paraprop.decoding import generate
+
+transformers = pytest.importorskip("transformers")
+
+from test_decoding import V, hf, make, prompts  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _small(cls_config, cls_model, seed=0, **kw):
+    torch.manual_seed(seed)
+    base = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return cls_model(cls_config(**{**base, **kw})).double().eval()
+
+
+def _qwen2(**kw):
+    return _small(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, **kw)
+
+
+def _mistral(**kw):
+    return _small(transformers.MistralConfig, transformers.MistralForCausalLM, **kw)
+
+
+def _neox(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPTNeoXConfig(vocab_size=V, hidden_size=32, intermediate_size=48,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     max_position_embeddings=96, bos_token_id=1, eos_token_id=2,
+                                     pad_token_id=0)
+    return transformers.GPTNeoXForCausalLM(cfg).double().eval()
+
+
+# 1. a pretrained model's generation_config, as it ships: honoured, as generate honours it
+@pytest.mark.parametrize("build", [_qwen2, _neox, lambda: _mistral(sliding_window=64)],
+                         ids=["qwen2", "gpt-neox", "mistral"])
+def test_the_models_generation_config_is_honoured(build):
+    model = build()
+    ids, mask = prompts(3, 6)
+    shipped = dict(repetition_penalty=1.25, no_repeat_ngram_size=3, suppress_tokens=[4, 6],
+                   bad_words_ids=[[8, 9]], min_new_tokens=3, max_new_tokens=18)
+    for k, v in shipped.items():
+        setattr(model.generation_config, k, v)
+    ref = model.generate(ids, attention_mask=mask)           # what the user compares with
+    out, sol = generate(model, ids, attention_mask=mask)
+    assert torch.equal(out, ref) and sol.converged
+    assert sol.stats["processors"] == ["RepetitionPenaltyLogitsProcessor",
+                                       "NoRepeatNGramLogitsProcessor",
+                                       "NoBadWordsLogitsProcessor", "MinLengthLogitsProcessor",
+                                       "MinNewTokensLengthLogitsProcessor",
+                                       "SuppressTokensLogitsProcessor"]
+    # an explicit argument wins over the config, as in generate
+    ref = model.generate(ids, attention_mask=mask, repetition_penalty=1.0)
+    out, _ = generate(model, ids, attention_mask=mask, repetition_penalty=1.0)
+    assert torch.equal(out, ref)
+    # and a sampling config samples with its own settings (generate's default top_k=50 too)
+    model.generation_config.do_sample, model.generation_config.top_p = True, 0.85
+    u = torch.rand(3, 18, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    a, sa = generate(model, ids, attention_mask=mask, noise=u)
+    b, _ = generate(model, ids, attention_mask=mask, noise=u, method="sequential")
+    assert torch.equal(a, b) and "top_p" in sa.stats["processors"]
+    assert "top_k" in sa.stats["processors"]
+
+
+# 2. settings that are not implemented: refused by name, with the value and where it came from
+REFUSED = [("num_beams", 4, "beam search"), ("num_beam_groups", 2, "group beam search"),
+           ("penalty_alpha", 0.6, "contrastive search"), ("num_return_sequences", 3,
+                                                          "repeat the prompts"),
+           ("typical_p", 0.9, "typical sampling"), ("eta_cutoff", 3e-4, "eta sampling"),
+           ("encoder_repetition_penalty", 1.2, "encoder-decoder"),
+           ("exponential_decay_length_penalty", (4, 1.1), "length penalty"),
+           ("guidance_scale", 1.5, "classifier-free guidance"),
+           ("force_words_ids", [[5]], "constrained beam search"),
+           ("stop_strings", ["\n"], "stop strings"), ("max_time", 2.0, "time limit"),
+           ("prompt_lookup_num_tokens", 3, "n-gram"), ("dola_layers", "low", "DoLa"),
+           ("diversity_penalty", 0.5, "group beam search"),
+           ("cache_implementation", "static", "dynamic cache")]
+
+
+@pytest.mark.parametrize("field,value,why", REFUSED, ids=[r[0] for r in REFUSED])
+def test_unimplemented_settings_are_refused_by_name(field, value, why):
+    model = make("gpt2", "cpu", fresh=True)
+    ids, _ = prompts(1, 4)
+    cfg = transformers.GenerationConfig()
+    setattr(cfg, field, value)
+    msg = re.escape(f"generation setting {field}={value!r} (from generation_config) is not "
+                    "supported")
+    with pytest.raises(ValueError, match=msg) as e:
+        generate(model, ids, max_new_tokens=4, generation_config=cfg)
+    assert why in str(e.value)
+    setattr(model.generation_config, field, value)            # as a pretrained model ships it
+    with pytest.raises(ValueError, match=f"{field}=.*from model.generation_config"):
+        generate(model, ids, max_new_tokens=4)
+
+
+def test_neutral_values_of_refused_settings_pass():
+    model = make("gpt2", "cpu", fresh=True)
+    ids, mask = prompts(1, 4)
+    cfg = transformers.GenerationConfig(num_beams=1, typical_p=1.0, eta_cutoff=0.0,
+                                        guidance_scale=1.0, num_return_sequences=1,
+                                        length_penalty=2.0, early_stopping=True,
+                                        output_scores=True, return_dict_in_generate=True)
+    out, sol = generate(model, ids, max_new_tokens=6, generation_config=cfg)
+    assert sol.converged and torch.equal(out, hf(model, ids, mask, 6))
+
+
+def test_an_unknown_setting_is_refused(monkeypatch):
+    """A field that a newer transformers adds is not ignored: refused until it is classified."""
+    from paraprop.decoding import settings
+
+    model = make("gpt2", "cpu", fresh=True)
+    ids, _ = prompts(1, 4)
+    cfg = transformers.GenerationConfig(typical_p=0.3)
+    monkeypatch.delitem(settings.REFUSED, "typical_p")   # a real field, as if unclassified
+    with pytest.raises(ValueError, match=r"generation setting typical_p=0.3 \(from "
+                                         r"generation_config\) is not known to paraprop"):
+        generate(model, ids, max_new_tokens=4, generation_config=cfg)
+
+
+# 3. stochastic models: there is no sequential result to reproduce
+def test_train_mode_dropout_is_refused():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                  resid_pdrop=0.2, embd_pdrop=0.1, attn_pdrop=0.1)
+    gpt2 = transformers.GPT2LMHeadModel(cfg).double()
+    llama = _small(transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                   attention_dropout=0.3)
+    llama.train()
+    ids, _ = prompts(2, 4)
+    for model in (gpt2.train(), llama):
+        with pytest.raises(StochasticModelError, match=r"decoding.generate: model is in train "
+                                                       r"mode.*call model.eval\(\) first"):
+            generate(model, ids, max_new_tokens=5)
+        out, sol = generate(model.eval(), ids, max_new_tokens=5, eos_token_id=[])
+        assert sol.converged and out.shape == (2, 9)
+
+
+def test_a_custom_module_with_dropout_is_refused():
+    from test_decoding import _TupleCacheLM
+
+    class Dropped(_TupleCacheLM):
+        def __init__(self):
+            super().__init__()
+            self.drop = torch.nn.Dropout(0.1)
+
+    m = Dropped().double()
+    with pytest.raises(StochasticModelError, match="'drop' \\(Dropout\\)"):
+        generate(m, torch.randint(0, V, (1, 3)), max_new_tokens=4)
+
+
+# 4. low precision: a token that may differ from generate's is never reported as certified
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_never_certifies_a_difference(dtype):
+    for build in (_qwen2, _neox):
+        for seed in range(2):
+            model = build(seed=seed).to(dtype)
+            ids, mask = prompts(2, 5, seed=seed)
+            ref = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                                 eos_token_id=None, repetition_penalty=1.1)
+            out, sol = generate(model, ids, attention_mask=mask, max_new_tokens=24,
+                                eos_token_id=[], repetition_penalty=1.1, throw=False)
+            bad = {}
+            for b, t in sol.stats["uncertified"]:
+                bad[b] = min(bad.get(b, 24), t)
+            for b in range(2):
+                t0 = bad.get(b, 24)
+                assert torch.equal(out[b, 5 : 5 + t0], ref[b, 5 : 5 + t0])
+            if sol.converged:
+                assert torch.equal(out, ref)
+            else:
+                with pytest.raises(ConvergenceError, match="use method='sequential'"):
+                    generate(model, ids, attention_mask=mask, max_new_tokens=24,
+                             eos_token_id=[], repetition_penalty=1.1)
+
+
+def test_low_precision_sampling_never_certifies_a_difference():
+    """Sampled tokens in bf16: Jacobi against the sequential sampler (generate's loop with the
+    same variates), up to the first uncertified position."""
+    for build in (_qwen2, _neox):
+        model = build().to(torch.bfloat16)
+        ids, mask = prompts(3, 5)
+        u = torch.rand(3, 24, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+        kw = dict(attention_mask=mask, max_new_tokens=24, eos_token_id=[], do_sample=True,
+                  noise=u, top_p=0.9, temperature=0.8)
+        ref, _ = generate(model, ids, method="sequential", **kw)
+        out, sol = generate(model, ids, throw=False, **kw)
+        bad = {}
+        for b, t in sol.stats["uncertified"]:
+            bad[b] = min(bad.get(b, 24), t)
+        for b in range(3):
+            t0 = bad.get(b, 24)
+            assert torch.equal(out[b, 5 : 5 + t0], ref[b, 5 : 5 + t0])
+
+
+# 5. cryptic errors become clear ones
+def test_sliding_window_models():
+    ids, mask = prompts(2, 5)
+    for model, setting in ((_mistral(sliding_window=12), "sliding_window=12"),
+                           (_qwen2(use_sliding_window=True, sliding_window=12,
+                                   max_window_layers=1), "sliding_window=12")):
+        with pytest.raises(ValueError, match=rf"sliding-window attention \({setting}\), and "
+                                             r"the prompt \(5 positions\) plus "
+                                             r"max_new_tokens=20 make 25 > 12"):
+            generate(model, ids, attention_mask=mask, max_new_tokens=20)
+        # within the window it never binds: generate's tokens
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False)
+        out, sol = generate(model, ids, attention_mask=mask, max_new_tokens=7)
+        assert torch.equal(out, ref) and sol.converged
+    # a window configured but switched off does not bind
+    model = _qwen2(use_sliding_window=False, sliding_window=4)
+    out, _ = generate(model, ids, attention_mask=mask, max_new_tokens=20)
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=20,
+                                           do_sample=False))
+
+
+def test_encoder_decoder_models_are_not_causal_lms():
+    cfg = transformers.T5Config(vocab_size=V, d_model=16, d_ff=32, num_layers=1, num_heads=2,
+                                d_kv=8, decoder_start_token_id=0)
+    t5 = transformers.T5ForConditionalGeneration(cfg).eval()
+    with pytest.raises(TypeError, match=r"model T5ForConditionalGeneration is an "
+                                        r"encoder-decoder model \(config.is_encoder_decoder="
+                                        r"True\), not a causal LM"):
+        generate(t5, torch.randint(0, V, (1, 4)), max_new_tokens=3)
+
+
+def test_positions_beyond_the_model():
+    ids, _ = prompts(1, 30)
+    for model, limit in ((make("gpt2", "cpu"), 96), (_neox(), 96)):
+        with pytest.raises(ValueError, match=rf"prompt \(30 positions\) plus max_new_tokens=70 "
+                                             rf"make 100 positions, more than the model's "
+                                             rf"max_position_embeddings={limit}.*at most 66"):
+            generate(model, ids, max_new_tokens=70)
+    out, _ = generate(make("gpt2", "cpu"), ids, max_new_tokens=66, eos_token_id=[])
+    assert out.shape == (1, 96)
+
+
+def test_token_ids_outside_the_vocabulary():
+    model = make("llama", "cpu")
+    ids, _ = prompts(2, 4)
+    with pytest.raises(ValueError, match=rf"input_ids holds the token id {V + 3}, outside the "
+                                         rf"model's vocabulary of vocab_size={V}"):
+        generate(model, ids.index_fill(1, torch.tensor([2]), V + 3), max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"input_ids holds the negative token id -1"):
+        generate(model, ids.index_fill(1, torch.tensor([0]), -1), max_new_tokens=3)
+    with pytest.raises(ValueError, match=rf"pad_token_id={V} is outside the model's vocabulary "
+                                         rf"of vocab_size={V}"):
+        generate(model, ids, max_new_tokens=3, pad_token_id=V)
+
+
+def test_a_cache_that_cannot_be_cut_back(monkeypatch):
+    """A cache whose crop fails (as a sliding-window layer past its window does) gives an error
+    that names the model, the cache and the way out."""
+    from transformers import DynamicCache
+
+    from paraprop.decoding import decode
+
+    # wrong guesses, so that a pass accepts part of its window and the cache is cut back
+    monkeypatch.setattr(decode._TokenMap, "propose",
+                        lambda self, x, final: torch.full_like(x, float(V - 1)))
+
+    model = make("gpt2", "cpu", fresh=True)
+
+    class Stuck(DynamicCache):
+        def crop(self, n):
+            raise RuntimeError("`crop` was called, but the current layer does not track "
+                               "past states")
+
+    forward = model.forward
+
+    def fwd(*a, **kw):
+        out = forward(*a, **kw)
+        cache = out.get("cache", None) or out.get("past_key_values", None)
+        cache.__class__ = Stuck
+        return out
+
+    model.forward = fwd
+    ids, _ = prompts(1, 4)
+    with pytest.raises(TypeError, match=r"model GPT2LMHeadModel: its cache \(Stuck\) cannot "
+                                        r"be cut back to the accepted prefix.*use "
+                                        r"method='sequential'"):
+        generate(model, ids, max_new_tokens=12, eos_token_id=[])
+    out, _ = generate(model, ids, max_new_tokens=12, eos_token_id=[], method="sequential")
+    assert out.shape == (1, 16)
