@@ -110,16 +110,17 @@ class _ErrorEstimate:
         return q / (1.0 - q) * d if q < 1 else math.inf
 
 
-def _max_change(U: torch.Tensor, prev: torch.Tensor, chunk: int = 64) -> float:
-    """``max |U - prev|`` over all entries (in chunks of rows: no full-size temporary);
-    ``nan`` if either holds a NaN."""
-    m = 0.0
-    for i in range(0, U.shape[0], chunk):
-        v = float((U[i : i + chunk] - prev[i : i + chunk]).abs().max())
-        if math.isnan(v):
-            return math.nan
-        m = max(m, v)
-    return m
+def _max_change(U: torch.Tensor, prev: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """``max |U - prev|`` over all entries as a float64 0-d tensor on ``U``'s device (in chunks
+    of rows: no full-size temporary; no host round trip); ``nan`` if either holds a NaN."""
+    parts = [(U[i : i + chunk] - prev[i : i + chunk]).abs().amax()
+             for i in range(0, U.shape[0], chunk)]
+    return torch.stack(parts).amax().to(torch.float64)
+
+
+def _scalars(*ts: torch.Tensor) -> list[float]:
+    """0-d tensors as floats in one transfer (the one host round trip of a cycle)."""
+    return torch.stack(ts).tolist()
 
 
 class _Corrected:
@@ -266,9 +267,10 @@ class _Solver:
         else:  # u + w (W - u): a point with W == u stays bitwise unchanged
             uc.add_(W - uc, alpha=self.w)
 
-    def residual_sq(self, L: LocalLevel, U: torch.Tensor, W: torch.Tensor) -> float:
+    def residual_sq(self, L: LocalLevel, U: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        """``||W - u_C||^2`` as a float64 0-d tensor (no host round trip)."""
         r = torch.linalg.vector_norm(W - self.c_view(L, U), dtype=torch.float64)
-        return float(r) ** 2
+        return r * r
 
     def buffer(self, key, rows: int, like: torch.Tensor) -> torch.Tensor:
         """A workspace of ``rows`` states, allocated once per solve and reused (each level's
@@ -500,7 +502,8 @@ def run_mgrit(stepper, x, hierarchy, step_size, *, relax="FCF", max_iters=None,
 
             final(0)
             W = solver.f_relax(L0, U, True)
-            r, _ = solver.reduce(solver.residual_sq(L0, U, W), None)
+            (sq,) = _scalars(solver.residual_sq(L0, U, W))
+            r, _ = solver.reduce(sq, None)
             residuals.append(r)
             prev = U.clone() if checking and cap > 0 else None
             if checking and r == 0:
@@ -514,10 +517,13 @@ def run_mgrit(stepper, x, hierarchy, step_size, *, relax="FCF", max_iters=None,
                 W = solver.f_relax(L0, U, True)
                 cycles += 1
                 change = None
-                if checking:
-                    change = _max_change(U, prev)
+                sq = solver.residual_sq(L0, U, W)
+                if checking:    # the residual and the change in one transfer
+                    sq, change = _scalars(sq, _max_change(U, prev))
                     prev.copy_(U)
-                r, d = solver.reduce(solver.residual_sq(L0, U, W), change)
+                else:
+                    (sq,) = _scalars(sq)
+                r, d = solver.reduce(sq, change)
                 residuals.append(r)
                 if checking:
                     estimate = rule.update(d)
