@@ -227,16 +227,19 @@ def test_auto_picks_the_kernels_on_cuda_only(dev):
     assert rec_module.choose(wide.op, wide.b, None) != "triton"   # H > 64: the torch tree
     if not cuda:   # the interpreter is for tests: never chosen on its own
         assert rec_module.choose(diag.op, diag.b, None) in ("sequential", "blelloch")
+    A = torch.rand(2, 40, 3, device=dev)
+    assert (rec_module.algorithm_for(A, b) == "triton") == cuda
+    assert rec_module.algorithm_for(A, b, algorithm="chunked") == "chunked"
 
 
 # -- the fused Newton steps -----------------------------------------------------------------------
-def gru_rec(dtype, device, kernel, B=2, T=20, H=4, seed=8):
+def gru_rec(dtype, device, kernel, B=2, T=20, H=4, seed=8, bias=True):
     g = torch.Generator().manual_seed(seed)
     gi = (2 * torch.randn(B, T, 3 * H, generator=g, dtype=f64)).to(dtype).to(device)
     h0 = torch.randn(B, H, generator=g, dtype=f64).to(dtype).to(device)
     w = (2 * torch.randn(3, H, generator=g, dtype=f64)).to(dtype).to(device)
     b = torch.randn(3, H, generator=g, dtype=f64).to(dtype).to(device)
-    return GRURecurrence(gi, h0, w, b, kernel=kernel)
+    return GRURecurrence(gi, h0, w, b if bias else None, kernel=kernel)
 
 
 def lstm_rec(dtype, device, kernel, B=1, T=19, H=3, seed=9):
@@ -247,12 +250,13 @@ def lstm_rec(dtype, device, kernel, B=1, T=19, H=3, seed=9):
     return LSTMRecurrence(gi, h0, w, kernel=kernel)
 
 
-@pytest.mark.parametrize("cell", ["gru", "lstm"])
+@pytest.mark.parametrize("cell", ["gru", "gru without bias", "lstm"])
 def test_fused_step_equals_the_blocked_step(dev, cell):
     """``y = fn(x)`` and ``trial = x + delta`` at ``lo = 0`` and ``lo = 7``: float64 to
     rounding; in float32 ``y`` within 8 ulps of 1 (the cell's functions differ from torch's by
     a few ulps) and ``trial`` within that times the recurrence's gain plus the scan's bound."""
-    make = gru_rec if cell == "gru" else lstm_rec
+    make = {"gru": gru_rec, "lstm": lstm_rec,
+            "gru without bias": lambda *a: gru_rec(*a, bias=False)}[cell]
     for dtype, tol_y in ((f64, 1e-14), (torch.float32, 8 * 2.0 ** -24)):
         ours, theirs = make(dtype, dev, "triton"), make(dtype, dev, "blocks")
         g = torch.Generator().manual_seed(10)

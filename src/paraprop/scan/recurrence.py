@@ -372,6 +372,22 @@ def linear_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
     return c.user(h)
 
 
+def algorithm_for(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
+                  algorithm: str = "auto", native: bool | None = None) -> str:
+    """The algorithm :func:`linear_recurrence` runs for these arguments (``"auto"`` resolved:
+    ``"sequential"`` for the native kernel, ``"triton"``, ``"blelloch"``, ...), for stats.
+
+    Example:
+        >>> algorithm_for(torch.rand(2, 10, 4), torch.randn(2, 10, 4))   # CPU: native or T <= 16
+        'sequential'
+    """
+    _check_options(algorithm, None, None, native)
+    if algorithm != "auto":
+        return algorithm
+    c = canonicalise(A, b, h0)
+    return choose(c.op, c.b, c.h0, native)
+
+
 def _check_options(algorithm, chunk_size, levels, use_native) -> None:
     checks.one_of("algorithm", algorithm, ALGORITHMS)
     if chunk_size is not None:

@@ -456,13 +456,24 @@ def dense_scan(A: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None,
 
 
 # -- linear_recurrence(algorithm="triton") --------------------------------------------------------
+# Largest dense copy of factored or LSTM steps that ``algorithm="auto"`` makes to run them by
+# the dense kernel (bytes); beyond it auto keeps the torch algorithms, which never form it.
+DENSE_BUDGET = 1 << 30
+
+
 def applies(op, b: torch.Tensor) -> bool:
     """Whether ``algorithm="auto"`` picks the kernels for this canonical recurrence: CUDA
-    tensors, triton, a supported dtype, and a diagonal ``A`` or a state of at most
-    :data:`MAX_DENSE`."""
+    tensors, triton, a supported dtype, and a diagonal ``A``, a dense one with a state of at
+    most :data:`MAX_DENSE`, or factored / LSTM steps of that size whose dense copy fits in
+    :data:`DENSE_BUDGET`."""
     if b.device.type != "cuda" or why_not(b, *op.tensors()) is not None:
         return False
-    return op.kind == "diag" or op.H <= MAX_DENSE
+    if op.kind == "diag":
+        return True
+    if op.H > MAX_DENSE:
+        return False
+    N, T, H = b.shape
+    return op.kind == "dense" or N * T * H * H * b.element_size() <= DENSE_BUDGET
 
 
 def recurrence(op, b: torch.Tensor, h0: torch.Tensor | None, reverse: bool) -> torch.Tensor:
