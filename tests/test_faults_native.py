@@ -62,7 +62,7 @@ def run_fresh(cache: Path, out: Path, *, break_build: bool = False,
 
 def check_result(returncode: int, stdout: str, stderr: str, out: Path) -> dict:
     assert returncode == 0, f"subprocess died with {returncode}: {stderr[-3000:]}"
-    res = torch.load(out)
+    res = torch.load(out, weights_only=True)
     ref_dense = linear_recurrence(res["A"], res["b"], algorithm="sequential", native=False)
     ref_diag = linear_recurrence(res["a"], res["b"], algorithm="sequential", native=False)
     torch.testing.assert_close(res["dense"], ref_dense, rtol=1e-10, atol=1e-12)
