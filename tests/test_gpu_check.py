@@ -93,6 +93,25 @@ def test_done_specs_resume_after_a_killed_row(tmp_path):
     assert gpu_check._done_specs(jsonl) == ({"a.x"}, "b.y")
 
 
+def test_report_names_the_rows_no_process_reached(tmp_path):
+    jsonl = tmp_path / "rows.jsonl"
+    rec = row("made", "jacobi_vs_ancestral", what="w", shape="x", baseline="b", baseline_s=2.0,
+              method="m", method_s=1.0, max_dev=0.0, bound=1e-5, target=26.0)
+    jsonl.write_text("".join(json.dumps(x) + "\n" for x in (
+        {"event": "start", "spec": "made.jacobi"}, rec, {"event": "end", "spec": "made.jacobi"})))
+    args = gpu_check._child_parser("report").parse_args(
+        ["--jsonl", str(jsonl), "--env", str(tmp_path / "none.json"), "--pytest",
+         str(tmp_path / "none.json"), "--out", str(tmp_path), "--device", "cpu", "--scale",
+         "tiny", "--command", "make gpu-check", "--only", "made", "decoding"])
+    assert gpu_check.report_child(args) == 0
+    recs = json.loads((tmp_path / "gpu.json").read_text())["records"]
+    assert [(r["name"], r["status"]) for r in recs] == [("jacobi_vs_ancestral", "ok"),
+                                                        ("decoding.greedy", "skipped")]
+    assert recs[1]["reason"].startswith("not reached: the check's time budget ended")
+    assert "| decoding | decoding.greedy | skipped | not reached" in (
+        tmp_path / "gpu.md").read_text()
+
+
 def test_pytest_summary_and_command():
     text = "....s\n=========== 4 passed, 1 skipped, 3 deselected in 2.01s ===========\n"
     assert gpu_check._summary(text) == "4 passed, 1 skipped, 3 deselected in 2.01s"

@@ -29,7 +29,7 @@ from paraprop.training.charlm import corpus, trained_charlm  # noqa: E402
 DESCRIPTION = "Jacobi decoding of a char LM: generate vs sequential KV-cached loop vs Jacobi"
 
 # the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
-DEVICE_ROWS = [RowSpec("decoding.greedy", _rows.decoding_rows, 35)]
+DEVICE_ROWS = [RowSpec("decoding.greedy", _rows.decoding_rows, 30)]
 
 
 def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,

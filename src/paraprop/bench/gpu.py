@@ -25,8 +25,8 @@ DESCRIPTION = "the papers' headline rows on a GPU (make gpu-check): every suite'
 # then the suites without a GPU target
 ORDER = ["scan.bandwidth", "newton.gru_forward", "bppsa.rnn", "bppsa.gru", "bppsa.lstm",
          "made.jacobi", "pixelcnn.gs_jacobi", "pararnn.gru", "decoding.greedy",
-         "diffusion.picard", "tarflow.sampling", "pararnn.lstm", "scan.algorithm",
-         "bppsa.forward_choice", "core.triangular_maps", "flows.maf_sample",
+         "diffusion.picard", "tarflow.sampling", "scan.algorithm", "bppsa.forward_choice",
+         "pararnn.lstm", "core.triangular_maps", "flows.maf_sample",
          "triangular.mlp_backward", "multigrid.forward"]
 
 

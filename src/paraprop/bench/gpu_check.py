@@ -241,9 +241,9 @@ def check(args) -> int:
     report_args = ["--env", str(work / "env.json"), "--pytest", str(work / "pytest.json"),
                    "--out", str(out), "--command", args.command]
     reported = False
+    only = ["--only", *args.only] if args.only else []
     if ok:
         log("== 4. device rows")
-        only = ["--only", *args.only] if args.only else []
         while True:
             left = end - REPORT_S - time.monotonic()
             done, started = _done_specs(jsonl)
@@ -272,7 +272,7 @@ def check(args) -> int:
     if not reported:        # the last rows process did not get to write it
         log("== 5. report")
         code, tail = _run(_child("report", "--jsonl", str(jsonl), "--device", args.device,
-                                 "--scale", scale, *report_args), env=env, log=log,
+                                 "--scale", scale, *report_args, *only), env=env, log=log,
                           timeout=REPORT_S + 60)
         reported = code == 0
     problems = limits(out)
@@ -405,19 +405,26 @@ def rows_child(args) -> int:
     if args.report is not None:      # ``--report --env ... --out ...``: the report too
         report = _child_parser("report").parse_args(
             ["--jsonl", args.jsonl, "--device", args.device, "--scale", args.scale,
-             *args.report])
+             *args.report, *(["--only", *args.only] if args.only else [])])
         return report_child(report)
     return 0
 
 
 def report_child(args) -> int:
     """``report``: ``gpu.json``, ``gpu.md`` and ``gpu.png`` from the records."""
+    from paraprop.bench import gpu
     from paraprop.experiments.report import markdown_table
+    from paraprop.experiments.rows import skipped
     from paraprop.experiments.rows_report import write
 
     jsonl = Path(args.jsonl)
     records = [r for r in (json.loads(ln) for ln in jsonl.read_text().splitlines()
                            if ln.startswith("{")) if "event" not in r] if jsonl.exists() else []
+    done, _ = _done_specs(jsonl)
+    for spec in gpu.specs(args.only or None):      # rows no process got to: say so
+        if spec.name not in done:
+            records.append(skipped(spec.name.split(".", 1)[0], spec.name, "not reached: the "
+                                   "check's time budget ended before this row"))
     env = json.loads(Path(args.env).read_text()) if Path(args.env).exists() else {}
     pytest = json.loads(Path(args.pytest).read_text()) if Path(args.pytest).exists() else {}
     machine = env.get("machine", {"device": args.device})
@@ -488,6 +495,7 @@ def _child_parser(step: str) -> argparse.ArgumentParser:
         for name in ("--jsonl", "--env", "--pytest", "--out", "--device", "--scale",
                      "--command"):
             p.add_argument(name, required=True)
+        p.add_argument("--only", nargs="*", default=None)
     return p
 
 

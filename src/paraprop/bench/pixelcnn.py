@@ -32,7 +32,7 @@ SWEEP_REPEATS = 3  # at least this many timed runs per sweep row (after one warm
 DESCRIPTION = "PixelCNN sampling: sequential with/without cache vs Jacobi, GS-Jacobi, Jacobi-GS"
 
 # the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
-DEVICE_ROWS = [RowSpec("pixelcnn.gs_jacobi", _rows.pixelcnn_rows, 20)]
+DEVICE_ROWS = [RowSpec("pixelcnn.gs_jacobi", _rows.pixelcnn_rows, 12)]
 COLUMNS = ["method", "block_size", "iterations", "evaluations", "time_s", "vs uncached",
            "vs cached", "identical"]
 

@@ -32,7 +32,7 @@ from paraprop.training.tarflow import trained_tarflow  # noqa: E402
 DESCRIPTION = "TarFlow sampling: KV-cached sequential loop vs Jacobi, GS-Jacobi, auto plan"
 
 # the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
-DEVICE_ROWS = [RowSpec("tarflow.sampling", _rows.tarflow_rows, 30)]
+DEVICE_ROWS = [RowSpec("tarflow.sampling", _rows.tarflow_rows, 20)]
 
 
 BATCH = 16

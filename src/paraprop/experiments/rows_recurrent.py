@@ -347,7 +347,7 @@ def rnn_forward_choice(ctx: Context) -> list[dict]:
     """What ``forward="auto"`` should run on this device: torch's kernel against the Newton
     and quasi-Newton forwards (default tolerance) at the sizes of the benchmarks."""
     shapes = ctx.pick([(4, 200, 2)], [(8, 100000, 16), (8, 10000, 16), (20, 1000, 16),
-                                      (64, 1000, 32), (64, 30000, 8)])
+                                      (64, 1000, 32), (64, 10000, 8)])
     out = []
     for H, T, B in shapes:
         ref, newton = _gru_pair(H, "newton", None)
