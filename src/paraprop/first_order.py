@@ -34,10 +34,16 @@ def refuse_second_order(message: str, *grads: torch.Tensor,
     Arguments:
         message: what the error says.
         grads: the gradients, computed without a graph.
-        anchors: tensors whose graphs the gradients came from (e.g. the incoming gradient of a
-            hook, which has a graph under ``create_graph=True``): the refusing node hangs from
-            them too, so that a second differentiation with respect to what they depend on
-            reaches it (without them the gradients would look independent of those inputs).
+        anchors: every tensor the gradients depend on: the incoming gradient (it has a graph
+            under ``create_graph=True``) **and** the inputs of the computation being
+            differentiated (a custom Function's ``ctx.saved_tensors``; for a gradient hook,
+            the differentiable output it is registered on). The refusing node hangs from
+            them, so that a second differentiation with respect to anything they depend on
+            reaches it. An omitted one is a silent wrong answer: ``torch.autograd.grad`` of a
+            gradient penalty with respect to the weights prunes a node that leads nowhere near
+            them, and returns no contribution (``None`` with ``allow_unused=True``) instead of
+            raising; the incoming gradient alone is not enough where it is a constant (a loss
+            linear in the output).
     """
     leaves = [g.detach().requires_grad_() for g in grads]
     linked = [a for a in anchors if a.requires_grad]
