@@ -31,9 +31,9 @@ LAYERS = [
 
 
 @pytest.mark.parametrize(("make", "shape"), LAYERS)
-def test_generators_equal_autograd(make, shape):
-    layer = make().double()
-    x = torch.randn(shape, dtype=torch.float64)
+def test_generators_equal_autograd(make, shape, device):
+    layer = make().to(device, torch.float64)
+    x = torch.randn(shape, dtype=torch.float64).to(device)
     JT = transposed_jacobian(layer, x)
     assert JT.layout == torch.sparse_csr
     assert torch.allclose(JT.to_dense(), _autograd_jt(layer, x), atol=1e-12)
@@ -41,9 +41,10 @@ def test_generators_equal_autograd(make, shape):
 
 @pytest.mark.parametrize("cell", [nn.RNNCell(3, 5), nn.RNNCell(3, 5, nonlinearity="relu"),
                                   nn.GRUCell(3, 5), nn.GRUCell(3, 5, bias=False)])
-def test_cells_equal_autograd(cell):
-    cell = cell.double()
-    x, h = torch.randn(3, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+def test_cells_equal_autograd(cell, device):
+    cell = cell.to(device, torch.float64)
+    x = torch.randn(3, dtype=torch.float64).to(device)
+    h = torch.randn(5, dtype=torch.float64).to(device)
     J = torch.autograd.functional.jacobian(lambda v: cell(x[None], v[None])[0], h)
     assert torch.allclose(transposed_jacobian(cell, (x, h)), J.t(), atol=1e-12)
 
@@ -91,11 +92,11 @@ def _autograd_grads(net, acts, g):
 
 
 @pytest.mark.parametrize("levels", [None, 0, 1, 2, 5])
-def test_bppsa_backward_equals_autograd(levels):
+def test_bppsa_backward_equals_autograd(levels, device):
     torch.manual_seed(0)
-    net = [layer.double() for layer in _net()]
-    acts, y = bppsa.record(net, torch.randn(2, 8, 8, dtype=torch.float64))
-    g = torch.randn(3, dtype=torch.float64)
+    net = [layer.to(device, torch.float64) for layer in _net()]
+    acts, y = bppsa.record(net, torch.randn(2, 8, 8, dtype=torch.float64).to(device))
+    g = torch.randn(3, dtype=torch.float64).to(device)
     ref = _autograd_grads(net, acts, g)
     grads, sol = bppsa.backward(net, acts, g, levels=levels)
     for a, b in zip(grads, ref, strict=True):
