@@ -42,11 +42,11 @@ def test_sequential_is_the_definition():
 @pytest.mark.parametrize("algorithm", PARALLEL)
 @pytest.mark.parametrize("exclusive", [False, True])
 @pytest.mark.parametrize("reverse", [False, True])
-def test_matrix_products_equal_sequential(n, algorithm, exclusive, reverse):
-    M = mats(n, seed=n)
+def test_matrix_products_equal_sequential(n, algorithm, exclusive, reverse, device):
+    M = mats(n, seed=n).to(device)
     kw = {"exclusive": exclusive, "reverse": reverse}
     if exclusive:
-        kw["identity"] = torch.eye(3, dtype=M.dtype)
+        kw["identity"] = torch.eye(3, dtype=M.dtype, device=device)
     ref = associative_scan(M, matmul_later_first, algorithm="sequential", **kw)
     got = associative_scan(M, matmul_later_first, algorithm=algorithm, **kw)
     assert close(got, ref)

@@ -56,27 +56,37 @@ def loop(J, b, h0, reverse):
 
 
 def rel_err(x, ref):
+    x, ref = x.cpu(), ref.cpu()
     return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def on(A, device):
+    return LSTMFactored(A.scale.to(device), A.forget.to(device), A.output.to(device),
+                        A.weight.to(device), A.transposed)
 
 
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("T", LENGTHS)
 @pytest.mark.parametrize("reverse", [False, True])
-def test_every_algorithm_equals_the_dense_loop(transposed, T, reverse):
+def test_every_algorithm_equals_the_dense_loop(transposed, T, reverse, device):
     A, b, h0 = make(3, T, 4, transposed=transposed)
     J = dense(A).expand(3, T, 8, 8)
+    refs = {start is None: loop(J, b, start, reverse) for start in (h0, None)}
+    A, b, h0 = on(A, device), b.to(device), h0.to(device)
+    # on CUDA the Triton kernels too (on the CPU: interpreted, tests/test_triton.py)
+    extra = ["triton"] if device.type == "cuda" else []
     for start in (h0, None):
-        ref = loop(J, b, start, reverse)
-        for algorithm in ALGORITHMS:
+        ref = refs[start is None]
+        for algorithm in ALGORITHMS + extra:
             for use_native in ([None, False] if algorithm in ("sequential", "auto") else [None]):
                 h = linear_recurrence(A, b, start, reverse=reverse, algorithm=algorithm,
                                       native=use_native)
                 assert rel_err(h, ref) <= TOL[torch.float64], (algorithm, use_native)
     for chunk in (1, 2, 5, T):
         h = linear_recurrence(A, b, h0, reverse=reverse, algorithm="chunked", chunk_size=chunk)
-        assert rel_err(h, loop(J, b, h0, reverse)) <= TOL[torch.float64], chunk
+        assert rel_err(h, refs[False]) <= TOL[torch.float64], chunk
     h = linear_recurrence(A, b, h0, reverse=reverse, algorithm="blelloch", levels=1)
-    assert rel_err(h, loop(J, b, h0, reverse)) <= TOL[torch.float64]
+    assert rel_err(h, refs[False]) <= TOL[torch.float64]
 
 
 def test_dense_jacobian_and_the_transpose():
@@ -102,13 +112,14 @@ def test_broadcast_per_step_tensors_and_batch_dims():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_float32_and_float64(dtype):
+def test_float32_and_float64(dtype, device):
     A, b, h0 = make(4, 200, 6, transposed=True)
     ref = loop(dense(A).expand(4, 200, 12, 12), b, h0, True)
-    low = LSTMFactored(*(t.to(dtype) for t in (A.scale, A.forget, A.output, A.weight)),
-                       transposed=True)
+    low = LSTMFactored(*(t.to(dtype).to(device) for t in (A.scale, A.forget, A.output,
+                                                         A.weight)), transposed=True)
     for algorithm in ("auto", "chunked"):
-        h = linear_recurrence(low, b.to(dtype), h0.to(dtype), reverse=True, algorithm=algorithm)
+        h = linear_recurrence(low, b.to(dtype).to(device), h0.to(dtype).to(device),
+                              reverse=True, algorithm=algorithm)
         assert h.dtype == dtype and rel_err(h.double(), ref) <= TOL[dtype]
 
 

@@ -57,18 +57,34 @@ def make(kind, N, T, H, dtype=torch.float64, seed=0):
     return A, r(N, T, H), r(N, H)
 
 
+def on(A, device):
+    """``A`` (a tensor or a Factored) on ``device``."""
+    if isinstance(A, Factored):
+        return Factored(*(None if t is None else t.to(device)
+                          for t in (A.scale, A.left, A.right, A.diag)))
+    return A.to(device)
+
+
+def algorithms(device):
+    """The algorithms to check on ``device``: the Triton kernels too on CUDA (on the CPU they
+    run only in Triton's interpreter, tests/test_triton.py)."""
+    return ALGORITHMS + (["triton"] if device.type == "cuda" else [])
+
+
 def rel_err(x, ref):
-    x, ref = x.detach(), ref.detach()
+    x, ref = x.detach().cpu(), ref.detach().cpu()
     return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("kind", ["dense", "diag", "factored", "factored_gru", "factored_lr"])
 @pytest.mark.parametrize("T", LENGTHS)
 @pytest.mark.parametrize("reverse", [False, True])
-def test_every_algorithm_equals_the_loop(kind, T, reverse):
+def test_every_algorithm_equals_the_loop(kind, T, reverse, device):
     A, b, h0 = make(kind, 3, T, 4)
     ref = loop(as_dense(A, 4), b, h0, reverse)
-    for algorithm in ALGORITHMS:
+    ref_free = loop(as_dense(A, 4), b, None, reverse)
+    A, b, h0 = on(A, device), b.to(device), h0.to(device)
+    for algorithm in algorithms(device):
         for use_native in ([None, False] if algorithm in ("sequential", "auto") else [None]):
             h = linear_recurrence(A, b, h0, reverse=reverse, algorithm=algorithm,
                                   native=use_native)
@@ -78,17 +94,18 @@ def test_every_algorithm_equals_the_loop(kind, T, reverse):
         assert rel_err(h, ref) <= TOL[torch.float64], levels
     for chunk in (1, 2, 5, T):
         h = linear_recurrence(A, b, None, reverse=reverse, algorithm="chunked", chunk_size=chunk)
-        assert rel_err(h, loop(as_dense(A, 4), b, None, reverse)) <= TOL[torch.float64], chunk
+        assert rel_err(h, ref_free) <= TOL[torch.float64], chunk
 
 
 @pytest.mark.parametrize("kind", ["dense", "diag", "factored_gru"])
 @pytest.mark.parametrize("algorithm", ["auto", "chunked", "blelloch"])
-def test_float32_relative_error(kind, algorithm):
+def test_float32_relative_error(kind, algorithm, device):
     A, b, h0 = make(kind, 4, 200, 6)
     ref = loop(as_dense(A, 6), b, h0)
     A32 = (A.to(torch.float32) if isinstance(A, torch.Tensor) else Factored(
         *(None if x is None else x.float() for x in (A.scale, A.left, A.right, A.diag))))
-    h = linear_recurrence(A32, b.float(), h0.float(), algorithm=algorithm)
+    h = linear_recurrence(on(A32, device), b.float().to(device), h0.float().to(device),
+                          algorithm=algorithm)
     assert h.dtype == torch.float32
     assert rel_err(h.double(), ref) <= TOL[torch.float32]
 
@@ -119,12 +136,15 @@ def test_gradcheck_factored(kind, reverse):
     assert torch.autograd.gradcheck(f, inputs)
 
 
-@pytest.mark.parametrize("algorithm", ["sequential", "blelloch", "hillis_steele", "chunked"])
-def test_gradients_of_every_algorithm_equal_autograd_of_the_loop(algorithm):
+@pytest.mark.parametrize("algorithm", ["sequential", "blelloch", "hillis_steele", "chunked",
+                                       "triton"])
+def test_gradients_of_every_algorithm_equal_autograd_of_the_loop(algorithm, device):
+    if algorithm == "triton" and device.type != "cuda":
+        pytest.skip("the Triton kernels run on CUDA here (interpreted: tests/test_triton.py)")
     A, b, h0 = make("dense", 2, 33, 3, seed=3)
     w = torch.randn(2, 33, 3, dtype=torch.float64)
-    xs = [x.clone().requires_grad_() for x in (A, b, h0)]
-    (linear_recurrence(*xs, reverse=True, algorithm=algorithm) * w).sum().backward()
+    xs = [x.clone().to(device).requires_grad_() for x in (A, b, h0)]
+    (linear_recurrence(*xs, reverse=True, algorithm=algorithm) * w.to(device)).sum().backward()
     ys = [x.clone().requires_grad_() for x in (A, b, h0)]
     (loop(*ys, reverse=True) * w).sum().backward()
     for x, y in zip(xs, ys, strict=True):
