@@ -362,3 +362,23 @@ def test_the_handle_refuses_to_be_pickled():
                                                 r"Pickle or torch.save the flow itself instead: "
                                                 r"it loads as the library's plain flow"):
                 save(handle)
+
+
+# -- 6. overflow -----------------------------------------------------------------------------------
+def test_an_inverse_that_overflows_in_fp16_raises_instead_of_returning_inf():
+    """Where the exact inverse itself overflows fp16 (the library's loop then returns inf / NaN
+    without a word), paraprop raises NonFiniteError naming where."""
+    torch.manual_seed(0)
+    flow = zuko.flows.MAF(6, transforms=1, hidden_features=(16,))
+    with torch.no_grad():
+        for p in flow.parameters():
+            p.mul_(4.0)
+    flow = flow.half()
+    y = (3 * torch.randn(8, 6, generator=torch.Generator().manual_seed(4))).half()
+    with torch.no_grad():
+        assert not torch.isfinite(flow().transform.inv(y)).all()   # the library's own result
+        for method in ("jacobi", "sequential"):
+            with pytest.raises(paraprop.NonFiniteError, match=r"non-finite value .* sample"):
+                parallel_inverse(flow, y, method=method)
+        with accelerate(flow), pytest.raises(paraprop.NonFiniteError):
+            flow().transform.inv(y)
