@@ -177,7 +177,7 @@ def test_weights_of_another_mlp_do_not_fit(tmp_path, capsys):
             r"checkpoint of \d+ bytes is at most 1048576, refused before building it"),
     (600_000, r"asks for an absurd model \(num_classes=600000\): building it would need "
               r"empty.memory_format of a tensor of shape \(600000, 256\) \(585.9 MiB, after "
-              r"[\d.]+ \w+\), beyond what a checkpoint of \d+ bytes justifies \(256.0 MiB\), "
+              r"[\d.]+ \w+\), more than the 256.0 MiB a checkpoint of \d+ bytes justifies; "
               r"refused before allocating it"),
 ])
 def test_weights_that_claim_absurd_classes(tmp_path, capsys, rows, match):
@@ -210,8 +210,8 @@ def tampered(tmp_path: Path, model, **config) -> Path:
 
 INT_BOUND = r"a size or count of a checkpoint of \d+ bytes is at most 1048576, refused before " \
     r"building it"
-BUDGET = r"building it would need .* beyond what a checkpoint of \d+ bytes justifies " \
-    r"\(256.0 MiB\), refused before allocating it"
+BUDGET = r"building it would need .*, more than the 256.0 MiB a checkpoint of \d+ bytes " \
+    r"justifies; refused before allocating it"
 
 ABSURD = {  # model, config, message: the fields named, and which guard refused
     "made-features": (lambda: MADE(4, (8,)), {"features": 10**12, "order": None},
@@ -226,8 +226,9 @@ ABSURD = {  # model, config, message: the fields named, and which guard refused
                  r"\(hidden=20000\): building it would need .* of a tensor of shape "
                  r"\(20000, 20000\)"),
     "mlp-layers": (lambda: MLPDenoiser(hidden=8, layers=1), {"layers": 500_000},
-                   r"\(layers=500000\): building it would need more than 256 modules, "
-                   r"parameters and buffers for a state dict of 4 tensors"),
+                   r"\(layers=500000\): building it would register more than the 256 "
+                   r"modules, parameters and buffers that a state dict of 4 tensors in a "
+                   r"checkpoint of \d+ bytes justifies; refused"),
     "tarflow-blocks": (lambda: TarFlow(4, patch_size=2, blocks=1, layers=1, width=8, heads=2),
                        {"blocks": 10**9}, r"\(blocks=1000000000\): " + INT_BOUND),
     "tarflow-image": (lambda: TarFlow(4, patch_size=2, blocks=1, layers=1, width=8, heads=2),

@@ -176,8 +176,9 @@ class _Budget(torch.utils._python_dispatch.TorchDispatchMode):
 
     def _count(self, n: int, shape, func) -> None:
         if self.total + n > self.budget:
-            raise _OverBudget(f"{func.__name__} of a tensor of shape {shape} "
-                              f"({_human(n)}, after {_human(self.total)})", shape)
+            raise _OverBudget(f"need {func.__name__} of a tensor of shape {shape} ({_human(n)}, "
+                              f"after {_human(self.total)}), more than the "
+                              f"{_human(self.budget)}", shape)
         self.total += n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -295,8 +296,8 @@ def build_within_budget(build, config: dict, *, path, kind: str, file_bytes: int
         if threading.get_ident() == owner:
             count[0] += 1
             if count[0] > limit:
-                raise _OverBudget(f"more than {limit} modules, parameters and buffers for a "
-                                  f"state dict of {tensors} tensors")
+                raise _OverBudget(f"register more than the {limit} modules, parameters and "
+                                  f"buffers that a state dict of {tensors} tensors in")
 
     hooks = torch.nn.modules.module
     handles = [hooks.register_module_module_registration_hook(registered),
@@ -310,9 +311,9 @@ def build_within_budget(build, config: dict, *, path, kind: str, file_bytes: int
         named = ", ".join(f"{k}={v}" for k, v in suspects) or "(no integer field)"
         raise ValueError(
             f"{path}: the {kind} config in this checkpoint asks for an absurd model ({named}): "
-            f"building it would need {e.what}, beyond what a checkpoint of {file_bytes} bytes "
-            f"justifies ({_human(budget)}), refused before allocating it. The file is damaged "
-            "or was not written by this version of paraprop") from None
+            f"building it would {e.what} a checkpoint of {file_bytes} bytes justifies; refused "
+            "before allocating it. The file is damaged or was not written by this version of "
+            "paraprop") from None
     finally:
         for h in handles:
             h.remove()
