@@ -41,10 +41,14 @@ __attribute__((constructor)) static void planted(void) {
 # Run in the subprocess: report status(), where the kernels were built, and check that a
 # native-eligible scan equals the PyTorch reference.
 SCRIPT = r"""
-import json
+import json, os
 import torch
 from paraprop.scan import linear_recurrence, native
 
+if os.environ.get("PARAPROP_TEST_BREAK_BUILD"):
+    def _no_compiler(cc, args):
+        raise RuntimeError("simulated compiler failure")
+    native._compile = _no_compiler
 status = native.status()
 g = torch.Generator().manual_seed(0)
 A = 0.5 * torch.randn(2, 30, 3, 3, generator=g, dtype=torch.float64)
@@ -228,6 +232,19 @@ def test_untrusted_file_in_a_safe_cache_is_rebuilt(planted, tmp_path, case):
 
 @pytest.mark.slow
 @builds
+def test_untrusted_file_that_cannot_be_rebuilt_is_ignored(planted, tmp_path):
+    cache = directory(tmp_path / "cache", 0o700)
+    lib = plant(cache, planted, mode=0o775)
+    rec = run_fresh(cache, tmp_path / "marker", PARAPROP_TEST_BREAK_BUILD="1")
+    assert not rec["available"], rec
+    assert rec["status"] == (f"unavailable: the cached kernel library {lib} is untrusted (the "
+                             "library is writable by its group or others (mode 0o775)) and "
+                             "rebuilding it failed (simulated compiler failure); it is ignored")
+    assert lib.read_bytes() == planted.read_bytes()  # left alone, and never loaded
+
+
+@pytest.mark.slow
+@builds
 def test_sticky_world_writable_parent_is_accepted(tmp_path):
     """A private cache inside a sticky world-writable directory (like /tmp) is safe: the
     kernels are built there once and reused, no false refusal."""
@@ -316,6 +333,15 @@ def test_checked_file_modes_and_links(tmp_path):
     manifest.rename(real_manifest)
     manifest.symlink_to(real_manifest)
     assert native._verify(lib, manifest) == "its manifest is a symbolic link"
+
+
+def test_a_fresh_build_that_fails_the_check_is_not_loaded(tmp_path):
+    lib, manifest = built_pair(tmp_path)
+    os.chmod(lib, 0o666)
+    with pytest.raises(RuntimeError, match=rf"the kernel library {lib} just built fails its "
+                                           r"check \(the library is writable by its group or "
+                                           r"others \(mode 0o666\)\); it is not loaded"):
+        native._open_built(lib, manifest)
 
 
 @as_root
