@@ -35,6 +35,11 @@ def flat(hn):
     return hn if isinstance(hn, tuple) else (hn,)
 
 
+def on(hx, device):
+    """States (a tensor or a pair) on ``device``."""
+    return tuple(h.to(device) for h in hx) if isinstance(hx, tuple) else hx.to(device)
+
+
 def err(a, b):
     return float((a - b).detach().abs().max())
 
@@ -124,12 +129,12 @@ def test_recurrence_methods_agree(kind):
 # -- forward: Newton equals the sequential loop ---------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("kind", MODULES)
-def test_newton_equals_sequential(kind, dtype):
+def test_newton_equals_sequential(kind, dtype, device):
     tol, bound, _ = TOL[dtype]
     m = make(kind, dtype, num_layers=2, batch_first=True,
-             forward=ParallelForward(method="newton", tol=tol))
-    x = torch.randn(3, 300, 3, dtype=dtype)
-    hx = states(kind, m, 3, dtype)
+             forward=ParallelForward(method="newton", tol=tol)).to(device)
+    x = torch.randn(3, 300, 3, dtype=dtype).to(device)
+    hx = on(states(kind, m, 3, dtype), device)
     with torch.no_grad():
         out, hn = m(x, hx)
         st = dict(m.forward_stats)
@@ -140,6 +145,8 @@ def test_newton_equals_sequential(kind, dtype):
     for a, b in zip(flat(hn), flat(r_hn), strict=True):
         assert err(a, b) <= bound
     assert st["converged"] == [True, True] and max(st["iterations"]) <= 10
+    # the fused Newton step: the Triton kernel on CUDA, the blocked one on the CPU
+    assert all((k == "triton") == (device.type == "cuda") for k in st["newton_step"])
     assert m.forward_stats == {}                                        # the loop ran
 
 
@@ -194,16 +201,18 @@ def test_unconverged_solve():
 @pytest.mark.parametrize("forward", ["newton", "sequential"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("kind", MODULES)
-def test_gradients_match_autograd_through_the_loop(kind, bias, forward, backward, dtype):
+def test_gradients_match_autograd_through_the_loop(kind, bias, forward, backward, dtype,
+                                                  device):
     tol, _, bound = TOL[dtype]
     fwd = ParallelForward(method="newton", tol=tol) if forward == "newton" else forward
     ours = make(kind, dtype, num_layers=2, bias=bias, forward=fwd, backward=backward)
     ref = make(kind, dtype, num_layers=2, bias=bias, forward="sequential", backward="autograd")
     ref.load_state_dict(ours.state_dict())
+    ours, ref = ours.to(device), ref.to(device)
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(80, 3, 3, generator=g, dtype=dtype)
-    hx = states(kind, ours, 3, dtype)
-    w = torch.randn(80, 3, 6, generator=g, dtype=dtype)
+    x = torch.randn(80, 3, 3, generator=g, dtype=dtype).to(device)
+    hx = on(states(kind, ours, 3, dtype), device)
+    w = torch.randn(80, 3, 6, generator=g, dtype=dtype).to(device)
     grads = []
     for m in (ours, ref):
         xi = x.clone().requires_grad_()

@@ -37,32 +37,33 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(diagonal, "NEWTON_BLOCK_ELEMENTS", 40)
 
 
-def hard_gru(B=3, T=120, H=5, scale=3.0, seed=0, dtype=f64, inputs=False):
+def hard_gru(B=3, T=120, H=5, scale=3.0, seed=0, dtype=f64, inputs=False, device="cpu"):
     """A ParaGRU layer whose Newton solve needs tens of iterations (strong diagonal weights),
     with samples that stop at different iterations."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(3, H, generator=g, dtype=dtype) * scale
-    b = torch.randn(3, H, generator=g, dtype=dtype)
-    h0 = torch.randn(B, H, generator=g, dtype=dtype)
+
+    def r(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g, dtype=dtype)).to(device)
+
+    w, b, h0 = r(3, H, scale=scale), r(3, H), r(B, H)
     if not inputs:
-        return GRURecurrence(2 * torch.randn(B, T, 3 * H, generator=g, dtype=dtype), h0, w, b)
-    x = torch.randn(B, T, 2, generator=g, dtype=dtype)
-    w_ih = 2 * torch.randn(3 * H, 2, generator=g, dtype=dtype)
-    return GRURecurrence(None, h0, w, b, inputs=(x, w_ih, torch.randn(3 * H, generator=g,
-                                                                            dtype=dtype)))
+        return GRURecurrence(r(B, T, 3 * H, scale=2), h0, w, b)
+    x, w_ih = r(B, T, 2), r(3 * H, 2, scale=2)
+    return GRURecurrence(None, h0, w, b, inputs=(x, w_ih, r(3 * H)))
 
 
-def hard_lstm(B=2, T=120, H=3, scale=16.0, seed=0, dtype=f64, inputs=False):
+def hard_lstm(B=2, T=120, H=3, scale=16.0, seed=0, dtype=f64, inputs=False, device="cpu"):
     """A ParaLSTM layer whose Newton solve needs tens of iterations, units stopping apart."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(4, H, generator=g, dtype=dtype) * scale
-    h0 = torch.randn(B, H, 2, generator=g, dtype=dtype)
+
+    def r(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g, dtype=dtype)).to(device)
+
+    w, h0 = r(4, H, scale=scale), r(B, H, 2)
     if not inputs:
-        return LSTMRecurrence(torch.randn(4, B, H, T, generator=g, dtype=dtype) / 2, h0, w)
-    x = torch.randn(B, T, 2, generator=g, dtype=dtype)
-    w_ih = torch.randn(4 * H, 2, generator=g, dtype=dtype) / 4
-    return LSTMRecurrence(None, h0, w, inputs=(x, w_ih, torch.randn(4 * H, generator=g,
-                                                                          dtype=dtype) / 4))
+        return LSTMRecurrence(r(4, B, H, T, scale=0.5), h0, w)
+    x, w_ih = r(B, T, 2), r(4 * H, 2, scale=0.25)
+    return LSTMRecurrence(None, h0, w, inputs=(x, w_ih, r(4 * H, scale=0.25)))
 
 
 HARD = {"gru": hard_gru, "lstm": hard_lstm}
@@ -150,14 +151,18 @@ def test_fused_step_equals_the_drivers_step(small_blocks, monkeypatch, kind, inp
 @pytest.mark.parametrize("method", ["newton", "quasi_newton"])
 @pytest.mark.parametrize("inputs", [False, True], ids=["gi", "inputs"])
 @pytest.mark.parametrize("kind", HARD)
-def test_buffers_reused_over_many_iterations(small_blocks, kind, inputs, method):
+def test_buffers_reused_over_many_iterations(small_blocks, kind, inputs, method, device):
     """Tens of iterations, samples stopping at different ones, many blocks: the fused step
-    takes the unfused step's iterations and values, within 1e-10 of the sequential loop."""
-    rec = HARD[kind](inputs=inputs)
+    (on CUDA the Triton kernel where the input terms are stored) takes the unfused step's
+    iterations and values, within 1e-10 of the sequential loop."""
+    rec = HARD[kind](inputs=inputs, device=device)
     seq = paraprop.solve(rec, rec.zeros(), method="sequential", dim=-2)
     fused = paraprop.solve(rec, rec.zeros(), method=method, dim=-2, tol=1e-12)
-    plain = paraprop.solve(unfused(HARD[kind](inputs=inputs)), rec.zeros(), method=method,
-                           dim=-2, tol=1e-12)
+    plain = paraprop.solve(unfused(HARD[kind](inputs=inputs, device=device)), rec.zeros(),
+                           method=method, dim=-2, tol=1e-12)
+    if method == "newton" or kind == "gru":
+        on_gpu = device.type == "cuda" and not inputs
+        assert (rec.step_kernel == "triton") == on_gpu
     its = fused.stats["sample_iterations"]
     assert fused.converged and fused.iterations >= 20 and len(set(its.flatten().tolist())) > 1
     assert torch.equal(its, plain.stats["sample_iterations"])
@@ -215,13 +220,13 @@ def test_lstm_input_terms_per_block_equal_the_stored_ones():
 # -- the module -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("inputs", [2, 7], ids=["per-block", "stored"])
 @pytest.mark.parametrize("cls", [ParaGRU, ParaLSTM])
-def test_newton_within_1e10_of_the_loop_in_float64(small_blocks, cls, inputs):
+def test_newton_within_1e10_of_the_loop_in_float64(small_blocks, cls, inputs, device):
     torch.manual_seed(0)
     m = cls(inputs, 6, num_layers=2, dtype=f64,
-            forward=ParallelForward(method="newton", tol=1e-12))
-    x = torch.randn(500, 3, inputs, dtype=f64)
-    hx = torch.randn(2, 3, 6, dtype=f64)
-    hx = hx if cls is ParaGRU else (hx, torch.randn(2, 3, 6, dtype=f64))
+            forward=ParallelForward(method="newton", tol=1e-12)).to(device)
+    x = torch.randn(500, 3, inputs, dtype=f64).to(device)
+    hx = torch.randn(2, 3, 6, dtype=f64).to(device)
+    hx = hx if cls is ParaGRU else (hx, torch.randn(2, 3, 6, dtype=f64).to(device))
     with torch.no_grad():
         out, hn = m(x, hx)
         st = dict(m.forward_stats)
