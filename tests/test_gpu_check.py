@@ -219,4 +219,4 @@ def test_scan_rows_on_device(device):
         assert r["max_dev"] <= 1e-5
     assert [r["name"] for r in recs if r["status"] != "ok"] == (
         [] if device.type == "cuda" and rows_recurrent.triton_available() is None
-        else ["bandwidth.triton"])
+        else ["bandwidth.triton", "bandwidth.triton_kernel"])

@@ -80,15 +80,47 @@ def scan_bandwidth(ctx: Context) -> list[dict]:
             "scan", f"bandwidth.{alg}", what="diagonal linear scan, forward: bandwidth as a "
             "fraction of the device-to-device copy's", shape=shape, baseline="copy",
             baseline_s=times["copy"], method=f"algorithm={alg!r}", method_s=t,
-            ratio=(3 * nbytes / t) / copy_bw, unit="of copy bandwidth",
-            target=SCAN_TARGET if alg == "triton" else None, max_dev=dev, bound=None,
+            ratio=(3 * nbytes / t) / copy_bw, unit="of copy bandwidth", target=None,
+            max_dev=dev, bound=None,
             note=("one untimed run (T dependent steps)" if alg == "sequential" else "")
             + f" copy {copy_bw / 1e9:.0f} GB/s (read + write)",
             scan_gb_per_s=3 * nbytes / t / 1e9, copy_gb_per_s=copy_bw / 1e9))
     why = triton_available()
     if why or ctx.device.type != "cuda":
         rows.append(skipped("scan", "bandwidth.triton", why or "Triton kernels run on CUDA only"))
+        rows.append(skipped("scan", "bandwidth.triton_kernel", why or "Triton kernels run on "
+                            "CUDA only"))
+        return rows
+    # the kernel itself in the target's layout (B, D, T), time contiguous (dim=-1)
+    from paraprop.scan.triton_kernels import diagonal_scan
+
+    ref = ref.transpose(1, 2).contiguous()
+    a, b = a.transpose(1, 2).contiguous(), b.transpose(1, 2).contiguous()
+    out = torch.empty_like(b)
+    t = ctx.time({"copy": lambda: out.copy_(b), "kernel": lambda: diagonal_scan(a, b, dim=-1)},
+                 repeats=ctx.rounds(5), desc="scan kernel")
+    bw = 2 * nbytes / t["copy"]
+    rows.append(row("scan", "bandwidth.triton_kernel", what="the Triton diagonal scan kernel "
+                    "(B, D, T), time contiguous: bandwidth as a fraction of the copy's",
+                    shape=shape, baseline="copy", baseline_s=t["copy"],
+                    method="triton_kernels.diagonal_scan(a, b, dim=-1)", method_s=t["kernel"],
+                    ratio=(3 * nbytes / t["kernel"]) / bw, unit="of copy bandwidth",
+                    target=SCAN_TARGET, max_dev=max_abs(diagonal_scan(a, b, dim=-1), ref),
+                    bound=None, note=f"copy {bw / 1e9:.0f} GB/s (read + write)",
+                    scan_gb_per_s=3 * nbytes / t["kernel"] / 1e9, copy_gb_per_s=bw / 1e9))
     return rows
+
+
+def _auto_pick(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """The algorithm ``linear_recurrence(a, b, algorithm="auto")`` runs (``None`` where the
+    scan has no function that says)."""
+    from paraprop.scan import recurrence
+
+    choose = getattr(recurrence, "choose", None)
+    if choose is None:
+        return None
+    c = recurrence.canonicalise(a, b, None)
+    return choose(c.op, c.b, c.h0, None)
 
 
 def scan_choice(ctx: Context) -> list[dict]:
@@ -107,8 +139,8 @@ def scan_choice(ctx: Context) -> list[dict]:
         auto_s = times.pop("auto")
         out.append(choice("scan", f"algorithm.B{B}_D{D}_T{T}", what="linear_recurrence "
                           "algorithm='auto' (diagonal A, forward)",
-                          shape=f"(B, D, T) = ({B}, {D}, {T}), float32", times=times, auto=None,
-                          auto_s=auto_s))
+                          shape=f"(B, D, T) = ({B}, {D}, {T}), float32", times=times,
+                          auto=_auto_pick(a, b), auto_s=auto_s))
     return out
 
 
@@ -194,10 +226,13 @@ def para_rows(kind: str):
                     *(max_rel(a, b) for a, b in zip(c_grads, ref_grads, strict=True)))
         shape = f"T={T}, B={B}, H={H}, input {H}, float32"
         extra = {"iterations": stats.get("iterations"), "converged": stats.get("converged"),
-                 "grad_rel_dev": dev_grad, "compiled_rel_dev": c_dev}
+                 "newton_step": stats.get("newton_step"), "grad_rel_dev": dev_grad,
+                 "compiled_rel_dev": c_dev}
         note = (f"forward + backward of sum(out * G); loops one timed round after an untimed "
-                f"T=64 call, newton the median of {ctx.rounds(3)}; deviation relative to the "
-                f"loop's scale, outputs (gradients: {dev_grad:.1e}); compile backend {backend}")
+                f"T=64 call, newton the median of {ctx.rounds(3)}; deviation: the larger of the "
+                f"outputs' ({dev_out:.1e}) and the gradients' ({dev_grad:.1e}), relative to the "
+                f"loop's scale; Newton step {stats.get('newton_step')}; compile backend "
+                f"{backend}")
         label = f"{cls.__name__} newton forward + scan backward"
         return [row("pararnn", f"{kind}.vs_loop", what=f"{cls.__name__} vs the plain cell loop",
                     shape=shape, baseline="cell loop, autograd", baseline_s=t_loops["loop"],
