@@ -516,3 +516,28 @@ def test_states_of_the_wrong_shape_for_fn():
     with pytest.raises(ValueError, match=r"Recurrence: states must have shape \(2, 5, 4\) "
                                          r"\(\*batch, T, H\), got \(2, 4, 5\)"):
         rec(torch.zeros(2, 4, 5, dtype=torch.float64))
+
+
+class _DropoutCell(torch.nn.Module):
+    """An Elman cell with dropout on its output (stochastic in train mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = torch.nn.RNNCell(3, 4)
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, u, h):
+        return self.drop(self.cell(u, h))
+
+
+def test_a_stochastic_cell_is_refused_and_runs_in_eval_mode():
+    cell = _DropoutCell()
+    u = torch.randn(2, 9, 3)
+    with pytest.raises(paraprop.StochasticModelError,
+                       match=r"paraprop.Recurrence: cell is in train mode, and its layer "
+                             r"'drop' \(Dropout\) draws random numbers .* call cell.eval\(\)"):
+        paraprop.Recurrence(cell, u)
+    rec = paraprop.Recurrence(cell.eval(), u, hidden_size=4)
+    sol = paraprop.solve(rec, rec.zeros(), method="jacobi", dim=-2, tol=0)
+    ref = paraprop.solve(rec, rec.zeros(), method="sequential", dim=-2)
+    assert sol.converged and torch.equal(sol.value, ref.value)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from paraprop import checks
+from paraprop.determinism import require_deterministic
 from paraprop.jacobians.cells import AnalyticCell, cell_adapter
 from paraprop.scan import Factored, LSTMFactored, linear_recurrence
 
@@ -84,6 +85,9 @@ class Recurrence:
     def __init__(self, cell, inputs: torch.Tensor | None = None, h0: torch.Tensor | None = None,
                  *, length: int | None = None, hidden_size: int | None = None, params=None):
         checks.callable_arg("cell", cell)
+        # every method evaluates the cell on other rows than the loop: a stochastic cell (train
+        # mode with dropout, ...) has no sequential result to reproduce
+        require_deterministic(cell, argument="cell", entry="paraprop.Recurrence")
         for name, t in (("inputs", inputs), ("h0", h0)):
             if t is not None and not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
