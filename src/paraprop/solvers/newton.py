@@ -135,34 +135,34 @@ class _NewtonFamily:
             delta = trial - seg
             size = torch.linalg.vector_norm(delta.reshape(delta.shape[0], -1), dim=1)
         size = torch.where(act, size, torch.zeros_like(size)).to(torch.float64)
-        if tol == 0:
-            # a bitwise fixed point of fn: y == x (a step below the rounding of x is not one)
-            still = (_max_difference(y, seg) != 0) & act
-        else:
-            still = None
+        # the residual max |fn(x) - x| (0: x is a bitwise fixed point, the sequential result)
+        # and the values' scale, for the rounding floor, in one pass
+        resid, scale = _max_difference(y, seg, scale=True)
+        fixed = act & ~bad & (resid == 0)
+        eps = torch.finfo(y.dtype).eps
+        floor = (scale.to(torch.float64) * eps if norm == "max"
+                 else rounding_floor(y, norm))
         if self.form == "any" and not self.damped and access.markov:
             # the step bounds the error of the iterate, fn(x) adds one rounding at most
-            floor = rounding_floor(y, norm)
             est = size + floor
             stop = act & (est <= tol) & ~bad
-            held = act & ~stop & (size <= tol) & ~bad
+            held = act & ~stop & (size <= tol) & ~bad & ~fixed
             state.rule.blocked = torch.maximum(state.rule.blocked,
                                                torch.where(held, floor, 0.0).amax())
-            stop = stop | (act & (size == 0) & ~bad)
         else:
-            stop, est = state.rule.update(size, tol, act,
-                                          floor=lambda: rounding_floor(y, norm))
+            stop, est = state.rule.update(size, tol, act, floor=floor)
             # A stopping sample keeps fn(x), a value the cell produces (ReLU outputs stay
             # >= 0), not the new iterate that `est` is about: fn(x) is within about
             # |delta| + est of the solution (times the Lipschitz constant of a step, ~1 on a
-            # map that accumulates small steps), so that sum is what must fit tol.
+            # map that accumulates small steps), so that sum is what must fit tol. A step of
+            # 0 certifies only with a residual of 0 (a step below the rounding of x is none).
             est = est + size
-            stop = stop & ~bad & (est <= tol)
-        take_y = stop
-        if still is not None:   # tol=0: a step that did not move x while fn(x) != x
-            take_y = stop | (act & (size == 0) & still)
-            stop = stop & ~still
-            est = torch.zeros_like(est)
+            stop = stop & ~bad & (est <= tol) & ((size > 0) | fixed)
+        # a bitwise fixed point is the sequential result (estimate 0); a step that vanished
+        # while fn(x) != x takes fn(x) (the Jacobi update) instead
+        stop = stop | fixed
+        est = torch.where(fixed, torch.zeros_like(est), est)
+        take_y = stop | (act & (size == 0) & ~fixed)
         n_y, n_act, n_cont = sync(take_y.sum(), act.sum(), (act & ~stop).sum())
         if n_act == act.numel():
             if n_y:
@@ -206,20 +206,25 @@ def _work(ex: dict, x: torch.Tensor, lo: int) -> torch.Tensor:
 DIFFERENCE_CHUNK = 1 << 18
 
 
-def _max_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _max_difference(a: torch.Tensor, b: torch.Tensor, *, scale: bool = False):
     """``(B,)``: ``max |a - b|`` per sample of ``(B, n, F)`` arrays (NaN where one is), chunk by
-    chunk along the positions on a CPU (the exact maximum, without a ``B n F`` temporary)."""
+    chunk along the positions on a CPU (the exact maximum, without a ``B n F`` temporary); with
+    ``scale``, also ``max |a|`` per sample, from the same pass."""
     B, n, F = a.shape
     step = n if a.device.type != "cpu" else max(1, DIFFERENCE_CHUNK // max(1, B * F))
     if step >= n:
-        return (a - b).abs_().amax(dim=(1, 2))
+        diff = (a - b).abs_().amax(dim=(1, 2))
+        return (diff, a.abs().amax(dim=(1, 2))) if scale else diff
     buf = a.new_empty(B, step, F)
-    out = None
+    out = big = None
     for t0 in range(0, n, step):
         t1 = min(n, t0 + step)
         m = torch.sub(a[:, t0:t1], b[:, t0:t1], out=buf[:, :t1 - t0]).abs_().amax(dim=(1, 2))
         out = m if out is None else torch.maximum(out, m)
-    return out
+        if scale:
+            m = torch.abs(a[:, t0:t1], out=buf[:, :t1 - t0]).amax(dim=(1, 2))
+            big = m if big is None else torch.maximum(big, m)
+    return (out, big) if scale else out
 
 
 def _non_finite_rows(t: torch.Tensor) -> torch.Tensor:
