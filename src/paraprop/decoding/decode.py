@@ -296,23 +296,25 @@ class _TokenMap:
         n = stop - start
         ar = torch.arange(n, device=need.device)
         span = torch.stack([need.any().long(), torch.where(need, ar, n).min(),
-                            torch.where(need, ar, -1).max()]).tolist()     # one sync
+                            torch.where(need, ar, -1).max(),
+                            lm.valid_length()]).tolist()                   # one sync per pass
         if span[0]:
             a, b = start + span[1], start + span[2] + 1
-            self._decide(a, b, valid[:, a:b])
+            self._decide(a, b, valid[:, a:b], span[3])
         out = torch.where(ended[:, start:stop], self.pad, self.tok[:, start:stop])
         return out.to(x.dtype), None
 
-    def _decide(self, a: int, b: int, valid: torch.Tensor) -> None:
-        """Decide the positions ``[a, b)`` from the current buffer (one model pass)."""
+    def _decide(self, a: int, b: int, valid: torch.Tensor, cached: int) -> None:
+        """Decide the positions ``[a, b)`` from the current buffer (one model pass; ``cached``
+        is the cache's valid length)."""
         P, lm = self.P, self.lm
         if a == 0:
             parts = [self.first[:, None]]
             if b > 1:
-                parts.append(lm.logits(P, P - 1 + b))
+                parts.append(lm.logits(P, P - 1 + b, cached))
             logits = torch.cat(parts, 1)
         else:
-            logits = lm.logits(P - 1 + a, P - 1 + b)
+            logits = lm.logits(P - 1 + a, P - 1 + b, cached)
         u = None if self.u is None else self.u[:, a:b]
         tok, ratio = self.pipe.decide(logits, lm.tokens, a, u)
         if a == 0:          # computed by the prefill, exactly as generate's first step

@@ -79,12 +79,19 @@ class CachedLM:
         self.calls = 0
         self.fed = 0
 
-    def logits(self, a: int, b: int) -> torch.Tensor:
-        """Logits ``(B, b - a, V)`` predicting the tokens at positions ``a + 1 .. b`` of the
-        buffer, i.e. the model's outputs at positions ``[a, b)``, reusing the valid cache."""
+    def valid_length(self) -> torch.Tensor:
+        """How many leading cache entries were computed from the buffer's current tokens (a
+        0-d tensor on the buffer's device: the caller syncs it with its own scalars)."""
         n = self.cached.shape[1]
         same = (self.cached == self.tokens[:, :n]).all(0)
-        valid = int(same.long().cumprod(0).sum()) if n else 0
+        return same.long().cumprod(0).sum()
+
+    def logits(self, a: int, b: int, valid: int | None = None) -> torch.Tensor:
+        """Logits ``(B, b - a, V)`` predicting the tokens at positions ``a + 1 .. b`` of the
+        buffer, i.e. the model's outputs at positions ``[a, b)``, reusing the valid cache
+        (``valid``: :meth:`valid_length` for the current buffer, when the caller has it)."""
+        if valid is None:
+            valid = int(self.valid_length())
         valid = min(valid, a)
         self._crop(valid)
         out = self._forward(valid, b)

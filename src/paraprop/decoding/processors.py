@@ -166,7 +166,8 @@ class Pipeline:
         if u is None:
             ratios.append(_gap(scores, 1) / (2 * delta))
         else:
-            rel = torch.expm1(2 * delta)                          # relative change of a mass
+            # a normalised cumulative mass c moves by at most c (1 - c) (e^{2 delta} - 1)
+            rel = torch.expm1(2 * delta) / 4
             ratios.append(_draw_margin(scores, u, tok) / rel)
             ratios += self._filter_ratios(stages, delta, rel)
         ratio = torch.stack(ratios).amin(0) if len(ratios) > 1 else ratios[0]
@@ -178,9 +179,15 @@ class Pipeline:
         if s.top_k is not None and s.top_k < stages[0].shape[-1]:
             out.append(_gap(stages[0], s.top_k) / (2 * delta))
         if s.top_p is not None:
-            ordered = torch.sort(stages[1], dim=-1).values
+            ordered = torch.sort(stages[1], dim=-1).values                  # ascending
             mass = ordered.softmax(dim=-1).cumsum(dim=-1)[..., :-1]
             out.append((mass - (1 - s.top_p)).abs().amin(-1) / rel)
+            # two nearly equal scores on both sides of the cut may trade places
+            k = (mass <= 1 - s.top_p).sum(-1, keepdim=True)                 # tokens dropped
+            kept = ordered.gather(-1, k)
+            dropped = ordered.gather(-1, (k - 1).clamp(min=0))
+            gap = torch.where((k > 0) & (dropped > -torch.inf), kept - dropped, torch.inf)
+            out.append(gap[..., 0] / (2 * delta))
         for stage, proc in zip(stages[3:], self.post, strict=True):
             if type(proc).__name__ == "MinPLogitsWarper":
                 if s.min_p <= 0:
