@@ -163,6 +163,10 @@ LOW = {   # name: (build, the library's inverse, dim)
     "zuko MAF": (lambda: zuko.flows.MAF(6, transforms=3, randperm=True),
                  lambda f, y: f().transform.inv(y), 6),
     "zuko NSF": (lambda: zuko.flows.NSF(5, transforms=2), lambda f, y: f().transform.inv(y), 5),
+    # zuko's other univariate transforms on the same masked networks
+    "zuko SOSPF": (lambda: zuko.flows.SOSPF(4, transforms=2), lambda f, y: f().transform.inv(y),
+                   4),
+    "zuko BPF": (lambda: zuko.flows.BPF(4, transforms=2), lambda f, y: f().transform.inv(y), 4),
     "zuko conditional MAF": (lambda: zuko.flows.MAF(4, context=2, transforms=2),
                              lambda f, y: f(torch.ones(2, device=y.device, dtype=y.dtype))
                              .transform.inv(y), 4),
@@ -195,6 +199,18 @@ def test_low_precision_tol_0_is_bitwise_the_library(name, dtype, device):
         with torch.no_grad():
             x, sol = parallel_inverse(target, y, method="jacobi")
         assert sol.converged and torch.equal(x, expected)
+
+
+def test_neural_autoregressive_flows_are_bitwise_the_library():
+    """zuko's NAF: a monotonic neural univariate transform, inverted by bisection inside each
+    pass of the library's loop (bf16: the bisection's fewest steps)."""
+    flow = _seeded(lambda: zuko.flows.NAF(3, transforms=1)).to(torch.bfloat16)
+    y = torch.randn(4, 3, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = flow().transform.inv(y)
+        with accelerate(flow) as handle:
+            assert torch.equal(flow().transform.inv(y), expected)
+    assert handle.inversions == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
