@@ -324,11 +324,19 @@ class TarFlow(Checkpointed, nn.Module):
             strongly expanding block (``exp(alpha)`` up to ~100) Jacobi's contraction estimate
             was seen to stop a sample at 3x its ``tol`` (``tests/test_tarflow.py``). ``tol=0``
             gives the exact fixed point of every block, bitwise ``method="sequential"``
-            whatever the solve method; ``"sequential_cached"`` rounds differently.
+            whatever the solve method, in every dtype (float64, float32, bf16, fp16), or
+            ``converged=False``; at ``tol > 0`` a ``tol`` below the dtype's rounding at the
+            values' scale cannot be certified, and the solve says so (``converged=False``).
+            ``"sequential_cached"`` rounds differently (one-patch products): asked for by name
+            it is its own reference; in an ``"auto"`` plan a block it inverts carries the
+            deviation measured at calibration, at most ``CACHED_SHARE * tol``
+            (:meth:`calibrate`).
 
         Raises:
             ValueError / TypeError: bad ``z``, ``method`` (a name, solver object or list of
                 the wrong length), ``tol``, ``max_iters`` or ``throw``.
+            paraprop.StochasticModelError: the flow is in train mode with a stochastic layer
+                (dropout, ...): call ``flow.eval()``.
             paraprop.ConvergenceError: a block did not converge within ``max_iters`` and
                 ``throw=True``.
 
