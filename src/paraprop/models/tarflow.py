@@ -483,6 +483,7 @@ class TarFlow(Checkpointed, nn.Module):
 
         Raises:
             ValueError: a bad ``tol``, ``samples``, ``seed`` or ``chunk``.
+            paraprop.StochasticModelError: the flow is in train mode with a stochastic layer.
         """
         check_tol(tol)
         checks.positive_int("samples", samples)
