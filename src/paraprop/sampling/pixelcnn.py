@@ -20,7 +20,9 @@ The cached paths compute a pixel with other products than the full forward pass 
 each layer against the convolutions), so their parameters round differently; the pixel values
 are rounded to the grid of ``levels`` values, which absorbs that in every case tested (float32,
 bf16, fp16). A rounding difference that moved a value across a grid boundary would be caught by
-the solvers' verification of a ``tol=0`` result against the full map (``converged=False``).
+the solvers' verification of a ``tol=0`` result against the full map (a
+:class:`paraprop.ProtocolError` naming the hook that disagrees with the full pass), not returned
+as exact; ``sequential_cached`` (``Sequential()`` on the cached map) is its own reference.
 """
 
 from __future__ import annotations
