@@ -396,6 +396,52 @@ def test_without_triton_everything_says_why(monkeypatch):
     assert linear_recurrence(z, z).shape == z.shape                  # auto: unaffected
 
 
+class Broken:
+    """A kernel module whose every launch fails, as a kernel this triton cannot compile."""
+
+    def __init__(self, real):
+        self.tl = real.tl
+
+    def __getattr__(self, name):
+        class Grid:
+            def __getitem__(self, grid):
+                def launch(*args, **meta):
+                    raise RuntimeError("PTX assembly aborted (a test)")
+                return launch
+        return Grid()
+
+
+def test_a_failing_kernel_is_recorded_and_auto_falls_back(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(tk, "_failed", [])
+    real = tk.load
+    monkeypatch.setattr(tk, "load", lambda source, device: Broken(real(source, device)))
+    a, b = data((2, 20, 3), torch.float64, "cpu")
+    with pytest.warns(RuntimeWarning, match=r"diag_scan failed: RuntimeError: PTX assembly"):
+        with pytest.raises(tk.LaunchError, match=r"diag_scan failed"):
+            linear_recurrence(a, b, algorithm="triton")      # asked for: raises
+    assert "auto avoids them: diag_scan failed" in tk.status()
+    # auto would pick the kernels (as on CUDA) but they failed: it runs another algorithm
+    monkeypatch.setattr(tk, "_failed", [])
+    monkeypatch.setattr(tk, "applies", lambda op, b: not tk.failed())
+    with pytest.warns(RuntimeWarning, match="uses the torch algorithms from now on"):
+        h = linear_recurrence(a, b, native=False)
+    ref = linear_recurrence(a, b, algorithm="sequential", native=False)
+    assert float((h - ref).abs().max()) <= 1e-13
+    # the fused Newton step picked by default falls back to the blocked step; asked for, raises
+    monkeypatch.setattr(tk, "_failed", [])
+    rec = gru_rec(f64, torch.device("cpu"), None)
+    monkeypatch.setattr(rec, "_step_kernel", lambda xc, formed: "triton")
+    x = torch.zeros(rec.B, rec.T, rec.H, dtype=f64)
+    with pytest.warns(RuntimeWarning, match="gru_step failed"):
+        y, _ = rec.newton_step(x, 0, "any")
+    assert rec.step_kernel in ("native", "torch")
+    y_ref, _ = gru_rec(f64, torch.device("cpu"), "blocks").newton_step(x, 0, "any")
+    assert torch.equal(y, y_ref)
+    with pytest.raises(tk.LaunchError, match="gru_step failed"):
+        gru_rec(f64, torch.device("cpu"), "triton").newton_step(x, 0, "any")
+
+
 def test_only_the_kernel_sources_import_triton_and_only_the_loader_runs_them():
     """``import paraprop`` never imports triton: no module imports it at the top but the two
     kernel sources, and no module imports those (only ``triton_kernels.load`` runs them)."""

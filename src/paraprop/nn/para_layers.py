@@ -100,9 +100,22 @@ class _DiagonalRecurrence(Recurrence):
             triton_kernels.require(f"{type(self).__name__}(kernel='triton')", xc)
             return "triton"
         if (self._kernel is None and formed and xc.device.type == "cuda"
-                and triton_kernels.why_not(xc) is None):
+                and triton_kernels.why_not(xc) is None and not triton_kernels.failed()):
             return "triton"
         return "native" if native.supports(xc) else "torch"
+
+    def _triton(self, step, *args) -> bool:
+        """Run the Triton ``step``; ``False`` (and ``step_kernel`` set to the blocked step's)
+        if it fails where it was only picked by default (the failure is warned and recorded
+        by :func:`paraprop.scan.triton_kernels.on`); with ``kernel="triton"`` it raises."""
+        try:
+            step(*args)
+            return True
+        except triton_kernels.LaunchError:
+            if self._kernel == "triton":
+                raise
+            self.step_kernel = "native" if native.supports(args[1]) else "torch"
+            return False
 
     def rows(self, u, h, rec):
         return self._cell(u, h)
@@ -183,10 +196,10 @@ class GRURecurrence(_DiagonalRecurrence):
         if self._out is None:
             self._out = (torch.empty_like(xc), torch.empty_like(xc))
         kernel = self.step_kernel = self._step_kernel(xc, self._x is None)
-        if kernel == "triton":
-            triton_cells.gru_newton_step(self._gi, xc, self._h0, self._w, self._b, lo,
-                                         *self._out)
+        if kernel == "triton" and self._triton(triton_cells.gru_newton_step, self._gi, xc,
+                                               self._h0, self._w, self._b, lo, *self._out):
             return tuple(t[:, lo:] for t in self._out)
+        kernel = self.step_kernel
         y, trial = (t[:, lo:] for t in self._out)
         carry, last = None, xc.new_empty(self.B, self.H)   # delta at the previous block's end
         use_native = kernel == "native"
@@ -324,10 +337,10 @@ class LSTMRecurrence(_DiagonalRecurrence):
         if self._out is None:
             self._out = (torch.empty_like(xc), torch.empty_like(xc))
         kernel = self.step_kernel = self._step_kernel(xc, self._x is None)
-        if kernel == "triton":
-            triton_cells.lstm_newton_step(self._gi4, xc, self._h0, self._w.view(4, H), lo,
-                                          *self._out)
+        if kernel == "triton" and self._triton(triton_cells.lstm_newton_step, self._gi4, xc,
+                                               self._h0, self._w.view(4, H), lo, *self._out):
             return tuple(t[:, lo:] for t in self._out)
+        kernel = self.step_kernel
         x = xc.view(B, H, T, 2)
         y, trial = (t.view(B, H, T, 2) for t in self._out)
         carry, last = None, xc.new_empty(N, 2)      # delta at the previous block's end

@@ -68,7 +68,7 @@ def gru_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: torc
         raise ValueError("gru_newton_step: y and trial must have the same strides")
     meta = {"HAS_B": b is not None, "ACC": acc, "BLOCK_H": BH, "BLOCK_T": BT, "num_warps": 4}
     args = (gi, x, h0, w, b, y, trial)
-    with tk.on(x.device):
+    with tk.on(x.device, "gru_step"):
         if C == 1:
             mod.gru_step[(tiles, B, 1)](*args, None, None, T, H, lo, L, *strides, PASS=0, **meta)
             return
@@ -112,7 +112,7 @@ def lstm_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: tor
                *y.stride(), *h0.stride())
     meta = {"ACC": acc, "BLOCK_U": BU, "BLOCK_T": BT, "num_warps": 4}
     args = (gi, x, h0, w, y, trial)
-    with tk.on(x.device):
+    with tk.on(x.device, "lstm_step"):
         if C == 1:
             mod.lstm_step[(tiles, 1, 1)](*args, None, None, T, U, H, lo, L, *strides, PASS=0,
                                          **meta)

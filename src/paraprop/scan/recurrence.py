@@ -183,6 +183,11 @@ def solve(op: Op, b: torch.Tensor, h0: torch.Tensor | None, *, reverse: bool, al
     """The states ``(N, T, H)`` on canonical inputs (no autograd of its own)."""
     if algorithm == "auto":
         algorithm = choose(op, b, h0, use_native)
+        if algorithm == "triton":
+            try:
+                return triton_kernels.recurrence(op, b, h0, reverse)
+            except triton_kernels.LaunchError:      # recorded and warned: choose again
+                algorithm = choose(op, b, h0, use_native)
     if algorithm == "triton":
         return triton_kernels.recurrence(op, b, h0, reverse)
     if algorithm == "sequential":

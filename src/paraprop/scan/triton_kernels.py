@@ -34,6 +34,7 @@ import math
 import os
 import sys
 import types
+import warnings
 
 import torch
 
@@ -78,7 +79,8 @@ def status() -> str:
         return f"unavailable: {err}"
     import triton
     cpu = "interpreted" if interpreting() else "refused (set TRITON_INTERPRET=1 to interpret)"
-    return f"ok (triton {triton.__version__}; CUDA tensors compiled, CPU tensors {cpu})"
+    broken = f"; auto avoids them: {failed()}" if failed() else ""
+    return f"ok (triton {triton.__version__}; CUDA tensors compiled, CPU tensors {cpu}{broken})"
 
 
 def why_not(*tensors: torch.Tensor | None) -> str | None:
@@ -153,14 +155,40 @@ def load(source: str, device: torch.device) -> types.ModuleType:
     return module
 
 
+class LaunchError(RuntimeError):
+    """A Triton kernel failed to compile or launch (the cause is chained)."""
+
+
+_failed: list[str] = []
+
+
+def failed() -> str | None:
+    """Why a kernel failed in this process (``auto`` then stops picking the kernels), or
+    ``None``."""
+    return _failed[0] if _failed else None
+
+
 @contextlib.contextmanager
-def on(device: torch.device):
-    """Launch on ``device`` (Triton launches on the current CUDA device)."""
-    if device.type == "cuda":
-        with torch.cuda.device(device):
+def on(device: torch.device, what: str):
+    """Launch ``what`` on ``device`` (Triton launches on the current CUDA device). A kernel
+    that fails (one this triton cannot compile, say) raises :class:`LaunchError` and is
+    recorded, with a warning the first time: from then on ``auto`` (and ParaGRU's and
+    ParaLSTM's step on CUDA) use the torch algorithms, so that one broken kernel does not stop
+    everything else on the device."""
+    context = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with context:
+        try:
             yield
-    else:
-        yield
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:
+            reason = f"{what} failed: {type(e).__name__}: {str(e)[:500]}"
+            if not _failed:
+                warnings.warn(f"the Triton kernel {reason}; algorithm='auto' uses the torch "
+                              "algorithms from now on (paraprop.scan.triton_kernels.status())",
+                              RuntimeWarning, stacklevel=3)
+            _failed.append(reason)
+            raise LaunchError(reason) from e
 
 
 def _pow2(n: int) -> int:
@@ -233,7 +261,7 @@ def diag_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.T
                                                   x.stride(2) if D > 1 else 0)), *hs)
     meta = {"HAS_H0": h0 is not None, "REVERSE": bool(reverse), "ACC": acc, "BLOCK_D": BD,
             "BLOCK_T": BT, "num_warps": 4}
-    with on(b.device):
+    with on(b.device, "diag_scan"):
         if C == 1:
             mod.diag_scan[(tiles, N, 1)](a, b, out, h0, None, None, T, D, L, *strides,
                                          PASS=0, **meta)
@@ -349,7 +377,7 @@ def pair_launch(A: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.T
     strides = (*A.stride(), *b.stride(), *out.stride(), *hs)
     meta = {"HAS_H0": h0 is not None, "REVERSE": bool(reverse), "ACC": acc, "BLOCK_N": BN,
             "BLOCK_T": BT, "num_warps": 4}
-    with on(b.device):
+    with on(b.device, "pair_scan"):
         if C == 1:
             mod.pair_scan[(tiles, 1, 1)](A, b, out, h0, None, None, T, N, L, *strides, PASS=0,
                                          **meta)
@@ -400,7 +428,7 @@ def dense_launch(A: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.
     strides = (*A.stride(), *b.stride(), *out.stride(), *hs)
     meta = {"HAS_H0": h0 is not None, "REVERSE": bool(reverse), "ACC": acc, "HP": HP,
             "num_warps": 4}
-    with on(b.device):
+    with on(b.device, "dense_scan"):
         if C == 1:
             mod.dense_scan[(N, 1)](A, b, out, h0, None, None, T, H, L, *strides, PASS=0,
                                    **meta)
@@ -466,7 +494,7 @@ def applies(op, b: torch.Tensor) -> bool:
     tensors, triton, a supported dtype, and a diagonal ``A``, a dense one with a state of at
     most :data:`MAX_DENSE`, or factored / LSTM steps of that size whose dense copy fits in
     :data:`DENSE_BUDGET`."""
-    if b.device.type != "cuda" or why_not(b, *op.tensors()) is not None:
+    if b.device.type != "cuda" or why_not(b, *op.tensors()) is not None or failed():
         return False
     if op.kind == "diag":
         return True
