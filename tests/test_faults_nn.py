@@ -12,7 +12,7 @@ import torch
 
 import paraprop
 import paraprop.nn as pnn
-from paraprop.nn import FORWARD_TOL, ParallelForward
+from paraprop.nn import FORWARD_TOL, ParallelForward, ScanBackward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -623,3 +623,23 @@ def test_steps_per_block_per_device():
     assert cells.steps_per_block(cpu, 1000, 8, 16) == 1
     assert cells.steps_per_block(gpu, 1000, 8192, 16) == 1000
     assert cells.steps_per_block(gpu, 0, 8192, 16) == 1
+
+
+@pytest.mark.parametrize("cls,tcls", ALL, ids=ALL_IDS)
+def test_backward_stats_name_the_scan_kernel_that_ran(cls, tcls, device):
+    """The native C scan runs on the CPU only (float32/float64); elsewhere a torch or Triton
+    algorithm runs, and backward_stats says which."""
+    from paraprop.scan import native
+
+    ours = cls(3, 4, num_layers=2, dtype=torch.float64, device=device)
+    x = torch.randn(30, 2, 3, dtype=torch.float64).to(device).requires_grad_()
+    ours(x)[0].sum().backward()
+    ran = ours.backward_stats["algorithm"]
+    assert len(ran) == 2
+    if device.type == "cpu" and native.available():
+        assert ran == ["native", "native"]
+    else:
+        assert "native" not in ran
+    ours.backward_config = ScanBackward(algorithm="blelloch")
+    ours(x)[0].sum().backward()
+    assert ours.backward_stats["algorithm"] == ["blelloch", "blelloch"]

@@ -30,6 +30,7 @@ from paraprop.nn._base import (
 )
 from paraprop.nn.options import JacobiBackward
 from paraprop.scan import Factored, jacobi_recurrence, linear_recurrence, native
+from paraprop.scan.recurrence import canonicalise, choose
 
 
 def solve_hidden(cfg: dict, A: Factored, b: torch.Tensor, h0: torch.Tensor | None):
@@ -45,7 +46,20 @@ def solve_hidden(cfg: dict, A: Factored, b: torch.Tensor, h0: torch.Tensor | Non
         st.setdefault("error_estimate", []).append(res.stats["error_estimate"])
         st.setdefault("converged", []).append(res.converged)
         return res.value
+    cfg["stats"].setdefault("algorithm", []).append(scan_kernel(A, b, h0, bwd.algorithm))
     return linear_recurrence(A, b, h0, reverse=True, algorithm=bwd.algorithm)
+
+
+def scan_kernel(A, b: torch.Tensor, h0: torch.Tensor | None, algorithm: str) -> str:
+    """Which kernel :func:`paraprop.scan.linear_recurrence` runs for these arguments, for
+    ``backward_stats``: ``"native"`` (the C kernel: CPU, float32/float64), or the algorithm
+    ``"auto"`` resolves to (``"triton"`` on CUDA where it applies, ``"sequential"``,
+    ``"chunked"``, ``"blelloch"``), or the one asked for."""
+    c = canonicalise(A, b, h0)
+    alg = choose(c.op, c.b, c.h0) if algorithm == "auto" else algorithm
+    if alg == "sequential" and native.supports(c.b, c.h0, *c.op.tensors()):
+        return "native"
+    return alg
 
 
 def native_layer(cfg: dict, x: torch.Tensor, h0: torch.Tensor, w: list) -> torch.Tensor:
@@ -180,8 +194,12 @@ class RNN(ScanBackwardMixin, torch.nn.RNN):
             estimated distance of a sample to the sequential result; ``0`` at the exactness
             bound), ``"converged"`` and ``"tol"`` (the tolerance used). Empty after torch's
             kernel ran.
-        backward_stats: after a ``"jacobi"`` backward, ``"jacobi_iterations"``,
-            ``"error_estimate"`` and ``"converged"``, one entry per layer (top layer first).
+        backward_stats: after a ``"scan"`` backward, ``"algorithm"``: the scan kernel that ran
+            per layer (top layer first): ``"native"`` (the C kernel, CPU only), ``"triton"``
+            (CUDA), ``"chunked"``, ``"blelloch"``, ... (:func:`scan_kernel`); after a
+            ``"jacobi"`` backward, ``"jacobi_iterations"``, ``"error_estimate"`` and
+            ``"converged"``, one entry per layer; ``"compute_dtype"`` when a bf16 / fp16 module
+            computed its backward in float32.
 
     Raises:
         NotImplementedError: ``bidirectional=True``, ``dropout > 0``, ``proj_size > 0``,
