@@ -133,6 +133,23 @@ def test_sample_refuses_a_stochastic_model(name, method):
     assert sol.converged and torch.equal(x, ref)
 
 
+@pytest.mark.parametrize("name", ["sequential_cached", "jacobi_gs", "gs_jacobi"])
+def test_pixelcnn_samplers_called_directly_refuse_a_stochastic_model(name):
+    from paraprop.sampling import pixelcnn as ps
+
+    m = _pixelcnn_with_batchnorm()
+    noise = m.draw_noise(1, torch.Generator().manual_seed(0))
+    call = {"sequential_cached": lambda: ps.sequential_cached(m, noise),
+            "jacobi_gs": lambda: ps.jacobi_gs(m, noise, 2),
+            "gs_jacobi": lambda: ps.gs_jacobi(m, noise, 2)}[name]
+    with pytest.raises(paraprop.StochasticModelError,
+                       match=rf"paraprop.sampling.pixelcnn.{name}: model is in train mode, and "
+                             r"its layer 'norm' \(BatchNorm2d\)"):
+        call()
+    m.eval()
+    assert call().converged
+
+
 def test_a_model_switched_to_train_mode_later_is_refused():
     model = _Autoregressive().eval()
     sample(model, 2, generator=torch.Generator().manual_seed(0))

@@ -34,6 +34,7 @@ import torch
 from torch.nn import functional as F
 
 from paraprop import checks
+from paraprop.determinism import require_deterministic
 from paraprop.result import Solution
 from paraprop.solve import solve
 from paraprop.solvers import GSJacobi, JacobiGS, Sequential
@@ -266,6 +267,7 @@ def sequential_cached(model, noise: torch.Tensor) -> Solution:
     """Fast generation: every pixel in order, each computing one column of every layer
     (``Sequential()`` on :class:`CachedPixels`; the Solution's method is
     ``"sequential_cached"``)."""
+    require_deterministic(model, entry="paraprop.sampling.pixelcnn.sequential_cached")
     fn = CachedPixels(model, noise)
     sol = solve(fn, fn.x0, method=Sequential(), dim=fn.dim)
     return dataclasses.replace(sol, method="sequential_cached")
@@ -279,6 +281,7 @@ def jacobi_gs(model, noise: torch.Tensor, block_rows: int, *, tol: float = 0.0,
     iterations (the first ``k`` blocks are final after iteration ``k``); stopping, ``max_iters``
     and ``throw`` are those of :func:`paraprop.solve` (any ``tol`` below the grid step
     ``2 / (levels - 1)`` means "no pixel changed": the exact image)."""
+    require_deterministic(model, entry="paraprop.sampling.pixelcnn.jacobi_gs")
     H, W = noise.shape[1:3]
     _check_rows("block_size", block_rows, H)
     fn = CachedPixels(model, noise, block_rows)
@@ -294,6 +297,7 @@ def gs_jacobi(model, noise: torch.Tensor, window_rows: int, *, tol: float = 0.0,
     bound): ``GSJacobi`` with blocks of ``window_rows * W`` pixels on :class:`CachedPixels`
     through the cached-prefix protocol. Stopping, ``max_iters`` (a cap on the sweeps of all
     windows together) and ``throw`` are those of :func:`paraprop.solve`."""
+    require_deterministic(model, entry="paraprop.sampling.pixelcnn.gs_jacobi")
     H, W = noise.shape[1:3]
     _check_rows("block_size", window_rows, H)
     fn = CachedPixels(model, noise)
