@@ -418,8 +418,10 @@ def mgrit(
     Raises:
         ValueError / TypeError: a bad argument (named, with its value), an ``x`` whose dtype or
             device differs from the blocks', a block in training mode with BatchNorm (running
-            statistics) or dropout, an ``init`` of the wrong shape, or a block that changes the
-            state's shape.
+            statistics), dropout or another stochastic layer
+            (:class:`paraprop.StochasticModelError`), an ``init`` of the wrong shape, a block
+            that changes the state's shape, or a batched stepper with ``tol=0`` or a bf16 /
+            fp16 ``x`` (its rounding differs from the serial loop's; pass ``batched=False``).
         paraprop.ConvergenceError: ``tol`` not reached within ``max_iters`` cycles (or the
             iterate became non-finite) and ``throw=True``; ``.solution`` holds the result.
         paraprop.distributed.PeerError: (across ranks) a peer died or hangs.

@@ -77,7 +77,10 @@ class ParallelResidualStack(nn.Module):
             has the same shape (the previous batch's solution).
         c_weight: weight of the C-relaxation (``1``: plain FCF).
         batched: relax all intervals in one ``vmap`` over stacked parameters (``None``: when the
-            blocks share an architecture; ``True`` requires that).
+            blocks share an architecture, and not for solves with ``tol=0`` nor in bf16 / fp16,
+            where the batched kernels' rounding would break the result's promise: those run
+            block by block, bitwise the serial loop's steps; ``True`` requires it, and is
+            refused there).
 
     Attributes:
         last_stats: ``{"forward": Solution, "backward": Solution}`` of the latest solves
@@ -85,13 +88,18 @@ class ParallelResidualStack(nn.Module):
             ``value`` the solve's last point only, ``u_N`` forward and ``dL/dx`` backward, so
             that the states are not kept alive; ``stats["time_s"]`` and, backward,
             ``evaluations`` include the parameter-gradient sweep; ``stats`` has no
-            ``parameter_grads``).
+            ``parameter_grads``; ``stats["batched"]``: whether the solve evaluated the blocks
+            batched).
 
     Raises:
         ValueError / TypeError: bad arguments (named, with the value), too few layers for the
-            levels; in forward: an input whose dtype or device differs from the blocks', a
-            block in training mode with BatchNorm (running statistics) or dropout, or a block
-            that changes the shape of the state.
+            levels; in forward: a setting assigned since construction that the constructor
+            would refuse, an input whose dtype or device differs from the blocks', a block that
+            changes the shape of the state, ``batched=True`` with ``tol=0`` or a bf16 / fp16
+            input.
+        paraprop.StochasticModelError: (a ``ValueError``, in forward) a block in training mode
+            with BatchNorm (running statistics), dropout or another stochastic layer
+            (:mod:`paraprop.determinism`), naming the block; call ``stack.eval()``.
         paraprop.ConvergenceError: (forward or backward) ``tol`` not reached in ``max_iters``
             cycles with ``throw=True``.
 
