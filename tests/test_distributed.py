@@ -227,3 +227,43 @@ def test_layer_range():
     assert layer_range(10, [3, 7], rank=1, world=2) == (3, 10)
     with pytest.raises(ValueError, match="must be 2 positive ints summing to 10"):
         layer_range(10, [3, 3], rank=0, world=2)
+
+
+def test_settings_and_block_modes_are_checked_at_every_forward(tmp_path):
+    """A world of one gloo process, in this process: settings assigned after construction are
+    checked at every forward, batched=True is refused where it cannot be exact, train-mode
+    dropout is refused; tol=0 is bitwise the serial network."""
+    import torch.distributed as dist
+
+    import paraprop
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        blocks = mlp_blocks(8, 3, kind="iid", seed=2, dtype=torch.float64)
+        stack = LayerParallelStack(blocks, 0.1, depth=8, coarsening=2, timeout=20, tol=0)
+        x = torch.randn(2, 3, dtype=torch.float64)
+        with torch.no_grad():
+            y = stack(x)
+            u = x
+            for b in blocks:
+                u = u + 0.1 * b(u)
+        assert torch.equal(y, u) and stack.last_stats["forward"].converged
+        stack.relax = "C"
+        with pytest.raises(ValueError, match="unknown relax='C'; choose one of F, FCF"):
+            stack(x)
+        stack.relax, stack.timeout = "FCF", 0
+        with pytest.raises(ValueError, match="timeout must be a finite number > 0, got 0"):
+            stack(x)
+        stack.timeout = 20
+        stack.batched = True
+        with pytest.raises(ValueError, match=r"LayerParallelStack: batched=True with tol=0"):
+            stack(x)
+        stack.batched = None
+        blocks[5].add_module("drop", nn.Dropout(0.2))
+        stack._params.reset()                 # the candidate list is built once
+        with pytest.raises(paraprop.StochasticModelError, match=r"blocks\[5\]\.drop is a "
+                                                                r"Dropout in training mode"):
+            stack(x)
+    finally:
+        dist.destroy_process_group()

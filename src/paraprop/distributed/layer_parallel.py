@@ -117,9 +117,11 @@ class LayerParallelStack(nn.Module):
 
     Raises:
         ValueError / TypeError: bad arguments (checked before the process group), or a block
-            count that does not match this rank's share of ``depth``; in forward, an input
-            whose dtype or device differs from this rank's blocks', or a block in training mode
-            with BatchNorm or dropout.
+            count that does not match this rank's share of ``depth``; in forward, a setting
+            assigned since construction that the constructor would refuse, an input whose dtype
+            or device differs from this rank's blocks', ``batched=True`` with ``tol=0`` or a
+            bf16 / fp16 input, or a block in training mode with BatchNorm, dropout or another
+            stochastic layer (``paraprop.StochasticModelError``).
         RuntimeError: ``torch.distributed`` is not initialised.
         PeerError: (in forward/backward) a peer rank died or hangs, or (in forward, on every
             rank) the ranks passed inputs of different shapes or dtypes.
