@@ -225,7 +225,7 @@ def torchrun_study(quick: bool, repeats: int) -> dict:
                 print(f"torchrun with {n} rank(s) failed: {e}")
                 return {"rows": [], "error": str(e), "md": f"torchrun failed: `{e}`"}
             runs[n].append(rec)
-            outputs[n] = torch.load(out.with_suffix(".pt"))
+            outputs[n] = torch.load(out.with_suffix(".pt"), weights_only=True)
     # the same network in this process (one rank, no torch.distributed)
     one = ParallelResidualStack(mlp_blocks(depth, 16, kind="iid", seed=0, fast=True),
                                 1.0 / depth, levels=3, coarsening=4, max_iters=2, tol=None)
