@@ -405,7 +405,8 @@ def rounding_factor(model, logits_dtype: torch.dtype) -> tuple[float, torch.dtyp
     difference between the logits of a window pass and of the sequential loop's one-token pass,
     and the dtype it was taken for: the coarsest of the logits' dtype and the model's floating
     parameter dtypes. ``c = k * eps * sqrt(layers)`` with ``k = 2`` for 16-bit types and ``8``
-    otherwise (see decoding.md: measured differences stayed below a third of it)."""
+    otherwise (see decoding.md: the differences measured on the test models stayed below half
+    of it)."""
     dtypes = {logits_dtype}
     if hasattr(model, "parameters"):
         dtypes |= {p.dtype for p in model.parameters() if p.is_floating_point()}
