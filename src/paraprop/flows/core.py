@@ -158,7 +158,11 @@ def combine(parts: list[Solution], method: str, value: torch.Tensor, time_s: flo
         else torch.empty(0, dtype=torch.float64),
         stats={"parts": parts, "positions": sum(p.stats.get("positions", 0) for p in parts),
                "error_estimate": sum(p.stats.get("error_estimate", 0.0) for p in parts),
-               "time_s": time_s})
+               "time_s": time_s,
+               # why a part could not certify, where that is not max_iters (its solve's words)
+               **next(({"not_converged": f"part {k}: {p.stats['not_converged']}"}
+                       for k, p in enumerate(parts)
+                       if not p.converged and p.stats.get("not_converged")), {})})
 
 
 # -- argument checks ---------------------------------------------------------------------------

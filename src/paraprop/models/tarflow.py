@@ -382,9 +382,17 @@ class TarFlow(Checkpointed, nn.Module):
                    "chunks": sum(s.stats.get("chunks", 0) for s in sols),
                    "error_estimates": [s.stats.get("error_estimate", 0.0) for s in sols],
                    "time_s": time.perf_counter() - start})
+        # the first block (in inversion order) that could not certify for another reason than
+        # max_iters (e.g. a tol=0 value that fn(x) reproduces only to rounding) says why
+        why = next((f"block {k}: {sols[k].stats['not_converged']}"
+                    for k in reversed(range(len(sols)))
+                    if not sols[k].converged and sols[k].stats.get("not_converged")), None)
+        if why is not None:
+            sol.stats["not_converged"] = why
         return images, ensure_converged(sol, throw, entry="TarFlow.inverse", max_iters=max_iters,
                                         tol=tol, measure="error estimate of a block",
-                                        hint="a block's solve stopped at max_iters")
+                                        hint="a block's solve stopped at max_iters"
+                                        if why is None else "", reason=why)
 
     def _invert_block(self, k: int, z: torch.Tensor, method, tol: float, max_iters,
                       chunk: int, measured: float | None = None):
