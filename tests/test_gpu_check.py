@@ -55,8 +55,9 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     assert all("Triton" in r["reason"] or "triton" in r["reason"]
                for r in recs if r["status"] == "skipped")
     rows = [r for r in recs if r["status"] == "ok" and r["kind"] == "row"]
-    assert {r["suite"] for r in rows} == {"scan", "newton", "bppsa", "made", "pixelcnn",
-                                          "pararnn", "decoding", "diffusion", "tarflow"}
+    assert {r["suite"] for r in rows} == {s.name.split(".")[0] for s in gpu.specs()} == {
+        "scan", "newton", "bppsa", "made", "pixelcnn", "pararnn", "decoding", "diffusion",
+        "tarflow", "core", "flows", "triangular", "multigrid"}
     for r in rows:      # every parallel result is the sequential one within its bound
         assert r["within"] is not False, r
         assert r["baseline_ms"] > 0 and r["method_ms"] > 0
@@ -66,7 +67,8 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     for heading in ("## Environment and tests", "## Rows: baseline vs method", "## auto choices",
                     "![](gpu.png)"):
         assert heading in md
-    assert "device         cpu" in (out / "env.txt").read_text()
+    env_txt = (out / "env.txt").read_text()
+    assert "device         cpu" in env_txt and "imports: triton ok, transformers ok" in env_txt
     assert "== 4. device rows" in (out / "gpu-check.log").read_text()
 
 
@@ -105,10 +107,10 @@ def test_report_names_the_rows_no_process_reached(tmp_path):
          "tiny", "--command", "make gpu-check", "--only", "made", "decoding"])
     assert gpu_check.report_child(args) == 0
     recs = json.loads((tmp_path / "gpu.json").read_text())["records"]
-    assert [(r["name"], r["status"]) for r in recs] == [("jacobi_vs_ancestral", "ok"),
-                                                        ("decoding.greedy", "skipped")]
+    assert [(r["suite"], r["name"], r["status"]) for r in recs] == [
+        ("made", "jacobi_vs_ancestral", "ok"), ("decoding", "greedy", "skipped")]
     assert recs[1]["reason"].startswith("not reached: the check's time budget ended")
-    assert "| decoding | decoding.greedy | skipped | not reached" in (
+    assert "| decoding | greedy | skipped | not reached" in (
         tmp_path / "gpu.md").read_text()
 
 
@@ -165,6 +167,7 @@ def test_run_specs_turns_failures_and_budget_into_records():
     recs = list(run_specs([RowSpec("s.boom", boom, 1), RowSpec("s.fine", fine, 1)], ctx,
                           log=lambda m: None))
     assert recs[0]["status"] == "failed" and recs[0]["spec"] == "s.boom"
+    assert (recs[0]["suite"], recs[0]["name"]) == ("s", "boom")
     assert recs[0]["reason"] == ("RuntimeError: CUDA error: an illegal memory access was "
                                  "encountered")
     assert recs[1]["reason"] == "nothing to do" and recs[1]["device"] == "cpu"

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -59,6 +60,8 @@ PACKAGES = ("torch", "triton", "transformers", "diffusers", "zuko", "nflows", "n
             "numpy", "scikit-learn", "matplotlib", "tqdm", "huggingface-hub", "safetensors",
             "importlib-metadata", "torchvision", "jax", "pytest", "pytest-xdist",
             "pytest-timeout", "hypothesis")
+# the optional packages the rows and tests import (a failing import is reported, not hidden)
+IMPORTS = ("triton", "transformers", "diffusers", "zuko", "nflows", "normflows", "torchvision")
 _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
@@ -144,8 +147,8 @@ def install_wheels(wheels: Path, site: Path, env: dict, log: Log) -> str:
 
 def pytest_command(extra: str | None, workers: int) -> list[str]:
     """``pytest -m gpu`` (or the selection in ``extra``), one line per result at the end."""
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs",
-           "--timeout=120"]
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfEs",
+           "--tb=short", "--durations=15", "--timeout=120"]
     if workers > 0 and importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", str(workers)]
     return cmd + (shlex.split(extra) if extra else ["-m", "gpu"])
@@ -262,8 +265,8 @@ def check(args) -> int:
             if started is None:
                 log(f"the rows process ended ({why}) outside a row; stopping")
                 break
-            suite = started.split(".", 1)[0]
-            _append(jsonl, {"kind": "row", "status": "failed", "suite": suite, "name": started,
+            suite, name = started.split(".", 1)
+            _append(jsonl, {"kind": "row", "status": "failed", "suite": suite, "name": name,
                             "reason": f"the process ended in this row ({why}): "
                             + " | ".join(tail.strip().splitlines()[-3:])[-400:]})
             _append(jsonl, {"event": "end", "spec": started})
@@ -376,6 +379,14 @@ def env_report(args) -> int:
     vers = {p: version(p) for p in PACKAGES}
     info["packages"] = vers
     lines += ["", "packages: " + ", ".join(f"{k} {v or '(absent)'}" for k, v in vers.items())]
+    info["imports"] = imports = {}
+    for mod in IMPORTS:         # a package that is there but does not import skips its tests
+        try:
+            importlib.import_module(mod)
+            imports[mod] = "ok"
+        except Exception as e:  # noqa: BLE001 - reported
+            imports[mod] = f"FAILS: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    lines += ["imports: " + ", ".join(f"{k} {v}" for k, v in imports.items())]
     lines += ["", *(f"{k}: {v}" for k, v in info["steps"].items())]
     lines += [f"env {k}={os.environ.get(k, '')}" for k in
               ("PYTHONPATH", "PARAPROP_MNIST_DIR", "CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET")]
@@ -423,8 +434,8 @@ def report_child(args) -> int:
     done, _ = _done_specs(jsonl)
     for spec in gpu.specs(args.only or None):      # rows no process got to: say so
         if spec.name not in done:
-            records.append(skipped(spec.name.split(".", 1)[0], spec.name, "not reached: the "
-                                   "check's time budget ended before this row"))
+            records.append(skipped(*spec.name.split(".", 1), "not reached: the check's time "
+                                   "budget ended before this row"))
     env = json.loads(Path(args.env).read_text()) if Path(args.env).exists() else {}
     pytest = json.loads(Path(args.pytest).read_text()) if Path(args.pytest).exists() else {}
     machine = env.get("machine", {"device": args.device})
@@ -434,6 +445,7 @@ def report_child(args) -> int:
         ("torch / CUDA / cuDNN / Triton", f"{machine.get('torch')} / {machine.get('cuda')} / "
          f"{machine.get('cudnn')} / {machine.get('triton')}"),
         ("python", machine.get("python")), ("source", env.get("source")),
+        ("imports", ", ".join(f"{k} {v}" for k, v in env.get("imports", {}).items())),
         ("carried", env.get("steps", {}).get("wheels")),
         ("MNIST", env.get("steps", {}).get("mnist")),
         ("pytest", f"`{pytest.get('command', '-')}`: {pytest.get('summary')}")]]
@@ -459,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pytest-timeout", type=float, default=PYTEST_S,
                    help=f"seconds for pytest at most (default {PYTEST_S:.0f})")
     c.add_argument("--pytest-workers", type=int, default=None,
-                   help="pytest-xdist workers where installed (default 4 on CUDA, 0 on CPU)")
+                   help="pytest-xdist workers where installed (default 8 on CUDA, 0 on CPU)")
     c.add_argument("--pytest-args", default=None,
                    help="the tests to run instead of '-m gpu', one string (e.g. "
                         "'tests/test_x.py -k name')")
@@ -508,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         return CHILDREN[argv[0]](_child_parser(argv[0]).parse_args(argv[1:]))
     args = build_parser().parse_args(argv)
     if args.pytest_workers is None:
-        args.pytest_workers = 4 if args.device.startswith("cuda") else 0
+        args.pytest_workers = 8 if args.device.startswith("cuda") else 0
     return check(args)
 
 

@@ -153,9 +153,9 @@ def run_specs(specs: Iterable[RowSpec], ctx: Context, *, log=print) -> Iterator[
     left (GPU scale) is skipped, an exception becomes a ``failed`` record with its message, and
     memory is released between specs. Each record gets the spec's ``seconds`` and device."""
     for spec in specs:
-        suite = spec.name.split(".", 1)[0]
+        suite, name = spec.name.split(".", 1)
         if not ctx.tiny and spec.seconds > ctx.left():
-            yield skipped(suite, spec.name, f"time budget: about {spec.seconds:.0f} s needed, "
+            yield skipped(suite, name, f"time budget: about {spec.seconds:.0f} s needed, "
                           f"{max(0.0, ctx.left()):.0f} s left")
             continue
         log(f"--- {spec.name} ({ctx.device}, {ctx.scale})")
@@ -164,7 +164,7 @@ def run_specs(specs: Iterable[RowSpec], ctx: Context, *, log=print) -> Iterator[
             records = list(spec.run(ctx))
         except Exception as e:  # noqa: BLE001 - one row's failure must not end the others
             log("".join(traceback.format_exception(e)).rstrip())
-            records = [skipped(suite, spec.name, f"{type(e).__name__}: {_one_line(e)}",
+            records = [skipped(suite, name, f"{type(e).__name__}: {_one_line(e)}",
                                status="failed")]
         took = time.monotonic() - t0
         for rec in records:
