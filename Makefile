@@ -47,7 +47,7 @@ $(STAMP): pyproject.toml constraints.txt
 # the GPU machine `make gpu-check` runs on: docs/gpu.md), every other pin of constraints.txt, in
 # a venv of its own. PyTorch's CPU build of 2.11.0 is not found here (its index is unreachable),
 # so torch_step falls back to PyPI's default build: on Linux x86_64 the CUDA 13 build, which pins
-# its own nvidia-*, cuda-* and triton 3.6 wheels (about 4 GB in .venv-oldest); the pins of those
+# its own nvidia-*, cuda-* and triton 3.6 wheels (5.3 GB in .venv-oldest); the pins of those
 # in constraints.txt belong to the newest torch and are dropped here. The suite runs on the CPU
 # there, Triton's interpreter tests with the GPU machine's Triton. No torchvision in this venv
 # (its tests and doctests skip, as the conftest says).
