@@ -109,25 +109,29 @@ class _NewtonFamily:
             ex["stats"]["jvps"] = access.jvps
         state.sample_iterations += act.long()
         seg = x[:, lo:]
-        # position lo is computed from the exact prefix: a non-finite value there is the map's;
-        # later ones may come from a diverging iterate (they keep the old value, and the sample
-        # takes no Newton step: a reset)
-        if access.markov:
-            system.nonfinite = not bool(torch.isfinite(y.sum()))
-        y, kept = system.keep_finite(y, seg, lo, ex["index"][lo:], act)
         if fused is None:
             r = torch.sub(y, seg, out=_work(ex, x, lo))
             if self.damped:
                 trial = self._elk(x, r, J, lo)
             else:
                 trial = linear_recurrence(J, r).add_(seg)
-        bad = _non_finite_rows(trial) & act
-        if kept is not None:
-            bad = bad | (kept.any(dim=1) & act)
+        # One synchronisation for two checks. NaN or inf in fn's values: position lo is
+        # computed from the exact prefix, so there it is the map's (NonFiniteError); later
+        # positions come from a diverging iterate, keep their old values, and the sample takes
+        # fn(x) for this step. NaN or inf in the step (a diverging Newton step): the sample
+        # takes fn(x), the Jacobi update, which keeps the guarantees (a reset).
+        flags = sync(~torch.isfinite(trial.sum(dim=(1, 2))).all(),
+                     ~torch.isfinite(y.sum()) if access.markov else system.nonfinite)
+        system.nonfinite = bool(flags[1])
+        y, kept = system.keep_finite(y, seg, lo, ex["index"][lo:], act)
+        bad = torch.zeros_like(act)
+        if flags[0] or kept is not None:
+            if flags[0]:
+                bad = ~torch.isfinite(trial).flatten(1).all(1) & act
+            if kept is not None:
+                bad = bad | (kept.any(dim=1) & act)
             trial = torch.where(bad[:, None, None], y, trial)
-        elif bool(bad.any()):     # a diverging step: the Jacobi update keeps the guarantees
-            trial = torch.where(bad[:, None, None], y, trial)
-        ex["resets"] = ex["stats"]["resets"] = ex["resets"] + bad.sum()
+            ex["resets"] = ex["stats"]["resets"] = ex["resets"] + bad.sum()
         trial[:, 0] = y[:, 0]   # exact: computed from the exact prefix
         if norm == "max":
             size = _max_difference(trial, seg)
@@ -225,14 +229,6 @@ def _max_difference(a: torch.Tensor, b: torch.Tensor, *, scale: bool = False):
             m = torch.abs(a[:, t0:t1], out=buf[:, :t1 - t0]).amax(dim=(1, 2))
             big = m if big is None else torch.maximum(big, m)
     return (out, big) if scale else out
-
-
-def _non_finite_rows(t: torch.Tensor) -> torch.Tensor:
-    """``(B,)``: samples of ``t`` ``(B, n, F)`` holding NaN or inf (one reduction when none do)."""
-    sums = t.sum(dim=(1, 2))
-    if bool(torch.isfinite(sums).all()):
-        return torch.zeros_like(sums, dtype=torch.bool)
-    return ~torch.isfinite(t).flatten(1).all(1)
 
 
 def kalman_step(J: torch.Tensor, r: torch.Tensor, lam: float) -> torch.Tensor:
