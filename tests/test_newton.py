@@ -52,12 +52,12 @@ class ElementwiseCell:
         return torch.tanh(z)
 
 
-def elementwise_problem(batch=(2,), T=13, gain=3.0, seed=0, dtype=torch.float64):
+def elementwise_problem(batch=(2,), T=13, gain=3.0, seed=0, dtype=torch.float64, device="cpu"):
     """A Recurrence of :class:`ElementwiseCell`; ``gain`` 3 makes it hard (chaotic)."""
     g = torch.Generator().manual_seed(seed)
-    W = (torch.randn(H, H, generator=g, dtype=torch.float64) * gain).to(dtype)
-    u = torch.randn(*batch, T, H, generator=g, dtype=torch.float64).to(dtype)
-    h0 = (torch.randn(*batch, H, generator=g, dtype=torch.float64) * 0.5).to(dtype)
+    W = (torch.randn(H, H, generator=g, dtype=torch.float64) * gain).to(device, dtype)
+    u = torch.randn(*batch, T, H, generator=g, dtype=torch.float64).to(device, dtype)
+    h0 = (torch.randn(*batch, H, generator=g, dtype=torch.float64) * 0.5).to(device, dtype)
     rec = paraprop.Recurrence(ElementwiseCell(W), u, h0)
     ref = paraprop.solve(rec, rec.zeros(), method="sequential", dim=-2).value
     return rec, ref
@@ -69,8 +69,8 @@ def max_err(a, b):
 
 # -- exactness ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("method", [*NEWTON, "jacobi"])
-def test_exact_prefix_after_every_iteration(method):
-    rec, ref = elementwise_problem()
+def test_exact_prefix_after_every_iteration(method, device):
+    rec, ref = elementwise_problem(device=device)
     seen = []
 
     def callback(k, value, residual):

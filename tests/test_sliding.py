@@ -20,10 +20,10 @@ class RunningMean:
     never change once cached).
     """
 
-    def __init__(self, B=3, T=40, F=2, seed=0, dtype=torch.float64):
+    def __init__(self, B=3, T=40, F=2, seed=0, dtype=torch.float64, device="cpu"):
         g = torch.Generator().manual_seed(seed)
         self.a = 2.5
-        self.c = torch.randn(T, F, generator=g, dtype=dtype)
+        self.c = torch.randn(T, F, generator=g, dtype=dtype).to(device)
         self.shape = (B, T, F)
         self.computed = 0      # window positions evaluated
         self.extended = 0      # prefix positions folded into the cache
@@ -33,7 +33,7 @@ class RunningMean:
         T = x.shape[-2]
         csum = torch.cat([torch.zeros_like(x[..., :1, :]),      # sum over s < t, exactly
                           torch.cumsum(x[..., :-1, :], dim=-2)], dim=-2)
-        n = torch.arange(T, dtype=x.dtype).clamp(min=1)[:, None]
+        n = torch.arange(T, dtype=x.dtype, device=x.device).clamp(min=1)[:, None]
         return torch.tanh(self.a * csum / n + self.c)
 
     def window(self, x, start, stop, cache):
@@ -49,12 +49,12 @@ class RunningMean:
         self.calls.append((start, stop))
         seg = x[:, start:stop]
         csum = s[:, None] + torch.cumsum(seg, dim=1) - seg
-        n = torch.arange(start, stop, dtype=x.dtype).clamp(min=1)[:, None]
+        n = torch.arange(start, stop, dtype=x.dtype, device=x.device).clamp(min=1)[:, None]
         vals = torch.tanh(self.a * csum / n + self.c[start:stop])
         return vals, {"upto": start, "sum": s, "prefix": x[:, :start].clone()}
 
     def sequential(self):
-        x = torch.zeros(self.shape, dtype=self.c.dtype)
+        x = torch.zeros(self.shape, dtype=self.c.dtype, device=self.c.device)
         for t in range(self.shape[1]):
             x[:, t] = self(x)[:, t]
         return x
@@ -84,10 +84,10 @@ def _bitwise_or_rounding(sol, ref):
 
 @pytest.mark.parametrize("window", [1, 2, 7, 40])
 @pytest.mark.parametrize("protocol", [True, False])
-def test_sliding_equals_sequential(window, protocol):
-    m = RunningMean()
+def test_sliding_equals_sequential(window, protocol, device):
+    m = RunningMean(device=device)
     fn = m if protocol else NoWindow(m)
-    x0 = torch.zeros(m.shape, dtype=torch.float64)
+    x0 = torch.zeros(m.shape, dtype=torch.float64, device=device)
     ref = paraprop.solve(fn, x0, method="sequential", dim=-2).value
     sol = paraprop.solve(fn, x0, method=SlidingJacobi(window), dim=-2, tol=0, throw=False)
     assert sol.iterations <= m.shape[1]
@@ -202,7 +202,7 @@ class _Guessing:
 
     def __call__(self, x):
         csum = torch.cumsum(x, dim=-2) - x
-        t = torch.arange(x.shape[-2], dtype=x.dtype)[:, None]
+        t = torch.arange(x.shape[-2], dtype=x.dtype, device=x.device)[:, None]
         return torch.remainder(3 * csum + t, 11)
 
     def window(self, x, start, stop, cache):
@@ -215,19 +215,19 @@ class _Guessing:
 
 
 @pytest.mark.parametrize("window", [4, 40])
-def test_guesses_never_change_the_result(window):
+def test_guesses_never_change_the_result(window, device):
+    def zeros(fn):
+        return torch.zeros(fn.shape, dtype=torch.float64, device=device)
+
     ref = _Guessing(lambda x: None)
-    exact = paraprop.solve(ref, torch.zeros(ref.shape, dtype=torch.float64),
-                           method="sequential", dim=-2).value
+    exact = paraprop.solve(ref, zeros(ref), method="sequential", dim=-2).value
     junk = _Guessing(lambda x: torch.full_like(x, 7.0))
-    sol = paraprop.solve(junk, torch.zeros(junk.shape, dtype=torch.float64),
-                         method=SlidingJacobi(window), dim=-2, tol=0)
+    sol = paraprop.solve(junk, zeros(junk), method=SlidingJacobi(window), dim=-2, tol=0)
     assert junk.proposals > 0 and sol.converged
     assert torch.equal(sol.value, exact)
     # the right answer as the guess: every window is accepted in one sweep
     oracle = _Guessing(lambda x: exact.clone())
-    good = paraprop.solve(oracle, torch.zeros(oracle.shape, dtype=torch.float64),
-                          method=SlidingJacobi(window), dim=-2, tol=0)
+    good = paraprop.solve(oracle, zeros(oracle), method=SlidingJacobi(window), dim=-2, tol=0)
     assert torch.equal(good.value, exact)
     assert good.iterations <= -(-40 // window) + 1 < sol.iterations
 

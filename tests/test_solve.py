@@ -503,3 +503,69 @@ def test_error_estimate_is_reported():
     assert (sol.value - ref).abs().max() <= 1e-8
     unconv = paraprop.solve(prob, x0, tol=0, max_iters=1, throw=False)
     assert not unconv.converged and unconv.stats["error_estimate"] == math.inf
+
+
+# -- every method on the device fixture's device (issue 28) ------------------------------------
+
+def _on(prob, device):
+    """``prob`` with its weights on ``device`` (the problems are built on the CPU)."""
+    prob.W, prob.c, prob.scale = (t.to(device) for t in (prob.W, prob.c, prob.scale))
+    return prob
+
+
+class _DeviceFast(FastTriangular):
+    """FastTriangular whose ``update`` builds its row index on the index's device."""
+
+    def update(self, x, index):
+        rows = (index[:, None] * self.F + torch.arange(self.F, device=index.device)).reshape(-1)
+        y = torch.tanh(self.scale * (self._flat(x) @ self.W[rows].T) + self.c[rows])
+        return y.reshape(*self.batch_shape, index.numel(), *self.feat_shape)
+
+
+DEVICE_METHODS = [Sequential(), Jacobi(), JacobiGS(3), JacobiGS(blocks=[[0, 1, 2], [3, 4, 5, 6],
+                                                                        [7, 8, 9]]),
+                  GSJacobi(3), SlidingJacobi(4), SlidingJacobi(), TriangularAnderson()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("method", DEVICE_METHODS, ids=repr)
+def test_every_method_on_the_device(method, dtype, device):
+    prob = _on(RandomTriangular((2,), (10,), (2,), dtype, seed=3, gain=2.0), device)
+    x0 = prob.x0().to(device)
+    ref = prob.reference(x0)
+    sol = paraprop.solve(prob, x0, method=method, dim=1, tol=0)
+    assert sol.converged and sol.value.device == x0.device and torch.equal(sol.value, ref)
+    assert sol.residuals.device.type == "cpu" and sol.stats["sample_iterations"].device.type == \
+        "cpu"
+    sol = paraprop.solve(prob, x0, method=method, dim=1, tol=TOLERANCES[dtype]["solve_tol"])
+    assert sol.converged and (sol.value - ref).abs().max() <= TOLERANCES[dtype]["max_err"]
+    # the fast path: the hooks' rounding may differ from fn's (then converged=False, said why)
+    fast = _DeviceFast((2,), (10,), (2,), dtype, seed=3, gain=2.0)
+    fast = _on(fast, device)
+    sol = paraprop.solve(fast, x0, method=method, dim=1, tol=0, throw=False)
+    assert sol.converged or "by rounding only" in sol.stats["not_converged"]
+    assert (sol.value - ref).abs().max() <= TOLERANCES[dtype]["max_err"]
+
+
+@pytest.mark.parametrize("method", [Newton(), QuasiNewton(), ELK(), QuasiELK()], ids=repr)
+def test_newton_family_on_the_device(method, device):
+    g = torch.Generator().manual_seed(0)
+    W = (torch.randn(3, 3, generator=g, dtype=torch.float64) * 0.5).to(device)
+    u = torch.randn(2, 9, 3, generator=g, dtype=torch.float64).to(device)
+    rec = paraprop.Recurrence(lambda x, h: torch.tanh(x + h @ W.T), u,
+                              torch.zeros(2, 3, dtype=torch.float64, device=device))
+    ref = paraprop.solve(rec, rec.zeros(), method="sequential", dim=-2).value
+    for tol in (0, 1e-12):
+        sol = paraprop.solve(rec, rec.zeros(), method=method, dim=-2, tol=tol)
+        assert sol.converged and sol.value.device == ref.device
+        assert (sol.value - ref).abs().max() <= 1e-12
+
+    # a plain Markov fn: the Jacobians by forward mode, on the device too
+    def fn(x):
+        prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
+        return torch.tanh(u + prev @ W.T)
+
+    x0 = torch.zeros(2, 9, 3, dtype=torch.float64, device=device)
+    ref = paraprop.solve(fn, x0, method="sequential", dim=1).value
+    sol = paraprop.solve(fn, x0, method=method, dim=1, tol=0)
+    assert sol.converged and torch.equal(sol.value, ref)

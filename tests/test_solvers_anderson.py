@@ -106,11 +106,15 @@ def test_the_name_is_the_default_object():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_tol_zero_in_both_dtypes(dtype):
+def test_tol_zero_in_both_dtypes(dtype, device):
     prob = RandomTriangular((4,), (16,), (3,), dtype=dtype, seed=8, gain=2.0)
-    x0 = prob.x0()
+    prob.W, prob.c, prob.scale = (t.to(device) for t in (prob.W, prob.c, prob.scale))
+    x0 = prob.x0().to(device)
     sol = paraprop.solve(prob, x0, method="anderson", dim=1, tol=0)
-    assert sol.value.dtype == dtype and sol.iterations <= 16
+    assert sol.value.dtype == dtype and sol.iterations <= 16 and sol.value.device == x0.device
+    # a plain fn, computed by the same operations as the sequential loop: bitwise
+    assert torch.equal(sol.value, prob.reference(x0))
+    sol = paraprop.solve(prob, x0, method="anderson", dim=1, tol=TOLERANCES[dtype]["solve_tol"])
     assert _err(sol.value, prob.reference(x0)) <= TOLERANCES[dtype]["max_err"]
 
 
