@@ -91,3 +91,25 @@ def test_gpu_reports_render_last_under_their_own_section(tmp_path):
         (reports / f"{name}.md").unlink()
     assert "On the GPU" not in collect.render(reports, notes)     # nothing to say: no section
     assert collect.is_gpu("gpu") and collect.is_gpu("bppsa_cuda") and not collect.is_gpu("core")
+
+
+def _cli_has_device() -> bool:
+    from paraprop import cli
+
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    return any("--device" in a.option_strings for a in sub.choices["bench"]._actions)
+
+
+def test_the_command_line_forwards_the_device(tmp_path, capsys):
+    from paraprop import cli
+
+    if not _cli_has_device():
+        pytest.skip("paraprop bench has no --device option yet (cli.py, another area: the "
+                    "suites take device= already)")
+    assert cli.main(["bench", "scan", "--quick", "--repeats", "1", "--device", "cpu",
+                     "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "scan.md").exists()
+    if not torch.cuda.is_available():
+        assert cli.main(["bench", "made", "--quick", "--device", "cuda", "--out",
+                         str(tmp_path)]) == 2
+        assert "sees no CUDA device" in capsys.readouterr().err
