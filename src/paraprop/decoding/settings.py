@@ -56,6 +56,7 @@ HARMLESS = frozenset({
     "assistant_lookbehind", "target_lookbehind", "is_assistant",  # with an assistant only
     "max_matching_ngram_size",                                    # prompt lookup only
     "continuous_batching_config",
+    "return_legacy_cache",                                        # transformers 4: cache format
 })
 
 # fields refused unless they hold their neutral value: field -> (neutral values, what to do)
@@ -98,6 +99,10 @@ REFUSED = {
     "token_healing": ((False,), "token healing needs the tokenizer; heal the prompt first"),
     "prefill_chunk_size": ((), "the prompt is prefilled in one pass, as generate does without "
                            "it; unset prefill_chunk_size"),
+    "forced_decoder_ids": ((), "forced decoder ids (Whisper, transformers 4) are not "
+                           "implemented; use forced_bos_token_id or suppress_tokens"),
+    "generation_kwargs": (({},), "extra generate keyword arguments (for an assistant, "
+                          "transformers 4) are not implemented"),
     "cache_implementation": (("dynamic", "hybrid"), "paraprop decodes with the model's "
                              "dynamic cache, cropped to the accepted prefix; unset "
                              "cache_implementation"),
