@@ -20,6 +20,8 @@ from torch import nn
 
 from paraprop.models.masked import MaskedLinear, made_masks
 
+OUT_CHUNKS = 16  # MaskedAffineMap's output layer, in this many chunks of positions
+
 
 class LayerChain(nn.Module):
     """``s_l = tanh(W_l s_{l-1} + b_l)`` for ``l = 0 .. depth-1``, ``s_{-1} = u`` (the input).
@@ -67,10 +69,8 @@ class LayerChain(nn.Module):
         return _layers(self._prev(x), self.weight, self.bias)
 
     def update(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        if index.numel() == 1:  # one layer: a plain matmul, as in an ordinary forward pass
-            i = int(index)
-            prev = self.u.expand(x.shape[0], -1) if i == 0 else x[:, i - 1]
-            return torch.tanh(prev @ self.weight[i].T + self.bias[i])[:, None]
+        # the same batched product as forward, on the layers asked for: a plain matmul for one
+        # layer rounds differently (float64 here), and update must be bitwise forward's values
         prev = self._prev(x).index_select(1, index)
         return _layers(prev, self.weight.index_select(0, index), self.bias.index_select(0, index))
 
@@ -131,13 +131,47 @@ class MaskedAffineMap(nn.Module):
     def _affine(self, mu, a, z):
         return mu + torch.exp(self.scale_clip * torch.tanh(a)) * z
 
+    # The output layer is multiplied in OUT_CHUNKS fixed chunks of positions, by forward and by
+    # update alike: a product over a subset of the output rows is another BLAS call, which may
+    # round differently from the full product (it does here in float32 and float64), and update
+    # must compute bitwise what forward computes (the solvers' protocol; paraprop.models.made
+    # does the same).
+    def _chunks(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The output weights and biases with each chunk's ``mu`` and ``a`` rows side by side
+        (chunk ``c`` is rows ``[2 c s, 2 (c + 1) s)``), and the chunk size ``s``."""
+        D = self.features
+        s = -(-D // OUT_CHUNKS)
+        pos = torch.arange(D, device=self.out.bias.device)
+        chunk, within = pos // s, pos % s
+        lo = chunk * s
+        n = torch.clamp(D - lo, max=s)                      # positions in each one's chunk
+        mu_row = 2 * lo + within
+        order = torch.empty(2 * D, dtype=torch.long, device=pos.device)
+        order[mu_row] = pos
+        order[mu_row + n] = pos + D
+        w = self.out.masked_weight().index_select(0, order)
+        return w, self.out.bias.index_select(0, order), s
+
+    def _raw(self, h, w, b, s, c) -> tuple[torch.Tensor, torch.Tensor]:
+        lo = c * s
+        n = min(s, self.features - lo)
+        out = nn.functional.linear(h, w[2 * lo : 2 * lo + 2 * n], b[2 * lo : 2 * lo + 2 * n])
+        return out[..., :n], out[..., n:]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mu, a = self.out(self._hidden(x)).chunk(2, dim=-1)
+        h = self._hidden(x)
+        w, b, s = self._chunks()
+        parts = [self._raw(h, w, b, s, c) for c in range(-(-self.features // s))]
+        mu = torch.cat([p[0] for p in parts], dim=-1)
+        a = torch.cat([p[1] for p in parts], dim=-1)
         return self._affine(mu, a, self.z)
 
     def update(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         h = self._hidden(x)
-        rows = torch.cat([index, index + self.features])
-        w = self.out.masked_weight().index_select(0, rows)
-        mu, a = nn.functional.linear(h, w, self.out.bias.index_select(0, rows)).chunk(2, dim=-1)
+        w, b, s = self._chunks()
+        positions = index.tolist()      # one host read per call: which chunks to compute
+        chunks = sorted({p // s for p in positions})
+        parts = {c: self._raw(h, w, b, s, c) for c in chunks}
+        mu = torch.stack([parts[p // s][0][..., p % s] for p in positions], dim=-1)
+        a = torch.stack([parts[p // s][1][..., p % s] for p in positions], dim=-1)
         return self._affine(mu, a, self.z.index_select(-1, index))
