@@ -346,6 +346,17 @@ def test_settings_assigned_after_construction_are_refused_at_call_time(cls, tcls
         assert torch.equal(m(x)[0], ref(x)[0])
 
 
+def test_a_module_saved_before_the_check_existed_still_loads_and_runs(tmp_path):
+    m = pnn.GRU(3, 4)
+    del m.__dict__["_structure"]            # as a module pickled by an earlier version
+    torch.save(m, tmp_path / "m.pt")
+    m = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert m(torch.randn(5, 2, 3))[0].shape == (5, 2, 4)
+    m.num_layers = 2                        # checked from then on
+    with pytest.raises(ValueError, match="num_layers was assigned after construction"):
+        m(torch.randn(5, 2, 3))
+
+
 def test_rnn_nonlinearity_assigned_after_construction_is_refused():
     """torch.nn.RNN reads ``mode`` (set at construction), so an assigned ``nonlinearity`` is
     ignored by torch itself; the drop-in refuses it instead."""

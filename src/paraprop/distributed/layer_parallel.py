@@ -183,7 +183,8 @@ class LayerParallelStack(nn.Module):
     @property
     def batched(self) -> bool:
         """As :attr:`paraprop.multigrid.ParallelResidualStack.batched` (assignments checked)."""
-        return self._batched
+        # (a stack pickled before the property existed keeps its plain attribute)
+        return self.__dict__.get("_batched", self.__dict__.get("batched", False))
 
     @batched.setter
     def batched(self, value) -> None:
@@ -260,8 +261,8 @@ class LayerParallelStack(nn.Module):
     def _solve_forward(self, x: torch.Tensor):
         t0 = time.perf_counter()
         x = self._broadcast(x, self.ranks[0], "forward")
-        batched = run_batched("LayerParallelStack", self.batched, self._batched_arg, x.dtype,
-                              self.tol)
+        batched = run_batched("LayerParallelStack", self.batched,
+                              self.__dict__.get("_batched_arg"), x.dtype, self.tol)
         stacked = self._stacked(batched)
         a, _ = self.layers
         stepper = ForwardStepper(self.blocks, a, batched=batched, stacked=stacked)
@@ -309,8 +310,8 @@ class LayerParallelStack(nn.Module):
             check_timeout(self.timeout)
             check_input(x, self._params.floating(), self.layers[0])
             check_block_modes(self._params.stateful(), self.layers[0])
-            run_batched("LayerParallelStack", self.batched, self._batched_arg, x.dtype,
-                        self.tol)
+            run_batched("LayerParallelStack", self.batched, self.__dict__.get("_batched_arg"),
+                        x.dtype, self.tol)
         except (TypeError, ValueError):
             try:
                 self._check_peers(x, refused=True)  # the others learn of it and raise too

@@ -161,7 +161,8 @@ class ParallelResidualStack(nn.Module):
         solve allows it (not with ``tol=0`` nor in bf16 / fp16, see
         :func:`paraprop.multigrid.common.run_batched`). Assigning ``None``, ``True`` or
         ``False`` is checked as the constructor's ``batched``."""
-        return self._batched
+        # (a stack pickled before the property existed keeps its plain attribute)
+        return self.__dict__.get("_batched", self.__dict__.get("batched", False))
 
     @batched.setter
     def batched(self, value) -> None:
@@ -213,8 +214,8 @@ class ParallelResidualStack(nn.Module):
 
     def _solve_forward(self, x: torch.Tensor):
         t0 = time.perf_counter()
-        batched = run_batched("ParallelResidualStack", self.batched, self._batched_arg,
-                              x.dtype, self.tol)
+        batched = run_batched("ParallelResidualStack", self.batched,
+                              self.__dict__.get("_batched_arg"), x.dtype, self.tol)
         stacked = self._stack(batched)
         stepper = ForwardStepper(self.blocks, batched=batched, stacked=stacked)
         versions = None if batched else self._params.buffer_versions()
@@ -274,8 +275,8 @@ class ParallelResidualStack(nn.Module):
         checks.boolean("warm_start", self.warm_start)
         check_input(x, self._params.floating())
         check_block_modes(self._params.stateful())
-        run_batched("ParallelResidualStack", self.batched, self._batched_arg, x.dtype,
-                    self.tol)   # refuses batched=True where it cannot be exact, before a solve
+        run_batched("ParallelResidualStack", self.batched, self.__dict__.get("_batched_arg"),
+                    x.dtype, self.tol)   # refuses batched=True where it cannot be exact
         params = self._params.trainable() if torch.is_grad_enabled() else []
         return solve_through(self, x, params)
 

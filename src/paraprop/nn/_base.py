@@ -272,9 +272,12 @@ class ScanBackwardMixin:
                       bidirectional=getattr(self, "bidirectional", False),
                       proj_size=getattr(self, "proj_size", 0))
         now = structure(self)
-        if now == self._structure:
+        built = self.__dict__.get("_structure")
+        if built is None:      # a module pickled before this check existed: from now on
+            self._structure = built = now
+        if now == built:
             return
-        for attr, was, new in zip(STRUCTURE, self._structure, now, strict=True):
+        for attr, was, new in zip(STRUCTURE, built, now, strict=True):
             if was != new or type(was) is not type(new):
                 raise ValueError(
                     f"paraprop.nn.{name}: {attr} was assigned after construction (expected "
