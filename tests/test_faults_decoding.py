@@ -301,3 +301,14 @@ def test_a_cache_that_cannot_be_cut_back(monkeypatch):
         generate(model, ids, max_new_tokens=12, eos_token_id=[])
     out, _ = generate(model, ids, max_new_tokens=12, eos_token_id=[], method="sequential")
     assert out.shape == (1, 16)
+
+
+def test_autocast_counts_as_low_precision():
+    """A float32 model under bf16 autocast computes in bf16: the bound is bf16's."""
+    model = make("gpt2", "cpu", dtype=torch.float32)
+    ids, _ = prompts(1, 4)
+    _, sol = generate(model, ids, max_new_tokens=6, eos_token_id=[], throw=False)
+    assert sol.stats["rounding_dtype"] == "torch.float32"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, sol = generate(model, ids, max_new_tokens=6, eos_token_id=[], throw=False)
+    assert sol.stats["rounding_dtype"] == "torch.bfloat16"

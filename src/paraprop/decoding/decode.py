@@ -169,7 +169,7 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
                           for r, m in zip(rows, keep, strict=True)], ngram, solver_size(solver, T))
     with torch.no_grad():
         first = lm.prefill(P)
-        factor, coarse = _settings.rounding_factor(model, first.dtype)
+        factor, coarse = _settings.rounding_factor(model, first)
         pipe = Pipeline(s, P, attention_mask, device, factor)
         tmap = _TokenMap(lm, P, T, u, pipe, s.eos, s.pad, pool, first)
         sol = solve(tmap, tmap.start_guess(input_ids), method=solver, dim=-1, tol=0.0,

@@ -405,16 +405,19 @@ def sliding_window(cfg) -> int | None:
     return sw
 
 
-def rounding_factor(model, logits_dtype: torch.dtype) -> tuple[float, torch.dtype]:
+def rounding_factor(model, logits: torch.Tensor) -> tuple[float, torch.dtype]:
     """The factor ``c`` of the low-precision certificate's bound ``c * max|logits|`` on the
     difference between the logits of a window pass and of the sequential loop's one-token pass,
-    and the dtype it was taken for: the coarsest of the logits' dtype and the model's floating
-    parameter dtypes. ``c = k * eps * sqrt(layers)`` with ``k = 2`` for 16-bit types and ``8``
-    otherwise (see decoding.md: the differences measured on the test models stayed below half
-    of it)."""
-    dtypes = {logits_dtype}
+    and the dtype it was taken for: the coarsest of the logits' dtype, the model's floating
+    parameter dtypes and an enabled autocast dtype. ``c = k * eps * sqrt(layers)`` with ``k = 2``
+    for 16-bit types and ``8`` otherwise (see decoding.md: the differences measured on the test
+    models stayed below half of it)."""
+    dtypes = {logits.dtype}
     if hasattr(model, "parameters"):
         dtypes |= {p.dtype for p in model.parameters() if p.is_floating_point()}
+    kind = logits.device.type
+    if torch.is_autocast_enabled(kind):
+        dtypes.add(torch.get_autocast_dtype(kind))
     coarse = max(dtypes, key=lambda d: torch.finfo(d).eps)
     eps = torch.finfo(coarse).eps
     k = 2.0 if torch.finfo(coarse).bits <= 16 else 8.0
