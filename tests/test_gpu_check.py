@@ -114,6 +114,43 @@ def test_report_names_the_rows_no_process_reached(tmp_path):
         tmp_path / "gpu.md").read_text()
 
 
+def test_a_row_that_kills_its_process_is_recorded_and_the_rest_go_on(tmp_path, monkeypatch):
+    """The parent's loop: a rows process that dies inside a row (a CUDA error, or killed past its
+    time) leaves a failed record for that row, and a new process takes up the others."""
+    calls = []
+
+    def fake_run(cmd, *, env, log, timeout, out=None, cwd=None):
+        step = cmd[3] if cmd[1] == "-m" and cmd[2] == "paraprop.bench.gpu_check" else "?"
+        calls.append((step, cmd))
+        if step == "env":
+            Path(cmd[cmd.index("--json") + 1]).write_text("{}")
+            return 0, ""
+        jsonl = Path(cmd[cmd.index("--jsonl") + 1])
+        if step == "rows" and len([c for c in calls if c[0] == "rows"]) == 1:
+            gpu_check._append(jsonl, {"event": "start", "spec": "made.jacobi"})
+            return None, "...\nRuntimeError: CUDA error: an illegal memory access"
+        if step == "rows":
+            assert cmd[cmd.index("--skip") + 1] == "made.jacobi"
+            gpu_check._append(jsonl, {"event": "start", "spec": "decoding.greedy"})
+            gpu_check._append(jsonl, {"event": "end", "spec": "decoding.greedy"})
+            return 0, ""
+        raise AssertionError(cmd)
+
+    monkeypatch.setattr(gpu_check, "_run", fake_run)
+    args = gpu_check.build_parser().parse_args(
+        ["--device", "cpu", "--out", str(tmp_path), "--no-pytest", "--only", "made",
+         "decoding", "--wheels", str(tmp_path / "none")])
+    args.pytest_workers = 0
+    assert gpu_check.check(args) == 1                       # a row failed
+    assert [c[0] for c in calls] == ["env", "rows", "rows"]  # the second one wrote the report
+    recs = [json.loads(ln) for ln in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    failed = [r for r in recs if r.get("status") == "failed"]
+    assert [(r["suite"], r["name"]) for r in failed] == [("made", "jacobi")]
+    assert failed[0]["reason"].startswith("the process ended in this row (killed past its time)")
+    assert "illegal memory access" in failed[0]["reason"]
+    assert "row made.jacobi ended its process" in (tmp_path / "gpu-check.log").read_text()
+
+
 def test_pytest_summary_and_command():
     text = "....s\n=========== 4 passed, 1 skipped, 3 deselected in 2.01s ===========\n"
     assert gpu_check._summary(text) == "4 passed, 1 skipped, 3 deselected in 2.01s"
