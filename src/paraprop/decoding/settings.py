@@ -409,10 +409,11 @@ def rounding_factor(model, logits: torch.Tensor) -> tuple[float, torch.dtype]:
     """The factor ``c`` of the low-precision certificate's bound ``c * max|logits|`` on the
     difference between the logits of a window pass and of the sequential loop's one-token pass,
     and the dtype it was taken for: the coarsest of the logits' dtype, the model's floating
-    parameter dtypes and an enabled autocast dtype. ``c = k * eps * sqrt(layers)`` with ``k = 2``
-    for 16-bit types and ``8`` otherwise (see decoding.md: the differences measured on the test
+    parameter dtypes, an enabled autocast dtype, and float32 (the scores are processed in
+    float32, as ``generate`` processes them). ``c = k * eps * sqrt(layers)`` with ``k = 2`` for
+    16-bit types and ``8`` otherwise (see decoding.md: the differences measured on the test
     models stayed below half of it)."""
-    dtypes = {logits.dtype}
+    dtypes = {logits.dtype, torch.float32}
     if hasattr(model, "parameters"):
         dtypes |= {p.dtype for p in model.parameters() if p.is_floating_point()}
     kind = logits.device.type
