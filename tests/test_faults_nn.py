@@ -654,3 +654,18 @@ def test_backward_stats_name_the_scan_kernel_that_ran(cls, tcls, device):
     ours.backward_config = ScanBackward(algorithm="blelloch")
     ours(x)[0].sum().backward()
     assert ours.backward_stats["algorithm"] == ["blelloch", "blelloch"]
+
+
+@pytest.mark.parametrize("cls", [paraprop.nn.RNN, paraprop.nn.GRU, paraprop.nn.LSTM])
+def test_gradient_penalty_wrt_the_weights_is_refused_not_silently_none(cls):
+    # a gradient penalty: the input gradient with create_graph=True, then its gradient with
+    # respect to the weights. The incoming gradient of out.sum() is a constant, so a refusing
+    # node anchored on it alone is pruned and torch returns None for every weight (silently
+    # wrong); anchored on the saved inputs too, the refusal is reached
+    m = cls(3, 4)
+    x = torch.randn(5, 2, 3, requires_grad=True)
+    out, _ = m(x)
+    g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+    penalty = g.pow(2).sum()
+    with pytest.raises(NotImplementedError, match="first-order gradients only"):
+        torch.autograd.grad(penalty, list(m.parameters()), allow_unused=True)

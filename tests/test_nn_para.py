@@ -306,3 +306,39 @@ def test_repr_and_state_dict():
                        "backward='scan')")
     assert {k: tuple(v.shape) for k, v in ParaLSTM(3, 4, bias=False).state_dict().items()} == {
         "weight_ih_l0": (16, 3), "weight_hh_l0": (16,)}
+
+
+# -- settings at call time, jit and autocast (issue 27: settings changed after construction) --
+@pytest.mark.parametrize("cls", [paraprop.nn.ParaGRU, paraprop.nn.ParaLSTM])
+@pytest.mark.parametrize("attr, value", [("bias", False), ("hidden_size", 5),
+                                         ("num_layers", 2), ("input_size", 4)])
+def test_para_settings_assigned_after_construction_are_refused(cls, attr, value):
+    m = cls(3, 4)
+    x = torch.randn(6, 2, 3)
+    m(x)                                  # as built: runs
+    setattr(m, attr, value)
+    with pytest.raises(ValueError, match=rf"{attr} was assigned after construction \(expected "
+                                         rf"{attr}=.*found {value!r}\)"):
+        m(x)
+
+
+@pytest.mark.parametrize("cls", [paraprop.nn.ParaGRU, paraprop.nn.ParaLSTM])
+def test_para_jit_is_refused_by_name(cls):
+    m = cls(3, 4)
+    x = torch.randn(6, 2, 3)
+    with pytest.raises(NotImplementedError, match=rf"{cls.__name__} cannot be traced by "
+                                                  "torch.jit.trace.*torch.compile"):
+        torch.jit.trace(m, (x,), check_trace=False)
+    with pytest.raises(NotImplementedError, match=rf"{cls.__name__} cannot be compiled by "
+                                                  "torch.jit.script"):
+        torch.jit.script(m)
+
+
+@pytest.mark.parametrize("cls", [paraprop.nn.ParaGRU, paraprop.nn.ParaLSTM])
+def test_para_parallel_forward_under_autocast_is_refused(cls):
+    m = cls(3, 4)
+    x = torch.randn(6, 2, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            pytest.raises(NotImplementedError, match=r"does not run under torch.autocast.*"
+                                                     "forward='sequential'"):
+        m(x)

@@ -181,7 +181,11 @@ def first_order_only(backward):
                    "differentiable), so double backward / create_graph=True / hessians are not "
                    "supported; use backward='autograd' (with forward='sequential') for them")
         idx = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
-        carried = refuse_second_order(message, *(grads[i] for i in idx))
+        # the node hangs from the saved inputs and the incoming gradients, so that a second
+        # differentiation with respect to the weights reaches it (not a silent None)
+        anchors = tuple(t for t in (*ctx.saved_tensors, *grad_outputs)
+                        if isinstance(t, torch.Tensor))
+        carried = refuse_second_order(message, *(grads[i] for i in idx), anchors=anchors)
         out = list(grads)
         for i, g in zip(idx, carried, strict=True):
             out[i] = g

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from paraprop import checks
-from paraprop.nn._base import ScanBackwardMixin, time_major, transforms_active
+from paraprop.nn._base import ScanBackwardMixin, refuse_jit, time_major, transforms_active
 from paraprop.nn.options import AutogradBackward, ParallelForward, describe
 from paraprop.nn.para_layers import ParaGRUFunction, ParaLSTMFunction
 
@@ -100,6 +100,9 @@ class _ParaRNN(ScanBackwardMixin, nn.Module):
 
     def forward(self, input, hx=None):  # noqa: A002 - torch's argument name
         name = type(self).__name__
+        if torch.jit.is_tracing():
+            refuse_jit(name)
+        self._check_settings()   # an attribute assigned after construction (bias, sizes, ...)
         if isinstance(input, PackedSequence):
             raise NotImplementedError(f"paraprop.nn.{name} does not take a PackedSequence; pad "
                                       "the batch to one length")
@@ -114,6 +117,12 @@ class _ParaRNN(ScanBackwardMixin, nn.Module):
         states = self._initial(hx, x, batched)
         fwd, bwd = self._forward_config, self._backward_config
         parallel = isinstance(fwd, ParallelForward)
+        if parallel and torch.is_autocast_enabled(input.device.type):
+            raise NotImplementedError(
+                f"paraprop.nn.{name}(forward={describe(fwd)}) does not run under torch.autocast "
+                "(autocast picks the dtype of every operation inside the solver); convert the "
+                "module and its inputs instead (module.to(torch.bfloat16)), or use "
+                "forward='sequential' under autocast")
         if parallel and transforms_active():
             raise NotImplementedError(
                 f"paraprop.nn.{name}(forward={describe(fwd)}) cannot run under torch.func "
