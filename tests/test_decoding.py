@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 
 import pytest
 import torch
@@ -626,3 +627,16 @@ def test_generation_config_argument_is_not_mutated():
     ids, _ = prompts(1, 4)
     generate(model, ids, max_new_tokens=5, generation_config=cfg)
     assert (cfg.to_dict(), model.generation_config.to_dict()) == before
+
+
+def test_the_settings_table_of_the_docs_names_every_field():
+    """docs/decoding.md lists every field the code honours, ignores as harmless or refuses."""
+    from pathlib import Path
+
+    from paraprop.decoding import settings as st
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "decoding.md").read_text()
+    named = set(re.findall(r"`([a-z_]+)`", page))
+    fields = st.HONOURED | st.HARMLESS | set(st.REFUSED)
+    private = {f for f in fields if f.startswith("_")} | {"transformers_version"}
+    assert sorted(fields - private - named) == []
