@@ -319,7 +319,17 @@ def max_positions(model) -> int | None:
 
 
 def vocab_size(model) -> int | None:
-    """``config.vocab_size``, or ``None``."""
+    """The token ids the model embeds: its input embedding's rows (``get_input_embeddings``),
+    else ``config.vocab_size``, else ``None``."""
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            emb = get()
+        except (AttributeError, NotImplementedError):
+            emb = None
+        rows = getattr(emb, "num_embeddings", None)
+        if checks.is_int(rows) and rows > 0:
+            return rows
     v = getattr(_text_config(model), "vocab_size", None)
     return v if checks.is_int(v) and v > 0 else None
 
