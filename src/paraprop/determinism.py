@@ -25,7 +25,8 @@ from torch import nn
 
 from paraprop.errors import StochasticModelError
 
-__all__ = ["NORM_MODULES", "RANDOM_MODULES", "require_deterministic", "stochastic_parts"]
+__all__ = ["DROPOUT_ATTRIBUTES", "NORM_MODULES", "RANDOM_MODULES", "own_part",
+           "require_deterministic", "stochastic_parts"]
 
 # layers that draw random numbers in train mode
 RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU)
@@ -39,10 +40,36 @@ DROPOUT_ATTRIBUTES = ("dropout", "dropout_p", "dropout_rate", "attention_dropout
                       "drop_path_rate", "hidden_dropout", "activation_dropout", "layerdrop")
 
 
+def own_part(m: nn.Module, *, norms: bool = True) -> str | None:
+    """What ``m`` itself (not its children) does in train mode that makes its output not a
+    fixed function of its input, or ``None``: the per-module rule behind
+    :func:`stochastic_parts`."""
+    if not m.training:
+        return None
+    if isinstance(m, RANDOM_MODULES):
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p == 0:
+            return None
+        p = f" p={m.p}" if hasattr(m, "p") else ""
+        return f"draws random numbers at every call{p}"
+    if isinstance(m, NORM_MODULES):
+        if not norms or (isinstance(m, nn.modules.instancenorm._InstanceNorm)
+                         and not m.track_running_stats):
+            return None   # per-sample statistics: a fixed function of each sample
+        return "normalises with batch statistics and updates its running ones"
+    for attr in DROPOUT_ATTRIBUTES:
+        v = getattr(m, attr, None)
+        if isinstance(v, numbers.Real) and not isinstance(v, bool) and \
+                math.isfinite(float(v)) and 0 < float(v) < 1 and \
+                not isinstance(getattr(type(m), attr, None), property):
+            return f"applies dropout in train mode ({attr}={v})"
+    return None
+
+
 def stochastic_parts(module, *, norms: bool = True) -> list[tuple[str, str, str]]:
     """The parts of ``module`` that make its train-mode output not a fixed function of its
-    input: ``(qualified name, type name, what it does)`` for each, in ``named_modules`` order;
-    empty for a module in eval mode, and for anything that is not a ``torch.nn.Module``.
+    input: ``(qualified name, type name, what it does)`` for each, in ``named_modules`` order
+    (the module itself is named ``"(the model)"``); empty for a module in eval mode, and for
+    anything that is not a ``torch.nn.Module``.
 
     Arguments:
         module: the user's module (a bound method of a module counts as that module).
@@ -54,30 +81,9 @@ def stochastic_parts(module, *, norms: bool = True) -> list[tuple[str, str, str]
         return []
     out = []
     for name, m in module.named_modules():
-        if not m.training:
-            continue
-        where = name or "(the model)"
-        if isinstance(m, RANDOM_MODULES):
-            if isinstance(m, nn.modules.dropout._DropoutNd) and m.p == 0:
-                continue
-            p = f" p={m.p}" if hasattr(m, "p") else ""
-            out.append((where, type(m).__name__, f"draws random numbers at every call{p}"))
-            continue
-        if norms and isinstance(m, NORM_MODULES):
-            if isinstance(m, nn.modules.instancenorm._InstanceNorm) and \
-                    not m.track_running_stats:
-                continue   # per-sample statistics: a fixed function of each sample
-            out.append((where, type(m).__name__,
-                        "normalises with batch statistics and updates its running ones"))
-            continue
-        for attr in DROPOUT_ATTRIBUTES:
-            v = getattr(m, attr, None)
-            if isinstance(v, numbers.Real) and not isinstance(v, bool) and \
-                    math.isfinite(float(v)) and 0 < float(v) < 1 and \
-                    not isinstance(getattr(type(m), attr, None), property):
-                out.append((where, type(m).__name__,
-                            f"applies dropout in train mode ({attr}={v})"))
-                break
+        does = own_part(m, norms=norms)
+        if does is not None:
+            out.append((name or "(the model)", type(m).__name__, does))
     return out
 
 
@@ -101,8 +107,10 @@ def require_deterministic(module, *, argument: str = "model", entry: str = "para
         return
     where, kind, does = parts[0]
     more = f" (and {len(parts) - 1} more such layers)" if len(parts) > 1 else ""
+    what = (f"{argument} ({kind}) is in train mode and {does}" if where == "(the model)" else
+            f"{argument} is in train mode, and its layer {where!r} ({kind}) {does}")
     raise StochasticModelError(
-        f"{entry}: {argument} is in train mode, and its layer {where!r} ({kind}) {does}{more}: "
+        f"{entry}: {what}{more}: "
         "two evaluations of the same input differ, so there is no sequential result to "
         f"reproduce; call {argument}.eval() first (expected a module in eval mode, or one "
         "without stochastic layers; found train mode)")
