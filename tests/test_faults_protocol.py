@@ -223,7 +223,8 @@ def _never_silent(fn, method, device="cpu", tol=0.0):
 def test_window_that_mutates_final_positions(method, tol):
     with pytest.raises(paraprop.ProtocolError,
                        match=r"fn.window\(x, start, stop, cache\) modified its input x in place "
-                             r"at iteration \d+ \(sample \(\d,\), position \(\d+,\):.*compute "
+                             r"at iteration \d+ \(positions < \d+ of x changed during the "
+                             r"call\); a hook must leave the solver's iterate unchanged: compute "
                              r"on a copy"):
         paraprop.solve(WindowMutatesFinal(), _x0(), method=method, dim=1, tol=tol)
 
@@ -282,6 +283,20 @@ def test_propose_that_mutates_x(window):
         paraprop.solve(ProposeMutates(), _x0(), method=SlidingJacobi(window), dim=1, tol=0)
 
 
+class ProposeWritesAhead(Good):
+    """Writes guesses into the positions that are not final, in place: like returning them."""
+
+    def propose(self, x, final):
+        for b, f in enumerate(final.tolist()):
+            x[b, f:] = 0.25
+        return None
+
+
+def test_propose_writing_into_positions_that_are_not_final_is_only_a_guess():
+    sol = paraprop.solve(ProposeWritesAhead(), _x0(), method=SlidingJacobi(4), dim=1, tol=0)
+    assert sol.converged and torch.equal(sol.value, _reference())
+
+
 def test_propose_of_the_wrong_shape():
     with pytest.raises(paraprop.ProtocolError,
                        match=r"fn.propose\(x, final\) must return None or a tensor shaped like "
@@ -323,7 +338,8 @@ def test_a_map_that_returns_its_input(method):
 @pytest.mark.parametrize("method", ALL, ids=repr)
 def test_a_map_that_writes_into_its_input(cls, method):
     with pytest.raises(paraprop.ProtocolError,
-                       match=r"^fn\(x\) modified its input x in place at iteration 1"):
+                       match=r"^fn\(x\) modified its input x in place at iteration 1 \(x "
+                             r"changed during the call\)"):
         paraprop.solve(cls(), _x0(), method=method, dim=1, tol=0)
 
 
@@ -446,3 +462,20 @@ def test_the_verification_at_tol_zero_is_not_fooled_by_huge_errors():
 
     out = _never_silent(Scaled(), SlidingJacobi(4))
     assert isinstance(out, FAILURES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16],
+                         ids=str)
+@pytest.mark.parametrize("F", [1, 2, 3, 4, 8])
+def test_the_checksum_adds_up_over_slices_and_sees_a_change(dtype, F):
+    """The guard of the windows keeps the checksum of the final prefix from call to call and
+    adds the positions that became final since: the checksum of slices must add up."""
+    from paraprop.solvers.base import checksum
+
+    x = torch.randn(3, 10, F).to(dtype)
+    for a, b in ((0, 10), (3, 7), (1, 2), (4, 4)):
+        assert int(checksum(x[:, :a]) + checksum(x[:, a:b])) == int(checksum(x[:, :b]))
+    y = x.clone()
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()]
+    y.view(bits)[2, 9, F - 1] += 1   # one unit in the last place of one value
+    assert int(checksum(y)) != int(checksum(x))

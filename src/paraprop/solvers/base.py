@@ -33,15 +33,13 @@ class System:
     Counts the calls of ``fn`` (``evaluations``) and the positions computed (``positions``, the
     hardware-independent work). Every call of ``fn`` or of a hook goes through here, and the
     promises of :mod:`paraprop.solvers.protocols` that can be checked cheaply are checked on the
-    way: the output's shape and dtype, that the call left ``x`` unchanged (a copy of ``x`` taken
-    before the call is compared after it, unless ``guard=False``: the caller passed a private
-    copy), and that the output is not ``x`` itself.
+    way: the output's shape and dtype, that the call left ``x`` unchanged (a checksum of ``x``
+    before and after it, see :meth:`_call`), and that the output is not ``x`` itself.
     """
 
     def __init__(self, fn, shape: torch.Size, dtype: torch.dtype, dims: tuple[int, int]):
         self.fn = fn
         self._lock = threading.Lock()  # the counters, when a solver evaluates on threads
-        self._local = threading.local()  # the snapshot buffer of each thread
         self.shape = shape
         self.dtype = dtype
         start, end = dims  # inclusive range of autoregressive dims, already normalised
@@ -60,6 +58,7 @@ class System:
         self.used: set[str] = set()  # the hooks whose values entered the iterate
         self.kept = 0  # non-finite values of non-final positions replaced by the old ones
         self.nonfinite = False  # the last call's values may hold NaN or inf
+        self._prefix = (0, None)  # (lo, checksum of the final positions < lo), see _call
 
     # -- layout -------------------------------------------------------------------------------
     def canon(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,22 +74,25 @@ class System:
         return _unravel(b, self.batch_shape)
 
     # -- evaluation ---------------------------------------------------------------------------
-    def evaluate(self, xc: torch.Tensor, *, guard: bool = True) -> torch.Tensor:
-        """All positions of ``fn(x)``, canonical layout."""
-        y = self._call("fn", xc, self.fn, self.shape, guard)
+    def evaluate(self, xc: torch.Tensor, *, guard: bool = True,
+                 check: bool = True) -> torch.Tensor:
+        """All positions of ``fn(x)``, canonical layout (``guard``, ``check``: see
+        :meth:`_call`)."""
+        y = self._call("fn", xc, self.fn, self.shape, guard, check)
         self._count(self.T)
         return self.canon(y)
 
-    def update(self, xc: torch.Tensor, index: torch.Tensor, *,
-               guard: bool = True) -> torch.Tensor:
+    def update(self, xc: torch.Tensor, index: torch.Tensor, *, guard: bool = True,
+               check: bool = True, span: tuple[int, int] | None = None) -> torch.Tensor:
         """Positions ``index`` (flat, 1-D) of ``fn(x)``, shape ``(B, len(index), F)``.
 
         Uses ``fn.update(x, index)`` when ``fn`` provides it, otherwise evaluates ``fn`` fully.
         """
         if not self.fast:
-            return self.evaluate(xc, guard=guard).index_select(1, index)
+            return self.evaluate(xc, guard=guard, check=check).index_select(1, index)
         expected = torch.Size((*self.batch_shape, index.numel(), *self.feature_shape))
-        y = self._call("update", xc, lambda xu: self.fn.update(xu, index), expected, guard)
+        y = self._call("update", xc, lambda xu: self.fn.update(xu, index), expected, guard,
+                       check, span=span)
         self.used.add("update")
         self._count(index.numel())
         return y.reshape(self.B, index.numel(), self.F)
@@ -107,7 +109,8 @@ class System:
         """
         n = stop - start
         if not self.windowed:
-            return self.update(xc, torch.arange(start, stop, device=xc.device), guard=guard)
+            return self.update(xc, torch.arange(start, stop, device=xc.device), guard=guard,
+                               span=(start, stop))
 
         def call(xu):
             out = self.fn.window(xu, start, stop, self.cache)
@@ -118,18 +121,20 @@ class System:
             return y
 
         expected = torch.Size((*self.batch_shape, n, *self.feature_shape))
-        y = self._call("window", xc, call, expected, guard, lo=start)
+        y = self._call("window", xc, call, expected, guard, True, lo=start, span=(start, stop))
         self.used.add("window")
         self._count(n)
         return y.reshape(self.B, n, self.F)
 
-    def propose(self, xc: torch.Tensor, final: torch.Tensor) -> torch.Tensor | None:
+    def propose(self, xc: torch.Tensor, final: torch.Tensor, start: int) -> torch.Tensor | None:
         """``fn.propose(x, final)`` in the canonical layout (``None`` without the hook or
-        when it has no guesses), its promise not to modify ``x`` checked."""
+        when it has no guesses), its promise not to modify the final positions ``< start`` of
+        ``x`` checked (a change of a position that is not final is a guess like any other)."""
         hook = getattr(self.fn, "propose", None)
         if not callable(hook):
             return None
-        guess = self._call("propose", xc, lambda xu: hook(xu, final), None, True)
+        guess = self._call("propose", xc, lambda xu: hook(xu, final), None, True, False,
+                           span=(start, start))
         if guess is None:
             return None
         if not isinstance(guess, torch.Tensor) or guess.shape != self.shape or \
@@ -140,19 +145,41 @@ class System:
                                 f"x {tuple(self.shape)} {self.dtype}, got {got}")
         return self.canon(guess)
 
-    def _call(self, hook: str, xc: torch.Tensor, call, shape, guard: bool, lo: int = 0):
-        """``call(x)`` in the caller's layout, with the cheap checks of the hook's promises."""
-        snap = self._snapshot(xc) if guard else None
+    def _call(self, hook: str, xc: torch.Tensor, call, shape, guard: bool, check: bool,
+              lo: int = 0, span: tuple[int, int] | None = None):
+        """``call(x)`` in the caller's layout, with the cheap checks of the hook's promises.
+
+        ``guard``: the call must leave ``x`` unchanged, checked by a checksum of ``x``'s bits
+        before and after it (:func:`checksum`). With ``span=(lo, hi)`` only the positions
+        ``< hi`` are checked: those ``< lo`` are final (their checksum is kept from call to
+        call, so a window costs one pass over the prefix, not two), and the positions from
+        ``hi`` on are not final: the solver treats whatever they hold as a guess. ``guard`` is
+        off where the caller passes a private copy, and for the reference loop. ``check``: the
+        output is checked for NaN/inf, in ``self.nonfinite`` (off for the reference loop, which
+        checks its result once at the end)."""
+        hi = xc.shape[1] if span is None else span[1]
+        before = self._checksum_before(xc, span) if guard else None
         y = call(self.user(xc))
         if shape is not None:
             self._check_output(y, shape, HOOKS[hook])
-        flags = [] if y is None else [~torch.isfinite(y.sum())]
-        if snap is not None:
-            flags.append((xc != snap).any())
-        hit = torch.stack(flags).tolist() if flags else []  # one transfer for both checks
-        if snap is not None and hit[-1]:
-            self._mutated(hook, xc, snap)
-        self.nonfinite = bool(hit[0]) if y is not None else False
+        check = check and y is not None
+        mutated = nonfinite = False
+        if guard:
+            after = checksum(xc[:, :hi])
+        if xc.device.type == "cpu":    # on the host each check is one operator
+            mutated = guard and int(after) != int(before)
+            nonfinite = check and not math.isfinite(float(y.sum()))
+        elif guard or check:           # on an accelerator: one transfer for both
+            no = torch.zeros((), dtype=torch.bool, device=xc.device)
+            flags = [after != before if guard else no, ~torch.isfinite(y.sum()) if check else no]
+            mutated, nonfinite = (bool(v) for v in torch.stack(flags).tolist())
+        self.nonfinite = nonfinite
+        if mutated:
+            where = "x" if span is None else f"positions < {hi} of x"
+            raise ProtocolError(
+                f"{HOOKS[hook]} modified its input x in place at iteration {self.iteration} "
+                f"({where} changed during the call); a hook must leave the solver's iterate "
+                "unchanged: compute on a copy (x.clone()) and return new values")
         if y is not None and _shares_memory(y, xc):
             if _same_positions(y, xc, lo):
                 raise NotTriangularError(
@@ -162,21 +189,16 @@ class System:
             y = y.clone()  # a view of other positions of x (a shift): the iterate will change
         return y
 
-    def _snapshot(self, xc: torch.Tensor) -> torch.Tensor:
-        buf = getattr(self._local, "snap", None)
-        if buf is None or buf.shape != xc.shape or buf.dtype != xc.dtype or \
-                buf.device != xc.device:
-            buf = torch.empty_like(xc)
-            self._local.snap = buf
-        return buf.copy_(xc)
-
-    def _mutated(self, hook: str, xc: torch.Tensor, snap: torch.Tensor):
-        b, t, f = (int(i) for i in (xc != snap).nonzero()[0])
-        raise ProtocolError(
-            f"{HOOKS[hook]} modified its input x in place at iteration {self.iteration} (sample "
-            f"{self.unravel_sample(b)}, position {self.unravel_position(t)}: "
-            f"{float(snap[b, t, f]):.6g} became {float(xc[b, t, f]):.6g}); a hook must leave "
-            "the solver's iterate unchanged: compute on a copy (x.clone()) and return new values")
+    def _checksum_before(self, xc: torch.Tensor, span) -> torch.Tensor:
+        if span is None:
+            return checksum(xc)
+        lo, hi = span
+        upto, value = self._prefix
+        if upto > lo or value is None:
+            upto, value = 0, checksum(xc[:, :0])
+        value = value + checksum(xc[:, upto:lo])   # the positions final since the last call
+        self._prefix = (lo, value)
+        return value + checksum(xc[:, lo:hi])
 
     def _count(self, positions: int) -> None:
         with self._lock:
@@ -383,6 +405,24 @@ def verify_fixed_point(system: System, state: State, lo: int, new: torch.Tensor,
             "iterations, the bound by which every position of a triangular system is final; "
             f"some position depends on itself or on a later one, {NONDETERMINISTIC}"
         )
+
+
+_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of the bit patterns of ``t`` ``(B, n, F)`` (a slice of a contiguous iterate
+    along the positions) read as integers, a 0-d tensor: a change of any value changes it,
+    except changes that cancel exactly (two values exchanged). One pass over ``t``, without a
+    copy. Additive over slices of the same iterate: the words never straddle two positions
+    (64-bit words where a position fills whole ones, the values' own width otherwise)."""
+    B, n, F = t.shape
+    if B * n * F == 0:
+        return torch.zeros((), dtype=torch.int64, device=t.device)
+    size = t.element_size()
+    if size < 8 and (F * size) % 8 == 0:   # whole 64-bit words per position: fewer additions
+        return t.view(torch.int64).sum()
+    return t.view(_INT[size]).sum()
 
 
 def _shares_memory(y: torch.Tensor, x: torch.Tensor) -> bool:

@@ -133,7 +133,7 @@ class SlidingJacobi:
         e["start"] = int(torch.where(state.active, e["final"], T).min())
         state.finished = e["start"] >= T
         if not state.finished:
-            guess = system.propose(state.x, e["final"])
+            guess = system.propose(state.x, e["final"], e["start"])
             if guess is not None:
                 system.check_finite(guess)
                 free = e["index"][None, :] >= e["final"][:, None]
