@@ -6,16 +6,23 @@ next to a manifest that matches it, was loaded, and its constructor ran in this 
 the planted library's constructor writes a marker file; a control case proves that loading it
 does write the marker, and every other case asserts that the marker never appears.
 
-The end-to-end cases run in fresh subprocesses (a planted library that got loaded would run in
-them, not in the test process); the checks of directories and files run in process. Other
-owners are made with ``chown`` to an unused uid, so those cases need root and skip otherwise.
+The kernels are compiled once for the module (:func:`build`); every build the cases trigger
+copies that library instead of running the compiler (``native._compile`` replaced), so a case
+costs no compilation. The decisions (which directory, which file, rebuild or refuse, what
+``status()`` says) are taken in this process through ``native.status()`` with the module's
+globals reset as a fresh import has them (:func:`fresh`); the case of issue 27 also runs end to
+end in a fresh interpreter, where the private directory must be gone after exit. Other owners
+are made with ``chown`` to an unused uid (and a cache this user cannot write by ``seteuid`` to
+it), so those cases need root and skip otherwise.
 """
 
+import errno
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,8 +32,8 @@ from paraprop.scan import linear_recurrence, native
 
 FOREIGN = 12345  # a uid that no account on the test machine uses
 ROOT = os.geteuid() == 0
+SYSTEM_TMP = tempfile.gettempdir()
 as_root = pytest.mark.skipif(not ROOT, reason="needs root to chown files to another uid")
-builds = pytest.mark.skipif(native._compiler() is None, reason="no C compiler to build kernels")
 
 PLANTED_C = r"""
 #include <stdio.h>
@@ -39,12 +46,22 @@ __attribute__((constructor)) static void planted(void) {
 """
 
 # Run in the subprocess: report status(), where the kernels were built, and check that a
-# native-eligible scan equals the PyTorch reference.
+# native-eligible scan equals the PyTorch reference. $PARAPROP_TEST_PREBUILT: "compile" by
+# copying that library; $PARAPROP_TEST_BREAK_BUILD: every compilation fails.
 SCRIPT = r"""
 import json, os
 import torch
 from paraprop.scan import linear_recurrence, native
 
+if os.environ.get("PARAPROP_TEST_PREBUILT"):
+    with open(os.environ["PARAPROP_TEST_PREBUILT"], "rb") as f:
+        prebuilt = f.read()
+    def _copy(cc, args):
+        if any(a.startswith("-D") for a in args):
+            raise RuntimeError("only the generic kernels are prebuilt")
+        with open(args[args.index("-o") + 1], "wb") as f:
+            f.write(prebuilt)
+    native._compile = _copy
 if os.environ.get("PARAPROP_TEST_BREAK_BUILD"):
     def _no_compiler(cc, args):
         raise RuntimeError("simulated compiler failure")
@@ -61,10 +78,80 @@ print(json.dumps({"status": status, "available": native.available(),
 """
 
 
-def run_fresh(cache: Path, marker: Path, **env) -> dict:
-    """Import paraprop in a new interpreter with ``cache`` as its kernel cache; the process must
-    exit 0 with a correct scan, and the planted library must not have run."""
-    env = {**os.environ, "PARAPROP_CACHE_DIR": str(cache),
+@pytest.fixture(scope="module")
+def build(tmp_path_factory) -> Path:
+    """The generic kernel library, compiled once for the module with the real compiler, flags
+    and sources (``native._compile_into``)."""
+    cc = native._compiler()
+    if cc is None:
+        pytest.skip("no C compiler to build kernels")
+    key, flags = native._key(cc)
+    target = tmp_path_factory.mktemp("build") / f"scan_kernels_{key}.so"
+    native._compile_into(cc, flags, target, target.with_suffix(".json"))
+    return target
+
+
+def copying(build: Path):
+    """A stand-in for ``native._compile`` that writes the module's build where the compiler
+    would have (the bytes are read now: the stand-in may run as another user)."""
+    data = build.read_bytes()
+
+    def compile_(cc, args):
+        if any(a.startswith("-D") for a in args):
+            raise RuntimeError("only the generic kernels are prebuilt")
+        Path(args[args.index("-o") + 1]).write_bytes(data)
+
+    return compile_
+
+
+def reset(monkeypatch) -> None:
+    """Put ``native``'s globals as a fresh import has them (restored after the test; the
+    descriptors of libraries loaded meanwhile stay open, as the module keeps them)."""
+    for name, value in (("_lib", None), ("_status", "not built yet"), ("_special", {}),
+                        ("_notes", []), ("_where", None), ("_private", None), ("_fds", [])):
+        monkeypatch.setattr(native, name, value)
+
+
+@pytest.fixture
+def fresh(monkeypatch, build, tmp_path) -> Path:
+    """``native`` as a fresh process sees it, in this process: nothing loaded or chosen, the
+    compiler replaced by a copy of :func:`build`, ``tempfile``'s directory a private one under
+    ``tmp_path`` (returned)."""
+    reset(monkeypatch)
+    monkeypatch.setattr(native, "_compile", copying(build))
+    monkeypatch.delenv("PARAPROP_NATIVE", raising=False)
+    tmp = directory(tmp_path / "tmp", 0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    return tmp
+
+
+def scan_check() -> None:
+    """A native-eligible scan equals the PyTorch reference (natively when the kernels load)."""
+    g = torch.Generator().manual_seed(0)
+    A = 0.5 * torch.randn(2, 30, 3, 3, generator=g, dtype=torch.float64)
+    b = torch.randn(2, 30, 3, generator=g, dtype=torch.float64)
+    got = linear_recurrence(A, b, algorithm="sequential", native=native.available() or None)
+    ref = linear_recurrence(A, b, algorithm="sequential", native=False)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def run_here(monkeypatch, cache: Path, marker: Path) -> dict:
+    """``native.status()`` in this process (after :func:`fresh`) with ``cache`` as the kernel
+    cache; the scan must be correct and the planted library must not have run."""
+    monkeypatch.setenv("PARAPROP_CACHE_DIR", str(cache))
+    monkeypatch.setenv("PARAPROP_PLANTED_MARKER", str(marker))
+    status = native.status()
+    scan_check()
+    assert not marker.exists(), "the planted library was loaded: its constructor ran"
+    return {"status": status, "available": native.available(),
+            "where": None if native._where is None else str(native._where)}
+
+
+def run_fresh(cache: Path, marker: Path, build: Path, **env) -> dict:
+    """Import paraprop in a new interpreter with ``cache`` as its kernel cache (builds copy
+    ``build``); the process must exit 0 with a correct scan, and the planted library must not
+    have run."""
+    env = {**os.environ, "PARAPROP_CACHE_DIR": str(cache), "PARAPROP_TEST_PREBUILT": str(build),
            "PARAPROP_PLANTED_MARKER": str(marker), **env}
     env.pop("PARAPROP_NATIVE", None)
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
@@ -122,8 +209,6 @@ def directory(path: Path, mode: int, uid: int | None = None) -> Path:
     return path
 
 
-@pytest.mark.slow
-@builds
 def test_control_the_planted_library_runs_when_loaded(planted, tmp_path):
     """The marker is a real witness: loading the planted library writes it."""
     marker = tmp_path / "marker"
@@ -133,9 +218,19 @@ def test_control_the_planted_library_runs_when_loaded(planted, tmp_path):
     assert marker.read_text() == "the planted library ran\n"
 
 
+def test_control_the_stand_in_compiler_gives_working_kernels(fresh, tmp_path, monkeypatch):
+    """The cases' builds are real kernels: a fresh cache is built (by copy) and used."""
+    cache = tmp_path / "cache"
+    rec = run_here(monkeypatch, cache, tmp_path / "marker")
+    assert rec == {"status": "ok", "available": True, "where": str(cache)}
+    assert native._verify(cache / library_name(),
+                          (cache / library_name()).with_suffix(".json")) is None
+
+
 # -- the cache directory is not safe: build in a private directory -------------------------------
-def private_build(rec: dict, cache: Path, reason: str) -> None:
-    """The kernels were built and used in a private directory that is gone after the process."""
+def private_build(rec: dict, cache: Path, reason: str, *, exited: bool = False) -> None:
+    """The kernels were built and used in a private directory (gone after the process when
+    it has ``exited``)."""
     status = rec["status"]
     assert rec["available"], rec
     assert status.startswith(f"ok (the kernel cache directory {cache} is not safe to load "
@@ -143,53 +238,67 @@ def private_build(rec: dict, cache: Path, reason: str) -> None:
     assert reason in status, status
     assert f"built into the private directory {rec['where']} instead" in status, status
     assert Path(rec["where"]).name.startswith("paraprop-kernels-")
-    assert not Path(rec["where"]).exists(), "the private directory was left behind"
+    if exited:
+        assert not Path(rec["where"]).exists(), "the private directory was left behind"
+    else:
+        assert oct(os.stat(rec["where"]).st_mode & 0o777) == "0o700"
 
 
 @pytest.mark.slow
-@builds
 @as_root
-def test_world_writable_cache_of_another_user_is_not_used(planted, tmp_path):
-    """The case of issue 27: another user's world-writable cache with a matching manifest."""
+def test_world_writable_cache_of_another_user_is_not_used(build, planted, tmp_path):
+    """The case of issue 27, end to end in a fresh interpreter: another user's world-writable
+    cache with a matching manifest."""
     cache = directory(tmp_path / "cache", 0o777)
     lib = plant(cache, planted, uid=FOREIGN, manifest_uid=FOREIGN)
     os.chown(cache, FOREIGN, FOREIGN)
     before = lib.read_bytes()
-    rec = run_fresh(cache, tmp_path / "marker")
-    private_build(rec, cache, f"it is owned by uid {FOREIGN}, not by this user (uid 0)")
+    rec = run_fresh(cache, tmp_path / "marker", build)
+    private_build(rec, cache, f"it is owned by uid {FOREIGN}, not by this user (uid 0)",
+                  exited=True)
     assert lib.read_bytes() == before, "a file in another user's directory was changed"
 
 
-@pytest.mark.slow
-@builds
-def test_own_world_writable_cache_is_not_used(planted, tmp_path):
-    cache = directory(tmp_path / "cache", 0o777)
-    plant(cache, planted)
-    rec = run_fresh(cache, tmp_path / "marker")
-    private_build(rec, cache, "it is writable by its group or others (mode 0o777)")
-
-
-@pytest.mark.slow
-@builds
 @as_root
-def test_cache_linked_to_another_users_directory_is_not_used(planted, tmp_path):
+def test_world_writable_cache_of_another_user_in_process(fresh, planted, tmp_path, monkeypatch):
+    cache = directory(tmp_path / "cache", 0o777)
+    lib = plant(cache, planted, uid=FOREIGN, manifest_uid=FOREIGN)
+    os.chown(cache, FOREIGN, FOREIGN)
+    rec = run_here(monkeypatch, cache, tmp_path / "marker")
+    private_build(rec, cache, f"it is owned by uid {FOREIGN}, not by this user (uid 0)")
+    assert Path(rec["where"]).parent == fresh
+    assert lib.read_bytes() == planted.read_bytes()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o770], ids=oct)
+def test_own_group_or_world_writable_cache_is_not_used(fresh, planted, tmp_path, monkeypatch,
+                                                       mode):
+    """A cache shared by a group (group-writable) is refused like a world-writable one."""
+    cache = directory(tmp_path / "cache", mode)
+    plant(cache, planted)
+    rec = run_here(monkeypatch, cache, tmp_path / "marker")
+    private_build(rec, cache, f"it is writable by its group or others (mode {oct(mode)})")
+
+
+@as_root
+def test_cache_linked_to_another_users_directory_is_not_used(fresh, planted, tmp_path,
+                                                             monkeypatch):
     theirs = directory(tmp_path / "theirs", 0o755)
     plant(theirs, planted, uid=FOREIGN, manifest_uid=FOREIGN)
     os.chown(theirs, FOREIGN, FOREIGN)
     (tmp_path / "cache").symlink_to(theirs)
-    rec = run_fresh(tmp_path / "cache", tmp_path / "marker")
+    rec = run_here(monkeypatch, tmp_path / "cache", tmp_path / "marker")
     private_build(rec, tmp_path / "cache", f"{theirs}: it is owned by uid {FOREIGN}")
 
 
-@pytest.mark.slow
-@builds
-def test_nowhere_safe_refuses_with_the_reason(planted, tmp_path):
+def test_nowhere_safe_refuses_with_the_reason(fresh, planted, tmp_path, monkeypatch):
     """An unsafe cache and an unsafe temporary directory: no kernels (the scans run on the
     PyTorch algorithms), and status() says why."""
     cache = directory(tmp_path / "cache", 0o777)
     plant(cache, planted)
-    tmp = directory(tmp_path / "tmp", 0o777)  # writable by all, no sticky bit
-    rec = run_fresh(cache, tmp_path / "marker", TMPDIR=str(tmp))
+    tmp = directory(tmp_path / "open-tmp", 0o777)  # writable by all, no sticky bit
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    rec = run_here(monkeypatch, cache, tmp_path / "marker")
     assert not rec["available"], rec
     status = rec["status"]
     assert status.startswith(f"unavailable: the kernel cache directory {cache} is not safe to "
@@ -197,7 +306,7 @@ def test_nowhere_safe_refuses_with_the_reason(planted, tmp_path):
     assert (f"and neither is a private directory {tmp}/paraprop-kernels-" in status
             and f"{tmp} is writable by its group or others without the sticky bit (mode 0o777)"
             in status and "no library is loaded" in status), status
-    assert not list(tmp.iterdir()), "the private directory was left behind"
+    assert not list(tmp.glob("*/*")), "something was built in the unsafe directory"
 
 
 # -- the cache directory is safe, a file in it is not: rebuild in place ---------------------------
@@ -207,35 +316,38 @@ REBUILD = {
     "group-writable-library": (dict(mode=0o775), "the library is writable by its group or "
                                                  "others (mode 0o775)"),
     "linked-library": (dict(link=True), "the library is a symbolic link"),
+    "foreign-manifest": (dict(manifest_uid=FOREIGN), f"its manifest is owned by uid {FOREIGN}, "
+                                                     "not by this user (uid 0) or root"),
 }
 
 
-@pytest.mark.slow
-@builds
 @pytest.mark.parametrize("case", list(REBUILD))
-def test_untrusted_file_in_a_safe_cache_is_rebuilt(planted, tmp_path, case):
+def test_untrusted_file_in_a_safe_cache_is_rebuilt(fresh, planted, tmp_path, monkeypatch, case):
     kw, reason = REBUILD[case]
     if FOREIGN in kw.values() and not ROOT:
         pytest.skip("needs root to chown files to another uid")
     cache = directory(tmp_path / "cache", 0o700)
     lib = plant(cache, planted, **kw)
-    rec = run_fresh(cache, tmp_path / "marker")
+    rec = run_here(monkeypatch, cache, tmp_path / "marker")
     assert rec["available"] and rec["where"] == str(cache), rec
     assert rec["status"] == f"ok (rebuilt the untrusted cached {lib.name}: {reason})", rec
     st = os.lstat(lib)  # replaced by a library of this user, which the next process loads
     assert not os.path.islink(lib) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
     assert native._verify(lib, lib.with_suffix(".json")) is None
     assert lib.read_bytes() != planted.read_bytes()
-    if case == "linked-library":  # the repaired cache is used as is by the next process
-        assert run_fresh(cache, tmp_path / "marker")["status"] == "ok"
+    reset(monkeypatch)  # the next process uses the repaired cache as is
+    assert run_here(monkeypatch, cache, tmp_path / "marker")["status"] == "ok"
 
 
-@pytest.mark.slow
-@builds
-def test_untrusted_file_that_cannot_be_rebuilt_is_ignored(planted, tmp_path):
+def test_untrusted_file_that_cannot_be_rebuilt_is_ignored(fresh, planted, tmp_path, monkeypatch):
     cache = directory(tmp_path / "cache", 0o700)
     lib = plant(cache, planted, mode=0o775)
-    rec = run_fresh(cache, tmp_path / "marker", PARAPROP_TEST_BREAK_BUILD="1")
+
+    def no_compiler(cc, args):
+        raise RuntimeError("simulated compiler failure")
+
+    monkeypatch.setattr(native, "_compile", no_compiler)
+    rec = run_here(monkeypatch, cache, tmp_path / "marker")
     assert not rec["available"], rec
     assert rec["status"] == (f"unavailable: the cached kernel library {lib} is untrusted (the "
                              "library is writable by its group or others (mode 0o775)) and "
@@ -243,19 +355,137 @@ def test_untrusted_file_that_cannot_be_rebuilt_is_ignored(planted, tmp_path):
     assert lib.read_bytes() == planted.read_bytes()  # left alone, and never loaded
 
 
-@pytest.mark.slow
-@builds
-def test_sticky_world_writable_parent_is_accepted(tmp_path):
+def test_sticky_world_writable_parent_is_accepted(fresh, tmp_path, monkeypatch):
     """A private cache inside a sticky world-writable directory (like /tmp) is safe: the
-    kernels are built there once and reused, no false refusal."""
+    kernels are built there once and reused by the next process, no false refusal."""
     cache = directory(tmp_path / "shared", 0o1777) / "mine"
-    first = run_fresh(cache, tmp_path / "marker")
+    first = run_here(monkeypatch, cache, tmp_path / "marker")
     assert first["status"] == "ok" and first["where"] == str(cache), first
     assert oct(os.stat(cache).st_mode & 0o777) == "0o700"  # created private
     lib = cache / library_name()
     mtime = lib.stat().st_mtime_ns
-    assert run_fresh(cache, tmp_path / "marker")["status"] == "ok"
+    reset(monkeypatch)
+    assert run_here(monkeypatch, cache, tmp_path / "marker")["status"] == "ok"
     assert lib.stat().st_mtime_ns == mtime, "a safe cached library was rebuilt"
+
+
+# -- the cache directory is safe but this user cannot write it: build privately -------------------
+def unwritable(monkeypatch, cache: Path) -> None:
+    """Make every build into ``cache`` fail as a directory without write permission does (for
+    the cases that do not need root; the real refusal is tested as another uid below)."""
+    real = native._compile_into
+
+    def compile_into(cc, flags, target, manifest):
+        if target.parent == cache:
+            raise PermissionError(errno.EACCES, "Permission denied", str(cache / ".build-x"))
+        return real(cc, flags, target, manifest)
+
+    monkeypatch.setattr(native, "_compile_into", compile_into)
+
+
+def built_privately(rec: dict, cache: Path, extra: str = "") -> None:
+    assert rec["available"], rec
+    assert rec["status"] == (f"ok (writing into the kernel cache directory {cache} failed "
+                             "(Permission denied); built into the private directory "
+                             f"{rec['where']} instead{extra})"), rec
+    assert Path(rec["where"]).name.startswith("paraprop-kernels-")
+
+
+def verified(where: Path) -> str | None:
+    """What :func:`native._verify` says of the generic library in ``where``."""
+    return native._verify(where / library_name(), where / Path(library_name()).with_suffix(".json"))
+
+
+@as_root
+def test_cache_of_root_that_this_user_cannot_write(fresh, tmp_path, monkeypatch):
+    """Root's cache, mode 0755, seen by another user (``seteuid``): trusted but not
+    writable, so the kernels are built in a private directory instead of being unavailable."""
+    base = Path(tempfile.mkdtemp(dir=SYSTEM_TMP))  # tmp_path's parents are closed to others
+    try:
+        os.chmod(base, 0o755)
+        cache = directory(base / "cache", 0o755)
+        tmp = directory(base / "tmp", 0o1777)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+        monkeypatch.setenv("PARAPROP_CACHE_DIR", str(cache))
+        if native._dir_problem(cache) is not None:
+            pytest.skip(f"{SYSTEM_TMP} is not a safe place for this case")
+        os.seteuid(FOREIGN)
+        try:
+            status, where = native.status(), native._where
+            check = verified(where)  # as that user, whose files they are
+        finally:
+            os.seteuid(0)
+        assert not list(cache.iterdir()), "something was written into the unwritable cache"
+        built_privately({"status": status, "available": native.available(),
+                         "where": str(where)}, cache)
+        assert check is None and where.parent == tmp and where.stat().st_uid == FOREIGN
+        scan_check()
+    finally:
+        shutil.rmtree(base)
+
+
+def test_unwritable_cache_builds_privately(fresh, tmp_path, monkeypatch):
+    cache = directory(tmp_path / "cache", 0o755)
+    unwritable(monkeypatch, cache)
+    rec = run_here(monkeypatch, cache, tmp_path / "marker")
+    built_privately(rec, cache)
+    assert Path(rec["where"]).parent == fresh and verified(Path(rec["where"])) is None
+    assert not list(cache.iterdir())
+
+
+def test_unwritable_cache_serves_its_good_library(fresh, build, tmp_path, monkeypatch):
+    """A library already in the unwritable cache that passes the check is loaded from it."""
+    cache = directory(tmp_path / "cache", 0o755)
+    shutil.copyfile(build, cache / build.name)
+    shutil.copyfile(build.with_suffix(".json"), cache / build.with_suffix(".json").name)
+    unwritable(monkeypatch, cache)
+    rec = run_here(monkeypatch, cache, tmp_path / "marker")
+    assert rec == {"status": "ok", "available": True, "where": str(cache)}
+    assert native._private is None, "a private directory was made for nothing"
+
+
+def test_unwritable_cache_with_an_untrusted_library(fresh, planted, tmp_path, monkeypatch):
+    """The rebuild of a planted library goes to the private directory; the planted file is
+    left alone and never loaded."""
+    cache = directory(tmp_path / "cache", 0o755)
+    lib = plant(cache, planted, mode=0o777)
+    unwritable(monkeypatch, cache)
+    rec = run_here(monkeypatch, cache, tmp_path / "marker")
+    built_privately(rec, cache, f"; rebuilt the untrusted cached {lib.name}: the library is "
+                                "writable by its group or others (mode 0o777)")
+    assert verified(Path(rec["where"])) is None
+    assert lib.read_bytes() == planted.read_bytes()
+
+
+def test_unwritable_cache_and_no_safe_private_directory(fresh, tmp_path, monkeypatch):
+    cache = directory(tmp_path / "cache", 0o755)
+    unwritable(monkeypatch, cache)
+    tmp = directory(tmp_path / "open-tmp", 0o777)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    rec = run_here(monkeypatch, cache, tmp_path / "marker")
+    assert not rec["available"], rec
+    assert rec["status"].startswith(
+        f"unavailable: writing into the kernel cache directory {cache} failed (Permission "
+        f"denied), and a private directory {tmp}/paraprop-kernels-"), rec
+    assert rec["status"].endswith(f"is not safe either ({tmp} is writable by its group or "
+                                  "others without the sticky bit (mode 0o777)); no library is "
+                                  "loaded"), rec
+
+
+def test_unwritable_cache_and_a_failing_compiler(fresh, tmp_path, monkeypatch):
+    cache = directory(tmp_path / "cache", 0o755)
+    unwritable(monkeypatch, cache)
+
+    def no_compiler(cc, args):
+        raise RuntimeError("simulated compiler failure")
+
+    monkeypatch.setattr(native, "_compile", no_compiler)
+    rec = run_here(monkeypatch, cache, tmp_path / "marker")
+    assert not rec["available"], rec
+    assert rec["status"] == (
+        f"unavailable: writing into the kernel cache directory {cache} failed (Permission "
+        f"denied), and building into the private directory {native._private} failed too "
+        "(simulated compiler failure)"), rec
 
 
 # -- the checks themselves, in process ------------------------------------------------------------

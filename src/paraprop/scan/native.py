@@ -29,10 +29,12 @@ unless it is sticky (like ``/tmp``), and symbolic links are checked where they p
 and its manifest must not be links at all). A library or manifest that fails the check in a safe
 cache directory is rebuilt in place; a cache directory that fails it is not used at all: the
 kernels are built into a private directory (``tempfile.mkdtemp``, mode 0700, removed at exit)
-for this process, and if that directory is not safe either the kernels are unavailable.
-``status()`` gives the reason in every case. The library is checked and hashed through one open
-file descriptor and loaded through that descriptor (``/proc/self/fd/N`` where it exists), so the
-bytes loaded are the bytes checked.
+for this process, and if that directory is not safe either the kernels are unavailable. A
+safe cache directory that this user cannot write (say root's, mode 0755) still serves the
+libraries in it that pass the check; a library that has to be built goes to the private
+directory instead. ``status()`` gives the reason in every case. The library is checked and
+hashed through one open file descriptor and loaded through that descriptor
+(``/proc/self/fd/N`` where it exists), so the bytes loaded are the bytes checked.
 """
 
 from __future__ import annotations
@@ -206,18 +208,36 @@ def _cache() -> Path:
     if problem is None:  # from now on the resolved path: a link swapped later is not followed
         _where = Path(os.path.realpath(root))
         return _where
+    return _go_private(f"the kernel cache directory {root} is not safe to load libraries from "
+                       f"({problem})", "and neither is a private directory {private} "
+                       "({fallback})")
+
+
+def _go_private(reason: str, neither: str) -> Path:
+    """Make the private directory (:func:`_private_dir`) the one this process builds and loads
+    kernels in, noting ``reason`` (why not the cache directory) for :func:`status`. Call with
+    ``_lock`` held.
+
+    Arguments:
+        reason: why the cache directory is not used, e.g. ``"the kernel cache directory ... is
+            not safe to load libraries from (...)"``.
+        neither: how the error continues when the private directory is not safe either, with
+            the fields ``{private}`` and ``{fallback}`` (the directory and what is wrong).
+
+    Raises:
+        RuntimeError: the private directory cannot be made or is not safe.
+    """
+    global _where
     try:
         private = _private_dir()
         fallback = _dir_problem(private)
     except OSError as e:
         private, fallback = None, f"it cannot be created ({e.strerror or e})"
     if fallback is not None:
-        raise RuntimeError(f"the kernel cache directory {root} is not safe to load libraries "
-                           f"from ({problem}), and neither is a private directory "
-                           f"{private or '(tempfile.mkdtemp)'} ({fallback}); no library is "
-                           "loaded")
-    _notes.append(f"the kernel cache directory {root} is not safe to load libraries from "
-                  f"({problem}); built into the private directory {private} instead")
+        raise RuntimeError(f"{reason}, " + neither.format(
+            private=private or "(tempfile.mkdtemp)", fallback=fallback) + "; no library is "
+            "loaded")
+    _notes.append(f"{reason}; built into the private directory {private} instead")
     _where = private
     return private
 
@@ -446,8 +466,9 @@ def _build(defines: tuple[tuple[str, int], ...] = ()) -> ctypes.CDLL:
     private one). A cached library is loaded only after :func:`_checked` accepts it (its owner,
     its mode, its manifest's size and sha256). One that fails (or that the dynamic loader
     refuses) is rebuilt, and the rebuild is noted for :func:`status` ("untrusted" or
-    "damaged"); when the rebuild fails the cached file is left alone and never loaded. Call
-    with ``_lock`` held.
+    "damaged"); when the rebuild fails the cached file is left alone and never loaded. A build
+    that cannot be written into the cache directory (``OSError``) is made in the private
+    directory instead (:func:`_compile_into_or_private`). Call with ``_lock`` held.
 
     Arguments:
         defines: ``-D`` macros, e.g. ``(("PP_FIXED_H", 8), ("PP_FIXED_K", 0))``.
@@ -457,32 +478,71 @@ def _build(defines: tuple[tuple[str, int], ...] = ()) -> ctypes.CDLL:
 
     Raises:
         RuntimeError: no compiler, the compilation failed, no safe directory (see
-            :func:`_cache`), or a damaged or untrusted cached library could not be rebuilt (the
-            message says what was wrong with it and why the rebuild failed).
+            :func:`_cache`), no directory to write the build in, or a damaged or untrusted
+            cached library could not be rebuilt (the message says what was wrong with it and
+            why the rebuild failed).
+        OSError: the first build in the private directory cannot be written.
     """
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC)")
     key, flags = _key(cc, defines)
-    target = _cache() / f"scan_kernels_{key}.so"
+    where = _cache()
+    target = where / f"scan_kernels_{key}.so"
     manifest = target.with_suffix(".json")
-    if not (os.path.lexists(target) or os.path.lexists(manifest)):
-        _compile_into(cc, flags, target, manifest)  # first build: failures propagate as is
-        return _open_built(target, manifest)
-    fd, problem = _checked(target, manifest)
-    if fd is not None:
-        try:
-            return _open(target, fd)
-        except OSError as e:  # verified bytes the loader refuses: try a fresh build once
-            problem = f"the dynamic loader refuses it ({e})"
-    what = "untrusted" if any(w in problem for w in _UNTRUSTED) else "damaged"
+    problem = None  # what is wrong with the cached library, if there is one
+    if os.path.lexists(target) or os.path.lexists(manifest):
+        fd, problem = _checked(target, manifest)
+        if fd is not None:
+            try:
+                return _open(target, fd)
+            except OSError as e:  # verified bytes the loader refuses: try a fresh build once
+                problem = f"the dynamic loader refuses it ({e})"
+    what = problem and ("untrusted" if any(w in problem for w in _UNTRUSTED) else "damaged")
     try:
-        _compile_into(cc, flags, target, manifest)
+        built = _compile_into_or_private(cc, flags, target, manifest)
     except Exception as e:
+        if problem is None:  # first build: failures propagate as is
+            raise
         raise RuntimeError(f"the cached kernel library {target} is {what} ({problem}) and "
                            f"rebuilding it failed ({e}); it is ignored") from e
-    _notes.append(f"rebuilt the {what} cached {target.name}: {problem}")
-    return _open_built(target, manifest)
+    if problem is not None:
+        _notes.append(f"rebuilt the {what} cached {target.name}: {problem}")
+    return _open_built(*built)
+
+
+def _compile_into_or_private(cc: str, flags: list[str], target: Path,
+                             manifest: Path) -> tuple[Path, Path]:
+    """:func:`_compile_into` ``target`` and ``manifest``; when that fails with an ``OSError`` (a
+    cache directory that is safe but that this user cannot write, e.g. root's, mode 0755, or a
+    full disk), in the private directory instead (:func:`_go_private`, noted for
+    :func:`status`). Call with ``_lock`` held.
+
+    Returns:
+        The paths of the library and manifest built.
+
+    Raises:
+        RuntimeError: the compilation failed, or the private directory is not safe, or
+            building there failed too (the message gives both reasons).
+        OSError: writing into the private directory (already in use) failed.
+    """
+    try:
+        _compile_into(cc, flags, target, manifest)
+        return target, manifest
+    except OSError as e:
+        if _private is not None and target.parent == _private:
+            raise
+        reason = (f"writing into the kernel cache directory {target.parent} failed "
+                  f"({e.strerror or e})")
+        private = _go_private(reason, "and a private directory {private} is not safe either "
+                                      "({fallback})")
+    target, manifest = private / target.name, private / manifest.name
+    try:
+        _compile_into(cc, flags, target, manifest)
+    except Exception as e2:
+        raise RuntimeError(f"{reason}, and building into the private directory {private} "
+                           f"failed too ({e2})") from e2
+    return target, manifest
 
 
 def _open_built(target: Path, manifest: Path) -> ctypes.CDLL:
@@ -544,8 +604,9 @@ def status() -> str:
     Returns:
         ``"ok"`` when the kernels are loaded and nothing went wrong; ``"ok (...)"`` when they
         are loaded but this process built them in a private directory because the cache
-        directory is not safe, rebuilt a damaged or untrusted cached library, or fell back to
-        the generic kernels for a specialised build (the parentheses say which and why);
+        directory is not safe or cannot be written, rebuilt a damaged or untrusted cached
+        library, or fell back to the generic kernels for a specialised build (the parentheses
+        say which and why);
         ``"disabled by PARAPROP_NATIVE=0"`` or ``"unavailable: <reason>"`` otherwise, e.g. no
         compiler, a failed build, no safe directory to build in, or a damaged or untrusted
         cached library that could not be rebuilt.
