@@ -1,9 +1,14 @@
 """Faults in the native kernel cache: a damaged cached library is rebuilt or ignored, never loaded.
 
-Loading a truncated shared library kills the process with SIGBUS, so every case runs in a fresh
-subprocess whose cache directory (``$PARAPROP_CACHE_DIR``) is a copy of one built once per
-module, damaged in one way. The subprocess must exit 0, its scan must equal the PyTorch
-reference, and ``native.status()`` must say what happened.
+The kernels are compiled once for the module (:func:`built_cache`); every case copies that
+cache, damages it in one way, and every build the case triggers copies the module's library
+instead of running the compiler (``native._compile`` replaced). The decisions are taken in this
+process through ``native.status()`` with the module's globals reset as a fresh import has them
+(:func:`fresh`). Loading a truncated shared library kills the process with SIGBUS, so here the
+loader (``native._open``) is guarded: it only ever receives the bytes of the module's build, and
+anything else is recorded and refused (the case then fails) instead of being mapped. The
+concurrent builders run as real processes (a scan in each, checked against the PyTorch
+reference), repairing one truncated cache at once.
 """
 
 import json
@@ -19,19 +24,28 @@ import torch
 
 from paraprop.scan import linear_recurrence, native
 
-# The tests that build the kernels (in subprocesses).
-builds = pytest.mark.skipif(native._compiler() is None, reason="no C compiler to build kernels")
-
-# Run in the subprocess: argv = [output file, "break" to make every compilation fail, or "ok"].
+# Run in the subprocess: argv = [output file, barrier directory, number of processes]. Every
+# "compilation" copies $PARAPROP_TEST_PREBUILT, once all the processes have reached it (each
+# leaves a file in the barrier directory and waits for the others, 60 s at most), so that their
+# builds overlap.
 SCRIPT = r"""
-import json, sys
+import json, os, sys, time
 import torch
 from paraprop.scan import linear_recurrence, native
 
-if sys.argv[2] == "break":
-    def _no_compiler(cc, args):
-        raise RuntimeError("simulated compiler failure")
-    native._compile = _no_compiler
+with open(os.environ["PARAPROP_TEST_PREBUILT"], "rb") as f:
+    prebuilt = f.read()
+barrier, n = sys.argv[2], int(sys.argv[3])
+def _copy(cc, args):
+    if any(a.startswith("-D") for a in args):
+        raise RuntimeError("only the generic kernels are prebuilt")
+    open(os.path.join(barrier, str(os.getpid())), "w").close()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(barrier)) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with open(args[args.index("-o") + 1], "wb") as f:
+        f.write(prebuilt)
+native._compile = _copy
 status = native.status()
 g = torch.Generator().manual_seed(0)
 A = 0.5 * torch.randn(2, 40, 4, 4, generator=g, dtype=torch.float64)
@@ -44,29 +58,17 @@ print(json.dumps({"status": status, "available": native.available()}))
 """
 
 
-def run_fresh(cache: Path, out: Path, *, break_build: bool = False,
-              wait: bool = True) -> dict | subprocess.Popen:
-    """Import paraprop in a new interpreter with ``cache`` as its kernel cache, take
-    ``native.status()`` and run a dense and a diagonal native-eligible scan; check that it exits
-    0 and that both scans equal the non-native reference. Returns the status record (or the
-    running process when ``wait`` is False)."""
-    env = {**os.environ, "PARAPROP_CACHE_DIR": str(cache)}
-    env.pop("PARAPROP_NATIVE", None)
-    argv = [sys.executable, "-c", SCRIPT, str(out), "break" if break_build else "ok"]
-    if not wait:
-        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
-    return check_result(proc.returncode, proc.stdout, proc.stderr, out)
+def check_scans(A, a, b, dense, diag) -> None:
+    ref_dense = linear_recurrence(A, b, algorithm="sequential", native=False)
+    ref_diag = linear_recurrence(a, b, algorithm="sequential", native=False)
+    torch.testing.assert_close(dense, ref_dense, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(diag, ref_diag, rtol=1e-10, atol=1e-12)
 
 
 def check_result(returncode: int, stdout: str, stderr: str, out: Path) -> dict:
     assert returncode == 0, f"subprocess died with {returncode}: {stderr[-3000:]}"
     res = torch.load(out, weights_only=True)
-    ref_dense = linear_recurrence(res["A"], res["b"], algorithm="sequential", native=False)
-    ref_diag = linear_recurrence(res["a"], res["b"], algorithm="sequential", native=False)
-    torch.testing.assert_close(res["dense"], ref_dense, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(res["diag"], ref_diag, rtol=1e-10, atol=1e-12)
+    check_scans(res["A"], res["a"], res["b"], res["dense"], res["diag"])
     return json.loads(stdout.strip().splitlines()[-1])
 
 
@@ -86,14 +88,103 @@ def assert_healthy(cache: Path) -> None:
 
 @pytest.fixture(scope="module")
 def built_cache(tmp_path_factory) -> Path:
-    """A kernel cache built once, by a fresh process, for every test to copy."""
+    """A kernel cache holding the generic library, compiled once for the module with the real
+    compiler, flags and sources (``native._compile_into``), for every case to copy."""
+    cc = native._compiler()
+    if cc is None:
+        pytest.skip("no C compiler to build kernels")
     cache = tmp_path_factory.mktemp("native-cache")
-    rec = run_fresh(cache, tmp_path_factory.mktemp("out") / "r.pt")
-    if not rec["status"].startswith("ok"):
-        pytest.skip(f"the native kernels do not build here: {rec['status']}")
-    assert rec["status"] == "ok" and rec["available"]
+    os.chmod(cache, 0o700)
+    key, flags = native._key(cc)
+    target = cache / f"scan_kernels_{key}.so"
+    native._compile_into(cc, flags, target, target.with_suffix(".json"))
     assert_healthy(cache)
     return cache
+
+
+def reset(monkeypatch) -> None:
+    """Put ``native``'s globals as a fresh import has them (restored after the test; the
+    descriptors of libraries loaded meanwhile stay open, as the module keeps them)."""
+    for name, value in (("_lib", None), ("_status", "not built yet"), ("_special", {}),
+                        ("_notes", []), ("_where", None), ("_private", None), ("_fds", [])):
+        monkeypatch.setattr(native, name, value)
+
+
+class Fresh:
+    """``native`` as a fresh process sees it, in this process (see :func:`fresh`)."""
+
+    def __init__(self, monkeypatch, good: bytes):
+        self.monkeypatch, self.good, self.refused = monkeypatch, good, []
+
+    def compile(self, cc, args) -> None:
+        """Stand-in for ``native._compile``: writes the module's build."""
+        if any(a.startswith("-D") for a in args):
+            raise RuntimeError("only the generic kernels are prebuilt")
+        Path(args[args.index("-o") + 1]).write_bytes(self.good)
+
+    def open(self, target, fd):
+        """Guard of ``native._open``: only the module's build reaches the dynamic loader."""
+        if os.pread(fd, len(self.good) + 1, 0) != self.good:
+            self.refused.append(str(target))
+            os.close(fd)
+            raise OSError(f"the test's guard refused to load {target}: not the module's build")
+        return self.real_open(target, fd)
+
+    def run(self, cache: Path) -> dict:
+        """``native.status()`` with ``cache`` as the kernel cache, a dense and a diagonal scan
+        (native when the kernels load) checked against the PyTorch reference; nothing but the
+        module's build was offered to the loader."""
+        self.monkeypatch.setenv("PARAPROP_CACHE_DIR", str(cache))
+        status = native.status()
+        g = torch.Generator().manual_seed(0)
+        A = 0.5 * torch.randn(2, 40, 4, 4, generator=g, dtype=torch.float64)
+        a = torch.rand(2, 40, 4, generator=g, dtype=torch.float64)
+        b = torch.randn(2, 40, 4, generator=g, dtype=torch.float64)
+        use = native.available() or None
+        check_scans(A, a, b, linear_recurrence(A, b, algorithm="sequential", native=use),
+                    linear_recurrence(a, b, algorithm="sequential", native=use))
+        assert not self.refused, f"a file other than a fresh build reached the loader: " \
+                                 f"{self.refused}"
+        return {"status": status, "available": native.available()}
+
+    def restart(self) -> None:
+        """As if the next process started."""
+        reset(self.monkeypatch)
+
+
+@pytest.fixture
+def fresh(monkeypatch, built_cache) -> Fresh:
+    """``native`` with its globals reset, the compiler replaced by a copy of the module's build
+    and the loader guarded (:class:`Fresh`)."""
+    f = Fresh(monkeypatch, entry(built_cache)[0].read_bytes())
+    f.real_open = native._open
+    reset(monkeypatch)
+    monkeypatch.setattr(native, "_compile", f.compile)
+    monkeypatch.setattr(native, "_open", f.open)
+    monkeypatch.delenv("PARAPROP_NATIVE", raising=False)
+    return f
+
+
+def test_control_a_copy_of_the_module_cache_is_used_as_is(fresh, built_cache, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(built_cache, cache)
+    lib = entry(cache)[0]
+    mtime = lib.stat().st_mtime_ns
+    assert fresh.run(cache) == {"status": "ok", "available": True}
+    assert lib.stat().st_mtime_ns == mtime and native._where == cache
+
+
+def test_control_the_guard_refuses_other_bytes(fresh, built_cache, tmp_path):
+    """The guard is a real witness: a library that passes the check but is not the module's
+    build (here: its manifest rewritten to match damaged bytes) is caught at the loader."""
+    cache = damaged_copy(built_cache, tmp_path, "same-size-corrupt")
+    lib, manifest = entry(cache)
+    size, sha = native._digest(lib)
+    manifest.write_text(json.dumps({"version": 1, "library": lib.name, "size": size,
+                                    "sha256": sha}))
+    with pytest.raises(AssertionError, match="a file other than a fresh build reached the "
+                                             "loader"):
+        fresh.run(cache)
 
 
 def truncate(lib: Path, manifest: Path) -> None:
@@ -141,48 +232,64 @@ def damaged_copy(built_cache: Path, tmp_path: Path, how: str) -> Path:
     return cache
 
 
-@pytest.mark.slow
-@builds
 @pytest.mark.parametrize("how", list(DAMAGE))
-def test_damaged_cache_is_rebuilt(built_cache, tmp_path, how):
+def test_damaged_cache_is_rebuilt(fresh, built_cache, tmp_path, how):
     cache = damaged_copy(built_cache, tmp_path, how)
-    rec = run_fresh(cache, tmp_path / "r.pt")
+    rec = fresh.run(cache)
     assert rec["available"]
     assert rec["status"].startswith("ok (rebuilt the damaged cached scan_kernels_"), rec
     assert re.search(DAMAGE[how][1], rec["status"]), rec["status"]
     assert_healthy(cache)
-    if how == "truncated":  # the repaired cache is used as is by the next process
-        assert run_fresh(cache, tmp_path / "r2.pt")["status"] == "ok"
+    fresh.restart()  # the repaired cache is used as is by the next process
+    assert fresh.run(cache)["status"] == "ok"
 
 
-@pytest.mark.slow
-@builds
 @pytest.mark.parametrize("how", ["truncated", "garbage-manifest"])
-def test_damaged_cache_that_cannot_be_rebuilt_is_ignored(built_cache, tmp_path, how):
+def test_damaged_cache_that_cannot_be_rebuilt_is_ignored(fresh, built_cache, tmp_path,
+                                                         monkeypatch, how):
     cache = damaged_copy(built_cache, tmp_path, how)
-    rec = run_fresh(cache, tmp_path / "r.pt", break_build=True)  # correct via the fallback
+    before = {p.name: p.read_bytes() for p in cache.iterdir()}
+
+    def no_compiler(cc, args):
+        raise RuntimeError("simulated compiler failure")
+
+    monkeypatch.setattr(native, "_compile", no_compiler)
+    rec = fresh.run(cache)  # correct via the fallback
     assert not rec["available"]
     status = rec["status"]
     assert status.startswith("unavailable: the cached kernel library "), status
     assert "is damaged (" in status and "rebuilding it failed (simulated compiler failure)" \
         in status and "it is ignored" in status, status
-    # the damaged file was left alone and is still refused by the next (working) process
-    assert run_fresh(cache, tmp_path / "r2.pt")["status"].startswith("ok (rebuilt")
+    assert {p.name: p.read_bytes() for p in cache.iterdir()} == before  # left alone
+    # and still refused by the next (working) process
+    fresh.restart()
+    monkeypatch.setattr(native, "_compile", fresh.compile)
+    assert fresh.run(cache)["status"].startswith("ok (rebuilt")
 
 
 @pytest.mark.slow
-@builds
 def test_concurrent_builders(built_cache, tmp_path):
-    """Three processes repairing one truncated cache at once all get correct results, and the
-    cache they leave verifies."""
+    """Two processes repairing one truncated cache at the same time (their builds held until
+    both are in one) both get correct results from the real loader, and the cache they leave
+    verifies."""
     cache = damaged_copy(built_cache, tmp_path, "truncated")
-    outs = [tmp_path / f"r{i}.pt" for i in range(3)]
-    procs = [run_fresh(cache, out, wait=False) for out in outs]
+    env = {**os.environ, "PARAPROP_CACHE_DIR": str(cache),
+           "PARAPROP_TEST_PREBUILT": str(entry(built_cache)[0])}
+    env.pop("PARAPROP_NATIVE", None)
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    outs = [tmp_path / f"r{i}.pt" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(out), str(barrier),
+                               str(len(outs))], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for out in outs]
     for proc, out in zip(procs, outs, strict=True):
         stdout, stderr = proc.communicate(timeout=300)
         rec = check_result(proc.returncode, stdout, stderr, out)
-        assert rec["available"] and rec["status"].startswith("ok"), rec
+        assert rec["available"] and rec["status"].startswith("ok (rebuilt the damaged"), rec
+    assert len(list(barrier.iterdir())) == len(outs), "the builds did not both run"
     assert_healthy(cache)
+    assert entry(cache)[0].read_bytes() == entry(built_cache)[0].read_bytes()
     assert not list(cache.glob(".build-*")), "a temporary build directory was left behind"
 
 
