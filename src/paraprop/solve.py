@@ -189,8 +189,9 @@ def _history(residuals: list, device) -> torch.Tensor:
     one transfer at the end instead of one per iteration."""
     if not residuals:
         return torch.zeros(0, dtype=torch.float64)
-    return torch.stack([torch.as_tensor(r, dtype=torch.float64, device=device).reshape(())
-                        for r in residuals]).cpu()
+    if all(isinstance(r, torch.Tensor) for r in residuals):
+        return torch.stack(residuals).to(torch.float64).cpu()
+    return torch.tensor([float(r) for r in residuals], dtype=torch.float64)
 
 
 def _validate(fn, x0, dim, tol, norm, max_iters, callback) -> tuple[int, int]:

@@ -57,8 +57,17 @@ class System:
         self.iteration = 0  # set by the driver, used in error messages
         self.used: set[str] = set()  # the hooks whose values entered the iterate
         self.kept = 0  # non-finite values of non-final positions replaced by the old ones
-        self.nonfinite = False  # the last call's values may hold NaN or inf
+        self._local = threading.local()  # per thread: whether its last call saw NaN or inf
         self._prefix = (0, None)  # (lo, checksum of the final positions < lo), see _call
+
+    @property
+    def nonfinite(self) -> bool:
+        """Whether the last call (of this thread) returned values that may hold NaN or inf."""
+        return getattr(self._local, "nonfinite", False)
+
+    @nonfinite.setter
+    def nonfinite(self, value: bool) -> None:
+        self._local.nonfinite = value
 
     # -- layout -------------------------------------------------------------------------------
     def canon(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,6 +166,11 @@ class System:
         off where the caller passes a private copy, and for the reference loop. ``check``: the
         output is checked for NaN/inf, in ``self.nonfinite`` (off for the reference loop, which
         checks its result once at the end)."""
+        if not (guard or check):   # the reference loop: the user's own loop checks nothing
+            y = call(self.user(xc))
+            if shape is not None:
+                self._check_output(y, shape, HOOKS[hook])
+            return y
         hi = xc.shape[1] if span is None else span[1]
         before = self._checksum_before(xc, span) if guard else None
         y = call(self.user(xc))
@@ -167,7 +181,7 @@ class System:
         if guard:
             after = checksum(xc[:, :hi])
         if xc.device.type == "cpu":    # on the host each check is one operator
-            mutated = guard and int(after) != int(before)
+            mutated = guard and not torch.equal(after, before)
             nonfinite = check and not math.isfinite(float(y.sum()))
         elif guard or check:           # on an accelerator: one transfer for both
             no = torch.zeros((), dtype=torch.bool, device=xc.device)
@@ -196,8 +210,9 @@ class System:
         upto, value = self._prefix
         if upto > lo or value is None:
             upto, value = 0, checksum(xc[:, :0])
-        value = value + checksum(xc[:, upto:lo])   # the positions final since the last call
-        self._prefix = (lo, value)
+        if upto < lo:
+            value = value + checksum(xc[:, upto:lo])   # the positions final since the last call
+            self._prefix = (lo, value)
         return value + checksum(xc[:, lo:hi])
 
     def _count(self, positions: int) -> None:
@@ -239,7 +254,8 @@ class System:
     def keep_finite(self, new: torch.Tensor, old: torch.Tensor, first, positions: torch.Tensor,
                     active: torch.Tensor | None = None):
         """Deal with NaN/inf in freshly computed values ``new`` ``(B, n, F)`` of the flat
-        ``positions`` ``(n,)``, whose previous values are ``old``.
+        ``positions`` ``(n,)``, whose previous values are ``old`` (or a callable returning them,
+        called only when needed).
 
         A value of a position ``<= first`` (``first``: int or ``(B,)``, the first position that
         is not final; it was computed from final inputs only) is the map's own: the sequential
@@ -251,6 +267,8 @@ class System:
         """
         if not self.nonfinite:
             return new, None
+        if callable(old):
+            old = old()
         bad = ~torch.isfinite(new)
         badpos = bad.any(dim=2)
         if not bool(badpos.any()):  # the sum overflowed, the values are fine

@@ -57,7 +57,7 @@ class GSJacobi:
         vals = system.window(state.x, lo, hi)
         e["sweep"] += 1
         # positions < lo + sweep - 1 are final; position lo + sweep - 1 is computed from them
-        vals, kept = system.keep_finite(vals, state.x[:, lo:hi], lo + e["sweep"] - 1,
+        vals, kept = system.keep_finite(vals, lambda: state.x[:, lo:hi], lo + e["sweep"] - 1,
                                         e["index"][lo:hi], state.active)
         accept(system, state, lo, hi, vals, tol, norm, exact=e["sweep"] - 1,
                budget=tol * (hi - lo) / system.T, kept=kept)

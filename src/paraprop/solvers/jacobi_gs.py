@@ -123,8 +123,8 @@ class JacobiGS:
         guard = not system.fast
         for index in state.extra["offsets"]:
             vals = system.update(work, index, guard=guard)
-            vals, k = system.keep_finite(vals, work.index_select(1, index), first, index,
-                                         state.active)
+            vals, k = system.keep_finite(vals, lambda index=index: work.index_select(1, index),
+                                         first, index, state.active)
             kept = _merge(kept, k)
             work.index_copy_(1, index, vals)
         return work, kept
@@ -140,8 +140,9 @@ class JacobiGS:
                 kept = None
                 for index in share:
                     vals = system.update(mine, index, guard=False)
-                    vals, k = system.keep_finite(vals, mine.index_select(1, index), first,
-                                                 index, state.active)
+                    vals, k = system.keep_finite(
+                        vals, lambda index=index: mine.index_select(1, index), first, index,
+                        state.active)
                     kept = _merge(kept, k)
                     mine.index_copy_(1, index, vals)
             return mine, kept

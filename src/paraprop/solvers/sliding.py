@@ -169,9 +169,9 @@ class SlidingJacobi:
         # a value computed from inputs within est of the sequential ones is within est plus
         # one rounding flip of the sequential value: the floor of the dtype at the values' scale
         vals = state.x[:, start:stop]
-        per = vals.abs().amax(2) if norm == "max" else \
-            torch.linalg.vector_norm(vals.to(torch.float64), dim=2)
-        floor = (per.amax(1).to(torch.float64) * torch.finfo(vals.dtype).eps)[:, None]
+        per = vals.abs().amax(dim=(1, 2)) if norm == "max" else \
+            torch.linalg.vector_norm(vals.to(torch.float64), dim=2).amax(1)
+        floor = (per.to(torch.float64) * torch.finfo(vals.dtype).eps)[:, None]
         cand = raw + floor
         growth = _hook_tensor(system, "growth")
         g = None
@@ -181,9 +181,6 @@ class SlidingJacobi:
             g = growth.gather(1, new_final.clamp(max=T - 1)[:, None]).to(cand.dtype)
             cand = cand * g
         m = freeze_budget(cand, tol, T)
-        m0 = freeze_budget(raw if g is None else raw * g, tol, T)  # without the floor
-        state.rule.blocked = torch.maximum(
-            state.rule.blocked, torch.where(act & (m0 > m), floor[:, 0], 0.0).amax())
         froze = act & (m > 0)
         block = ar < m[:, None]
         worst = torch.where(block, raw, torch.zeros_like(raw)).amax(1)

@@ -60,9 +60,9 @@ class ContractionRule:
         nan = torch.full((B,), float("nan"), dtype=dtype, device=device)
         self.d_prev = nan                  # d_{k-1}
         # the previous RATES - 1 ratios d_j / d_{j-1}, newest first (0 before they exist), and
-        # their denominators d_{j-1} (NaN before they exist)
+        # their denominators d_{j-1} (inf before they exist: a missing ratio restricts nothing)
         self.q_prev = torch.zeros(RATES - 1, B, dtype=dtype, device=device)
-        self.den_prev = torch.full((RATES - 1, B), float("nan"), dtype=dtype, device=device)
+        self.den_prev = torch.full((RATES - 1, B), float("inf"), dtype=dtype, device=device)
         # the largest rounding floor that kept a sample from stopping (0: none did)
         self.blocked = torch.zeros((), dtype=dtype, device=device)
 
@@ -70,7 +70,7 @@ class ContractionRule:
         """Forget the history: a new problem starts (the next block of GS-Jacobi)."""
         self.d_prev.fill_(float("nan"))
         self.q_prev.zero_()
-        self.den_prev.fill_(float("nan"))
+        self.den_prev.fill_(float("inf"))
 
     def _record(self, d, q, den, active) -> None:
         q = torch.nan_to_num(q, nan=0.0)
@@ -103,30 +103,30 @@ class ContractionRule:
         d = d.to(self.d_prev.dtype)
         den = self.d_prev
         q_now = d / den if rate is None else rate.to(d.dtype)
+        small = d <= tol
         # no sample can stop: record and go on (on a CPU the test is free and saves the
         # estimate; on an accelerator it would cost a synchronisation, so it is skipped there)
-        if d.device.type == "cpu" and not bool(((d <= tol) & active).any()):
+        if d.device.type == "cpu" and not bool((small & active).any()):
             self._record(d, q_now, den, active)
             return torch.zeros_like(active), torch.full_like(d, float("inf"))
         r = floor() if callable(floor) else floor
         r = torch.zeros_like(d) if r is None else r.to(d.dtype)
-        inf = torch.full_like(d, float("inf"))
         signal = NOISE * r
-        # the current ratio: NaN on the first iteration (no estimate yet), inf where its
-        # denominator is noise; earlier ones: ignored before they exist, inf where noise
-        q = torch.where(den > signal, q_now, torch.where(den.isnan(), q_now, inf))
-        older = torch.where(self.den_prev.isnan(), torch.zeros_like(self.q_prev),
-                            torch.where(self.den_prev > signal, self.q_prev, inf))
-        rate = torch.maximum(q, older.amax(0))   # NaN propagates: no estimate yet
-        est = torch.where(rate < 1, (rate * d + r) / (1 - rate), inf)
-        est = torch.where(d == 0, torch.zeros_like(d), est)
+        # a ratio over a denominator at the noise level is no estimate (the first iteration's
+        # ratio is NaN: none yet; a missing older one, over a NaN or inf denominator, is 0)
+        trusted = torch.where(den <= signal, torch.inf, q_now)   # NaN q_now: no estimate yet
+        older = torch.where(self.den_prev <= signal, torch.inf, self.q_prev).amax(0)
+        q = torch.maximum(trusted, older)
+        zero = d == 0
+        est = torch.where(q < 1, (q * d + r) / (1 - q), torch.inf).masked_fill_(zero, 0.0)
         limit = tol if budget is None else budget
-        stop = (d == 0) | ((d <= tol) & (est <= limit))
-        # a sample that the estimate in exact arithmetic would have stopped
-        raw = torch.maximum(q_now, self.q_prev.amax(0))
-        exact_est = torch.where(raw < 1, raw / (1 - raw) * d, inf)
-        held = active & ~stop & (d <= tol) & (exact_est <= limit)
-        self.blocked = torch.maximum(self.blocked, torch.where(held, r, 0.0).amax())
+        stop = zero | (small & (est <= limit))
+        held = active & small & ~stop
+        if d.device.type != "cpu" or bool(held.any()):
+            # held by the rounding: the estimate in exact arithmetic would have stopped it
+            raw = torch.maximum(q_now, self.q_prev.amax(0))
+            held = held & (raw < 1) & (raw / (1 - raw) * d <= limit)
+            self.blocked = torch.maximum(self.blocked, torch.where(held, r, 0.0).amax())
         self._record(d, q_now, den, active)
         return stop & active, est
 
