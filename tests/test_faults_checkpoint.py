@@ -336,6 +336,18 @@ def charlm_dir(tmp_path) -> Path:
                        r"layers\)"),
     ("n_head", 0, r"n_head must be a positive int, got 0"),
     ("model_type", "t5", r"model_type='t5', not 'gpt2'"),
+    # not among the sizes checked first: found by the model built on the meta device
+    ("n_inner", 10**8, r"n_inner=100000000 does not match the weights "
+                       r"\(transformer.h.0.mlp.c_fc.weight in model.safetensors has shape "
+                       r"\[8, 32\], the config makes it \[8, 100000000\]\); refused before "
+                       r"building the model"),
+    ("n_inner", 31, r"n_inner=31 does not match the weights \(transformer.h.0.mlp.c_fc.weight "
+                    r"in model.safetensors has shape \[8, 32\], the config makes it \[8, 31\]"),
+    ("n_inner", "x", r"n_inner must be null or a positive int, got 'x'"),
+    ("n_inner", 0, r"n_inner must be null or a positive int, got 0"),
+    ("activation_function", "nope", r"transformers cannot build a GPT-2 from it "
+                                    r"\(activation_function=\"nope\" is not known to it\) "
+                                    r"\(KeyError: 'nope'\)"),
 ])
 def test_charlm_config_is_checked_against_the_weights(charlm_dir, field, value, match):
     from paraprop.models.charlm import load_charlm
@@ -345,6 +357,77 @@ def test_charlm_config_is_checked_against_the_weights(charlm_dir, field, value, 
     (charlm_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"lm/config.json: " + match):
         load_charlm(charlm_dir)
+
+
+def test_charlm_absurd_inner_size_is_refused_before_allocating(charlm_dir, monkeypatch):
+    """The reviewer's case: n_inner=10**8 is a ValueError naming config.json and the field,
+    raised before transformers builds (or allocates) anything."""
+    import transformers
+
+    from paraprop.models.charlm import load_charlm
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "from_pretrained", no_loading)
+    cfg = json.loads((charlm_dir / "config.json").read_text())
+    (charlm_dir / "config.json").write_text(json.dumps(dict(cfg, n_inner=10**8)))
+    with pytest.raises(ValueError, match=r"lm/config.json: n_inner=100000000 does not match"):
+        load_charlm(charlm_dir)
+
+
+def test_charlm_default_inner_size_against_other_weights(tmp_path):
+    """Weights of n_inner=20 under a config that leaves n_inner null (4 n_embd = 32): the
+    fields that decide the tensor's size are named."""
+    pytest.importorskip("transformers")
+    from paraprop.data.text import CharVocab
+    from paraprop.models.charlm import char_gpt2, load_charlm, save_charlm
+
+    vocab = CharVocab("abc?")
+    model = char_gpt2(len(vocab), width=8, layers=1, heads=2, context=16)
+    model.config.n_inner = 20
+    d = save_charlm(type(model)(model.config), vocab, tmp_path / "lm")
+    assert load_charlm(d)[0].config.n_inner == 20  # saved and loaded as it is
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, n_inner=None)))
+    with pytest.raises(ValueError, match=r"lm/config.json: n_embd=8, n_inner=null does not "
+                                         r"match the weights \(transformer.h.0.mlp.c_fc.weight "
+                                         r"in model.safetensors has shape \[8, 20\], the "
+                                         r"config makes it \[8, 32\]\)"):
+        load_charlm(d)
+
+
+def test_charlm_weights_missing_or_with_extra_tensors(charlm_dir):
+    """A tensor the config has but the weights lack is refused (transformers would fill it
+    with random values), and so is one the config does not have; a tied tensor saved once is
+    fine."""
+    from safetensors.torch import load_file, save_file
+
+    from paraprop.models.charlm import load_charlm
+
+    weights = charlm_dir / "model.safetensors"
+    good = load_file(weights)
+    assert "lm_head.weight" not in good  # tied to transformer.wte.weight, saved once
+    save_file({k: v for k, v in good.items() if k != "transformer.h.1.ln_2.bias"}, weights)
+    with pytest.raises(ValueError, match=r"lm/model.safetensors: no tensor "
+                                         r"transformer.h.1.ln_2.bias \(shape \[8\]\), which a "
+                                         r"GPT-2 of config.json has; not the weights of this "
+                                         r"config"):
+        load_charlm(charlm_dir)
+    save_file({**good, "transformer.h.0.extra": torch.zeros(3)}, weights)
+    with pytest.raises(ValueError, match=r"lm/model.safetensors: holds a tensor "
+                                         r"transformer.h.0.extra \(shape \[3\]\) that a GPT-2 "
+                                         r"of config.json does not have"):
+        load_charlm(charlm_dir)
+    cfg = json.loads((charlm_dir / "config.json").read_text())
+    (charlm_dir / "config.json").write_text(json.dumps(dict(cfg, tie_word_embeddings=False)))
+    save_file(good, weights)
+    with pytest.raises(ValueError, match=r"lm/model.safetensors: no tensor lm_head.weight "
+                                         r"\(shape \[4, 8\]\)"):
+        load_charlm(charlm_dir)
+    (charlm_dir / "config.json").write_text(json.dumps(cfg))
+    model, _ = load_charlm(charlm_dir)
+    assert torch.equal(model.lm_head.weight, good["transformer.wte.weight"])
 
 
 def test_charlm_files_that_are_not_a_char_lm(charlm_dir):

@@ -76,13 +76,22 @@ def _weight_shapes(path: Path) -> dict[str, list[int]]:
 
 
 def _check_sizes(path: Path, cfg: dict, shapes: dict, vocab: CharVocab) -> None:
-    """Check the config's sizes against the weights' shapes and the vocabulary, before any
-    model is built: a config that asks for more than the weights hold is refused by field."""
+    """Check the config's sizes against the weights' shapes and the vocabulary, before the
+    model is built: a config that asks for more than the weights hold is refused by field.
+
+    First the sizes that make big tensors or many modules (vocabulary, positions, width,
+    layers) are compared with the weights without building anything; then the model is built
+    on the ``meta`` device (no memory) and every tensor of its state dict is compared with the
+    safetensors header (:func:`_compare_with_meta`).
+    """
     conf = path / "config.json"
     for k in _SIZES:
         v = cfg.get(k)
         if not checks.is_int(v) or v < 1:
             raise ValueError(f"{conf}: {k} must be a positive int, got {v!r}")
+    inner = cfg.get("n_inner")
+    if inner is not None and (not checks.is_int(inner) or inner < 1):
+        raise ValueError(f"{conf}: n_inner must be null or a positive int, got {inner!r}")
     want = {"transformer.wte.weight": ("vocab_size", "n_embd"),
             "transformer.wpe.weight": ("n_positions", "n_embd")}
     for key, fields in want.items():
@@ -106,6 +115,92 @@ def _check_sizes(path: Path, cfg: dict, shapes: dict, vocab: CharVocab) -> None:
     if len(vocab) != cfg["vocab_size"]:
         raise ValueError(f"{path / 'vocab.json'}: {len(vocab)} characters, but config.json says "
                          f"vocab_size={cfg['vocab_size']}")
+    _compare_with_meta(path, cfg, shapes)
+
+
+def _meta_state(cfg: dict) -> dict:
+    """The state dict of ``GPT2LMHeadModel`` built from ``cfg`` on the ``meta`` device (shapes
+    only, no memory), its tied entries included."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config.from_dict(cfg))
+    return model.state_dict(keep_vars=True)
+
+
+def _compare_with_meta(path: Path, cfg: dict, shapes: dict) -> None:
+    """Every tensor the config makes (built on ``meta``) against the safetensors header: the
+    same names (a tied tensor may be saved once, the names transformers ignores on loading may
+    be extra) and the same shapes; a difference is refused naming the tensor and the config
+    fields that decide it."""
+    import re
+
+    from transformers import GPT2LMHeadModel
+
+    conf, weights = path / "config.json", path / "model.safetensors"
+    try:
+        state = _meta_state(cfg)
+    except Exception as e:  # an unknown activation, a field of the wrong type, ...
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        named = [f"{k}={json.dumps(v)}" for k, v in cfg.items() if isinstance(e, KeyError)
+                 and e.args and isinstance(v, str) and v == e.args[0]]
+        which = f" ({', '.join(named)} is not known to it)" if named else ""
+        raise ValueError(f"{conf}: transformers cannot build a GPT-2 from it{which} "
+                         f"({type(e).__name__}: {first})") from None
+    for name, t in state.items():
+        got = shapes.get(name)
+        if got is None:
+            if any(other in shapes and state[other] is t for other in state):
+                continue  # tied (lm_head.weight is transformer.wte.weight): saved once
+            raise ValueError(f"{weights}: no tensor {name} (shape {list(t.shape)}), which a "
+                             f"GPT-2 of {conf.name} has; not the weights of this config")
+        if list(t.shape) != list(got):
+            want = list(t.shape)
+            dims = [i for i in range(max(len(want), len(got)))
+                    if i >= len(want) or i >= len(got) or want[i] != got[i]]
+            fields = _deciding_fields(cfg, name, dims)
+            named = ", ".join(fields) if fields else "the config"
+            raise ValueError(f"{conf}: {named} does not match the weights ({name} in "
+                             f"{weights.name} has shape {list(got)}, the config makes it "
+                             f"{want}); refused before building the model")
+    ignored = getattr(GPT2LMHeadModel, "_keys_to_ignore_on_load_unexpected", None) or []
+    for name in shapes:
+        if name not in state and not any(re.search(p, name) for p in ignored):
+            raise ValueError(f"{weights}: holds a tensor {name} (shape {list(shapes[name])}) "
+                             f"that a GPT-2 of {conf.name} does not have; not the weights of "
+                             "this config")
+
+
+def _deciding_fields(cfg: dict, name: str, dims: list[int]) -> list[str]:
+    """``field=value`` (as in config.json) of the config fields that decide the dimensions
+    ``dims`` of the tensor ``name``: each integer or null field is changed in turn (integers
+    doubled, null set to 1) and a one-layer model is built on ``meta`` to see whether those
+    dimensions change."""
+    import re
+
+    probe = re.sub(r"^transformer\.h\.\d+\.", "transformer.h.0.", name)
+    base_cfg = dict(cfg, n_layer=1)
+
+    def shape(c: dict) -> list[int] | None:
+        try:
+            t = _meta_state(c).get(probe)
+        except Exception:
+            return None
+        return None if t is None else list(t.shape)
+
+    base = shape(base_cfg)
+    if base is None:
+        return []
+    found = []
+    for k, v in cfg.items():
+        if k == "n_layer" or not (v is None or checks.is_int(v)):
+            continue
+        s = shape(dict(base_cfg, **{k: 1 if v is None else 2 * v}))
+        if s is not None and (len(s) != len(base) or any(s[i] != base[i] for i in dims
+                                                        if i < len(s))):
+            found.append(f"{k}={json.dumps(v)}")
+    return found
 
 
 def load_charlm(path):
@@ -114,8 +209,11 @@ def load_charlm(path):
     Only ``config.json``, ``vocab.json`` and ``model.safetensors`` are read: no pickle-based
     weights (``pytorch_model.bin``; loading them can run code), no remote code, no download.
     The config's sizes are checked against the weights' shapes (read from the safetensors
-    header) and the vocabulary before the model is built, so a config that asks for an absurd
-    allocation is refused by field.
+    header) and the vocabulary before the model is built: the big sizes first without building
+    anything, then every tensor of the model built on the ``meta`` device (no memory). So a
+    config that asks for an absurd allocation (``vocab_size``, ``n_positions``, ``n_embd``,
+    ``n_inner``, ``n_layer``, ...) or weights that miss a tensor of the config are refused by
+    field or tensor, never filled with random values.
 
     Raises:
         FileNotFoundError: ``path`` is not a saved char LM (named in the message).
@@ -123,7 +221,7 @@ def load_charlm(path):
             model type, pickle-based or damaged weights), or a config that does not match the
             weights or the vocabulary; the message names the file and the field.
     """
-    from transformers import GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     path = Path(path)
     expected = "a saved char LM (config.json, vocab.json and model.safetensors from paraprop " \
@@ -152,6 +250,7 @@ def load_charlm(path):
         raise FileNotFoundError(f"{weights}: no such file (expected the weights that "
                                 f"save_pretrained writes){why}")
     _check_sizes(path, cfg, _weight_shapes(weights), vocab)
-    model = GPT2LMHeadModel.from_pretrained(path, use_safetensors=True, local_files_only=True,
+    model = GPT2LMHeadModel.from_pretrained(path, config=GPT2Config.from_dict(cfg),
+                                            use_safetensors=True, local_files_only=True,
                                             trust_remote_code=False)
     return model.eval(), vocab
