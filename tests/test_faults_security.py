@@ -270,7 +270,7 @@ def test_world_writable_cache_of_another_user_in_process(fresh, planted, tmp_pat
     assert lib.read_bytes() == planted.read_bytes()
 
 
-@pytest.mark.parametrize("mode", [0o777, 0o775, 0o770], ids=oct)
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o770, 0o2775], ids=oct)
 def test_own_group_or_world_writable_cache_is_not_used(fresh, planted, tmp_path, monkeypatch,
                                                        mode):
     """A cache shared by a group (group-writable) is refused like a world-writable one."""
