@@ -49,17 +49,20 @@ $(STAMP): pyproject.toml constraints.txt
 # so torch_step falls back to PyPI's default build: on Linux x86_64 the CUDA 13 build, which pins
 # its own nvidia-*, cuda-* and triton 3.6 wheels (5.3 GB in .venv-oldest); the pins of those
 # in constraints.txt belong to the newest torch and are dropped here. The suite runs on the CPU
-# there, Triton's interpreter tests with the GPU machine's Triton. No torchvision in this venv
-# (its tests and doctests skip, as the conftest says).
+# there, Triton's interpreter tests with the GPU machine's Triton; Triton 3.6's interpreter
+# fails under NumPy >= 2.4 ("only 0-dimensional arrays can be converted to Python scalars"), so
+# this venv takes the last NumPy before that. No torchvision in this venv (its tests and
+# doctests skip, as the conftest says).
 OLDEST_TORCH ?= 2.11.0
+OLDEST_NUMPY ?= 2.3.5
 OLDEST       := .venv-oldest
 
 $(OLDEST)/.paraprop-installed: pyproject.toml constraints.txt
 	test -x $(OLDEST)/bin/python || $(PYTHON) -m venv $(OLDEST)
 	$(OLDEST)/bin/python -m pip install --upgrade pip
-	grep -v -E '^(torch|torchvision|triton|nvidia-[A-Za-z0-9_.-]+|cuda-[A-Za-z0-9_.-]+)==' \
+	grep -v -E '^(torch|torchvision|triton|numpy|nvidia-[A-Za-z0-9_.-]+|cuda-[A-Za-z0-9_.-]+)==' \
 	  constraints.txt > $(OLDEST)/constraints.txt
-	echo 'torch==$(OLDEST_TORCH)' >> $(OLDEST)/constraints.txt
+	printf 'torch==$(OLDEST_TORCH)\nnumpy==$(OLDEST_NUMPY)\n' >> $(OLDEST)/constraints.txt
 	$(call torch_step,$(OLDEST),$(OLDEST_TORCH),,$(OLDEST)/constraints.txt)
 	$(OLDEST)/bin/python -m pip install -c $(OLDEST)/constraints.txt -e '.[test]'
 	$(OLDEST)/bin/python -c "import torch; v = torch.__version__; print('torch', v); \
