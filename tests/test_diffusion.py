@@ -1,16 +1,19 @@
 """paraprop.diffusion: diffusers' DDPM/DDIM sampling loop as a triangular system over the steps.
 
 The references: ``method="sequential"`` against the diffusers loop itself (``scheduler.step``, bit
-for bit), and every parallel method against ``"sequential"`` (within ``tol``; at ``tol=0`` within
-float rounding). The maps built to break a method: a chain whose every step moves less than
-``tol`` (a forward-difference rule stops at once, far from the answer), one that flips and
-triples its input (Anderson's extrapolation is poor), and one that expands differences (the
-windowed freeze rule's assumption fails).
+for bit; every configuration and dtype: tests/test_diffusion_core.py), and every parallel method
+against ``"sequential"``: within ``tol``, and at ``tol=0`` bit for bit, or ``converged=False``
+where the model's batched calls round differently from the loop's (a batch-variant matmul). The
+maps built to break a method: a chain whose every step moves less than ``tol`` (a
+forward-difference rule stops at once, far from the answer), one that flips and triples its
+input (Anderson's extrapolation is poor), and one that expands differences (the windowed freeze
+rule's assumption fails). Every method stays within ``N`` sequential model calls.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -27,8 +30,20 @@ DDIMScheduler = diffusers.DDIMScheduler
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 D = torch.float64
-# |method - sequential| at tol=0, relative to max(1, |sequential|): float rounding only
-ROUNDING = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def exact_or_refused(x, sol, ref, ref_traj=None):
+    """The rule of ``tol=0``: the sequential result bit for bit, or ``converged=False`` because
+    the model's batched calls round differently from the loop's (and nothing else)."""
+    if sol.converged:
+        assert torch.equal(x, ref)
+        if ref_traj is not None:
+            assert torch.equal(sol.value, ref_traj)
+        assert sol.stats["certificate"] == "bitwise" and sol.stats["error_estimate"] == 0
+        return True
+    assert sol.stats["loop_bitwise"] is False
+    assert "rounds differently on the batched calls" in sol.stats["reason"]
+    return False
 
 
 class TinyEps(torch.nn.Module):
@@ -53,7 +68,7 @@ class TinyEps(torch.nn.Module):
         B = x.shape[0]
         t = torch.as_tensor(t)
         assert t.dim() == 0 or t.shape == (B,), (tuple(t.shape), B)
-        tt = t.reshape(-1).expand(B).to(x.dtype) / 1000
+        tt = t.reshape(-1).expand(B).to(x.device, x.dtype) / 1000
         out = torch.tanh(torch.cat([x.reshape(B, -1), tt[:, None]], 1) @ self.w1) @ self.w2
         if scale is not None:
             assert scale.shape == (B,), (tuple(scale.shape), B)
@@ -102,47 +117,10 @@ def test_sequential_is_the_diffusers_loop_bitwise(kind, eta, N):
                     generator=torch.Generator().manual_seed(3), **_eta_kw(eta))
     assert x.dtype == torch.float32
     assert torch.equal(x, ref)
-    assert sol.converged and sol.iterations == N
+    assert sol.converged and sol.iterations == N and sol.stats["certificate"] == "bitwise"
     assert sol.stats["model_calls"] == N and sol.stats["model_evaluations"] == N
+    assert sol.stats["fallback_steps"] == N and sol.stats["passes"] == 0
     assert sol.value.shape == (4, N, 2) and torch.equal(sol.value[:, -1], x)
-
-
-# (scheduler, config, sample shape, eta, step kwargs); thresholding needs image-shaped samples
-CONFIGS = [
-    ("ddpm", {"clip_sample": False}, (4, 2), None, {}),
-    ("ddpm", {"clip_sample": True}, (4, 2), None, {}),
-    ("ddpm", {"prediction_type": "sample"}, (4, 2), None, {}),
-    ("ddpm", {"prediction_type": "v_prediction"}, (4, 2), None, {}),
-    ("ddpm", {"thresholding": True}, (3, 1, 2, 2), None, {}),
-    ("ddpm", {"timestep_spacing": "trailing"}, (4, 2), None, {}),
-    ("ddpm", {"variance_type": "fixed_large"}, (4, 2), None, {}),
-    ("ddpm", {"variance_type": "fixed_small_log"}, (4, 2), None, {}),
-    ("ddim", {"clip_sample": False}, (4, 2), 0.0, {}),
-    ("ddim", {"clip_sample": False}, (4, 2), 1.0, {}),
-    ("ddim", {"clip_sample": True}, (4, 2), 0.5, {}),
-    ("ddim", {"prediction_type": "sample"}, (4, 2), 0.5, {}),
-    ("ddim", {"prediction_type": "v_prediction"}, (4, 2), 0.0, {}),
-    ("ddim", {"prediction_type": "v_prediction"}, (4, 2), 1.0, {}),
-    ("ddim", {"thresholding": True}, (3, 1, 2, 2), 0.0, {}),
-    ("ddim", {"thresholding": True}, (3, 1, 2, 2), 1.0, {}),
-    ("ddim", {"timestep_spacing": "trailing"}, (4, 2), 0.5, {}),
-    ("ddim", {"clip_sample": True}, (4, 2), 0.5, {"use_clipped_model_output": True}),
-    ("ddim", {"thresholding": True}, (3, 1, 2, 2), 1.0, {"use_clipped_model_output": True}),
-]
-
-
-@pytest.mark.parametrize("N", [7, 50])
-@pytest.mark.parametrize(("kind", "config", "shape", "eta", "step_kwargs"), CONFIGS,
-                         ids=lambda v: repr(v) if isinstance(v, dict) else None)
-def test_sequential_is_the_diffusers_loop_in_every_configuration(kind, config, shape, eta,
-                                                                 step_kwargs, N):
-    sch = (DDPMScheduler if kind == "ddpm" else DDIMScheduler)(**config)
-    model = TinyEps(math.prod(shape[1:]))
-    ref = diffusers_loop(model, sch, shape, N, seed=5, eta=eta, **step_kwargs)
-    x, sol = sample(model, sch, shape, num_inference_steps=N, method="sequential",
-                    generator=torch.Generator().manual_seed(5), **_eta_kw(eta), **step_kwargs)
-    assert torch.equal(x, ref)
-    assert sol.value.shape == (shape[0], N, *shape[1:]) and torch.equal(sol.value[:, -1], x)
 
 
 def test_use_clipped_model_output_changes_the_result():
@@ -211,29 +189,41 @@ def _options(opts, N):
     return out
 
 
+def _analytic_eps(x, t, scale=None, shift=0.0):
+    """Elementwise only: each row's output does not depend on how many rows a call holds (no
+    batch variance), so every method reaches the loop's bits at ``tol=0``."""
+    tt = torch.as_tensor(t).reshape(-1, *([1] * (x.dim() - 1))).to(x.device, x.dtype) / 1000
+    out = torch.tanh(1.5 * x + tt) * 0.8
+    if scale is not None:
+        assert scale.shape == (x.shape[0],), (tuple(scale.shape), x.shape[0])
+        out = out * scale.reshape(-1, *([1] * (x.dim() - 1)))
+    assert isinstance(shift, float)
+    return out + shift
+
+
 def _models():
-    return {"mlp": TinyEps(2, width=32, seed=1, dtype=D), "linear": linear_eps(0.5)}
+    return {"mlp": TinyEps(2, width=32, seed=1, dtype=D), "linear": linear_eps(0.5),
+            "analytic": _analytic_eps}
 
 
 def _check_counters(method, opts, sol, N):
+    """Every model call counts as a sequential step, the loop's first step, a verification
+    and a fallback step included: never more than the loop's ``N``."""
     calls = sol.stats["model_calls"]
-    evals = sol.stats["model_evaluations"]
-    assert calls == sol.evaluations
+    assert calls == sol.iterations == sol.evaluations == sol.stats["sequential_steps"]
+    assert calls <= N
     window = opts.get("window", 128)
-    if (method == "picard" and window < N) or isinstance(method, SlidingJacobi):
-        w = window if method == "picard" else min(method.window, N)
-        assert calls == sol.iterations
-        assert sol.stats["window"] == w
-        assert evals == sol.stats["positions"] <= sol.iterations * w
-    else:  # every iteration evaluates all N steps; Jacobi verifies once more at its bound,
-        # Anderson once per iteration in which samples reach it
-        extra = 1 if isinstance(method, Jacobi) or method == "picard" else sol.value.shape[0]
-        assert sol.iterations <= calls <= sol.iterations + extra
-        assert evals == calls * N
+    sliding = (method == "picard" and window < N) or isinstance(method, SlidingJacobi)
+    w = (window if method == "picard" else min(method.window, N)) if sliding else N
+    assert sol.stats["window"] == w
+    # rows per call, in samples: 1 for a loop step, at most the window for a parallel call
+    assert calls <= sol.stats["model_evaluations"] <= calls * w
+    assert sol.stats["max_rows"] <= w * sol.value.shape[0]
+    assert sol.stats["fallback_steps"] <= calls
 
 
 @pytest.mark.parametrize(("kind", "eta"), SCHEDULERS)
-@pytest.mark.parametrize("model_name", ["mlp", "linear"])
+@pytest.mark.parametrize("model_name", ["mlp", "linear", "analytic"])
 @pytest.mark.parametrize(("method", "opts"), METHODS, ids=lambda v: repr(v))
 def test_every_method_is_the_sequential_sample(method, opts, model_name, kind, eta):
     N, shape = N_MAIN, (4, 2)
@@ -241,37 +231,40 @@ def test_every_method_is_the_sequential_sample(method, opts, model_name, kind, e
     sch = DDPMScheduler() if kind == "ddpm" else DDIMScheduler()
     opts = _options(opts, N)
     common = {"num_inference_steps": N, "dtype": D, **_eta_kw(eta)}
-    ref, _ = sample(model, sch, shape, method="sequential",
-                    generator=torch.Generator().manual_seed(2), **common)
-    scale = max(1.0, float(ref.abs().max()))
+    ref, rsol = sample(model, sch, shape, method="sequential",
+                       generator=torch.Generator().manual_seed(2), **common)
     for tol in (1e-2, 1e-3, 0.0):
-        x, sol = sample(model, sch, shape, method=method, tol=tol,
+        x, sol = sample(model, sch, shape, method=method, tol=tol, throw=False,
                         generator=torch.Generator().manual_seed(2), **opts, **common)
-        assert sol.converged and sol.iterations <= N
         assert x.dtype == D
         assert sol.value.shape == (4, N, 2) and torch.equal(sol.value[:, -1], x)
-        err = _err(x, ref)
+        _check_counters(method, opts, sol, N)
         if tol > 0:
-            assert err <= tol, (tol, err, sol.iterations)
+            assert sol.converged
+            assert _err(sol.value, rsol.value) <= tol, (tol, sol.iterations)
             assert sol.stats["error_estimate"] <= tol
         else:
-            assert err <= ROUNDING[D] * scale, (err, sol.iterations)
-        _check_counters(method, opts, sol, N)
-        if method == "picard" and opts["window"] == 1:   # one step per call: the sequential loop
+            exact = exact_or_refused(x, sol, ref, rsol.value)
+            assert exact or model_name == "mlp"   # elementwise models have no batch variance
+        if method == "picard" and opts["window"] == 1:   # one step per call: the loop itself
             assert sol.iterations == N
 
 
 @pytest.mark.parametrize(("method", "opts"), METHODS, ids=lambda v: repr(v))
-def test_float32_at_tol_zero_is_sequential_up_to_rounding(method, opts):
-    N = 7
-    model = TinyEps(2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_at_tol_zero_is_the_loop_bitwise(method, opts, dtype, device):
+    """bfloat16 and float16 as GPU users run them: at ``tol=0`` the loop's bits (the residual
+    form of the Picard map has the loop's trajectory as its fixed point)."""
+    N = 12
     sch = DDIMScheduler()
-    ref, _ = sample(model, sch, (4, 2), num_inference_steps=N, method="sequential", eta=1.0,
-                    generator=torch.Generator().manual_seed(4))
-    x, sol = sample(model, sch, (4, 2), num_inference_steps=N, method=method, tol=0, eta=1.0,
-                    generator=torch.Generator().manual_seed(4), **_options(opts, N))
-    assert sol.converged and sol.iterations <= N and x.dtype == torch.float32
-    assert _err(x, ref) <= ROUNDING[torch.float32] * max(1.0, float(ref.abs().max()))
+    kw = {"num_inference_steps": N, "eta": 1.0, "dtype": dtype, "device": device}
+    ref, rsol = sample(_analytic_eps, sch, (4, 2), method="sequential",
+                       generator=torch.Generator().manual_seed(4), **kw)
+    x, sol = sample(_analytic_eps, sch, (4, 2), method=method, tol=0,
+                    generator=torch.Generator().manual_seed(4), **_options(opts, N), **kw)
+    assert sol.converged and x.dtype == dtype and x.device.type == device.type
+    assert torch.equal(sol.value, rsol.value)
+    assert sol.stats["loop_bitwise"] in (True, None) and sol.iterations <= N
 
 
 def test_window_larger_than_n_is_clipped():
@@ -300,18 +293,17 @@ def test_samples_with_their_own_kwargs_match_each_sample_alone(method, opts):
     """Per-sample stopping: a batch whose samples differ (a per-sample ``scale``, repeated by
     paraprop for every step of a window) gives each sample's own result."""
     N, B = 25, 4
-    model = TinyEps(2, dtype=D)
     sch = DDIMScheduler(clip_sample=False)
     scale = torch.tensor([0.0, 1.0, 10.0, 0.5], dtype=D)
     noise = draw_noise(step_table(sch, N, eta=0.0), (B, 2),
                        generator=torch.Generator().manual_seed(9), dtype=D)
     common = {"num_inference_steps": N, "eta": 0.0, "shift": 0.1}
-    for tol in (1e-3, 0.0):
+    for model, tol in ((TinyEps(2, dtype=D), 1e-3), (_analytic_eps, 1e-3), (_analytic_eps, 0.0)):
         x, sol = sample(model, sch, (B, 2), method=method, noise=noise, tol=tol, scale=scale,
                         **opts, **common)
         assert sol.converged
         its = sol.stats["sample_iterations"]
-        assert its.shape == (B,) and int(its.max()) == sol.iterations
+        assert its.shape == (B,) and int(its.max()) <= sol.iterations
         if tol > 0 and method != "picard":   # each sample stopped on its own (the sliding
             assert int(its.min()) < int(its.max())  # window's samples share one window)
         for b in range(B):
@@ -319,9 +311,10 @@ def test_samples_with_their_own_kwargs_match_each_sample_alone(method, opts):
             ref, _ = sample(model, sch, (1, 2), method="sequential", **one, **common)
             alone, _ = sample(model, sch, (1, 2), method=method, tol=tol, **one, **opts,
                               **common)
-            bound = tol if tol > 0 else ROUNDING[D] * max(1.0, float(ref.abs().max()))
-            assert _err(x[b], ref[0]) <= bound, (b, tol)
-            assert _err(alone[0], ref[0]) <= bound, (b, tol)
+            if tol > 0:
+                assert _err(x[b], ref[0]) <= tol and _err(alone[0], ref[0]) <= tol, b
+            else:
+                assert torch.equal(x[b], ref[0]) and torch.equal(alone[0], ref[0]), b
 
 
 def test_callback_sees_the_trajectory():
@@ -329,7 +322,9 @@ def test_callback_sees_the_trajectory():
     x, sol = sample(linear_eps(0.5), DDIMScheduler(), (3, 2), num_inference_steps=10,
                     method="anderson", tol=1e-4, generator=torch.Generator().manual_seed(0),
                     callback=lambda k, v, r: seen.append((k, tuple(v.shape), r)))
-    assert [k for k, _, _ in seen] == list(range(1, sol.iterations + 1))
+    # one call per parallel iteration; the loop's first step is a model call, not an iteration
+    assert [k for k, _, _ in seen] == list(range(1, len(sol.residuals) + 1))
+    assert len(seen) < sol.iterations <= 10
     assert all(shape == (3, 10, 2) for _, shape, _ in seen)
     assert [r for _, _, r in seen] == sol.residuals.tolist()
 
@@ -408,18 +403,18 @@ def test_a_map_that_defeats_the_extrapolation(method, opts, clip):
     common = {"num_inference_steps": N, "dtype": D, "eta": 0.0}
     ref, _ = sample(flip_eps, sch, (4, 2), method="sequential",
                     generator=torch.Generator().manual_seed(1), **common)
-    rounding = ROUNDING[D] * max(1.0, float(ref.abs().max()))
     for tol in (1e-1, 1e-3, 0.0):
         x, sol = sample(flip_eps, sch, (4, 2), method=method, tol=tol, throw=False,
                         generator=torch.Generator().manual_seed(1), **opts, **common)
         assert sol.converged and sol.iterations <= N
-        assert _err(x, ref) <= tol + rounding, (tol, _err(x, ref), sol.iterations)
+        assert _err(x, ref) <= tol, (tol, _err(x, ref), sol.iterations)
+        assert tol > 0 or torch.equal(x, ref)
     with pytest.raises(paraprop.ConvergenceError, match="did not converge within max_iters=3"):
         sample(flip_eps, sch, (4, 2), method=method, tol=1e-3, max_iters=3,
                generator=torch.Generator().manual_seed(1), **opts, **common)
     x, sol = sample(flip_eps, sch, (4, 2), method=method, tol=1e-3, max_iters=3, throw=False,
                     generator=torch.Generator().manual_seed(1), **opts, **common)
-    assert not sol.converged and sol.iterations == 3
+    assert not sol.converged and sol.iterations <= 3
     assert _err(x, ref) > 1e-3 and sol.stats["error_estimate"] == math.inf
 
 
@@ -430,42 +425,39 @@ def _expanding_chain(method, tol):
     model = linear_eps(-0.9)
     ref, _ = sample(model, sch, (4, 2), method="sequential",
                     generator=torch.Generator().manual_seed(0), **common)
+    opts = {}
+    if isinstance(method, tuple):
+        method, opts = method[0], {"window": method[1]}
     x, sol = sample(model, sch, (4, 2), method=method, tol=tol, throw=False,
-                    generator=torch.Generator().manual_seed(0), **common)
+                    generator=torch.Generator().manual_seed(0), **opts, **common)
     return ref, x, sol
 
 
-def test_picard_on_an_expanding_chain_is_within_tol():
+def test_picard_on_an_expanding_chain_is_within_tol_and_the_budget():
+    """The chain expands differences by about 8e6: each freeze of the sliding window is budgeted
+    after the growth observed so far, and carried to the end through the growth after it; all
+    within the loop's N = 200 model calls."""
     tol = 1e-2
-    ref, x, sol = _expanding_chain("picard", tol)
-    # the values reach ~1e7; float64 rounding there is ~1e-9, far below tol
-    assert not sol.converged or _err(x, ref) <= tol, (sol.iterations, _err(x, ref))
-    # the freezes were carried through the observed growth of the chain (about 8e6 here),
-    # which took a second, budgeted pass
-    assert sol.converged and sol.stats["passes"] >= 2
-    assert sol.stats["error_estimate"] <= tol
+    for window in (128, 16):
+        ref, x, sol = _expanding_chain(("picard", window), tol)
+        assert sol.converged and _err(x, ref) <= tol, (window, sol.iterations, _err(x, ref))
+        assert sol.stats["certificate"] == "estimate" and sol.stats["error_estimate"] <= tol
+        assert sol.iterations <= 200
 
 
 def test_expanding_chain_methods_with_an_error_estimate_stay_within_tol():
-    """The same chain: the contraction rule (Jacobi) and Anderson's finish bound the error."""
+    """The same chain: the contraction rule (Jacobi) and Anderson's finish bound the error;
+    at tol=0 the loop's bits (a linear eps has no batch variance)."""
     tol = 1e-2
     for method in ("anderson", Jacobi()):
         ref, x, sol = _expanding_chain(method, tol)
         assert sol.converged and _err(x, ref) <= tol, (repr(method), _err(x, ref))
+        assert sol.iterations <= 200
     ref, x, sol = _expanding_chain("picard", 0)
-    assert sol.converged and _err(x, ref) <= ROUNDING[D] * float(ref.abs().max())
+    assert sol.converged and torch.equal(x, ref) and sol.iterations <= 200
 
 
 # -- 4. several processes ------------------------------------------------------------------------
-
-def _analytic_eps(x, t, scale=None):
-    """Elementwise only: each row's output does not depend on how many rows a call holds."""
-    tt = torch.as_tensor(t).reshape(-1, *([1] * (x.dim() - 1))).to(x.dtype) / 1000
-    out = torch.tanh(1.5 * x + tt) * 0.8
-    if scale is not None:
-        out = out * scale.reshape(-1, *([1] * (x.dim() - 1)))
-    return out
-
 
 # (model, method, options, scheduler); B = 3 rows per step: the ranks' shares are uneven
 DIST_CASES = [
@@ -503,7 +495,7 @@ def test_sharded_sampling_is_the_one_process_result():
     for case, got, ref in zip(DIST_CASES, ranks[0], one, strict=True):
         assert got["converged"] and got["iterations"] == ref["iterations"], case
         assert got["calls"] == ref["calls"], case
-        if case[0] == "analytic":
+        if case[0] == "analytic":   # elementwise: the same bits in any share of rows
             assert got["x"] == ref["x"], case
         else:  # the ranks' matmuls hold fewer rows than one process's: BLAS may round apart
             err = max(abs(a - b) for ra, rb in zip(got["x"], ref["x"], strict=True)
@@ -582,24 +574,45 @@ def test_wrong_model_output_shape_in_a_window_names_both_shapes():
 
 # -- 6. a diffusers UNet ------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("kind", "eta"), [("ddim", 0.0), ("ddpm", None)])
-def test_unet2d_model_output_object(kind, eta):
+def tiny_unet(dropout=0.0):
     with torch.random.fork_rng():
         torch.manual_seed(0)
         unet = diffusers.UNet2DModel(
             sample_size=8, in_channels=1, out_channels=1, block_out_channels=(8, 16),
-            layers_per_block=1, norm_num_groups=4,
+            layers_per_block=1, norm_num_groups=4, dropout=dropout,
             down_block_types=("DownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "UpBlock2D")).eval()
-    unet.requires_grad_(False)
+            up_block_types=("UpBlock2D", "UpBlock2D"))
+    return unet.requires_grad_(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("kind", "eta"), [("ddim", 0.0), ("ddpm", None)])
+def test_unet2d_model(kind, eta, dtype, device):
+    """A diffusers UNet2DModel as it is (its output's ``.sample`` is taken): sequential is the
+    loop's bits; at tol=0 the parallel methods give them too, or refuse where the UNet's
+    kernels round a batch of rows differently (the float32 convolutions on this CPU)."""
+    unet = tiny_unet().eval().to(device, dtype)
     sch = DDPMScheduler() if kind == "ddpm" else DDIMScheduler()
     N, shape = 10, (2, 1, 8, 8)
-    ref = diffusers_loop(lambda x, t: unet(x, t).sample, sch, shape, N, seed=0, eta=eta)
+    g = torch.Generator().manual_seed(0)
+    sch.set_timesteps(N)
+    ref = diffusers.utils.torch_utils.randn_tensor(shape, generator=g, device=device,
+                                                   dtype=dtype)
+    with torch.no_grad():
+        for t in sch.timesteps:
+            ref = sch.step(unet(ref, t).sample, t, ref, generator=g, **_eta_kw(eta)).prev_sample
     x, sol = sample(unet, sch, shape, num_inference_steps=N, method="sequential",
                     generator=torch.Generator().manual_seed(0), **_eta_kw(eta))
     assert torch.equal(x, ref)     # bitwise: the same batch, a 0-d t broadcast by the UNet
-    xp, solp = sample(unet, sch, shape, num_inference_steps=N, method="picard", tol=1e-3,
-                      generator=torch.Generator().manual_seed(0), **_eta_kw(eta))
+    xe, sole = sample(unet, sch, shape, num_inference_steps=N, method="picard", tol=0,
+                      throw=False, generator=torch.Generator().manual_seed(0), **_eta_kw(eta))
+    exact_or_refused(xe, sole, ref)
+    assert sole.iterations <= N
+    tol = 1e-3 if dtype == torch.float32 else 0.1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", paraprop.diffusion.BatchVarianceWarning)
+        xp, solp = sample(unet, sch, shape, num_inference_steps=N, method="picard", tol=tol,
+                          generator=torch.Generator().manual_seed(0), **_eta_kw(eta))
     assert solp.converged and solp.iterations <= N
     assert solp.value.shape == (2, N, 1, 8, 8)
-    assert _err(xp, ref) <= 1e-3
+    assert _err(xp.float(), ref.float()) <= tol

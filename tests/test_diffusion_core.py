@@ -1,16 +1,24 @@
-"""paraprop.diffusion against diffusers' own loop (scheduler.step) and against its sequential
-method; the accumulating chain; a map built to break Anderson; errors. (The UNet2DModel and the
-two-process cases are in tests/test_diffusion.py.)"""
+"""paraprop.diffusion's core against diffusers itself: ``method="sequential"`` is the diffusers
+loop bit for bit in float64, float32, bfloat16 and float16 (every scheduler configuration, on
+every device), the step table applies ``scheduler.step``'s operations in its precision, the
+Picard map's fixed point is the sequential trajectory bit for bit, and the noise is drawn as
+diffusers draws it. (Methods against sequential: tests/test_diffusion.py; fault classes:
+tests/test_faults_diffusion.py.)"""
+
+import math
 
 import pytest
 import torch
 
 pytest.importorskip("diffusers")
 from diffusers import DDIMScheduler, DDPMScheduler, EulerDiscreteScheduler  # noqa: E402
+from diffusers.utils.torch_utils import randn_tensor  # noqa: E402
 
-import paraprop  # noqa: E402
-from paraprop.diffusion import draw_noise, sample, step_table  # noqa: E402
-from paraprop.solvers import Jacobi, SlidingJacobi, TriangularAnderson  # noqa: E402
+from paraprop.diffusion import DiffusionChain, draw_noise, sample, step_table  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
 
 class Eps(torch.nn.Module):
@@ -24,21 +32,27 @@ class Eps(torch.nn.Module):
         self.requires_grad_(False)
 
     def forward(self, x, t, gain=None):
-        t = torch.as_tensor(t, dtype=x.dtype).reshape(-1).expand(len(x)) / 1000
-        h = torch.tanh(torch.cat([x.reshape(len(x), -1), t[:, None]], 1) @ self.w1.to(x.dtype))
-        out = (h @ self.w2.to(x.dtype)).reshape(x.shape)
+        B = len(x)
+        t = torch.as_tensor(t, device=x.device).reshape(-1).expand(B).to(x.dtype) / 1000
+        h = torch.tanh(torch.cat([x.reshape(B, -1), t[:, None]], 1) @ self.w1)
+        out = (h @ self.w2).reshape(x.shape)
         if gain is not None:
             out = out * gain.reshape(-1, *([1] * (x.dim() - 1)))
         return out
 
 
-def diffusers_loop(model, scheduler, shape, steps, seed, eta=None):
+def diffusers_loop(model, scheduler, shape, steps, seed, *, dtype=torch.float32, device="cpu",
+                   eta=None, **step_kwargs):
+    """A diffusers pipeline's loop, written here independently of paraprop: the initial sample
+    and every step's noise from one CPU generator (``randn_tensor`` draws on the generator's
+    device and moves the tensor)."""
     kw = {} if eta is None else {"eta": eta}
     g = torch.Generator().manual_seed(seed)
     scheduler.set_timesteps(steps)
-    x = torch.randn(shape, generator=g)
-    for t in scheduler.timesteps:
-        x = scheduler.step(model(x, t), t, x, generator=g, **kw).prev_sample
+    x = randn_tensor(shape, generator=g, device=torch.device(device), dtype=dtype)
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            x = scheduler.step(model(x, t), t, x, generator=g, **kw, **step_kwargs).prev_sample
     return x
 
 
@@ -46,140 +60,157 @@ def gen(seed=1):
     return torch.Generator().manual_seed(seed)
 
 
+# (scheduler, config, sample shape, eta, step kwargs); thresholding needs image-shaped samples
 CONFIGS = [
-    ("ddpm", {}, None), ("ddpm", {"clip_sample": False}, None),
-    ("ddpm", {"prediction_type": "v_prediction"}, None),
-    ("ddpm", {"prediction_type": "sample"}, None),
-    ("ddpm", {"variance_type": "fixed_large"}, None),
-    ("ddpm", {"variance_type": "fixed_small_log"}, None),
-    ("ddpm", {"timestep_spacing": "trailing"}, None),
-    ("ddpm", {"thresholding": True}, None),
-    ("ddim", {}, 0.0), ("ddim", {}, 0.5), ("ddim", {"clip_sample": False}, 1.0),
-    ("ddim", {"prediction_type": "v_prediction"}, 0.5),
-    ("ddim", {"prediction_type": "sample", "set_alpha_to_one": False}, 1.0),
-    ("ddim", {"timestep_spacing": "trailing", "thresholding": True}, 0.0),
+    ("ddpm", {}, (3, 2), None, {}),
+    ("ddpm", {"clip_sample": False}, (3, 2), None, {}),
+    ("ddpm", {"prediction_type": "v_prediction"}, (3, 2), None, {}),
+    ("ddpm", {"prediction_type": "sample"}, (3, 2), None, {}),
+    ("ddpm", {"variance_type": "fixed_large"}, (3, 2), None, {}),
+    ("ddpm", {"variance_type": "fixed_small_log"}, (3, 2), None, {}),
+    ("ddpm", {"timestep_spacing": "trailing"}, (3, 2), None, {}),
+    ("ddpm", {"thresholding": True}, (3, 1, 2, 2), None, {}),
+    ("ddim", {}, (3, 2), 0.0, {}),
+    ("ddim", {}, (3, 2), 0.5, {}),
+    ("ddim", {"clip_sample": False}, (3, 2), 1.0, {}),
+    ("ddim", {"prediction_type": "v_prediction"}, (3, 2), 0.5, {}),
+    ("ddim", {"prediction_type": "v_prediction", "set_alpha_to_one": False}, (3, 2), 1.0, {}),
+    ("ddim", {"prediction_type": "sample", "set_alpha_to_one": False}, (3, 2), 1.0, {}),
+    ("ddim", {"timestep_spacing": "trailing", "thresholding": True}, (3, 1, 2, 2), 0.0, {}),
+    ("ddim", {"clip_sample": True}, (3, 2), 0.5, {"use_clipped_model_output": True}),
+    ("ddim", {"thresholding": True}, (3, 1, 2, 2), 1.0, {"use_clipped_model_output": True}),
+    ("ddim", {"prediction_type": "sample"}, (3, 2), 0.5, {"use_clipped_model_output": True}),
 ]
 
 
-@pytest.mark.parametrize("steps", [1, 7, 50])
-@pytest.mark.parametrize("kind,cfg,eta", CONFIGS, ids=lambda v: str(v))
-def test_sequential_is_the_diffusers_loop_bitwise(kind, cfg, eta, steps):
-    shape = (3, 1, 2, 2)
-    model = Eps(features=4)
-    make = DDPMScheduler if kind == "ddpm" else DDIMScheduler
-    ref = diffusers_loop(model, make(**cfg), shape, steps, 5, eta)
-    kw = {} if eta is None else {"eta": eta}
-    x, sol = sample(model, make(**cfg), shape, num_inference_steps=steps, method="sequential",
-                    generator=gen(5), **kw)
+def _make(kind):
+    return DDPMScheduler if kind == "ddpm" else DDIMScheduler
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("kind", "cfg", "shape", "eta", "step_kw"), CONFIGS,
+                         ids=lambda v: repr(v) if isinstance(v, dict) else None)
+def test_sequential_is_the_diffusers_loop_bitwise_in_every_dtype(kind, cfg, shape, eta, step_kw,
+                                                                  dtype, device):
+    """The same operations in the same precision: in bfloat16 and float16, PyTorch rounds the
+    coefficient of ``c * t`` to the sample dtype on the CPU but not that of ``t / c`` (and on
+    CUDA neither, dividing through the reciprocal); the table does what the kernels do."""
+    steps = 20
+    model = Eps(features=math.prod(shape[1:])).to(device, dtype)
+    ref = diffusers_loop(model, _make(kind)(**cfg), shape, steps, 5, dtype=dtype, device=device,
+                         eta=eta, **step_kw)
+    ekw = {} if eta is None else {"eta": eta}
+    x, sol = sample(model, _make(kind)(**cfg), shape, num_inference_steps=steps,
+                    method="sequential", generator=gen(5), **ekw, **step_kw)
+    assert x.dtype == dtype and x.device.type == device.type
     assert torch.equal(x, ref)
     assert sol.converged and sol.stats["model_calls"] == steps
-    # the same noise passed explicitly
-    table = step_table(make(**cfg), steps, eta=eta or 0.0)
+    assert sol.stats["certificate"] == "bitwise"
+
+
+@pytest.mark.parametrize("steps", [1, 7, 50])
+@pytest.mark.parametrize(("kind", "eta"), [("ddpm", None), ("ddim", 0.0), ("ddim", 1.0)])
+def test_explicit_noise_is_the_generator_path(kind, eta, steps):
+    model, shape = Eps(), (3, 2)
+    ref = diffusers_loop(model, _make(kind)(), shape, steps, 5, eta=eta)
+    table = step_table(_make(kind)(), steps, eta=eta or 0.0)
     noise = draw_noise(table, shape, generator=gen(5))
-    y, _ = sample(model, make(**cfg), shape, num_inference_steps=steps, method="sequential",
-                  noise=noise, **kw)
+    ekw = {} if eta is None else {"eta": eta}
+    y, _ = sample(model, _make(kind)(), shape, num_inference_steps=steps, method="sequential",
+                  noise=noise, **ekw)
     assert torch.equal(y, ref)
 
 
-def test_ddim_use_clipped_model_output_matches_the_loop():
-    model, shape = Eps(), (4, 2)
-    g = gen(2)
-    s = DDIMScheduler()
-    s.set_timesteps(10)
-    ref = torch.randn(shape, generator=g)
-    for t in s.timesteps:
-        ref = s.step(model(ref, t), t, ref, eta=1.0, use_clipped_model_output=True,
-                     generator=g).prev_sample
-    x, _ = sample(model, DDIMScheduler(), shape, num_inference_steps=10, method="sequential",
-                  eta=1.0, use_clipped_model_output=True, generator=gen(2))
-    assert torch.equal(x, ref)
+def test_the_operations_round_as_pytorch_does():
+    """Why the table cannot cast its coefficients to the sample dtype (the old way), nor keep
+    them in float32 for every operation: on the CPU a 0-d float32 coefficient *before* a
+    bfloat16 tensor is rounded to bfloat16 first, one *after* it is not."""
+    z = torch.randn(1000, generator=gen(0)).to(torch.bfloat16)
+    c = torch.tensor(0.123456789)
+    assert torch.equal(c * z, c.to(torch.bfloat16) * z)
+    assert not torch.equal(c * z, (c * z.float()).to(torch.bfloat16))
+    assert torch.equal(z / c, (z.float() / c).to(torch.bfloat16))
+    assert not torch.equal(z / c, z / c.to(torch.bfloat16))
 
 
-METHODS = [("picard", {}), ("picard", {"window": 1}), ("picard", {"window": 3}),
-           ("picard", {"window": 30}), ("picard", {"window": 35}),
-           ("anderson", {}), ("anderson", {"memory": 1}), ("anderson", {"memory": 5}),
-           (Jacobi(), {}), (SlidingJacobi(8), {}), (TriangularAnderson(memory=2), {})]
-
-
-@pytest.mark.parametrize("method,kw", METHODS, ids=lambda v: repr(v))
-@pytest.mark.parametrize("kind,eta", [("ddpm", None), ("ddim", 0.0), ("ddim", 1.0)])
-def test_every_method_is_sequential_within_tol_and_at_the_bound(method, kw, kind, eta):
-    model, shape, steps = Eps().double(), (5, 2), 30
-    make = (lambda: DDPMScheduler(clip_sample=False)) if kind == "ddpm" else \
-        (lambda: DDIMScheduler(clip_sample=False))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("kind", "cfg", "shape", "eta", "step_kw"), CONFIGS[:12],
+                         ids=lambda v: repr(v) if isinstance(v, dict) else None)
+def test_step_table_is_scheduler_step_on_a_window(kind, cfg, shape, eta, step_kw, dtype):
+    """One batched apply over several steps gives each step's ``scheduler.step`` bit for bit."""
+    steps = 9
+    sch = _make(kind)(**cfg)
+    table = step_table(sch, steps, eta=eta or 0.0,
+                       use_clipped_model_output=step_kw.get("use_clipped_model_output", False))
+    x = torch.randn(steps, *shape, generator=gen(1)).to(dtype)
+    out = torch.randn(steps, *shape, generator=gen(2)).to(dtype)
+    z = torch.randn(steps, *shape, generator=gen(3)).to(dtype) * table.noisy.reshape(
+        -1, *([1] * len(shape))).to(dtype)
+    got = table.apply(slice(0, steps), x, out, z)
     ekw = {} if eta is None else {"eta": eta}
-    ref, rsol = sample(model, make(), shape, num_inference_steps=steps, method="sequential",
-                       generator=gen(), dtype=torch.float64, **ekw)
-    for tol, bound in ((1e-3, 1e-3), (0.0, 1e-10)):
-        x, sol = sample(model, make(), shape, num_inference_steps=steps, method=method,
-                        tol=tol, generator=gen(), dtype=torch.float64, **kw, **ekw)
-        assert sol.converged
-        assert float((x - ref).abs().max()) <= bound
-        assert float((sol.value - rsol.value).abs().max()) <= max(bound, 1e-10)
-        assert sol.iterations <= steps
-        assert sol.value.shape == (5, steps, 2) and torch.equal(sol.value[:, -1], x)
-        assert sol.stats["model_calls"] >= sol.iterations
-        assert sol.stats["model_evaluations"] >= steps
-        assert sol.stats["error_estimate"] <= tol or tol == 0
+    for s, t in enumerate(sch.timesteps):
+        kw = {"variance_noise": z[s]} if kind == "ddim" and eta else {}
+        if kind == "ddpm":   # DDPM draws its noise itself: compare the mean, then add ours
+            want = sch.step(out[s], t, x[s], generator=gen(9)).prev_sample
+            draw = randn_tensor(shape, generator=gen(9), dtype=dtype) if int(t) > 0 else None
+            if draw is not None:
+                ztab = torch.where(table.noisy[s], 1, 0) * draw
+                got_s = table.apply(slice(s, s + 1), x[s:s + 1], out[s:s + 1], ztab[None])[0]
+                assert torch.equal(got_s, want), (s, int(t))
+                continue
+        else:
+            want = sch.step(out[s], t, x[s], **ekw, **kw, **step_kw).prev_sample
+        assert torch.equal(got[s], want), (s, int(t))
+    # an index tensor (the bench's form) selects the same steps
+    idx = torch.tensor([2, 0, 5])
+    assert torch.equal(table.apply(idx, x[idx], out[idx], z[idx]),
+                       torch.stack([got[2], got[0], got[5]]))
 
 
-def test_per_sample_model_kwargs_and_stopping():
-    model, steps = Eps().double(), 40
-    gain = torch.tensor([0.2, 1.0, 3.0], dtype=torch.float64)
-    sched = lambda: DDIMScheduler(clip_sample=False)  # noqa: E731
-    table = step_table(sched(), steps)
-    noise = draw_noise(table, (3, 2), generator=gen(4), dtype=torch.float64)
-    x, sol = sample(model, sched(), (3, 2), num_inference_steps=steps, method="picard",
-                    window=16, noise=noise, gain=gain, tol=1e-6)
-    for b in range(3):
-        xb, _ = sample(model, sched(), (1, 2), num_inference_steps=steps, method="sequential",
-                       noise=noise[:, b : b + 1], gain=gain[b : b + 1])
-        assert float((x[b] - xb[0]).abs().max()) <= 1e-6 * max(1.0, float(xb.abs().max()))
-    ja, jsol = sample(model, sched(), (3, 2), num_inference_steps=steps, method=Jacobi(),
-                      noise=noise, gain=gain, tol=1e-6)
-    it = jsol.stats["sample_iterations"]
-    assert int(it.min()) < int(it.max())   # each sample stopped on its own
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_picard_fixed_point_is_the_sequential_trajectory_bitwise(dtype, device):
+    """The residual form: the sequential trajectory is a bitwise fixed point of the Picard map
+    (every window, every split), while the cumulative-sum form ``x_s + (y_s - x_s)`` rounds
+    away from it in low precision."""
+    N, shape = 25, (3, 2)
+    model = lambda x, t: torch.tanh(1.5 * x) - 0.3 * x  # noqa: E731 - elementwise
+    for split in ("identity", "eps"):
+        table = step_table(DDPMScheduler(clip_sample=False), N)
+        noise = draw_noise(table, shape, generator=gen(0), dtype=dtype, device=device)
+        x, ref = sample(model, DDPMScheduler(clip_sample=False), shape, num_inference_steps=N,
+                        method="sequential", noise=noise)
+        chain = DiffusionChain(model, table, noise[0], noise[1:], split=split)
+        X = ref.value.reshape(3, N, 2)
+        assert torch.equal(chain(X), X)
+        for start, stop in ((0, 7), (5, 25), (24, 25)):
+            vals, _ = chain.window(X, start, stop)
+            assert torch.equal(vals, X[:, start:stop])
+    if dtype in (torch.bfloat16, torch.float16):   # the old form's fixed point is not it
+        y = chain.steps(torch.cat([noise[0].reshape(3, 1, 2), X[:, :-1]], 1), 0, N)
+        xin = torch.cat([noise[0].reshape(3, 1, 2), X[:, :-1]], 1)
+        cumsum_form = xin[:, :1] + (y - xin).cumsum(1)
+        assert not torch.equal(cumsum_form, X)
 
 
-def drift(x, t):
-    """eps of a chain that accumulates: every step moves x by about the same small amount."""
-    return torch.full_like(x, -0.5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_noise_is_drawn_on_the_generator_device_and_moved(dtype, device):
+    """A CPU generator gives the same noise wherever the sample lives (as diffusers'
+    ``randn_tensor``), so a seed gives the same sample on the CPU and on a GPU."""
+    table = step_table(DDPMScheduler(), 6)
+    on_cpu = draw_noise(table, (2, 3), generator=gen(4), dtype=dtype)
+    here = draw_noise(table, (2, 3), generator=gen(4), dtype=dtype, device=device)
+    assert here.device.type == device.type and here.dtype == dtype
+    assert torch.equal(here.cpu(), on_cpu)
+    g = gen(4)
+    first = randn_tensor((2, 3), generator=g, device=device, dtype=dtype)
+    assert torch.equal(here[0], first)
 
 
-@pytest.mark.parametrize("method", ["picard", "anderson", Jacobi()], ids=repr)
-def test_accumulating_chain_is_not_stopped_early(method):
-    steps, tol = 100, 1e-2
-    sched = lambda: DDIMScheduler(clip_sample=False)  # noqa: E731
-    ref, _ = sample(drift, sched(), (2, 3), num_inference_steps=steps, method="sequential",
-                    generator=gen(), dtype=torch.float64)
-    start = draw_noise(step_table(sched(), steps), (2, 3), generator=gen(),
-                       dtype=torch.float64)[0]
-    assert float((ref - start).abs().max()) > 10 * tol    # the chain moves far in total
-    x, sol = sample(drift, sched(), (2, 3), num_inference_steps=steps, method=method, tol=tol,
-                    generator=gen(), dtype=torch.float64)
-    assert sol.converged and float((x - ref).abs().max()) <= tol
-
-
-def expanding(x, t):
-    return -3.0 * x * torch.cos(t.to(x.dtype).reshape(-1, *([1] * (x.dim() - 1))))
-
-
-@pytest.mark.parametrize("method", ["anderson", "picard"])
-def test_map_built_to_break_the_extrapolation(method):
-    steps = 25
-    sched = lambda: DDPMScheduler(clip_sample=False)  # noqa: E731
-    ref, _ = sample(expanding, sched(), (3, 2), num_inference_steps=steps, method="sequential",
-                    generator=gen(), dtype=torch.float64)
-    x, sol = sample(expanding, sched(), (3, 2), num_inference_steps=steps, method=method,
-                    tol=1e-6, generator=gen(), dtype=torch.float64)
-    assert sol.converged
-    assert float((x - ref).abs().max()) <= 1e-6 * max(1.0, float(ref.abs().max()))
-    with pytest.raises(paraprop.ConvergenceError, match="did not converge within max_iters=2"):
-        sample(expanding, sched(), (3, 2), num_inference_steps=steps, method=method, tol=1e-9,
-               max_iters=2, generator=gen(), dtype=torch.float64)
-    _, bad = sample(expanding, sched(), (3, 2), num_inference_steps=steps, method=method,
-                    tol=1e-9, max_iters=2, throw=False, generator=gen(), dtype=torch.float64)
-    assert not bad.converged
+def test_the_step_table_moves_to_the_sample_device(device):
+    table = step_table(DDIMScheduler(), 8, eta=0.5).to(device)
+    assert table.sqrt_alpha.device.type == device.type
+    assert table.noisy_steps == tuple(bool(v) for v in table.noisy.cpu())
+    assert table.scalars == "cpu"
 
 
 def test_errors_name_the_argument():
@@ -190,24 +221,11 @@ def test_errors_name_the_argument():
         sample(m, DDPMScheduler(variance_type="learned"), (2, 2), num_inference_steps=3)
     with pytest.raises(ValueError, match=r"= \(4, 2, 2\), got \(3, 2, 2\)"):
         sample(m, s(), (2, 2), num_inference_steps=3, noise=torch.zeros(3, 2, 2))
-    with pytest.raises(ValueError, match="window must be a positive int or None, got 0"):
-        sample(m, s(), (2, 2), num_inference_steps=3, window=0)
-    with pytest.raises(ValueError, match=r"model output has shape \(6, 4\), expected \(6, 2\)"):
+    with pytest.raises(ValueError, match=r"model output has shape \(2, 4\), expected \(2, 2\)"):
         sample(lambda x, t: torch.zeros(len(x), 4), s(), (2, 2), num_inference_steps=3)
+    with pytest.raises(TypeError, match=r"model output has dtype torch.float32, expected "
+                                        r"torch.bfloat16"):
+        sample(lambda x, t: x.float(), s(), (2, 2), num_inference_steps=3,
+               dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="eta is an option of DDIMScheduler"):
         sample(m, DDPMScheduler(), (2, 2), num_inference_steps=3, eta=0.5)
-    with pytest.raises(ValueError, match="either noise or generator"):
-        sample(m, s(), (2, 2), num_inference_steps=3, generator=gen(),
-               noise=torch.zeros(4, 2, 2))
-    with pytest.raises(ValueError, match="unknown method='newton'; choose one of sequential"):
-        sample(m, s(), (2, 2), num_inference_steps=3, method="newton")
-    with pytest.raises(ValueError, match="num_inference_steps must be a positive int"):
-        sample(m, s(), (2, 2), num_inference_steps=0)
-    with pytest.raises(ValueError, match="memory is an option of method='anderson'"):
-        sample(m, s(), (2, 2), num_inference_steps=3, memory=3)
-    with pytest.raises(ValueError, match="window is an option of 'picard'"):
-        sample(m, s(), (2, 2), num_inference_steps=3, method="anderson", window=2)
-    with pytest.raises(ValueError, match="shape must be a non-empty tuple"):
-        sample(m, s(), (0, 2), num_inference_steps=3)
-    with pytest.raises(ValueError, match="TriangularAnderson: memory must be a positive int"):
-        TriangularAnderson(memory=0)

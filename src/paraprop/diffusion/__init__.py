@@ -12,7 +12,8 @@ not import it, it reads the scheduler object it is given.
 """
 
 from paraprop.diffusion.chain import DiffusionChain, draw_noise
-from paraprop.diffusion.sample import METHODS, sample
+from paraprop.diffusion.sample import METHODS, BatchVarianceWarning, sample
 from paraprop.diffusion.schedulers import StepTable, step_table
 
-__all__ = ["METHODS", "DiffusionChain", "StepTable", "draw_noise", "sample", "step_table"]
+__all__ = ["METHODS", "BatchVarianceWarning", "DiffusionChain", "StepTable", "draw_noise",
+           "sample", "step_table"]

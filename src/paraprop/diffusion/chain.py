@@ -7,10 +7,29 @@ triangular: position ``s`` of ``F(X)`` reads only positions ``< s`` of ``X``. So
 :func:`paraprop.solve` samples it, and all of them return the sequential trajectory.
 
 The Picard map (ParaDiGMS, Shih et al. 2023): split each step as
-``x_{s+1} = a_s x_s + g_s(x_s)`` with a scalar ``a_s``, evaluate every ``g_s`` at the current
+``x_{s+1} = a_s x_s + g_s(x_s)`` with a scalar ``a_s``, evaluate every step at the current
 iterate in one batched model call, then solve the linear recurrence ``X_{s+1} = a_s X_s + g_s``
 exactly by a scan. One iteration is one model call over the window plus one scan; information
 travels the whole window in one iteration instead of one step.
+
+**Its fixed point is the sequential trajectory bit for bit, in every dtype.** Written as above,
+the scan recomputes ``x_{s+1} = x_s + (step_s(x_s) - x_s)`` in the sample dtype, which rounds
+away from ``step_s(x_s)``: in bfloat16 its fixed point differs from the loop's by about 0.1.
+This map computes the same iterate in *residual form*: with ``y_s = step_s(X_s)`` (the
+scheduler's own step, :meth:`StepTable.apply`, bitwise ``scheduler.step``) and the residuals
+``r_s = y_s - X_{s+1}``, the change of the input of step ``s``, ``D_s``, follows
+``D_{s+1} = a_s D_s + r_s`` (``D = 0`` at the window's final input), and the new value is
+``y_s + a_s D_s``, taken as ``y_s`` itself where ``D_s == 0``. In exact arithmetic this is the
+iterate above; in floating point a fixed point has every ``r_s == 0``, so every position is
+bitwise the direct step from its predecessor: the sequential trajectory. The correction ``D`` is
+accumulated in float32 for bfloat16/float16 samples (it only steers the iteration).
+
+Along the way the chain certifies what it has seen: a position whose input is exact and whose
+value equals the direct step computed from it is exact (:attr:`DiffusionChain.exact`), and the
+direct step after an exact prefix is the exact next value. Non-finite values at positions that are
+not certified (Picard iterates far from the answer may overflow in float16) are replaced by a
+finite guess, so they cannot poison the positions after them; a non-finite direct step from an
+exact input is real, and is returned as it is (the solver reports it).
 """
 
 from __future__ import annotations
@@ -18,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from paraprop.diffusion.schedulers import StepTable
+from paraprop.errors import NonFiniteError
 from paraprop.scan import linear_recurrence
 
 
@@ -42,31 +62,61 @@ class DiffusionChain:
         evaluate: how the batched model rows are computed: ``evaluate(fn, x, t)``, where
             ``fn(x_rows, t_rows, rows)`` evaluates the rows ``rows`` (a slice); the default calls
             ``fn(x, t)`` once (:mod:`paraprop.diffusion.distributed` shards it).
+
+    The solver sees the steps ``[lo, N)`` (:meth:`restart` moves ``lo`` past a certified prefix;
+    ``0`` at first). Counters: ``model_calls`` (batched model calls: sequential steps),
+    ``model_rows``, ``max_rows`` (the most rows one call held).
     """
 
     def __init__(self, model, table: StepTable, x_init: torch.Tensor, z: torch.Tensor,
                  model_kwargs: dict | None = None, split: str = "identity", evaluate=None):
         self.model = model
-        self.table = table
         self.sample_shape = tuple(x_init.shape)
         self.B = x_init.shape[0]
         self.N = table.N
         self.F = x_init[0].numel()
+        self.dtype = x_init.dtype
+        self.device = x_init.device
+        # the corrections D steer the iteration only: float32 where the samples are narrower
+        self.work = torch.float32 if self.dtype in (torch.bfloat16, torch.float16) else \
+            self.dtype
+        self.table = table.to(self.device)
         self.x_init = x_init.reshape(self.B, self.F)
         self.z = z.reshape(self.N, self.B, self.F)
         self.kwargs = dict(model_kwargs or {})
-        self.device = x_init.device
-        self.timesteps = table.timesteps.to(self.device)
-        self.a = table.linear_part(split).to(self.device, x_init.dtype)
+        self.timesteps = self.table.timesteps
+        self.a = self.table.linear_part(split).to(self.device, self.work)
         self.identity_split = bool((self.a == 1).all())   # the scan is then a cumulative sum
         self._evaluate = evaluate
         self.model_calls = 0   # batched model calls
         self.model_rows = 0    # model evaluations (rows of x per call, in samples)
+        self.max_rows = 0
         self.track_gains = False
-        self.growth = None     # (B, N): how much an error at each step grows by the end
+        self.live_growth = False
+        self._growth = None    # (B, N): how much an error at each step grows by the end
         self.lam = None        # (B, N): largest observed |d (step_s(x) - x)| / |d x|
         self.gain = None       # (B, N): largest observed |d step_s(x)| / |d x| (NaN: none yet)
         self._seen = None      # (last inputs, last outputs) of every step, (B, N, F) each
+        # the steps [lo, N) are the system the solver sees; x_lo is the input of step lo
+        self.lo = 0
+        self.x_lo = self.x_init
+        # certified on the way (absolute steps): positions < exact hold bitwise exact values in
+        # the solver's iterate; where has_next, next_value is the exact value of position exact
+        dev = self.device
+        self.exact = torch.zeros(self.B, dtype=torch.long, device=dev)
+        self.has_next = torch.zeros(self.B, dtype=torch.bool, device=dev)
+        self.next_value = torch.zeros(self.B, self.F, dtype=self.dtype, device=dev)
+        self.exact_values = torch.zeros(self.B, self.N, self.F, dtype=self.dtype, device=dev)
+        # a step recomputed from the same exact input gave other bits (another batch of rows)
+        self.irreproducible = torch.zeros((), dtype=torch.bool, device=dev)
+        # the call in which each sample last had a non-finite value replaced (-1: never)
+        self.last_repair = torch.full((self.B,), -1, dtype=torch.long, device=dev)
+        self._last = None      # (key, X, values) of the last window call
+        # step 0's model output on the loop's rows, and its largest difference from the
+        # first batched call's (None: not compared yet)
+        self.loop_out = None
+        self.loop_gap = None
+        self._step0_input = None
 
     # -- the model -----------------------------------------------------------------------------
     def _kwargs(self, n: int) -> tuple[dict, set]:
@@ -90,22 +140,42 @@ class DiffusionChain:
         out = fn(x, t) if self._evaluate is None else self._evaluate(fn, x, t)
         self.model_calls += 1
         self.model_rows += x.shape[0]
+        self.max_rows = max(self.max_rows, x.shape[0])
         return out
 
     def steps(self, xin: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """``x_{s+1}`` for ``s`` in ``[start, stop)`` from the inputs ``xin`` ``(B, n, F)``
-        (``x_s``), in one batched model call; returns ``(B, n, F)``."""
+        """``x_{s+1}`` for the absolute steps ``s`` in ``[start, stop)`` from the inputs ``xin``
+        ``(B, n, F)`` (``x_s``), in one batched model call; returns ``(B, n, F)``: the direct
+        steps, bitwise ``scheduler.step``'s arithmetic."""
         n = stop - start
+        if start == 0:
+            self._step0_input = xin[:, 0]
         rows = xin.transpose(0, 1).reshape(n * self.B, *self.sample_shape[1:])
         t = self.timesteps[start:stop].repeat_interleave(self.B)
         out = self.call_model(rows, t, n)
-        index = torch.arange(start, stop)
+        if start == 0:
+            self._compare_step0(out[: self.B], n)
         shape = (n, self.B, self.F)
-        prev = self.table.apply(index, rows.reshape(shape), out.reshape(shape),
+        prev = self.table.apply(slice(start, stop), rows.reshape(shape), out.reshape(shape),
                                 self.z[start:stop]).transpose(0, 1)
         if self.track_gains:
             self._observe(xin, prev, start, stop)
         return prev
+
+    def _compare_step0(self, out: torch.Tensor, n: int) -> None:
+        """Step 0's model output on the loop's ``B`` rows (the first call of a parallel solve)
+        is kept; the first batched call that computes step 0 again from the same input is
+        compared with it: a difference is the model's batch variance (``loop_gap``)."""
+        if n == 1:
+            if self.loop_out is None:
+                self.loop_out = out.clone()
+            return
+        if self.loop_out is None or self.loop_gap is not None:
+            return
+        same_input = (self._step0_input == self.x_init).all()
+        gap = (out.to(torch.float64) - self.loop_out.to(torch.float64)).abs().max()
+        self.loop_gap = torch.where(same_input, gap, 0.0)
+        self.irreproducible = self.irreproducible | (self.loop_gap != 0)
 
     def _observe(self, xin: torch.Tensor, nxt: torch.Tensor, start: int, stop: int) -> None:
         """Record each step's gain ``max|step(x) - step(x')| / max|x - x'|`` (per sample, the
@@ -119,60 +189,208 @@ class DiffusionChain:
                                    device=xin.device)
             self.lam = self.gain.clone()
         last_in, last_out = self._seen
-        dx = xin - last_in[:, start:stop]
-        dy = nxt - last_out[:, start:stop]
-        din = dx.abs().amax(2).to(torch.float64)
+        dx = xin.to(torch.float64) - last_in[:, start:stop].to(torch.float64)
+        dy = nxt.to(torch.float64) - last_out[:, start:stop].to(torch.float64)
+        din = dx.abs().amax(2)
         level = 1024 * torch.finfo(xin.dtype).eps * (xin.abs().amax(2).to(torch.float64) + 1)
-        ok = din > level
+        ok = (din > level) & torch.isfinite(din) & torch.isfinite(dy).all(2)
         for store, dnum in ((self.gain, dy), (self.lam, dy - dx)):
-            ratio = torch.where(ok, dnum.abs().amax(2).to(torch.float64) / din, torch.nan)
+            ratio = torch.where(ok, dnum.abs().amax(2) / din, torch.nan)
             old = store[:, start:stop]
             store[:, start:stop] = torch.where(ratio.isnan(), old, torch.fmax(old, ratio))
         last_in[:, start:stop] = xin
         last_out[:, start:stop] = nxt
 
     def inputs(self, X: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """``x_s`` for ``s`` in ``[start, stop)``: ``x_0`` then the positions of ``X``."""
+        """``x_s`` for the system's positions ``[start, stop)``: the input of step ``lo``, then
+        the positions of ``X``."""
         if start == 0:
-            return torch.cat([self.x_init[:, None], X[:, : stop - 1]], dim=1)
+            return torch.cat([self.x_lo[:, None], X[:, : stop - 1]], dim=1)
         return X[:, start - 1 : stop - 1]
 
+    # -- what the solver may read --------------------------------------------------------------
     @property
     def sensitivity(self):
-        """``(B, N)``: how much a change at position ``i`` moves the later positions of the
+        """``(B, N - lo)``: how much a change at position ``i`` moves the later positions of the
         Picard map, ``|d (step_{i+1}(x) - x)| / |d x|`` as observed (the split's increment,
         small for a diffusion step), for :class:`~paraprop.solvers.SlidingJacobi`'s freeze
         estimate; ``None`` until steps have been observed twice, NaN where unknown."""
         if self.lam is None or not self.track_gains:
             return None
         lam = fill_unobserved(self.lam, none=float("nan"))
-        return torch.cat([lam[:, 1:], torch.zeros_like(lam[:, :1])], dim=1)
+        return torch.cat([lam[:, 1:], torch.zeros_like(lam[:, :1])], dim=1)[:, self.lo:]
+
+    @property
+    def growth(self):
+        """``(B, N - lo)`` or ``None``: how much an error at each position grows by the end of
+        the chain: set by :func:`paraprop.diffusion.sample`, or with ``live_growth`` the
+        product of the gains observed so far (:func:`growth_after`)."""
+        if self._growth is None and self.live_growth and self.gain is not None:
+            return growth_after(self.gain)[:, self.lo:]
+        return None if self._growth is None else self._growth[:, self.lo:]
+
+    @growth.setter
+    def growth(self, value) -> None:
+        self._growth = value
 
     # -- the triangular system -----------------------------------------------------------------
     def __call__(self, X: torch.Tensor) -> torch.Tensor:
-        return self.window(X, 0, self.N, None)[0]
+        return self.window(X, 0, X.shape[1], None)[0]
 
     def window(self, X: torch.Tensor, start: int, stop: int, cache=None):
-        """Positions ``[start, stop)`` of the Picard map, given final positions ``< start``."""
+        """Positions ``[start, stop)`` of the Picard map of the steps ``[lo, N)``, given final
+        positions ``< start``, in residual form (see the module doc).
+
+        The same request on an unmodified ``X`` (a solver's verification of the iterate it is
+        about to evaluate anyway) is answered from the last call, without a model call."""
+        key = (X.data_ptr(), X._version, tuple(X.shape), tuple(X.stride()), start, stop,
+               self.lo)
+        if self._last is not None and self._last[0] == key:
+            return self._last[2].clone(), None
+        if bool((self.certified() >= self.N).all()) and \
+                torch.equal(X, self.exact_values[:, self.lo:]):
+            # every position is certified and X holds the certified values: X is the fixed
+            # point (a solver's last verification), no model call needed
+            return X[:, start:stop].clone(), None
         xin = self.inputs(X, start, stop)
-        nxt = self.steps(xin, start, stop)
-        a = self.a[start:stop]
-        g = nxt - a[None, :, None] * xin
-        h0 = xin[:, 0]
+        lo = self.lo
+        y = self.steps(xin, lo + start, lo + stop)
+        old = X[:, start:stop]
+        r = y.to(self.work) - old.to(self.work)
+        # positions certified already keep their certified values (their step computed again
+        # in another batch of rows may round apart: the batch-variance check)
+        known = self._certify(X, r, y, lo + start)
+        r = torch.where(known[:, :, None], 0, r)
         if self.identity_split:
-            vals = torch.cat([h0[:, None], g], dim=1).cumsum(dim=1)[:, 1:]
+            acc = r.cumsum(dim=1)
         else:
-            A = a[None, :, None].expand(1, stop - start, self.F)
-            vals = linear_recurrence(A, g, h0)
-        return vals, None
+            n = stop - start
+            A = self.a[lo + start : lo + stop][None, :, None].expand(1, n, self.F)
+            acc = linear_recurrence(A, r, torch.zeros_like(r[:, 0]))
+        D = torch.cat([torch.zeros_like(r[:, :1]), acc[:, :-1]], dim=1)  # input changes
+        if not self.identity_split:
+            D = self.a[lo + start : lo + stop][None, :, None] * D
+        vals = torch.where(D == 0, y, (y.to(self.work) + D).to(self.dtype))
+        vals = torch.where(known[:, :, None], self.exact_values[:, lo + start : lo + stop], vals)
+        # a non-finite value where D != 0 comes from inputs that are not final yet: replace it
+        # by a finite guess (the direct step, else the old value, else 0); where D == 0 it is
+        # the direct step from exact inputs, the loop's own value: keep it
+        bad = ~torch.isfinite(vals) & (D != 0)
+        guess = torch.where(torch.isfinite(y), y, torch.where(torch.isfinite(old), old, 0))
+        vals = torch.where(bad, guess, vals)
+        hit = bad.flatten(1).any(1)
+        self.last_repair = torch.where(hit, self.model_calls, self.last_repair)
+        self._last = (key, X, vals)   # X held: its memory cannot be reused while cached
+        return vals.clone(), None
+
+    def _certify(self, X: torch.Tensor, r: torch.Tensor, y: torch.Tensor,
+                 a0: int) -> torch.Tensor:
+        """Advance :attr:`exact` from one evaluation of the steps ``[a0, a0 + n)`` (absolute;
+        ``r`` the residuals ``y - X`` there), without a host sync. Returns ``(B, n)``: the
+        positions that were certified before this evaluation."""
+        lo, n = self.lo, r.shape[1]
+        T = X.shape[1]
+        # the pending next value, if the solver has written it
+        at = (self.exact - lo).clamp(0, T - 1)
+        cur = X.gather(1, at[:, None, None].expand(self.B, 1, self.F))[:, 0]
+        written = self.has_next & (self.exact >= lo) & (self.exact < self.N) & \
+            (cur == self.next_value).all(1)
+        self.exact = self.exact + written.long()
+        self.has_next = self.has_next & ~written
+        pos = torch.arange(n, device=y.device)[None, :]
+        known = a0 + pos < self.exact[:, None]
+        # a certified step computed again with other bits: the model's batch variance
+        self.irreproducible = self.irreproducible | (known & (r != 0).any(2)).any()
+        # the inputs of step a0 are exact: a leading run of certified positions and of zero
+        # residuals is exact, and the direct step after it is the next exact value
+        eligible = self.exact >= a0
+        zero = known | (r == 0).all(2)
+        run = zero.long().cumprod(1).sum(1)
+        reach = a0 + run
+        grow = eligible & (reach >= self.exact)
+        more = grow & (run < n)
+        nxt = y.gather(1, run.clamp(max=n - 1)[:, None, None].expand(self.B, 1, self.F))[:, 0]
+        # the certified values: the direct steps y of the run and of the next position
+        fresh = grow[:, None] & (pos <= run[:, None]) & ~known
+        window = self.exact_values[:, a0 : a0 + n]
+        window.copy_(torch.where(fresh[:, :, None], y, window))
+        self.exact = torch.where(grow, reach, self.exact)
+        self.has_next = torch.where(grow, more, self.has_next)
+        self.next_value = torch.where(more[:, None], nxt, self.next_value)
+        return known
+
+    def certified(self) -> torch.Tensor:
+        """``(B,)``: positions certified exact, the known next value included."""
+        return self.exact + self.has_next.long()
+
+    def commit(self, X: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Write the known exact next values into the full trajectory ``X`` ``(B, N, F)``
+        (of the samples ``rows``, a ``(B,)`` mask; default all)."""
+        take = self.has_next if rows is None else self.has_next & rows
+        idx = self.exact.clamp(max=self.N - 1)[:, None, None].expand(self.B, 1, self.F)
+        cur = X.gather(1, idx)
+        X.scatter_(1, idx, torch.where(take[:, None, None], self.next_value[:, None], cur))
+        self.exact = self.exact + take.long()
+        self.has_next = self.has_next & ~take
+
+    def restart(self, X: torch.Tensor, lo: int) -> None:
+        """:meth:`commit`, then make the system the steps ``[lo, N)`` (``lo`` at most
+        :meth:`certified`)."""
+        self.commit(X)
+        self.lo = lo
+        self.x_lo = self.x_init if lo == 0 else X[:, lo - 1].clone()
+        self._last = None
+
+    def sequential(self, X: torch.Tensor, start: int) -> None:
+        """The diffusers loop from step ``start`` to the end, one model call of ``B`` rows per
+        step, writing ``X`` ``(B, N, F)`` in place (its positions ``< start`` are exact).
+
+        Raises:
+            NonFiniteError: a step produced NaN or inf (the loop gives it too).
+        """
+        x = self.x_init if start == 0 else X[:, start - 1]
+        for s in range(start, self.N):
+            x = self.steps(x[:, None], s, s + 1)[:, 0]
+            X[:, s] = x
+        # exact where the input was: the samples whose certified prefix reached `start`
+        ok = self.exact >= start
+        self.exact_values[:, start:] = torch.where(ok[:, None, None], X[:, start:],
+                                                   self.exact_values[:, start:])
+        self.exact = torch.where(ok, self.N, self.exact)
+        self.has_next = self.has_next & ~ok
+        if start < self.N:
+            check_steps_finite(X, start)
 
     def update(self, X: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Positions ``index`` computed step by step from ``X`` (the sequential reference)."""
         outs = []
         for s in index.tolist():
             xin = self.inputs(X, s, s + 1)
-            outs.append(self.steps(xin, s, s + 1))
+            outs.append(self.steps(xin, self.lo + s, self.lo + s + 1))
         return torch.cat(outs, dim=1)
+
+
+def check_steps_finite(X: torch.Tensor, start: int = 0) -> None:
+    """Raise :class:`NonFiniteError` naming the first step ``>= start`` of ``X`` ``(B, N, F)``
+    with a non-finite value."""
+    tail = X[:, start:]
+    if bool(torch.isfinite(tail).all()):
+        return
+    bad = (~torch.isfinite(tail)).any(2)
+    step = start + int(bad.any(0).nonzero()[0])
+    b = int(bad[:, step - start].nonzero()[0])
+    raise NonFiniteError(
+        f"diffusion.sample: step {step} of sample {b} is not finite (NaN or inf), computed by the "
+        "scheduler's step from an exact input: the diffusers loop gives the same value; check "
+        "the model and the dtype's range (float16 overflows above 65504)")
+
+
+def growth_after(gain: torch.Tensor) -> torch.Tensor:
+    """``(B, N)``: the product of the observed step gains ``gain`` (at least 1) after each
+    step; a step never observed takes the sample's largest gain (``inf`` if it has none)."""
+    g = fill_unobserved(gain, none=float("inf")).clamp(min=1.0)
+    logs = g.log()
+    return (logs.flip(1).cumsum(1).flip(1) - logs).exp()
 
 
 def fill_unobserved(v: torch.Tensor, *, none: float) -> torch.Tensor:
@@ -197,7 +415,10 @@ def _output(out, x: torch.Tensor) -> torch.Tensor:
                          "(the shape of its input x; a learned variance, with twice the channels,"
                          " is not supported)")
     if out.dtype != x.dtype:
-        out = out.to(x.dtype)
+        raise TypeError(f"model output has dtype {out.dtype}, expected {x.dtype} (the dtype of "
+                        "its input x: the diffusers loop would promote the sample to "
+                        f"{out.dtype} after the first step; pass dtype={out.dtype} or make the "
+                        "model return its input's dtype)")
     return out
 
 

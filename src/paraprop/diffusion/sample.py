@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
-import dataclasses
+import time
+import warnings
 
 import torch
 
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
-from paraprop.diffusion.chain import DiffusionChain, draw_noise, fill_unobserved
+from paraprop.determinism import require_deterministic
+from paraprop.diffusion.chain import DiffusionChain, draw_noise, growth_after
 from paraprop.diffusion.schedulers import scheduler_kind, step_table
 from paraprop.result import Solution, ensure_converged
 from paraprop.solve import solve
 from paraprop.solvers import Jacobi, Sequential, SlidingJacobi, TriangularAnderson, is_solver
+from paraprop.solvers.stopping import RATES
 
 METHODS = ("sequential", "picard", "anderson")
 DEFAULT_WINDOW = 128
 SPLITS = ("identity", "eps")
+# units of the dtype's resolution (at the trajectory's scale) an estimate cannot resolve
+FLOOR_ULPS = 4
+SCALE = 4.0   # the least trajectory scale the solver's estimate allows rounding for
 
 
 def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard",
@@ -100,6 +106,7 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         (True, True)
     """
     checks.callable_arg("model", model)
+    require_deterministic(model, argument="model", entry="diffusion.sample")
     shape = _shape(shape)
     N = checks.positive_int("num_inference_steps", num_inference_steps)
     check_tol(tol)
@@ -127,24 +134,52 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         evaluate = sharded_evaluate(None if shard is True else shard)
     chain = DiffusionChain(model, table, noise[0], noise[1:], model_kwargs, split=split,
                            evaluate=evaluate)
-    B, F = shape[0], chain.F
-    X0 = chain.x_init[:, None, :].expand(B, N, F).clone()
+    B = shape[0]
     user_cb = None
     if callback is not None:
         def user_cb(k, v, r):
             callback(k, v.reshape(B, N, *shape[1:]), r)
-    sliding = isinstance(solver, SlidingJacobi) and tol > 0
-    chain.track_gains = sliding
+    start = time.perf_counter()
     with torch.no_grad():
-        sol, passes = _solve_certified(chain, X0, solver, tol, max_iters, user_cb, sliding)
-    traj = sol.value.reshape(B, N, *shape[1:])
-    stats = {**sol.stats, "model_calls": chain.model_calls,
-             "model_evaluations": chain.model_rows // B, "steps": N, "split": split,
-             "passes": passes,
-             "window": sol.stats.get("window", 1 if isinstance(solver, Sequential) else N)}
-    sol = dataclasses.replace(sol, value=traj, stats=stats)
-    sol = ensure_converged(sol, throw, entry="diffusion.sample", max_iters=max_iters, tol=tol)
+        run, done, bitwise, estimate, reason = _solve_certified(chain, solver, tol, max_iters,
+                                                                user_cb)
+    converged = bool(done.all())
+    traj = run.X.reshape(B, N, *shape[1:])
+    name = solver.name if hasattr(solver, "name") else type(solver).__name__
+    certificate = None
+    if converged:
+        certificate = "bitwise" if bool(bitwise.all()) else "estimate"
+    stats = {
+        "model_calls": chain.model_calls, "sequential_steps": chain.model_calls,
+        "model_evaluations": chain.model_rows // B, "max_rows": chain.max_rows,
+        "steps": N, "bound": N, "T": N, "split": split, "passes": run.passes,
+        "fallback_steps": run.fallback_steps, "positions": run.positions,
+        "sample_iterations": run.per_sample,
+        "window": _window_of(solver, N),
+        "certificate": certificate,
+        "bitwise": bitwise.cpu(),
+        "error_estimate": float(estimate.max()) if converged else float("inf"),
+        "rounding_floor": run.floor,
+        "loop_bitwise": run.loop_bitwise,
+        "time_s": time.perf_counter() - start,
+    }
+    if reason is not None:
+        stats["reason"] = reason
+    residuals = torch.cat(run.residuals) if run.residuals else torch.zeros(0, dtype=torch.float64)
+    sol = Solution(value=traj, method=name, iterations=chain.model_calls,
+                   evaluations=chain.model_calls, converged=converged, residuals=residuals,
+                   stats=stats)
+    sol = ensure_converged(sol, throw, entry="diffusion.sample", max_iters=max_iters, tol=tol,
+                           hint=reason or "")
     return traj[:, -1], sol
+
+
+def _window_of(solver, N: int) -> int:
+    if isinstance(solver, Sequential):
+        return 1
+    if isinstance(solver, SlidingJacobi):
+        return min(solver.window or SlidingJacobi.DEFAULT_WINDOW, N)
+    return N
 
 
 def _solver(method, window, memory, N):
@@ -221,73 +256,379 @@ def _check_noise(noise, N: int, shape: tuple[int, ...]) -> torch.Tensor:
     return noise
 
 
-def _solve_certified(chain, X0, solver, tol, max_iters, callback, sliding):
-    """``solve`` on the chain; for the sliding window with ``tol > 0`` also the check that its
-    freezes stay within ``tol`` at the end of the chain.
+def rounding_floor(dtype: torch.dtype, scale) -> float:
+    """The error an estimate-based certificate cannot resolve in ``dtype`` at values of size
+    ``scale``: :data:`FLOOR_ULPS` units of ``dtype``'s resolution at ``max(1, scale)``."""
+    return FLOOR_ULPS * torch.finfo(dtype).eps * max(1.0, float(scale))
 
-    The window freezes steps whose error it estimates as a share of ``tol``, assuming that
-    errors do not grow along the chain. A diffusion chain may expand them (an eps model with a
-    large negative gain, or the sharpening late steps of a trained model), so each freeze's
-    estimate is carried to the last step through the gains observed for the steps after it
-    (``DiffusionChain.gain``, the largest ``|d step(x)| / |d x|`` seen). If the total exceeds
-    ``tol``, the solve is repeated from the current trajectory with each freeze's share divided
-    by the growth observed after it (``DiffusionChain.growth``); a third pass is exact
-    (``tol=0``: the bound of ``N`` sweeps).
-    Returns the last Solution, with the iterations and evaluations of all passes, and the
-    number of passes.
+
+class _Stop(Exception):
+    """Ends a pass early (``tol=0`` and the batched calls are not the loop's bits)."""
+
+
+class _Run:
+    """The bookkeeping of one certified solve: the full trajectory, the passes and their
+    counters, and the budget of at most ``N`` sequential model calls."""
+
+    def __init__(self, chain, cap: int, callback, strict: bool = False):
+        self.chain = chain
+        N, B, F = chain.N, chain.B, chain.F
+        self.X = chain.x_init[:, None, :].expand(B, N, F).clone()
+        self.cap = cap                 # sequential model calls allowed (at most N)
+        self.callback = callback
+        self.passes = 0
+        self.iterations = 0          # parallel iterations, all passes together
+        self.residuals: list[torch.Tensor] = []
+        self.positions = 0
+        self.per_sample = torch.zeros(B, dtype=torch.long)
+        self.fallback_steps = 0
+        self.fallback_start = None    # the first step the loop computed
+        self.floor = 0.0
+        self.strict = strict          # tol=0: stop once the batched calls differ from the loop
+        self.loop_bitwise = None
+        self.loop_gap = 0.0
+
+    @property
+    def left(self) -> int:
+        return self.cap - self.chain.model_calls
+
+    def solve(self, solver, lo: int, tol: float, max_iters: int, keep: torch.Tensor):
+        """One pass of ``solver`` on the steps ``[lo, N)`` from the current trajectory; the
+        samples ``keep`` (certified already) keep their values."""
+        chain, X = self.chain, self.X
+        saved = X[keep].clone()
+        chain.restart(X, lo)
+        self.passes += 1
+        offset = self.iterations
+        cb = None
+        if self.callback is not None:
+            def cb(k, v, r):
+                full = X.clone()
+                full[:, lo:] = v
+                full[keep] = saved
+                self.callback(offset + k, full, r)
+        last = {}
+
+        def watch(k, v, r):
+            self.iterations = offset + k
+            if cb is not None:
+                cb(k, v, r)
+            if self.strict and bool(chain.irreproducible):
+                last["value"] = v.clone()
+                raise _Stop
+
+        try:
+            sol = solve(chain, X[:, lo:].clone(), method=solver, dim=1, tol=tol,
+                        max_iters=max_iters, throw=False, callback=watch)
+        except _Stop:
+            X[:, lo:] = last["value"]
+            X[keep] = saved
+            self._compare()
+            return None
+        X[:, lo:] = sol.value
+        X[keep] = saved
+        self._compare()
+        self.residuals.append(sol.residuals)
+        self.positions += sol.stats.get("positions", 0)
+        self.per_sample += sol.stats["sample_iterations"].reshape(-1)
+        return sol
+
+    def first_step(self) -> None:
+        """The loop's own first step (``B`` rows): position 0, certified, and the reference
+        that the batched calls' step 0 is compared with."""
+        chain = self.chain
+        y = chain.steps(chain.x_init[:, None], 0, 1)[:, 0]
+        self.X[:, 0] = y
+        chain.exact_values[:, 0] = y
+        chain.exact = torch.maximum(chain.exact, torch.ones_like(chain.exact))
+        self.positions += 1
+        self.per_sample += 1
+
+    def finish(self) -> None:
+        """Read the batch-variance comparison (one host sync, after the solve)."""
+        self._compare()
+
+    def _compare(self) -> None:
+        """After a pass: did the batched calls give the loop's bits (step 0's model output,
+        and every certified step they recomputed)?"""
+        chain = self.chain
+        if chain.loop_gap is None:
+            if chain.model_calls and chain.max_rows == chain.B:
+                self.loop_bitwise = True   # every call had the loop's rows
+            return
+        self.loop_gap = float(chain.loop_gap)
+        self.loop_bitwise = not bool(chain.irreproducible)
+
+    def sequential(self, start: int, keep: torch.Tensor) -> None:
+        """The loop from ``start`` (the certified prefix) to the end."""
+        saved = self.X[keep].clone()
+        self.chain.restart(self.X, start)
+        self.chain.sequential(self.X, start)
+        self.X[keep] = saved
+        self.fallback_steps += self.chain.N - start
+        self.fallback_start = start if self.fallback_start is None else \
+            min(self.fallback_start, start)
+        self.positions += self.chain.N - start
+        self.per_sample += self.chain.N - start
+
+
+def _solve_certified(chain, solver, tol, max_iters, callback):
+    """Solve the chain within ``N`` sequential model calls (``max_iters`` if fewer) and
+    certify every sample (:func:`_passes`).
+
+    The first call of a parallel solve is the loop's own first step (``B`` rows), and the first
+    batched call evaluates the model on step 0 again, among ``n * B`` rows. A model whose
+    kernels round a row differently in such a batch (batch variance), or nondeterministic
+    kernels, show a difference there or at a certified step computed again
+    (``stats["loop_bitwise"] = False``): the parallel fixed point is then the sequential
+    trajectory as the *batched* calls compute each step, not the loop's bit for bit. At
+    ``tol=0`` the solve stops with ``converged=False`` at once; at ``tol > 0`` the estimate
+    bounds the distance to that batched trajectory, and a ``BatchVarianceWarning`` says so.
+
+    Returns ``(run, done, bitwise, estimate, reason)``.
     """
-    iterations = evaluations = positions = 0
-    per_sample = None
-    residuals = []
-    cur, passes, x0 = tol, 0, X0
+    N = chain.N
+    cap = N if max_iters is None else min(max_iters, N)
+    run = _Run(chain, cap, callback, strict=tol == 0)
+    done, bitwise, estimate, reason = _passes(run, chain, solver, tol, max_iters, cap)
+    run.finish()
+    if run.loop_bitwise is False:
+        what = (f"the model rounds differently on the batched calls ({chain.max_rows} rows) "
+                f"than on the loop's ({chain.B} rows): its output for step 0 differs by "
+                f"{run.loop_gap:.3g} (batch-variant or nondeterministic kernels)")
+        if tol == 0:
+            done = torch.zeros_like(done)
+            reason = (f"{what}, so no parallel method gives the loop's bits; use "
+                      "method='sequential' for them, or tol > 0")
+        elif bool(done.any()) and chain.N * _output_gain(chain.table) * run.loop_gap > tol / 100:
+            warnings.warn(f"diffusion.sample: {what}; the error estimate bounds the distance "
+                          "to the sequential trajectory as the batched calls compute each "
+                          "step, and the loop's own sample differs from it by these rounding "
+                          "differences carried along the chain (compare with "
+                          "method='sequential' once)", BatchVarianceWarning, stacklevel=3)
+        bitwise = torch.zeros_like(bitwise)
+    return run, done, bitwise, estimate, reason
+
+
+def _output_gain(table) -> float:
+    """The largest ``|d step_s / d model_output|`` over the steps (no clipping): how much a
+    rounding difference of the model's output moves one step."""
+    sa, sb, c0 = (v.to(torch.float64) for v in (table.sqrt_alpha, table.sqrt_beta,
+                                                table.coef_x0))
+    if table.kind == "ddpm":
+        k = {"epsilon": c0 * sb / sa, "sample": c0, "v_prediction": c0 * sb}[table.prediction]
+    else:
+        ce = table.coef_eps.to(torch.float64)
+        k = {"epsilon": ce - c0 * sb / sa, "sample": c0 - ce * sa / sb,
+             "v_prediction": ce * sa - c0 * sb}[table.prediction]
+    return float(k.abs().max())
+
+
+class BatchVarianceWarning(RuntimeWarning):
+    """The model's output for a row depends on the other rows of its batch (or its kernels are
+    nondeterministic): a parallel sample is the sequential one as the batched calls compute each
+    step, which differs from the loop's by that rounding."""
+
+
+def _passes(run, chain, solver, tol, max_iters, cap):
+    """The passes of :func:`_solve_certified`:
+
+    * Estimate stage (``tol`` above the rounding floor of the initial noise's scale): the
+      solver runs at ``tol`` less that floor (:func:`_estimate_stage`).
+    * Exact stage, for the samples left (:func:`_exact_stage`).
+
+    Returns ``(done, bitwise, estimate, reason)``: per sample, certified at all, certified
+    bitwise, and the accepted estimate (``0`` where bitwise).
+    """
+    N, B = chain.N, chain.B
+    done = torch.zeros(B, dtype=torch.bool, device=chain.device)
+    estimate = torch.zeros(B, dtype=torch.float64, device=chain.device)
+    if isinstance(solver, Sequential) or N == 1:
+        if cap < N:
+            return done, done, estimate, (f"the loop needs num_inference_steps={N} model "
+                                          f"calls, more than max_iters={max_iters}")
+        run.sequential(0, done)
+        return ~done, ~done, estimate, None
+    if _window_of(solver, N) > 1:   # (a window of one step: every call is the loop's)
+        run.first_step()
+    # the floor at a scale the trajectory may grow to and keep the estimates the solver
+    # stopped on: twice the initial noise's, and at least 4 (unit-variance noise, data in
+    # [-1, 1]), or 1/64 of tol where that is more; a sample whose floor exceeds that reserve
+    # is finished exactly
+    floor0 = rounding_floor(chain.dtype, max(SCALE, 2 * float(chain.x_init.abs().max())))
+    if tol > floor0:   # an estimate can resolve tol in this dtype
+        # the solver runs at tol less a reserve for the floor at the final trajectory's scale
+        floor0 = max(floor0, tol / 64)
+        stage = _sliding_stage if isinstance(solver, SlidingJacobi) else _estimate_stage
+        done, estimate = stage(run, chain, solver, tol, floor0)
+    chain.track_gains = False
+    by_estimate = done.clone()
+    done = _exact_stage(run, chain, solver, done)
+    reason = None
+    if not bool(done.all()):
+        reason = (f"the budget of {cap} sequential model calls (num_inference_steps={N}"
+                  f"{'' if max_iters is None else f', max_iters={max_iters}'}) ran out before "
+                  "the result was certified; a parallel method never takes more model calls in "
+                  "sequence than the loop")
+    return done, done & ~by_estimate, estimate, reason
+
+
+def _accept(run, chain, done, estimate, stopped, bound, tol):
+    """Accept the samples ``stopped`` whose estimate ``bound`` (``(B,)``), with the rounding
+    floor at the scale of their trajectory, is ``<= tol``, and whose estimate does not rest on a
+    repaired non-finite value; a sample the chain certified exact is accepted as such.
+    Returns the new ``(done, estimate)``."""
+    floor = _floors(run.X, chain.dtype)
+    fresh = chain.last_repair <= chain.model_calls - RATES - 2
+    exact = chain.certified() >= chain.N
+    chain.commit(run.X, exact & ~done)
+    ok = stopped & ~done & (exact | ((bound + floor <= tol) & fresh))
+    by_estimate = ok & ~exact
+    run.floor = max(run.floor, float(torch.where(by_estimate, floor, 0).max()))
+    return done | ok, torch.where(by_estimate, bound + floor, estimate)
+
+
+def _estimate_stage(run, chain, solver, tol, floor0):
+    """Jacobi, Anderson and other full-window solvers: one pass from step 0, one iteration less
+    than the loop would need from the certified prefix (they certify at least one position
+    each, and may verify their last iterate with one more call), each
+    sample stopped on the solver's estimate (``<=`` its tol, or the pass's largest)."""
+    N, B = chain.N, chain.B
+    done = torch.zeros(B, dtype=torch.bool, device=chain.device)
+    estimate = torch.zeros(B, dtype=torch.float64, device=chain.device)
+    # one call less than the loop would need from the certified prefix: a solver may verify
+    # its last iterate with one more call
+    budget = min(run.left, N - int(chain.certified().min())) - 1
+    if budget < 1:
+        return done, estimate
+    sol = run.solve(solver, 0, tol - floor0, budget, done)
+    its = sol.stats["sample_iterations"].reshape(-1).to(chain.device)
+    stopped = torch.ones_like(done) if sol.converged else its < sol.iterations
+    top = float(sol.stats.get("error_estimate", tol)) if sol.converged else tol
+    bound = torch.full((B,), min(top, tol - floor0), dtype=torch.float64, device=chain.device)
+    return _accept(run, chain, done, estimate, stopped, bound, tol)
+
+
+def _sliding_stage(run, chain, solver, tol, floor0):
+    """The sliding window, whose freezes assume that errors do not grow along the chain.
+
+    Pass 1 from step 0 observes every step's gain and budgets each freeze after the growth seen
+    so far; each freeze's estimate is then carried to the end through the growth after it
+    (:func:`~paraprop.diffusion.chain.growth_after`). Where that exceeds ``tol``: a second pass
+    from the certified prefix, each freeze budgeted after that growth, within the budget less what
+    the loop needs from the longest prefix whose freezes carry within ``tol``
+    (:func:`_certified_prefix`); if it fails, the loop from that prefix."""
+    N, B = chain.N, chain.B
+    done = torch.zeros(B, dtype=torch.bool, device=chain.device)
+    estimate = torch.zeros(B, dtype=torch.float64, device=chain.device)
+    chain.track_gains = chain.live_growth = True
+    sol = run.solve(solver, 0, tol - floor0, run.left, done)
+    growth = None if chain.gain is None else growth_after(chain.gain)
+    freezes = sol.stats.get("freeze_estimates")
+    bound = _carried_error(freezes, growth).to(chain.device, torch.float64).expand(B)
+    stopped = torch.ones_like(done) if sol.converged else torch.zeros_like(done)
+    done, estimate = _accept(run, chain, done, estimate, stopped, bound, tol)
+    fresh = bool((chain.last_repair <= chain.model_calls - RATES - 2).all())
+    if bool(done.all()) or not sol.converged or growth is None or not fresh:
+        return done, estimate
+    floor = _floors(run.X, chain.dtype)
+    q, _ = _certified_prefix(freezes, growth, tol - floor)
+    start = int(q[~done].min())
+    reserve = N - start if 0 < N - start <= run.left else None
+    lo = int(chain.certified()[~done].min())
+    cap = run.left - (reserve or 0)
+    # the loop from `start` costs `reserve` calls for sure; a second pass, about what the first
+    # cost: take the cheaper
+    if cap >= 1 and (reserve is None or reserve > sol.iterations):
+        saved = run.X.clone()
+        chain.growth = growth
+        sol2 = run.solve(solver, lo, tol - floor0, cap, done)
+        if sol2.converged and bool((chain.last_repair <= chain.model_calls - RATES - 2).all()):
+            bound2 = _carried_error(sol2.stats.get("freeze_estimates"),
+                                    growth_after(chain.gain)[:, lo:])
+            done, estimate = _accept(run, chain, done, estimate, torch.ones_like(done),
+                                     bound2.to(chain.device, torch.float64).expand(B), tol)
+            if bool(done.all()):
+                return done, estimate
+        if reserve is not None:   # back to pass 1's trajectory, for the loop from `start`
+            run.X[~done] = saved[~done]
+            back = ~done & (chain.exact > lo)   # its certificates beyond lo are pass 2's
+            chain.exact = torch.where(back, lo, chain.exact)
+            chain.has_next = chain.has_next & ~back
+    if reserve is None or bool(done.all()):
+        return done, estimate
+    run.sequential(start, done)
+    carried = _contributions(freezes, growth)[:, :start].sum(1)
+    return _accept(run, chain, done, estimate, torch.ones_like(done), carried, tol)
+
+
+def _exact_stage(run, chain, solver, done):
+    """The samples not ``done``, exactly: one pass that certifies at least one position per
+    call (capped to leave the loop the rest), then the loop from the certified prefix; the
+    first batched call starts at step 0 (the batch-variance check, :func:`_solve_certified`).
+    Returns ``done`` with the samples certified."""
+    N = chain.N
+    passed = False
     while True:
-        passes += 1
-        left = None if max_iters is None else max_iters - iterations
-        sol = solve(chain, x0, method=solver, dim=1, tol=cur, max_iters=left, throw=False,
-                    callback=callback)
-        iterations += sol.iterations
-        evaluations += sol.evaluations
-        positions += sol.stats.get("positions", 0)
-        its = sol.stats["sample_iterations"]
-        per_sample = its if per_sample is None else per_sample + its
-        residuals.append(sol.residuals)
-        estimate = sol.stats.get("error_estimate", 0.0)
-        if sliding and sol.converged and cur > 0:
-            growth = None if chain.gain is None else _growth(chain.gain)
-            carried = _carried_error(sol.stats.get("freeze_estimates"), growth)
-            estimate = float(carried.max())
-            if estimate > tol and (left is None or sol.iterations < left):
-                # again from the current trajectory, each freeze now budgeted after the growth
-                # observed downstream of it; a third pass is exact
-                chain.growth = growth
-                cur = 0.0 if passes >= 2 else cur
-                x0 = sol.value.clone()
-                continue
-            if estimate > tol:
-                sol = dataclasses.replace(sol, converged=False)
-        break
-    stats = {**sol.stats, "error_estimate": estimate if sol.converged else float("inf"),
-             "positions": positions, "sequential_steps": evaluations,
-             "sample_iterations": per_sample}
-    return dataclasses.replace(sol, iterations=iterations, evaluations=evaluations,
-                               residuals=torch.cat(residuals), stats=stats), passes
+        certified = chain.certified()
+        chain.commit(run.X, ~done)
+        left = ~done & (certified < N)
+        if not bool(left.any()):
+            return torch.ones_like(done) | done
+        lo = int(certified[left].min())
+        if chain.loop_gap is None and not passed:
+            lo = 0
+        keep = ~left
+        affordable = run.left >= N - lo
+        if passed or N - lo <= 1:
+            if not affordable:
+                break
+            run.sequential(lo, keep)
+            continue
+        # each call certifies a position; one call is left for a solver's last verification
+        steps = min(run.left, N - int(certified[left].min())) - 1 if affordable else \
+            run.left - 1
+        if steps < 1:
+            break
+        if run.solve(solver, lo, 0.0, steps, keep) is None:   # not the loop's bits
+            return done
+        passed = True
+    exact = chain.certified() >= N
+    chain.commit(run.X, exact & ~done)
+    return done | exact
 
 
-def _growth(gain) -> torch.Tensor:
-    """``(B, N)``: the product of the observed step gains (at least 1) after each step; a step
-    never observed takes the sample's largest gain (``inf`` if it has none)."""
-    g = fill_unobserved(gain, none=float("inf")).clamp(min=1.0)
-    logs = g.log()
-    return (logs.flip(1).cumsum(1).flip(1) - logs).exp()
+def _floors(X: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(B,)``: :func:`rounding_floor` at the scale of each sample's trajectory."""
+    scale = X.abs().flatten(1).amax(1).to(torch.float64).clamp(min=1.0)
+    return FLOOR_ULPS * torch.finfo(dtype).eps * scale
+
+
+def _contributions(freezes, growth) -> torch.Tensor | None:
+    """``(B, T)``: each freeze's estimate times the growth after it (:func:`growth_after`),
+    ``inf`` for a freeze with no observed gain (``growth=None``); ``None`` without freezes."""
+    if freezes is None:
+        return None
+    if growth is None:
+        return torch.where(freezes > 0, torch.inf, 0.0)
+    return torch.where(freezes > 0, freezes * growth, 0.0)
 
 
 def _carried_error(freezes, growth) -> torch.Tensor:
-    """Per sample: the sum over freezes of their estimate times the growth after them
-    (:func:`_growth`); with freezes but no observed gain (``growth=None``) not certified
-    (``inf``)."""
-    if freezes is None:
-        return torch.zeros(1, dtype=torch.float64)
-    if growth is None:
-        return torch.where(freezes.sum(1) > 0, torch.inf, 0.0)
-    carried = freezes * growth
-    return torch.where(freezes > 0, carried, 0.0).sum(1)
+    """Per sample: the sum over freezes of their estimate times the growth after them."""
+    c = _contributions(freezes, growth)
+    return torch.zeros(1, dtype=torch.float64) if c is None else c.sum(1)
+
+
+def _certified_prefix(freezes, growth, limit: torch.Tensor):
+    """Per sample, the longest prefix ``[0, q)`` whose freezes, carried to the end, stay within
+    ``limit`` ``(B,)``, and what they carry: ``(q, carried)``, ``(B,)`` each. The loop from
+    ``q`` then finishes the sample within ``limit`` of the sequential one."""
+    c = _contributions(freezes, growth)
+    if c is None:
+        return None, None
+    total = c.cumsum(1)                                        # carried by the freezes < q + 1
+    q = (total <= limit.to(total)[:, None]).long().sum(1)      # monotone: a count is the q
+    before = torch.cat([torch.zeros_like(total[:, :1]), total], dim=1)
+    return q, before.gather(1, q[:, None])[:, 0]
+

@@ -1,13 +1,32 @@
 """A diffusers scheduler's update rule, read once into per-step coefficients and applied to many
-steps at once.
+steps at once, with the same operations in the same precision as ``scheduler.step``.
 
 ``scheduler.step(model_output, t, x)`` maps one sample at one timestep. Parallel sampling needs
 the same map for a whole window of timesteps in one batched call. :func:`step_table` runs the
 scheduler's own coefficient arithmetic (the same float32 tensor expressions, in the same order)
 once per timestep and stacks the results; :meth:`StepTable.apply` then evaluates the step with
-those coefficients broadcast over the steps. So each element goes through the operations that
-``scheduler.step`` performs on it, with the same coefficient values, and ``method="sequential"``
-reproduces the diffusers loop bit for bit wherever the model itself does.
+those coefficients broadcast over the steps.
+
+**Bitwise, in every dtype.** ``scheduler.step`` applies float32 0-d coefficient tensors (CPU
+tensors: the pipelines' ``set_timesteps()`` leaves the scheduler there) to a sample of the
+model's dtype. PyTorch computes each such operation in the sample dtype's "opmath" type (float32
+for bfloat16 and float16, the dtype itself otherwise) and rounds the result to the sample dtype
+after every operation. How it reads the coefficient depends on the operation and the device
+(measured on the CPU, and read from PyTorch's kernels for CUDA):
+
+* on the CPU, ``c * t`` (diffusers writes every product coefficient first) rounds ``c`` to the
+  sample dtype first, while ``t / c`` reads it at full float32 precision;
+* on CUDA (and XPU), a CPU scalar is read at full precision in both, and ``t / c`` is computed as
+  ``t * (1 / c)``.
+
+:meth:`StepTable.apply` performs exactly these operations, one by one, with per-step coefficient
+columns, e.g. ``(c.to(bfloat16).float() * t.float()).to(bfloat16)`` where diffusers writes
+``c * t`` on the CPU. So
+``method="sequential"`` reproduces the diffusers loop bit for bit in float64, float32, bfloat16
+and float16, wherever the model itself does (``tests/test_diffusion_core.py``). Where the
+scheduler's ``alphas_cumprod`` has been moved to the sample's GPU (``scheduler.add_noise`` does
+that), its coefficients are GPU tensors, which PyTorch first rounds to the sample dtype; the table
+then does the same (``scalars="device"``).
 
 Supported: ``DDPMScheduler`` (variance types ``fixed_small``, ``fixed_small_log``,
 ``fixed_large``) and ``DDIMScheduler`` (any ``eta``, ``use_clipped_model_output``), each with
@@ -17,6 +36,7 @@ Supported: ``DDPMScheduler`` (variance types ``fixed_small``, ``fixed_small_log`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +44,15 @@ import torch
 SUPPORTED = ("DDPMScheduler", "DDIMScheduler")
 PREDICTIONS = ("epsilon", "sample", "v_prediction")
 DDPM_VARIANCES = ("fixed_small", "fixed_small_log", "fixed_large")
+# devices on which PyTorch divides by a CPU scalar through its reciprocal (BinaryDivTrueKernel)
+RECIPROCAL_DIVISION = ("cuda", "xpu")
+_COLUMNS = ("sqrt_alpha", "sqrt_beta", "coef_x0", "coef_x", "coef_eps", "sigma")
+
+
+def opmath(dtype: torch.dtype) -> torch.dtype:
+    """The precision PyTorch computes an elementwise operation of ``dtype`` in: float32 for
+    bfloat16 and float16, the dtype itself otherwise."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 @dataclass
@@ -36,6 +65,9 @@ class StepTable:
     DDPM ``coef_x0``, ``coef_x`` (formula 7 of Ho et al.), for DDIM ``coef_x0``
     (``alpha_prod_t_prev ** 0.5``) and ``coef_eps`` (the direction pointing to ``x_t``);
     ``sigma`` scales the step's noise, and ``noisy`` says which steps draw noise at all.
+    ``scalars`` says where ``scheduler.step`` finds its 0-d coefficients: ``"cpu"`` (CPU
+    scalars, read at full float32 precision) or ``"device"`` (tensors on the sample's device,
+    rounded to the sample dtype first). :meth:`to` moves the table to the sample's device.
     """
 
     kind: str  # "ddpm" or "ddim"
@@ -51,10 +83,22 @@ class StepTable:
     clip: float | None = None
     threshold: tuple[float, float] | None = None  # (ratio, sample_max_value)
     clipped_eps: bool = False
+    scalars: str = "cpu"
+
+    def __post_init__(self):
+        # which steps add noise, on the host: read in the hot loop without a device sync
+        self.noisy_steps = tuple(bool(v) for v in self.noisy.cpu().tolist())
 
     @property
     def N(self) -> int:
         return int(self.timesteps.numel())
+
+    def to(self, device) -> StepTable:
+        """The same table with its tensors on ``device`` (no copy where they are already)."""
+        device = torch.device(device)
+        moved = {k: (None if getattr(self, k) is None else getattr(self, k).to(device))
+                 for k in (*_COLUMNS, "timesteps", "noisy")}
+        return dataclasses.replace(self, **moved)
 
     def linear_part(self, split: str) -> torch.Tensor:
         """``a_s`` of the split ``x_{s+1} = a_s x_s + g_s(x_s)`` (float32, ``(N,)``).
@@ -70,38 +114,68 @@ class StepTable:
             return self.coef_x0 / self.sqrt_alpha + self.coef_x
         return self.coef_x0 / self.sqrt_alpha
 
-    def apply(self, index: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
-              z: torch.Tensor) -> torch.Tensor:
-        """``x_{s+1}`` for the steps ``index`` (``(n,)`` long): ``x``, ``out`` (the model
-        output) and ``z`` (the step noise) are ``(n, ...)``, one leading row per step."""
-        shape = (index.numel(),) + (1,) * (x.dim() - 1)
+    def apply(self, index, x: torch.Tensor, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``x_{s+1}`` for the steps ``index`` (a ``slice`` of steps, or a 1-D long tensor):
+        ``x``, ``out`` (the model output) and ``z`` (the step noise) are ``(n, ...)``, one
+        leading row per step, all of the sample dtype. Each operation is ``scheduler.step``'s,
+        in its precision (see the module doc)."""
+        n = x.shape[0]
+        shape = (n,) + (1,) * (x.dim() - 1)
+        dt, om = x.dtype, opmath(x.dtype)
+        on_cpu = x.device.type == "cpu"
+        # how PyTorch reads the 0-d float32 coefficient of `c * t` and `t / c` (module doc)
+        mul_rounds = on_cpu or self.scalars == "device"
+        div_rounds = self.scalars == "device"
+        reciprocal = not on_cpu and self.scalars == "cpu" and \
+            x.device.type in RECIPROCAL_DIVISION
+        steps = (range(self.N)[index] if isinstance(index, slice)
+                 else [int(i) for i in index.tolist()])
 
-        def c(v: torch.Tensor) -> torch.Tensor:
-            return v.index_select(0, index).to(x.dtype).reshape(shape)
+        def column(v: torch.Tensor, rounded: bool) -> torch.Tensor:
+            v = v[index] if isinstance(index, slice) else v.index_select(0, index.to(v.device))
+            if rounded:
+                v = v.to(dt)
+            return v.to(x.device, om).reshape(shape)
+
+        def c(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return column(v, mul_rounds), column(v, div_rounds)
+
+        def mul(cv, t: torch.Tensor) -> torch.Tensor:  # diffusers' `c * t`
+            return (cv[0] * t.to(om)).to(dt)
+
+        def div(t: torch.Tensor, cv) -> torch.Tensor:  # diffusers' `t / c`
+            if reciprocal:
+                return (t.to(om) * (1 / cv[1])).to(dt)
+            return (t.to(om) / cv[1]).to(dt)
 
         sa, sb = c(self.sqrt_alpha), c(self.sqrt_beta)
         if self.prediction == "epsilon":
-            x0 = (x - sb * out) / sa
+            x0 = div(x - mul(sb, out), sa)
             eps = out
         elif self.prediction == "sample":
             x0 = out
-            eps = (x - sa * x0) / sb if self.kind == "ddim" else None
+            eps = div(x - mul(sa, x0), sb) if self.kind == "ddim" else None
         else:  # v_prediction
-            x0 = sa * x - sb * out
-            eps = sa * out + sb * x if self.kind == "ddim" else None
+            x0 = mul(sa, x) - mul(sb, out)
+            eps = mul(sa, out) + mul(sb, x) if self.kind == "ddim" else None
         if self.threshold is not None:
             x0 = _threshold(x0, *self.threshold)
         elif self.clip is not None:
             x0 = x0.clamp(-self.clip, self.clip)
         if self.kind == "ddpm":
-            prev = c(self.coef_x0) * x0 + c(self.coef_x) * x
+            prev = mul(c(self.coef_x0), x0) + mul(c(self.coef_x), x)
         else:
             if self.clipped_eps:
-                eps = (x - sa * x0) / sb
-            prev = c(self.coef_x0) * x0 + c(self.coef_eps) * eps
-        noisy = self.noisy.index_select(0, index)
-        if bool(noisy.any()):
-            prev = prev + c(self.sigma) * z
+                eps = div(x - mul(sa, x0), sb)
+            prev = mul(c(self.coef_x0), x0) + mul(c(self.coef_eps), eps)
+        noisy = [self.noisy_steps[s] for s in steps]
+        if any(noisy):
+            with_noise = prev + mul(c(self.sigma), z)
+            if all(noisy):
+                return with_noise
+            keep = self.noisy[index] if isinstance(index, slice) else \
+                self.noisy.index_select(0, index.to(self.noisy.device))
+            return torch.where(keep.to(x.device).reshape(shape), with_noise, prev)
         return prev
 
 
@@ -158,8 +232,13 @@ def step_table(scheduler, num_inference_steps: int, *, eta: float = 0.0,
                          f"fall outside its {n_train} training timesteps for "
                          f"num_inference_steps={num_inference_steps} (scheduler.step would fail "
                          "too); lower num_inference_steps or steps_offset")
+    # where scheduler.step finds its coefficients: CPU scalars (as set_timesteps() leaves the
+    # scheduler), or tensors on the device that scheduler.add_noise moved alphas_cumprod to
+    where = scheduler.alphas_cumprod.device
+    scalars = "cpu" if where.type == "cpu" else "device"
     cols = _ddpm_columns(scheduler, timesteps) if kind == "ddpm" else \
-        _ddim_columns(scheduler, timesteps, eta)
+        _ddim_columns(scheduler, timesteps, eta,
+                      reciprocal=scalars == "device" and where.type in RECIPROCAL_DIVISION)
     sigma, noisy = cols["sig"], cols["noisy"]
     if not bool(torch.isfinite(sigma[noisy]).all()):
         raise NotImplementedError(f"scheduler: {type(scheduler).__name__} gives a non-finite "
@@ -173,7 +252,8 @@ def step_table(scheduler, num_inference_steps: int, *, eta: float = 0.0,
                      sqrt_alpha=cols["sa"], sqrt_beta=cols["sb"], coef_x0=cols["c0"],
                      coef_x=cols["cx"], coef_eps=cols["ce"], sigma=sigma, noisy=noisy,
                      clip=clip, threshold=threshold,
-                     clipped_eps=bool(use_clipped_model_output) and kind == "ddim")
+                     clipped_eps=bool(use_clipped_model_output) and kind == "ddim",
+                     scalars=scalars)
 
 
 # The coefficient arithmetic of the schedulers' step(), on float32 tensors of all the steps at
@@ -206,15 +286,18 @@ def _ddpm_columns(s, ts: torch.Tensor) -> dict:
             "ce": None, "sig": torch.where(noisy, sig, torch.zeros_like(sig)), "noisy": noisy}
 
 
-def _ddim_columns(s, ts: torch.Tensor, eta: float) -> dict:
+def _ddim_columns(s, ts: torch.Tensor, eta: float, reciprocal: bool = False) -> dict:
     ac = s.alphas_cumprod.detach().cpu()
     prev = ts - s.config.num_train_timesteps // s.num_inference_steps
+    final = torch.as_tensor(s.final_alpha_cumprod).cpu()
     alpha_prod_t = ac[ts]
-    alpha_prod_t_prev = torch.where(prev >= 0, ac[prev.clamp(min=0)],
-                                    torch.as_tensor(s.final_alpha_cumprod).cpu())
+    alpha_prod_t_prev = torch.where(prev >= 0, ac[prev.clamp(min=0)], final)
     beta_prod_t = 1 - alpha_prod_t
     beta_prod_t_prev = 1 - alpha_prod_t_prev
-    variance = (beta_prod_t_prev / beta_prod_t) * (1 - alpha_prod_t / alpha_prod_t_prev)
+    ratio = alpha_prod_t / alpha_prod_t_prev
+    if reciprocal:  # alphas_cumprod on a GPU divided by the CPU scalar final_alpha_cumprod
+        ratio = torch.where(prev >= 0, ratio, alpha_prod_t * (1 / final))
+    variance = (beta_prod_t_prev / beta_prod_t) * (1 - ratio)
     std_dev_t = eta * variance ** (0.5)
     noisy = torch.full_like(ts, eta > 0, dtype=torch.bool)
     return {"sa": alpha_prod_t ** (0.5), "sb": beta_prod_t ** (0.5),
