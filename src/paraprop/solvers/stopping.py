@@ -59,10 +59,12 @@ class ContractionRule:
     def __init__(self, B: int, device, dtype=torch.float64):
         nan = torch.full((B,), float("nan"), dtype=dtype, device=device)
         self.d_prev = nan                  # d_{k-1}
-        # the previous RATES - 1 ratios d_j / d_{j-1}, newest first (0 before they exist), and
-        # their denominators d_{j-1} (inf before they exist: a missing ratio restricts nothing)
+        # the previous RATES - 1 ratios d_j / d_{j-1} (0 before they exist) and their
+        # denominators d_{j-1} (inf before they exist: a missing ratio restricts nothing), in
+        # a ring written in place; only their maximum is read, so their order does not matter
         self.q_prev = torch.zeros(RATES - 1, B, dtype=dtype, device=device)
         self.den_prev = torch.full((RATES - 1, B), float("inf"), dtype=dtype, device=device)
+        self._slot = 0
         # the largest rounding floor that kept a sample from stopping (0: none did)
         self.blocked = torch.zeros((), dtype=dtype, device=device)
 
@@ -73,12 +75,11 @@ class ContractionRule:
         self.den_prev.fill_(float("inf"))
 
     def _record(self, d, q, den, active) -> None:
-        q = torch.nan_to_num(q, nan=0.0)
-        shifted = torch.cat([q[None], self.q_prev[:-1]])
-        self.q_prev = torch.where(active[None], shifted, self.q_prev)
-        shifted = torch.cat([den[None], self.den_prev[:-1]])
-        self.den_prev = torch.where(active[None], shifted, self.den_prev)
-        self.d_prev = torch.where(active, d, self.d_prev)
+        i = self._slot
+        self._slot = (i + 1) % (RATES - 1)
+        torch.where(active, torch.nan_to_num(q, nan=0.0), self.q_prev[i], out=self.q_prev[i])
+        torch.where(active, den, self.den_prev[i], out=self.den_prev[i])
+        torch.where(active, d, self.d_prev, out=self.d_prev)
 
     def update(self, d: torch.Tensor, tol: float, active: torch.Tensor,
                budget: float | None = None, rate: torch.Tensor | None = None,
