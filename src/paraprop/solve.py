@@ -55,13 +55,15 @@ def solve(
     Arguments:
         fn: maps a tensor shaped like ``x0`` to one of the same shape and dtype, autoregressive
             along ``dim``: position ``t`` of ``fn(x)`` depends only on positions ``< t`` of ``x``.
-            Optionally an object with ``update(x, index)`` returning only the flat positions
-            ``index`` (shape ``(*batch, len(index), *trailing)``); the sequential and hybrid
-            solvers then compute just those positions. Optionally also
-            ``window(x, start, stop, cache)`` returning ``(values, cache)`` for the positions
-            ``[start, stop)`` given that the positions ``< start`` are final (the cached-prefix
-            protocol used by :class:`~paraprop.solvers.SlidingJacobi` and
-            :class:`~paraprop.solvers.GSJacobi`).
+            Optionally an object with the hooks of :mod:`paraprop.solvers.protocols`:
+            ``update(x, index)`` returning only the flat positions ``index`` (shape
+            ``(*batch, len(index), *trailing)``; the sequential and hybrid solvers then compute
+            just those positions), ``window(x, start, stop, cache)`` returning ``(values,
+            cache)`` for the positions ``[start, stop)`` given that the positions ``< start``
+            are final (the cached-prefix protocol of :class:`~paraprop.solvers.SlidingJacobi`
+            and :class:`~paraprop.solvers.GSJacobi`), ``propose``, ``sensitivity``,
+            ``growth``. Their promises (leave ``x`` unchanged, compute ``fn``'s values) are
+            checked, not trusted.
         x0: the initial guess (finite values; zeros are typical). Dims before ``dim`` are
             independent samples, each stopping on its own; dims after ``dim`` are the values of
             one position. The solution does not depend on ``x0``, so no gradient flows to it.
@@ -79,9 +81,12 @@ def solve(
             e.g. ``(-2, -1)`` for pixels in raster order.
         tol: a sample stops early only when its estimated distance to the sequential result is
             ``<= tol`` (``norm`` over the sample): the contraction estimate for the Jacobi family,
-            the Newton step for Newton (see ``docs/solve.md``); ``0`` iterates to a bitwise
-            fixed point. Independently of ``tol``, every method stops at its exactness bound
-            (``T`` sweeps for Jacobi), where its value equals the sequential result.
+            the Newton step for Newton, each with the dtype's rounding floor added (see
+            ``docs/solve.md``); ``0`` iterates to a bitwise fixed point of ``fn``, checked by
+            ``fn`` itself before ``converged=True`` (one extra evaluation for the methods that
+            certify with ``fn.window`` / ``fn.update``). Independently of ``tol``, every method
+            stops at its exactness bound (``T`` sweeps for Jacobi), where its value equals the
+            sequential result.
         norm: ``"max"`` (largest absolute change) or ``"l2"``, per sample.
         max_iters: cap on iterations; ``None`` means the method's exactness bound.
         throw: raise :class:`ConvergenceError` if ``max_iters`` ends the solve before
@@ -98,9 +103,16 @@ def solve(
 
     Raises:
         ValueError / TypeError: bad arguments (the message names the argument and value).
-        NotTriangularError: a position changed after all positions it may depend on were final.
-        NonFiniteError: ``fn`` produced NaN or inf (iteration, sample and position named).
-        ConvergenceError: not converged within ``max_iters`` and ``throw=True``.
+        NotTriangularError: a position changed after all positions it may depend on were final,
+            or ``fn(x)`` differs from the value certified at ``tol=0`` (the message names the
+            other common cause: a module in train mode with dropout).
+        ProtocolError: a hook broke its promise (modified ``x``, disagrees with ``fn``, returned
+            the wrong kind of value); the message names the hook.
+        StochasticModelError: ``fn`` is a module in train mode with stochastic layers.
+        NonFiniteError: ``fn`` produced NaN or inf from final positions (iteration, sample and
+            position named); one computed from iterates that are not final keeps the old value.
+        ConvergenceError: not converged and ``throw=True``: ``max_iters`` ended it, or at
+            ``tol=0`` ``fn(x)`` differs from the value by rounding (the message says which).
 
     Example:
         >>> W = torch.randn(8, 8).tril(-1) * 0.3

@@ -23,6 +23,11 @@ the whole answer. paraprop's rules estimate the distance to the exact (sequentia
 * **Exact prefix** (all of them): after ``k`` iterations the first positions are exact by the
   triangular structure (Song et al. 2021, Prop. 1-2); at the bound everything is.
 
+All of them add the rounding floor of the dtype (one unit in the last place at the values' scale:
+what two evaluations from inputs within rounding of each other can differ by) and ignore ratios
+over steps at the rounding level (:class:`ContractionRule`): in bf16 and fp16 a ``tol`` below the
+floor is certified only by a bitwise fixed point or the exactness bound.
+
 Windowed methods freeze positions before the whole sample is done. Each freeze may introduce its
 error estimate into the positions after it, so a freeze of ``m`` of the ``T`` positions is allowed
 only with an estimate ``<= tol * m / T``: the errors added by all freezes sum to at most ``tol``
