@@ -153,16 +153,16 @@ def test_fused_step_equals_the_drivers_step(small_blocks, monkeypatch, kind, inp
 @pytest.mark.parametrize("kind", HARD)
 def test_buffers_reused_over_many_iterations(small_blocks, kind, inputs, method, device):
     """Tens of iterations, samples stopping at different ones, many blocks: the fused step
-    (on CUDA the Triton kernel where the input terms are stored) takes the unfused step's
-    iterations and values, within 1e-10 of the sequential loop."""
+    takes the unfused step's iterations and values, within 1e-10 of the sequential loop. (It is
+    the torch cell's on every device: a Recurrence never certifies with the Triton cell; the
+    layers use that only as a warm start, tests/test_triton.py.)"""
     rec = HARD[kind](inputs=inputs, device=device)
     seq = paraprop.solve(rec, rec.zeros(), method="sequential", dim=-2)
     fused = paraprop.solve(rec, rec.zeros(), method=method, dim=-2, tol=1e-12)
     plain = paraprop.solve(unfused(HARD[kind](inputs=inputs, device=device)), rec.zeros(),
                            method=method, dim=-2, tol=1e-12)
     if method == "newton" or kind == "gru":
-        on_gpu = device.type == "cuda" and not inputs
-        assert (rec.step_kernel == "triton") == on_gpu
+        assert rec.step_kernel in ("native", "torch")
     its = fused.stats["sample_iterations"]
     assert fused.converged and fused.iterations >= 20 and len(set(its.flatten().tolist())) > 1
     assert torch.equal(its, plain.stats["sample_iterations"])

@@ -47,33 +47,39 @@ def compile_for_sm90(kernel, args, meta):
 
 class Recorder:
     """A kernel module whose launches are recorded, not run: ``kernel[grid](*args, **meta)``
-    appends ``(kernel, args, meta)``."""
+    appends ``(kernel, args, meta)`` to ``calls`` and ``(kernel name, grid)`` to ``grids``."""
 
-    def __init__(self, module, calls):
-        self.module, self.calls = module, calls
+    def __init__(self, module, calls, grids):
+        self.module, self.calls, self.grids = module, calls, grids
 
     def __getattr__(self, name):
         attr = getattr(self.module, name)
         if name == "tl":
             return attr
-        calls = self.calls
+        calls, grids = self.calls, self.grids
 
         class Grid:
             def __getitem__(self, grid):
+                grids.append((name, tuple(grid)))
                 return lambda *args, **meta: calls.append((attr, args, meta))
         return Grid()
 
 
 @pytest.fixture
-def launches(monkeypatch):
+def recorded(monkeypatch):
     """The host code's launches, on ``meta`` tensors (any size, no memory), recorded with the
-    compiled-mode kernels."""
+    compiled-mode kernels: ``(calls, grids)``."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    calls = []
+    calls, grids = [], []
     real = tk.load
     monkeypatch.setattr(tk, "load", lambda source, device: Recorder(
-        real(source, torch.device("cuda")), calls))
-    return calls
+        real(source, torch.device("cuda")), calls, grids))
+    return calls, grids
+
+
+@pytest.fixture
+def launches(recorded):
+    return recorded[0]
 
 
 def compile_all(calls):
@@ -111,11 +117,48 @@ def test_the_scans_compile_in_other_layouts_and_dtypes(launches, dtype):
     compile_all(launches)
 
 
-def test_the_dense_scan_compiles_with_its_matrix_products(launches):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_dense_scan_compiles_with_its_matrix_products(launches, dtype):
+    """In chunks: the chunks' products by ``tl.dot`` (IEEE float32, or float64)."""
     N, T, H = 16, 1000, 20
-    A = meta(N, T, H, H).transpose(-1, -2)      # the transposed steps of a backward pass
-    tk.dense_launch(A, meta(N, T, H), meta(N, T, H), meta(N, H), True, chunks=3)
+    A = meta(N, T, H, H, dtype=dtype).transpose(-1, -2)   # a backward pass's transposed steps
+    x = meta(N, T, H, dtype=dtype)
+    tk.dense_launch(A, x, x, meta(N, H, dtype=dtype), True, chunks=3)
     assert {name for name, _, _ in compile_all(launches)} == {"dense_scan", "dense_carries"}
+
+
+def test_no_grid_axis_past_cudas_limits(recorded):
+    """CUDA allows 65535 programs along grid axes 1 and 2 (``2^31 - 1`` along axis 0): many
+    rows (``(16, 4096, T)`` with ``dim=-1``: 65536 rows) and many chunks stay within them."""
+    from paraprop.nn import triton_cells
+
+    calls, grids = recorded
+    N, T = 16 * 4096, 1 << 12
+    x = meta(N, T, 1)
+    for chunks in (None, 3):
+        tk.diag_launch(x, x, x, meta(N, 1), False, chunks=chunks)       # (16, 4096, T), dim=-1
+    xt = meta(8, 1 << 27, 1)                                            # 65536 blocks of time
+    tk.diag_launch(xt, xt, xt, None, True, chunks=70000)
+    p = meta(N, 64, 2)
+    tk.pair_launch(meta(N, 64, 2, 2), p, p, None, False, chunks=3)
+    d = meta(N, 40, 3)
+    tk.dense_launch(meta(1, 40, 3, 3).expand(N, 40, 3, 3), d, d, None, False, chunks=3)
+    tk.dense_launch(meta(2, 1 << 17, 3, 3), meta(2, 1 << 17, 3), meta(2, 1 << 17, 3), None,
+                    False, chunks=70000)
+    g = meta(N, 64, 4)
+    triton_cells.gru_newton_step(meta(N, 64, 3, 4), g, meta(N, 4), meta(3, 4), None, 0, g, g,
+                                 chunks=3)
+    s = meta(N, 64, 2)
+    triton_cells.lstm_newton_step(meta(4, N // 4, 4, 64), s, meta(N, 2), meta(4, 4), 0, s, s,
+                                  chunks=3)
+    names = {name for name, _ in grids}
+    assert {"diag_scan", "diag_carries", "pair_scan", "dense_scan", "gru_step",
+            "lstm_step"} <= names
+    for name, grid in grids:
+        assert grid[0] <= tk.MAX_GRID0, (name, grid)
+        assert all(n <= tk.MAX_GRID12 for n in grid[1:]), (name, grid)
+    assert max(grid[0] for _, grid in grids) >= N                        # rows on axis 0
+    assert max(len(grid) > 1 and grid[1] for _, grid in grids) >= 1 << 15    # many chunks
 
 
 @pytest.mark.parametrize("dtype, chunks", [(torch.float32, None), (torch.bfloat16, 3),

@@ -12,7 +12,8 @@ Jacobian ``J_t = d y_t / d x_{t-1}`` (a diagonal, or a ``2 x 2`` block per unit)
 ``tl.associative_scan`` with a carry from block to block (``delta = 0`` before position ``lo``);
 written out are ``y`` and ``trial = x + delta``. As in :mod:`paraprop.scan._triton_scan`, few
 rows split time into chunks: pass 1 keeps each chunk's transfer and end, the carries kernel of
-the scans gives each chunk's start, pass 2 writes.
+the scans gives each chunk's start, pass 2 writes. The combine functions and sums are
+:mod:`paraprop.scan._triton_scan`'s, from its copy in this module's mode.
 
 The cell's ``exp`` and ``tanh`` are libdevice's (CUDA's ``expf`` / ``tanhf``, what torch's CUDA
 kernels call) and its divisions round to nearest; in the interpreter they are computed in
@@ -22,7 +23,6 @@ torch cell by rounding (a few units in the last place per step).
 
 from __future__ import annotations
 
-import os
 import types
 
 try:
@@ -32,19 +32,19 @@ try:
 except ImportError:     # no triton: the module imports, and nothing here is ever launched
     triton, tl, libdevice = None, types.SimpleNamespace(constexpr=None), None
 
+if triton is not None:
+    # The shared helpers, from the copy of the scan kernels in this module's mode (the loader
+    # forces the mode while it runs this file; imported on its own, the environment's).
+    from paraprop.scan import triton_kernels as _loader
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
+    _scan = _loader.load_mode("paraprop.scan._triton_scan", _loader.interpreting())
+    _jit, _SUM, _affine, _affine2 = _scan._jit, _scan._SUM, _scan._affine, _scan._affine2
+    INTERPRETED = _scan.INTERPRETED
+else:
+    _scan, INTERPRETED = None, False
 
-
-def _interpreted() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None and hasattr(knobs, "runtime"):
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-INTERPRETED = triton is not None and _interpreted()
+    def _jit(fn):
+        return fn
 
 if INTERPRETED:         # numpy's float64 functions, rounded: libdevice does not interpret
     @_jit
@@ -82,44 +82,22 @@ def _lerp(start, end, weight):
 
 
 @_jit
-def _add(x, y):
-    return x + y
-
-
-# The sums of the kernels: the interpreter adds with numpy when it is given triton's own sum
-# (any other combine runs element by element in Python); compiled, our own function, so that
-# nothing here depends on the mode triton's standard library was imported in.
-_SUM = getattr(getattr(tl, "standard", None), "_sum_combine", None) if INTERPRETED else None
-_SUM = _SUM if _SUM is not None else _add
-
-
-@_jit
-def _affine(a1, b1, a2, b2):
-    """``(a1, b1)`` then ``(a2, b2)``: ``h -> a2 (a1 h + b1) + b2``."""
-    return a2 * a1, a2 * b1 + b2
-
-
-@_jit
-def _affine2(a00, a01, a10, a11, u0, u1, b00, b01, b10, b11, v0, v1):
-    """``(A, u)`` then ``(B, v)`` for ``2 x 2`` matrices: ``x -> B (A x + u) + v``."""
-    return (b00 * a00 + b01 * a10, b00 * a01 + b01 * a11, b10 * a00 + b11 * a10,
-            b10 * a01 + b11 * a11, b00 * u0 + b01 * u1 + v0, b10 * u0 + b11 * u1 + v1)
-
-
-@_jit
 def gru_step(gi_ptr, x_ptr, h0_ptr, w_ptr, bh_ptr, y_ptr, trial_ptr, start_ptr, tot_ptr,
              T, H, lo, L,
              sg_n, sg_t, sg_k, sg_h, sx_n, sx_t, sx_h, sy_n, sy_t, sy_h, sh_n, sh_h,
              HAS_B: tl.constexpr, PASS: tl.constexpr, ACC: tl.constexpr,
              BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
-    """ParaGRU: grid ``(cdiv(H, BLOCK_H), B, C)``; states ``(B, T, H)``, ``gi`` ``(B, T, 3,
+    """ParaGRU: grid ``(cdiv(H, BLOCK_H) B, C)`` (program ``p`` is tile ``p % cdiv(H,
+    BLOCK_H)`` of sample ``p // cdiv(H, BLOCK_H)``); states ``(B, T, H)``, ``gi`` ``(B, T, 3,
     H)`` (gates r, z, n), ``w``, ``bh`` ``(3, H)``, ``h0`` ``(B, H)``. Chunk ``c`` is positions
     ``[lo + c L, lo + (c + 1) L)``; ``PASS`` as :func:`paraprop.scan._triton_scan.diag_scan`
     (pass 1's ``tot`` ``(B, C, 2, H)``, pass 2's ``start`` ``(B, C, H)``)."""
-    n = tl.program_id(1).to(tl.int64)
-    c = tl.program_id(2)
-    C = tl.num_programs(2)
-    u = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    tiles = (H + BLOCK_H - 1) // BLOCK_H
+    pid = tl.program_id(0)
+    n = (pid // tiles).to(tl.int64)
+    c = tl.program_id(1)
+    C = tl.num_programs(1)
+    u = (pid % tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
     um = u < H
     u64 = u.to(tl.int64)
     i = tl.arange(0, BLOCK_T)
@@ -191,12 +169,12 @@ def lstm_step(gi_ptr, x_ptr, h0_ptr, w_ptr, y_ptr, trial_ptr, start_ptr, tot_ptr
               sg_k, sg_b, sg_h, sg_t, sx_u, sx_t, sx_c, sy_u, sy_t, sy_c, sh_u, sh_c,
               PASS: tl.constexpr, ACC: tl.constexpr, BLOCK_U: tl.constexpr,
               BLOCK_T: tl.constexpr):
-    """ParaLSTM: grid ``(cdiv(U, BLOCK_U), 1, C)`` over the ``U = B H`` units; states ``(U, T,
+    """ParaLSTM: grid ``(cdiv(U, BLOCK_U), C)`` over the ``U = B H`` units; states ``(U, T,
     2)`` (``(h, c)``), ``gi`` ``(4, B, H, T)`` (gates i, f, g, o; both biases included), ``w``
     ``(4, H)``, ``h0`` ``(U, 2)``. Pass 1's ``tot`` is ``(U, C, 6)``, pass 2's ``start`` ``(U,
     C, 2)`` (:func:`paraprop.scan._triton_scan.pair_carries`)."""
-    c = tl.program_id(2)
-    C = tl.num_programs(2)
+    c = tl.program_id(1)
+    C = tl.num_programs(1)
     u = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
     um = u < U
     u64 = u.to(tl.int64)

@@ -48,11 +48,12 @@ from paraprop.nn.rnn import solve_hidden
 from paraprop.recurrence import Recurrence
 from paraprop.scan import linear_recurrence, native, triton_kernels
 
-# The fused Newton step the layers' recurrences run (their ``kernel`` argument): ``None`` picks
-# the Triton kernels of :mod:`paraprop.nn.triton_cells` for CUDA tensors where triton runs, and
-# the blocked native/PyTorch step otherwise; ``"triton"`` requires the kernels (on a CPU they
-# run only in Triton's interpreter, under ``TRITON_INTERPRET=1``: for tests); ``"blocks"`` never
-# uses them. ``forward_stats["newton_step"]`` records which ran.
+# The Triton warm start of the layers' Newton forward (:func:`_solve`): ``None`` runs it on
+# CUDA tensors where the kernels run (:mod:`paraprop.nn.triton_cells`), ``"triton"`` always
+# (on a CPU only in Triton's interpreter, under ``TRITON_INTERPRET=1``: for tests; a kernel
+# that cannot run raises), ``"blocks"`` never. The certifying solve after it always runs the
+# torch cell (the blocked native/PyTorch step). ``forward_stats["newton_step"]``,
+# ``["triton_iterations"]`` and ``["triton_skipped"]`` record what ran.
 STEP_KERNEL: str | None = None
 STEP_KERNELS = (None, "triton", "blocks")
 
@@ -78,7 +79,17 @@ def _scratch(owner, keep: str | None, need: int, like: torch.Tensor) -> torch.Te
 class _DiagonalRecurrence(Recurrence):
     """A :class:`paraprop.Recurrence` of input terms ``gi`` whose linearization is analytic
     (:mod:`paraprop.jacobians.diagonal`): the subclasses define ``_cell`` (rows, for the
-    sequential and Jacobi-type methods) and ``linearize`` (blocks of steps, for Newton)."""
+    sequential and Jacobi-type methods) and ``linearize`` (blocks of steps, for Newton).
+
+    ``kernel`` is the fused step's (``newton_step``): ``None`` or ``"blocks"``, the blocked
+    step of the torch cell (native C scans where they run); ``"triton"``, the Triton kernel
+    (:mod:`paraprop.nn.triton_cells`), whose cell differs from the torch cell by rounding. A
+    Newton solve with ``kernel="triton"`` converges to (and certifies) the kernel cell's fixed
+    point, not ``fn``'s: it is only a warm start, as :func:`_solve` uses it before the
+    certifying solve with the torch cell."""
+
+    # the solvers' Jacobian forms the fused step takes
+    fused_forms: tuple[str, ...] = ()
 
     def __init__(self, gi: torch.Tensor | None, h0: torch.Tensor, length: int | None = None,
                  kernel: str | None = None):
@@ -90,32 +101,21 @@ class _DiagonalRecurrence(Recurrence):
         self._kernel = kernel
         self.step_kernel: str | None = None    # the fused step's kernel that ran last
 
-    def _step_kernel(self, xc: torch.Tensor, formed: bool) -> str:
-        """``"triton"``, ``"native"`` or ``"torch"`` for the fused step on ``xc`` (``formed``:
-        the input terms are stored, as the Triton step needs)."""
+    @property
+    def formed(self) -> bool:
+        """Whether the input terms are stored (as the Triton step needs)."""
+        return self._x is None
+
+    def _step_kernel(self, xc: torch.Tensor) -> str:
+        """``"triton"`` (``kernel="triton"`` only), ``"native"`` or ``"torch"`` for the fused
+        step on ``xc``."""
         if self._kernel == "triton":
-            if not formed:
+            if not self.formed:
                 raise ValueError(f"{type(self).__name__}(kernel='triton') needs the input terms "
                                  "gi, not inputs=(x, ...)")
-            triton_kernels.require(f"{type(self).__name__}(kernel='triton')", xc)
-            return "triton"
-        if (self._kernel is None and formed and xc.device.type == "cuda"
-                and triton_kernels.why_not(xc) is None and not triton_kernels.failed()):
+            triton_kernels.require(f"{type(self).__name__}(kernel='triton')", x=xc)
             return "triton"
         return "native" if native.supports(xc) else "torch"
-
-    def _triton(self, step, *args) -> bool:
-        """Run the Triton ``step``; ``False`` (and ``step_kernel`` set to the blocked step's)
-        if it fails where it was only picked by default (the failure is warned and recorded
-        by :func:`paraprop.scan.triton_kernels.on`); with ``kernel="triton"`` it raises."""
-        try:
-            step(*args)
-            return True
-        except triton_kernels.LaunchError:
-            if self._kernel == "triton":
-                raise
-            self.step_kernel = "native" if native.supports(args[1]) else "torch"
-            return False
 
     def rows(self, u, h, rec):
         return self._cell(u, h)
@@ -142,7 +142,11 @@ class GRURecurrence(_DiagonalRecurrence):
         inputs: ``(x, w_ih, b_ih)`` (``x`` ``(B, T, I)``, ``b_ih`` may be ``None``) instead of
             ``gi``: the input terms are then formed block by block, each time they are needed
             (for a few inputs per step that is cheaper than storing ``3 H`` values per step).
+        kernel: the fused step's, as :class:`_DiagonalRecurrence` (``"triton"``: a warm
+            start only).
     """
+
+    fused_forms = ("any", "diag")
 
     def __init__(self, gi: torch.Tensor | None, h0: torch.Tensor, w: torch.Tensor,
                  b: torch.Tensor | None, *, inputs: tuple | None = None,
@@ -195,11 +199,11 @@ class GRURecurrence(_DiagonalRecurrence):
             return None
         if self._out is None:
             self._out = (torch.empty_like(xc), torch.empty_like(xc))
-        kernel = self.step_kernel = self._step_kernel(xc, self._x is None)
-        if kernel == "triton" and self._triton(triton_cells.gru_newton_step, self._gi, xc,
-                                               self._h0, self._w, self._b, lo, *self._out):
+        kernel = self.step_kernel = self._step_kernel(xc)
+        if kernel == "triton":
+            triton_cells.gru_newton_step(self._gi, xc, self._h0, self._w, self._b, lo,
+                                         *self._out)
             return tuple(t[:, lo:] for t in self._out)
-        kernel = self.step_kernel
         y, trial = (t[:, lo:] for t in self._out)
         carry, last = None, xc.new_empty(self.B, self.H)   # delta at the previous block's end
         use_native = kernel == "native"
@@ -269,7 +273,10 @@ class LSTMRecurrence(_DiagonalRecurrence):
         inputs: ``(x, w_ih, b)`` (``x`` ``(B, T, I)``, ``b = b_ih + b_hh`` or ``None``)
             instead of ``gi``: the input terms formed block by block, as for
             :class:`GRURecurrence`.
+        kernel: as :class:`GRURecurrence`.
     """
+
+    fused_forms = ("any",)
 
     def __init__(self, gi: torch.Tensor | None, h0: torch.Tensor, w: torch.Tensor, *,
                  inputs: tuple | None = None, kernel: str | None = None):
@@ -336,11 +343,11 @@ class LSTMRecurrence(_DiagonalRecurrence):
         N, T = B * H, self.T
         if self._out is None:
             self._out = (torch.empty_like(xc), torch.empty_like(xc))
-        kernel = self.step_kernel = self._step_kernel(xc, self._x is None)
-        if kernel == "triton" and self._triton(triton_cells.lstm_newton_step, self._gi4, xc,
-                                               self._h0, self._w.view(4, H), lo, *self._out):
+        kernel = self.step_kernel = self._step_kernel(xc)
+        if kernel == "triton":
+            triton_cells.lstm_newton_step(self._gi4, xc, self._h0, self._w.view(4, H), lo,
+                                          *self._out)
             return tuple(t[:, lo:] for t in self._out)
-        kernel = self.step_kernel
         x = xc.view(B, H, T, 2)
         y, trial = (t.view(B, H, T, 2) for t in self._out)
         carry, last = None, xc.new_empty(N, 2)      # delta at the previous block's end
@@ -391,23 +398,83 @@ class LSTMRecurrence(_DiagonalRecurrence):
         return torch.cat([self._h0.view(B, H, 1, 2), x[:, :, :p1 - 1]], 2)
 
 
-def _solve(cfg: dict, rec: Recurrence) -> torch.Tensor:
+def _triton_warm_start(solver, rec: _DiagonalRecurrence) -> tuple[bool, str | None]:
+    """Whether :func:`_solve` runs the Triton warm start for ``rec`` with ``solver``, and, on
+    a CUDA tensor where it does not, why (for ``forward_stats["triton_skipped"]``)."""
+    cuda = rec.device.type == "cuda"
+    if STEP_KERNEL == "blocks":
+        return False, "STEP_KERNEL='blocks'" if cuda else None
+    if getattr(solver, "damped", False) or getattr(solver, "form", None) not in rec.fused_forms:
+        return False, (f"the method {getattr(solver, 'name', solver)!r} has no fused step"
+                       if cuda else None)
+    if STEP_KERNEL == "triton":
+        return True, None           # (a kernel that cannot run raises, naming the reason)
+    if not cuda:
+        return False, None
+    if not rec.formed:
+        return False, "the input terms are formed block by block"
+    reason = triton_kernels.why_not(x=rec._h0) or triton_kernels.failed()
+    return reason is None, reason
+
+
+def warm_tol(tol: float, dtype: torch.dtype) -> float:
+    """The Triton warm start's tolerance: a quarter of ``tol`` (so that the torch cell's first
+    step from it is usually within ``tol``), or ``16 eps`` for ``tol = 0`` (the torch steps
+    then go on to the torch cell's bitwise fixed point)."""
+    return tol / 4 if tol > 0 else 16 * torch.finfo(dtype).eps
+
+
+def _solve(cfg: dict, rec: _DiagonalRecurrence) -> torch.Tensor:
     """``rec``'s states by ``cfg["forward"]`` (a :class:`~paraprop.nn.ParallelForward`),
-    recording the solve in ``cfg["forward_stats"]`` (one entry per layer)."""
+    recording the solve in ``cfg["forward_stats"]`` (one entry per layer).
+
+    Where the Triton step runs (:func:`_triton_warm_start`), a first solve with it (to
+    :func:`warm_tol`, never raising on ``max_iters``) gives the start of the certifying solve,
+    which runs the torch cell's step: the Triton cell differs from the torch cell by rounding,
+    so only the torch cell's step may certify the sequential loop's result (``converged``,
+    ``error_estimate``; at ``tol=0`` its bitwise fixed point). Its first iteration is the one
+    extra evaluation; where the Triton iterate was not within ``tol`` it goes on with the
+    torch step. ``max_iters`` bounds both together, plus that one evaluation."""
     from paraprop.solve import solve
 
-    fwd = cfg["forward"]
-    zeros = torch.zeros((), dtype=rec.dtype, device=rec.device).expand(rec.shape)  # (copied)
-    sol = solve(rec, zeros, method=fwd.solver, dim=-2, tol=cfg["forward_tol"],
-                max_iters=fwd.max_iters, throw=fwd.throw)
+    fwd, tol = cfg["forward"], cfg["forward_tol"]
+    x0 = torch.zeros((), dtype=rec.dtype, device=rec.device).expand(rec.shape)  # (copied)
+    run, skipped = _triton_warm_start(fwd.solver, rec)
+    warm_iterations, steps = 0, []
+    if run:
+        rec._kernel = "triton"
+        try:
+            warm = solve(rec, x0, method=fwd.solver, dim=-2, tol=warm_tol(tol, rec.dtype),
+                         max_iters=fwd.max_iters, throw=False)
+        except triton_kernels.LaunchError as e:   # warned and recorded: the torch step only
+            if STEP_KERNEL == "triton":
+                raise
+            skipped = str(e)
+        else:
+            warm_iterations = warm.iterations
+            steps.append("triton")
+            if bool(torch.isfinite(warm.value).all()):
+                x0 = warm.value
+        finally:
+            rec._kernel = None
+            rec.step_kernel = None
+    max_iters = fwd.max_iters
+    if max_iters is not None and warm_iterations:
+        max_iters = max(1, max_iters - warm_iterations + 1)
+    sol = solve(rec, x0, method=fwd.solver, dim=-2, tol=tol, max_iters=max_iters,
+                throw=fwd.throw)
+    if rec.step_kernel is not None:
+        steps.append(rec.step_kernel)
     record = cfg["forward_stats"]
-    for key, value in (("iterations", sol.iterations),
+    for key, value in (("iterations", warm_iterations + sol.iterations),
                        ("residual", float(sol.residuals[-1]) if len(sol.residuals) else 0.0),
                        ("resets", sol.stats.get("resets", 0)),
                        ("error_estimate", sol.stats["error_estimate"]),
                        ("converged", sol.converged),
-                       ("tol", cfg["forward_tol"]),
-                       ("newton_step", rec.step_kernel)):
+                       ("tol", tol),
+                       ("newton_step", "+".join(steps) or None),
+                       ("triton_iterations", warm_iterations),
+                       ("triton_skipped", skipped)):
         record.setdefault(key, []).append(value)
     return sol.value
 
@@ -435,12 +502,22 @@ def gru_layer(cfg: dict, x: torch.Tensor, h0: torch.Tensor, w_ih, w_hh, b_ih, b_
     w, b = w_hh.view(3, H), None if b_hh is None else b_hh.view(3, H)
     if cfg["forward"] is None:
         return gru_loop(F.linear(x, w_ih, b_ih).unflatten(-1, (3, H)), h0, w, b)
-    xb = x.transpose(0, 1)                                              # (B, T, I)
-    if x.shape[-1] <= INPUTS_PER_BLOCK and x.device.type == "cpu" and STEP_KERNEL != "triton":
-        rec = GRURecurrence(None, h0, w, b, inputs=(xb, w_ih, b_ih), kernel=STEP_KERNEL)
-    else:                                                               # gi (B, T, 3H)
-        rec = GRURecurrence(F.linear(xb, w_ih, b_ih), h0, w, b, kernel=STEP_KERNEL)
-    return _solve(cfg, rec).transpose(0, 1)
+    if _per_block(cfg, x):
+        rec = GRURecurrence(None, h0, w, b, inputs=(x.transpose(0, 1), w_ih, b_ih))
+    else:               # gi (B, T, 3H): the loop's input terms, bitwise (the same product)
+        gi = F.linear(x, w_ih, b_ih).transpose(0, 1).contiguous()
+        rec = GRURecurrence(gi, h0, w, b)
+    # contiguous time-major, as the loop's: the next layer's input product then rounds alike
+    return _solve(cfg, rec).transpose(0, 1).contiguous()
+
+
+def _per_block(cfg: dict, x: torch.Tensor) -> bool:
+    """Whether the Newton forward forms the input terms block by block (CPU, at most
+    :data:`INPUTS_PER_BLOCK` inputs, no Triton warm start forced): their products round
+    differently from the loop's one product, so never at ``tol=0``, which promises the loop's
+    bits."""
+    return (x.shape[-1] <= INPUTS_PER_BLOCK and x.device.type == "cpu"
+            and STEP_KERNEL != "triton" and cfg["forward_tol"] > 0)
 
 
 class ParaGRUFunction(torch.autograd.Function):
@@ -536,16 +613,14 @@ def lstm_layer(cfg: dict, x, h0, c0, w_ih, w_hh, b):
     if cfg["forward"] is None:
         return lstm_loop(F.linear(x, w_ih, b).unflatten(-1, (4, H)), h0, c0, w_hh.view(4, H))
     hc0, w = torch.stack([h0, c0], -1), w_hh.view(4, H)
-    if x.shape[-1] <= INPUTS_PER_BLOCK and x.device.type == "cpu" and STEP_KERNEL != "triton":
-        rec = LSTMRecurrence(None, hc0, w, inputs=(x.transpose(0, 1), w_ih, b),
-                             kernel=STEP_KERNEL)
-    else:
-        gi = torch.matmul(w_ih.view(4, 1, H, -1), x.permute(1, 2, 0))  # (4, B, H, T)
-        if b is not None:
-            gi += b.view(4, 1, H, 1)
-        rec = LSTMRecurrence(gi, hc0, w, kernel=STEP_KERNEL)
-    s = _solve(cfg, rec).permute(2, 0, 1, 3)                         # (T, B, H, 2)
-    return s[..., 0], s[..., 1]
+    if _per_block(cfg, x):
+        rec = LSTMRecurrence(None, hc0, w, inputs=(x.transpose(0, 1), w_ih, b))
+    else:               # gi (4, B, H, T): the loop's input terms, bitwise (the same product)
+        T, B = x.shape[:2]
+        gi = F.linear(x, w_ih, b).view(T, B, 4, H).permute(2, 1, 3, 0).contiguous()
+        rec = LSTMRecurrence(gi, hc0, w)
+    s = _solve(cfg, rec).permute(3, 2, 0, 1).contiguous()            # (2, T, B, H)
+    return s[0], s[1]         # contiguous time-major, as the loop's (see gru_layer)
 
 
 class ParaLSTMFunction(torch.autograd.Function):

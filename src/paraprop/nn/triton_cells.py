@@ -53,7 +53,9 @@ def gru_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: torc
     n = T - lo
     if n <= 0 or B == 0:
         return
-    mod = tk.load("paraprop.nn._triton_cells", x.device)
+    if y.stride() != trial.stride():
+        raise ValueError(f"gru_newton_step: y and trial must have the same strides, got y "
+                         f"{tuple(y.stride())} and trial {tuple(trial.stride())}")
     if block_t is not None:
         BT = max(2, tk._pow2(block_t))
         BH = min(tk._pow2(H), max(1, TILE // BT))
@@ -61,25 +63,30 @@ def gru_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: torc
         BH = min(tk._pow2(H), 32)
         BT = max(2, min(tk._pow2(n), TILE // BH))
     tiles, blocks = math.ceil(H / BH), math.ceil(n / BT)
+    if B * tiles > tk.MAX_GRID0:            # more programs than axis 0 holds: slices of samples
+        for rows in tk._slices(B, tk.MAX_GRID0 // tiles):
+            gru_newton_step(gi[rows], x[rows], h0[rows], w, b, lo, y[rows], trial[rows],
+                            block_t=block_t, chunks=chunks)
+        return
+    mod = tk.load("paraprop.nn._triton_cells", x.device)
     C, L = _chunks(x, B * tiles, blocks, BT, n, chunks)
     acc = tk._acc(mod, x.dtype)
     strides = (*gi.stride(), *x.stride(), *y.stride(), *h0.stride())
-    if y.stride() != trial.stride():
-        raise ValueError("gru_newton_step: y and trial must have the same strides")
     meta = {"HAS_B": b is not None, "ACC": acc, "BLOCK_H": BH, "BLOCK_T": BT, "num_warps": 4}
     args = (gi, x, h0, w, b, y, trial)
+    grid = (tiles * B, C)                   # program (tile of units, sample), chunk
     with tk.on(x.device, "gru_step"):
         if C == 1:
-            mod.gru_step[(tiles, B, 1)](*args, None, None, T, H, lo, L, *strides, PASS=0, **meta)
+            mod.gru_step[grid](*args, None, None, T, H, lo, L, *strides, PASS=0, **meta)
             return
         wide = tk._wide(x.dtype)
         tot = torch.empty(B, C, 2, H, dtype=wide, device=x.device)
         start = torch.empty(B, C, H, dtype=wide, device=x.device)
-        mod.gru_step[(tiles, B, C)](*args, None, tot, T, H, lo, L, *strides, PASS=1, **meta)
+        mod.gru_step[grid](*args, None, tot, T, H, lo, L, *strides, PASS=1, **meta)
         scan = tk.load("paraprop.scan._triton_scan", x.device)
-        scan.diag_carries[(tiles, B)](tot, None, start, C, H, 0, 0, HAS_H0=False, ACC=acc,
-                                      BLOCK_D=BH)
-        mod.gru_step[(tiles, B, C)](*args, start, None, T, H, lo, L, *strides, PASS=2, **meta)
+        scan.diag_carries[(tiles * B,)](tot, None, start, C, H, 0, 0, HAS_H0=False, ACC=acc,
+                                        BLOCK_D=BH)
+        mod.gru_step[grid](*args, start, None, T, H, lo, L, *strides, PASS=2, **meta)
 
 
 def lstm_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: torch.Tensor,
@@ -100,30 +107,31 @@ def lstm_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: tor
     n = T - lo
     if n <= 0 or U == 0:
         return
+    if y.stride() != trial.stride():
+        raise ValueError(f"lstm_newton_step: y and trial must have the same strides, got y "
+                         f"{tuple(y.stride())} and trial {tuple(trial.stride())}")
     mod = tk.load("paraprop.nn._triton_cells", x.device)
     BT = max(2, tk._pow2(block_t) if block_t is not None else min(tk._pow2(n), TILE // 4))
     BU = min(tk._pow2(U), max(1, TILE // 2 // BT))
     tiles, blocks = math.ceil(U / BU), math.ceil(n / BT)
     C, L = _chunks(x, tiles, blocks, BT, n, chunks)
     acc = tk._acc(mod, x.dtype)
-    if y.stride() != trial.stride():
-        raise ValueError("lstm_newton_step: y and trial must have the same strides")
     strides = (gi.stride(0), gi.stride(1), gi.stride(2), gi.stride(3), *x.stride(),
                *y.stride(), *h0.stride())
     meta = {"ACC": acc, "BLOCK_U": BU, "BLOCK_T": BT, "num_warps": 4}
     args = (gi, x, h0, w, y, trial)
     with tk.on(x.device, "lstm_step"):
         if C == 1:
-            mod.lstm_step[(tiles, 1, 1)](*args, None, None, T, U, H, lo, L, *strides, PASS=0,
-                                         **meta)
+            mod.lstm_step[(tiles, 1)](*args, None, None, T, U, H, lo, L, *strides, PASS=0,
+                                      **meta)
             return
         wide = tk._wide(x.dtype)
         tot = torch.empty(U, C, 6, dtype=wide, device=x.device)
         start = torch.empty(U, C, 2, dtype=wide, device=x.device)
-        mod.lstm_step[(tiles, 1, C)](*args, None, tot, T, U, H, lo, L, *strides, PASS=1,
-                                     **meta)
+        mod.lstm_step[(tiles, C)](*args, None, tot, T, U, H, lo, L, *strides, PASS=1,
+                                  **meta)
         scan = tk.load("paraprop.scan._triton_scan", x.device)
         scan.pair_carries[(tiles,)](tot, None, start, C, U, 0, 0, HAS_H0=False, ACC=acc,
                                     BLOCK_N=BU)
-        mod.lstm_step[(tiles, 1, C)](*args, start, None, T, U, H, lo, L, *strides, PASS=2,
-                                     **meta)
+        mod.lstm_step[(tiles, C)](*args, start, None, T, U, H, lo, L, *strides, PASS=2,
+                                  **meta)

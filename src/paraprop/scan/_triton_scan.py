@@ -24,7 +24,12 @@ the product ``P`` of its matrices, by ``tl.dot`` in IEEE float32) and its end st
 kernel (:func:`diag_carries`, :func:`dense_carries`) walks the ``C`` chunks to get each chunk's
 true start; pass 2 re-runs every chunk from it and writes the states. With ``C = 1`` pass 0 runs
 alone (one read of the inputs, one write of the states). Accumulation is float32 (float64 for
-float64 inputs); inputs and outputs may be float16 or bfloat16.
+float64 inputs); inputs and outputs may be float16 or bfloat16. Grids: rows (and tiles of
+channels) on axis 0, chunks on axis 1 (CUDA allows 65535 there, ``2^31 - 1`` on axis 0).
+
+The helpers at the top (:func:`_jit`, :data:`_SUM`, :func:`_affine`, :func:`_affine2`) are
+shared: :mod:`paraprop.nn._triton_cells` takes them from the copy of this module loaded in its
+own mode (:func:`paraprop.scan.triton_kernels.load_mode`).
 """
 
 from __future__ import annotations
@@ -79,14 +84,17 @@ def diag_scan(a_ptr, b_ptr, out_ptr, h0_ptr, start_ptr, tot_ptr,
               sa_n, sa_t, sa_d, sb_n, sb_t, sb_d, so_n, so_t, so_d, sh_n, sh_d,
               HAS_H0: tl.constexpr, REVERSE: tl.constexpr, PASS: tl.constexpr,
               ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Grid ``(cdiv(D, BLOCK_D), N, C)``; chunk ``c`` is steps ``[c L, (c + 1) L)`` in the
-    scan's order (times ``T - 1 - s`` when ``REVERSE``). ``PASS`` 0: all states from ``h0``;
-    1: the chunk's ``(prod a, end state from 0)`` into ``tot`` ``(N, C, 2, D)``; 2: the states
-    from the chunk's start in ``start`` ``(N, C, D)``."""
-    pid_d = tl.program_id(0)
-    n = tl.program_id(1).to(tl.int64)
-    c = tl.program_id(2)
-    C = tl.num_programs(2)
+    """Grid ``(cdiv(D, BLOCK_D) N, C)`` (program ``p`` is tile ``p % cdiv(D, BLOCK_D)`` of row
+    ``p // cdiv(D, BLOCK_D)``); chunk ``c`` is steps ``[c L, (c + 1) L)`` in the scan's order
+    (times ``T - 1 - s`` when ``REVERSE``). ``PASS`` 0: all states from ``h0``; 1: the chunk's
+    ``(prod a, end state from 0)`` into ``tot`` ``(N, C, 2, D)``; 2: the states from the
+    chunk's start in ``start`` ``(N, C, D)``."""
+    tiles = (D + BLOCK_D - 1) // BLOCK_D
+    pid = tl.program_id(0)
+    pid_d = pid % tiles
+    n = (pid // tiles).to(tl.int64)
+    c = tl.program_id(1)
+    C = tl.num_programs(1)
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
     d64 = d.to(tl.int64)
@@ -134,10 +142,13 @@ def diag_scan(a_ptr, b_ptr, out_ptr, h0_ptr, start_ptr, tot_ptr,
 @_jit
 def diag_carries(tot_ptr, h0_ptr, start_ptr, C, D, sh_n, sh_d,
                  HAS_H0: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid ``(cdiv(D, BLOCK_D), N)``: ``start[n, c] = e_{c-1}`` with ``e_{-1} = h0`` and
-    ``e_c = prod_c e_{c-1} + end_c`` (the chunks' totals of pass 1)."""
-    n = tl.program_id(1).to(tl.int64)
-    d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    """Grid ``(cdiv(D, BLOCK_D) N,)`` (as :func:`diag_scan`'s axis 0): ``start[n, c] =
+    e_{c-1}`` with ``e_{-1} = h0`` and ``e_c = prod_c e_{c-1} + end_c`` (the chunks' totals of
+    pass 1)."""
+    tiles = (D + BLOCK_D - 1) // BLOCK_D
+    pid = tl.program_id(0)
+    n = (pid // tiles).to(tl.int64)
+    d = (pid % tiles) * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
     d64 = d.to(tl.int64)
     if HAS_H0:
@@ -165,13 +176,13 @@ def pair_scan(A_ptr, b_ptr, out_ptr, h0_ptr, start_ptr, tot_ptr,
               sA_n, sA_t, sA_i, sA_j, sb_n, sb_t, sb_h, so_n, so_t, so_h, sh_n, sh_h,
               HAS_H0: tl.constexpr, REVERSE: tl.constexpr, PASS: tl.constexpr,
               ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
-    """:func:`diag_scan` for ``2 x 2`` steps (ParaLSTM's blocks): grid ``(cdiv(N, BLOCK_N), 1,
+    """:func:`diag_scan` for ``2 x 2`` steps (ParaLSTM's blocks): grid ``(cdiv(N, BLOCK_N),
     C)``, a tile of ``BLOCK_N`` rows, the scan of the affine maps ``(A_t, b_t)`` by
     :func:`_affine2`. Pass 1 keeps ``(P, end)`` in ``tot`` ``(N, C, 6)``, pass 2 reads
     ``start`` ``(N, C, 2)``."""
     row = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    c = tl.program_id(2)
-    C = tl.num_programs(2)
+    c = tl.program_id(1)
+    C = tl.num_programs(1)
     nm = row < N
     r64 = row.to(tl.int64)
     i = tl.arange(0, BLOCK_T)

@@ -19,11 +19,18 @@ loaded once per mode, each mode a module of its own, so the two can be used in o
 any order.
 
 Exactness: a tree scan groups the products and sums differently from the sequential loop, so
-the results are not bitwise the loop's. Every computed state is a sum of products of at most
-``T + 1`` factors, summed over at most ``T`` terms, in the accumulation precision ``u``
-(``2^-24`` for float32): whatever the grouping, ``|h_t - h_t^exact| <= (2 T + 2) u M_t`` with
-``M_t = sum_s |a_{s+1} ... a_t| |b_s|`` (plus the last rounding to a float16 / bfloat16
-output, half an ulp of ``|h_t|``). The tests check this bound against float64.
+the results are not bitwise the loop's. Every computed state is a sum of at most ``T + 1``
+terms ``(a_{s+1} ... a_t) b_s`` (and ``(a_0 ... a_t) h0``); whatever the grouping, a term's
+value passes through one rounded multiplication per factor ``a`` and at most one rounded
+addition per step and per block or chunk boundary, at most ``2 T + 2`` roundings in the
+accumulation precision ``u`` (``2^-24`` for float32, ``2^-53`` for float64). Hence
+``|h_t - h_t^exact| <= gamma_{2T+2} M_t`` with ``gamma_n = n u / (1 - n u)`` and ``M_t = sum_s
+|a_{s+1} ... a_t| |b_s|`` (plus the last rounding to a float16 / bfloat16 output, half an ulp
+of ``|h_t|``). The tests assert exactly this bound against float64 (tests/test_triton.py).
+
+CUDA's grids allow ``2^31 - 1`` programs along axis 0 and 65535 along axes 1 and 2: the rows
+(and tiles of channels) are flattened into axis 0, the chunks of time (at most 65535) go on
+axis 1, and more rows than axis 0 holds run in several launches.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import importlib.util
 import math
 import os
 import sys
+import threading
 import types
 import warnings
 
@@ -46,9 +54,17 @@ MAX_DENSE = 64
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Tile of the diagonal kernel, in values: 2048 per block of steps (16 per thread of 4 warps).
 TILE = 2048
+# CUDA's grid limits: programs along axis 0, and along axes 1 and 2.
+MAX_GRID0 = 2 ** 31 - 1
+MAX_GRID12 = 65535
 
 _loaded: dict[tuple[str, bool], types.ModuleType] = {}
 _missing: list[str] = []
+# Held while a kernel module is loaded: the mode switch changes os.environ and triton's knobs
+# for the whole process, and a module must be executed once per mode.
+_lock = threading.RLock()
+# The values triton reads as true for TRITON_INTERPRET (case-insensitive).
+_TRUE = ("1", "true", "on", "yes")
 
 
 def _import_error() -> str | None:
@@ -68,8 +84,16 @@ def available() -> bool:
 
 
 def interpreting() -> bool:
-    """Whether ``TRITON_INTERPRET=1`` is set: CPU tensors may then run the kernels."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether ``TRITON_INTERPRET`` is set (to ``1``, ``true``, ``on`` or ``yes``, as triton
+    reads it): CPU tensors may then run the kernels, and CUDA tensors may not (the interpreter
+    would run them on the host)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
+
+
+# Why CUDA tensors are refused while the interpreter is switched on.
+INTERPRETER_ON_CUDA = ("TRITON_INTERPRET is set: Triton's interpreter would run the kernels on "
+                       "the host, so CUDA tensors are refused (the torch algorithms run "
+                       "instead); unset TRITON_INTERPRET to compile them")
 
 
 def status() -> str:
@@ -78,37 +102,46 @@ def status() -> str:
     if err:
         return f"unavailable: {err}"
     import triton
-    cpu = "interpreted" if interpreting() else "refused (set TRITON_INTERPRET=1 to interpret)"
+    if interpreting():
+        modes = f"CPU tensors interpreted, CUDA tensors refused ({INTERPRETER_ON_CUDA})"
+    else:
+        modes = "CUDA tensors compiled, CPU tensors refused (set TRITON_INTERPRET=1 to interpret)"
     broken = f"; auto avoids them: {failed()}" if failed() else ""
-    return f"ok (triton {triton.__version__}; CUDA tensors compiled, CPU tensors {cpu}{broken})"
+    return f"ok (triton {triton.__version__}; {modes}{broken})"
 
 
-def why_not(*tensors: torch.Tensor | None) -> str | None:
-    """``None`` if the kernels can run on ``tensors`` (one device, one supported dtype), else
-    the reason, for an error message."""
+def why_not(**tensors: torch.Tensor | None) -> str | None:
+    """``None`` if the kernels can run on the named ``tensors`` (``None`` values are skipped;
+    one device, one supported dtype), else the reason, naming the argument, for an error
+    message."""
     err = _import_error()
     if err:
         return err
-    ts = [t for t in tensors if t is not None]
-    device = ts[0].device
+    named = [(name, t) for name, t in tensors.items() if t is not None]
+    first, device = named[0][0], named[0][1].device
+    for name, t in named[1:]:
+        if t.device != device:
+            return f"{name} is on {t.device} but {first} is on {device}; use one device"
     if device.type == "cpu":
         if not interpreting():
             return ("the Triton kernels run on CUDA tensors; CPU tensors run them only in "
                     "Triton's interpreter, with TRITON_INTERPRET=1 set (slow: for tests)")
-    elif device.type != "cuda":
-        return f"the Triton kernels run on CUDA tensors, not on {device.type}"
-    for t in ts:
+    elif device.type == "cuda":
+        if interpreting():
+            return INTERPRETER_ON_CUDA
+    else:
+        return f"the Triton kernels run on CUDA tensors, not on {device.type} ({first})"
+    for name, t in named:
         if t.dtype not in DTYPES:
-            return (f"the Triton kernels take float16, bfloat16, float32 or float64, "
-                    f"not {t.dtype}")
-        if t.device != device:
-            return f"tensors on {device} and {t.device}"
+            return (f"the Triton kernels take float16, bfloat16, float32 or float64; {name} "
+                    f"has dtype {t.dtype}")
     return None
 
 
-def require(what: str, *tensors: torch.Tensor | None) -> None:
-    """Raise ``RuntimeError`` naming ``what`` if the kernels cannot run on ``tensors``."""
-    reason = why_not(*tensors)
+def require(what: str, **tensors: torch.Tensor | None) -> None:
+    """Raise ``RuntimeError`` naming ``what`` if the kernels cannot run on the named
+    ``tensors``."""
+    reason = why_not(**tensors)
     if reason is not None:
         raise RuntimeError(f"{what} cannot run here: {reason}")
 
@@ -138,21 +171,33 @@ def _mode(interpret: bool):
 
 def load(source: str, device: torch.device) -> types.ModuleType:
     """The kernel module ``source`` (e.g. ``"paraprop.scan._triton_scan"``) in the mode that
-    runs on ``device``: interpreted for CPU tensors (or anywhere with ``TRITON_INTERPRET=1``),
-    compiled for CUDA tensors. Each mode is loaded once, as a module of its own."""
-    interpret = device.type != "cuda" or interpreting()
-    key = (source, interpret)
-    module = _loaded.get(key)
-    if module is None:
-        origin = importlib.util.find_spec(source).origin
-        name = f"{source}__{'interpreted' if interpret else 'compiled'}"
-        spec = importlib.util.spec_from_file_location(name, origin)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        with _mode(interpret):
-            spec.loader.exec_module(module)
-        _loaded[key] = module
-    return module
+    runs on ``device``: compiled for CUDA tensors, interpreted for the others (the callers
+    refuse CUDA tensors while ``TRITON_INTERPRET`` is set: :func:`why_not`)."""
+    return load_mode(source, device.type != "cuda")
+
+
+def load_mode(source: str, interpret: bool) -> types.ModuleType:
+    """The kernel module ``source`` interpreted or compiled. Each mode is loaded once, as a
+    module of its own, under a lock (the mode switch is process-wide). A kernel module that
+    uses another one's helpers (``_triton_cells`` those of ``_triton_scan``) loads it here, in
+    its own mode."""
+    with _lock:
+        key = (source, bool(interpret))
+        module = _loaded.get(key)
+        if module is None:
+            origin = importlib.util.find_spec(source).origin
+            name = f"{source}__{'interpreted' if interpret else 'compiled'}"
+            spec = importlib.util.spec_from_file_location(name, origin)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            try:
+                with _mode(bool(interpret)):
+                    spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
+            _loaded[key] = module
+        return module
 
 
 class LaunchError(RuntimeError):
@@ -219,7 +264,8 @@ def _check_tensors(entry: str, **tensors: torch.Tensor | None) -> None:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     b = tensors["b"]
     if b.dtype not in DTYPES:
-        raise TypeError(f"{entry} takes float16, bfloat16, float32 or float64, got {b.dtype}")
+        raise TypeError(f"{entry}: b must be float16, bfloat16, float32 or float64, got b of "
+                        f"dtype {b.dtype}")
     for name, t in tensors.items():
         if t is not None and t.dtype != b.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but b has {b.dtype}; use one dtype")
@@ -233,7 +279,6 @@ def diag_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.T
     N, T, D = b.shape
     if N == 0 or T == 0 or D == 0:
         return
-    mod = load("paraprop.scan._triton_scan", b.device)
     if block_t is not None:
         BT = _pow2(block_t)
         BD = min(_pow2(D), max(1, TILE // BT))
@@ -248,6 +293,15 @@ def diag_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.T
         BT = min(_pow2(T), 64)
     BT = max(BT, 2)
     tiles = math.ceil(D / BD)
+    if tiles > MAX_GRID0:
+        raise ValueError(f"diagonal_scan: {D} channels per row need {tiles} programs, more than "
+                         f"a CUDA grid's {MAX_GRID0}")
+    if N * tiles > MAX_GRID0:               # more programs than axis 0 holds: slices of rows
+        for rows in _slices(N, MAX_GRID0 // tiles):
+            diag_launch(a[rows], b[rows], out[rows], None if h0 is None else h0[rows],
+                        reverse, block_t, chunks)
+        return
+    mod = load("paraprop.scan._triton_scan", b.device)
     blocks = math.ceil(T / BT)
     C = _time_chunks(b.device, N * tiles, blocks, chunks)
     L = math.ceil(blocks / C) * BT
@@ -261,20 +315,24 @@ def diag_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.T
                                                   x.stride(2) if D > 1 else 0)), *hs)
     meta = {"HAS_H0": h0 is not None, "REVERSE": bool(reverse), "ACC": acc, "BLOCK_D": BD,
             "BLOCK_T": BT, "num_warps": 4}
+    grid = (tiles * N, C)                   # program (tile of channels, row), chunk
     with on(b.device, "diag_scan"):
         if C == 1:
-            mod.diag_scan[(tiles, N, 1)](a, b, out, h0, None, None, T, D, L, *strides,
-                                         PASS=0, **meta)
+            mod.diag_scan[grid](a, b, out, h0, None, None, T, D, L, *strides, PASS=0, **meta)
             return
         wide = _wide(b.dtype)
         tot = torch.empty(N, C, 2, D, dtype=wide, device=b.device)
         start = torch.empty(N, C, D, dtype=wide, device=b.device)
-        mod.diag_scan[(tiles, N, C)](a, b, out, h0, None, tot, T, D, L, *strides, PASS=1,
-                                     **meta)
-        mod.diag_carries[(tiles, N)](tot, h0, start, C, D, *hs, HAS_H0=h0 is not None,
-                                     ACC=acc, BLOCK_D=BD)
-        mod.diag_scan[(tiles, N, C)](a, b, out, h0, start, None, T, D, L, *strides, PASS=2,
-                                     **meta)
+        mod.diag_scan[grid](a, b, out, h0, None, tot, T, D, L, *strides, PASS=1, **meta)
+        mod.diag_carries[(tiles * N,)](tot, h0, start, C, D, *hs, HAS_H0=h0 is not None,
+                                       ACC=acc, BLOCK_D=BD)
+        mod.diag_scan[grid](a, b, out, h0, start, None, T, D, L, *strides, PASS=2, **meta)
+
+
+def _slices(n: int, step: int) -> list[slice]:
+    """Consecutive slices of ``range(n)`` of at most ``step`` (``>= 1``) each."""
+    step = max(1, step)
+    return [slice(i, min(n, i + step)) for i in range(0, n, step)]
 
 
 def _three(x: torch.Tensor, N: int, T: int, D: int) -> torch.Tensor:
@@ -345,7 +403,7 @@ def diagonal_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = No
         except RuntimeError:
             raise ValueError(f"h0 must have b's shape without dim {dim}, {tuple(rest)}, or "
                              f"broadcast to it; got {tuple(h0.shape)}") from None
-    require("diagonal_scan", a, b, h0)
+    require("diagonal_scan", b=b, a=a, h0=h0)
     N, T, D = math.prod(b.shape[:dim]), b.shape[dim], math.prod(b.shape[dim + 1:])
     out = torch.empty(b.shape, dtype=b.dtype, device=b.device)
     diag_launch(_three(a, N, T, D), _three(b, N, T, D), out.view(N, T, D),
@@ -365,10 +423,15 @@ def pair_launch(A: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.T
     N, T, _ = b.shape
     if N == 0 or T == 0:
         return
-    mod = load("paraprop.scan._triton_scan", b.device)
     BT = max(2, _pow2(block_t) if block_t is not None else min(_pow2(T), PAIR_TILE // 2))
     BN = min(_pow2(N), max(1, PAIR_TILE // BT))
     tiles, blocks = math.ceil(N / BN), math.ceil(T / BT)
+    if tiles > MAX_GRID0:
+        for rows in _slices(N, MAX_GRID0 * BN):
+            pair_launch(A[rows], b[rows], out[rows], None if h0 is None else h0[rows], reverse,
+                        block_t, chunks)
+        return
+    mod = load("paraprop.scan._triton_scan", b.device)
     C = _time_chunks(b.device, tiles, blocks, chunks)
     L = math.ceil(blocks / C) * BT
     C = math.ceil(T / L)
@@ -379,30 +442,30 @@ def pair_launch(A: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.T
             "BLOCK_T": BT, "num_warps": 4}
     with on(b.device, "pair_scan"):
         if C == 1:
-            mod.pair_scan[(tiles, 1, 1)](A, b, out, h0, None, None, T, N, L, *strides, PASS=0,
-                                         **meta)
+            mod.pair_scan[(tiles, 1)](A, b, out, h0, None, None, T, N, L, *strides, PASS=0,
+                                      **meta)
             return
         wide = _wide(b.dtype)
         tot = torch.empty(N, C, 6, dtype=wide, device=b.device)
         start = torch.empty(N, C, 2, dtype=wide, device=b.device)
-        mod.pair_scan[(tiles, 1, C)](A, b, out, h0, None, tot, T, N, L, *strides, PASS=1,
-                                     **meta)
+        mod.pair_scan[(tiles, C)](A, b, out, h0, None, tot, T, N, L, *strides, PASS=1, **meta)
         mod.pair_carries[(tiles,)](tot, h0, start, C, N, *hs, HAS_H0=h0 is not None, ACC=acc,
                                    BLOCK_N=BN)
-        mod.pair_scan[(tiles, 1, C)](A, b, out, h0, start, None, T, N, L, *strides, PASS=2,
-                                     **meta)
+        mod.pair_scan[(tiles, C)](A, b, out, h0, start, None, T, N, L, *strides, PASS=2,
+                                  **meta)
 
 
 def _time_chunks(device: torch.device, programs: int, blocks: int, chunks: int | None) -> int:
     """Chunks of time for a tree-scan kernel: ``chunks`` if given, else 1 unless ``programs``
     (independent tiles) leave the device's multiprocessors idle; then enough chunks of at least
-    four blocks each to give every multiprocessor about four programs."""
+    four blocks each to give every multiprocessor about four programs. At most
+    :data:`MAX_GRID12` (the chunks are a grid axis of their own)."""
     if chunks is not None:
-        return min(chunks, blocks)
+        return max(1, min(chunks, blocks, MAX_GRID12))
     sms = _sms(device)
     if not sms or programs >= 2 * sms:
         return 1
-    return max(1, min(math.ceil(4 * sms / programs), blocks // 4))
+    return max(1, min(math.ceil(4 * sms / programs), blocks // 4, MAX_GRID12))
 
 
 # -- the dense small-block scan -------------------------------------------------------------------
@@ -413,6 +476,11 @@ def dense_launch(A: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.
     N, T, H = b.shape
     if N == 0 or T == 0:
         return
+    if N > MAX_GRID0:
+        for rows in _slices(N, MAX_GRID0):
+            dense_launch(A[rows], b[rows], out[rows], None if h0 is None else h0[rows], reverse,
+                         chunks)
+        return
     mod = load("paraprop.scan._triton_scan", b.device)
     HP = max(16, _pow2(H))
     if chunks is None:
@@ -420,7 +488,8 @@ def dense_launch(A: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.
         C = 1 if not sms or N >= 4 * sms else max(1, min(T // 8, max(math.ceil(math.sqrt(T)),
                                                                      math.ceil(4 * sms / N))))
     else:
-        C = min(chunks, T)
+        C = chunks
+    C = min(C, T, MAX_GRID12)
     L = math.ceil(T / C)
     C = math.ceil(T / L)
     acc = _acc(mod, b.dtype)
@@ -477,7 +546,7 @@ def dense_scan(A: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None,
     if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool)
                                or chunks < 1):
         raise ValueError(f"chunks must be a positive int or None, got {chunks!r}")
-    require("dense_scan", A, b, h0)
+    require("dense_scan", b=b, A=A, h0=h0)
     out = torch.empty(N, T, H, dtype=b.dtype, device=b.device)
     dense_launch(A.expand(N, T, H, H), b, out, h0, reverse, chunks)
     return out
@@ -494,7 +563,7 @@ def applies(op, b: torch.Tensor) -> bool:
     tensors, triton, a supported dtype, and a diagonal ``A``, a dense one with a state of at
     most :data:`MAX_DENSE`, or factored / LSTM steps of that size whose dense copy fits in
     :data:`DENSE_BUDGET`."""
-    if b.device.type != "cuda" or why_not(b, *op.tensors()) is not None or failed():
+    if b.device.type != "cuda" or why_not(b=b, **_named(op)) is not None or failed():
         return False
     if op.kind == "diag":
         return True
@@ -504,12 +573,19 @@ def applies(op, b: torch.Tensor) -> bool:
     return op.kind == "dense" or N * T * H * H * b.element_size() <= DENSE_BUDGET
 
 
+def _named(op) -> dict[str, torch.Tensor | None]:
+    """The transition's tensors by name (``A``, or ``A.<field>`` for factored steps)."""
+    if op.kind in ("dense", "diag"):
+        return {"A": op.a}
+    return {f"A.{name}": t for name, t in zip(op.FIELDS[op.kind], op.tensors(), strict=True)}
+
+
 def recurrence(op, b: torch.Tensor, h0: torch.Tensor | None, reverse: bool) -> torch.Tensor:
     """The states ``(N, T, H)`` of a canonical recurrence (:class:`paraprop.scan.operators.Op`)
     by the kernels: diagonal ``A`` by the diagonal scan, ``2 x 2`` steps by the pair scan;
     dense, factored and LSTM ``A`` with ``H <= MAX_DENSE`` by the dense scan (factored and LSTM
     steps materialised densely)."""
-    require("linear_recurrence(algorithm='triton')", b, h0, *op.tensors())
+    require("linear_recurrence(algorithm='triton')", b=b, h0=h0, **_named(op))
     N, T, H = b.shape
     if op.kind != "diag" and H > MAX_DENSE:
         raise ValueError(f"algorithm='triton' runs {op.kind} transitions with a state of at "
