@@ -112,6 +112,8 @@ class DiffusionChain:
         # the call in which each sample last had a non-finite value replaced (-1: never)
         self.last_repair = torch.full((self.B,), -1, dtype=torch.long, device=dev)
         self._last = None      # (key, X, values) of the last window call
+        # per sample, the first step found non-finite from exact inputs (-1: none)
+        self.nonfinite_step = torch.full((self.B,), -1, dtype=torch.long, device=dev)
         # step 0's model output on the loop's rows, and its largest difference from the
         # first batched call's (None: not compared yet)
         self.loop_out = None
@@ -317,6 +319,9 @@ class DiffusionChain:
         self.exact = torch.where(grow, reach, self.exact)
         self.has_next = torch.where(grow, more, self.has_next)
         self.next_value = torch.where(more[:, None], nxt, self.next_value)
+        # a non-finite direct step from exact inputs is the loop's own value: the first one
+        real = more & ~torch.isfinite(nxt).all(1) & (self.nonfinite_step < 0)
+        self.nonfinite_step = torch.where(real, reach, self.nonfinite_step)
         return known
 
     def certified(self) -> torch.Tensor:
@@ -370,6 +375,13 @@ class DiffusionChain:
         return torch.cat(outs, dim=1)
 
 
+def nonfinite_error(step: int, sample: int) -> NonFiniteError:
+    return NonFiniteError(
+        f"diffusion.sample: step {step} of sample {sample} is not finite (NaN or inf), computed "
+        "by the scheduler's step from an exact input: the diffusers loop gives the same value; "
+        "check the model and the dtype's range (float16 overflows above 65504)")
+
+
 def check_steps_finite(X: torch.Tensor, start: int = 0) -> None:
     """Raise :class:`NonFiniteError` naming the first step ``>= start`` of ``X`` ``(B, N, F)``
     with a non-finite value."""
@@ -379,10 +391,7 @@ def check_steps_finite(X: torch.Tensor, start: int = 0) -> None:
     bad = (~torch.isfinite(tail)).any(2)
     step = start + int(bad.any(0).nonzero()[0])
     b = int(bad[:, step - start].nonzero()[0])
-    raise NonFiniteError(
-        f"diffusion.sample: step {step} of sample {b} is not finite (NaN or inf), computed by the "
-        "scheduler's step from an exact input: the diffusers loop gives the same value; check "
-        "the model and the dtype's range (float16 overflows above 65504)")
+    raise nonfinite_error(step, b)
 
 
 def growth_after(gain: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,9 @@ import torch
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
 from paraprop.determinism import require_deterministic
-from paraprop.diffusion.chain import DiffusionChain, draw_noise, growth_after
+from paraprop.diffusion.chain import DiffusionChain, draw_noise, growth_after, nonfinite_error
 from paraprop.diffusion.schedulers import scheduler_kind, step_table
+from paraprop.errors import NonFiniteError
 from paraprop.result import Solution, ensure_converged
 from paraprop.solve import solve
 from paraprop.solvers import Jacobi, Sequential, SlidingJacobi, TriangularAnderson, is_solver
@@ -159,7 +160,7 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         "certificate": certificate,
         "bitwise": bitwise.cpu(),
         "error_estimate": float(estimate.max()) if converged else float("inf"),
-        "rounding_floor": run.floor,
+        "rounding_floor": run.floor, "tol_resolvable": run.tol_resolvable,
         "loop_bitwise": run.loop_bitwise,
         "time_s": time.perf_counter() - start,
     }
@@ -284,6 +285,7 @@ class _Run:
         self.fallback_steps = 0
         self.fallback_start = None    # the first step the loop computed
         self.floor = 0.0
+        self.tol_resolvable = False
         self.strict = strict          # tol=0: stop once the batched calls differ from the loop
         self.loop_bitwise = None
         self.loop_gap = 0.0
@@ -320,6 +322,14 @@ class _Run:
         try:
             sol = solve(chain, X[:, lo:].clone(), method=solver, dim=1, tol=tol,
                         max_iters=max_iters, throw=False, callback=watch)
+        except NonFiniteError as e:
+            # the solver saw a non-finite value the chain did not repair: the direct step from
+            # exact inputs, the loop's own (named as the loop would find it)
+            bad = chain.nonfinite_step
+            if bool((bad >= 0).any()):
+                step = int(bad[bad >= 0].min())
+                raise nonfinite_error(step, int((bad == step).nonzero()[0])) from e
+            raise
         except _Stop:
             X[:, lo:] = last["value"]
             X[keep] = saved
@@ -443,6 +453,12 @@ def _passes(run, chain, solver, tol, max_iters, cap):
     N, B = chain.N, chain.B
     done = torch.zeros(B, dtype=torch.bool, device=chain.device)
     estimate = torch.zeros(B, dtype=torch.float64, device=chain.device)
+    # the floor at a scale the trajectory may grow to and keep the estimates the solver
+    # stopped on: twice the initial noise's, and at least 4 (unit-variance noise, data in
+    # [-1, 1]), or 1/64 of tol where that is more; a sample whose floor exceeds that reserve
+    # is finished exactly
+    floor0 = rounding_floor(chain.dtype, max(SCALE, 2 * float(chain.x_init.abs().max())))
+    run.tol_resolvable = tol > floor0   # an estimate can resolve tol in this dtype
     if isinstance(solver, Sequential) or N == 1:
         if cap < N:
             return done, done, estimate, (f"the loop needs num_inference_steps={N} model "
@@ -451,18 +467,13 @@ def _passes(run, chain, solver, tol, max_iters, cap):
         return ~done, ~done, estimate, None
     if _window_of(solver, N) > 1:   # (a window of one step: every call is the loop's)
         run.first_step()
-    # the floor at a scale the trajectory may grow to and keep the estimates the solver
-    # stopped on: twice the initial noise's, and at least 4 (unit-variance noise, data in
-    # [-1, 1]), or 1/64 of tol where that is more; a sample whose floor exceeds that reserve
-    # is finished exactly
-    floor0 = rounding_floor(chain.dtype, max(SCALE, 2 * float(chain.x_init.abs().max())))
-    if tol > floor0:   # an estimate can resolve tol in this dtype
+    if run.tol_resolvable:
         # the solver runs at tol less a reserve for the floor at the final trajectory's scale
         floor0 = max(floor0, tol / 64)
         stage = _sliding_stage if isinstance(solver, SlidingJacobi) else _estimate_stage
         done, estimate = stage(run, chain, solver, tol, floor0)
     chain.track_gains = False
-    by_estimate = done.clone()
+    by_estimate = done & (estimate > 0)   # (an accepted estimate includes a floor > 0)
     done = _exact_stage(run, chain, solver, done)
     reason = None
     if not bool(done.all()):
@@ -521,6 +532,8 @@ def _sliding_stage(run, chain, solver, tol, floor0):
     N, B = chain.N, chain.B
     done = torch.zeros(B, dtype=torch.bool, device=chain.device)
     estimate = torch.zeros(B, dtype=torch.float64, device=chain.device)
+    if run.left < 1:
+        return done, estimate
     chain.track_gains = chain.live_growth = True
     sol = run.solve(solver, 0, tol - floor0, run.left, done)
     growth = None if chain.gain is None else growth_after(chain.gain)

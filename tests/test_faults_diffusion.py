@@ -1,0 +1,425 @@
+"""Fault tests for paraprop.diffusion (issue 27 items 2, 3 and 7; issue 28's device parity), one
+per class of defect, each with cases built to show it:
+
+1. a stochastic model (train mode with dropout, batch statistics) is refused up front;
+2. ``method="sequential"`` rounds as the diffusers loop does, in bfloat16 and float16;
+3. ``tol=0`` is the loop's bits, or ``converged=False`` (never a rounding-level difference);
+4. ``tol > 0`` accounts for the dtype's rounding floor;
+5. Picard iterates that overflow at uncertified positions are not the user's error, while a
+   non-finite step from exact inputs (the loop's own) is reported by step;
+6. no method takes more model calls in sequence than the loop;
+7. a model whose batched calls round differently from the loop's (batch variance) cannot be
+   certified bitwise;
+8. a model output of another dtype is refused by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import warnings
+
+import pytest
+import torch
+
+import paraprop
+from paraprop.diffusion import BatchVarianceWarning, draw_noise, sample, step_table
+from paraprop.solvers import Jacobi, SlidingJacobi, TriangularAnderson
+
+diffusers = pytest.importorskip("diffusers")
+DDPMScheduler = diffusers.DDPMScheduler
+DDIMScheduler = diffusers.DDIMScheduler
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LOW = [torch.bfloat16, torch.float16]
+PARALLEL = [("picard", {}), ("picard", {"window": 4}), ("anderson", {}), (Jacobi(), {}),
+            (SlidingJacobi(3), {}), (TriangularAnderson(memory=2), {})]
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def elementwise(x, t):
+    """A nonlinear eps with no batch variance (each element on its own)."""
+    tt = torch.as_tensor(t).reshape(-1, *([1] * (x.dim() - 1))).to(x.device, x.dtype) / 1000
+    return torch.tanh(1.5 * x + tt) * 0.8 - 0.1 * x
+
+
+class Mlp(torch.nn.Module):
+    """A small MLP denoiser with torch.nn layers (its matmuls may round a row differently in
+    batches of other sizes)."""
+
+    def __init__(self, seed=0, scale=0.5, dropout=0.0, norm=False):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.l1, self.l2 = torch.nn.Linear(3, 32), torch.nn.Linear(32, 2)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+        self.drop = torch.nn.Dropout(dropout)
+        self.norm = torch.nn.BatchNorm1d(32) if norm else torch.nn.Identity()
+        self.requires_grad_(False)
+
+    def forward(self, x, t):
+        tt = torch.as_tensor(t).reshape(-1).expand(len(x)).to(x.device, x.dtype) / 1000
+        h = self.drop(torch.tanh(self.norm(self.l1(torch.cat([x, tt[:, None]], 1)))))
+        return self.l2(h)
+
+
+def loop(model, scheduler, shape, N, seed, *, dtype=torch.float32, eta=None, **kw):
+    """The diffusers loop, with the pipelines' draw of the noise."""
+    g = gen(seed)
+    scheduler.set_timesteps(N)
+    x = diffusers.utils.torch_utils.randn_tensor(shape, generator=g, dtype=dtype)
+    ekw = {} if eta is None else {"eta": eta}
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            x = scheduler.step(model(x, t), t, x, generator=g, **ekw, **kw).prev_sample
+    return x
+
+
+# -- 1. stochastic models --------------------------------------------------------------------
+
+def _tiny_unet(dropout):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return diffusers.UNet2DModel(
+            sample_size=8, in_channels=1, out_channels=1, block_out_channels=(8, 16),
+            layers_per_block=1, norm_num_groups=4, dropout=dropout,
+            down_block_types=("DownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "UpBlock2D")).requires_grad_(False)
+
+
+@pytest.mark.parametrize("method", ["sequential", "picard", "anderson"])
+def test_a_unet_in_train_mode_with_dropout_is_refused(method):
+    unet = _tiny_unet(dropout=0.1).train()
+    with pytest.raises(paraprop.StochasticModelError,
+                       match=r"diffusion\.sample: model .*train mode.*dropout.*"
+                             r"call model\.eval\(\) first"):
+        sample(unet, DDIMScheduler(), (2, 1, 8, 8), num_inference_steps=4, method=method,
+               generator=gen())
+    # its bound forward as the model, too
+    with pytest.raises(paraprop.StochasticModelError, match=r"model\.eval\(\)"):
+        sample(unet.forward, DDIMScheduler(), (2, 1, 8, 8), num_inference_steps=4,
+               generator=gen())
+    # in eval mode it samples, and the parallel sample is the loop's within tol
+    unet.eval()
+    ref = loop(lambda x, t: unet(x, t).sample, DDIMScheduler(), (2, 1, 8, 8), 4, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BatchVarianceWarning)
+        x, sol = sample(unet, DDIMScheduler(), (2, 1, 8, 8), num_inference_steps=4,
+                        method=method, tol=1e-3, generator=gen())
+    assert sol.converged and float((x - ref).abs().max()) <= 1e-3
+
+
+class FunctionalDropout(torch.nn.Module):
+    """Dropout applied through ``torch.nn.functional`` and an attribute, as transformers' and
+    timm's blocks do: no dropout layer to find by type."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Mlp()
+        self.dropout = 0.1
+
+    def forward(self, x, t):
+        return torch.nn.functional.dropout(self.inner(x, t), self.dropout, self.training)
+
+
+@pytest.mark.parametrize(("make", "layer"), [
+    (lambda: Mlp(dropout=0.2), "Dropout"),
+    (lambda: Mlp(norm=True), "BatchNorm1d"),
+    (FunctionalDropout, "dropout=0.1"),
+], ids=["dropout", "batchnorm", "functional-dropout"])
+def test_a_module_with_stochastic_layers_in_train_mode_is_refused(make, layer):
+    model = make().train()
+    for method in ("sequential", "picard"):
+        with pytest.raises(ValueError, match=rf"{layer}.*call model\.eval\(\) first.*"
+                                             r"expected a module in eval mode"):
+            sample(model, DDPMScheduler(), (2, 2), num_inference_steps=3, method=method,
+                   generator=gen())
+    model.eval()
+    x, sol = sample(model, DDPMScheduler(), (2, 2), num_inference_steps=3, generator=gen())
+    assert sol.converged
+
+
+def test_a_module_in_train_mode_without_stochastic_layers_samples():
+    model = Mlp().train()
+    x, sol = sample(model, DDPMScheduler(), (3, 2), num_inference_steps=5, method="sequential",
+                    generator=gen())
+    assert torch.equal(x, loop(model, DDPMScheduler(), (3, 2), 5, 0))
+
+
+# -- 2. low precision: sequential is the loop ------------------------------------------------
+
+LOW_CONFIGS = [
+    ("ddpm", {"variance_type": "fixed_small_log", "prediction_type": "v_prediction"}, None,
+     {}),
+    ("ddpm", {"clip_sample_range": 1.5, "prediction_type": "sample"}, None, {}),
+    ("ddim", {"prediction_type": "sample", "clip_sample": True}, 0.7,
+     {"use_clipped_model_output": True}),
+    ("ddim", {"set_alpha_to_one": False, "clip_sample": False}, 0.0, {}),
+]
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize(("kind", "cfg", "eta", "kw"), LOW_CONFIGS,
+                         ids=lambda v: repr(v) if isinstance(v, dict) else None)
+def test_low_precision_sequential_rounds_as_the_loop(kind, cfg, eta, kw, dtype):
+    """The old table cast every coefficient to the sample dtype: 0.03 away from the loop in
+    bfloat16. A coefficient that divides is read at float32 precision on the CPU, one that
+    multiplies is rounded to the sample dtype first."""
+    make = DDPMScheduler if kind == "ddpm" else DDIMScheduler
+    model = Mlp(seed=2).to(dtype)
+    ref = loop(model, make(**cfg), (4, 2), 30, 3, dtype=dtype, eta=eta, **kw)
+    ekw = {} if eta is None else {"eta": eta}
+    x, _ = sample(model, make(**cfg), (4, 2), num_inference_steps=30, method="sequential",
+                  generator=gen(3), **ekw, **kw)
+    assert torch.equal(x, ref)
+    # the cast of the old table is not the loop's arithmetic: one step shows it
+    table = step_table(make(**cfg), 30, eta=eta or 0.0, **kw)
+    xs = torch.randn(1, 64, generator=gen(1)).to(dtype)
+    out = torch.randn(1, 64, generator=gen(2)).to(dtype)
+    s = 5
+    c = {k: getattr(table, k)[s].to(dtype) for k in ("sqrt_alpha", "sqrt_beta")}
+    if table.prediction == "epsilon":
+        cast_x0 = (xs - c["sqrt_beta"] * out) / c["sqrt_alpha"]
+        x0 = (xs - c["sqrt_beta"] * out) / table.sqrt_alpha[s]
+        assert not torch.equal(cast_x0, x0)
+
+
+# -- 3. tol=0 is the loop's bits -------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize(("method", "opts"), PARALLEL, ids=lambda v: repr(v))
+def test_tol_zero_in_low_precision_is_the_loop_bitwise(method, opts, dtype):
+    """The old Picard map (x + cumsum of the increments) had a fixed point 0.14 away from the
+    loop in bfloat16 and reported converged=True at tol=0."""
+    N = 40
+    ref = loop(elementwise, DDPMScheduler(), (8, 2), N, 0, dtype=dtype)
+    x, sol = sample(elementwise, DDPMScheduler(), (8, 2), num_inference_steps=N, method=method,
+                    tol=0, dtype=dtype, generator=gen(), **opts)
+    assert sol.converged and torch.equal(x, ref)
+    assert sol.stats["certificate"] == "bitwise" and sol.iterations <= N
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + LOW, ids=str)
+def test_tol_zero_with_a_matmul_model_is_the_loop_or_refused(dtype):
+    """An MLP's batched matmuls may round apart from the loop's: then converged=False, never a
+    silent rounding-level difference."""
+    model = Mlp(seed=1).to(dtype)
+    ref = loop(model, DDIMScheduler(), (5, 2), 30, 0, dtype=dtype, eta=0.0)
+    for method in ("picard", "anderson", SlidingJacobi(7)):
+        x, sol = sample(model, DDIMScheduler(), (5, 2), num_inference_steps=30, method=method,
+                        tol=0, throw=False, generator=gen(), eta=0.0)
+        if sol.converged:
+            assert torch.equal(x, ref) and sol.stats["loop_bitwise"] is True
+        else:
+            assert sol.stats["loop_bitwise"] is False and sol.iterations <= 30
+            with pytest.raises(paraprop.ConvergenceError, match="rounds differently"):
+                sample(model, DDIMScheduler(), (5, 2), num_inference_steps=30, method=method,
+                       tol=0, generator=gen(), eta=0.0)
+
+
+# -- 4. tol > 0 and the rounding floor -------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize(("method", "opts"), PARALLEL[:4], ids=lambda v: repr(v))
+def test_tol_below_the_rounding_floor_runs_to_the_exact_result(method, opts, dtype):
+    """tol=1e-3 is below one unit of bfloat16 (and of float16) at these values: no estimate can
+    certify it, so the method runs to the loop's bits instead of reporting an estimate."""
+    N = 40
+    ref = loop(elementwise, DDPMScheduler(), (8, 2), N, 0, dtype=dtype)
+    x, sol = sample(elementwise, DDPMScheduler(), (8, 2), num_inference_steps=N, method=method,
+                    tol=1e-3, dtype=dtype, generator=gen(), **opts)
+    assert sol.converged and torch.equal(x, ref)
+    assert sol.stats["certificate"] == "bitwise" and not sol.stats["tol_resolvable"]
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_tol_above_the_floor_is_an_estimate_that_holds(dtype):
+    N, tol = 60, 0.5
+    ref, rsol = sample(elementwise, DDPMScheduler(clip_sample=False), (8, 2),
+                       num_inference_steps=N, method="sequential", dtype=dtype, generator=gen())
+    for method in ("picard", "anderson", ("picard", 8)):
+        opts = {"window": method[1]} if isinstance(method, tuple) else {}
+        name = method[0] if isinstance(method, tuple) else method
+        x, sol = sample(elementwise, DDPMScheduler(clip_sample=False), (8, 2),
+                        num_inference_steps=N, method=name, tol=tol, dtype=dtype,
+                        generator=gen(), **opts)
+        assert sol.converged and sol.stats["tol_resolvable"]
+        err = float((sol.value.float() - rsol.value.float()).abs().max())
+        assert err <= tol and sol.stats["error_estimate"] <= tol
+        if sol.stats["certificate"] == "estimate":
+            assert 0 < sol.stats["rounding_floor"] <= sol.stats["error_estimate"]
+
+
+@pytest.mark.parametrize("dtype", LOW + [torch.float32], ids=str)
+def test_the_floor_decides_between_an_estimate_and_the_exact_result(dtype):
+    """The floor: 4 units of the dtype at the scale the trajectory may reach (twice the initial
+    noise's, at least 4). Just below it no estimate is taken (the loop's bits); just above, an
+    estimate that includes the floor at the final trajectory's scale."""
+    floor = importlib.import_module("paraprop.diffusion.sample").rounding_floor
+    noise = draw_noise(step_table(DDPMScheduler(clip_sample=False), 40), (8, 2),
+                       generator=gen(), dtype=dtype)
+    floor0 = floor(dtype, max(4.0, 2 * float(noise[0].abs().max())))
+    _, ref = sample(elementwise, DDPMScheduler(clip_sample=False), (8, 2),
+                    num_inference_steps=40, method="sequential", noise=noise)
+    below, above = 0.9 * floor0, 1.5 * floor0
+    _, sol = sample(elementwise, DDPMScheduler(clip_sample=False), (8, 2),
+                    num_inference_steps=40, method="anderson", tol=below, noise=noise)
+    assert not sol.stats["tol_resolvable"] and sol.stats["certificate"] == "bitwise"
+    assert torch.equal(sol.value, ref.value)
+    _, sol = sample(elementwise, DDPMScheduler(clip_sample=False), (8, 2),
+                    num_inference_steps=40, method="anderson", tol=above, noise=noise)
+    assert sol.stats["tol_resolvable"] and sol.converged
+    assert float((sol.value.float() - ref.value.float()).abs().max()) <= above
+    if sol.stats["certificate"] == "estimate":
+        assert sol.stats["rounding_floor"] >= floor(dtype, 1.0)
+
+
+# -- 5. non-finite values ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["picard", "anderson", Jacobi(), SlidingJacobi(5)], ids=repr)
+@pytest.mark.parametrize("tol", [0.0, 0.5])
+def test_float16_overflow_of_uncertified_iterates_is_repaired(method, tol):
+    """eps = 3x: the loop stays below 1, but early Picard iterates overflow float16 (the old
+    sampler raised NonFiniteError at iteration 5)."""
+    model = lambda x, t: 3 * x  # noqa: E731
+    N = 50
+    ref = loop(model, DDPMScheduler(clip_sample=False), (4, 2), N, 0, dtype=torch.float16)
+    x, sol = sample(model, DDPMScheduler(clip_sample=False), (4, 2), num_inference_steps=N,
+                    method=method, tol=tol, dtype=torch.float16, generator=gen())
+    assert sol.converged and bool(torch.isfinite(sol.value).all())
+    assert float((x.float() - ref.float()).abs().max()) <= tol
+    assert tol > 0 or torch.equal(x, ref)
+
+
+@pytest.mark.parametrize("method", ["sequential", "picard", "anderson"])
+def test_a_non_finite_step_from_exact_inputs_is_reported_by_step(method):
+    """eps = -0.9x grows past float16's range at step 63: the loop gives inf there too."""
+    with pytest.raises(paraprop.NonFiniteError, match=r"step 63 of sample 1 is not finite"):
+        sample(lambda x, t: -0.9 * x, DDPMScheduler(clip_sample=False), (2, 2),
+               num_inference_steps=200, method=method, tol=0, dtype=torch.float16,
+               generator=gen())
+
+
+def test_the_chain_keeps_a_non_finite_input_away_from_certified_positions():
+    """A NaN planted at an uncertified position of the iterate reaches no position before it,
+    and its successors get finite guesses instead of NaN."""
+    from paraprop.diffusion import DiffusionChain
+
+    N = 12
+    table = step_table(DDPMScheduler(clip_sample=False), N)
+    noise = draw_noise(table, (2, 2), generator=gen(), dtype=torch.float16)
+    chain = DiffusionChain(elementwise, table, noise[0], noise[1:])
+    _, ref = sample(elementwise, DDPMScheduler(clip_sample=False), (2, 2), noise=noise,
+                    num_inference_steps=N, method="sequential")
+    X = ref.value.reshape(2, N, 2).clone()
+    X[:, 6] = float("nan")
+    vals, _ = chain.window(X, 0, N)
+    assert torch.equal(vals[:, :7], ref.value.reshape(2, N, 2)[:, :7])
+    assert bool(torch.isfinite(vals).all())
+
+
+# -- 6. the budget: no more sequential model calls than the loop ------------------------------
+
+BUDGET_CASES = [  # (model, scheduler, N, window) that took up to 236 calls for 200 steps
+    (lambda: Mlp(seed=1), lambda: DDPMScheduler(clip_sample=False), 200, 4),
+    (lambda: Mlp(seed=2), lambda: DDPMScheduler(clip_sample=False), 50, 4),
+    (lambda: (lambda x, t: -0.9 * x), lambda: DDPMScheduler(clip_sample=False), 200, 16),
+    (lambda: Mlp(seed=0), lambda: DDPMScheduler(), 200, 128),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BUDGET_CASES)))
+@pytest.mark.parametrize("tol", [1e-2, 1e-3, 0.0])
+def test_no_method_takes_more_model_calls_than_the_loop(case, tol):
+    make_model, make_sch, N, window = BUDGET_CASES[case]
+    model = make_model()
+    dtype = torch.float64 if case == 2 else torch.float32
+    _, ref = sample(model, make_sch(), (8, 2), num_inference_steps=N, method="sequential",
+                    dtype=dtype, generator=gen(1))
+    for method, opts in (("picard", {"window": window}), ("anderson", {}), (Jacobi(), {})):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", BatchVarianceWarning)
+            x, sol = sample(model, make_sch(), (8, 2), num_inference_steps=N, method=method,
+                            tol=tol, throw=False, dtype=dtype, generator=gen(1), **opts)
+        assert sol.iterations == sol.stats["model_calls"] <= N, (method, sol.iterations)
+        if sol.converged:
+            err = float((sol.value - ref.value).abs().max())
+            assert err <= tol if tol > 0 else torch.equal(sol.value, ref.value)
+        else:
+            assert "budget" in sol.stats["reason"] or "rounds differently" in \
+                sol.stats["reason"]
+
+
+@pytest.mark.parametrize("max_iters", [1, 5, 12])
+def test_max_iters_caps_every_model_call(max_iters):
+    for method in ("sequential", "picard", "anderson", SlidingJacobi(4)):
+        x, sol = sample(elementwise, DDIMScheduler(), (3, 2), num_inference_steps=12,
+                        method=method, tol=1e-3, max_iters=max_iters, throw=False,
+                        generator=gen())
+        assert sol.iterations <= max_iters
+        assert sol.converged == (max_iters >= 12 or sol.converged)
+    with pytest.raises(paraprop.ConvergenceError, match=r"max_iters=1\b.*the budget of 1"):
+        sample(elementwise, DDIMScheduler(), (3, 2), num_inference_steps=12, method="picard",
+               tol=1e-3, max_iters=1, generator=gen())
+
+
+# -- 7. batch variance -----------------------------------------------------------------------
+
+class BatchVariant(torch.nn.Module):
+    """An eps whose rows depend on how many rows the call holds (as a batch-variant kernel's
+    rounding does, here made large enough to matter)."""
+
+    def __init__(self, rows, size):
+        super().__init__()
+        self.rows, self.size = rows, size
+
+    def forward(self, x, t):
+        out = elementwise(x, t)
+        return out + self.size if x.shape[0] > self.rows else out
+
+
+@pytest.mark.parametrize("method", ["picard", "anderson", SlidingJacobi(4)], ids=repr)
+def test_batch_variance_refuses_tol_zero_and_warns_at_tol(method):
+    model = BatchVariant(rows=3, size=1e-3)
+    with pytest.raises(paraprop.ConvergenceError,
+                       match=r"rounds differently on the batched calls \(\d+ rows\) than on "
+                             r"the loop's \(3 rows\).*use method='sequential'"):
+        sample(model, DDIMScheduler(), (3, 2), num_inference_steps=20, method=method, tol=0,
+               generator=gen())
+    x, sol = sample(model, DDIMScheduler(), (3, 2), num_inference_steps=20, method=method,
+                    tol=0, throw=False, generator=gen())
+    assert not sol.converged and sol.stats["loop_bitwise"] is False
+    assert sol.iterations <= 3     # found at the first batched call
+    with pytest.warns(BatchVarianceWarning, match="batched calls compute each step"):
+        _, sol = sample(model, DDIMScheduler(), (3, 2), num_inference_steps=20, method=method,
+                        tol=1e-2, generator=gen())
+    assert sol.stats["loop_bitwise"] is False and sol.stats["certificate"] != "bitwise"
+
+
+def test_a_nondeterministic_model_is_caught_too():
+    """A model in eval mode that draws random numbers: its step 0 differs between calls."""
+    model = lambda x, t: elementwise(x, t) + 1e-3 * torch.rand_like(x)  # noqa: E731
+    x, sol = sample(model, DDPMScheduler(), (2, 2), num_inference_steps=10, method="picard",
+                    tol=0, throw=False, generator=gen())
+    assert not sol.converged and sol.stats["loop_bitwise"] is False
+
+
+# -- 8. the model's output dtype ----------------------------------------------------------------
+
+def test_a_model_output_of_another_dtype_is_refused():
+    """The loop would promote a bfloat16 sample to float32 after the first step."""
+    with pytest.raises(TypeError, match=r"model output has dtype torch\.float32, expected "
+                                        r"torch\.bfloat16 .*pass dtype=torch\.float32"):
+        sample(lambda x, t: elementwise(x, t).float(), DDIMScheduler(), (2, 2),
+               num_inference_steps=4, method="picard", dtype=torch.bfloat16, generator=gen())
+
+
+def test_math_of_the_floor():
+    floor = importlib.import_module("paraprop.diffusion.sample").rounding_floor
+    assert floor(torch.bfloat16, 0.5) == 4 * 2 ** -7
+    assert math.isclose(floor(torch.float32, 8.0), 4 * 8 * 2 ** -23)
