@@ -181,7 +181,11 @@ class ParaGRU(_ParaRNN):
             terms computed up front), any other method of :func:`paraprop.solve`, a solver
             object, or ``ParallelForward(method=..., tol=..., max_iters=..., throw=...)``.
             (``"quasi_newton"`` uses the same diagonal Jacobians, with the contraction
-            stopping rule.)
+            stopping rule.) On CUDA, Newton's first iterations run a fused Triton step whose
+            cell rounds differently; it is only a warm start: the torch cell's step
+            certifies, so ``converged`` is about this module's loop (``tol=0``: its bits).
+            ``forward_stats`` says per layer which steps ran (``"newton_step"``,
+            ``"triton_iterations"``, ``"triton_skipped"``; docs/recurrences.md, "On the GPU").
         backward: ``"scan"`` (the default: the hidden-state gradients by one reverse diagonal
             :func:`paraprop.scan.linear_recurrence` per layer at the computed states, then the
             weight gradients in batched sums), ``"jacobi"`` (the same recurrence by Jacobi

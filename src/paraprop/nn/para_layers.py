@@ -15,7 +15,11 @@ Exact Newton stops on the size of its step (the linearised error), as for every 
 Each recurrence also gives :mod:`paraprop.solvers.newton` a fused step (``newton_step``): per
 block of steps the cell, its Jacobians and the step's linear recurrence (a carry from block to
 block) in cache-resident scratch reused across blocks and iterations, so that an iteration
-makes one pass over the states and allocates nothing of size ``T`` after the first.
+makes one pass over the states and allocates nothing of size ``T`` after the first. On CUDA the
+first iterations run the fused Triton step (:mod:`paraprop.nn.triton_cells`) as a warm start;
+the torch cell's step then certifies (:func:`_solve`). The Newton forward's input terms (and
+each layer's output, the next layer's input) are those of the loop, computed by the same
+products, so that ``tol=0`` gives the loop's bits.
 
 Backward (implicit at the computed states, whichever forward produced them): with ``lam_t =
 dL/ds_t`` and ``e_t`` the gradient arriving from outside the layer, ``lam_t = e_t + J_{t+1}^T

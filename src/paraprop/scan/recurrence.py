@@ -332,10 +332,11 @@ def linear_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
             ``"hillis_steele"`` (``log2 T`` steps, ``T log T`` work), ``"chunked"`` (sequential
             inside ``chunk_size`` chunks, batched across chunks, then the carries),
             ``"triton"`` (the Triton kernels of :mod:`paraprop.scan.triton_kernels`: CUDA
-            tensors, or CPU tensors in Triton's interpreter under ``TRITON_INTERPRET=1``;
-            diagonal ``A`` of any size, other forms with ``H <= 64``), or ``"auto"``: the
-            native sequential kernel where it runs (CPU, float32/float64), the Triton kernels
-            on CUDA tensors where they apply, otherwise ``sequential`` for ``T <= 16``,
+            tensors, or CPU tensors in Triton's interpreter under ``TRITON_INTERPRET=1``,
+            which refuses CUDA tensors while it is set; diagonal ``A`` of any size, other
+            forms with ``H <= 64``), or ``"auto"``: the native sequential kernel where it runs
+            (CPU, float32/float64), the Triton kernels on CUDA tensors where they apply (not
+            under ``TRITON_INTERPRET``), otherwise ``sequential`` for ``T <= 16``,
             ``blelloch`` for diagonal ``A`` and ``chunked`` for dense and factored ``A``. The
             tree algorithms (and ``"triton"`` for non-diagonal ``A``) materialise factored (and
             LSTM) ``A`` densely.

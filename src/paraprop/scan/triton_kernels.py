@@ -14,9 +14,11 @@ work). Two entry points a benchmark can call directly:
 triton is imported only when a kernel is first needed, never by ``import paraprop``. Where it is
 missing :func:`available` is ``False`` and :func:`status` says why. CUDA tensors run the
 compiled kernels; CPU tensors run them in Triton's interpreter, and only when the environment
-says ``TRITON_INTERPRET=1`` (the tests do; it is far too slow for real work). The kernels are
-loaded once per mode, each mode a module of its own, so the two can be used in one process in
-any order.
+says ``TRITON_INTERPRET=1`` (the tests do; it is far too slow for real work). While it says so,
+CUDA tensors are refused (the interpreter would run them on the host): ``auto`` then runs the
+torch algorithms and :func:`status` says why. The kernels are loaded once per mode, each mode a
+module of its own (under a lock: the switch is process-wide), so the two can be used in one
+process in any order.
 
 Exactness: a tree scan groups the products and sums differently from the sequential loop, so
 the results are not bitwise the loop's. Every computed state is a sum of at most ``T + 1``
