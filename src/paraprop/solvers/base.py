@@ -325,12 +325,12 @@ def rounding_floor(values: torch.Tensor, norm: str) -> torch.Tensor:
 
 
 def sync(*values) -> list:
-    """Several device scalars (0-d tensors, or Python values passed through) on the host in one
-    transfer: the one synchronisation of an iteration."""
+    """Several integer or boolean device scalars (0-d tensors; Python values pass through) on
+    the host in one transfer: the one synchronisation of an iteration."""
     idx = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
     out = list(values)
     if idx:
-        host = torch.stack([values[i].to(torch.float64).reshape(()) for i in idx]).tolist()
+        host = torch.stack([values[i].to(torch.int64).reshape(()) for i in idx]).tolist()
         for i, h in zip(idx, host, strict=True):
             out[i] = h
     return out
