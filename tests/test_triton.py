@@ -13,6 +13,7 @@ wrong carry is far outside the bound.
 """
 
 import ast
+import os
 import threading
 import types
 from pathlib import Path
@@ -361,7 +362,7 @@ def test_para_modules_run_the_fused_kernel_and_say_so(dev, cls, monkeypatch):
     out, _ = m(x)
     (g,) = torch.autograd.grad(out.square().sum(), x)
     st = m.forward_stats
-    certify = "torch" if dev.type == "cuda" else ("native", "torch")
+    certify = ("torch",) if dev.type == "cuda" else ("native", "torch")
     assert all(k.startswith("triton+") and k[7:] in certify for k in st["newton_step"])
     assert all(0 < k < n for k, n in zip(st["triton_iterations"], st["iterations"], strict=True))
     assert all(st["converged"]) and st["triton_skipped"] == [None, None]
@@ -551,6 +552,15 @@ def test_the_loader_runs_each_module_once_per_mode_under_a_lock(monkeypatch):
     assert len(got) == 4 and all(m is got[0] for m in got) and got[0].INTERPRETED
     cells = tk.load_mode("paraprop.nn._triton_cells", True)
     assert cells._scan is got[0] and cells._affine is got[0]._affine       # shared helpers
+    compiled = tk.load_mode("paraprop.nn._triton_cells", False)
+    assert not compiled.INTERPRETED and compiled._scan is tk.load_mode(
+        "paraprop.scan._triton_scan", False)
+    # while a load forces the switch, the user's setting is what the checks see
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with tk._lock, tk._mode(True):
+        assert os.environ["TRITON_INTERPRET"] == "1" and tk.loading_mode()
+        assert not tk.interpreting()
+    assert "TRITON_INTERPRET" not in os.environ and not tk.loading_mode()
 
 
 def test_cpu_tensors_need_the_interpreter_switch(monkeypatch):

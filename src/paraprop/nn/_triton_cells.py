@@ -37,7 +37,7 @@ if triton is not None:
     # forces the mode while it runs this file; imported on its own, the environment's).
     from paraprop.scan import triton_kernels as _loader
 
-    _scan = _loader.load_mode("paraprop.scan._triton_scan", _loader.interpreting())
+    _scan = _loader.load_mode("paraprop.scan._triton_scan", _loader.loading_mode())
     _jit, _SUM, _affine, _affine2 = _scan._jit, _scan._SUM, _scan._affine, _scan._affine2
     INTERPRETED = _scan.INTERPRETED
 else:

@@ -65,6 +65,11 @@ _missing: list[str] = []
 # Held while a kernel module is loaded: the mode switch changes os.environ and triton's knobs
 # for the whole process, and a module must be executed once per mode.
 _lock = threading.RLock()
+# While a load forces the switch: the user's TRITON_INTERPRET (None: unset), which
+# :func:`interpreting` reads meanwhile (other threads must not see the forced value), and, for
+# the loading thread, the mode being loaded (:func:`loading_mode`).
+_outer: list[str | None] = []
+_loading = threading.local()
 # The values triton reads as true for TRITON_INTERPRET (case-insensitive).
 _TRUE = ("1", "true", "on", "yes")
 
@@ -88,8 +93,17 @@ def available() -> bool:
 def interpreting() -> bool:
     """Whether ``TRITON_INTERPRET`` is set (to ``1``, ``true``, ``on`` or ``yes``, as triton
     reads it): CPU tensors may then run the kernels, and CUDA tensors may not (the interpreter
-    would run them on the host)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
+    would run them on the host). The user's setting, also while a load forces the switch."""
+    outer = _outer[:1]                      # (one read: another thread may pop it)
+    raw = outer[0] if outer else os.environ.get("TRITON_INTERPRET")
+    return (raw or "0").strip().lower() in _TRUE
+
+
+def loading_mode() -> bool:
+    """The mode of the kernel module this thread is loading (a kernel module asks, to load the
+    helpers it shares in its own mode), or, outside a load, :func:`interpreting`."""
+    mode = getattr(_loading, "mode", None)
+    return interpreting() if mode is None else mode
 
 
 # Why CUDA tensors are refused while the interpreter is switched on.
@@ -151,10 +165,16 @@ def require(what: str, **tensors: torch.Tensor | None) -> None:
 @contextlib.contextmanager
 def _mode(interpret: bool):
     """Triton's interpreter switch, forced for the duration (triton reads it when a kernel is
-    decorated): the environment variable and, where triton has them, its knobs."""
+    decorated): the environment variable and, where triton has them, its knobs. Called under
+    :data:`_lock`; :func:`interpreting` keeps answering with the user's setting meanwhile."""
     import triton
 
     old = os.environ.get("TRITON_INTERPRET")
+    outermost = not _outer
+    if outermost:
+        _outer.append(old)                  # first: interpreting() never sees the forced value
+    previous = getattr(_loading, "mode", None)
+    _loading.mode = interpret
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
     knobs = getattr(triton, "knobs", None)
     try:
@@ -169,6 +189,9 @@ def _mode(interpret: bool):
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = old
+        _loading.mode = previous
+        if outermost:
+            _outer.pop()
 
 
 def load(source: str, device: torch.device) -> types.ModuleType:
