@@ -479,3 +479,28 @@ def test_the_checksum_adds_up_over_slices_and_sees_a_change(dtype, F):
     bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()]
     y.view(bits)[2, 9, F - 1] += 1   # one unit in the last place of one value
     assert int(checksum(y)) != int(checksum(x))
+
+
+class ShiftByView(Good):
+    """``fn(x)_t = x_{t-1}`` (0 at t = 0), hooks returning views of x where they can: a
+    triangular map whose window and update alias x legitimately."""
+
+    def __call__(self, x):
+        return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
+
+    def window(self, x, start, stop, cache):
+        if start == 0:
+            return self(x)[:, :stop], None
+        return x[:, start - 1:stop - 1], None
+
+    def update(self, x, index):
+        if int(index[0]) > 0 and bool((index[1:] - index[:-1] == 1).all()):
+            return x[:, int(index[0]) - 1:int(index[-1])]
+        return self(x).index_select(1, index)
+
+
+@pytest.mark.parametrize("method", ALL + ["sequential"], ids=repr)
+def test_hooks_may_return_views_of_other_positions(method):
+    x0 = torch.randn(B, T, F, dtype=D, generator=torch.Generator().manual_seed(0))
+    sol = paraprop.solve(ShiftByView(), x0, method=method, dim=1, tol=0)
+    assert sol.converged and torch.equal(sol.value, torch.zeros_like(x0))

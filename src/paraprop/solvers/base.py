@@ -101,7 +101,7 @@ class System:
             return self.evaluate(xc, guard=guard, check=check).index_select(1, index)
         expected = torch.Size((*self.batch_shape, index.numel(), *self.feature_shape))
         y = self._call("update", xc, lambda xu: self.fn.update(xu, index), expected, guard,
-                       check, span=span)
+                       check, lo=lambda: int(index[0]), span=span)
         self.used.add("update")
         self._count(index.numel())
         return y.reshape(self.B, index.numel(), self.F)
@@ -155,7 +155,7 @@ class System:
         return self.canon(guess)
 
     def _call(self, hook: str, xc: torch.Tensor, call, shape, guard: bool, check: bool,
-              lo: int = 0, span: tuple[int, int] | None = None):
+              lo=0, span: tuple[int, int] | None = None):
         """``call(x)`` in the caller's layout, with the cheap checks of the hook's promises.
 
         ``guard``: the call must leave ``x`` unchanged, checked by a checksum of ``x``'s bits
@@ -165,7 +165,8 @@ class System:
         ``hi`` on are not final: the solver treats whatever they hold as a guess. ``guard`` is
         off where the caller passes a private copy, and for the reference loop. ``check``: the
         output is checked for NaN/inf, in ``self.nonfinite`` (off for the reference loop, which
-        checks its result once at the end)."""
+        checks its result once at the end). ``lo``: the first position the call computes (or a
+        callable giving it), read only when the output is a view of ``x``."""
         if not (guard or check):   # the reference loop: the user's own loop checks nothing
             y = call(self.user(xc))
             if shape is not None:
@@ -195,7 +196,7 @@ class System:
                 f"({where} changed during the call); a hook must leave the solver's iterate "
                 "unchanged: compute on a copy (x.clone()) and return new values")
         if y is not None and _shares_memory(y, xc):
-            if _same_positions(y, xc, lo):
+            if _same_positions(y, xc, lo() if callable(lo) else lo):
                 raise NotTriangularError(
                     f"{HOOKS[hook]} returned positions of its input x itself (a view of x, not "
                     "new values): every position then depends on itself, which is not "
