@@ -65,8 +65,9 @@ def _cmd_bench(args) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     suite = bench.load(args.suite)
     out = _out_dir(args.out)
-    suite.run(out, quick=args.quick, repeats=args.repeats)
-    print(f"\nResults: {out}/{args.suite}.json, {out}/{args.suite}.md and PNG plots in {out}/")
+    kw = {} if args.device is None else {"device": args.device}
+    suite.run(out, quick=args.quick, repeats=args.repeats, **kw)
+    print(f"\nResults: {out}/ ({args.suite}*.json, .md and PNG plots)")
     return 0
 
 
@@ -127,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     b.add_argument("--repeats", type=int, default=None, help="timed rounds per case")
     b.add_argument("--out", default="results", help="results directory (default: results)")
+    b.add_argument("--device", default=None,
+                   help="cpu (default), cuda or cuda:N: the device the suite runs on "
+                        "(docs/gpu.md)")
     b.set_defaults(func=_cmd_bench)
 
     t = sub.add_parser("train", help="train a model used by the demos and benchmarks")

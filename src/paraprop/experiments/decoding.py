@@ -41,7 +41,8 @@ def prompts(vocab, held: torch.Tensor, batch: int) -> torch.Tensor:
 
 def case_rows(model, ids, new: int, *, sample: bool, window: int, repeats: int,
               desc: str) -> list[dict]:
-    kw = {"do_sample": True, "temperature": TEMPERATURE} if sample else {}
+    # top_k=0: no top-k, as on the transformers side (generate's default is top_k=50)
+    kw = {"do_sample": True, "temperature": TEMPERATURE, "top_k": 0} if sample else {}
     seed = 0
 
     def ours(**extra):

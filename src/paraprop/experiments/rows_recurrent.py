@@ -226,7 +226,9 @@ def para_rows(kind: str):
                     *(max_rel(a, b) for a, b in zip(c_grads, ref_grads, strict=True)))
         shape = f"T={T}, B={B}, H={H}, input {H}, float32"
         extra = {"iterations": stats.get("iterations"), "converged": stats.get("converged"),
-                 "newton_step": stats.get("newton_step"), "grad_rel_dev": dev_grad,
+                 "newton_step": stats.get("newton_step"),
+                 "triton_iterations": stats.get("triton_iterations"),
+                 "triton_skipped": stats.get("triton_skipped"), "grad_rel_dev": dev_grad,
                  "compiled_rel_dev": c_dev}
         note = (f"forward + backward of sum(out * G); loops one timed round after an untimed "
                 f"T=64 call, newton the median of {ctx.rounds(3)}; deviation: the larger of the "
