@@ -109,6 +109,7 @@ class DiffusionChain:
         self.exact_values = torch.zeros(self.B, self.N, self.F, dtype=self.dtype, device=dev)
         # a step recomputed from the same exact input gave other bits (another batch of rows)
         self.irreproducible = torch.zeros((), dtype=torch.bool, device=dev)
+        self.irreproducible_seen = False   # its value at the start of the last window call
         # the call in which each sample last had a non-finite value replaced (-1: never)
         self.last_repair = torch.full((self.B,), -1, dtype=torch.long, device=dev)
         self._last = None      # (key, X, values) of the last window call
@@ -249,8 +250,11 @@ class DiffusionChain:
                self.lo)
         if self._last is not None and self._last[0] == key:
             return self._last[2].clone(), None
-        if bool((self.certified() >= self.N).all()) and \
-                torch.equal(X, self.exact_values[:, self.lo:]):
+        # the one host sync of a call: is every position certified, and has a certified step
+        # been computed with other bits (read by the driver after the iteration)?
+        done, self.irreproducible_seen = torch.stack(
+            [(self.certified() >= self.N).all(), self.irreproducible]).tolist()
+        if done and torch.equal(X, self.exact_values[:, self.lo:]):
             # every position is certified and X holds the certified values: X is the fixed
             # point (a solver's last verification), no model call needed
             return X[:, start:stop].clone(), None

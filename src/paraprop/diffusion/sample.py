@@ -38,7 +38,8 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
     The loop ``x = scheduler.step(model(x, t), t, x).prev_sample`` over
     ``scheduler.timesteps``, with every step's noise drawn up front, is a triangular system over
     the steps (:mod:`paraprop.diffusion.chain`). Every method returns its unique solution: the
-    sequential sample for the same noise, within ``tol``.
+    sequential sample for the same noise, within ``tol`` (at ``tol=0`` bit for bit), in at most
+    ``N`` model calls in sequence, the number the loop takes.
 
     Arguments:
         model: a diffusers ``UNet2DModel``, or any module or callable ``model(x, t, **kw)``
@@ -59,13 +60,15 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         window: steps per iteration of ``"picard"`` (``None``: 128; a window of at least ``N``
             steps is Jacobi on the whole trajectory); ``"anderson"`` iterates on all ``N`` steps.
         memory: ``"anderson"``'s history (iterates kept; ``None``: its default).
-        tol: a sample stops when the estimated distance of its whole trajectory to the
-            sequential one is ``<= tol`` (largest absolute difference; see
-            ``docs/diffusion.md``). ``0`` runs to a bitwise fixed point or to the exactness
-            bound (``N`` iterations), where the result is the sequential one up to float
-            rounding. Not used by ``"sequential"``.
-        max_iters: cap on iterations (default: the exactness bound).
-        throw: raise :class:`paraprop.ConvergenceError` if ``max_iters`` ends the run first.
+        tol: a sample is accepted when the estimated distance of its whole trajectory to the
+            sequential one, plus the dtype's rounding floor at its scale, is ``<= tol``
+            (largest absolute difference; see ``docs/diffusion.md``); where ``tol`` is at or
+            below that floor (``stats["tol_resolvable"]``), the method runs to the exact
+            result. ``0``: the loop's trajectory bit for bit, or ``converged=False`` (where the
+            model's batched calls round differently from the loop's). Not used by
+            ``"sequential"``.
+        max_iters: cap on model calls in sequence (default and at most: ``N``).
+        throw: raise :class:`paraprop.ConvergenceError` if the result is not certified.
         generator: draws the noise, in the order of the diffusers loop with this generator
             (initial sample, then each step's noise), so the diffusers loop seeded alike gives
             the same sample.
@@ -86,15 +89,34 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
 
     Returns:
         ``(x, solution)``: the sample ``(B, ...)`` and a :class:`paraprop.Solution` whose
-        ``value`` is the trajectory ``(B, N, ...)`` (``x_1 .. x_N``). ``iterations`` is the
-        number of sequential model calls; ``stats`` adds ``model_calls``,
-        ``model_evaluations`` (steps evaluated per sample, all calls together) and ``steps``.
+        ``value`` is the trajectory ``(B, N, ...)`` (``x_1 .. x_N``). ``iterations`` (and
+        ``evaluations``) is the number of model calls in sequence, every call counted (at most
+        ``N``); ``residuals`` holds the parallel iterations' convergence measures. ``stats``:
+        ``model_calls``, ``model_evaluations`` (steps evaluated per sample, all calls
+        together), ``max_rows`` (the most rows one call held), ``passes`` (solver passes),
+        ``fallback_steps`` (steps the loop computed from the certified prefix),
+        ``certificate`` (``"bitwise"``, ``"estimate"`` or ``None``), ``bitwise`` (per sample),
+        ``error_estimate``, ``rounding_floor``, ``tol_resolvable``, ``loop_bitwise`` (whether
+        the batched calls gave the loop's bits for step 0 and for every certified step they
+        computed again; ``None`` where not compared), ``reason`` (why not converged),
+        ``window``, ``steps``, ``sample_iterations``, ``time_s``.
 
     Raises:
         NotImplementedError: an unsupported scheduler or scheduler configuration.
+        paraprop.StochasticModelError: ``model`` is a module in train mode with dropout or
+            batch statistics (call ``model.eval()``).
         ValueError / TypeError: bad arguments, a ``noise`` of the wrong shape, a model output
-            of the wrong shape (each message names the argument and both values).
-        paraprop.ConvergenceError: not converged within ``max_iters`` and ``throw=True``.
+            of the wrong shape or dtype (each message names the argument and both values).
+        paraprop.NonFiniteError: a step computed from exact inputs is not finite (the loop
+            gives it too; the message names the step).
+        paraprop.ConvergenceError: not certified (``max_iters`` or the budget of ``N`` calls
+            ended first, or ``tol=0`` and the model's batched calls round differently from the
+            loop's) and ``throw=True``; the message says which.
+
+    Warns:
+        BatchVarianceWarning: ``tol > 0`` and the model's batched calls round differently from
+            the loop's by an amount that may matter at ``tol`` (the estimate then bounds the
+            distance to the trajectory as the batched calls compute each step).
 
     Example:
         >>> from diffusers import DDIMScheduler
@@ -315,7 +337,7 @@ class _Run:
             self.iterations = offset + k
             if cb is not None:
                 cb(k, v, r)
-            if self.strict and bool(chain.irreproducible):
+            if self.strict and chain.irreproducible_seen:   # (no extra sync: read in window)
                 last["value"] = v.clone()
                 raise _Stop
 
