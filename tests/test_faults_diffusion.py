@@ -355,6 +355,17 @@ def test_no_method_takes_more_model_calls_than_the_loop(case, tol):
                 sol.stats["reason"]
 
 
+@pytest.mark.parametrize("method", [paraprop.solvers.JacobiGS(block_size=4),
+                                    paraprop.solvers.GSJacobi(block_size=5)], ids=repr)
+def test_solvers_that_call_the_model_per_step_are_refused(method):
+    """JacobiGS took 271 model calls in sequence for 30 steps; GSJacobi ran out of them."""
+    with pytest.raises(ValueError, match=r"is not supported by diffusion\.sample: its iterations "
+                                         r"make several model calls in sequence.*Jacobi\(\), "
+                                         r"SlidingJacobi\(\)"):
+        sample(elementwise, DDPMScheduler(), (4, 2), num_inference_steps=30, method=method,
+               generator=gen())
+
+
 @pytest.mark.parametrize("max_iters", [1, 5, 12])
 def test_max_iters_caps_every_model_call(max_iters):
     for method in ("sequential", "picard", "anderson", SlidingJacobi(4)):

@@ -19,6 +19,8 @@ from paraprop.solvers import Jacobi, Sequential, SlidingJacobi, TriangularAnders
 from paraprop.solvers.stopping import RATES
 
 METHODS = ("sequential", "picard", "anderson")
+# solver objects whose every iteration is one model call that certifies at least one position
+SOLVERS = (Jacobi, SlidingJacobi, TriangularAnderson, Sequential)
 DEFAULT_WINDOW = 128
 SPLITS = ("identity", "eps")
 # units of the dtype's resolution (at the trajectory's scale) an estimate cannot resolve
@@ -55,8 +57,9 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
             (ParaDiGMS: Picard iteration on a sliding window of ``window`` steps, each
             iteration one batched model call plus one scan), ``"anderson"`` (ParaTAA:
             triangular Anderson acceleration of the Picard iteration, with ``memory``), or a
-            solver object of :mod:`paraprop.solvers` (e.g. ``SlidingJacobi(128)``,
-            ``TriangularAnderson(memory=4)``, ``Jacobi()``) applied to the Picard map.
+            solver object applied to the Picard map: ``Jacobi()``, ``SlidingJacobi(w)``,
+            ``TriangularAnderson(memory=m)`` or ``Sequential()`` (others, whose iterations make
+            several model calls in sequence, raise ``ValueError``).
         window: steps per iteration of ``"picard"`` (``None``: 128; a window of at least ``N``
             steps is Jacobi on the whole trajectory); ``"anderson"`` iterates on all ``N`` steps.
         memory: ``"anderson"``'s history (iterates kept; ``None``: its default).
@@ -210,6 +213,12 @@ def _solver(method, window, memory, N):
         if window is not None or memory is not None:
             raise ValueError("window and memory configure the named methods; a solver object "
                              f"carries its own settings, got method={method!r}")
+        if not isinstance(method, SOLVERS):
+            raise ValueError(
+                f"method={method!r} is not supported by diffusion.sample: its iterations make "
+                "several model calls in sequence (one per step of a block), so it cannot keep "
+                "within the loop's num_inference_steps calls; use one of "
+                f"{', '.join(c.__name__ + '()' for c in SOLVERS)} or a named method")
         return method
     checks.method_name(method, METHODS)
     if method != "anderson" and memory is not None:
