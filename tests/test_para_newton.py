@@ -252,3 +252,29 @@ def test_paragru_gradients_unchanged_by_the_fused_forward(small_blocks):
     assert err(out, ref) < 1e-9
     for a, b in zip(g, g_ref, strict=True):
         assert err(a, b) < 1e-8
+
+
+@pytest.mark.parametrize("cls", [paraprop.nn.ParaGRU, paraprop.nn.ParaLSTM])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("B, H", [(3, 5), (1, 7), (2, 33)])
+def test_newton_at_tol0_is_bitwise_the_loop_at_any_row_width(cls, dtype, B, H):
+    # B * H not a multiple of the vector width: torch.sigmoid rounds a CPU tensor's last partial
+    # vector differently, so the cells use a logistic function of exp / add / reciprocal, which
+    # round each element alike in a row of the loop and in a block of Newton's steps
+    torch.manual_seed(0)
+    m = cls(3, H).to(dtype)
+    x = torch.randn(40, B, 3, dtype=dtype)
+    m.forward_config = paraprop.nn.ParallelForward("newton", tol=0)
+    y, _ = m(x)
+    assert m.forward_stats["converged"]
+    m.forward_config = "sequential"
+    ref, _ = m(x)
+    assert torch.equal(y, ref)
+
+
+def test_the_cells_logistic_function_is_size_independent():
+    x = torch.randn(4099, dtype=torch.float64) * 4
+    whole = diagonal.sigmoid_(x.clone())
+    pieces = torch.cat([diagonal.sigmoid_(x[i:i + 7].clone()) for i in range(0, 4099, 7)])
+    assert torch.equal(whole, pieces)
+    assert (whole - torch.sigmoid(x)).abs().max() < 1e-15

@@ -77,13 +77,33 @@ def blocks(steps: int, per_step: int, device: torch.device,
     return [slice(t0, min(steps, t0 + step)) for t0 in range(0, steps, step)]
 
 
+# The cells' logistic function. torch.sigmoid on a CPU tensor rounds the last, partial vector
+# of its elements differently from the rest (float32 and float64), so the same step computed on
+# rows (the loop) and inside a block of steps (Newton) can differ by an ulp, and a bitwise
+# fixed point of the block would not be the loop's bitwise; exp, add and reciprocal round each
+# element alike whatever the tensor's size. Every ParaGRU/ParaLSTM cell here uses these two.
+def sigmoid_(t: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + exp(-t))`` in place (returns ``t``); recorded by autograd where ``t``
+    requires grad."""
+    if t.requires_grad and torch.is_grad_enabled():
+        return t.copy_(_sigmoid(t))
+    return t.neg_().exp_().add_(1).reciprocal_()
+
+
+def _sigmoid(t: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + exp(-t))`` into a new tensor (the same operations as :func:`sigmoid_`)."""
+    if t.requires_grad and torch.is_grad_enabled():
+        return torch.reciprocal(torch.exp(torch.neg(t)) + 1)
+    return torch.neg(t).exp_().add_(1).reciprocal_()
+
+
 # -- ParaGRU ---------------------------------------------------------------------------------
 def gru_step(gi: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """One ParaGRU step on rows: ``gi`` ``(..., 3, H)``, ``h`` ``(..., H)``, the diagonal weights
     ``w`` and bias ``b`` ``(3, H)`` (``b`` may be ``None``); returns ``h'`` (into ``out``)."""
     gh = torch.addcmul(b, w, h.unsqueeze(-2)) if b is not None else w * h.unsqueeze(-2)
-    rz = torch.add(gi[..., :2, :], gh[..., :2, :]).sigmoid_()
+    rz = sigmoid_(torch.add(gi[..., :2, :], gh[..., :2, :]))
     n = torch.addcmul(gi[..., 2, :], rz[..., 0, :], gh[..., 2, :]).tanh_()
     return torch.lerp(n, h, rz[..., 1, :], out=out)
 
@@ -102,7 +122,7 @@ def gru_linearize(gi: torch.Tensor, prev: torch.Tensor, w: torch.Tensor, b: torc
         coef: out (optional), ``(..., 4, H)``: :data:`GRU_COEFFICIENTS`.
     """
     gh = torch.addcmul(b, w, prev.unsqueeze(-2)) if b is not None else w * prev.unsqueeze(-2)
-    rz = torch.add(gi[..., :2, :], gh[..., :2, :]).sigmoid_()
+    rz = sigmoid_(torch.add(gi[..., :2, :], gh[..., :2, :]))
     r, z = rz[..., 0, :], rz[..., 1, :]
     ghn = gh[..., 2, :]
     n = torch.addcmul(gi[..., 2, :], r, ghn).tanh_()
@@ -158,7 +178,7 @@ def gru_newton_block(gi: torch.Tensor, prev: torch.Tensor, w: torch.Tensor,
     else:
         torch.mul(wg[:2], prev, out=rz)
         torch.mul(w[2], prev, out=ghn)
-    rz.add_(gi[..., :2, :].movedim(-2, 0)).sigmoid_()       # gh + gi: the same sum as gi + gh
+    sigmoid_(rz.add_(gi[..., :2, :].movedim(-2, 0)))       # gh + gi: the same sum as gi + gh
     r, z = rz[0], rz[1]
     torch.addcmul(gi[..., 2, :], r, ghn, out=n).tanh_()
     torch.lerp(n, prev, z, out=y)
@@ -176,7 +196,7 @@ def lstm_step(gi: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w: torch.Tenso
     """One ParaLSTM step on rows: ``gi`` ``(..., 4, H)`` (both biases included), ``h``, ``c``
     ``(..., H)``, the diagonal weights ``w`` ``(4, H)``; returns ``(h', c')``."""
     p = torch.addcmul(gi, w, h.unsqueeze(-2))
-    s = p.sigmoid()
+    s = _sigmoid(p)
     u = p[..., 2, :].tanh()
     c2 = torch.addcmul(s[..., 1, :] * c, s[..., 0, :], u)
     return s[..., 3, :] * c2.tanh(), c2
@@ -200,7 +220,7 @@ def lstm_linearize(gi: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w: torch.
             :data:`LSTM_COEFFICIENTS`.
     """
     p = torch.addcmul(gi, w, h.unsqueeze(dim))
-    s = p.sigmoid()
+    s = _sigmoid(p)
     i, f, o = s.select(dim, 0), s.select(dim, 1), s.select(dim, 3)
     u = p.select(dim, 2).tanh_()
     torch.addcmul(torch.mul(f, c), i, u, out=cy)
@@ -262,8 +282,8 @@ def lstm_newton_block(gi: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w: tor
     hs.copy_(h)
     cs.copy_(c)
     torch.addcmul(gi, w, hs, out=p)
-    p[:2].sigmoid_()
-    p[3].sigmoid_()
+    sigmoid_(p[:2])
+    sigmoid_(p[3])
     i, f, u, o = p
     u.tanh_()
     torch.mul(f, cs, out=t).addcmul_(i, u)                    # c'
