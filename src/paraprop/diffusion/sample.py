@@ -10,7 +10,13 @@ import torch
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
 from paraprop.determinism import require_deterministic
-from paraprop.diffusion.chain import DiffusionChain, draw_noise, growth_after, nonfinite_error
+from paraprop.diffusion.chain import (
+    DiffusionChain,
+    check_steps_finite,
+    draw_noise,
+    growth_after,
+    nonfinite_error,
+)
 from paraprop.diffusion.schedulers import scheduler_kind, step_table
 from paraprop.errors import NonFiniteError
 from paraprop.result import Solution, ensure_converged
@@ -314,7 +320,6 @@ class _Run:
         self.positions = 0
         self.per_sample = torch.zeros(B, dtype=torch.long)
         self.fallback_steps = 0
-        self.fallback_start = None    # the first step the loop computed
         self.floor = 0.0
         self.tol_resolvable = False
         self.strict = strict          # tol=0: stop once the batched calls differ from the loop
@@ -379,6 +384,7 @@ class _Run:
         that the batched calls' step 0 is compared with."""
         chain = self.chain
         y = chain.steps(chain.x_init[:, None], 0, 1)[:, 0]
+        check_steps_finite(y[:, None])
         self.X[:, 0] = y
         chain.exact_values[:, 0] = y
         chain.exact = torch.maximum(chain.exact, torch.ones_like(chain.exact))
@@ -407,8 +413,6 @@ class _Run:
         self.chain.sequential(self.X, start)
         self.X[keep] = saved
         self.fallback_steps += self.chain.N - start
-        self.fallback_start = start if self.fallback_start is None else \
-            min(self.fallback_start, start)
         self.positions += self.chain.N - start
         self.per_sample += self.chain.N - start
 
@@ -619,21 +623,20 @@ def _exact_stage(run, chain, solver, done):
         left = ~done & (certified < N)
         if not bool(left.any()):
             return torch.ones_like(done) | done
-        lo = int(certified[left].min())
-        if chain.loop_gap is None and not passed:
-            lo = 0
+        first = int(certified[left].min())   # the loop would go on from here
         keep = ~left
-        affordable = run.left >= N - lo
-        if passed or N - lo <= 1:
+        affordable = run.left >= N - first
+        if passed or N - first <= 1:
             if not affordable:
                 break
-            run.sequential(lo, keep)
+            run.sequential(first, keep)
             continue
         # each call certifies a position; one call is left for a solver's last verification
-        steps = min(run.left, N - int(certified[left].min())) - 1 if affordable else \
-            run.left - 1
+        steps = min(run.left, N - first) - 1 if affordable else run.left - 1
         if steps < 1:
             break
+        # the first batched call computes step 0 again: the batch-variance check
+        lo = 0 if chain.loop_gap is None else first
         if run.solve(solver, lo, 0.0, steps, keep) is None:   # not the loop's bits
             return done
         passed = True
