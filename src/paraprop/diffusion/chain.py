@@ -66,6 +66,14 @@ class DiffusionChain:
     The solver sees the steps ``[lo, N)`` (:meth:`restart` moves ``lo`` past a certified prefix;
     ``0`` at first). Counters: ``model_calls`` (batched model calls: sequential steps),
     ``model_rows``, ``max_rows`` (the most rows one call held).
+
+    Certificates (absolute steps, per sample, all on the device): positions ``< exact`` hold
+    their exact values (``exact_values``) in the solver's iterate, and where ``has_next`` the
+    value of position ``exact`` is known too (``next_value``); :meth:`certified` counts both,
+    :meth:`commit` writes the known next values. ``irreproducible`` is set when a certified step
+    computed again (in another batch of rows) gave other bits, ``loop_gap`` the largest
+    difference of step 0's model output between the loop's ``B`` rows and the first batched
+    call's. :meth:`sequential` is the diffusers loop itself, from a certified prefix.
     """
 
     def __init__(self, model, table: StepTable, x_init: torch.Tensor, z: torch.Tensor,
