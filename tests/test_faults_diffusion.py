@@ -323,6 +323,24 @@ def test_the_chain_keeps_a_non_finite_input_away_from_certified_positions():
     assert bool(torch.isfinite(vals).all())
 
 
+def test_a_correction_that_cancels_does_not_certify_a_non_finite_value(monkeypatch):
+    """Residuals of +1 and -1 cancel to a zero correction at position 3, whose input is still
+    not certified: its non-finite direct step is an iterate's, repaired, not the loop's."""
+    from paraprop.diffusion import DiffusionChain
+
+    N = 4
+    table = step_table(DDIMScheduler(clip_sample=False), N)
+    noise = draw_noise(table, (1, 1), generator=gen())
+    chain = DiffusionChain(elementwise, table, noise[0], noise[1:])
+    X = torch.tensor([[[0.5], [1.0], [2.0], [3.0]]])
+    y = torch.tensor([[[0.5], [2.0], [1.0], [float("inf")]]])   # r = 0, +1, -1
+    monkeypatch.setattr(chain, "steps", lambda xin, a, b: y[:, a:b].clone())
+    vals, _ = chain.window(X, 0, N)
+    assert bool(torch.isfinite(vals).all())
+    assert int(chain.certified()[0]) == 2 and int(chain.nonfinite_step[0]) == -1
+    assert int(chain.last_repair[0]) >= 0
+
+
 # -- 6. the budget: no more sequential model calls than the loop ------------------------------
 
 BUDGET_CASES = [  # (model, scheduler, N, window) that took up to 236 calls for 200 steps

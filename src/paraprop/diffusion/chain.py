@@ -28,8 +28,8 @@ Along the way the chain certifies what it has seen: a position whose input is ex
 value equals the direct step computed from it is exact (:attr:`DiffusionChain.exact`), and the
 direct step after an exact prefix is the exact next value. Non-finite values at positions that are
 not certified (Picard iterates far from the answer may overflow in float16) are replaced by a
-finite guess, so they cannot poison the positions after them; a non-finite direct step from an
-exact input is real, and is returned as it is (the solver reports it).
+finite guess, so they cannot poison the positions after them; a non-finite direct step from
+certified inputs is real, and is returned as it is (the solver reports it).
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ class DiffusionChain:
         r = y.to(self.work) - old.to(self.work)
         # positions certified already keep their certified values (their step computed again
         # in another batch of rows may round apart: the batch-variance check)
-        known = self._certify(X, r, y, lo + start)
+        known, exact = self._certify(X, r, y, lo + start)
         r = torch.where(known[:, :, None], 0, r)
         if self.identity_split:
             acc = r.cumsum(dim=1)
@@ -286,10 +286,10 @@ class DiffusionChain:
             D = self.a[lo + start : lo + stop][None, :, None] * D
         vals = torch.where(D == 0, y, (y.to(self.work) + D).to(self.dtype))
         vals = torch.where(known[:, :, None], self.exact_values[:, lo + start : lo + stop], vals)
-        # a non-finite value where D != 0 comes from inputs that are not final yet: replace it
-        # by a finite guess (the direct step, else the old value, else 0); where D == 0 it is
-        # the direct step from exact inputs, the loop's own value: keep it
-        bad = ~torch.isfinite(vals) & (D != 0)
+        # a non-finite value at a position not computed from certified inputs comes from an
+        # iterate that is not final yet: replace it by a finite guess (the direct step, else
+        # the old value, else 0); from certified inputs it is the loop's own value: keep it
+        bad = ~torch.isfinite(vals) & ~exact[:, :, None]
         guess = torch.where(torch.isfinite(y), y, torch.where(torch.isfinite(old), old, 0))
         vals = torch.where(bad, guess, vals)
         hit = bad.flatten(1).any(1)
@@ -300,8 +300,9 @@ class DiffusionChain:
     def _certify(self, X: torch.Tensor, r: torch.Tensor, y: torch.Tensor,
                  a0: int) -> torch.Tensor:
         """Advance :attr:`exact` from one evaluation of the steps ``[a0, a0 + n)`` (absolute;
-        ``r`` the residuals ``y - X`` there), without a host sync. Returns ``(B, n)``: the
-        positions that were certified before this evaluation."""
+        ``r`` the residuals ``y - X`` there), without a host sync. Returns two ``(B, n)``
+        masks: the positions certified before this evaluation, and those whose value this
+        evaluation computed from certified inputs."""
         lo, n = self.lo, r.shape[1]
         T = X.shape[1]
         # the pending next value, if the solver has written it
@@ -334,7 +335,7 @@ class DiffusionChain:
         # a non-finite direct step from exact inputs is the loop's own value: the first one
         real = more & ~torch.isfinite(nxt).all(1) & (self.nonfinite_step < 0)
         self.nonfinite_step = torch.where(real, reach, self.nonfinite_step)
-        return known
+        return known, eligible[:, None] & (pos <= run[:, None])
 
     def certified(self) -> torch.Tensor:
         """``(B,)``: positions certified exact, the known next value included."""

@@ -519,13 +519,15 @@ def _passes(run, chain, solver, tol, max_iters, cap):
     return done, done & ~by_estimate, estimate, reason
 
 
-def _accept(run, chain, done, estimate, stopped, bound, tol):
+def _accept(run, chain, done, estimate, stopped, bound, tol, since=None):
     """Accept the samples ``stopped`` whose estimate ``bound`` (``(B,)``), with the rounding
     floor at the scale of their trajectory, is ``<= tol``, and whose estimate does not rest on a
-    repaired non-finite value; a sample the chain certified exact is accepted as such.
-    Returns the new ``(done, estimate)``."""
+    repaired non-finite value (none since the model call ``since``; default: in the last
+    iterations the contraction estimate reads); a sample the chain certified exact is accepted
+    as such. Returns the new ``(done, estimate)``."""
     floor = _floors(run.X, chain.dtype)
-    fresh = chain.last_repair <= chain.model_calls - RATES - 2
+    since = chain.model_calls - RATES - 1 if since is None else since
+    fresh = chain.last_repair < since
     exact = chain.certified() >= chain.N
     chain.commit(run.X, exact & ~done)
     ok = stopped & ~done & (exact | ((bound + floor <= tol) & fresh))
@@ -570,13 +572,15 @@ def _sliding_stage(run, chain, solver, tol, floor0):
     if run.left < 1:
         return done, estimate
     chain.track_gains = chain.live_growth = True
+    # a repaired value the window froze would stay: no repair at all in the pass
+    since = chain.model_calls
     sol = run.solve(solver, 0, tol - floor0, run.left, done)
     growth = None if chain.gain is None else growth_after(chain.gain)
     freezes = sol.stats.get("freeze_estimates")
     bound = _carried_error(freezes, growth).to(chain.device, torch.float64).expand(B)
     stopped = torch.ones_like(done) if sol.converged else torch.zeros_like(done)
-    done, estimate = _accept(run, chain, done, estimate, stopped, bound, tol)
-    fresh = bool((chain.last_repair <= chain.model_calls - RATES - 2).all())
+    done, estimate = _accept(run, chain, done, estimate, stopped, bound, tol, since)
+    fresh = bool((chain.last_repair < since).all())
     if bool(done.all()) or not sol.converged or growth is None or not fresh:
         return done, estimate
     floor = _floors(run.X, chain.dtype)
@@ -590,12 +594,14 @@ def _sliding_stage(run, chain, solver, tol, floor0):
     if cap >= 1 and (reserve is None or reserve > sol.iterations):
         saved = run.X.clone()
         chain.growth = growth
+        since = chain.model_calls
         sol2 = run.solve(solver, lo, tol - floor0, cap, done)
-        if sol2.converged and bool((chain.last_repair <= chain.model_calls - RATES - 2).all()):
+        if sol2.converged and bool((chain.last_repair < since).all()):
             bound2 = _carried_error(sol2.stats.get("freeze_estimates"),
                                     growth_after(chain.gain)[:, lo:])
             done, estimate = _accept(run, chain, done, estimate, torch.ones_like(done),
-                                     bound2.to(chain.device, torch.float64).expand(B), tol)
+                                     bound2.to(chain.device, torch.float64).expand(B), tol,
+                                     since)
             if bool(done.all()):
                 return done, estimate
         if reserve is not None:   # back to pass 1's trajectory, for the loop from `start`
@@ -607,7 +613,8 @@ def _sliding_stage(run, chain, solver, tol, floor0):
         return done, estimate
     run.sequential(start, done)
     carried = _contributions(freezes, growth)[:, :start].sum(1)
-    return _accept(run, chain, done, estimate, torch.ones_like(done), carried, tol)
+    return _accept(run, chain, done, estimate, torch.ones_like(done), carried, tol,
+                   chain.model_calls + 1)
 
 
 def _exact_stage(run, chain, solver, done):
