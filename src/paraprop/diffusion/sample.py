@@ -322,7 +322,7 @@ class _Run:
         self.fallback_steps = 0
         self.floor = 0.0
         self.tol_resolvable = False
-        self.strict = strict          # tol=0: stop once the batched calls differ from the loop
+        self.strict = strict          # stop once the batched calls differ from the loop
         self.loop_bitwise = None
         self.loop_gap = 0.0
 
@@ -427,24 +427,28 @@ def _solve_certified(chain, solver, tol, max_iters, callback):
     kernels, show a difference there or at a certified step computed again
     (``stats["loop_bitwise"] = False``): the parallel fixed point is then the sequential
     trajectory as the *batched* calls compute each step, not the loop's bit for bit. At
-    ``tol=0`` the solve stops with ``converged=False`` at once; at ``tol > 0`` the estimate
-    bounds the distance to that batched trajectory, and a ``BatchVarianceWarning`` says so.
+    ``tol=0`` (and at a ``tol`` below the rounding floor, which only the loop's bits can
+    certify) the solve stops with ``converged=False`` at once; above it the estimate bounds the
+    distance to that batched trajectory, and a ``BatchVarianceWarning`` says so where the
+    difference may matter.
 
     Returns ``(run, done, bitwise, estimate, reason)``.
     """
     N = chain.N
     cap = N if max_iters is None else min(max_iters, N)
-    run = _Run(chain, cap, callback, strict=tol == 0)
+    run = _Run(chain, cap, callback)
     done, bitwise, estimate, reason = _passes(run, chain, solver, tol, max_iters, cap)
     run.finish()
     if run.loop_bitwise is False:
         what = (f"the model rounds differently on the batched calls ({chain.max_rows} rows) "
                 f"than on the loop's ({chain.B} rows): its output for step 0 differs by "
                 f"{run.loop_gap:.3g} (batch-variant or nondeterministic kernels)")
-        if tol == 0:
+        if not run.tol_resolvable:   # tol=0, or below the rounding floor: bits or nothing
             done = torch.zeros_like(done)
             reason = (f"{what}, so no parallel method gives the loop's bits; use "
-                      "method='sequential' for them, or tol > 0")
+                      "method='sequential' for them, or a tol above the dtype's rounding "
+                      f"floor ({rounding_floor(chain.dtype, SCALE):.3g} at values of size "
+                      f"{SCALE:g})")
         elif bool(done.any()) and chain.N * _output_gain(chain.table) * run.loop_gap > tol / 100:
             warnings.warn(f"diffusion.sample: {what}; the error estimate bounds the distance "
                           "to the sequential trajectory as the batched calls compute each "
@@ -494,6 +498,7 @@ def _passes(run, chain, solver, tol, max_iters, cap):
     # is finished exactly
     floor0 = rounding_floor(chain.dtype, max(SCALE, 2 * float(chain.x_init.abs().max())))
     run.tol_resolvable = tol > floor0   # an estimate can resolve tol in this dtype
+    run.strict = not run.tol_resolvable   # only the loop's bits can certify such a tol
     if isinstance(solver, Sequential) or N == 1:
         if cap < N:
             return done, done, estimate, (f"the loop needs num_inference_steps={N} model "
