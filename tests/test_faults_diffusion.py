@@ -424,6 +424,11 @@ def test_batch_variance_refuses_tol_zero_and_warns_at_tol(method):
                     tol=0, throw=False, generator=gen())
     assert not sol.converged and sol.stats["loop_bitwise"] is False
     assert sol.iterations <= 3     # found at the first batched call
+    # a tol below float32's rounding floor could only be certified by the loop's bits, too
+    _, sol = sample(model, DDIMScheduler(), (3, 2), num_inference_steps=20, method=method,
+                    tol=1e-7, throw=False, generator=gen())
+    assert not sol.stats["tol_resolvable"] and not sol.converged
+    assert "rounding floor" in sol.stats["reason"]
     with pytest.warns(BatchVarianceWarning, match="batched calls compute each step"):
         _, sol = sample(model, DDIMScheduler(), (3, 2), num_inference_steps=20, method=method,
                         tol=1e-2, generator=gen())
