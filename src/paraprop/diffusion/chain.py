@@ -105,6 +105,8 @@ class DiffusionChain:
         self.lam = None        # (B, N): largest observed |d (step_s(x) - x)| / |d x|
         self.gain = None       # (B, N): largest observed |d step_s(x)| / |d x| (NaN: none yet)
         self._seen = None      # (last inputs, last outputs) of every step, (B, N, F) each
+        self._observed = 0     # observations so far (the version of gain and lam)
+        self._derived_cache = {}
         # the steps [lo, N) are the system the solver sees; x_lo is the input of step lo
         self.lo = 0
         self.x_lo = self.x_init
@@ -200,17 +202,19 @@ class DiffusionChain:
                                    device=xin.device)
             self.lam = self.gain.clone()
         last_in, last_out = self._seen
-        dx = xin.to(torch.float64) - last_in[:, start:stop].to(torch.float64)
-        dy = nxt.to(torch.float64) - last_out[:, start:stop].to(torch.float64)
-        din = dx.abs().amax(2)
+        w = self.work
+        dx = xin.to(w) - last_in[:, start:stop].to(w)
+        dy = nxt.to(w) - last_out[:, start:stop].to(w)
+        din = dx.abs().amax(2).to(torch.float64)
         level = 1024 * torch.finfo(xin.dtype).eps * (xin.abs().amax(2).to(torch.float64) + 1)
-        ok = (din > level) & torch.isfinite(din) & torch.isfinite(dy).all(2)
+        ok = (din > level) & torch.isfinite(din)   # (a non-finite dy gives a NaN ratio: skipped)
         for store, dnum in ((self.gain, dy), (self.lam, dy - dx)):
-            ratio = torch.where(ok, dnum.abs().amax(2) / din, torch.nan)
+            ratio = torch.where(ok, dnum.abs().amax(2).to(torch.float64) / din, torch.nan)
             old = store[:, start:stop]
             store[:, start:stop] = torch.where(ratio.isnan(), old, torch.fmax(old, ratio))
         last_in[:, start:stop] = xin
         last_out[:, start:stop] = nxt
+        self._observed += 1
 
     def inputs(self, X: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """``x_s`` for the system's positions ``[start, stop)``: the input of step ``lo``, then
@@ -228,8 +232,17 @@ class DiffusionChain:
         estimate; ``None`` until steps have been observed twice, NaN where unknown."""
         if self.lam is None or not self.track_gains:
             return None
-        lam = fill_unobserved(self.lam, none=float("nan"))
-        return torch.cat([lam[:, 1:], torch.zeros_like(lam[:, :1])], dim=1)[:, self.lo:]
+        return self._derived("sensitivity", lambda: torch.cat(
+            [fill_unobserved(self.lam, none=float("nan"))[:, 1:],
+             torch.zeros_like(self.lam[:, :1])], dim=1))[:, self.lo:]
+
+    def _derived(self, name: str, make):
+        """A quantity derived from the observed gains, made again only after they changed."""
+        hit = self._derived_cache.get(name)
+        if hit is None or hit[0] != self._observed:
+            hit = (self._observed, make())
+            self._derived_cache[name] = hit
+        return hit[1]
 
     @property
     def growth(self):
@@ -237,7 +250,7 @@ class DiffusionChain:
         the chain: set by :func:`paraprop.diffusion.sample`, or with ``live_growth`` the
         product of the gains observed so far (:func:`growth_after`)."""
         if self._growth is None and self.live_growth and self.gain is not None:
-            return growth_after(self.gain)[:, self.lo:]
+            return self._derived("growth", lambda: growth_after(self.gain))[:, self.lo:]
         return None if self._growth is None else self._growth[:, self.lo:]
 
     @growth.setter
@@ -258,10 +271,13 @@ class DiffusionChain:
                self.lo)
         if self._last is not None and self._last[0] == key:
             return self._last[2].clone(), None
-        # the one host sync of a call: is every position certified, and has a certified step
-        # been computed with other bits (read by the driver after the iteration)?
-        done, self.irreproducible_seen = torch.stack(
-            [(self.certified() >= self.N).all(), self.irreproducible]).tolist()
+        # the one host sync of a call: is every position certified, has a certified step been
+        # computed with other bits (read by the driver after the iteration), and how far do
+        # the certificates reach?
+        done, seen, reach = torch.stack(
+            [(self.certified() >= self.N).all().long(), self.irreproducible.long(),
+             self.certified().max()]).tolist()
+        self.irreproducible_seen = bool(seen)
         if done and torch.equal(X, self.exact_values[:, self.lo:]):
             # every position is certified and X holds the certified values: X is the fixed
             # point (a solver's last verification), no model call needed
@@ -273,8 +289,11 @@ class DiffusionChain:
         r = y.to(self.work) - old.to(self.work)
         # positions certified already keep their certified values (their step computed again
         # in another batch of rows may round apart: the batch-variance check)
-        known, exact = self._certify(X, r, y, lo + start)
-        r = torch.where(known[:, :, None], 0, r)
+        if lo + start <= reach:
+            known, exact = self._certify(X, r, y, lo + start)
+            r = torch.where(known[:, :, None], 0, r)
+        else:   # the window starts past every certificate (a sliding window's freezes)
+            known = exact = torch.zeros(r.shape[:2], dtype=torch.bool, device=r.device)
         if self.identity_split:
             acc = r.cumsum(dim=1)
         else:
@@ -288,10 +307,10 @@ class DiffusionChain:
         vals = torch.where(known[:, :, None], self.exact_values[:, lo + start : lo + stop], vals)
         # a non-finite value at a position not computed from certified inputs comes from an
         # iterate that is not final yet: replace it by a finite guess (the direct step, else
-        # the old value, else 0); from certified inputs it is the loop's own value: keep it
+        # the old value, zero for what is still not finite); from certified inputs it is the
+        # loop's own value: keep it
         bad = ~torch.isfinite(vals) & ~exact[:, :, None]
-        guess = torch.where(torch.isfinite(y), y, torch.where(torch.isfinite(old), old, 0))
-        vals = torch.where(bad, guess, vals)
+        vals = torch.where(bad, torch.where(torch.isfinite(y), y, old).nan_to_num(0, 0, 0), vals)
         hit = bad.flatten(1).any(1)
         self.last_repair = torch.where(hit, self.model_calls, self.last_repair)
         self._last = (key, X, vals)   # X held: its memory cannot be reused while cached

@@ -88,6 +88,7 @@ class StepTable:
     def __post_init__(self):
         # which steps add noise, on the host: read in the hot loop without a device sync
         self.noisy_steps = tuple(bool(v) for v in self.noisy.cpu().tolist())
+        self._columns = {}   # (device, dtype) -> the coefficient columns as apply reads them
 
     @property
     def N(self) -> int:
@@ -131,24 +132,24 @@ class StepTable:
         steps = (range(self.N)[index] if isinstance(index, slice)
                  else [int(i) for i in index.tolist()])
 
-        def column(v: torch.Tensor, rounded: bool) -> torch.Tensor:
-            v = v[index] if isinstance(index, slice) else v.index_select(0, index.to(v.device))
-            if rounded:
-                v = v.to(dt)
-            return v.to(x.device, om).reshape(shape)
+        cols = self._prepared(x.device, dt, mul_rounds, div_rounds, reciprocal)
 
-        def c(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return column(v, mul_rounds), column(v, div_rounds)
+        def c(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+            m, d = cols[name]
+            if isinstance(index, slice):
+                return m[index].reshape(shape), d[index].reshape(shape)
+            i = index.to(m.device)
+            return m.index_select(0, i).reshape(shape), d.index_select(0, i).reshape(shape)
 
         def mul(cv, t: torch.Tensor) -> torch.Tensor:  # diffusers' `c * t`
             return (cv[0] * t.to(om)).to(dt)
 
         def div(t: torch.Tensor, cv) -> torch.Tensor:  # diffusers' `t / c`
-            if reciprocal:
-                return (t.to(om) * (1 / cv[1])).to(dt)
+            if reciprocal:   # the column holds 1 / c already
+                return (t.to(om) * cv[1]).to(dt)
             return (t.to(om) / cv[1]).to(dt)
 
-        sa, sb = c(self.sqrt_alpha), c(self.sqrt_beta)
+        sa, sb = c("sqrt_alpha"), c("sqrt_beta")
         if self.prediction == "epsilon":
             x0 = div(x - mul(sb, out), sa)
             eps = out
@@ -163,20 +164,40 @@ class StepTable:
         elif self.clip is not None:
             x0 = x0.clamp(-self.clip, self.clip)
         if self.kind == "ddpm":
-            prev = mul(c(self.coef_x0), x0) + mul(c(self.coef_x), x)
+            prev = mul(c("coef_x0"), x0) + mul(c("coef_x"), x)
         else:
             if self.clipped_eps:
                 eps = div(x - mul(sa, x0), sb)
-            prev = mul(c(self.coef_x0), x0) + mul(c(self.coef_eps), eps)
+            prev = mul(c("coef_x0"), x0) + mul(c("coef_eps"), eps)
         noisy = [self.noisy_steps[s] for s in steps]
         if any(noisy):
-            with_noise = prev + mul(c(self.sigma), z)
+            with_noise = prev + mul(c("sigma"), z)
             if all(noisy):
                 return with_noise
             keep = self.noisy[index] if isinstance(index, slice) else \
                 self.noisy.index_select(0, index.to(self.noisy.device))
             return torch.where(keep.to(x.device).reshape(shape), with_noise, prev)
         return prev
+
+
+    def _prepared(self, device, dtype, mul_rounds: bool, div_rounds: bool, reciprocal: bool):
+        """The coefficient columns as :meth:`apply` reads them on ``device`` for samples of
+        ``dtype``, per coefficient ``(for c * t, for t / c)``: rounded to ``dtype`` first where
+        PyTorch does, in the operation's precision, the division's as its reciprocal where
+        PyTorch divides so. Made once per device and dtype."""
+        key = (torch.device(device), dtype)
+        if key not in self._columns:
+            om = opmath(dtype)
+            out = {}
+            for name in _COLUMNS:
+                v = getattr(self, name)
+                if v is None:
+                    continue
+                m = (v.to(dtype) if mul_rounds else v).to(device, om)
+                d = (v.to(dtype) if div_rounds else v).to(device, om)
+                out[name] = (m, 1 / d if reciprocal else d)
+            self._columns[key] = out
+        return self._columns[key]
 
 
 def _threshold(x0: torch.Tensor, ratio: float, max_value: float) -> torch.Tensor:
