@@ -18,6 +18,7 @@ its randomness elsewhere is caught later, by the solvers' verification of the fi
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 
@@ -57,10 +58,11 @@ def own_part(m: nn.Module, *, norms: bool = True) -> str | None:
             return None   # per-sample statistics: a fixed function of each sample
         return "normalises with batch statistics and updates its running ones"
     for attr in DROPOUT_ATTRIBUTES:
-        v = getattr(m, attr, None)
+        # the instance's own attribute: no __getattr__ fallback (diffusers' modules answer
+        # unknown names from their config, with a deprecation warning), no property
+        v = inspect.getattr_static(m, attr, None)
         if isinstance(v, numbers.Real) and not isinstance(v, bool) and \
-                math.isfinite(float(v)) and 0 < float(v) < 1 and \
-                not isinstance(getattr(type(m), attr, None), property):
+                math.isfinite(float(v)) and 0 < float(v) < 1:
             return f"applies dropout in train mode ({attr}={v})"
     return None
 
