@@ -104,7 +104,8 @@ def test_rnn_errors_are_reported():
                        match=r"linalg.rnn_backward: rnn \(RNN\) is in train mode and applies "
                              r"dropout in train mode \(dropout=0.5\).* call rnn.eval\(\) first"):
         rnn_backward(drop, x, g)
-    with pytest.raises(paraprop.StochasticModelError, match=r"linalg.from_rnn: rnn \(RNN\) is in train"):
+    with pytest.raises(paraprop.StochasticModelError,
+                       match=r"linalg.from_rnn: rnn \(RNN\) is in train"):
         from_rnn(drop, x)
     drop.eval()                          # eval mode: no dropout, the gradients of autograd
     (gx, _, gp), _ = rnn_backward(drop, x, g)
