@@ -20,7 +20,7 @@ import torch
 
 from paraprop.errors import NonFiniteError, NotTriangularError, ProtocolError
 from paraprop.solvers.protocols import HOOKS
-from paraprop.solvers.stopping import ContractionRule
+from paraprop.solvers.stopping import ContractionRule, Floor
 
 # the other common cause of a position that moves although its inputs are final
 NONDETERMINISTIC = ("or fn's repeated evaluation differs (a module in train mode with dropout or "
@@ -173,20 +173,22 @@ class System:
                 self._check_output(y, shape, HOOKS[hook])
             return y
         hi = xc.shape[1] if span is None else span[1]
-        before = self._checksum_before(xc, span) if guard else None
+        host = xc.device.type == "cpu"
+        if guard:
+            words = _words(xc)
+            before = self._sum_before(words, span, host)
         y = call(self.user(xc))
         if shape is not None:
             self._check_output(y, shape, HOOKS[hook])
         check = check and y is not None
         mutated = nonfinite = False
-        if guard:
-            after = checksum(xc[:, :hi])
-        if xc.device.type == "cpu":    # on the host each check is one operator
-            mutated = guard and not torch.equal(after, before)
+        if host:    # on the host each check is one operator, read as a Python number
+            mutated = guard and (int(words[:, :hi].sum()) - before) % _WRAP != 0
             nonfinite = check and not math.isfinite(float(y.sum()))
         elif guard or check:           # on an accelerator: one transfer for both
             no = torch.zeros((), dtype=torch.bool, device=xc.device)
-            flags = [after != before if guard else no, ~torch.isfinite(y.sum()) if check else no]
+            flags = [words[:, :hi].sum() != before if guard else no,
+                     ~torch.isfinite(y.sum()) if check else no]
             mutated, nonfinite = (bool(v) for v in torch.stack(flags).tolist())
         self.nonfinite = nonfinite
         if mutated:
@@ -204,17 +206,22 @@ class System:
             y = y.clone()  # a view of other positions of x (a shift): the iterate will change
         return y
 
-    def _checksum_before(self, xc: torch.Tensor, span) -> torch.Tensor:
+    def _sum_before(self, words: torch.Tensor, span, host: bool):
+        """The checksum of the positions ``< hi`` before a call (a Python int modulo 2**64 on
+        the host, a 0-d tensor elsewhere), the final prefix's part kept from call to call."""
         if span is None:
-            return checksum(xc)
+            total = words.sum()
+            return int(total) if host else total
         lo, hi = span
         upto, value = self._prefix
         if upto > lo or value is None:
-            upto, value = 0, checksum(xc[:, :0])
-        if upto < lo:
-            value = value + checksum(xc[:, upto:lo])   # the positions final since the last call
+            upto, value = 0, 0 if host else words[:, :0].sum()
+        if upto < lo:   # the positions final since the last call
+            part = words[:, upto:lo].sum()
+            value = (value + int(part)) % _WRAP if host else value + part
             self._prefix = (lo, value)
-        return value + checksum(xc[:, lo:hi])
+        part = words[:, lo:hi].sum()
+        return value + int(part) if host else value + part
 
     def _count(self, positions: int) -> None:
         with self._lock:
@@ -311,18 +318,20 @@ class State:
             self.estimate = torch.zeros(B, dtype=torch.float64, device=device)
 
 
-def rounding_floor(values: torch.Tensor, norm: str) -> torch.Tensor:
-    """``(B,)`` float64: one unit in the last place of ``values`` ``(B, n, F)`` at their scale,
-    in ``norm`` (``eps * max |v|``, or ``eps * ||v||_2``): what two evaluations of the same
-    position from inputs within rounding of each other can differ by, so the least an error
-    estimate in this dtype can certify (:mod:`paraprop.solvers.stopping`)."""
+def rounding_floor(values: torch.Tensor, norm: str) -> Floor:
+    """The rounding floor (:class:`~paraprop.solvers.stopping.Floor`, ``(B,)`` float64) of
+    ``values`` ``(B, n, F)``, in ``norm``: one unit in the last place at their scale (``eps *
+    max |v|``, or ``eps * ||v||_2``), what two evaluations of the same position from inputs
+    within rounding of each other can differ by, so the least an error estimate in this dtype
+    can certify (:mod:`paraprop.solvers.stopping`)."""
     eps = torch.finfo(values.dtype).eps
     flat = values.reshape(values.shape[0], -1)
     if norm == "max":
         scale = flat.abs().amax(dim=1).to(torch.float64)
     else:
         scale = torch.linalg.vector_norm(flat.to(torch.float64), dim=1)
-    return scale * eps
+    r = scale * eps
+    return Floor(r, r, 0.0)
 
 
 def sync(*values) -> list:
@@ -356,37 +365,53 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
             their share of it).
         kept: ``(B, n)`` bool, the positions where a non-finite value was replaced by the old
             one (:meth:`System.keep_finite`): their samples count as moved.
+
+    Whether a sample stopped is known on the host without a synchronisation of its own
+    (``state.rule.stopped``); :func:`settle` reads it.
     """
     old = state.x[:, lo:hi]
-    d = new - old
-    per_pos = d.abs().amax(dim=2)  # (B, n): one pass over the difference serves both checks
     active = state.active
+    all_active = state.extra.get("all_active", True)
+    a = (new - old).abs_()  # (B, n, F): one pass over the difference serves both checks
     if exact > 0:
-        check_final(system, per_pos[:, :exact], tol, active, lo)
+        head = a[:, :exact]
+        # every sample active, on the host: one reduction answers whether a final position
+        # moved (NaN moves); the full check names the position
+        if not (all_active and a.device.type == "cpu" and float(head.amax()) <= tol):
+            check_final(system, head.amax(dim=2), tol, active, lo)
     if norm == "max":
-        res = per_pos.amax(dim=1)
+        res = a.amax(dim=(1, 2))
     else:
-        res = torch.linalg.vector_norm(d.reshape(d.shape[0], -1), dim=1)
+        res = torch.linalg.vector_norm(a.reshape(a.shape[0], -1), dim=1)
     if kept is not None:
         res = torch.where(kept.any(dim=1), torch.full_like(res, math.inf), res)
-    all_active = state.extra.get("all_active", True)
     if all_active:
         old.copy_(new)
+        state.sample_iterations += 1
     else:
         res = torch.where(active, res, torch.zeros_like(res))
         old.copy_(torch.where(active[:, None, None], new, old))
-    stop, est = state.rule.update(res, tol, active, budget,
-                                  floor=lambda: rounding_floor(state.x[:, lo:hi], norm))
-    state.sample_iterations += active.long()
+        state.sample_iterations += active.long()
+    out = state.rule._update(res, tol, active, budget, None,
+                             lambda: rounding_floor(state.x[:, lo:hi], norm), all_active)
+    state.residual = res.max()
+    if out is None:   # no sample could stop (known on the host)
+        return
+    stop, est = out
+    if state.rule.stopped is False:
+        return
     state.estimate = torch.where(stop, est, state.estimate)
     state.active = active & ~stop
-    state.residual = res.max()
 
 
 def settle(state: State, at_bound: bool) -> bool:
     """End an iteration with its one synchronisation: the number of samples still iterating.
     Sets ``state.finished`` (none left, or ``at_bound``) and ``state.extra["all_active"]``;
-    returns whether any sample is still iterating."""
+    returns whether any sample is still iterating. Where :func:`accept` knows on the host that
+    no sample stopped, the count is the previous one (still iterating) and nothing is read."""
+    if state.rule.stopped is False:
+        state.finished = at_bound
+        return True
     n = int(state.active.sum())
     state.extra["all_active"] = n == state.active.numel()
     state.finished = at_bound or n == 0
@@ -427,21 +452,28 @@ def verify_fixed_point(system: System, state: State, lo: int, new: torch.Tensor,
 
 
 _INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+_WRAP = 1 << 64   # the checksums add int64 words, which wrap around modulo 2**64
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``(B, n, F)`` (a slice of a contiguous iterate along the positions) viewed as
+    integers: 64-bit words where a position fills whole ones, the values' own width otherwise,
+    so that no word straddles two positions (the sums are additive over slices)."""
+    size = t.element_size()
+    if size < 8 and (t.shape[2] * size) % 8 == 0:
+        return t.view(torch.int64)
+    return t.view(_INT[size])
 
 
 def checksum(t: torch.Tensor) -> torch.Tensor:
     """The sum of the bit patterns of ``t`` ``(B, n, F)`` (a slice of a contiguous iterate
     along the positions) read as integers, a 0-d tensor: a change of any value changes it,
     except changes that cancel exactly (two values exchanged). One pass over ``t``, without a
-    copy. Additive over slices of the same iterate: the words never straddle two positions
-    (64-bit words where a position fills whole ones, the values' own width otherwise)."""
-    B, n, F = t.shape
-    if B * n * F == 0:
+    copy. Additive over slices of the same iterate (modulo 2**64): the words never straddle two
+    positions (:func:`_words`)."""
+    if t.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=t.device)
-    size = t.element_size()
-    if size < 8 and (F * size) % 8 == 0:   # whole 64-bit words per position: fewer additions
-        return t.view(torch.int64).sum()
-    return t.view(_INT[size]).sum()
+    return _words(t).sum()
 
 
 def _shares_memory(y: torch.Tensor, x: torch.Tensor) -> bool:

@@ -145,7 +145,7 @@ class _NewtonFamily:
         fixed = act & ~bad & (resid == 0)
         eps = torch.finfo(y.dtype).eps
         floor = (scale.to(torch.float64) * eps if norm == "max"
-                 else rounding_floor(y, norm))
+                 else rounding_floor(y, norm).bound)
         if self.form == "any" and not self.damped and access.markov:
             # the step bounds the error of the iterate, fn(x) adds one rounding at most
             est = size + floor

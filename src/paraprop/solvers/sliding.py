@@ -39,7 +39,7 @@ from paraprop import checks
 from paraprop.errors import ProtocolError
 from paraprop.solvers.base import State, System
 from paraprop.solvers.protocols import HOOKS
-from paraprop.solvers.stopping import freeze_budget
+from paraprop.solvers.stopping import freeze_budget, freeze_thresholds
 
 
 class SlidingJacobi:
@@ -104,33 +104,32 @@ class SlidingJacobi:
         old = state.x[:, start:stop]
         # the first writable position of each sample is computed from final inputs only
         vals, kept = system.keep_finite(vals, old, final, pos, act)
-        # only positions that are not final yet (recomputing a final one may differ by rounding)
-        writable = (pos[None, :] >= final[:, None]) & act[:, None]          # (B, n)
-        d = (vals - old).abs()
+        # only positions that are not final yet (recomputing a final one may differ by
+        # rounding); a sample that is done has final = T, so none of its positions is
+        writable = pos[None, :] >= final[:, None]                           # (B, n)
+        new = torch.where(writable[:, :, None], vals, old)
+        d = (new - old).abs_()
         d_pos = (d.amax(dim=2) if norm == "max" else d.pow(2).sum(2).sqrt()).to(torch.float64)
         if kept is not None:  # a kept value did not come from its inputs: it counts as moved
-            d_pos = torch.where(kept, torch.inf, d_pos)
-        d_pos = torch.where(writable, d_pos, torch.zeros_like(d_pos))
-        old.copy_(torch.where(writable[:, :, None], vals, old))
+            d_pos = torch.where(kept & writable, torch.inf, d_pos)
+        old.copy_(new)
 
-        # certified: the first writable position, plus a leading run of unchanged ones, plus one
-        off = (final - start).clamp(min=0)                                  # (B,)
-        rel = torch.arange(n, device=vals.device)[None, :] - off[:, None]   # position - final
-        unchanged = (d_pos == 0) | (rel < 0)
-        run = torch.where(unchanged, 0, 1).cumsum(1)                        # changes so far
-        first_change = (run == 0).sum(1)                                    # leading unchanged
-        exact_to = torch.minimum(torch.maximum(first_change + 1, off + 1),
-                                 torch.full_like(off, n))
+        # certified: the first writable position, plus a leading run of unchanged ones, plus
+        # one (the positions before the first writable one are unchanged, d_pos = 0)
+        cs = d_pos.cumsum(1)
+        lead = (cs == 0).sum(1)                           # leading unchanged positions
+        exact_to = (lead + 1).clamp(max=n)
         new_final = start + exact_to
         if tol > 0:
-            new_final = new_final + self._freeze(system, state, start, stop, d_pos, writable,
-                                                 new_final, tol, norm)
-        e["final"] = torch.where(act, torch.maximum(final, new_final), final)
-        state.sample_iterations += act.long()
+            new_final = new_final + self._freeze(system, state, start, stop, d_pos, cs,
+                                                 writable, exact_to, new_final, tol, norm)
+        # (at most stop: a sample that is done keeps final = T)
+        e["final"] = torch.maximum(final, new_final)
+        state.sample_iterations += act
         state.active = e["final"] < T
         state.residual = d_pos.max() if n else 0.0
         # the iteration's one synchronisation: where the next window starts (T: done)
-        e["start"] = int(torch.where(state.active, e["final"], T).min())
+        e["start"] = int(e["final"].min())
         state.finished = e["start"] >= T
         if not state.finished:
             guess = system.propose(state.x, e["final"], e["start"])
@@ -139,16 +138,21 @@ class SlidingJacobi:
                 free = e["index"][None, :] >= e["final"][:, None]
                 state.x.copy_(torch.where(free[:, :, None], guess, state.x))
 
-    def _freeze(self, system, state, start, stop, d_pos, writable, new_final, tol, norm):
+    def _freeze(self, system, state, start, stop, d_pos, cs, writable, shift, new_final, tol,
+                norm):
         """``(B,)``: how many positions after the certified ones may be frozen at ``tol > 0``
         (see the module doc); logs each freeze's estimate in ``stats["freeze_estimates"]``."""
         e, T, n = state.extra, system.T, stop - start
         act = state.active
+        log = e["stats"].get("freeze_estimates")
+        if log is None:
+            log = e["stats"]["freeze_estimates"] = torch.zeros(
+                system.B, T, dtype=torch.float64, device=d_pos.device)
         # A position computed from inputs with errors e_i has an error <= max_i e_i when the
         # map does not expand differences; the input errors are at most the changes of the
         # sweep plus the new values' own errors, so error(x_new[j]) <= sum_{i<j} d_i over
         # the non-final positions (the final ones have d = 0).
-        est = d_pos.cumsum(1) - d_pos
+        est = cs - d_pos
         sens = _hook_tensor(system, "sensitivity")
         if sens is not None:
             # fn states how much a change at position i moves the later positions (lam_i):
@@ -161,11 +165,9 @@ class SlidingJacobi:
             total = lam.cumsum(1) - lam
             tight = torch.where(total < 1, wsum / (1 - total), torch.inf)
             est = torch.minimum(est, tight)
-        shift = new_final - start
-        ar = torch.arange(n, device=d_pos.device)[None, :]
-        idx = (ar + shift[:, None]).clamp(max=n - 1)
-        raw = torch.where(ar + shift[:, None] < n, est.gather(1, idx),
-                          torch.full_like(est, float("inf")))
+        ar, thresholds = _ramp(e, n, tol, T, d_pos.device)
+        at = ar + shift[:, None]                 # the candidates, from the first one not final
+        raw = est.gather(1, at.clamp(max=n - 1)).masked_fill_(at >= n, float("inf"))
         # a value computed from inputs within est of the sequential ones is within est plus
         # one rounding flip of the sequential value: the floor of the dtype at the values' scale
         vals = state.x[:, start:stop]
@@ -174,13 +176,14 @@ class SlidingJacobi:
         floor = (per.to(torch.float64) * torch.finfo(vals.dtype).eps)[:, None]
         cand = raw + floor
         growth = _hook_tensor(system, "growth")
-        g = None
         if growth is not None:
             # fn says how much an error at each position grows by the end of the chain:
             # a freeze must fit its share after that growth
             g = growth.gather(1, new_final.clamp(max=T - 1)[:, None]).to(cand.dtype)
             cand = cand * g
-        m = freeze_budget(cand, tol, T)
+        m = freeze_budget(cand, tol, T, thresholds)
+        if m.device.type == "cpu" and not bool(m.any()):   # no freeze (known on the host)
+            return m
         froze = act & (m > 0)
         block = ar < m[:, None]
         worst = torch.where(block, raw, torch.zeros_like(raw)).amax(1)
@@ -189,10 +192,18 @@ class SlidingJacobi:
             froze, torch.where(block, cand, torch.zeros_like(cand)).amax(1), 0.0)
         # where each freeze began and its estimate: a caller that knows how errors grow along
         # its map can propagate them (paraprop.diffusion does)
-        log = e["stats"].setdefault("freeze_estimates", torch.zeros(
-            system.B, T, dtype=torch.float64, device=d_pos.device))
         log.scatter_add_(1, new_final.clamp(max=T - 1)[:, None], worst[:, None])
         return m
+
+
+def _ramp(e: dict, n: int, tol: float, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``arange(n)`` ``(1, n)`` and the freeze thresholds of :func:`freeze_budget` for ``n``
+    candidates, made once per window length of a solve."""
+    cache = e.setdefault("ramps", {})
+    if n not in cache:
+        cache[n] = (torch.arange(n, device=device)[None, :],
+                    freeze_thresholds(n, tol, T, device))
+    return cache[n]
 
 
 def _hook_tensor(system: System, name: str) -> torch.Tensor | None:

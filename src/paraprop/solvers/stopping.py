@@ -36,59 +36,132 @@ when the map does not amplify errors along the sequence.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-__all__ = ["NOISE", "RATES", "ContractionRule", "freeze_budget"]
+__all__ = ["NOISE", "RATES", "ContractionRule", "Floor", "freeze_budget", "freeze_thresholds"]
 
 RATES = 3  # ratios d_j / d_{j-1} the contraction estimate takes the largest of
-NOISE = 4  # a step within this many rounding floors is rounding noise (no ratio)
+NOISE = 4  # a step within this many rounding units is rounding noise (no ratio)
+
+
+class Floor(NamedTuple):
+    """The rounding floor of each sample's values (``(B,)`` float64 tensors), as the stopping
+    rules use it (:func:`paraprop.solvers.base.rounding_floor` computes it):
+
+    * ``bound``: the most that one more rounding can add to an error, what an estimate adds;
+    * ``unit``: one unit of the dtype at the values' scale (``eps * scale``), the unit of
+      rounding noise (a step within :data:`NOISE` units gives no ratio);
+    * ``slack``: the share of the error itself in that rounding (the sequential value's own
+      rounding is at most ``eps / 2`` of its size, which is within the error of the values'):
+      an estimate divides by ``1 - q - slack`` instead of ``1 - q``.
+
+    A plain tensor ``r`` stands for ``Floor(r, r, 0.0)``.
+    """
+
+    bound: torch.Tensor
+    unit: torch.Tensor
+    slack: float = 0.0
+
+
+def _floor(floor, d: torch.Tensor) -> Floor:
+    f = floor() if callable(floor) else floor
+    if f is None:
+        z = torch.zeros_like(d)
+        return Floor(z, z, 0.0)
+    if isinstance(f, Floor):
+        return Floor(f.bound.to(d.dtype), f.unit.to(d.dtype), f.slack)
+    f = f.to(d.dtype)
+    return Floor(f, f, 0.0)
+
 
 class ContractionRule:
     """Per-sample contraction estimate over successive differences ``d_k`` (shape ``(B,)``).
 
     Call :meth:`update` once per iteration with the new differences of the samples that iterated;
     it returns ``(stop, estimate)``: which samples may stop, and the estimated error of each.
+    After the call, :attr:`stopped` says whether any sample stopped (``None`` on an accelerator,
+    where knowing it would cost a synchronisation).
 
     **Rounding.** In floating point the iteration is ``x_{k+1} = fl(f(x_k))`` and the sequential
     result ``x* = fl(f(x*))``; two evaluations from inputs within ``e`` of each other differ by
-    up to ``q e`` plus a rounding flip ``r`` (one unit in the last place at the values' scale,
-    the ``floor``). So ``|x_k - x*| <= (q d_k + r) / (1 - q)``, and that is the estimate. A step
-    ``d_{j-1} <= NOISE * r`` is rounding noise: a ratio over it says nothing about contraction
-    (an accumulating map moving one unit in the last place per sweep shows ratios near 1 or
-    anything else), so it counts as no contraction, and such a sample does not stop early on it
-    (it goes on to a bitwise fixed point or the exactness bound). A ``tol`` below the floor can
-    only be met bitwise; :attr:`blocked` records the largest floor that kept a sample from
-    stopping, for the message when ``max_iters`` ends the solve first.
+    up to ``q e`` plus the two roundings, the floor ``r`` (:class:`Floor`). So ``|x_k - x*| <=
+    (q d_k + r) / (1 - q)``, and that is the estimate. A step ``d_{j-1} <= NOISE * u`` (``u``
+    one unit of the dtype at the values' scale) is rounding noise: a ratio over it says nothing
+    about contraction (an accumulating map moving one unit in the last place per sweep shows
+    ratios near 1 or anything else), so it counts as no contraction, and such a sample does not
+    stop early on it (it goes on to a bitwise fixed point or the exactness bound). A ``tol``
+    below the floor can only be met bitwise; :attr:`blocked` records the largest floor that kept
+    a sample from stopping, for the message when ``max_iters`` ends the solve first.
+
+    A sample that was not active in a call must not be active again before :meth:`reset` (the
+    solvers' samples only ever stop); the history of such a sample is not kept.
+
+    A rule takes ``rate`` (the map's own observed contraction, see :meth:`update`) in every call
+    or in none.
     """
 
     def __init__(self, B: int, device, dtype=torch.float64):
-        nan = torch.full((B,), float("nan"), dtype=dtype, device=device)
-        self.d_prev = nan                  # d_{k-1}
-        # the previous RATES - 1 ratios d_j / d_{j-1} (0 before they exist) and their
-        # denominators d_{j-1} (inf before they exist: a missing ratio restricts nothing), in
-        # a ring written in place; only their maximum is read, so their order does not matter
-        self.q_prev = torch.zeros(RATES - 1, B, dtype=dtype, device=device)
-        self.den_prev = torch.full((RATES - 1, B), float("inf"), dtype=dtype, device=device)
+        # the last RATES differences d_j of each sample, in a ring written in place (NaN: none
+        # yet); their ratios are formed only when a sample may stop
+        self._d = torch.full((RATES, B), float("nan"), dtype=dtype, device=device)
+        self._newest = 0
+        self._rated: bool | None = None   # whether the calls pass `rate`
+        # with `rate`: the previous RATES - 1 rates (0 before they exist) and the differences
+        # d_{j-1} they were observed with (inf before they exist: a missing ratio restricts
+        # nothing), in a ring written in place; only their maximum is read
+        self._q = torch.zeros(RATES - 1, B, dtype=dtype, device=device)
+        self._den = torch.full((RATES - 1, B), float("inf"), dtype=dtype, device=device)
         self._slot = 0
         # the largest rounding floor that kept a sample from stopping (0: none did)
         self.blocked = torch.zeros((), dtype=dtype, device=device)
+        self.stopped: bool | None = None
+
+    @property
+    def d_prev(self) -> torch.Tensor:
+        """``(B,)``: each sample's last difference ``d_{k-1}`` (NaN before the first)."""
+        return self._d[self._newest]
 
     def reset(self) -> None:
         """Forget the history: a new problem starts (the next block of GS-Jacobi)."""
-        self.d_prev.fill_(float("nan"))
-        self.q_prev.zero_()
-        self.den_prev.fill_(float("inf"))
+        self._d.fill_(float("nan"))
+        self._q.zero_()
+        self._den.fill_(float("inf"))
 
-    def _record(self, d, q, den, active) -> None:
-        i = self._slot
-        self._slot = (i + 1) % (RATES - 1)
-        torch.where(active, torch.nan_to_num(q, nan=0.0), self.q_prev[i], out=self.q_prev[i])
-        torch.where(active, den, self.den_prev[i], out=self.den_prev[i])
-        torch.where(active, d, self.d_prev, out=self.d_prev)
+    def _record(self, d, q, den, active, all_active) -> None:
+        if q is not None:   # with `rate`: the ring of rates
+            i = self._slot
+            self._slot = (i + 1) % (RATES - 1)
+            torch.where(active, torch.nan_to_num(q, nan=0.0), self._q[i], out=self._q[i])
+            torch.where(active, den, self._den[i], out=self._den[i])
+        slot = (self._newest + 1) % RATES
+        if all_active:
+            self._d[slot].copy_(d)
+        else:
+            torch.where(active, d, self._d[self._newest], out=self._d[slot])
+        self._newest = slot
+
+    def _older(self, signal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous RATES - 1 ratios: their maximum over the trusted ones (inf where one
+        was over rounding noise) and over all of them."""
+        if self._rated:
+            trusted = torch.where(self._den <= signal, torch.inf, self._q).amax(0)
+            return trusted, self._q.amax(0)
+        d, k = self._d, self._newest
+        trusted = raw = None
+        for j in range(RATES - 1):
+            num, den = d[(k - j) % RATES], d[(k - j - 1) % RATES]
+            q = torch.nan_to_num(num / den, nan=0.0)
+            t = torch.where(den <= signal, torch.inf, q)
+            trusted = t if trusted is None else torch.maximum(trusted, t)
+            raw = q if raw is None else torch.maximum(raw, q)
+        return trusted, raw
 
     def update(self, d: torch.Tensor, tol: float, active: torch.Tensor,
                budget: float | None = None, rate: torch.Tensor | None = None,
-               floor=None) -> tuple[torch.Tensor, torch.Tensor]:
+               floor=None, all_active: bool | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Record ``d`` (``(B,)``) for the ``active`` samples; return ``(stop, estimate)``.
 
         ``budget`` (default ``tol``) is the bound the estimate must meet; ``d`` itself must also
@@ -101,56 +174,86 @@ class ContractionRule:
         then the residual ``||fn(x_k) - x_k||``, and the estimate bounds the error of
         ``fn(x_k)``. Without it the rate is ``d_k / d_{k-1}``.
 
-        ``floor`` (``(B,)`` float64, or a callable returning it, evaluated only when a sample
-        may stop): the rounding floor of the values (:func:`paraprop.solvers.base.rounding_floor`;
-        ``None``: exact arithmetic). A ratio whose denominator is within :data:`NOISE` floors
-        is rounding noise and gives no estimate.
+        ``floor`` (a :class:`Floor` or a ``(B,)`` float64 tensor, or a callable returning one,
+        called only when a sample may stop): the rounding floor of the values
+        (:func:`paraprop.solvers.base.rounding_floor`; ``None``: exact arithmetic). A ratio whose
+        denominator is within :data:`NOISE` units is rounding noise and gives no estimate.
+
+        ``all_active``: the caller knows that every sample is active (saves the masking).
         """
-        d = d.to(self.d_prev.dtype)
-        den = self.d_prev
-        q_now = d / den if rate is None else rate.to(d.dtype)
-        small = d <= tol
-        # no sample can stop: record and go on (on a CPU the test is free and saves the
-        # estimate; on an accelerator it would cost a synchronisation, so it is skipped there)
-        if d.device.type == "cpu" and not bool((small & active).any()):
-            self._record(d, q_now, den, active)
+        out = self._update(d, tol, active, budget, rate, floor, all_active)
+        if out is None:
+            d = d.to(self._d.dtype)
             return torch.zeros_like(active), torch.full_like(d, float("inf"))
-        r = floor() if callable(floor) else floor
-        r = torch.zeros_like(d) if r is None else r.to(d.dtype)
-        signal = NOISE * r
+        return out
+
+    def _update(self, d, tol, active, budget, rate, floor, all_active):
+        """:meth:`update`; ``None`` where no sample can stop (on the host)."""
+        rated = rate is not None
+        if self._rated is None:
+            self._rated = rated
+        elif self._rated != rated:
+            raise ValueError("ContractionRule: pass rate in every call or in none")
+        d = d.to(self._d.dtype)
+        den = self.d_prev
+        host = d.device.type == "cpu"
+        small = d <= tol
+        # no sample can stop: record and go on (on the host the test is free and saves the
+        # estimate; on an accelerator it would cost a synchronisation, so it is skipped there)
+        if host and not bool((small if all_active else small & active).any()):
+            self._record(d, rate.to(d.dtype) if rated else None, den, active, all_active)
+            self.stopped = False
+            return None
+        q_now = rate.to(d.dtype) if rated else d / den
+        f = _floor(floor, d)
+        signal = NOISE * f.unit
         # a ratio over a denominator at the noise level is no estimate (the first iteration's
         # ratio is NaN: none yet; a missing older one, over a NaN or inf denominator, is 0)
         trusted = torch.where(den <= signal, torch.inf, q_now)   # NaN q_now: no estimate yet
-        older = torch.where(self.den_prev <= signal, torch.inf, self.q_prev).amax(0)
+        older, raw_older = self._older(signal)
         q = torch.maximum(trusted, older)
         zero = d == 0
-        est = torch.where(q < 1, (q * d + r) / (1 - q), torch.inf).masked_fill_(zero, 0.0)
+        if f.slack:
+            est = torch.where(q < 1 - f.slack, (q * d + f.bound) / (1 - q - f.slack), torch.inf)
+        else:
+            est = torch.where(q < 1, (q * d + f.bound) / (1 - q), torch.inf)
+        est = est.masked_fill_(zero, 0.0)
         limit = tol if budget is None else budget
         stop = zero | (small & (est <= limit))
         held = active & small & ~stop
-        if d.device.type != "cpu" or bool(held.any()):
+        if not host or bool(held.any()):
             # held by the rounding: the estimate in exact arithmetic would have stopped it
-            raw = torch.maximum(q_now, self.q_prev.amax(0))
+            raw = torch.maximum(q_now, raw_older)
             held = held & (raw < 1) & (raw / (1 - raw) * d <= limit)
-            self.blocked = torch.maximum(self.blocked, torch.where(held, r, 0.0).amax())
-        self._record(d, q_now, den, active)
-        return stop & active, est
+            self.blocked = torch.maximum(self.blocked, torch.where(held, f.bound, 0.0).amax())
+        self._record(d, q_now if rated else None, den, active, all_active)
+        stop = stop & active
+        self.stopped = bool(stop.any()) if host else None
+        return stop, est
 
 
-def freeze_budget(est: torch.Tensor, tol: float, T: int) -> torch.Tensor:
+def freeze_thresholds(n: int, tol: float, T: int, device, dtype=torch.float64
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`freeze_budget` compares ``n`` candidates with: ``(tol * m / T, m)`` for
+    ``m = 1 .. n`` (in ``dtype``, the candidates', and long)."""
+    m = torch.arange(1, n + 1, device=device, dtype=dtype)
+    return tol * m / T, m.to(torch.long)
+
+
+def freeze_budget(est: torch.Tensor, tol: float, T: int,
+                  thresholds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """How many leading positions may be frozen by the rule of the module doc.
 
     ``est`` is ``(B, n)``: the error estimate of each of the ``n`` leading candidate positions
     (``inf`` where there is none). Returns ``(B,)`` long: the largest ``m`` with
-    ``max(est[:, :m]) <= tol * m / T`` (``0`` if none).
+    ``max(est[:, :m]) <= tol * m / T`` (``0`` if none). ``thresholds``: those of
+    :func:`freeze_thresholds` for these ``n``, ``tol`` and ``T``, when the caller keeps them.
     """
     B, n = est.shape
     if n == 0 or tol <= 0:
         return torch.zeros(B, dtype=torch.long, device=est.device)
-    running = est.cummax(dim=1).values
-    m = torch.arange(1, n + 1, device=est.device, dtype=est.dtype)
-    ok = running <= tol * m / T
+    limit, m = thresholds if thresholds is not None else \
+        freeze_thresholds(n, tol, T, est.device, est.dtype)
+    ok = est.cummax(dim=1).values <= limit
     # the largest m where ok holds (ok need not be monotone in m)
-    idx = torch.where(ok, m.to(torch.long).expand(B, n), torch.zeros(B, n, dtype=torch.long,
-                                                                      device=est.device))
-    return idx.amax(dim=1)
+    return torch.where(ok, m, 0).amax(dim=1)
