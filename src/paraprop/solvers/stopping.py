@@ -102,11 +102,15 @@ class ContractionRule:
     or in none.
     """
 
+    TAPE = 32   # rows of the history tape (see __init__)
+
     def __init__(self, B: int, device, dtype=torch.float64):
-        # the last RATES differences d_j of each sample, in a ring written in place (NaN: none
-        # yet); their ratios are formed only when a sample may stop
-        self._d = torch.full((RATES, B), float("nan"), dtype=dtype, device=device)
-        self._newest = 0
+        # the differences d_j of each sample, one row per call, on a tape whose last RATES rows
+        # move back to its start when it is full: rows [k - RATES, k) are the last RATES
+        # differences (NaN: none yet), in order, so their ratios are one division, formed only
+        # when a sample may stop
+        self._tape = torch.full((self.TAPE, B), float("nan"), dtype=dtype, device=device)
+        self._k = RATES
         self._rated: bool | None = None   # whether the calls pass `rate`
         # with `rate`: the previous RATES - 1 rates (0 before they exist) and the differences
         # d_{j-1} they were observed with (inf before they exist: a missing ratio restricts
@@ -121,42 +125,32 @@ class ContractionRule:
     @property
     def d_prev(self) -> torch.Tensor:
         """``(B,)``: each sample's last difference ``d_{k-1}`` (NaN before the first)."""
-        return self._d[self._newest]
+        return self._tape[self._k - 1]
 
     def reset(self) -> None:
         """Forget the history: a new problem starts (the next block of GS-Jacobi)."""
-        self._d.fill_(float("nan"))
+        self._tape[:RATES].fill_(float("nan"))
+        self._k = RATES
         self._q.zero_()
         self._den.fill_(float("inf"))
 
-    def _record(self, d, q, den, active, all_active) -> None:
-        if q is not None:   # with `rate`: the ring of rates
-            i = self._slot
-            self._slot = (i + 1) % (RATES - 1)
-            torch.where(active, torch.nan_to_num(q, nan=0.0), self._q[i], out=self._q[i])
-            torch.where(active, den, self._den[i], out=self._den[i])
-        slot = (self._newest + 1) % RATES
+    def _push(self, d, active, all_active) -> None:
+        """Write ``d`` on the tape (a sample that is not active repeats its last difference)."""
+        k = self._k
+        if k == self.TAPE:
+            self._tape[:RATES].copy_(self._tape[k - RATES:])
+            k = RATES
         if all_active:
-            self._d[slot].copy_(d)
+            self._tape[k].copy_(d)
         else:
-            torch.where(active, d, self._d[self._newest], out=self._d[slot])
-        self._newest = slot
+            torch.where(active, d, self._tape[k - 1], out=self._tape[k])
+        self._k = k + 1
 
-    def _older(self, signal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The previous RATES - 1 ratios: their maximum over the trusted ones (inf where one
-        was over rounding noise) and over all of them."""
-        if self._rated:
-            trusted = torch.where(self._den <= signal, torch.inf, self._q).amax(0)
-            return trusted, self._q.amax(0)
-        d, k = self._d, self._newest
-        trusted = raw = None
-        for j in range(RATES - 1):
-            num, den = d[(k - j) % RATES], d[(k - j - 1) % RATES]
-            q = torch.nan_to_num(num / den, nan=0.0)
-            t = torch.where(den <= signal, torch.inf, q)
-            trusted = t if trusted is None else torch.maximum(trusted, t)
-            raw = q if raw is None else torch.maximum(raw, q)
-        return trusted, raw
+    def _record_rate(self, q, den, active) -> None:
+        i = self._slot
+        self._slot = (i + 1) % (RATES - 1)
+        torch.where(active, torch.nan_to_num(q, nan=0.0), self._q[i], out=self._q[i])
+        torch.where(active, den, self._den[i], out=self._den[i])
 
     def update(self, d: torch.Tensor, tol: float, active: torch.Tensor,
                budget: float | None = None, rate: torch.Tensor | None = None,
@@ -183,7 +177,7 @@ class ContractionRule:
         """
         out = self._update(d, tol, active, budget, rate, floor, all_active)
         if out is None:
-            d = d.to(self._d.dtype)
+            d = d.to(self._tape.dtype)
             return torch.zeros_like(active), torch.full_like(d, float("inf"))
         return out
 
@@ -194,24 +188,36 @@ class ContractionRule:
             self._rated = rated
         elif self._rated != rated:
             raise ValueError("ContractionRule: pass rate in every call or in none")
-        d = d.to(self._d.dtype)
-        den = self.d_prev
+        d = d.to(self._tape.dtype)
         host = d.device.type == "cpu"
         small = d <= tol
         # no sample can stop: record and go on (on the host the test is free and saves the
         # estimate; on an accelerator it would cost a synchronisation, so it is skipped there)
         if host and not bool((small if all_active else small & active).any()):
-            self._record(d, rate.to(d.dtype) if rated else None, den, active, all_active)
+            if rated:
+                self._record_rate(rate.to(d.dtype), self.d_prev, active)
+            self._push(d, active, all_active)
             self.stopped = False
             return None
-        q_now = rate.to(d.dtype) if rated else d / den
         f = _floor(floor, d)
         signal = NOISE * f.unit
-        # a ratio over a denominator at the noise level is no estimate (the first iteration's
-        # ratio is NaN: none yet; a missing older one, over a NaN or inf denominator, is 0)
-        trusted = torch.where(den <= signal, torch.inf, q_now)   # NaN q_now: no estimate yet
-        older, raw_older = self._older(signal)
-        q = torch.maximum(trusted, older)
+        if rated:
+            den = self.d_prev
+            q_now = rate.to(d.dtype)
+            # a ratio over a denominator at the noise level is no estimate (NaN: none yet)
+            older = torch.where(self._den <= signal, torch.inf, self._q).amax(0)
+            q = torch.maximum(torch.where(den <= signal, torch.inf, q_now), older)
+        else:
+            self._push(d, active, all_active)
+            k = self._k
+            win = self._tape[k - RATES - 1:k]          # d_{k-RATES} .. d_k, oldest first
+            den = win[:-1]
+            ratios = win[1:] / den                      # the last row: d_k / d_{k-1}
+            # the earlier ratios: NaN (no difference yet) is 0, a missing ratio restricts
+            # nothing; the newest stays NaN on the first iteration (no estimate yet)
+            ratios[:-1].nan_to_num_(nan=0.0)
+            # a ratio over a denominator at the noise level is no estimate
+            q = torch.where(den <= signal, torch.inf, ratios).amax(0)
         zero = d == 0
         if f.slack:
             est = torch.where(q < 1 - f.slack, (q * d + f.bound) / (1 - q - f.slack), torch.inf)
@@ -220,14 +226,19 @@ class ContractionRule:
         est = est.masked_fill_(zero, 0.0)
         limit = tol if budget is None else budget
         stop = zero | (small & (est <= limit))
-        held = active & small & ~stop
+        held = small & ~stop
+        if not all_active:
+            held &= active
         if not host or bool(held.any()):
             # held by the rounding: the estimate in exact arithmetic would have stopped it
-            raw = torch.maximum(q_now, raw_older)
+            raw = torch.maximum(q_now, self._q.amax(0)) if rated else ratios.amax(0)
             held = held & (raw < 1) & (raw / (1 - raw) * d <= limit)
             self.blocked = torch.maximum(self.blocked, torch.where(held, f.bound, 0.0).amax())
-        self._record(d, q_now if rated else None, den, active, all_active)
-        stop = stop & active
+        if rated:
+            self._record_rate(q_now, den, active)
+            self._push(d, active, all_active)
+        if not all_active:
+            stop &= active
         self.stopped = bool(stop.any()) if host else None
         return stop, est
 
