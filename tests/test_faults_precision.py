@@ -271,3 +271,103 @@ def test_ratios_over_rounding_noise_give_no_estimate():
             stopped = stopped or bool(stop[0])
         assert stopped == stops
         assert float(rule.blocked) == (0.0 if stops else 1.0)
+
+
+# -- the rounding floor: what it protects against, and where it applies ---------------------------
+class Midpoint:
+    """Two features per position in float32: a small ``s_t = s_{t-1} / 2 + c_t`` (about 3e-3,
+    converging by half a sweep) and a large ``L_t`` near 1000 (one unit in the last place:
+    6.1e-5). The last four ``L_t = fl32(A_t + s_{t-1})`` (the sum in float64, rounded once) sit
+    1e-9 above the midpoint between two float32 numbers at the sequential ``s``: an iterate whose
+    ``s_{t-1}`` is low by more than 1e-9 rounds ``L_t`` one unit down, and stays there, while
+    the sweeps' changes of ``s`` fall below any tol. A rule that certifies ``tol`` below that
+    unit from the changes alone (the contraction estimate without the floor, as before the
+    floor) reports ``converged=True`` with an error of one unit, 6x ``tol=1e-5``."""
+
+    def __init__(self, T=40, B=2, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.c = torch.rand(B, T, generator=g) * 1e-3 + 1e-3
+        s, prev = torch.zeros(B, T), torch.zeros(B)
+        for t in range(T):
+            prev = 0.5 * prev + self.c[:, t]
+            s[:, t] = prev
+        prev_s = torch.cat([torch.zeros(B, 1), s[:, :-1]], 1).double()
+        big = torch.tensor(1000.0)
+        half = float(torch.nextafter(big, torch.tensor(2000.0)) - big) / 2
+        self.A = 1000.0 + half - prev_s + 1e-9
+        self.A[:, : T - 4] = 1000.0
+        self.shape = (B, T, 2)
+
+    def __call__(self, x):
+        prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
+        return torch.stack([0.5 * prev[..., 0] + self.c,
+                            (self.A + prev[..., 0].double()).float()], -1)
+
+
+@pytest.mark.parametrize("method", [Jacobi(), JacobiGS(4), GSJacobi(20), SlidingJacobi(8),
+                                    SlidingJacobi(None)], ids=repr)
+def test_a_rounding_flip_below_tol_of_the_changes_is_not_certified(method):
+    fn = Midpoint()
+    x0 = torch.zeros(fn.shape)
+    ref = _sequential(fn, x0)
+    tol = 1e-5
+    # the situation the floor is for: after 12 Jacobi sweeps the changes are far below tol,
+    # and the large values are one unit (6.1e-5) off
+    early = paraprop.solve(fn, x0, method=Jacobi(), dim=1, tol=tol, max_iters=12, throw=False)
+    assert float(early.residuals[-1]) < tol / 2 and not early.converged
+    assert float((early.value - ref).abs().max()) == pytest.approx(6.1035e-5, rel=1e-3)
+    sol = paraprop.solve(fn, x0, method=method, dim=1, tol=tol)
+    assert sol.converged
+    assert float((sol.value - ref).abs().max()) <= tol
+
+
+def test_the_floor_is_one_unit_in_the_last_place():
+    """half_ulp_bound(m) = (ulp(m) + max(eps m, s)) / 2: one to one and a half units at m (not
+    eps m, up to two), the subnormal spacing s below the normal numbers, in every dtype."""
+    from paraprop.solvers.base import half_ulp_bound
+
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        fi = torch.finfo(dtype)
+        m = torch.tensor([0.0, fi.smallest_normal / 8, fi.smallest_normal, 1e-3, 0.5, 0.85, 1.0,
+                          1.9, 6.3, 1000.0, fi.max / 3, fi.max], dtype=dtype)
+        up = torch.nextafter(m, torch.tensor(float("inf"), dtype=dtype)) - m   # spacing above
+        up = up.double()
+        up[-1] = m[-1].double() - torch.nextafter(m[-1:], m[:1])[0].double()  # at max: below
+        sub = fi.smallest_normal * fi.eps
+        m64 = m.double()
+        got = half_ulp_bound(m64, dtype)
+        assert torch.equal(got, (up + (m64 * fi.eps).clamp(min=sub)) / 2), dtype
+        assert bool((got >= up).all()) and bool((got <= 1.5 * up + sub).all())
+        # and the same on the host's NumPy arrays
+        assert torch.equal(torch.from_numpy(half_ulp_bound(m64.numpy(), dtype)), got)
+
+
+@pytest.mark.parametrize("method", [Jacobi(), GSJacobi(8), SlidingJacobi(8)], ids=repr)
+def test_final_positions_add_no_rounding(method):
+    """A constant 1e6 at position 0 (one unit there: 0.0625 in float32), small contracting
+    values after it: the floor is taken over the positions that are not final (position 0 is
+    final after the first sweep, bitwise the sequential value), so tol=1e-4 is certified by the
+    estimate before the exactness bound, and holds. Over every position it could not be."""
+    T = 32
+    g = torch.Generator().manual_seed(0)
+    c = torch.rand(2, T, 1, generator=g) * 0.1
+
+    def fn(x):
+        prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
+        out = 0.3 * torch.tanh(prev) + c
+        out[:, 0] = 1e6
+        out[:, 1] = c[:, 1]   # position 1 does not read the large value
+        return out
+
+    x0 = torch.zeros(2, T, 1)
+    ref = _sequential(fn, x0)
+    sol = paraprop.solve(fn, x0, method=method, dim=1, tol=1e-4)
+    assert sol.converged and float((sol.value - ref).abs().max()) <= 1e-4
+    assert sol.iterations < method.bound(_system(fn, x0))
+    assert 0 < sol.stats["error_estimate"] <= 1e-4
+
+
+def _system(fn, x0):
+    from paraprop.solvers.base import System
+
+    return System(fn, x0.shape, x0.dtype, (1, 1))

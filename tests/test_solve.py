@@ -569,3 +569,66 @@ def test_newton_family_on_the_device(method, device):
     ref = paraprop.solve(fn, x0, method="sequential", dim=1).value
     sol = paraprop.solve(fn, x0, method=method, dim=1, tol=0)
     assert sol.converged and torch.equal(sol.value, ref)
+
+
+# -- the stopping rule's host path (NumPy views) and accelerator path (tensor operators) ---------
+def _rule_pair(B, rated):
+    from paraprop.solvers import stopping
+
+    host = stopping.ContractionRule(B, "cpu")
+    device = stopping.ContractionRule(B, "cpu")
+    device._host, device._ops = False, stopping._TORCH   # the accelerator's code path, here
+    device._views()
+    assert host._ops is stopping._NUMPY
+    return host, device
+
+
+@pytest.mark.parametrize("rated", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_rule_on_the_host_agrees_with_the_accelerator_path(rated, seed):
+    """The host runs the rule's (B,) arithmetic on NumPy views, an accelerator on tensors: the
+    same IEEE operations, so the same stops, estimates of the stopping samples and rounding
+    floor bitwise (the host skips the estimate where no sample can stop), on sequences with
+    zeros, infinities, steps at the noise level, and samples leaving."""
+    from paraprop.solvers.stopping import Floor
+
+    g = torch.Generator().manual_seed(seed)
+    B, tol = 7, 1e-3
+    host, device = _rule_pair(B, rated)
+    active = torch.ones(B, dtype=torch.bool)
+    d = torch.rand(B, generator=g, dtype=torch.float64)
+    stops = 0
+    for k in range(40):
+        d = d * torch.rand(B, generator=g, dtype=torch.float64) * 0.6
+        d[torch.rand(B, generator=g) < 0.1] = 0.0
+        if k % 7 == 3:
+            d[0] = math.inf
+        bound = torch.rand(B, generator=g, dtype=torch.float64) * (1e-4 if k % 4 == 1 else 1e-5)
+        floor = Floor(bound, bound * 1.5, 2.0 ** -24) if k % 2 else bound
+        rate = torch.rand(B, generator=g, dtype=torch.float64) if rated else None
+        dd = torch.where(active, d, 0.0)
+        budget = tol * (0.5 if k % 3 else 1.0)
+        s1, e1 = host.update(dd, tol, active, budget, rate=rate, floor=floor)
+        s2, e2 = device.update(dd, tol, active, budget, rate=rate, floor=lambda f=floor: f)
+        assert torch.equal(s1, s2) and torch.equal(torch.where(s1, e1, 0.0),
+                                                   torch.where(s2, e2, 0.0)), k
+        assert torch.equal(host.blocked, device.blocked) and torch.equal(host.d_prev,
+                                                                          device.d_prev)
+        active = active & ~s1
+        stops += int(s1.sum())
+        if k == 20:
+            for r in (host, device):
+                r.reset()
+            active = torch.ones(B, dtype=torch.bool)
+    assert stops > 0
+
+
+def test_the_rule_takes_rate_in_every_call_or_in_none():
+    from paraprop.solvers.stopping import ContractionRule
+
+    rule = ContractionRule(2, "cpu")
+    on = torch.ones(2, dtype=torch.bool)
+    rule.update(torch.ones(2, dtype=torch.float64), 1.0, on)
+    with pytest.raises(ValueError, match="ContractionRule: pass rate in every call or in none"):
+        rule.update(torch.ones(2, dtype=torch.float64), 1.0, on,
+                    rate=torch.ones(2, dtype=torch.float64))

@@ -124,7 +124,7 @@ def solve(
     """
     dims = _validate(fn, x0, dim, tol, norm, max_iters, callback)
     solver = make_solver(method)
-    system = System(fn, x0.shape, x0.dtype, dims)
+    system = System(fn, x0.shape, x0.dtype, dims, device=x0.device)
     device = x0.device
     state = State(
         x=system.canon(x0.detach()).clone(),

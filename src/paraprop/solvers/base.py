@@ -16,6 +16,7 @@ import math
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from paraprop.errors import NonFiniteError, NotTriangularError, ProtocolError
@@ -37,7 +38,8 @@ class System:
     before and after it, see :meth:`_call`), and that the output is not ``x`` itself.
     """
 
-    def __init__(self, fn, shape: torch.Size, dtype: torch.dtype, dims: tuple[int, int]):
+    def __init__(self, fn, shape: torch.Size, dtype: torch.dtype, dims: tuple[int, int],
+                 device: torch.device | None = None):
         self.fn = fn
         self._lock = threading.Lock()  # the counters, when a solver evaluates on threads
         self.shape = shape
@@ -59,6 +61,11 @@ class System:
         self.kept = 0  # non-finite values of non-final positions replaced by the old ones
         self._local = threading.local()  # per thread: whether its last call saw NaN or inf
         self._prefix = (0, None)  # (lo, checksum of the final positions < lo), see _call
+        # the checksums' words (see _words) and whether the iterate is on the host
+        size = dtype.itemsize
+        self._word = torch.int64 if size < 8 and (self.F * size) % 8 == 0 else _INT[size]
+        self._device = None if device is None else torch.device(device)
+        self._host = None if device is None else self._device.type == "cpu"
 
     @property
     def nonfinite(self) -> bool:
@@ -118,7 +125,8 @@ class System:
         """
         n = stop - start
         if not self.windowed:
-            return self.update(xc, torch.arange(start, stop, device=xc.device), guard=guard,
+            device = self._device if self._device is not None else xc.device
+            return self.update(xc, torch.arange(start, stop, device=device), guard=guard,
                                span=(start, stop))
 
         def call(xu):
@@ -173,9 +181,9 @@ class System:
                 self._check_output(y, shape, HOOKS[hook])
             return y
         hi = xc.shape[1] if span is None else span[1]
-        host = xc.device.type == "cpu"
+        host = self._host if self._host is not None else xc.device.type == "cpu"
         if guard:
-            words = _words(xc)
+            words = xc.view(self._word)
             before = self._sum_before(words, span, host)
         y = call(self.user(xc))
         if shape is not None:
@@ -320,18 +328,67 @@ class State:
 
 def rounding_floor(values: torch.Tensor, norm: str) -> Floor:
     """The rounding floor (:class:`~paraprop.solvers.stopping.Floor`, ``(B,)`` float64) of
-    ``values`` ``(B, n, F)``, in ``norm``: one unit in the last place at their scale (``eps *
-    max |v|``, or ``eps * ||v||_2``), what two evaluations of the same position from inputs
-    within rounding of each other can differ by, so the least an error estimate in this dtype
-    can certify (:mod:`paraprop.solvers.stopping`)."""
-    eps = torch.finfo(values.dtype).eps
-    flat = values.reshape(values.shape[0], -1)
+    ``values`` ``(B, n, F)`` (the positions that are not final: a final one is bitwise the
+    sequential value), in ``norm``.
+
+    Where ``v = fl(f(x))`` is a value of the iterate and ``v* = fl(f(x*))`` the sequential one,
+    ``|v - v*| <= |f(x) - f(x*)| + ulp(v) / 2 + ulp(v*) / 2`` (round to nearest; ``ulp(v)`` the
+    spacing of the dtype's numbers above ``|v|``), and ``ulp(v*) <= max(eps |v*|, s) <=
+    max(eps |v|, s) + eps |v - v*|`` (``s``: the spacing of the subnormal numbers). So an error
+    estimate adds ``bound = (ulp(m) + max(eps m, s)) / 2`` at the values' largest magnitude ``m``
+    and divides by ``1 - q - eps / 2`` (``slack``): that is one unit in the last place at
+    ``m`` (between one and two where ``m`` is not a power of two), the least an estimate in this
+    dtype can certify (:mod:`paraprop.solvers.stopping`). The unit of rounding noise is ``eps *
+    m``. With ``norm="l2"`` both are ``eps * ||v||_2`` (a bound of the same sum per entry).
+    """
+    f = _floor_arrays(values, norm)
+    if isinstance(f.bound, np.ndarray):
+        return Floor(torch.from_numpy(f.bound), torch.from_numpy(f.unit), f.slack)
+    return f
+
+
+def _floor_arrays(values: torch.Tensor, norm: str) -> Floor:
+    """:func:`rounding_floor`, its ``(B,)`` numbers as NumPy arrays on the host (the stopping
+    rule's arithmetic runs there, :class:`~paraprop.solvers.stopping.ContractionRule`)."""
+    finfo = torch.finfo(values.dtype)
+    B = values.shape[0]
+    if values.numel() == 0:   # every position final
+        z = torch.zeros(B, dtype=torch.float64, device=values.device)
+        return Floor(z, z, finfo.eps / 2)
     if norm == "max":
-        scale = flat.abs().amax(dim=1).to(torch.float64)
-    else:
-        scale = torch.linalg.vector_norm(flat.to(torch.float64), dim=1)
-    r = scale * eps
-    return Floor(r, r, 0.0)
+        m = values.abs().amax(dim=tuple(range(1, values.dim())))
+        if m.device.type == "cpu" and m.dtype != torch.bfloat16:
+            # (B,) numbers: NumPy's calls cost less than tensor operators, same arithmetic
+            m = m.numpy().astype(np.float64)
+            unit = m * finfo.eps
+            return Floor(half_ulp_bound(m, values.dtype, unit), unit, finfo.eps / 2)
+        m = m.to(torch.float64)
+        unit = m * finfo.eps
+        return Floor(half_ulp_bound(m, values.dtype, unit), unit, finfo.eps / 2)
+    flat = values.reshape(B, -1)
+    unit = torch.linalg.vector_norm(flat.to(torch.float64), dim=1) * finfo.eps
+    return Floor(unit, unit, finfo.eps / 2)
+
+
+def half_ulp_bound(m: torch.Tensor, dtype: torch.dtype, unit: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """``(ulp(m) + max(eps m, s)) / 2`` for magnitudes ``m`` (float64, values of ``dtype``):
+    the most that rounding a value of size ``m`` and the sequential value near it can add to
+    their difference (:func:`rounding_floor`). ``unit``: ``eps * m`` when the caller has it."""
+    finfo = torch.finfo(dtype)
+    sub = finfo.smallest_normal * finfo.eps           # the spacing of the subnormal numbers
+    unit = m * finfo.eps if unit is None else unit
+    # ulp(m) = 2^e eps for 2^e <= m < 2^(e+1): m's exponent bits alone are 2^e (float64 holds
+    # every value of dtype exactly); below the normal numbers the spacing is s, and the clamp
+    # makes the bound s there (where eps m < s and 2^e eps < s)
+    if isinstance(m, np.ndarray):   # the same on a NumPy array
+        ulp = (m.view(np.int64) & _EXPONENT).view(np.float64) * finfo.eps
+        return np.maximum((ulp + unit) * 0.5, sub)
+    ulp = (m.view(torch.int64) & _EXPONENT).view(torch.float64) * finfo.eps
+    return ((ulp + unit) * 0.5).clamp_(min=sub)
+
+
+_EXPONENT = 0x7FF0000000000000   # the exponent bits of a float64
 
 
 def sync(*values) -> list:
@@ -372,12 +429,14 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
     old = state.x[:, lo:hi]
     active = state.active
     all_active = state.extra.get("all_active", True)
+    host = new.device.type == "cpu"
     a = (new - old).abs_()  # (B, n, F): one pass over the difference serves both checks
     if exact > 0:
         head = a[:, :exact]
-        # every sample active, on the host: one reduction answers whether a final position
+        # on the host one reduction answers whether a final position of an active sample
         # moved (NaN moves); the full check names the position
-        if not (all_active and a.device.type == "cpu" and float(head.amax()) <= tol):
+        if not host or not float(head.amax() if all_active else torch.where(
+                active, head.amax(dim=(1, 2)), 0.0).amax()) <= tol:
             check_final(system, head.amax(dim=2), tol, active, lo)
     if norm == "max":
         res = a.amax(dim=(1, 2))
@@ -388,32 +447,37 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
     if all_active:
         old.copy_(new)
         state.sample_iterations += 1
+        state.residual = res.max()
     else:
-        res = torch.where(active, res, torch.zeros_like(res))
-        old.copy_(torch.where(active[:, None, None], new, old))
-        state.sample_iterations += active.long()
-    out = state.rule._update(res, tol, active, budget, None,
-                             lambda: rounding_floor(state.x[:, lo:hi], norm), all_active)
-    state.residual = res.max()
-    if out is None:   # no sample could stop (known on the host)
+        torch.where(active[:, None, None], new, old, out=old)
+        state.sample_iterations += active
+        state.residual = torch.where(active, res, 0.0).max()
+        # a sample that is not active can neither stop nor be held: an infinite difference
+        res = torch.where(active, res, math.inf)
+    # the rounding floor of the positions that are not final (those before lo + exact are the
+    # sequential values bitwise, and do not move)
+    rule = state.rule
+    out = rule._update(res, tol, active, budget, None,
+                       lambda: _floor_arrays(state.x[:, lo + exact:hi], norm), True)
+    if out is None or rule.stopped is False:   # no sample stopped (known on the host)
         return
     stop, est = out
-    if state.rule.stopped is False:
-        return
     state.estimate = torch.where(stop, est, state.estimate)
     state.active = active & ~stop
+    if rule.n_stopped is not None:
+        state.extra["n_active"] = state.extra.get("n_active", active.numel()) - rule.n_stopped
 
 
 def settle(state: State, at_bound: bool) -> bool:
     """End an iteration with its one synchronisation: the number of samples still iterating.
     Sets ``state.finished`` (none left, or ``at_bound``) and ``state.extra["all_active"]``;
-    returns whether any sample is still iterating. Where :func:`accept` knows on the host that
-    no sample stopped, the count is the previous one (still iterating) and nothing is read."""
-    if state.rule.stopped is False:
-        state.finished = at_bound
-        return True
-    n = int(state.active.sum())
-    state.extra["all_active"] = n == state.active.numel()
+    returns whether any sample is still iterating. On the host :func:`accept` counts the
+    samples that stopped (``state.extra["n_active"]``), and nothing is read here."""
+    B = state.active.numel()
+    n = state.extra.get("n_active", B) if state.rule.n_stopped is not None else \
+        int(state.active.sum())
+    state.extra["n_active"] = n
+    state.extra["all_active"] = n == B
     state.finished = at_bound or n == 0
     return n > 0
 
@@ -477,8 +541,8 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
 
 
 def _shares_memory(y: torch.Tensor, x: torch.Tensor) -> bool:
-    return y.device == x.device and y.numel() > 0 and \
-        y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    return y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() and \
+        y.device == x.device and y.numel() > 0
 
 
 def _same_positions(y: torch.Tensor, xc: torch.Tensor, lo: int) -> bool:

@@ -72,7 +72,7 @@ class GSJacobi:
             e.setdefault("estimates", []).append(state.estimate.clone())
             state.estimate.zero_()
             state.active[:] = True  # every sample starts the next block
-            e["all_active"] = True
+            e["all_active"], e["n_active"] = True, system.B
             state.rule.reset()
             state.finished = e["block"] == e["blocks"]
             if state.finished:  # the frozen blocks' estimates add up along the sequence

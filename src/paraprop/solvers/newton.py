@@ -46,11 +46,13 @@ from paraprop.solvers.base import (
     State,
     System,
     check_final,
+    half_ulp_bound,
     rounding_floor,
     sync,
     verify_fixed_point,
 )
 from paraprop.solvers.protocols import HOOKS
+from paraprop.solvers.stopping import Floor
 
 FORMS = {"newton": "any", "quasi_newton": "diag", "elk": "dense", "quasi_elk": "diag"}
 DEFAULT_DAMPING = 1e-2
@@ -143,16 +145,19 @@ class _NewtonFamily:
         # and the values' scale, for the rounding floor, in one pass
         resid, scale = _max_difference(y, seg, scale=True)
         fixed = act & ~bad & (resid == 0)
-        eps = torch.finfo(y.dtype).eps
-        floor = (scale.to(torch.float64) * eps if norm == "max"
-                 else rounding_floor(y, norm).bound)
+        if norm == "max":
+            scale = scale.to(torch.float64)
+            unit = scale * torch.finfo(y.dtype).eps
+            floor = Floor(half_ulp_bound(scale, y.dtype, unit), unit, torch.finfo(y.dtype).eps / 2)
+        else:
+            floor = rounding_floor(y, norm)
         if self.form == "any" and not self.damped and access.markov:
             # the step bounds the error of the iterate, fn(x) adds one rounding at most
-            est = size + floor
+            est = (size + floor.bound) / (1 - floor.slack)
             stop = act & (est <= tol) & ~bad
             held = act & ~stop & (size <= tol) & ~bad & ~fixed
             state.rule.blocked = torch.maximum(state.rule.blocked,
-                                               torch.where(held, floor, 0.0).amax())
+                                               torch.where(held, floor.bound, 0.0).amax())
         else:
             stop, est = state.rule.update(size, tol, act, floor=floor)
             # A stopping sample keeps fn(x), a value the cell produces (ReLU outputs stay

@@ -37,7 +37,7 @@ import torch
 
 from paraprop import checks
 from paraprop.errors import ProtocolError
-from paraprop.solvers.base import State, System
+from paraprop.solvers.base import State, System, half_ulp_bound
 from paraprop.solvers.protocols import HOOKS
 from paraprop.solvers.stopping import freeze_budget, freeze_thresholds
 
@@ -169,12 +169,15 @@ class SlidingJacobi:
         at = ar + shift[:, None]                 # the candidates, from the first one not final
         raw = est.gather(1, at.clamp(max=n - 1)).masked_fill_(at >= n, float("inf"))
         # a value computed from inputs within est of the sequential ones is within est plus
-        # one rounding flip of the sequential value: the floor of the dtype at the values' scale
+        # the rounding of both (paraprop.solvers.base.rounding_floor), at the scale of that
+        # position's own values
         vals = state.x[:, start:stop]
-        per = vals.abs().amax(dim=(1, 2)) if norm == "max" else \
-            torch.linalg.vector_norm(vals.to(torch.float64), dim=2).amax(1)
-        floor = (per.to(torch.float64) * torch.finfo(vals.dtype).eps)[:, None]
-        cand = raw + floor
+        eps = torch.finfo(vals.dtype).eps
+        if norm == "max":
+            floor = half_ulp_bound(vals.abs().amax(dim=2).to(torch.float64), vals.dtype)
+        else:
+            floor = torch.linalg.vector_norm(vals.to(torch.float64), dim=2) * eps
+        cand = (raw + floor.gather(1, at.clamp(max=n - 1))) / (1 - eps / 2)
         growth = _hook_tensor(system, "growth")
         if growth is not None:
             # fn says how much an error at each position grows by the end of the chain:

@@ -36,8 +36,10 @@ when the map does not amplify errors along the sequence.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 __all__ = ["NOISE", "RATES", "ContractionRule", "Floor", "freeze_budget", "freeze_thresholds"]
@@ -65,17 +67,6 @@ class Floor(NamedTuple):
     slack: float = 0.0
 
 
-def _floor(floor, d: torch.Tensor) -> Floor:
-    f = floor() if callable(floor) else floor
-    if f is None:
-        z = torch.zeros_like(d)
-        return Floor(z, z, 0.0)
-    if isinstance(f, Floor):
-        return Floor(f.bound.to(d.dtype), f.unit.to(d.dtype), f.slack)
-    f = f.to(d.dtype)
-    return Floor(f, f, 0.0)
-
-
 class ContractionRule:
     """Per-sample contraction estimate over successive differences ``d_k`` (shape ``(B,)``).
 
@@ -96,7 +87,9 @@ class ContractionRule:
     a sample from stopping, for the message when ``max_iters`` ends the solve first.
 
     A sample that was not active in a call must not be active again before :meth:`reset` (the
-    solvers' samples only ever stop); the history of such a sample is not kept.
+    solvers' samples only ever stop); the history of such a sample is not kept. A caller may also
+    pass ``d = inf`` for the samples that are not active, with ``all_active=True``: such a
+    sample can neither stop nor be held.
 
     A rule takes ``rate`` (the map's own observed contraction, see :meth:`update`) in every call
     or in none.
@@ -120,7 +113,20 @@ class ContractionRule:
         self._slot = 0
         # the largest rounding floor that kept a sample from stopping (0: none did)
         self.blocked = torch.zeros((), dtype=dtype, device=device)
+        # after an update: whether any sample stopped and how many (None on an accelerator)
         self.stopped: bool | None = None
+        self.n_stopped: int | None = None
+        # On the host the per-sample arithmetic runs on NumPy views of the same memory: the
+        # same IEEE operations on (B,) arrays, at a fraction of the cost of a tensor operator
+        # each (``tests/test_faults_precision.py`` checks the two bitwise)
+        self._host = self._tape.device.type == "cpu"
+        self._ops = _NUMPY if self._host and dtype == torch.float64 else _TORCH
+        self._views()
+
+    def _views(self) -> None:
+        ops = self._ops
+        self._tape_a, self._q_a, self._den_a = (ops.array(t) for t in
+                                                (self._tape, self._q, self._den))
 
     @property
     def d_prev(self) -> torch.Tensor:
@@ -136,21 +142,18 @@ class ContractionRule:
 
     def _push(self, d, active, all_active) -> None:
         """Write ``d`` on the tape (a sample that is not active repeats its last difference)."""
-        k = self._k
+        k, tape = self._k, self._tape_a
         if k == self.TAPE:
-            self._tape[:RATES].copy_(self._tape[k - RATES:])
+            tape[:RATES] = tape[k - RATES:]
             k = RATES
-        if all_active:
-            self._tape[k].copy_(d)
-        else:
-            torch.where(active, d, self._tape[k - 1], out=self._tape[k])
+        tape[k] = d if all_active else self._ops.where(active, d, tape[k - 1])
         self._k = k + 1
 
     def _record_rate(self, q, den, active) -> None:
-        i = self._slot
+        i, ops = self._slot, self._ops
         self._slot = (i + 1) % (RATES - 1)
-        torch.where(active, torch.nan_to_num(q, nan=0.0), self._q[i], out=self._q[i])
-        torch.where(active, den, self._den[i], out=self._den[i])
+        self._q_a[i] = ops.where(active, ops.nan_to_zero(q), self._q_a[i])
+        self._den_a[i] = ops.where(active, den, self._den_a[i])
 
     def update(self, d: torch.Tensor, tol: float, active: torch.Tensor,
                budget: float | None = None, rate: torch.Tensor | None = None,
@@ -169,7 +172,8 @@ class ContractionRule:
         ``fn(x_k)``. Without it the rate is ``d_k / d_{k-1}``.
 
         ``floor`` (a :class:`Floor` or a ``(B,)`` float64 tensor, or a callable returning one,
-        called only when a sample may stop): the rounding floor of the values
+        called only when a sample may stop; on the host its fields may be NumPy arrays): the
+        rounding floor of the values
         (:func:`paraprop.solvers.base.rounding_floor`; ``None``: exact arithmetic). A ratio whose
         denominator is within :data:`NOISE` units is rounding noise and gives no estimate.
 
@@ -177,8 +181,9 @@ class ContractionRule:
         """
         out = self._update(d, tol, active, budget, rate, floor, all_active)
         if out is None:
-            d = d.to(self._tape.dtype)
-            return torch.zeros_like(active), torch.full_like(d, float("inf"))
+            return torch.zeros_like(active), torch.full(active.shape, float("inf"),
+                                                        dtype=self._tape.dtype,
+                                                        device=active.device)
         return out
 
     def _update(self, d, tol, active, budget, rate, floor, all_active):
@@ -188,59 +193,184 @@ class ContractionRule:
             self._rated = rated
         elif self._rated != rated:
             raise ValueError("ContractionRule: pass rate in every call or in none")
-        d = d.to(self._tape.dtype)
-        host = d.device.type == "cpu"
+        ops = self._ops
+        host = self._host
+        d = ops.values(d, self._tape.dtype)
         small = d <= tol
+        if not all_active:
+            active = ops.array(active)
+            small = small & active
         # no sample can stop: record and go on (on the host the test is free and saves the
         # estimate; on an accelerator it would cost a synchronisation, so it is skipped there)
-        if host and not bool((small if all_active else small & active).any()):
+        if host and not small.any():
             if rated:
-                self._record_rate(rate.to(d.dtype), self.d_prev, active)
+                self._record_rate(ops.values(rate, d.dtype), self._tape_a[self._k - 1], active)
             self._push(d, active, all_active)
-            self.stopped = False
+            self.stopped, self.n_stopped = False, 0
             return None
-        f = _floor(floor, d)
-        signal = NOISE * f.unit
-        if rated:
-            den = self.d_prev
-            q_now = rate.to(d.dtype)
-            # a ratio over a denominator at the noise level is no estimate (NaN: none yet)
-            older = torch.where(self._den <= signal, torch.inf, self._q).amax(0)
-            q = torch.maximum(torch.where(den <= signal, torch.inf, q_now), older)
+        with ops.quiet():
+            return self._estimate(d, small, active, tol, budget, rate, floor, all_active)
+
+    def _estimate(self, d, small, active, tol, budget, rate, floor, all_active):
+        """The part of :meth:`_update` where a sample may stop."""
+        ops = self._ops
+        host = self._host
+        limit = tol if budget is None else budget
+        zero = d == 0
+        if self._rated:
+            den = self._tape_a[self._k - 1]
+            q_now = ops.values(rate, d.dtype)
+            raw = ops.maximum(q_now, ops.amax0(self._q_a))
         else:
             self._push(d, active, all_active)
             k = self._k
-            win = self._tape[k - RATES - 1:k]          # d_{k-RATES} .. d_k, oldest first
+            win = self._tape_a[k - RATES - 1:k]         # d_{k-RATES} .. d_k, oldest first
             den = win[:-1]
             ratios = win[1:] / den                      # the last row: d_k / d_{k-1}
             # the earlier ratios: NaN (no difference yet) is 0, a missing ratio restricts
             # nothing; the newest stays NaN on the first iteration (no estimate yet)
-            ratios[:-1].nan_to_num_(nan=0.0)
-            # a ratio over a denominator at the noise level is no estimate
-            q = torch.where(den <= signal, torch.inf, ratios).amax(0)
-        zero = d == 0
-        if f.slack:
-            est = torch.where(q < 1 - f.slack, (q * d + f.bound) / (1 - q - f.slack), torch.inf)
-        else:
-            est = torch.where(q < 1, (q * d + f.bound) / (1 - q), torch.inf)
-        est = est.masked_fill_(zero, 0.0)
-        limit = tol if budget is None else budget
-        stop = zero | (small & (est <= limit))
-        held = small & ~stop
-        if not all_active:
-            held &= active
-        if not host or bool(held.any()):
-            # held by the rounding: the estimate in exact arithmetic would have stopped it
-            raw = torch.maximum(q_now, self._q.amax(0)) if rated else ratios.amax(0)
-            held = held & (raw < 1) & (raw / (1 - raw) * d <= limit)
-            self.blocked = torch.maximum(self.blocked, torch.where(held, f.bound, 0.0).amax())
-        if rated:
+            ratios[:-1] = ops.nan_to_zero(ratios[:-1])
+            raw = ops.amax0(ratios)
+        # the estimate in exact arithmetic, over every ratio: the estimate below is at least
+        # this (its ratio is at least raw, and it adds the floor), so where no sample other
+        # than a bitwise fixed point passes it, none can stop, and none is held by the rounding
+        maybe = small & (raw < 1) & (raw * d / (1 - raw) <= limit)
+        if host and not maybe.any():
+            if self._rated:
+                self._record_rate(q_now, den, active)
+                self._push(d, active, all_active)
+            stop = zero if all_active else zero & active
+            return self._result(stop, ops.where(zero, d, _INF), host)
+        f = _floor(floor, d, ops)
+        signal = NOISE * f.unit
+        # a ratio over a denominator at the noise level is no estimate (NaN: none yet)
+        if self._rated:
+            older = ops.amax0(ops.where(self._den_a <= signal, _INF, self._q_a))
+            q = ops.maximum(ops.where(den <= signal, _INF, q_now), older)
             self._record_rate(q_now, den, active)
             self._push(d, active, all_active)
+        else:
+            q = ops.amax0(ops.where(den <= signal, _INF, ratios))
+        c = 1.0 - f.slack
+        est = ops.where(q < c, (q * d + f.bound) / (c - q), _INF)
+        est = ops.where(zero, 0.0, est)
+        stop = zero | (small & (est <= limit))
         if not all_active:
-            stop &= active
-        self.stopped = bool(stop.any()) if host else None
-        return stop, est
+            stop = stop & active
+        held = maybe & ~stop
+        if not host or held.any():
+            # held by the rounding: the estimate in exact arithmetic would have stopped it
+            worst = ops.amax_all(ops.where(held, f.bound, 0.0))
+            self.blocked = torch.maximum(self.blocked, ops.tensor(worst, self.blocked))
+        return self._result(stop, est, host)
+
+    def _result(self, stop, est, host: bool):
+        self.n_stopped = int(stop.sum()) if host else None
+        self.stopped = None if self.n_stopped is None else self.n_stopped > 0
+        return self._ops.tensor(stop, None), self._ops.tensor(est, None)
+
+
+_INF = float("inf")
+
+
+class _TorchOps:
+    """The array operations of :class:`ContractionRule`, on tensors (any device)."""
+
+    where = staticmethod(torch.where)
+    maximum = staticmethod(torch.maximum)
+    zeros_like = staticmethod(torch.zeros_like)
+
+    @staticmethod
+    def array(t):
+        return t
+
+    @staticmethod
+    def tensor(a, like):
+        return a
+
+    @staticmethod
+    def values(t, dtype):
+        if isinstance(t, np.ndarray):
+            t = torch.from_numpy(t)
+        return t.to(dtype)
+
+    @staticmethod
+    def amax0(x):
+        return x.amax(0)
+
+    @staticmethod
+    def amax_all(x):
+        return x.amax()
+
+    @staticmethod
+    def nan_to_zero(x):
+        return torch.nan_to_num(x, nan=0.0)
+
+    @staticmethod
+    def quiet():
+        return contextlib.nullcontext()
+
+
+class _NumPyOps:
+    """The same operations on NumPy views of host tensors (``(B,)`` arrays: a NumPy call costs
+    a fraction of a tensor operator's dispatch). The elementwise IEEE operations round alike,
+    and ``np.nan_to_num`` maps NaN and infinities as ``torch.nan_to_num`` does."""
+
+    where = staticmethod(np.where)
+    maximum = staticmethod(np.maximum)
+    zeros_like = staticmethod(np.zeros_like)
+
+    @staticmethod
+    def array(t):
+        if isinstance(t, np.ndarray):
+            return t
+        return (t.detach() if t.requires_grad else t).numpy()
+
+    @staticmethod
+    def tensor(a, like):
+        a = torch.from_numpy(np.asarray(a))
+        return a if like is None else a.to(like.dtype)
+
+    @staticmethod
+    def values(t, dtype):
+        if isinstance(t, np.ndarray):
+            return t.astype(np.float64, copy=False)
+        if t.dtype == torch.bfloat16:   # NumPy has no bfloat16: widen with torch
+            t = t.to(dtype)
+        return _NumPyOps.array(t).astype(np.float64, copy=False)
+
+    @staticmethod
+    def amax0(x):
+        return x.max(axis=0)
+
+    @staticmethod
+    def amax_all(x):
+        return x.max()
+
+    @staticmethod
+    def nan_to_zero(x):
+        return np.nan_to_num(x, nan=0.0)
+
+    @staticmethod
+    def quiet():
+        # NaN (no ratio yet) and infinities are expected operands, as in the torch operators
+        return np.errstate(all="ignore")
+
+
+_TORCH, _NUMPY = _TorchOps(), _NumPyOps()
+
+
+def _floor(floor, d, ops) -> Floor:
+    """``floor`` (see :meth:`ContractionRule.update`) as a :class:`Floor` of ``d``'s kind."""
+    f = floor() if callable(floor) else floor
+    if f is None:
+        z = ops.zeros_like(d)
+        return Floor(z, z, 0.0)
+    if isinstance(f, Floor):
+        return Floor(ops.values(f.bound, torch.float64), ops.values(f.unit, torch.float64),
+                     f.slack)
+    f = ops.values(f, torch.float64)
+    return Floor(f, f, 0.0)
 
 
 def freeze_thresholds(n: int, tol: float, T: int, device, dtype=torch.float64
