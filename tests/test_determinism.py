@@ -23,6 +23,20 @@ class FunctionalDropout(nn.Module):
         return nn.functional.dropout(self.lin(x), self.attention_dropout, self.training)
 
 
+class RouterJitter(nn.Module):
+    """Multiplicative router noise in train mode, as Mixtral's sparse block applies it."""
+
+    def __init__(self, jitter):
+        super().__init__()
+        self.jitter_noise = jitter
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if self.training and self.jitter_noise > 0:
+            x = x * torch.empty_like(x).uniform_(1 - self.jitter_noise, 1 + self.jitter_noise)
+        return self.lin(x)
+
+
 @pytest.mark.parametrize("make, layer", [
     (lambda: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)), "'1' (Dropout)"),
     (lambda: nn.Sequential(nn.Linear(4, 4), nn.AlphaDropout(0.3)), "'1' (AlphaDropout)"),
@@ -31,6 +45,8 @@ class FunctionalDropout(nn.Module):
     (lambda: nn.Sequential(nn.Linear(4, 4), FunctionalDropout(0.2)),
      "'1' (FunctionalDropout) applies dropout in train mode (attention_dropout=0.2)"),
     (lambda: nn.LSTM(4, 4, num_layers=2, dropout=0.5), "LSTM"),
+    (lambda: nn.Sequential(nn.Linear(4, 4), RouterJitter(0.3)),
+     "'1' (RouterJitter) applies dropout in train mode (jitter_noise=0.3)"),
 ])
 def test_stochastic_train_mode_modules_are_refused_and_eval_accepted(make, layer):
     m = make()
@@ -70,3 +86,22 @@ def test_the_module_itself_and_a_bound_method_are_named():
     with pytest.raises(ValueError, match=r"its layer '1' \(Dropout\).*\(and 1 more such "
                                          r"layers\)"):
         require_deterministic(seq.forward)                # a bound method counts as its module
+
+
+def test_transformers_router_jitter_is_refused():
+    """Mixtral's sparse block keeps config.router_jitter_noise as `jitter_noise`, PhiMoE as
+    `router_jitter_noise` and `input_jitter_noise`: train-mode noise, refused up front."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    kw = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+              num_experts_per_tok=1, router_jitter_noise=0.2)
+    for config, model, attr in (
+            (transformers.MixtralConfig, transformers.MixtralForCausalLM, "jitter_noise=0.2"),
+            (transformers.PhimoeConfig, transformers.PhimoeForCausalLM,
+             "router_jitter_noise=0.2")):
+        m = model(config(**kw)).train()
+        with pytest.raises(paraprop.StochasticModelError, match=rf"\({attr}\).*call "
+                                                                r"model.eval\(\)"):
+            require_deterministic(m)
+        require_deterministic(m.eval())

@@ -3,10 +3,14 @@ models and settings than the issue's.
 
 1. a generation setting ignored silently (the model's generation_config, other models);
 2. a setting that is not implemented, accepted instead of refused by name;
-3. a stochastic model (train mode with dropout) accepted;
+3. a stochastic model (train mode with dropout) accepted; randomness that no up-front check
+   sees (router jitter, a custom random layer, tiny noise) certified (converged=True);
 4. low precision: a token that may differ from generate's reported as certified;
 5. cryptic errors: sliding-window attention, encoder-decoder models, positions beyond the
-   model's, token ids outside the vocabulary, a cache that cannot be cut back.
+   model's, token ids outside the vocabulary, a cache that cannot be cut back, left padding
+   for a model without position_ids (Bloom: supported) or without attention_mask (refused);
+6. a certificate failure blamed on the wrong cause (rounding, "use a float32 model") where it
+   is the model's non-finite logits, an exact tie, or a setting's cut.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from paraprop.decoding import generate
 
 transformers = pytest.importorskip("transformers")
 
-from test_decoding import V, hf, make, prompts  # noqa: E402
+from test_decoding import V, _TupleCacheLM, hf, make, prompts  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -156,8 +160,6 @@ def test_train_mode_dropout_is_refused():
 
 
 def test_a_custom_module_with_dropout_is_refused():
-    from test_decoding import _TupleCacheLM
-
     class Dropped(_TupleCacheLM):
         def __init__(self):
             super().__init__()
@@ -312,3 +314,224 @@ def test_autocast_counts_as_low_precision():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, sol = generate(model, ids, max_new_tokens=6, eos_token_id=[], throw=False)
     assert sol.stats["rounding_dtype"] == "torch.bfloat16"
+
+
+# 3b. randomness that no up-front check recognises: caught at run time by the repeat check
+def _mixtral(jitter):
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=V, hidden_size=32, intermediate_size=48,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, router_jitter_noise=jitter,
+                                     max_position_embeddings=96, bos_token_id=1, eos_token_id=2,
+                                     pad_token_id=0)
+    return transformers.MixtralForCausalLM(cfg).float()
+
+
+class _Noise(torch.nn.Module):
+    """Adds ``scale * randn_like(x)``, in train mode only (``always``: in eval mode too)."""
+
+    def __init__(self, scale, always=False):
+        super().__init__()
+        self.scale, self.always = scale, always
+
+    def forward(self, x):
+        return x + self.scale * torch.randn_like(x) if self.training or self.always else x
+
+
+class _NoisyLM(_TupleCacheLM):
+    """The tuple-cache LM with a random layer after its embedding."""
+
+    def __init__(self, scale, always=False):
+        super().__init__()
+        self.noise = _Noise(scale, always)
+        emb = self.emb
+        self.emb = torch.nn.Sequential(emb, self.noise)
+
+
+HIDDEN = r"different logits for the same tokens in two passes: at new position \d+ of sample"
+
+
+def test_hidden_randomness_is_caught_at_run_time(monkeypatch):
+    """Mixtral's router jitter as if its attribute were unknown to the up-front check, and a
+    Llama with a custom randn_like layer: the repeat check raises whatever throw says, naming
+    train mode and model.eval(); in eval mode the tokens are generate's."""
+    from paraprop import determinism
+
+    ids, mask = prompts(3, 6)
+    mixtral = _mixtral(0.9).train()
+    with pytest.raises(StochasticModelError, match="jitter_noise=0.9"):   # the up-front check
+        generate(mixtral, ids, attention_mask=mask, max_new_tokens=12)
+    unknown = tuple(a for a in determinism.DROPOUT_ATTRIBUTES if "jitter" not in a)
+    monkeypatch.setattr(determinism, "DROPOUT_ATTRIBUTES", unknown)
+    llama = make("llama", "cpu", fresh=True)
+    llama.model.embed_tokens = torch.nn.Sequential(llama.model.embed_tokens, _Noise(0.5))
+    for model in (mixtral, llama.train()):
+        for seed in range(2):
+            # one sample (nothing recomputed but the repeat check's position), and a batch
+            for b, kw in ((1, {}), (1, {"throw": False}), (1, {"method": "gs_jacobi"}),
+                          (1, {"do_sample": True}), (3, {})):
+                torch.manual_seed(seed)
+                with pytest.raises(StochasticModelError, match=HIDDEN + r".*model is in train "
+                                   r"mode.*router jitter noise.*call model.eval\(\) first"):
+                    generate(model, ids[:b], attention_mask=mask[:b], max_new_tokens=8,
+                             eos_token_id=[], **kw)
+        model.eval()
+        out, sol = generate(model, ids, attention_mask=mask, max_new_tokens=12)
+        assert torch.equal(out, hf(model, ids, mask, 12)) and sol.converged
+        assert 0 < sol.stats["repeat_checks"] and sol.stats["repeat_ratio"] < 1
+
+
+def test_tiny_randomness():
+    """Noise of 1e-4 of the logits is far above the rounding bound: refused. Noise below the
+    bound (1e-13 in float64) cannot change a certified token: the tokens are the sequential
+    loop's, and the repeat check reports it under its bound."""
+    ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = _NoisyLM(1e-4).double().train()
+    for method in ("jacobi", "gs_jacobi"):
+        with pytest.raises(StochasticModelError, match=HIDDEN + r".*model is in train mode"):
+            generate(model, ids, max_new_tokens=16, method=method)
+    model.noise.scale = 1e-13
+    out, sol = generate(model, ids, max_new_tokens=16)
+    ref, _ = generate(model, ids, max_new_tokens=16, method="sequential")
+    assert torch.equal(out, ref) and sol.converged
+    assert 0 < sol.stats["repeat_ratio"] < 1e-3
+    # randomness in eval mode: the message says so and does not advise eval()
+    model = _NoisyLM(1e-3, always=True).double().eval()
+    with pytest.raises(StochasticModelError, match=HIDDEN + r".*model is in eval mode, so its "
+                                                   r"forward draws random numbers") as e:
+        generate(model, ids, max_new_tokens=16, throw=False)
+    assert "eval()" not in str(e.value)
+
+
+def test_a_deterministic_model_passes_the_repeat_check_in_low_precision():
+    """The repeat check compares logits of passes of different shapes: in bf16 and fp16 they
+    round differently, within the bound (no false alarm)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        for build in (_qwen2, _neox):
+            model = build().to(dtype)
+            ids, mask = prompts(3, 5)
+            for b in (1, 3):
+                _, sol = generate(model, ids[:b], attention_mask=mask[:b], max_new_tokens=24,
+                                  eos_token_id=[], throw=False, do_sample=True, top_p=0.9,
+                                  generator=torch.Generator().manual_seed(0))
+                assert sol.stats["repeat_checks"] > 0 and sol.stats["repeat_ratio"] < 1
+
+
+# 5b. left padding: a model without position_ids (Bloom) works; one without attention_mask is
+# refused with what it lacks and the way out
+def test_padding_for_models_without_position_ids_or_attention_mask():
+    torch.manual_seed(0)
+    cfg = transformers.BloomConfig(vocab_size=V, hidden_size=32, n_layer=2, n_head=4,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    bloom = transformers.BloomForCausalLM(cfg).eval()
+    ids, mask = prompts(3, 6)
+    ref = bloom.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=None)
+    for method in ("sequential", "gs_jacobi"):
+        out, _ = generate(bloom, ids, attention_mask=mask, max_new_tokens=10, method=method,
+                          eos_token_id=[])
+        assert torch.equal(out, ref), method
+    lm = _TupleCacheLM().double().eval()
+    for method in ("sequential", "jacobi"):
+        with pytest.raises(TypeError, match=r"model _TupleCacheLM: the prompts are left-padded "
+                                            r"\(attention_mask has zeros\) but its forward "
+                                            r"takes no attention_mask keyword.*pass prompts "
+                                            r"without padding \(the unpadded prompts one at a "
+                                            r"time"):
+            generate(lm, ids, attention_mask=mask, max_new_tokens=4, method=method)
+    out, _ = generate(lm, ids[1:2, 3:], max_new_tokens=4)       # sample 1 alone, unpadded
+    assert out.shape == (1, 7)
+
+
+# 6. each certificate failure names its own cause and a fix that applies
+class _FixedLM(torch.nn.Module):
+    """Logits that do not depend on the tokens (``bias``), with a tuple cache."""
+
+    def __init__(self, bias):
+        super().__init__()
+        self.bias = torch.nn.Parameter(bias.double())
+
+    def forward(self, input_ids, past_key_values=None, use_cache=True):
+        kv = input_ids[:, None, :, None].double()
+        if past_key_values is not None:
+            kv = torch.cat([past_key_values[0][0], kv], dim=-2)
+        B, n = input_ids.shape
+        return self.bias.expand(B, n, -1).clone(), ((kv, kv),)
+
+
+def _bias(*top):
+    b = torch.linspace(-1.0, 0.0, V)
+    b[: len(top)] = torch.tensor(top)
+    return b
+
+
+def test_non_finite_logits_are_named_as_the_models():
+    """NaN logits from the model itself (a padded float64 Bloom, whose fully masked rows give
+    NaN; a NaN weight): the message names the non-finite logits and a fix, not rounding."""
+    torch.manual_seed(0)
+    cfg = transformers.BloomConfig(vocab_size=V, hidden_size=32, n_layer=2, n_head=4,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    bloom = transformers.BloomForCausalLM(cfg).double().eval()
+    ids, mask = prompts(3, 6)
+    with torch.no_grad():
+        assert bool(bloom(ids, attention_mask=mask).logits[1].isnan().all())   # the model's
+    with pytest.raises(ConvergenceError, match=r"new position 1 of sample 1 is not certified.*"
+                                               r"logits for it are not finite .*torch.float64.*"
+                                               r"Sample 1's prompt is left-padded.*generate the "
+                                               r"padded prompts one at a time") as e:
+        generate(bloom, ids, attention_mask=mask, max_new_tokens=6, eos_token_id=[])
+    assert "float32 model" not in str(e.value)
+    for b in (1, 2):    # the fix applies: each padded prompt alone is certified, generate's
+        one = ids[b : b + 1, mask[b].bool()]
+        out, sol = generate(bloom, one, max_new_tokens=6, eos_token_id=[])
+        assert sol.converged and torch.equal(out, bloom.generate(
+            one, attention_mask=torch.ones_like(one), max_new_tokens=6, eos_token_id=None))
+    bias = _bias(3.0, 1.0)
+    bias[5] = float("nan")
+    out, sol = generate(_FixedLM(bias), ids[:1], max_new_tokens=5, throw=False)
+    assert not sol.converged and sol.stats["uncertified"][0] == (0, 1)
+    assert re.search(r"not finite.*Check the model's weights and this prompt in torch.float64",
+                     sol.stats["uncertified_cause"])
+
+
+def test_ties_are_named_as_ties_and_settings_as_settings():
+    ids = torch.randint(3, V, (1, 4), generator=torch.Generator().manual_seed(0))
+    # greedy: the model's own exact tie (float64: not a rounding matter)
+    with pytest.raises(ConvergenceError, match=r"exact tie in the gap between the best and the "
+                                               r"second-best processed score.*method="
+                                               r"'sequential'") as e:
+        generate(_FixedLM(_bias(2.0, 2.0)), ids, max_new_tokens=5)
+    assert "float32" not in str(e.value)
+    # sampling: top_k=2 cuts between two equal scores: the setting is named
+    u = torch.full((1, 5), 0.3, dtype=torch.float64)
+    with pytest.raises(ConvergenceError, match=r"exact tie in top_k=2's cut.*change that "
+                                               r"setting, or use method='sequential'"):
+        generate(_FixedLM(_bias(3.0, 2.0, 2.0)), ids, max_new_tokens=5, do_sample=True,
+                 top_k=2, noise=u)
+    # min_p=1.0 keeps the best token only (the threshold sits on the best token, which always
+    # stays): certified, the greedy tokens
+    for seed in range(2):
+        model = make("llama", "cpu", fresh=True, vocab=V)
+        ids3, mask = prompts(3, 6, seed=seed)
+        model.generation_config.do_sample, model.generation_config.min_p = True, 1.0
+        out, sol = generate(model, ids3, attention_mask=mask, max_new_tokens=10,
+                            generator=torch.Generator().manual_seed(seed), top_k=0)
+        assert sol.converged and torch.equal(out, hf(model, ids3, mask, 10))
+
+
+def test_a_16_bit_near_tie_suggests_float32():
+    """Only where the dtype is 16-bit does the message offer a float32 model."""
+    for build in (_qwen2, _neox):
+        for seed in range(3):
+            model = build(seed=seed).to(torch.bfloat16)
+            ids, mask = prompts(3, 5, seed=seed)
+            _, sol = generate(model, ids, attention_mask=mask, max_new_tokens=24,
+                              eos_token_id=[], throw=False)
+            cause = sol.stats.get("uncertified_cause")
+            if cause is not None and "margin of" in cause:
+                assert re.search(r"in torch.bfloat16 \(the margin: .*\).*use method="
+                                 r"'sequential' .* or a float32 model instead of "
+                                 r"torch.bfloat16", cause)
+                return
+    pytest.fail("no near-tie in bf16 on these models")

@@ -35,10 +35,17 @@ RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU)
 NORM_MODULES = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 # attributes through which a module applies functional dropout in train mode (transformers'
 # attention classes read `attention_dropout`, GPT-2 style configs `attn_pdrop` and the like,
-# torch.nn.RNN/GRU/LSTM `dropout` between layers, timm-style blocks `drop_rate`/`drop_path`)
+# torch.nn.RNN/GRU/LSTM `dropout` between layers, timm-style blocks `drop_rate`/`drop_path`,
+# transformers' DropPath `drop_prob`, Seed-OSS `residual_dropout`, MPT `attn_dropout_p`, LASR
+# `dropout_positions`) or other train-mode noise (the router jitter of the mixture-of-experts
+# blocks: Mixtral / Switch / MiniMax `jitter_noise`, PhiMoE `router_jitter_noise` and
+# `input_jitter_noise`, DBRX `moe_jitter_eps`)
 DROPOUT_ATTRIBUTES = ("dropout", "dropout_p", "dropout_rate", "attention_dropout",
                       "attn_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "drop_rate",
-                      "drop_path_rate", "hidden_dropout", "activation_dropout", "layerdrop")
+                      "drop_path_rate", "hidden_dropout", "activation_dropout", "layerdrop",
+                      "drop_prob", "residual_dropout", "attn_dropout_p", "dropout_positions",
+                      "jitter_noise", "router_jitter_noise", "input_jitter_noise",
+                      "moe_jitter_eps")
 
 
 def own_part(m: nn.Module, *, norms: bool = True) -> str | None:

@@ -26,9 +26,9 @@ from paraprop import checks
 from paraprop.decoding import settings as _settings
 from paraprop.decoding.lm import CachedLM, cache_keyword
 from paraprop.decoding.ngrams import NgramPool
-from paraprop.decoding.processors import Pipeline
+from paraprop.decoding.processors import Pipeline, _scale
 from paraprop.determinism import require_deterministic
-from paraprop.errors import ConvergenceError
+from paraprop.errors import ConvergenceError, NotTriangularError, StochasticModelError
 from paraprop.solve import solve
 from paraprop.solvers import GSJacobi, Sequential, SlidingJacobi, is_solver
 
@@ -171,9 +171,15 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
         first = lm.prefill(P)
         factor, coarse = _settings.rounding_factor(model, first)
         pipe = Pipeline(s, P, attention_mask, device, factor)
-        tmap = _TokenMap(lm, P, T, u, pipe, s.eos, s.pad, pool, first)
-        sol = solve(tmap, tmap.start_guess(input_ids), method=solver, dim=-1, tol=0.0,
-                    max_iters=max_iters, throw=throw)
+        tmap = _TokenMap(lm, P, T, u, pipe, s.eos, s.pad, pool, first, model=model,
+                         recheck=not isinstance(solver, Sequential))
+        try:
+            sol = solve(tmap, tmap.start_guess(input_ids), method=solver, dim=-1, tol=0.0,
+                        max_iters=max_iters, throw=throw)
+        except (ConvergenceError, NotTriangularError):
+            tmap.check_repeats()        # a model that is not a fixed function explains it
+            raise
+        repeats = tmap.check_repeats()
         if sol.converged:
             tmap.check_final(sol.value)
     gen = sol.value.to(torch.long)
@@ -198,18 +204,14 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
         low = torch.stack([ratio.min(), bad.any().to(ratio.dtype)]).tolist()   # one sync
         where = bad.nonzero().tolist() if low[1] else []
         stats.update(certificate="margin", rounding_factor=factor, rounding_dtype=str(coarse),
-                     margin_ratio=low[0], uncertified=[tuple(w) for w in where])
+                     margin_ratio=low[0], uncertified=[tuple(w) for w in where],
+                     repeat_checks=repeats[0], repeat_ratio=repeats[1])
+        if where:
+            b, t = where[0]
+            stats["uncertified_cause"] = _cause(tmap, b, t, coarse, len(where))
         if where and sol.converged:
             converged = False
-            b, t = where[0]
-            message = (
-                f"decoding.generate: the token at new position {t} of sample {b} was decided by "
-                f"a margin of {float(tmap.ratio[b, t]):.3g} times the bound on the rounding "
-                f"difference between a window pass and the sequential loop's one-token pass in "
-                f"{coarse} ({len(where)} such token(s)), so the sequential loop may choose "
-                "another token there (and differ after it). For generate's tokens in this "
-                "dtype use method='sequential' (or a float32 model); pass throw=False to get "
-                "these tokens with converged=False (stats['uncertified'] lists them)")
+            message = stats["uncertified_cause"]
     sol = dataclasses.replace(sol, value=gen, stats=stats, converged=converged)
     if message is not None and throw:
         raise ConvergenceError(message, solution=sol)
@@ -234,14 +236,26 @@ class _TokenMap:
     (a full evaluation, e.g. a solver's verification, agrees with the window passes). A position
     computed again with the same prefix (a sample ahead of the batch's window) keeps its first
     decision, and the smaller margin of the two.
+
+    **The repeat check.** With ``recheck`` (every parallel method), each pass also recomputes
+    the last position before the first undecided one, whose prefix has not changed since it was
+    decided (one more position fed; no extra model call). Its logits, and those of any other
+    position computed again with the same prefix, are compared with the ones it was decided
+    from (the ``FINGERPRINT`` largest logits of the first computation): a difference above the
+    rounding bound of the margins means the model is not a fixed function of its input
+    (:class:`paraprop.StochasticModelError`, raised at the next pass's host sync or at the end).
     """
 
     markov = False
+    FINGERPRINT = 8       # logits kept per position for the repeat check (the largest ones)
 
     def __init__(self, lm: CachedLM, P: int, T: int, u, pipe: Pipeline, eos: list[int],
-                 pad: int, pool: NgramPool | None, first: torch.Tensor):
+                 pad: int, pool: NgramPool | None, first: torch.Tensor, model=None,
+                 recheck: bool = False):
         self.lm, self.P, self.T, self.u = lm, P, T, u
         self.pipe, self.pad, self.pool = pipe, pad, pool
+        self.model, self.recheck = model, recheck
+        self.started = False                    # position 0 decided (from the prefill)
         dev = lm.tokens.device
         self.eos = torch.tensor(eos, dtype=torch.long, device=dev) if eos else None
         self.first = first                      # the prefill's logits of position 0
@@ -252,6 +266,17 @@ class _TokenMap:
         self.computed = torch.full((B, T), -1, dtype=torch.long, device=dev)
         self.tok = torch.zeros(B, T, dtype=torch.long, device=dev)        # decisions
         self.ratio = torch.full((B, T), torch.inf, dtype=torch.float64, device=dev)
+        # the criterion of the smallest margin (Pipeline.criteria), -1: non-finite logits,
+        # -2: two computations from the same prefix chose different tokens
+        self.cause = torch.zeros(B, T, dtype=torch.long, device=dev)
+        K = min(self.FINGERPRINT, first.shape[-1])
+        self.fp_idx = torch.zeros(B, T, K, dtype=torch.long, device=dev)
+        self.fp_val = torch.zeros(B, T, K, dtype=first.dtype, device=dev)
+        self.fp_scale = torch.zeros(B, T, dtype=torch.float32, device=dev)
+        # the largest repeat difference over its bound, with where it was:
+        # [ratio, sample, position, token, first logit, second logit, bound]
+        self.worst = torch.zeros(7, dtype=torch.float64, device=dev)
+        self.compared = torch.zeros((), dtype=torch.long, device=dev)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.window(x, 0, self.T, None)[0]
@@ -296,19 +321,24 @@ class _TokenMap:
         n = stop - start
         ar = torch.arange(n, device=need.device)
         span = torch.stack([need.any().long(), torch.where(need, ar, n).min(),
-                            torch.where(need, ar, -1).max(),
-                            lm.valid_length()]).tolist()                   # one sync per pass
+                            torch.where(need, ar, -1).max(), lm.valid_length()])
+        span = torch.cat([span.to(torch.float64), self.worst[:1]]).tolist()   # one sync
+        if span[4] > 1:
+            self._stochastic()
         if span[0]:
-            a, b = start + span[1], start + span[2] + 1
-            self._decide(a, b, valid[:, a:b], span[3])
+            a, b = start + int(span[1]), start + int(span[2]) + 1
+            if self.recheck and a > 0:
+                a -= 1      # the repeat check: one decided position, recomputed
+            self._decide(a, b, valid[:, a:b], int(span[3]))
         out = torch.where(ended[:, start:stop], self.pad, self.tok[:, start:stop])
         return out.to(x.dtype), None
 
     def _decide(self, a: int, b: int, valid: torch.Tensor, cached: int) -> None:
         """Decide the positions ``[a, b)`` from the current buffer (one model pass; ``cached``
-        is the cache's valid length)."""
+        is the cache's valid length); compare the logits of the positions decided before with
+        the same prefix (``valid``) with the ones they were decided from."""
         P, lm = self.P, self.lm
-        if a == 0:
+        if a == 0 and not self.started:                   # position 0: from the prefill
             parts = [self.first[:, None]]
             if b > 1:
                 parts.append(lm.logits(P, P - 1 + b, cached))
@@ -316,22 +346,93 @@ class _TokenMap:
         else:
             logits = lm.logits(P - 1 + a, P - 1 + b, cached)
         u = None if self.u is None else self.u[:, a:b]
-        tok, ratio = self.pipe.decide(logits, lm.tokens, a, u)
+        tok, ratio, cause = self.pipe.decide(logits, lm.tokens, a, u)
+        self.started = True
         if a == 0:          # computed by the prefill, exactly as generate's first step
             ratio[:, 0] = torch.inf
-        old_tok, old_ratio = self.tok[:, a:b], self.ratio[:, a:b]
+        self._compare(logits, a, b, valid)
+        old_tok, old_ratio, old_cause = self.tok[:, a:b], self.ratio[:, a:b], self.cause[:, a:b]
         flip = valid & (tok != old_tok)          # same prefix, another decision: a near-tie
-        ratio = torch.where(valid, torch.minimum(old_ratio, ratio), ratio)
-        self.ratio[:, a:b] = torch.where(flip, 0.0, ratio)
+        if a == 0:
+            flip[:, 0] = False                   # the prefill's token stands
+        keep = valid & (old_ratio <= ratio)
+        cause = torch.where(keep, old_cause, cause)
+        cause = torch.where(valid & (old_cause == -1), -1, cause)
+        self.ratio[:, a:b] = torch.where(flip, 0.0, torch.where(keep, old_ratio, ratio))
+        self.cause[:, a:b] = torch.where(flip & (cause != -1), -2, cause)
         self.tok[:, a:b] = torch.where(valid, old_tok, tok)
         self.computed[:, a:b] = torch.where(valid, self.computed[:, a:b], self.stamp)
+
+    def _compare(self, logits: torch.Tensor, a: int, b: int, valid: torch.Tensor) -> None:
+        """The repeat check of the positions ``[a, b)`` decided before with the same prefix
+        (``valid``), and the fingerprints of the others (no host sync)."""
+        scale = _scale(logits)
+        idx = self.fp_idx[:, a:b]
+        new = logits.gather(-1, idx).to(torch.float64)
+        old = self.fp_val[:, a:b].to(torch.float64)
+        bound = self.pipe.factor * torch.maximum(scale, self.fp_scale[:, a:b]).to(torch.float64)
+        ok = valid[..., None] & new.isfinite() & old.isfinite()
+        r = (new - old).abs() / bound[..., None]
+        r = torch.where(ok & ~r.isnan(), r, 0.0)
+        n, K = b - a, idx.shape[-1]
+        m = r.reshape(-1).argmax()
+        bi, ti, ki = m // (n * K), (m // K) % n, m % K
+        info = torch.stack([r.reshape(-1)[m], bi.double(), (ti + a).double(),
+                            idx[bi, ti, ki].double(), old[bi, ti, ki], new[bi, ti, ki],
+                            bound[bi, ti]])
+        self.worst = torch.where(info[0] > self.worst[0], info, self.worst)
+        self.compared += valid.sum()
+        top = logits.topk(idx.shape[-1], dim=-1)
+        keep = valid[..., None]
+        self.fp_idx[:, a:b] = torch.where(keep, idx, top.indices)
+        self.fp_val[:, a:b] = torch.where(keep, self.fp_val[:, a:b], top.values.to(
+            self.fp_val.dtype))
+        self.fp_scale[:, a:b] = torch.where(valid, self.fp_scale[:, a:b], scale)
+
+    def check_repeats(self) -> tuple[int, float]:
+        """Raise :class:`~paraprop.StochasticModelError` if a repeat check failed; else the
+        number of repeats compared and the largest difference over its bound (one sync)."""
+        both = torch.stack([self.compared.double(), self.worst[0]]).tolist()
+        if both[1] > 1:
+            self._stochastic()
+        return int(both[0]), both[1]
+
+    def _stochastic(self) -> None:
+        r, b, t, tok, old, new, bound = self.worst.tolist()
+        model = self.model
+        training = []
+        if isinstance(model, torch.nn.Module):
+            training = [name for name, m in model.named_modules() if m.training]
+        if training:
+            where = ("model is in train mode" if "" in training else
+                     f"model is in eval mode but {len(training)} of its modules are in train "
+                     f"mode (e.g. {training[0]!r})")
+            mode = (f"{where}, where one of its layers draws random numbers that paraprop's "
+                    "check of train-mode layers does not recognise (router jitter noise, "
+                    "functional dropout under another attribute name, a custom layer calling "
+                    "torch.rand*, ...); call model.eval() first")
+        else:
+            mode = ("model is in eval mode, so its forward draws random numbers (or reads a "
+                    "state that changes between calls) even there; make its forward a fixed "
+                    "function of its input")
+        raise StochasticModelError(
+            f"decoding.generate: the model gave different logits for the same tokens in two "
+            f"passes: at new position {int(t)} of sample {int(b)}, the logit of token "
+            f"{int(tok)} was {old:.9g}, then {new:.9g} from the same prefix, a difference of "
+            f"{r:.3g} times the rounding bound ({bound:.3g}) between passes of different "
+            "shapes. So it is not a fixed function of its input, and there is no sequential "
+            f"result to reproduce (its tokens would change from run to run): the {mode} "
+            "(expected the same logits within rounding for the same prefix)")
+
+    def padded(self, b: int) -> bool:
+        """Whether sample ``b``'s prompt is left-padded."""
+        return self.lm.mask is not None and not bool(self.lm.mask[b, : self.P].all())
 
     def check_final(self, x: torch.Tensor) -> None:
         """Every accepted token must be the decision made from its final prefix (one
         evaluation of the map; no model call when the memo covers every position)."""
         y = self(x)
         if not torch.equal(y, x):
-            from paraprop.errors import NotTriangularError
             b, t = (int(i) for i in (y != x).nonzero()[0])
             raise NotTriangularError(
                 f"decoding.generate: the accepted token at new position {t} of sample {b} is not "
@@ -360,6 +461,57 @@ class _TokenMap:
         if not changed:
             return None
         return torch.tensor(rows, dtype=x.dtype, device=x.device)
+
+
+def _cause(tmap: _TokenMap, b: int, t: int, coarse: torch.dtype, count: int) -> str:
+    """Why the token at new position ``t`` of sample ``b`` is not certified, and what to do:
+    the model's logits are not finite; two computations from the same prefix chose different
+    tokens; an exact tie (of the model's scores or at a setting's cut); or a margin within the
+    rounding bound."""
+    r, c = float(tmap.ratio[b, t]), int(tmap.cause[b, t])
+    head = (f"decoding.generate: the token at new position {t} of sample {b} is not certified "
+            f"({count} such token(s); stats['uncertified'] lists them): ")
+    tail = "; pass throw=False to get these tokens with converged=False"
+    seq = ("use method='sequential' (generate's own loop, its tokens bitwise)"
+           + (f" or a float32 model instead of {coarse}" if torch.finfo(coarse).bits <= 16
+              else ""))
+    if c == -1:
+        dtype = tmap.first.dtype
+        why = (f"the model's logits for it are not finite (NaN, +inf, or all -inf in {dtype}), "
+               "as its forward computed them for this prefix before any processing: not a "
+               "rounding difference; no decision from them is certain, and generate decides "
+               "from the same non-finite scores. ")
+        if tmap.padded(b):
+            why += (f"Sample {b}'s prompt is left-padded, and some models compute non-finite "
+                    f"values at padded positions in {dtype} (a fully masked attention row) that "
+                    "then reach the real ones: generate the padded prompts one at a time, "
+                    "without padding")
+        else:
+            why += (f"Check the model's weights and this prompt in {dtype} (model(input_ids)"
+                    ".logits shows them); remove_invalid_values=True replaces them as generate "
+                    "does")
+        return head + why + tail
+    if c == -2:
+        return (head + "two computations of its logits from the same prefix (passes of "
+                "different shapes) chose different tokens, with logits within the rounding "
+                f"bound in {coarse} of each other: a near-tie that rounding decides, so the "
+                f"sequential loop may choose either; {seq}" + tail)
+    crit = tmap.pipe.criteria()[c]
+    if r == 0:
+        if c == 0:
+            what = ("the model's (processed) scores tie exactly there, and a tie is broken by "
+                    "the order of computation, which differs between a window pass and the "
+                    "sequential loop's one-token pass")
+            fix = seq
+        else:
+            what = ("the setting's cut falls between two equal values exactly, so the order of "
+                    "computation decides which side each lands on")
+            fix = f"change that setting, or {seq}"
+        return head + f"it is an exact tie in {crit}: {what}; {fix}" + tail
+    return (head + f"it was decided by a margin of {r:.3g} times the bound on the rounding "
+            f"difference between a window pass and the sequential loop's one-token pass in "
+            f"{coarse} (the margin: {crit}), so the sequential loop may choose another token "
+            f"there (and differ after it); for generate's tokens in this dtype {seq}" + tail)
 
 
 def _draw(B: int, T: int, generator, device) -> torch.Tensor:

@@ -3,10 +3,12 @@
 The contract is the one ``transformers``' causal LMs follow: ``model(input_ids, <cache>=past,
 use_cache=True)`` returns the logits of the new positions and the cache extended by them, where
 ``<cache>`` is ``past_key_values`` (or ``cache``, its name from ``transformers`` 5). Optional
-keywords ``attention_mask`` and ``position_ids`` are passed when the forward accepts them
-(left padding needs both). The returned cache is cropped with its own ``crop`` method (a
-``transformers`` ``Cache``) or, for a tuple of per-layer ``(key, value)`` tensors shaped
-``(batch, heads, length, head_dim)``, by slicing.
+keywords ``attention_mask`` and ``position_ids`` are passed when the forward accepts them, as
+``generate`` passes them: left padding needs ``attention_mask``; a model without
+``position_ids`` derives its positions from the mask itself (Bloom's ALiBi), as in
+``generate``. The returned cache is cropped with its own ``crop`` method (a ``transformers``
+``Cache``) or, for a tuple of per-layer ``(key, value)`` tensors shaped ``(batch, heads,
+length, head_dim)``, by slicing.
 
 :class:`CachedLM` keeps one cache for a batch of sequences and remembers which tokens its
 entries were computed from, so a request for the logits of positions ``[a, b)`` reuses exactly
@@ -66,11 +68,13 @@ class CachedLM:
         self.mask = attention_mask
         self.pass_mask = attention_mask is not None and _accepts(model, "attention_mask")
         self.pass_pos = attention_mask is not None and _accepts(model, "position_ids")
-        if attention_mask is not None and not bool(attention_mask.all()) and \
-                not (self.pass_mask and self.pass_pos):
-            raise TypeError(f"model {type(model).__name__}: attention_mask has padding but the "
-                            "forward does not take attention_mask and position_ids")
-        if attention_mask is not None:
+        if attention_mask is not None and not self.pass_mask:
+            raise TypeError(
+                f"model {type(model).__name__}: the prompts are left-padded (attention_mask has "
+                "zeros) but its forward takes no attention_mask keyword, so it would attend to "
+                "the padding; pass prompts without padding (the unpadded prompts one at a time, "
+                "or a batch of prompts of equal length) and no attention_mask")
+        if self.pass_pos:       # otherwise the model derives positions from the mask (Bloom)
             pos = attention_mask.long().cumsum(-1) - 1
             self.position_ids = pos.masked_fill(attention_mask == 0, 0)
         self.keep_logits = _accepts(model, "logits_to_keep")

@@ -154,11 +154,32 @@ class Pipeline:
                 scores.shape)
         return scores, stages
 
+    def criteria(self) -> list[str]:
+        """What each margin of :meth:`decide` measures, by its index in ``cause`` (for the
+        messages): the decision itself, then each sampling filter's cut."""
+        s = self.s
+        if not s.do_sample:
+            return ["the gap between the best and the second-best processed score"]
+        out = ["the variate's distance to the edge of its token's interval of the cumulative "
+               "distribution"]
+        if s.top_k is not None:
+            out.append(f"top_k={s.top_k}'s cut (the {s.top_k}-th score against the next one)")
+        if s.top_p is not None:
+            out += [f"top_p={s.top_p}'s cut (the cumulative mass at the cut)",
+                    f"top_p={s.top_p}'s cut (the two scores on both sides of it)"]
+        for proc in self.post:
+            if type(proc).__name__ == "MinPLogitsWarper":
+                out.append(f"min_p={s.min_p}'s threshold (a score against the best one)")
+            else:
+                out.append(f"epsilon_cutoff={s.epsilon_cutoff}'s threshold (a probability)")
+        return out
+
     def decide(self, logits: torch.Tensor, tokens: torch.Tensor, first: int,
-               u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens and margin ratios ``(B, n)`` for the logits of the positions ``first ..
-        first + n - 1`` (see :meth:`process`), with the variates ``u`` ``(B, n)`` when
-        sampling."""
+               u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens, margin ratios and causes ``(B, n)`` for the logits of the positions
+        ``first .. first + n - 1`` (see :meth:`process`), with the variates ``u`` ``(B, n)`` when
+        sampling. ``cause`` is the index in :meth:`criteria` of the smallest margin, or ``-1``
+        where the model's logits are not finite (NaN, ``+inf``, or all ``-inf``)."""
         scores, stages = self.process(logits, tokens, first)
         ratios = []
         tok = choose(scores, u)
@@ -170,14 +191,19 @@ class Pipeline:
             rel = torch.expm1(2 * delta) / 4
             ratios.append(_draw_margin(scores, u, tok) / rel)
             ratios += self._filter_ratios(stages, delta, rel)
-        ratio = torch.stack(ratios).amin(0) if len(ratios) > 1 else ratios[0]
-        ratio = ratio.to(torch.float64)
-        return tok, torch.where(ratio.isnan(), 0.0, ratio)     # 0/0: an exact tie
+        stacked = torch.stack(ratios).to(torch.float64)
+        stacked = torch.where(stacked.isnan(), 0.0, stacked)     # 0/0: an exact tie
+        ratio, cause = stacked.min(0)
+        cause = torch.where(nonfinite(logits), -1, cause)
+        return tok, ratio, cause
 
     def _filter_ratios(self, stages, delta, rel) -> list[torch.Tensor]:
         s, out = self.s, []
-        if s.top_k is not None and s.top_k < stages[0].shape[-1]:
-            out.append(_gap(stages[0], s.top_k) / (2 * delta))
+        if s.top_k is not None:
+            if s.top_k < stages[0].shape[-1]:
+                out.append(_gap(stages[0], s.top_k) / (2 * delta))
+            else:
+                out.append(torch.full_like(delta, torch.inf))
         if s.top_p is not None:
             ordered = torch.sort(stages[1], dim=-1).values                  # ascending
             mass = ordered.softmax(dim=-1).cumsum(dim=-1)[..., :-1]
@@ -189,16 +215,26 @@ class Pipeline:
             gap = torch.where((k > 0) & (dropped > -torch.inf), kept - dropped, torch.inf)
             out.append(gap[..., 0] / (2 * delta))
         for stage, proc in zip(stages[3:], self.post, strict=True):
+            # the best token is always kept (the warpers' min_tokens_to_keep=1): only the
+            # others can cross the threshold
+            best = stage.argmax(-1, keepdim=True)
             if type(proc).__name__ == "MinPLogitsWarper":
                 if s.min_p <= 0:
+                    out.append(torch.full_like(delta, torch.inf))
                     continue
                 rel_logp = stage - stage.amax(-1, keepdim=True)
-                dist = _finite_min((rel_logp - math.log(s.min_p)).abs(), stage)
+                dist = (rel_logp - math.log(s.min_p)).abs()
             else:   # EpsilonLogitsWarper
-                dist = _finite_min((stage.log_softmax(-1) - math.log(s.epsilon_cutoff)).abs(),
-                                   stage)
-            out.append(dist / (2 * delta))
+                dist = (stage.log_softmax(-1) - math.log(s.epsilon_cutoff)).abs()
+            dist = dist.scatter(-1, best, torch.inf)
+            out.append(_finite_min(dist, stage) / (2 * delta))
         return out
+
+
+def nonfinite(logits: torch.Tensor) -> torch.Tensor:
+    """``(B, n)``: where the model's logits hold NaN or ``+inf``, or are all ``-inf``."""
+    return logits.isnan().any(-1) | (logits == torch.inf).any(-1) | \
+        (logits == -torch.inf).all(-1)
 
 
 def _scale(logits: torch.Tensor) -> torch.Tensor:
