@@ -88,7 +88,9 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
             sample on every device. Without one, the default CPU generator draws it.
         noise: the uniform variates ``(B, max_new_tokens)`` in ``[0, 1)`` instead.
         attention_mask: ``(B, P)`` of 0/1, zeros on the left padding only. Without one, a
-            ``transformers`` model infers it from ``pad_token_id`` as ``generate`` does.
+            ``transformers`` model infers it from ``pad_token_id`` as ``generate`` does. It is
+            passed with ``position_ids`` where the forward takes them, else alone (Bloom derives
+            its positions from it); a forward without ``attention_mask`` takes no padding.
         ngram: guesses the undecided tokens from the continuation of the last ``ngram``
             accepted tokens seen earlier in the prompt or output (``0``: no guesses; the
             previous iterate then stays the guess). Guesses never change the result.
@@ -102,16 +104,21 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
         ``stats``: ``model_calls`` (forward passes, prefill included: the sequential steps;
         the sequential loop takes ``max_new_tokens``), ``decode_calls`` (after the prefill),
         ``tokens_per_call`` (new tokens per model call), ``fed_positions``, ``window``,
-        ``new_tokens``, ``batch_advance``, ``processors`` (applied, in order), and the
-        certificate: ``margin_ratio`` (the smallest margin of a decision over its bound) and
-        ``uncertified`` (the ``(sample, position)`` pairs below the bound).
+        ``new_tokens``, ``batch_advance``, ``processors`` (applied, in order), the
+        certificate: ``margin_ratio`` (the smallest margin of a decision over its bound),
+        ``uncertified`` (the ``(sample, position)`` pairs below the bound) and, where there is
+        one, ``uncertified_cause`` (the first one's cause and fix, the message ``throw=True``
+        raises); and the repeat check's ``repeat_checks`` (positions compared) and
+        ``repeat_ratio`` (the largest difference over its bound).
 
     Raises:
         TypeError: a model without the cache contract, an encoder-decoder model, a cache that
-            cannot be cut back.
+            cannot be cut back, left-padded prompts for a forward without ``attention_mask``.
         ValueError: bad arguments or a refused setting (named, with the expected and the actual
             value); a prompt too long for the model; token ids outside the vocabulary.
-        paraprop.StochasticModelError: a model in train mode with active dropout.
+        paraprop.StochasticModelError: a model in train mode with active dropout (before any
+            model call), or one whose logits for the same tokens differ between two passes by
+            more than the rounding bound (the repeat check, whatever ``throw`` says).
         paraprop.ConvergenceError: with ``throw=True``, see ``throw``.
 
     The certificate: the first new token comes from the prompt's prefill, computed as
@@ -120,8 +127,15 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
     entries computed in window passes), so they round differently. A token is certified when
     its decision has a margin above a bound on that difference (``c * max|logits|``, ``c`` from
     the dtype and the depth: :func:`~paraprop.decoding.settings.rounding_factor`); otherwise
-    the result says so (``converged=False``). ``method="sequential"`` is ``generate``'s loop and
-    needs no margin.
+    the result says so (``converged=False``), and the message names the cause: non-finite
+    logits from the model, an exact tie (of the scores, or at a setting's cut), or a margin
+    within the rounding bound. ``method="sequential"`` is ``generate``'s loop and needs no
+    margin.
+
+    The repeat check: each parallel pass also recomputes the last decided position before its
+    window (one more position fed, no extra model call), and its logits are compared with the
+    ones it was decided from (see :class:`_TokenMap`), so a model that is not a fixed function
+    of its input is refused even where no up-front check recognises its randomness.
 
     Example:
         >>> from transformers import GPT2Config, GPT2LMHeadModel
@@ -375,11 +389,11 @@ class _TokenMap:
         r = (new - old).abs() / bound[..., None]
         r = torch.where(ok & ~r.isnan(), r, 0.0)
         n, K = b - a, idx.shape[-1]
-        m = r.reshape(-1).argmax()
-        bi, ti, ki = m // (n * K), (m // K) % n, m % K
-        info = torch.stack([r.reshape(-1)[m], bi.double(), (ti + a).double(),
-                            idx[bi, ti, ki].double(), old[bi, ti, ki], new[bi, ti, ki],
-                            bound[bi, ti]])
+        m = r.reshape(-1).argmax().view(1)        # one-element tensors: no host sync
+        bi, ti = m // (n * K), (m // K) % n
+        info = torch.cat([r.reshape(-1).gather(0, m), bi.double(), (ti + a).double(),
+                          idx.reshape(-1).gather(0, m).double(), old.reshape(-1).gather(0, m),
+                          new.reshape(-1).gather(0, m), bound.reshape(-1).gather(0, bi * n + ti)])
         self.worst = torch.where(info[0] > self.worst[0], info, self.worst)
         self.compared += valid.sum()
         top = logits.topk(idx.shape[-1], dim=-1)
