@@ -6,7 +6,13 @@ and batch norm, in bf16 and fp16, under second-order autograd, torch.func and pi
 2. Low precision: tol=0 is bitwise the library's own loop in bf16 and fp16, every method.
 3. Second order through the implicit gradient is refused, never wrong.
 4. torch.func: an accelerated flow runs the library's loop; parallel_inverse refuses.
-5. Pickling: an accelerated flow saves and loads as the plain flow; the handle refuses.
+5. Pickling and deep copies: an accelerated flow saves, loads and copies as the plain flow; the
+   handle refuses.
+6. Overflow: an inverse that overflows raises.
+7. Settings assigned on the handle after accelerate are honoured at the next call, or refused.
+8. The library's own NaN (bf16 splines, NaN points): NonFiniteError naming the sample and the
+   feature, for every method and tol.
+9. Never more passes than the library's loop, every method, with and without gradients.
 """
 
 from __future__ import annotations
@@ -192,8 +198,7 @@ def test_low_precision_tol_0_is_bitwise_the_library(name, dtype, device):
                 got = loop(flow, y)
             assert torch.equal(got, expected), method
             assert handle.inversions > 0
-            if method == "jacobi":   # the block methods evaluate full passes per window
-                assert handle.passes <= handle.library_passes + handle.inversions
+            assert handle.passes <= handle.library_passes   # every method (section 9)
     if not name.startswith("zuko conditional"):   # (the zuko Flow takes its context itself)
         target = flow.flows[0].mprqat if name == "normflows RQ spline" else flow
         with torch.no_grad():
@@ -389,10 +394,13 @@ def test_an_accelerated_flow_saves_and_loads_as_the_plain_flow(name, save):
             assert torch.equal(_seeded(lambda: call(loaded), 7), expected)
         assert again.inversions > 0 and handle.inversions == n   # with its own counters
         assert not any(is_patched(m) for m in loaded.modules())
-        twin = copy.deepcopy(flow)   # a deep copy keeps the patch, bound to the copy
-        assert all(is_patched(p) for p in twin.modules() if type(p) in
-                   {type(q) for q in handle.parts})
+        twin = copy.deepcopy(flow)   # a deep copy is the plain flow too (no handle owns it)
+        assert not any(is_patched(m) for m in twin.modules())
         assert torch.equal(_seeded(lambda: call(twin), 7), expected)
+        with accelerate(twin) as own:   # and gets a handle of its own
+            assert torch.equal(_seeded(lambda: call(twin), 7), expected)
+        assert own.inversions > 0 and handle.inversions == n
+        assert all(is_patched(p) for p in handle.parts)   # the original: still accelerated
     handle.undo()
 
 
@@ -401,10 +409,13 @@ def test_the_handle_refuses_to_be_pickled():
     with accelerate(flow) as handle:
         for save in SAVES.values():
             with pytest.raises(TypeError, match=r"an Accelerated handle \(from "
-                                                r"paraprop.flows.accelerate\) cannot be pickled.*"
-                                                r"Pickle or torch.save the flow itself instead: "
-                                                r"it loads as the library's plain flow"):
+                                                r"paraprop.flows.accelerate\) cannot be pickled "
+                                                r"or copied.*Pickle, torch.save or "
+                                                r"copy.deepcopy the flow itself instead: it loads "
+                                                r"\(or copies\) as the library's plain flow"):
                 save(handle)
+        with pytest.raises(TypeError, match="cannot be pickled or copied"):
+            copy.deepcopy(handle)
 
 
 # -- 6. overflow -----------------------------------------------------------------------------------
@@ -425,3 +436,185 @@ def test_an_inverse_that_overflows_in_fp16_raises_instead_of_returning_inf():
                 parallel_inverse(flow, y, method=method)
         with accelerate(flow), pytest.raises(paraprop.NonFiniteError):
             flow().transform.inv(y)
+
+
+# -- 7. settings assigned on the handle ------------------------------------------------------------
+def _coupled(scale, d=6, transforms=2, **kw):
+    """A zuko MAF in float64 whose weights are scaled: ``scale=3`` couples the features strongly
+    (the inverse needs every pass of the library's loop)."""
+    flow = _seeded(lambda: zuko.flows.MAF(d, transforms=transforms, **kw)).to(F64)
+    with torch.no_grad():
+        for p in flow.parameters():
+            p.mul_(scale)
+    return flow
+
+
+def test_settings_assigned_on_the_handle_are_honoured_at_the_next_call():
+    flow = _coupled(1.0)
+    z = torch.randn(5, 6, dtype=F64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = flow().transform.inv(z)
+        with accelerate(flow, tol=0.3) as handle:
+            assert not torch.equal(flow().transform.inv(z), want)   # stopped early at tol=0.3
+            handle.tol = 0.0
+            assert handle.tol == 0.0 and torch.equal(flow().transform.inv(z), want)
+            handle.max_iters = 1
+            with pytest.raises(paraprop.ConvergenceError, match="max_iters=1"):
+                flow().transform.inv(z)
+            handle.throw = False   # the unconverged value, no error
+            assert not torch.equal(flow().transform.inv(z), want)
+            handle.max_iters, handle.throw = None, True
+            assert torch.equal(flow().transform.inv(z), want)
+    weak = _coupled(0.2)   # a weakly coupled flow: Jacobi stops before the library's D passes
+    with torch.no_grad():
+        want = weak().transform.inv(z)
+        with accelerate(weak) as handle:
+            weak().transform.inv(z)
+            assert handle.passes < handle.library_passes
+            handle.method = "sequential"   # one pass per feature: exactly the library's count
+            before = handle.passes
+            assert torch.equal(weak().transform.inv(z), want)
+            assert handle.method == "sequential" and handle.passes - before == 12
+            handle.method = SlidingJacobi(2)
+            assert handle.method == "sliding_jacobi" and "sliding_jacobi" in repr(handle)
+
+
+@pytest.mark.parametrize(("name", "value", "exc", "match"), [
+    ("tol", -1, ValueError, r"tol must be a number >= 0, got -1"),
+    ("method", "newton", ValueError, r"unknown method='newton'; choose one of sequential, jacobi"),
+    ("max_iters", 0, ValueError, r"max_iters must be a positive int or None, got 0"),
+    ("throw", 1, TypeError, r"throw must be a bool, got 1"),
+    ("passes", 3, AttributeError, r"Accelerated.passes is read-only: the settings that may be "
+                                  r"assigned after paraprop.flows.accelerate are method, tol, "
+                                  r"max_iters, throw"),
+    ("active", False, AttributeError, r"Accelerated.active is read-only"),
+    ("flow", None, AttributeError, r"Accelerated.flow is read-only"),
+    ("tolerance", 0.0, AttributeError, r"Accelerated.tolerance is not a setting.*call undo\(\) "
+                                       r"and accelerate the flow again"),
+])
+def test_a_bad_setting_on_the_handle_is_refused_by_name(name, value, exc, match):
+    flow = zuko.flows.MAF(3, transforms=1)
+    with accelerate(flow, tol=0.1) as handle:
+        with pytest.raises(exc, match=match):
+            setattr(handle, name, value)
+        assert (handle.tol, handle.method, handle.max_iters, handle.throw, handle.active) == (
+            0.1, "jacobi", None, True, True)   # nothing changed
+    with pytest.raises(AttributeError, match="cannot be deleted"):
+        del handle.tol
+
+
+# -- 8. the library's own NaN: NonFiniteError, the same for every method ---------------------------
+ALL_METHODS = ["jacobi", "sliding_jacobi", "gs_jacobi", "jacobi_gs", "anderson", "sequential",
+               SlidingJacobi(2), GSJacobi(2)]
+
+
+def test_a_library_nan_raises_for_every_method_and_tol():
+    """nflows' quadratic and cubic splines in bf16: the library's inverse is NaN for one sample
+    (its root formula rounds outside its domain, then 0 * NaN spreads through the masked
+    network). Every method at every tol raises NonFiniteError naming that sample and feature;
+    before, sliding_jacobi returned converged=True with finite values where the library has
+    NaN, and raised NotTriangularError blaming dropout at tol=0."""
+    from nflows.transforms import CompositeTransform, RandomPermutation
+    from nflows.transforms import MaskedPiecewiseCubicAutoregressiveTransform as Cubic
+    from nflows.transforms import MaskedPiecewiseQuadraticAutoregressiveTransform as Quadratic
+
+    torch.manual_seed(0)
+    t = CompositeTransform([Quadratic(5, 8, num_bins=4, tails="linear"), RandomPermutation(5),
+                            Cubic(4, 5, 8)]).to(torch.bfloat16)
+    y = (torch.rand(6, 5) * 0.8 + 0.1).bfloat16()
+    with torch.no_grad():
+        library = t.inverse(y)[0]
+        assert torch.isnan(library).any(-1).tolist() == [False, True, False, False, False, False]
+        for method in ALL_METHODS:
+            for tol in (0.0, 1e-2, 0.1):
+                with pytest.raises(paraprop.NonFiniteError,
+                                   match=r"the inverse of the autoregressive part "
+                                         r"'_transforms.0' \(MaskedPiecewiseQuadratic\w+\) has a "
+                                         r"non-finite value \(NaN or inf\) at sample 1, feature 4, "
+                                         r"computed (from features that are final|in pass 2 of "
+                                         r"the library's own loop).*undo\(\)"):
+                    parallel_inverse(t, y, method=method, tol=tol, throw=False)
+        with accelerate(t, tol=0.01, method="sliding_jacobi"), \
+                pytest.raises(paraprop.NonFiniteError, match="sample 1, feature 4"):
+            t.inverse(y)
+
+
+@pytest.mark.parametrize("name", ["zuko MAF", "nflows MAF", "normflows MAF"])
+def test_a_nan_in_the_points_raises_naming_sample_and_feature(name):
+    """A NaN in the points: the library's first pass computes it (and spreads it to the
+    sample's every feature): every method names the sample and the feature."""
+    build, inv = {
+        "zuko MAF": (lambda: zuko.flows.MAF(5, transforms=2), lambda f: f),
+        "nflows MAF": (lambda: _nflows_maf(5), lambda f: f),
+        "normflows MAF": (lambda: _normflows("maf", 5), lambda f: f),
+    }[name]
+    flow = _seeded(build).to(F64).eval()
+    y = torch.randn(4, 5, dtype=F64, generator=torch.Generator().manual_seed(2))
+    y[2, 3] = float("nan")
+    with torch.no_grad():
+        for method in ALL_METHODS:
+            with pytest.raises(paraprop.NonFiniteError,
+                               match=r"has a non-finite value \(NaN or inf\) at sample 2, "
+                                     r"feature \d, computed"):
+                parallel_inverse(inv(flow), y, method=method)
+
+
+# -- 9. never more passes than the library's loop ------------------------------------------------
+PASSES = {   # name: (build a strongly coupled flow, the library's call that runs the loop)
+    "zuko MAF": (lambda: _coupled(4.0), lambda f, z: f().transform.inv(z)),
+    "zuko MAF, coupling passes=2": (lambda: _coupled(4.0, passes=2),
+                                    lambda f, z: f().transform.inv(z)),
+    "zuko MAF, random order": (lambda: _coupled(4.0, randperm=True),
+                               lambda f, z: f().transform.inv(z)),
+    "nflows MAF": (lambda: _scaled(_nflows_maf(6), 3.0),
+                   lambda f, z: torch.cat([t.reshape(len(z), -1) for t in
+                                           f._transform.inverse(z)], 1)),
+    "normflows MAF": (lambda: _scaled(_normflows("maf", 6), 3.0),
+                      lambda f, z: torch.cat([t.reshape(len(z), -1)
+                                              for t in f.inverse_and_log_det(z)], 1)),
+}
+
+
+def _scaled(flow, scale):
+    flow = flow.to(F64).eval()
+    with torch.no_grad():
+        for p in flow.parameters():
+            p.mul_(scale)
+    return flow
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("name", list(PASSES))
+def test_never_more_passes_than_the_library(name, grad):
+    """Every method, every tol, with and without gradients: the passes of each inverse (the
+    final and the differentiable one included) are at most the library's; before, a strongly
+    coupled MAF took D + 1 per transform (the verifying pass), and the block methods more."""
+    build, call = PASSES[name]
+    flow = _seeded(build)
+    z = torch.randn(8, 6, dtype=F64, generator=torch.Generator().manual_seed(3))
+    with torch.set_grad_enabled(grad):
+        want = call(flow, z)
+        for method in ALL_METHODS:
+            for tol in (0.0, 1e-3):
+                with accelerate(flow, method=method, tol=tol) as handle:
+                    got = call(flow, z)
+                assert 0 < handle.passes <= handle.library_passes, (method, tol, handle.passes)
+                if tol == 0:
+                    assert torch.equal(got, want), method
+
+
+def test_the_stats_say_how_each_inverse_ended():
+    """A solver whose passes may not add a final feature is stopped where the budget would run
+    out, and the library's own loop finishes from the features proven exact (stats say so)."""
+    flow = _coupled(4.0)
+    z = torch.randn(8, 6, dtype=F64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = flow().transform.inv(z)
+        for method, start in (("jacobi", "exact prefix"), (GSJacobi(2), "budget")):
+            x, sol = parallel_inverse(flow, z, method=method, tol=1e-3)
+            assert sol.converged and torch.equal(x, want)
+            for part in sol.stats["parts"]:
+                st = part.stats
+                assert st["finished_by"].startswith(start), st["finished_by"]
+                assert part.evaluations == st["sequential_steps"] <= st["library_passes"] == 6
+                assert (st["fallback_passes"] > 0) == (start == "budget")

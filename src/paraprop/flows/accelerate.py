@@ -14,10 +14,13 @@ with dropout or another stochastic layer in an autoregressive network) at every 
 call, since ``flow.train()`` / ``flow.eval()`` may be switched at any time after
 :func:`accelerate`.
 
-Saving: ``pickle`` / ``torch.save`` of an accelerated flow saves the flow, not the patch: it
-loads as the library's plain flow (apply :func:`accelerate` again after loading).
-``copy.deepcopy`` copies the patch with the flow (the copy is accelerated, bound to its own
-modules). The :class:`Accelerated` handle itself refuses to be pickled.
+Saving and copying: ``pickle`` / ``torch.save`` / ``copy.deepcopy`` of an accelerated flow
+copies the flow, not the patch: the copy is the library's plain flow (apply :func:`accelerate`
+to it for a handle of its own). The :class:`Accelerated` handle itself refuses to be pickled or
+copied.
+
+Settings assigned on the handle after :func:`accelerate` (``handle.tol = 0``) are checked at
+once and honoured from the next call on; other attributes of the handle are read-only.
 """
 
 from __future__ import annotations
@@ -39,28 +42,70 @@ class Accelerated:
     """The handle :func:`accelerate` returns: ``undo()`` restores the flow; a context manager
     that undoes on exit (also on an exception).
 
+    Settings (assignable; checked as :func:`accelerate` checks them, and honoured from the next
+    accelerated call on, by every part): ``method``, ``tol``, ``max_iters``, ``throw``. Every
+    other attribute is read-only: assigning one raises ``AttributeError`` naming it.
+
     Attributes:
         flow: the accelerated flow.
         parts: the patched autoregressive modules (each library's, in module order).
         inversions, passes, library_passes: counters since :func:`accelerate`: autoregressive
-            inverses solved, the passes (network evaluations) they took, and the passes the
-            library's own loops would have taken.
+            inverses solved, the passes (network evaluations, the final and differentiable
+            ones included) they took, and the passes the library's own loops would have taken
+            (never fewer: see :func:`paraprop.flows.parallel_inverse`).
         active: ``False`` once undone.
     """
 
+    SETTINGS = ("method", "tol", "max_iters", "throw")
+
     def __init__(self, flow: nn.Module, parts: list[tuple[object, nn.Module]],
                  cfg: core.Settings):
-        self.flow = flow
-        self.parts = tuple(p for _, p in parts)
-        self._counters = core.Counters()
+        d = self.__dict__
+        d["flow"], d["parts"] = flow, tuple(p for _, p in parts)
+        d["_cfg"], d["_counters"] = cfg, core.Counters()
         names = {id(m): name for name, m in flow.named_modules()}
         for adapter, part in parts:
             core.install(part, adapter.ATTRIBUTE, adapter.accelerated,
                          core.Patch(cfg, self._counters, adapter.ATTRIBUTE,
                                     where=names.get(id(part), "")))
-        self.active = True
-        self.method, self.tol, self.max_iters, self.throw = (cfg.solver.name, cfg.tol,
-                                                            cfg.max_iters, cfg.throw)
+        d["active"] = True
+
+    # -- the settings: one Settings object shared by every part's patch ----------------------
+    @property
+    def method(self) -> str:
+        """The solve's method (its name); assign a name or a solver object."""
+        return self._cfg.solver.name
+
+    @property
+    def tol(self) -> float:
+        return self._cfg.tol
+
+    @property
+    def max_iters(self) -> int | None:
+        return self._cfg.max_iters
+
+    @property
+    def throw(self) -> bool:
+        return self._cfg.throw
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in self.SETTINGS:
+            what = ("is not a setting" if not hasattr(self, name) else "is read-only")
+            raise AttributeError(
+                f"Accelerated.{name} {what}: the settings that may be assigned after "
+                f"paraprop.flows.accelerate are {', '.join(self.SETTINGS)} (honoured from the "
+                "next accelerated call on); for anything else call undo() and accelerate the "
+                "flow again")
+        cfg = self._cfg
+        new = core.settings(value if name == "method" else cfg.solver,
+                            value if name == "tol" else cfg.tol,
+                            value if name == "max_iters" else cfg.max_iters,
+                            value if name == "throw" else cfg.throw)
+        cfg.solver, cfg.tol, cfg.max_iters, cfg.throw = (new.solver, new.tol, new.max_iters,
+                                                         new.throw)
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"Accelerated.{name} cannot be deleted")
 
     @property
     def inversions(self) -> int:
@@ -78,14 +123,15 @@ class Accelerated:
         """Restore the library's own methods on every patched part (again: nothing)."""
         for part in self.parts:
             core.remove(part)
-        self.active = False
+        self.__dict__["active"] = False
 
     def __reduce__(self):
         raise TypeError(
-            "an Accelerated handle (from paraprop.flows.accelerate) cannot be pickled: it "
-            "patches live modules. Pickle or torch.save the flow itself instead: it loads as "
-            "the library's plain flow (call paraprop.flows.accelerate on it again after "
-            "loading); or call undo() first")
+            "an Accelerated handle (from paraprop.flows.accelerate) cannot be pickled or "
+            "copied: it patches live modules. Pickle, torch.save or copy.deepcopy the flow "
+            "itself instead: it loads (or copies) as the library's plain flow (call "
+            "paraprop.flows.accelerate on the copy for a handle of its own); or call undo() "
+            "first")
 
     def __enter__(self) -> Accelerated:
         return self
@@ -115,8 +161,11 @@ def accelerate(flow: nn.Module, *, method="jacobi", tol: float = 0.0,
     is refused with :class:`paraprop.StochasticModelError` (call ``flow.eval()``, or ``undo()``
     to run the library's own loop). Gradients are first order: a second differentiation
     (``create_graph=True`` then another backward, a gradient penalty) raises
-    ``NotImplementedError`` instead of returning a wrong value. Pickling or ``torch.save`` saves
-    the plain flow (it loads without the patch); the handle refuses to be pickled.
+    ``NotImplementedError`` instead of returning a wrong value. Pickling, ``torch.save`` and
+    ``copy.deepcopy`` copy the plain flow (without the patch); the handle refuses to be pickled.
+    Each inverse takes at most the passes of the library's own loop (see
+    :func:`paraprop.flows.parallel_inverse`); a NaN or inf the library's loop computes raises
+    :class:`paraprop.NonFiniteError` naming the part, the sample and the feature.
 
     Which calls get faster is where the library runs that loop: sampling for zuko and nflows
     (``flow().sample``, ``rsample``, ``Flow.sample``, ``sample_and_log_prob``) and for normflows'
@@ -135,7 +184,8 @@ def accelerate(flow: nn.Module, *, method="jacobi", tol: float = 0.0,
             first; ``False`` uses the unconverged value.
 
     Returns:
-        An :class:`Accelerated` handle (``undo()``, context manager, pass counters).
+        An :class:`Accelerated` handle (``undo()``, context manager, pass counters; its
+        ``method``, ``tol``, ``max_iters`` and ``throw`` may be assigned later).
 
     Raises:
         TypeError: ``flow`` is not an ``nn.Module``; bad ``method`` or ``throw`` types.

@@ -27,8 +27,9 @@ call, so there is no fixed point, and the library's own loop returns a different
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import math
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -37,7 +38,7 @@ from torch import nn
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
 from paraprop.determinism import require_deterministic
-from paraprop.errors import StochasticModelError
+from paraprop.errors import ConvergenceError, NonFiniteError, StochasticModelError
 from paraprop.first_order import refuse_second_order
 from paraprop.result import Solution
 from paraprop.solve import solve
@@ -68,44 +69,295 @@ def settings(method, tol, max_iters, throw) -> Settings:
 
 def invert_part(h: Callable[[torch.Tensor], torch.Tensor], y: torch.Tensor,
                 order: torch.Tensor | None, cfg: Settings,
-                record: Callable[[Solution], None]) -> torch.Tensor:
-    """The fixed point of ``x = h(x)`` (``h`` triangular in ``order``), differentiable.
+                record: Callable[[Solution], None], *, passes: int,
+                where: str = "") -> torch.Tensor:
+    """The fixed point of ``x = h(x)`` (``h`` triangular in ``order``), differentiable, in at
+    most ``passes`` evaluations of ``h`` (the library's own loop: every pass counted, the
+    differentiable one included).
 
     Arguments:
         h: one pass of the library's inverse loop, ``x -> f_x^{-1}(y)``.
         y: the point being inverted (its shape is the shape of ``x``; the last dim is the
             features).
-        order: the rank of each feature in the transform's order (``None``: natural order).
+        order: the rank of each feature in the transform's order (``None``: natural order);
+            features of equal rank form one group (they do not read each other).
         cfg: the solver settings.
-        record: called with the :class:`Solution` of the solve.
+        record: called with the :class:`Solution` of the inverse (``evaluations``: every pass).
+        passes: the passes of the library's own loop: the budget.
+        where: the part, for messages.
     """
+    grad = torch.is_grad_enabled()
     with torch.no_grad():
-        x = _ordered_solve(h, y, order, cfg, record)
-    if torch.is_grad_enabled():
-        x = _implicit(h, x)
+        run = tracked_solve(h, y, order, cfg, passes=passes, where=where)
+    extra = 1
+    if grad:
+        x = _implicit(h, run.x, run.groups)
+    elif run.complete or run.sol is not None:   # exact already, or the solver's own value
+        x, extra = run.x, 0
+    else:                                       # exact but for the last group: one pass
+        x = h(run.x)
+    check_finite(x, where)
+    record(run.solution(x.detach(), extra))
     return x
 
 
-def _ordered_solve(h, y, order, cfg, record):
-    """Solve ``x = h(x)`` from zeros along the last dim, positions sorted by ``order``; the
-    recorded Solution's value is in feature order, like the result."""
-    def run(fn, back=None):
-        sol = solve(fn, torch.zeros_like(y), method=cfg.solver, tol=cfg.tol,
-                    max_iters=cfg.max_iters, throw=cfg.throw)
-        if back is not None:
-            sol = dataclasses.replace(sol, value=sol.value.index_select(-1, back))
-        record(sol)
-        return sol.value
+@dataclasses.dataclass
+class Run:
+    """What :func:`tracked_solve` found: ``x`` (feature order, no graph) is either the solver's
+    own value (``sol`` set: it stopped by its own rule) or values proven exact on every group
+    but possibly the last (``sol`` ``None``; ``complete``: on every group), so that one more
+    pass gives the exact inverse."""
 
-    if order is None or torch.equal(order, torch.arange(len(order), device=order.device)):
-        return run(h)
-    perm = torch.argsort(order, stable=True)  # position k of the solve is feature perm[k]
-    inv = torch.argsort(perm)
+    x: torch.Tensor
+    sol: Solution | None
+    complete: bool
+    exact: bool          # one more pass at x is the exact inverse (or x is)
+    groups: int
+    evaluations: int
+    budget: int
+    method: str
+    D: int
+    why: str             # how it ended, for stats["finished_by"]
+    time_s: float
+    cap: int | None = None
+    fallback: int = 0    # passes of the library's loop after the budget stopped the solver
 
-    def permuted(xp):
-        return h(xp.index_select(-1, inv)).index_select(-1, perm)
+    def solution(self, value: torch.Tensor, extra: int) -> Solution:
+        """The part's Solution, ``value`` its result, ``extra`` the passes run after the solve
+        (the final or differentiable pass)."""
+        total = self.evaluations + extra
+        common = {"sequential_steps": total, "library_passes": self.budget,
+                  "groups": self.groups, "finished_by": self.why,
+                  "fallback_passes": self.fallback}
+        if self.sol is not None:
+            return dataclasses.replace(self.sol, value=value, evaluations=total,
+                                       stats={**self.sol.stats, **common})
+        stats = {"positions": total * self.D, "bound": self.groups, "T": self.D,
+                 "error_estimate": 0.0 if self.exact else float("inf"),
+                 "verification": "exact prefix" if self.exact else "none",
+                 "time_s": self.time_s, **common}
+        if not self.exact:
+            stats["not_converged"] = (f"max_iters={self.cap} ended the passes before every "
+                                      "feature was proven exact")
+        return Solution(value=value, method=self.method, iterations=self.evaluations,
+                        evaluations=total, converged=self.exact,
+                        residuals=torch.empty(0, dtype=torch.float64), stats=stats)
 
-    return run(permuted, inv)
+
+def _groups(keys: torch.Tensor) -> torch.Tensor:
+    """The group of each position from its nondecreasing ``keys`` (equal keys: one group)."""
+    if keys.numel() == 0:
+        return keys.to(torch.long)
+    step = (keys[1:] != keys[:-1]).to(torch.long)
+    return torch.cat([torch.zeros(1, dtype=torch.long, device=keys.device), step.cumsum(0)])
+
+
+def tracked_solve(h, y, order, cfg, *, passes: int, where: str = "") -> Run:
+    """Solve ``x = h(x)`` from zeros, positions sorted by ``order``, in at most ``passes``
+    evaluations of ``h`` together with the one pass that follows (see :class:`Passes`)."""
+    start = time.perf_counter()
+    D = y.shape[-1]
+    if order is None:
+        keys, perm = torch.arange(D, device=y.device), None
+    else:
+        order = order.to(y.device)
+        perm = torch.argsort(order, stable=True)   # position k of the solve is feature perm[k]
+        keys = order.index_select(0, perm)
+        if torch.equal(perm, torch.arange(D, device=y.device)):   # already in order
+            perm = None
+    fn = h
+    if perm is not None:
+        inv = torch.argsort(perm)
+
+        def fn(xp):
+            return h(xp.index_select(-1, inv)).index_select(-1, perm)
+
+    tracker = Passes(fn, _groups(keys), budget=passes, where=where, method=cfg.solver.name,
+                     features=perm)
+    sol = None
+    if y.numel():
+        try:
+            sol = solve(tracker, torch.zeros_like(y), method=cfg.solver, tol=cfg.tol,
+                        max_iters=cfg.max_iters, throw=cfg.throw)
+        except _Stop:
+            pass
+    if sol is None:
+        exact = tracker.finish(cfg.max_iters)
+        x, complete = tracker.value(y), tracker.p_min >= tracker.G
+        why = ("max_iters" if not exact else
+               f"budget: the {cfg.solver.name} passes could have exceeded the library's "
+               f"{passes}; {tracker.fallback} passes of the library's own loop went on from the "
+               "features proven exact" if tracker.stopped == "budget" else
+               "exact prefix: every feature proven exact but for the last group, which the "
+               "final pass computes")
+        if not exact and cfg.throw:
+            raise ConvergenceError(
+                f"paraprop.flows: the inverse of {where or 'an autoregressive part'} did not "
+                f"converge within max_iters={cfg.max_iters} passes (the library's loop takes "
+                f"{passes}); pass max_iters=None, or throw=False for the unconverged value")
+    else:
+        x, exact, complete, why = sol.value, sol.converged, False, "solver"
+    if perm is not None:
+        x = x.index_select(-1, torch.argsort(perm))
+    return Run(x=x, sol=sol, complete=complete, exact=exact, groups=tracker.G,
+               evaluations=tracker.evals, budget=passes, method=cfg.solver.name, D=D, why=why,
+               time_s=time.perf_counter() - start, cap=cfg.max_iters,
+               fallback=tracker.fallback)
+
+
+class _Stop(Exception):
+    """Ends the solver's loop from inside a pass; :class:`Passes` keeps what it proved."""
+
+
+class Passes:
+    """The map the solve iterates: one pass of the library's loop in solve order, which proves
+    from the passes themselves what is exact, and keeps the solve within the library's passes.
+
+    The proof (triangular ``h``, finite ``x``): position ``k`` of ``h(x)`` reads only groups
+    before its own. Let ``q`` be the first position where ``h(x)`` differs from ``x``: every
+    group before ``q``'s is then exact in ``x`` (group 0 of ``h(x)`` reads nothing; a position
+    of ``x`` equal to ``h(x)`` computed from exact groups is exact, and so on), so ``h(x)`` is
+    exact on every group up to ``q``'s. Exact values are unique, so they are kept (``E``, the
+    first ``P`` groups of each sample) whatever the solver does next.
+
+    The budget: the solve may spend a pass only if, after it, the passes still needed in the
+    worst case (one per group not yet exact, but for the last, which the final pass gives)
+    keep the total within the library's ``budget``. A pass whose input agrees with the proven
+    values on their whole prefix is sure to add a group, so Jacobi (whose passes are the
+    library's) always runs; a solver whose passes may not add one is stopped where the budget
+    would run out, and the library's own loop goes on from the proven values
+    (:meth:`finish`): never more passes than the library's loop takes. As soon as every sample
+    is exact but for its last group, the solve stops: the final pass gives the exact inverse,
+    with no verifying pass (the proof above is the verification).
+
+    Non-finite values: a NaN or inf that ``h`` computes from exact inputs is the sequential
+    result's own (the library's loop computes it too); one computed, in the library's own pass
+    (``x`` is bitwise the library's iterate: zeros, then each pass's output), from positions
+    not final yet is met by the library's loop too, and spreads from there (``0 * inf`` and NaN
+    reach every feature of a masked network). Both raise :class:`NonFiniteError` naming the
+    part, the sample and the feature, for every method. Any other one comes from an iterate of
+    another method that the library's loop never computes: the solver keeps its old value.
+    """
+
+    def __init__(self, h, gid: torch.Tensor, *, budget: int, where: str, method: str,
+                 features: torch.Tensor | None):
+        self.h, self.gid = h, gid
+        self.G = int(gid[-1]) + 1 if gid.numel() else 0
+        self.budget, self.where, self.method, self.features = budget, where, method, features
+        self.evals = 0
+        self.budgeted = True
+        self.stopped = "exact"   # why the solver was stopped: "exact" or "budget"
+        self.fallback = 0        # passes of the library's loop after it (:meth:`finish`)
+        self.p_min = 0           # host copy of P.min()
+        self.E = self.P = self.chain = self.last = self.shape = None
+
+    def _need(self, p_min: int) -> int:
+        """Passes still needed after this one (the final pass included), worst case."""
+        return max(self.G - 1 - p_min, 0) + 1
+
+    def _worst(self, xf: torch.Tensor) -> int:
+        """The least proven prefix after a pass at ``xf``: a sample whose input agrees with its
+        proven values on groups ``< k`` gets groups ``<= k`` exact."""
+        known = self.gid[None, :] < self.P[:, None]
+        off = known & (xf != self.E)
+        first = off.to(torch.int8).argmax(1)
+        k = torch.where(off.any(1), self.gid[first], self.P)
+        return int(torch.maximum(self.P, (k + 1).clamp(max=self.G)).min())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.reshape(-1, x.shape[-1])
+        if self.E is None:
+            self.shape = x.shape
+            self.E = torch.zeros_like(xf)
+            self.P = torch.zeros(xf.shape[0], dtype=torch.long, device=xf.device)
+            self.chain = (xf == 0).all(1)
+        else:
+            self.chain = self.chain & (xf == self.last).all(1)
+        if self.budgeted and self.evals + 1 + self._need(self.p_min) > self.budget \
+                and self.evals + 1 + self._need(self._worst(xf)) > self.budget:
+            self.stopped = "budget"
+            raise _Stop
+        y = self.h(x)
+        self.evals += 1
+        if not self.budgeted:
+            self.fallback += 1
+        self._learn(xf, y.reshape(xf.shape))
+        if self.budgeted and self.p_min >= self.G - 1:
+            self.stopped = "exact"
+            raise _Stop
+        return y
+
+    def _learn(self, xf: torch.Tensor, yf: torch.Tensor) -> None:
+        fin = torch.isfinite(xf).all(1)       # the triangular argument needs a finite input
+        differ = xf != yf                      # NaN differs
+        first = differ.to(torch.int8).argmax(1)
+        m = torch.where(differ.any(1), self.gid[first], self.G)   # h(x) exact on groups <= m
+        new = torch.where(fin, (m + 1).clamp(max=self.G), 0)
+        self.E = torch.where(self.gid[None, :] < new[:, None], yf, self.E)
+        self.P = torch.maximum(self.P, new)
+        bad = ~torch.isfinite(yf) & fin[:, None]
+        p_min, nonfinite = torch.stack([self.P.min(), bad.any().to(torch.long)]).tolist()
+        self.p_min = p_min
+        self.last = yf.clone()
+        if nonfinite:
+            self._non_finite(bad, m)
+
+    def _non_finite(self, bad: torch.Tensor, m: torch.Tensor) -> None:
+        exact = bad & (self.gid[None, :] <= m[:, None])
+        exactly = bool(exact.any())
+        mask = exact if exactly else bad & self.chain[:, None]
+        if not exactly and not bool(mask.any()):
+            return   # only in other methods' iterates: the solver keeps the old values
+        b, k = (int(i) for i in mask.nonzero()[0])
+        feature = int(self.features[k]) if self.features is not None else k
+        raise_non_finite(self.where, self.shape[:-1], b, feature, EXACT if exactly else (
+            f"computed in pass {self.evals} of the library's own loop (method "
+            f"{self.method!r} ran exactly its passes up to here) from features not final "
+            "yet: the library's loop meets it too, and from there its result is not the "
+            "exact inverse (0 * inf and NaN reach every feature of a masked network)"))
+
+    def finish(self, cap: int | None) -> bool:
+        """Passes of the library's loop from the proven values until every sample is exact but
+        for its last group, within the budget and ``cap`` (total passes); ``False`` if ``cap``
+        ended them first."""
+        self.budgeted = False
+        if self.E is None:   # stopped before any pass (one group: the final pass is all)
+            return True
+        while self.p_min < self.G - 1 and self.evals + 1 < self.budget:
+            if cap is not None and self.evals >= cap:
+                return False
+            self(self.E.reshape(self.shape))
+        return self.p_min >= self.G - 1
+
+    def value(self, y: torch.Tensor) -> torch.Tensor:
+        """The proven values, shaped like ``y`` (zeros where nothing was computed)."""
+        return torch.zeros_like(y) if self.E is None else self.E.reshape(y.shape)
+
+
+EXACT = ("computed from features that are final (the sequential result's own value): the "
+         "library's own loop computes it too")
+
+
+def raise_non_finite(where: str, batch, b: int, feature: int, how: str) -> None:
+    """:class:`NonFiniteError` for sample ``b`` (flat over ``batch``) at ``feature``."""
+    sample = tuple(int(i) for i in torch.unravel_index(torch.tensor(b), tuple(batch))) \
+        if len(batch) != 1 else b
+    part = f"the autoregressive part {where}" if where else "an autoregressive part"
+    raise NonFiniteError(
+        f"paraprop.flows: the inverse of {part} has a non-finite value (NaN or inf) at sample "
+        f"{sample}, feature {feature}, {how}. paraprop does not return it: check the inputs and "
+        "the weights (in bf16 / fp16 a larger dtype may not overflow), or run the library's "
+        "own loop (undo() on the paraprop.flows.accelerate handle) for its value")
+
+
+def check_finite(x: torch.Tensor, where: str) -> None:
+    """The result of an inverse must be finite (:func:`raise_non_finite` otherwise): its last
+    pass computes every feature from final ones."""
+    bad = ~torch.isfinite(x.detach())
+    if not bool(bad.any()):
+        return
+    b, k = (int(i) for i in bad.reshape(-1, x.shape[-1]).nonzero()[0])
+    raise_non_finite(where, x.shape[:-1], b, k, EXACT)
 
 
 SECOND_ORDER = (
@@ -116,25 +368,20 @@ SECOND_ORDER = (
     "the flow outside its `with` block), or call the library instead of parallel_inverse")
 
 
-def _implicit(h, x_star: torch.Tensor) -> torch.Tensor:
-    """``h(x_star)`` (bitwise ``x_star`` at a fixed point) carrying the gradient of the fixed
-    point: the gradient arriving at it is replaced by ``(I - N)^{-T} v``, ``N = ∂h/∂x``."""
+def _implicit(h, x_star: torch.Tensor, groups: int) -> torch.Tensor:
+    """``h(x_star)`` (bitwise the inverse when ``x_star`` is exact on every group but the
+    last) carrying the gradient of the fixed point: the gradient arriving at it is replaced by
+    ``(I - N)^{-T} v``, ``N = ∂h/∂x``."""
     out = h(x_star)
     if not out.requires_grad:   # nothing upstream needs a gradient
         return out
-    bound = x_star.shape[-1] + 1
 
     def adjoint(v: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
             x0 = x_star.detach().requires_grad_(True)
             hx = h(x0)
-            u = v
-            for _ in range(bound):   # u_k exact in its last k positions: at most D + 1 steps
-                (nu,) = torch.autograd.grad(hx, x0, u, retain_graph=True)
-                nu = v + nu
-                if torch.equal(nu, u):
-                    break
-                u = nu
+            u = _neumann(v, lambda w: torch.autograd.grad(hx, x0, w, retain_graph=True)[0],
+                         groups)
         if torch.is_grad_enabled():   # a graph is wanted (create_graph=True): u has none
             # u depends on v and, through N, on everything `out` depends on (parameters,
             # points, context): the refusing node hangs from both, so that a second
@@ -145,6 +392,20 @@ def _implicit(h, x_star: torch.Tensor) -> torch.Tensor:
 
     out.register_hook(adjoint)
     return out
+
+
+def _neumann(v: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor],
+             groups: int) -> torch.Tensor:
+    """``u = (I - N^T)^{-1} v`` for ``N`` strictly triangular over ``groups`` groups:
+    ``u_k = v + N^T u_{k-1}`` is exact on its last ``k + 1`` groups, so ``u_{groups-1}`` is
+    ``u`` (``product(w) = N^T w``); it stops earlier at a bitwise fixed point."""
+    u = v
+    for _ in range(max(groups - 1, 0)):
+        nu = v + product(u)
+        if torch.equal(nu, u):
+            break
+        u = nu
+    return u
 
 
 def combine(parts: list[Solution], method: str, value: torch.Tensor, time_s: float) -> Solution:
@@ -194,6 +455,23 @@ def named_parts(root, parts: Iterable[nn.Module]) -> list[tuple[str, nn.Module]]
     class."""
     names = {id(m): n for n, m in root.named_modules()} if isinstance(root, nn.Module) else {}
     return [(names.get(id(m)) or f"#{i} ({type(m).__name__})", m) for i, m in enumerate(parts)]
+
+
+def part_names(root) -> dict[int, str]:
+    """``id(module) -> qualified name`` of the modules of ``root`` (empty: not a module)."""
+    return {id(m): n for n, m in root.named_modules()} if isinstance(root, nn.Module) else {}
+
+
+def part_name(names: dict[int, str], part) -> str:
+    """How messages name ``part``: its name in the flow and its class."""
+    name = names.get(id(part))
+    return f"{name!r} ({type(part).__name__})" if name else type(part).__name__
+
+
+def patch_name(part) -> str:
+    """:func:`part_name` of an accelerated part (its name in the accelerated flow)."""
+    where = patch_of(part).where
+    return f"{where!r} ({type(part).__name__})" if where else type(part).__name__
 
 
 def check_parts(root, parts: Iterable[nn.Module]) -> None:
@@ -279,14 +557,83 @@ def made_step(part, y, context):
     return lambda x: part._elementwise_inverse(y, part.autoregressive_net(x, context))[0]
 
 
-def made_inverse(part, y, context, order, cfg, record):
+def made_inverse(part, y, context, order, cfg, record, *, where: str = ""):
     """``part.inverse(y, context)`` of an nflows ``AutoregressiveTransform`` or a normflows
-    ``Autoregressive``: ``(outputs, logabsdet)`` of the last pass, at the fixed point."""
-    if y.numel() == 0:   # nothing to solve: one pass gives the (empty) result
-        x = torch.zeros_like(y)
+    ``Autoregressive``: ``(outputs, logabsdet)`` of the last pass, at the fixed point, in at
+    most the library's ``D`` passes (the last one gives both, with the gradient)."""
+    passes = math.prod(y.shape[1:])   # the library's loop: one pass per input
+    with torch.no_grad():
+        run = tracked_solve(made_step(part, y, context), y, order, cfg, passes=passes,
+                            where=where)
+    if torch.is_grad_enabled():
+        outputs, ladj = _made_pass(part, y, context, run.x, run.groups)
     else:
-        x = invert_part(made_step(part, y, context), y, order, cfg, record)
-    return part._elementwise_inverse(y, part.autoregressive_net(x, context))
+        outputs, ladj = part._elementwise_inverse(y, part.autoregressive_net(run.x, context))
+    check_finite(outputs, where)
+    record(run.solution(outputs.detach(), 1))
+    return outputs, ladj
+
+
+def _made_pass(part, y, context, x_in: torch.Tensor, groups: int):
+    """The last pass, differentiable: ``(outputs, logabsdet)`` at ``x_in`` with the gradient of
+    the fixed point, in one network evaluation.
+
+    With ``p = net(x)`` the conditionals' parameters and ``x = g(y, p)`` the elementwise inverse,
+    the fixed point is ``p* = net(g(y, p*))``, triangular like ``x*``. A hook on ``p`` replaces
+    the gradient arriving there (from the outputs and from log|det|) by ``(I - M)^{-T} w``,
+    ``M = ∂net/∂x ∂g/∂p`` (:func:`_neumann`); ``p``'s own backward then gives the parameters and
+    the context their gradients, and the network's input, linked to ``y`` by
+    :class:`_Attach`, the part of ``y``'s that runs through ``x*``."""
+    net, inverse = part.autoregressive_net, part._elementwise_inverse
+    holder: dict = {}
+    xq = _Attach.apply(x_in, y, holder, inverse) if y.requires_grad else x_in
+    p = net(xq, context)
+    holder["p"] = p.detach()
+    outputs, ladj = inverse(y, p)
+    if not p.requires_grad:
+        return outputs, ladj
+
+    def adjoint(w: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            x0 = x_in.detach().requires_grad_(True)
+            p0 = net(x0, None if context is None else context.detach())
+            pl = p0.detach().requires_grad_(True)
+            o0 = inverse(y.detach(), pl)[0]
+
+            def product(u):   # M^T u
+                (gx,) = torch.autograd.grad(p0, x0, u, retain_graph=True)
+                return torch.autograd.grad(o0, pl, gx, retain_graph=True)[0]
+
+            u = _neumann(w, product, groups)
+        if torch.is_grad_enabled():   # create_graph=True: refuse a second differentiation
+            (u,) = refuse_second_order(SECOND_ORDER, u, anchors=(w, p))
+        return u
+
+    p.register_hook(adjoint)
+    return outputs, ladj
+
+
+class _Attach(torch.autograd.Function):
+    """``x`` (its value) linked to the points ``y``: the gradient arriving at ``x`` goes on to
+    ``y`` through ``x = g(y, p)`` at the pass's parameters (``holder["p"]``, set after the
+    pass); ``x`` itself gets none (it is a value of the solve, not of the graph)."""
+
+    @staticmethod
+    def forward(ctx, x, y, holder, inverse):
+        ctx.save_for_backward(y)
+        ctx.holder, ctx.inverse = holder, inverse
+        return x.detach().clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        with torch.enable_grad():
+            yl = y.detach().requires_grad_(True)
+            out = ctx.inverse(yl, ctx.holder["p"])[0]
+            (gy,) = torch.autograd.grad(out, yl, g)
+        if torch.is_grad_enabled():
+            (gy,) = refuse_second_order(SECOND_ORDER, gy, anchors=(g, y))
+        return None, gy, None, None
 
 
 # -- patches on instances (accelerate) ----------------------------------------------------------
@@ -306,9 +653,9 @@ class Counters:
 class Patch:
     """One patched method of one part: the settings, and what to restore.
 
-    Pickling (``pickle``, ``torch.save``) does not carry a patch: the part comes back with the
-    library's own method (see :class:`Bound`), and this record as ``None``. ``copy.deepcopy``
-    carries it (the copy is accelerated too, bound to its own modules).
+    Neither pickling (``pickle``, ``torch.save``) nor ``copy.deepcopy`` carries a patch: the
+    part comes back with the library's own method (see :class:`Bound`), and this record as
+    ``None``; no handle would own a patched copy.
     """
 
     cfg: Settings
@@ -319,10 +666,6 @@ class Patch:
 
     def __reduce__(self):
         return (_no_patch, ())
-
-    def __deepcopy__(self, memo) -> Patch:
-        return Patch(copy.deepcopy(self.cfg, memo), copy.deepcopy(self.counters, memo),
-                     self.attribute, copy.deepcopy(self.saved, memo), self.where)
 
     def original(self, part) -> Callable:
         """The method as it was before the patch, bound to ``part``."""
@@ -351,9 +694,10 @@ class Bound:
     """``method`` bound to ``part``, installed as the part's instance attribute in place of the
     library's method (like ``types.MethodType``, with ``__func__`` and ``__self__``).
 
-    Pickled (``pickle``, ``torch.save``) it becomes the method it replaced, so a saved flow
-    loads as the library's plain flow: acceleration is a patch of live instances, not state.
-    ``copy.deepcopy`` binds the method to the copy.
+    Pickled (``pickle``, ``torch.save``) or deep-copied (``copy.deepcopy``) it becomes the
+    method it replaced, so a saved or copied flow is the library's plain flow: acceleration is a
+    patch of live instances owned by a handle, not state (apply
+    :func:`paraprop.flows.accelerate` to the copy for one of its own).
     """
 
     __slots__ = ("__func__", "__self__", "attribute")
@@ -370,9 +714,6 @@ class Bound:
         if saved is None:   # the class's method, looked up when the part loads
             return (getattr, (self.__self__, self.attribute))
         return (_same, (saved,))
-
-    def __deepcopy__(self, memo) -> Bound:
-        return Bound(self.__func__, copy.deepcopy(self.__self__, memo), self.attribute)
 
     def __repr__(self) -> str:
         return (f"<paraprop.flows accelerated {type(self.__self__).__name__}.{self.attribute} "

@@ -27,7 +27,7 @@ def inverse(t, y, context, cfg, record):
     t, context = _bind(t, context)
     _check(t, y, context)
     core.check_parts(root, _solved(t))
-    return _walk(t, y, context, cfg, record)
+    return _walk(t, y, context, cfg, record, core.part_names(root))
 
 
 def _bind(t, context):
@@ -72,17 +72,18 @@ def _solved(t):
         yield t
 
 
-def _walk(t, y, context, cfg, record):
+def _walk(t, y, context, cfg, record, names):
     from nflows.transforms import CompositeTransform
     from nflows.transforms.autoregressive import AutoregressiveTransform
 
     if isinstance(t, CompositeTransform):
         for part in reversed(list(t._transforms)):
-            y = _walk(part, y, context, cfg, record)
+            y = _walk(part, y, context, cfg, record, names)
         return y
     if not isinstance(t, AutoregressiveTransform):
         return t.inverse(y, context)[0]
-    return core.invert_part(core.made_step(t, y, context), y, None, cfg, record)
+    return core.invert_part(core.made_step(t, y, context), y, None, cfg, record,
+                            passes=math.prod(y.shape[1:]), where=core.part_name(names, t))
 
 
 # -- accelerate -----------------------------------------------------------------------------------
@@ -103,4 +104,5 @@ def accelerated(self, inputs, context=None):
         return patch.original(self)(inputs, context)
     core.check_accelerated(self)
     record = patch.recorder(math.prod(inputs.shape[1:]))
-    return core.made_inverse(self, inputs, context, None, patch.cfg, record)
+    return core.made_inverse(self, inputs, context, None, patch.cfg, record,
+                             where=core.patch_name(self))

@@ -65,7 +65,7 @@ def inverse(t, y, context, cfg, record):
     else:
         _check(t, y, context, contexts=True)
     core.check_parts(t, _solved(t))
-    return _walk(t, y, context, cfg, record)
+    return _walk(t, y, context, cfg, record, core.part_names(t))
 
 
 def _check(t, y, context, *, contexts: bool):
@@ -95,21 +95,22 @@ def _solved(t):
         yield t
 
 
-def _walk(t, y, context, cfg, record):
+def _walk(t, y, context, cfg, record, names):
     from normflows.core import NormalizingFlow
     from normflows.flows import Composite
 
     if isinstance(t, NormalizingFlow):
         for layer in reversed(t.flows):
-            y = _walk(layer, y, context, cfg, record)
+            y = _walk(layer, y, context, cfg, record, names)
         return y
     if isinstance(t, Composite):
         for layer in reversed(t._flows):
-            y = _walk(layer, y, None, cfg, record)
+            y = _walk(layer, y, None, cfg, record, names)
         return y
     if isinstance(t, _autoregressive()):
-        step = core.made_step(t, y, context)
-        return core.invert_part(step, y, order(t).to(y.device), cfg, record)
+        return core.invert_part(core.made_step(t, y, context), y, order(t).to(y.device), cfg,
+                                record, passes=math.prod(y.shape[1:]),
+                                where=core.part_name(names, t))
     return (t.inverse(y) if context is None else t.inverse(y, context=context))[0]
 
 
@@ -130,4 +131,4 @@ def accelerated(self, inputs, context=None):
     core.check_accelerated(self)
     record = patch.recorder(math.prod(inputs.shape[1:]))
     return core.made_inverse(self, inputs, context, order(self).to(inputs.device), patch.cfg,
-                             record)
+                             record, where=core.patch_name(self))

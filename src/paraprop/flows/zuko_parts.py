@@ -36,7 +36,8 @@ def inverse(t, y, context, cfg, record):
     t = _bind(t, context)
     _check(t, y)
     core.check_parts(root, [m for m in map(_module, _parts(t)) if m is not None])
-    return _walk(t, y, cfg, record)
+    names = core.part_names(root)
+    return _walk(t, y, cfg, record, names)
 
 
 def _bind(t, context):
@@ -121,16 +122,18 @@ def _check(t, y):
                              f"(the rows of y) or 1, got {tuple(c.shape)}")
 
 
-def _walk(t, y, cfg, record):
+def _walk(t, y, cfg, record, names):
     from zuko.transforms import AutoregressiveTransform, ComposedTransform
 
     if isinstance(t, ComposedTransform):
         for part in reversed(t.transforms):
-            y = _walk(part, y, cfg, record)
+            y = _walk(part, y, cfg, record, names)
         return y
     if not isinstance(t, AutoregressiveTransform):
         return t.inv(y)
-    return _solve(t.meta, _order(_module(t)), y, cfg, record)
+    lazy = _module(t)
+    return _solve(t.meta, _order(lazy), y, cfg, record, passes=t.passes,
+                  where=core.part_name(names, lazy))
 
 
 def _order(lazy) -> torch.Tensor:
@@ -141,8 +144,9 @@ def _order(lazy) -> torch.Tensor:
     return order
 
 
-def _solve(meta, order, y, cfg, record):
-    return core.invert_part(lambda x: meta(x).inv(y), y, order.to(y.device), cfg, record)
+def _solve(meta, order, y, cfg, record, *, passes, where):
+    return core.invert_part(lambda x: meta(x).inv(y), y, order.to(y.device), cfg, record,
+                            passes=passes, where=where)
 
 
 # -- accelerate -----------------------------------------------------------------------------------
@@ -177,7 +181,8 @@ def accelerated(self, c=None):
         core.check_accelerated(self)
         if y.numel() == 0:   # nothing to solve: one pass gives the (empty) result
             return meta(torch.zeros_like(y)).inv(y)
-        return _solve(meta, order, y, patch.cfg, patch.recorder(passes))
+        return _solve(meta, order, y, patch.cfg, patch.recorder(passes), passes=passes,
+                      where=core.patch_name(self))
 
     t._inverse = _inverse    # this transform only: zuko builds a fresh one per call
     return t
