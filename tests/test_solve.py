@@ -632,3 +632,33 @@ def test_the_rule_takes_rate_in_every_call_or_in_none():
     with pytest.raises(ValueError, match="ContractionRule: pass rate in every call or in none"):
         rule.update(torch.ones(2, dtype=torch.float64), 1.0, on,
                     rate=torch.ones(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("method", [Jacobi(), GSJacobi(3), JacobiGS(3)],
+                         ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_host_bookkeeping_agrees_with_the_tensor_path(monkeypatch, method, dtype):
+    """accept's (B,) bookkeeping runs on NumPy views on the host; with them off it runs the
+    tensor operators an accelerator runs: the same sweeps, stops and estimates, bitwise."""
+    from paraprop.solvers.stopping import ContractionRule
+
+    g = torch.Generator().manual_seed(1)
+    T, B = 12, 5
+    W = (torch.randn(T, T, generator=g) * 0.4).tril(-1)
+    scale = torch.logspace(-3, 1, B)[:, None]      # samples that stop at different sweeps
+
+    def fn(x):
+        return (torch.tanh(x.float() @ W.T + 1.0) * scale).to(x.dtype)
+
+    x0 = torch.zeros(B, T, dtype=dtype)
+    runs = []
+    for host in (True, False):
+        monkeypatch.setattr(ContractionRule, "host_arrays", property(lambda self, h=host: h))
+        for tol in (1e-2, 1e-4):
+            sol = paraprop.solve(fn, x0, method=method, tol=tol)
+            runs.append((sol.value, sol.iterations, sol.stats["error_estimate"],
+                         sol.stats["sample_iterations"], sol.residuals))
+    for a, b in zip(runs[:2], runs[2:], strict=True):
+        assert torch.equal(a[0], b[0]) and a[1:3] == b[1:3]
+        assert torch.equal(a[3], b[3]) and torch.equal(a[4], b[4])
+    assert len(set(runs[0][3].tolist())) > 1   # the samples did stop on their own

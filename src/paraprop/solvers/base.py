@@ -429,14 +429,16 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
     old = state.x[:, lo:hi]
     active = state.active
     all_active = state.extra.get("all_active", True)
-    host = new.device.type == "cpu"
+    rule = state.rule
+    # on the host the (B,) bookkeeping runs on NumPy views (the rule's arithmetic does too)
+    host = rule.host_arrays and new.device.type == "cpu"
     a = (new - old).abs_()  # (B, n, F): one pass over the difference serves both checks
     if exact > 0:
         head = a[:, :exact]
         # on the host one reduction answers whether a final position of an active sample
         # moved (NaN moves); the full check names the position
-        if not host or not float(head.amax() if all_active else torch.where(
-                active, head.amax(dim=(1, 2)), 0.0).amax()) <= tol:
+        if not host or not (float(head.amax()) if all_active else _masked_max(
+                head.amax(dim=(1, 2)), active)) <= tol:
             check_final(system, head.amax(dim=2), tol, active, lo)
     if norm == "max":
         res = a.amax(dim=(1, 2))
@@ -446,19 +448,39 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
         res = torch.where(kept.any(dim=1), torch.full_like(res, math.inf), res)
     if all_active:
         old.copy_(new)
+    else:
+        torch.where(active[:, None, None], new, old, out=old)
+    # the rounding floor of the positions that are not final (those before lo + exact are the
+    # sequential values bitwise, and do not move)
+    floor = lambda: _floor_arrays(state.x[:, lo + exact:hi], norm)   # noqa: E731
+    if host:
+        r = _host_array(res)
+        if all_active:
+            state.sample_iterations += 1
+            state.residual = float(r.max())
+        else:
+            act = active.numpy()
+            it = state.sample_iterations.numpy()
+            it += act
+            state.residual = float(np.where(act, r, 0.0).max())
+            # a sample that is not active can neither stop nor be held: an infinite difference
+            r = np.where(act, r, np.inf)
+        out = rule._update(r, tol, active, budget, None, floor, True, arrays=True)
+        if out is None or not rule.stopped:   # no sample stopped
+            return
+        stop, est = out
+        np.copyto(state.estimate.numpy(), est, where=stop)
+        state.active = torch.from_numpy(active.numpy() & ~stop)
+        state.extra["n_active"] = state.extra.get("n_active", active.numel()) - rule.n_stopped
+        return
+    if all_active:
         state.sample_iterations += 1
         state.residual = res.max()
     else:
-        torch.where(active[:, None, None], new, old, out=old)
         state.sample_iterations += active
         state.residual = torch.where(active, res, 0.0).max()
-        # a sample that is not active can neither stop nor be held: an infinite difference
         res = torch.where(active, res, math.inf)
-    # the rounding floor of the positions that are not final (those before lo + exact are the
-    # sequential values bitwise, and do not move)
-    rule = state.rule
-    out = rule._update(res, tol, active, budget, None,
-                       lambda: _floor_arrays(state.x[:, lo + exact:hi], norm), True)
+    out = rule._update(res, tol, active, budget, None, floor, True)
     if out is None or rule.stopped is False:   # no sample stopped (known on the host)
         return
     stop, est = out
@@ -466,6 +488,16 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
     state.active = active & ~stop
     if rule.n_stopped is not None:
         state.extra["n_active"] = state.extra.get("n_active", active.numel()) - rule.n_stopped
+
+
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's values as a NumPy array (a view; bfloat16, which NumPy lacks, widened)."""
+    return (t.to(torch.float64) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _masked_max(v: torch.Tensor, active: torch.Tensor) -> float:
+    """``max(v[active])`` of host ``(B,)`` tensors (0 where none), NaN propagating."""
+    return float(np.where(active.numpy(), _host_array(v), 0.0).max())
 
 
 def settle(state: State, at_bound: bool) -> bool:

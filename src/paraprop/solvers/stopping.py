@@ -23,10 +23,11 @@ the whole answer. paraprop's rules estimate the distance to the exact (sequentia
 * **Exact prefix** (all of them): after ``k`` iterations the first positions are exact by the
   triangular structure (Song et al. 2021, Prop. 1-2); at the bound everything is.
 
-All of them add the rounding floor of the dtype (one unit in the last place at the values' scale:
-what two evaluations from inputs within rounding of each other can differ by) and ignore ratios
-over steps at the rounding level (:class:`ContractionRule`): in bf16 and fp16 a ``tol`` below the
-floor is certified only by a bitwise fixed point or the exactness bound.
+All of them add the rounding floor of the dtype (one unit in the last place at the largest value
+that is not final: what rounding the iterate's value and the sequential one can add to their
+difference, :func:`paraprop.solvers.base.rounding_floor`) and ignore ratios over steps at the
+rounding level (:class:`ContractionRule`): in bf16 and fp16 a ``tol`` below the floor is certified
+only by a bitwise fixed point or the exactness bound.
 
 Windowed methods freeze positions before the whole sample is done. Each freeze may introduce its
 error estimate into the positions after it, so a freeze of ``m`` of the ``T`` positions is allowed
@@ -72,14 +73,17 @@ class ContractionRule:
 
     Call :meth:`update` once per iteration with the new differences of the samples that iterated;
     it returns ``(stop, estimate)``: which samples may stop, and the estimated error of each.
-    After the call, :attr:`stopped` says whether any sample stopped (``None`` on an accelerator,
-    where knowing it would cost a synchronisation).
+    After the call, :attr:`stopped` and :attr:`n_stopped` say whether and how many samples
+    stopped (``None`` on an accelerator, where knowing it would cost a synchronisation).
+    On the host the ``(B,)`` arithmetic runs on NumPy views of the rule's tensors.
 
     **Rounding.** In floating point the iteration is ``x_{k+1} = fl(f(x_k))`` and the sequential
     result ``x* = fl(f(x*))``; two evaluations from inputs within ``e`` of each other differ by
-    up to ``q e`` plus the two roundings, the floor ``r`` (:class:`Floor`). So ``|x_k - x*| <=
-    (q d_k + r) / (1 - q)``, and that is the estimate. A step ``d_{j-1} <= NOISE * u`` (``u``
-    one unit of the dtype at the values' scale) is rounding noise: a ratio over it says nothing
+    up to ``q e`` plus the two roundings, the floor ``r`` (:class:`Floor`; the sequential
+    value's own rounding grows with the error by ``slack = eps / 2`` of it). So ``|x_k - x*| <=
+    (q d_k + r) / (1 - q - slack)``, and that is the estimate. A step ``d_{j-1} <= NOISE * u``
+    (``u = eps m``, one unit of the dtype at the values' largest magnitude ``m``) is rounding
+    noise: a ratio over it says nothing
     about contraction (an accumulating map moving one unit in the last place per sweep shows
     ratios near 1 or anything else), so it counts as no contraction, and such a sample does not
     stop early on it (it goes on to a bitwise fixed point or the exactness bound). A ``tol``
@@ -122,6 +126,11 @@ class ContractionRule:
         self._host = self._tape.device.type == "cpu"
         self._ops = _NUMPY if self._host and dtype == torch.float64 else _TORCH
         self._views()
+
+    @property
+    def host_arrays(self) -> bool:
+        """Whether :meth:`update` computes on NumPy arrays (on the host)."""
+        return self._ops is _NUMPY
 
     def _views(self) -> None:
         ops = self._ops
@@ -186,8 +195,9 @@ class ContractionRule:
                                                         device=active.device)
         return out
 
-    def _update(self, d, tol, active, budget, rate, floor, all_active):
-        """:meth:`update`; ``None`` where no sample can stop (on the host)."""
+    def _update(self, d, tol, active, budget, rate, floor, all_active, arrays=False):
+        """:meth:`update`; ``None`` where no sample can stop (on the host). ``arrays``: return
+        the NumPy arrays themselves on the host."""
         rated = rate is not None
         if self._rated is None:
             self._rated = rated
@@ -209,7 +219,8 @@ class ContractionRule:
             self.stopped, self.n_stopped = False, 0
             return None
         with ops.quiet():
-            return self._estimate(d, small, active, tol, budget, rate, floor, all_active)
+            stop, est = self._estimate(d, small, active, tol, budget, rate, floor, all_active)
+        return (stop, est) if arrays else (ops.tensor(stop, None), ops.tensor(est, None))
 
     def _estimate(self, d, small, active, tol, budget, rate, floor, all_active):
         """The part of :meth:`_update` where a sample may stop."""
@@ -267,10 +278,11 @@ class ContractionRule:
     def _result(self, stop, est, host: bool):
         self.n_stopped = int(stop.sum()) if host else None
         self.stopped = None if self.n_stopped is None else self.n_stopped > 0
-        return self._ops.tensor(stop, None), self._ops.tensor(est, None)
+        return stop, est
 
 
 _INF = float("inf")
+_FMAX = float(np.finfo(np.float64).max)
 
 
 class _TorchOps:
@@ -349,7 +361,10 @@ class _NumPyOps:
 
     @staticmethod
     def nan_to_zero(x):
-        return np.nan_to_num(x, nan=0.0)
+        # torch.nan_to_num(x, nan=0.0): NaN to 0, +-inf to the largest finite numbers
+        # (np.nan_to_num does the same, with more overhead than these three calls)
+        y = np.where(np.isnan(x), 0.0, x)
+        return np.clip(y, -_FMAX, _FMAX, out=y)
 
     @staticmethod
     def quiet():
