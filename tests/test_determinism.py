@@ -46,7 +46,7 @@ class RouterJitter(nn.Module):
      "'1' (FunctionalDropout) applies dropout in train mode (attention_dropout=0.2)"),
     (lambda: nn.LSTM(4, 4, num_layers=2, dropout=0.5), "LSTM"),
     (lambda: nn.Sequential(nn.Linear(4, 4), RouterJitter(0.3)),
-     "'1' (RouterJitter) applies dropout in train mode (jitter_noise=0.3)"),
+     "'1' (RouterJitter) draws random numbers in train mode (jitter_noise=0.3)"),
 ])
 def test_stochastic_train_mode_modules_are_refused_and_eval_accepted(make, layer):
     m = make()
@@ -105,3 +105,17 @@ def test_transformers_router_jitter_is_refused():
                                                                 r"model.eval\(\)"):
             require_deterministic(m)
         require_deterministic(m.eval())
+
+
+def test_noise_amplitudes_of_any_size_are_refused_as_random_draws():
+    class Router(nn.Module):
+        def __init__(self, amplitude):
+            super().__init__()
+            self.jitter_noise = amplitude      # a noise amplitude, not a probability
+
+    for amplitude in (0.01, 1.0, 2.5):
+        with pytest.raises(ValueError, match=rf"draws random numbers in train mode "
+                                             rf"\(jitter_noise={amplitude}\)"):
+            require_deterministic(Router(amplitude))
+    require_deterministic(Router(0.0))
+    require_deterministic(Router(2.5).eval())

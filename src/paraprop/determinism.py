@@ -26,7 +26,7 @@ from torch import nn
 
 from paraprop.errors import StochasticModelError
 
-__all__ = ["DROPOUT_ATTRIBUTES", "NORM_MODULES", "RANDOM_MODULES", "own_part",
+__all__ = ["DROPOUT_ATTRIBUTES", "NOISE_ATTRIBUTES", "NORM_MODULES", "RANDOM_MODULES", "own_part",
            "require_deterministic", "stochastic_parts"]
 
 # layers that draw random numbers in train mode
@@ -46,6 +46,10 @@ DROPOUT_ATTRIBUTES = ("dropout", "dropout_p", "dropout_rate", "attention_dropout
                       "drop_prob", "residual_dropout", "attn_dropout_p", "dropout_positions",
                       "jitter_noise", "router_jitter_noise", "input_jitter_noise",
                       "moe_jitter_eps")
+# of those, the noise amplitudes (any positive value draws random numbers; the others are
+# probabilities in (0, 1))
+NOISE_ATTRIBUTES = ("jitter_noise", "router_jitter_noise", "input_jitter_noise",
+                    "moe_jitter_eps")
 
 
 def own_part(m: nn.Module, *, norms: bool = True) -> str | None:
@@ -68,8 +72,11 @@ def own_part(m: nn.Module, *, norms: bool = True) -> str | None:
         # the instance's own attribute: no __getattr__ fallback (diffusers' modules answer
         # unknown names from their config, with a deprecation warning), no property
         v = inspect.getattr_static(m, attr, None)
-        if isinstance(v, numbers.Real) and not isinstance(v, bool) and \
-                math.isfinite(float(v)) and 0 < float(v) < 1:
+        if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(float(v)):
+            continue
+        if attr in NOISE_ATTRIBUTES and float(v) > 0:
+            return f"draws random numbers in train mode ({attr}={v})"
+        if attr not in NOISE_ATTRIBUTES and 0 < float(v) < 1:
             return f"applies dropout in train mode ({attr}={v})"
     return None
 
