@@ -8,6 +8,8 @@ them.
    every dtype: MADE's output rows, TarFlow's windows, PixelCNN's windows.
 3. Low precision: TarFlow's KV-cached loop rounds differently from the solve; "auto" hands it a
    block only where its measured deviation is well within tol, and says so.
+4. Settings assigned after construction: MADE refuses its constructor settings by name; an
+   order changed in place is honoured with its masks or refused.
 """
 
 from __future__ import annotations
@@ -336,3 +338,49 @@ def test_a_block_whose_windows_round_differently_is_not_certified(monkeypatch):
                        match=r"TarFlow.inverse: method='gs_jacobi' did not converge: block 1: "
                              r".*rounding"):
         flow.inverse(z, method=GSJacobi(4), tol=0)
+
+
+# -- settings assigned after construction ----------------------------------------------------------
+@pytest.mark.parametrize(("name", "value"), [
+    ("order", torch.arange(5)), ("features", 4), ("hidden", (8,)), ("conditional", "gaussian"),
+    ("seed", 3), ("k", 1), ("perm", torch.arange(5)), ("natural", True), ("config", {})])
+def test_made_refuses_a_constructor_setting_assigned_later(name, value):
+    """MADE's masks and layer shapes come from its constructor's settings: a new value assigned
+    afterwards would be ignored (order: the samples and densities stayed those of the old
+    order), so the assignment is refused by name."""
+    m = MADE(5, (16,), order=[4, 2, 0, 1, 3])
+    x = torch.rand(3, 5)
+    before = m.log_prob(x)
+    with pytest.raises(AttributeError, match=rf"MADE\.{name} cannot be assigned after "
+                                             r"construction: the masks and layer shapes were "
+                                             r"built from the constructor's"):
+        setattr(m, name, value)
+    assert torch.equal(m.log_prob(x), before) and m.config["order"] == [4, 2, 0, 1, 3]
+
+
+def test_made_order_changed_in_place_is_honoured_with_its_masks_or_refused():
+    """load_state_dict carries another MADE's order with its masks: honoured (the samples are
+    that MADE's); an order buffer changed in place alone is refused at the next call."""
+    a = MADE(5, (16,), order=[4, 2, 0, 1, 3]).eval()
+    b = MADE(5, (16,)).eval()
+    b.load_state_dict(a.state_dict())
+    x, noise = torch.rand(3, 5), a.draw_noise(3, torch.Generator().manual_seed(0))
+    assert torch.equal(b.log_prob(x), a.log_prob(x))
+    assert not b.natural and b.config["order"] == [4, 2, 0, 1, 3]
+    want = sample(a, 3, noise=noise, method="sequential")[0]
+    assert torch.equal(sample(b, 3, noise=noise, method="jacobi", tol=0)[0], want)
+    with torch.no_grad():
+        b.order.copy_(torch.arange(5))
+    with pytest.raises(ValueError, match=r"MADE.perm must be argsort\(MADE.order\)"):
+        b.log_prob(x)
+    with torch.no_grad():
+        b.perm.copy_(torch.arange(5))
+    for call in (lambda: b.log_prob(x), lambda: sample(b, 3, noise=noise)):
+        with pytest.raises(ValueError, match=r"MADE.order was changed in place to \[0, 1, 2, 3, "
+                                             r"4\], but the network's masks encode the order "
+                                             r"it was built with"):
+            call()
+    with torch.no_grad():
+        b.order[0] = 7
+    with pytest.raises(ValueError, match=r"MADE.order must be a permutation of 0..4"):
+        b.log_prob(x)

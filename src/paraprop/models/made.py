@@ -30,6 +30,8 @@ from paraprop.models.masked import MaskedLinear, made_masks
 CONDITIONALS = {"logistic": 2, "gaussian": 2, "bernoulli": 1}
 _LOG_SCALE_MID, _LOG_SCALE_HALF = -2.0, 4.0  # log-scales are squashed into [-6, 2]
 OUT_CHUNKS = 16  # the sampling map's output layer, in this many chunks of positions
+# attributes fixed at construction (assigning one afterwards is refused by name)
+FIXED = ("features", "hidden", "conditional", "order", "seed", "k", "perm", "natural", "config")
 
 
 class MADE(Checkpointed, nn.Module):
@@ -44,8 +46,16 @@ class MADE(Checkpointed, nn.Module):
             (``None``: natural order).
         seed: seed of the weight initialisation.
 
+    The constructor's settings are fixed once built (the masks encode ``order``, the layers'
+    shapes ``features``, ``hidden`` and ``conditional``): assigning one of them (or ``k``,
+    ``perm``, ``natural``, ``config``) afterwards raises ``AttributeError`` naming it. An
+    ``order`` buffer changed in place is checked at the next call: honoured when the masks and
+    ``perm`` agree with it (``load_state_dict`` of another MADE's weights), refused otherwise.
+
     Raises:
-        ValueError: bad ``features``, ``hidden``, ``conditional``, ``order`` or ``seed``.
+        ValueError: bad ``features``, ``hidden``, ``conditional``, ``order`` or ``seed``; (at a
+            call) an ``order`` changed in place that the masks or ``perm`` do not encode.
+        AttributeError: (after construction) a constructor setting assigned.
 
     Example:
         >>> m = MADE(64, hidden=(128, 128))
@@ -85,6 +95,54 @@ class MADE(Checkpointed, nn.Module):
         self.register_buffer("order", order_t)
         self.register_buffer("perm", torch.argsort(order_t))  # perm[k]: feature of step k
         self.natural = bool(torch.equal(order_t, torch.arange(features)))
+        self.__dict__["_order_key"] = self._order_version()
+        self.__dict__["_built"] = True
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in FIXED and self.__dict__.get("_built", False):
+            what = (f"build a new MADE({name}=...) instead (and load weights that fit it)"
+                    if name in FIXED[:5] else
+                    f"{name} follows from them; build a new MADE with the settings you need")
+            raise AttributeError(
+                f"MADE.{name} cannot be assigned after construction: the masks and layer shapes "
+                "were built from the constructor's features, hidden, conditional and order "
+                f"(seed: the initial weights), so a new value would be ignored; {what}")
+        super().__setattr__(name, value)
+
+    def _order_version(self) -> tuple:
+        return (self.order._version, self.order.data_ptr(), self.perm._version,
+                self.perm.data_ptr())
+
+    def _check_order(self) -> None:
+        """At every call (a few integer reads): an ``order`` / ``perm`` buffer changed in place
+        since the last check (or moved: ``.to``) must still be a permutation that ``perm`` and
+        the masks encode; ``natural`` and ``config`` then follow it."""
+        key = self._order_version()
+        if key == self.__dict__.get("_order_key"):
+            return
+        D = self.features
+        order = self.order.detach().cpu()
+        if order.shape != (D,) or not torch.equal(order.sort().values, torch.arange(D)):
+            raise ValueError(f"MADE.order must be a permutation of 0..{D - 1} (changed in place "
+                             f"since construction), got {order.tolist()}")
+        if not torch.equal(self.perm.detach().cpu(), torch.argsort(order)):
+            raise ValueError("MADE.perm must be argsort(MADE.order) (one of them was changed in "
+                             f"place): order {order.tolist()}, perm "
+                             f"{self.perm.detach().cpu().tolist()}")
+        masks = made_masks(D, tuple(self.config["hidden"]), order=order + 1)
+        layers = [*self.hidden, self.out]
+        masks[-1] = masks[-1].repeat(self.k, 1)
+        if any(not torch.equal(layer.mask.detach().cpu(), m) for layer, m in
+               zip(layers, masks, strict=True)):
+            raise ValueError(
+                f"MADE.order was changed in place to {order.tolist()}, but the network's masks "
+                f"encode the order it was built with; the order of a MADE is fixed at "
+                "construction: build MADE(order=...) (or load_state_dict a MADE's weights, "
+                "which carry their order and masks together)")
+        d = self.__dict__
+        d["natural"] = bool(torch.equal(order, torch.arange(D)))
+        d["config"] = {**self.config, "order": order.tolist()}
+        d["_order_key"] = key
 
     # -- density ------------------------------------------------------------------------------
     def _features(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,6 +160,7 @@ class MADE(Checkpointed, nn.Module):
     def conditional_params(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """Parameters of every conditional ``p(x_d | x_<d)``, each ``(N, D)``: ``loc`` and
         ``log_scale`` (logistic, Gaussian) or ``logits`` (Bernoulli)."""
+        self._check_order()
         self._check_x(x)
         return self._params(self.out(self._features(x)))
 
@@ -145,6 +204,7 @@ class MADE(Checkpointed, nn.Module):
 
     def sampling_map(self, noise: torch.Tensor) -> _MADESampler:
         """The triangular system whose solution is the ancestral sample for ``noise``."""
+        self._check_order()
         return _MADESampler(self, noise)
 
 
