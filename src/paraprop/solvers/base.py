@@ -337,9 +337,10 @@ def rounding_floor(values: torch.Tensor, norm: str) -> Floor:
     max(eps |v|, s) + eps |v - v*|`` (``s``: the spacing of the subnormal numbers). So an error
     estimate adds ``bound = (ulp(m) + max(eps m, s)) / 2`` at the values' largest magnitude ``m``
     and divides by ``1 - q - eps / 2`` (``slack``): that is one unit in the last place at
-    ``m`` (between one and two where ``m`` is not a power of two), the least an estimate in this
-    dtype can certify (:mod:`paraprop.solvers.stopping`). The unit of rounding noise is ``eps *
-    m``. With ``norm="l2"`` both are ``eps * ||v||_2`` (a bound of the same sum per entry).
+    ``m`` where ``m`` is a power of two, less than one and a half units otherwise, the least an
+    estimate in this dtype can certify (:mod:`paraprop.solvers.stopping`). The unit of rounding
+    noise is ``eps * m``. With ``norm="l2"`` both are ``eps * ||v||_2`` (a bound of the same sum
+    per entry).
     """
     f = _floor_arrays(values, norm)
     if isinstance(f.bound, np.ndarray):
