@@ -1,6 +1,8 @@
 """Faults of paraprop.multigrid and paraprop.distributed (issue 15): ``converged=True`` means
 within the bound of the serial result, also for stacks that accumulate small steps; unchecked
-runs say so; refused blocks, inputs and ranks get clear errors."""
+runs say so; refused blocks, inputs and ranks get clear errors. Issue 27: every setting
+assigned after construction (the blocks themselves, levels, coarsening) is honoured or refused
+by name; a random operation in a block is named; tol=0 is bitwise for every relaxation."""
 
 import math
 
@@ -383,6 +385,129 @@ def test_settings_assigned_after_construction_are_honoured():
     with pytest.raises(TypeError, match="batched must be a bool or None, got 'yes'"):
         net.batched = "yes"
     assert net.batched is False
+
+
+def test_blocks_changed_after_construction_are_honoured():
+    """net.blocks.append / replace / delete after construction: the next forward solves the
+    stack as it is now (before, an appended block was ignored: converged=True and the 16-block
+    result)."""
+    blocks = accumulating(16, width=4, shared=False)
+    extra = accumulating(2, width=4, shared=False, seed=5)
+    x = inputs(width=4)
+    net = ParallelResidualStack(blocks, 1 / 16, coarsening=4, levels=2, tol=0.0)
+    with torch.no_grad():
+        net(x)
+        net.blocks.append(extra[0])
+        y = net(x)
+    assert torch.equal(y, serial_states([*blocks, extra[0]], x, 1 / 16)[-1])
+    st = net.last_stats["forward"]
+    assert st.converged and st.stats["bound"] == 4 and len(net.blocks) == 17
+    with torch.no_grad():
+        net.blocks[3] = extra[1]
+        y = net(x)
+    now = [*blocks[:3], extra[1], *blocks[4:], extra[0]]
+    assert torch.equal(y, serial_states(now, x, 1 / 16)[-1])
+    x.requires_grad_()   # the gradients follow the blocks as they are now
+    net(x).square().sum().backward()
+    assert extra[1].linear.weight.grad is not None and blocks[3].linear.weight.grad is None
+    del net.blocks[1:]
+    with pytest.raises(ValueError, match=r"levels=2 with coarsening \(4,\) needs at least 4 "
+                                         r"layers, got 1"):
+        net(x)
+
+
+def test_levels_and_coarsening_assigned_later_are_honoured_or_refused():
+    """Every setting of the constructor may be assigned later (docs/multigrid.md): levels and
+    coarsening too (before, net.coarsening=8 was ignored and net.levels=2 raised "property
+    has no setter")."""
+    blocks = accumulating(32, width=4, shared=False)
+    x = inputs(width=4)
+    net = ParallelResidualStack(blocks, 1 / 32, coarsening=4, levels=3, tol=0.0)
+    with torch.no_grad():
+        net(x)
+        net.levels, net.coarsening = 2, 8
+        y = net(x)
+    st = net.last_stats["forward"].stats
+    assert (st["levels"], st["coarsening"], st["bound"]) == (2, [8], 4)
+    assert net.hierarchy.coarsening == (8,) and net.levels == 2
+    assert torch.equal(y, net.serial_forward(x))
+    with torch.no_grad():
+        net.coarsening = [2, 4]
+        net.levels = 3
+        net(x)
+    assert net.last_stats["forward"].stats["coarsening"] == [2, 4]
+    net.levels = 4   # three coarsenings but two factors: refused at the forward, by name
+    with pytest.raises(ValueError, match=r"coarsening=\(2, 4\) must have levels - 1 = 3 "
+                                         r"entries"):
+        net(x)
+    with pytest.raises(ValueError, match=r"levels must be a positive int, got 0"):
+        net.levels = 0
+    net.levels, net.coarsening = 2, 64
+    with pytest.raises(ValueError, match=r"levels=2 with coarsening \(64,\) needs at least 64 "
+                                         r"layers, got 32"):
+        net(x)
+    with pytest.raises(AttributeError, match=r"ParallelResidualStack.hierarchy follows from the "
+                                             r"blocks, levels and coarsening: assign those"):
+        net.hierarchy = Hierarchy.build(32, levels=2, coarsening=4)
+
+
+class _Noisy(nn.Module):
+    """A block with Gaussian noise in training mode, from torch.randn_like (no layer that a
+    list of stochastic modules could know)."""
+
+    def __init__(self, width=4, seed=0):
+        super().__init__()
+        self.linear = nn.Linear(width, width).double()
+
+    def forward(self, u):
+        out = torch.tanh(self.linear(u))
+        return out + 0.1 * torch.randn_like(out) if self.training else out
+
+
+@pytest.mark.parametrize("tol", [1e-6, 0.0], ids=["batched (vmap)", "block by block (tol=0)"])
+def test_a_random_operation_in_a_block_is_named(tol):
+    """A block calling torch.randn_like in train mode: the batched evaluation failed with torch's
+    raw vmap randomness error, and block by block (tol=0) nothing noticed it. Both name the
+    cause and the fix."""
+    torch.manual_seed(0)
+    net = ParallelResidualStack([_Noisy() for _ in range(16)], 1 / 16, tol=tol).train()
+    x = inputs(width=4)
+    how = "in the batched evaluation" if tol else "drew random numbers during the solve"
+    with pytest.raises(StochasticModelError,
+                       match=rf"ParallelResidualStack \(forward\): a block .*{how}.* MGRIT "
+                             r"evaluates every block several times per solve.* Call "
+                             r"stack.eval\(\) if the block draws only in training mode"):
+        net(x)
+    net.eval()
+    with torch.no_grad():
+        assert torch.equal(net(x), net.serial_forward(x)) or tol > 0
+    assert net.last_stats["forward"].converged
+
+
+@pytest.mark.parametrize("relax,w", [("F", 1.0), ("FCF", 0.7), ("FCF", 1.5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_tol_zero_with_large_steps_is_bitwise_after_the_bound(relax, w, dtype):
+    """With F-relaxation or a weighted C-relaxation the coarse correction reaches the serial
+    states at the exactness bound only up to rounding (b + (W - b)); tol=0 then stops at a zero
+    residual, bitwise, a cycle or two later (before: converged=True at the bound, a few ulp
+    off with steps of 0.5)."""
+    blocks = _mlp(32, dtype, seed=1)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)).to(dtype)
+    net = ParallelResidualStack(blocks, 0.5, coarsening=8, levels=2, relax=relax, c_weight=w,
+                                tol=0.0)
+    with torch.no_grad():
+        y = net(x)
+    st = net.last_stats["forward"]
+    assert st.converged and torch.equal(y, net.serial_forward(x))
+    assert st.stats["bound"] <= st.iterations <= 2 * st.stats["bound"]
+    assert float(st.residuals[-1]) == 0.0
+    if st.iterations == st.stats["bound"]:
+        return   # bitwise at the bound already (these weights: the weighted C-relaxations)
+    net.max_iters = st.stats["bound"]   # the bound alone: not bitwise here, so not converged
+    with torch.no_grad(), pytest.raises(ConvergenceError, match=r"tol=0 with relax=.* stops "
+                                                                r"only at a zero residual"):
+        net(x)
+    assert relax == "F" or w != 1
 
 
 # -- low precision and tol=0: the batched evaluation rounds differently (issue 27, item 3) -------

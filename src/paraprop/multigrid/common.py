@@ -11,6 +11,7 @@ construction, with the same messages), check the input and the blocks' modes at 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 
@@ -25,8 +26,8 @@ from paraprop.multigrid.steps import shares_architecture
 
 __all__ = ["BACKWARD", "DEFAULT_TOL", "LOW_PRECISION", "RELAX", "UncheckedResultWarning",
            "as_coarsening", "check_block_modes", "check_blocks", "check_c_weight", "check_input",
-           "check_settings", "resolve_batched", "run_batched", "solve_through",
-           "stateful_modules", "warn_unchecked"]
+           "check_settings", "refuse_random_blocks", "resolve_batched", "run_batched",
+           "solve_through", "stateful_modules", "warn_unchecked"]
 
 RELAX = ("F", "FCF")
 BACKWARD = ("adjoint", "serial")
@@ -172,6 +173,39 @@ def solve_through(module, x: torch.Tensor, params: list[torch.Tensor]) -> torch.
         return _SolveFunction.apply(module, x, *params)
     states, _ = module._solve_forward(x)
     return states[-1].clone()
+
+
+# -- random operations in a block ---------------------------------------------------------------
+RANDOM = ("MGRIT evaluates every block several times per solve, on intermediate states, so a "
+          "block that draws random numbers gives another value at every evaluation and no serial "
+          "network computes the result. Call stack.eval() if the block draws only in training "
+          "mode (dropout-like noise), or remove the random operation (expected: each block a "
+          "fixed function of its input)")
+
+
+@contextlib.contextmanager
+def refuse_random_blocks(entry: str, device: torch.device):
+    """Around a solve: a block that draws random numbers (``torch.randn_like`` and the like,
+    which :func:`check_block_modes` cannot see) raises :class:`StochasticModelError`, naming
+    the cause: in the batched evaluation ``vmap`` refuses the random operation (its error is
+    translated), block by block the global generator of the device moved (one comparison of its
+    state per solve)."""
+    cuda = device.type == "cuda"
+    before = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+    try:
+        yield
+    except RuntimeError as e:
+        if "random operation" in str(e) and "vmap" in str(e):
+            raise StochasticModelError(
+                f"{entry}: a block called a random operation (torch.randn_like, dropout, ...) "
+                f"in the batched evaluation (torch: {str(e).splitlines()[0]}). {RANDOM}"
+            ) from None
+        raise
+    after = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+    if not torch.equal(before, after):
+        raise StochasticModelError(
+            f"{entry}: a block drew random numbers during the solve (torch's global generator "
+            f"on {device} moved: torch.randn_like, dropout, ...). {RANDOM}")
 
 
 # -- checks at every forward ---------------------------------------------------------------------

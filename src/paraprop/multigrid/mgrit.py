@@ -378,9 +378,13 @@ def mgrit(
         relax: ``"F"`` or ``"FCF"`` relaxation.
         max_iters: the most V-cycles (``>= 0``); ``None``: the exactness bound
             (``hierarchy.exact_cycles()``, after which the result is the serial one in exact
-            arithmetic).
+            arithmetic; twice that where ``tol=0`` stops only at a zero residual, below).
         tol: stop once the estimated ``max |u - serial|`` over all states is ``<= tol`` (the
-            stopping rule of the module notes; ``0``: only a bitwise fixed point or the bound).
+            stopping rule of the module notes). ``0``: bitwise the serial states: a zero
+            residual, or the bound with ``relax="FCF"`` and ``c_weight=1`` (whose C-relaxation
+            copies the fine step; with ``"F"`` or a weighted C-relaxation the coarse correction
+            reaches the serial states at the bound only up to rounding, so those stop at a zero
+            residual, bitwise, a cycle or two later).
             ``None``: exactly ``max_iters`` cycles, not checked (a warning says so when that is
             fewer than the bound): ``converged=False``, ``stats["checked"] = False``, never an
             error.
@@ -403,7 +407,8 @@ def mgrit(
         for one level); ``iterations`` the V-cycles done; ``evaluations`` the layer evaluations
         (the hardware-independent work); ``converged`` is ``True`` when the error estimate
         reached ``tol``, the residual or the change was exactly zero, or the bound was reached
-        (and the residual is finite); ``residuals`` ``[r_0, r_1, ..., r_K]``, the residual norm
+        (and the residual is finite; at ``tol=0``: a zero residual, or the bound with FCF and
+        ``c_weight=1``); ``residuals`` ``[r_0, r_1, ..., r_K]``, the residual norm
         of the initial guess and after each cycle (empty for one level). ``stats``: ``checked``
         (``False`` only for ``tol=None`` stopped before the bound), ``error_estimate`` (the
         estimate when it stopped: ``0.0`` at the bound or a zero residual/change; ``inf`` when
@@ -468,7 +473,15 @@ def run_mgrit(stepper, x, hierarchy, step_size, *, relax="FCF", max_iters=None,
     U = x.new_empty((L0.n_local, *x.shape))
     U[0] = x
     bound = hierarchy.exact_cycles()
-    cap = bound if max_iters is None else max_iters
+    # At the bound the states are the serial ones bitwise only where the C-relaxation copies
+    # the fine step into the C-points (FCF, c_weight=1). F-relaxation, or a weighted
+    # C-relaxation, gets there through the coarse correction b + (W - b), which rounds: at the
+    # bound those states are the serial ones up to rounding (measured: a few ulp), and one or
+    # two cycles later bitwise. So tol=0 (bitwise) stops there only at a zero residual, with
+    # room for twice the bound by default.
+    bitwise_bound = relax == "FCF" and c_weight == 1
+    settle = tol == 0 and hierarchy.levels > 1 and not bitwise_bound
+    cap = (2 * bound if settle else bound) if max_iters is None else max_iters
     checking = tol is not None
     residuals: list[float] = []
     rule = _ErrorEstimate()
@@ -532,6 +545,8 @@ def run_mgrit(stepper, x, hierarchy, step_size, *, relax="FCF", max_iters=None,
                     if r == 0:
                         estimate = 0.0
                     stopped = estimate <= tol and (d <= tol or estimate == 0.0)
+                    if settle:   # a bitwise fixed point of the cycle may still round (above)
+                        stopped = r == 0
         if link is not None:
             link.flush()
     grads = stepper.end_collect() if collected else None
@@ -539,7 +554,7 @@ def run_mgrit(stepper, x, hierarchy, step_size, *, relax="FCF", max_iters=None,
     finite = not residuals or math.isfinite(residuals[-1])
     if hierarchy.levels == 1:
         converged, checked, estimate = True, True, 0.0
-    elif finite and (cycles >= bound or residuals[-1] == 0):
+    elif finite and (residuals[-1] == 0 or (cycles >= bound and not settle)):
         converged, checked, estimate = True, True, 0.0
     else:
         converged, checked = finite and stopped, checking
@@ -563,6 +578,10 @@ def run_mgrit(stepper, x, hierarchy, step_size, *, relax="FCF", max_iters=None,
         return sol
     hint = ("the iterate became non-finite (coarse steps of c * h overflowed?); use smaller "
             "coarsening factors or fewer levels" if not finite else
+            f"tol=0 with relax={relax!r}, c_weight={c_weight:g} stops only at a zero residual "
+            "(the bitwise serial states): its coarse correction reaches them up to rounding at "
+            "the exactness bound and bitwise a cycle or two later; raise max_iters (None: twice "
+            "the bound), use relax='FCF' with c_weight=1, or a tol > 0" if settle else
             "raise max_iters (None: the exactness bound, the serial result) or tol")
     return ensure_converged(sol, throw, entry=entry, max_iters=cap, tol=tol,
                             last=estimate, hint=hint)

@@ -31,6 +31,7 @@ from paraprop.multigrid.common import (
     check_blocks,
     check_input,
     check_settings,
+    refuse_random_blocks,
     resolve_batched,
     run_batched,
     solve_through,
@@ -131,8 +132,8 @@ class ParallelResidualStack(nn.Module):
         blocks = check_blocks(blocks)
         check_settings(step_size=step_size, relax=relax, max_iters=max_iters, tol=tol,
                        c_weight=c_weight, backward=backward)
-        self.hierarchy = Hierarchy.build(len(blocks), levels=levels,
-                                         coarsening=as_coarsening(coarsening))
+        hierarchy = Hierarchy.build(len(blocks), levels=levels,
+                                    coarsening=as_coarsening(coarsening))
         resolve_batched(blocks, batched)
         self.blocks = nn.ModuleList(blocks)
         self.step_size = float(step_size)
@@ -143,17 +144,64 @@ class ParallelResidualStack(nn.Module):
         self.backward_mode = backward
         self.warm_start = bool(warm_start)
         self.c_weight = float(c_weight)
+        self.coarsening = as_coarsening(coarsening)
+        self.levels = levels
         self.batched = batched
         self.last_stats: dict[str, Solution] = {}
         self._warm: dict[str, torch.Tensor] = {}
-        self._params = BlockParams(self.blocks)
-        bound = self.hierarchy.exact_cycles()
+        self._sync()
+        bound = hierarchy.exact_cycles()
         if tol is None and levels > 1 and max_iters is not None and max_iters < bound:
             warn_unchecked("ParallelResidualStack", max_iters, bound)
 
+    # -- what follows from the blocks, levels and coarsening, rebuilt when they change --------
+    def _sync(self) -> None:
+        """The hierarchy, the parameter lists and the batched choice, for the blocks, levels and
+        coarsening as they are now: all three may be changed after construction
+        (``net.blocks.append(b)``, ``net.blocks[3] = b``, ``net.levels = 2``,
+        ``net.coarsening = 8``); checked with the constructor's messages. A few reads per call
+        (the blocks' identities)."""
+        d = self.__dict__
+        if "_levels" not in d:   # a stack pickled before levels could be assigned
+            old = d.pop("hierarchy", None)
+            d["_levels"] = old.levels if old is not None else 1
+            d.setdefault("coarsening", old.coarsening if old is not None else 2)
+        key = (tuple(map(id, self.blocks)), d["_levels"], as_coarsening(self.coarsening))
+        last = d.get("_key")
+        if key == last:
+            return
+        check_blocks(self.blocks)
+        hierarchy = Hierarchy.build(len(self.blocks), levels=key[1], coarsening=key[2])
+        if last is None or key[0] != last[0]:   # other blocks: their lists and batching anew
+            batched = resolve_batched(list(self.blocks), d.get("_batched_arg"))
+            d["_batched"] = batched
+            d["_params"] = BlockParams(self.blocks)
+        d["_hierarchy"], d["_key"], d["_warm"] = hierarchy, key, {}
+
+    @property
+    def hierarchy(self) -> Hierarchy:
+        """The MGRIT grid hierarchy (from ``len(blocks)``, ``levels`` and ``coarsening``)."""
+        self._sync()
+        return self._hierarchy
+
     @property
     def levels(self) -> int:
-        return self.hierarchy.levels
+        """Grid levels (``1``: serial propagation); may be assigned (checked with
+        ``coarsening`` and the depth at the next forward)."""
+        return self.__dict__["_levels"] if "_levels" in self.__dict__ else self.hierarchy.levels
+
+    @levels.setter
+    def levels(self, value) -> None:
+        checks.positive_int("levels", value)
+        object.__setattr__(self, "_levels", value)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "hierarchy":
+            raise AttributeError(
+                "ParallelResidualStack.hierarchy follows from the blocks, levels and "
+                "coarsening: assign those instead (net.levels = 2, net.coarsening = 8, "
+                "net.blocks.append(block)); each forward rebuilds the hierarchy from them")
+        super().__setattr__(name, value)
 
     @property
     def batched(self) -> bool:
@@ -167,7 +215,7 @@ class ParallelResidualStack(nn.Module):
     @batched.setter
     def batched(self, value) -> None:
         checks.boolean("batched", value, allow_none=True)
-        object.__setattr__(self, "_batched", resolve_batched(self.blocks, value))
+        object.__setattr__(self, "_batched", resolve_batched(list(self.blocks), value))
         object.__setattr__(self, "_batched_arg", value)
 
     def extra_repr(self) -> str:
@@ -196,9 +244,11 @@ class ParallelResidualStack(nn.Module):
             evaluations=sol.evaluations if evaluations is None else evaluations)
 
     def _mgrit(self, stepper, x, hierarchy, key: str, **kw) -> Solution:
-        return run_mgrit(stepper, x, hierarchy, self.step_size, relax=self.relax,
-                         max_iters=self.max_iters, tol=self.tol, throw=self.throw,
-                         c_weight=self.c_weight, entry=f"ParallelResidualStack ({key})", **kw)
+        with refuse_random_blocks(f"ParallelResidualStack ({key})", x.device):
+            return run_mgrit(stepper, x, hierarchy, self.step_size, relax=self.relax,
+                             max_iters=self.max_iters, tol=self.tol, throw=self.throw,
+                             c_weight=self.c_weight, entry=f"ParallelResidualStack ({key})",
+                             **kw)
 
     def _init_for(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
         prev = self._warm.get(key)
@@ -269,6 +319,7 @@ class ParallelResidualStack(nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"x must have a floating-point dtype, got {x.dtype}")
         # the settings again (attributes may be assigned after construction), a few reads
+        self._sync()
         check_settings(step_size=self.step_size, relax=self.relax, max_iters=self.max_iters,
                        tol=self.tol, c_weight=self.c_weight, backward=self.backward_mode,
                        throw=self.throw)
