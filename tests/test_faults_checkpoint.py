@@ -596,3 +596,67 @@ def test_a_good_out_is_used(tmp_path, capsys):
     assert main(["train", "made", "--epochs", "1", "--hidden", "8", "--out", str(out)]) == 0
     assert MADE.load(out).features == 64
     shutil.rmtree(tmp_path / "new")
+
+
+# -- --out that names no file, --weights that hold NaN / inf (issue 27, probe 1 item 15) -----------
+@pytest.mark.parametrize("job", list(JOBS))
+@pytest.mark.parametrize("end", ["/", "/.", "/.."])
+def test_out_ending_as_a_directory_is_refused(tmp_path, capsys, monkeypatch, job, end):
+    """``--out newdir/`` names a directory that does not exist yet: Path() drops the separator,
+    and the job wrote a file named newdir."""
+    args, first, example = JOBS[job]
+    _forbid(monkeypatch, first)
+    out = f"{tmp_path / 'newdir'}{end}"
+    assert main(["train", job, *args, "--out", out]) == 2
+    what = "a path separator" if end == "/" else repr(end[1:])
+    one_error(capsys, rf"--out {re.escape(out)}: ends with {re.escape(what)}, so it names a "
+                      rf"directory; expected the path of a file to write, e.g. .*{example}$")
+    assert not (tmp_path / "newdir").exists()
+
+
+@pytest.mark.parametrize("command", [
+    ["train", "made", "--epochs", "1"], ["train", "pixelcnn", "--epochs", "1"],
+    ["train", "tarflow", "--epochs", "1"], ["train", "ddpm", "--epochs", "1"],
+    ["train", "densenet", "--arch", "mlp"], ["train", "charlm"], ["train", "resnet-mg"],
+    ["demo"], ["bench", "core"], ["report"]], ids=lambda c: " ".join(c[:2]))
+def test_an_empty_out_is_refused_not_replaced_by_the_default(capsys, monkeypatch, command):
+    for target in ("paraprop.training.made.made_data", "paraprop.training.pixelcnn.pixel_data",
+                   "paraprop.training.tarflow._train", "paraprop.training.ddpm.ddpm_data",
+                   "paraprop.training.networks.make_network", "paraprop.training.charlm.corpus",
+                   "paraprop.training.resnet_mg.train", "paraprop.demos.parts",
+                   "paraprop.bench.collect.collect"):
+        _forbid(monkeypatch, target)
+
+    class Suite:
+        def run(self, *a, **k):
+            pytest.fail("the suite ran before --out was checked")
+
+    monkeypatch.setattr("paraprop.bench.load", lambda name: Suite())
+    assert main([*command, "--out", ""]) == 2
+    err = capsys.readouterr().err   # (resnet-mg prints its own prefix)
+    assert re.search(r"--out '': empty; expected .* \(leave the option out for the default\)$",
+                     err.strip()), err
+
+
+def test_ddpm_empty_png_is_refused(tmp_path, capsys, monkeypatch):
+    _forbid(monkeypatch, "paraprop.training.ddpm.ddpm_data")
+    assert main(["train", "ddpm", "--out", str(tmp_path / "m.pt"), "--png", ""]) == 2
+    one_error(capsys, r"--png '': empty; expected the path of a file to write")
+
+
+@pytest.mark.parametrize(("value", "kind"), [(float("nan"), "NaN"), (float("inf"), "inf"),
+                                             (-float("inf"), "inf")])
+def test_weights_with_non_finite_values_are_refused(tmp_path, capsys, monkeypatch, value, kind):
+    """Weights holding NaN / inf trained to loss NaN without a word."""
+    _forbid(monkeypatch, "paraprop.training.networks.train_network")
+    model = make_network("mlp", size=8)
+    with torch.no_grad():
+        model[3].bias[[1, 4]] = value
+    path = save_checkpoint(tmp_path / "bad.pt", model, "mlp", {})
+    assert main([*WEIGHTS[:-4], "--steps", "1", "--eval-batch", "0", "--weights", str(path),
+                 "--out", str(tmp_path / "o.pt")]) == 2
+    one_error(capsys, rf"bad.pt: tensor '3.bias' holds 2 non-finite values \({kind}\) among its "
+                      r"256; expected finite weights \(training from them gives a loss of NaN")
+    torch.save({k: v for k, v in model.state_dict().items()}, tmp_path / "plain.pt")
+    assert main([*WEIGHTS, "--weights", str(tmp_path / "plain.pt")]) == 2   # a plain state_dict
+    one_error(capsys, r"plain.pt: tensor '3.bias' holds 2 non-finite values")

@@ -33,6 +33,40 @@ def _make_dir(directory: Path, option: str, path: Path, what: str) -> None:
         raise OSError(f"{option} {path}: cannot create {what} ({e.strerror or e})") from None
 
 
+def _not_empty(path, option: str, expected: str) -> None:
+    """An empty ``path`` (``--out ""``) is refused, not read as the current directory or
+    replaced by a default."""
+    if path is None or (isinstance(path, str | bytes) and not path.strip()):
+        raise ValueError(f"{option} {path!r}: empty; expected {expected} (leave the option "
+                         "out for the default)")
+
+
+def check_finite_weights(state: dict, path, option: str = "") -> None:
+    """Every floating-point tensor of ``state`` must be finite: weights holding NaN or inf
+    train to a loss of NaN and predict nothing.
+
+    Raises:
+        ValueError: naming the file, the first tensor with non-finite values and how many.
+    """
+    for name, t in state.items():
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+            bad = ~torch.isfinite(t)
+            if bool(bad.any()):
+                kinds = " and ".join(k for k, m in (("NaN", torch.isnan(t)),
+                                                     ("inf", torch.isinf(t))) if bool(m.any()))
+                where = f"{option} {path}" if option else f"{path}"
+                raise ValueError(
+                    f"{where}: tensor {name!r} holds {int(bad.sum())} non-finite values "
+                    f"({kinds}) among its {t.numel()}; expected finite weights (training from "
+                    "them gives a loss of NaN, evaluating them meaningless outputs)")
+
+
+def default_path(value, default):
+    """The option's ``value``, or ``default`` when it was not given (``None``); an empty value
+    is kept, for :func:`check_out_file` to refuse."""
+    return default if value is None else value
+
+
 def check_out_file(path, option: str = "--out", *, example: str = "model.pt") -> Path:
     """Check, before any training, that the file ``path`` can be written: not a directory, and
     its folder writable (or, if it does not exist yet, the nearest existing folder above it,
@@ -47,10 +81,22 @@ def check_out_file(path, option: str = "--out", *, example: str = "model.pt") ->
         ``path`` as a ``Path``.
 
     Raises:
-        ValueError: ``path`` is a directory or another non-regular file.
+        ValueError: ``path`` is empty, ends with a path separator (it names a directory, and
+            ``Path`` would drop the separator and write a file of that name), is a directory or
+            another non-regular file.
         OSError: nothing can be written in its folder, a folder on its way is a file, or
             the file exists and is read-only.
     """
+    _not_empty(path, option, "the path of a file to write, e.g. " + example)
+    raw = os.fsdecode(os.fspath(path))
+    last = raw
+    for sep in (os.sep, os.altsep):
+        if sep:
+            last = last.rsplit(sep, 1)[-1]
+    if last in ("", ".", ".."):   # Path() would drop a final separator or "." and write there
+        end = "a path separator" if not last else repr(last)
+        raise ValueError(f"{option} {raw}: ends with {end}, so it names a directory; expected "
+                         f"the path of a file to write, e.g. {Path(raw) / example}")
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{option} {path}: is a directory; expected the path of a file to "
@@ -75,9 +121,10 @@ def check_out_dir(path, option: str = "--out", *, what: str = "the output direct
     missing (with its parents), not a file, writable.
 
     Raises:
-        ValueError: ``path`` exists and is not a directory.
+        ValueError: ``path`` is empty, or exists and is not a directory.
         OSError: it cannot be created or written in.
     """
+    _not_empty(path, option, what)
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{option} {path}: is a file, not a directory; expected {what}")

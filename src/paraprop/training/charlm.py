@@ -20,7 +20,7 @@ from paraprop import checks
 from paraprop.data.text import CharVocab, load_text
 from paraprop.experiments.progress import progress as progress_bar
 from paraprop.models.charlm import DEFAULTS, char_gpt2, load_charlm, save_charlm
-from paraprop.training._common import check_out_dir
+from paraprop.training._common import check_out_dir, default_path
 
 NAME = "charlm"
 HELP = "train a character-level GPT-2-shaped LM on Python's documentation (needs transformers)"
@@ -138,9 +138,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     start = time.perf_counter()
-    out = check_out_dir(args.out or checkpoint_dir(
+    out = check_out_dir(default_path(args.out, checkpoint_dir(
         "results", steps=args.steps, seed=args.seed, width=args.width, layers=args.layers,
-        heads=args.heads), what="the directory to save the model in")
+        heads=args.heads)), what="the directory to save the model in")
     vocab, train, held = corpus()
     model = char_gpt2(len(vocab), width=args.width, layers=args.layers, heads=args.heads,
                       seed=args.seed)

@@ -20,7 +20,14 @@ from paraprop import checks
 from paraprop.data import make_moons
 from paraprop.experiments.progress import progress as progress_bar
 from paraprop.models.denoisers import MLPDenoiser, load_unet, save_unet, small_unet
-from paraprop.training._common import check_out_file, fit, image_panel, load_images, save_png
+from paraprop.training._common import (
+    check_out_file,
+    default_path,
+    fit,
+    image_panel,
+    load_images,
+    save_png,
+)
 
 NAME = "ddpm"
 HELP = "train a diffusion model (DDPM) on two moons, the digits or MNIST (needs diffusers)"
@@ -278,9 +285,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     start = time.perf_counter()
-    out = check_out_file(args.out or f"results/ddpm_{args.data}.pt",
+    out = check_out_file(default_path(args.out, f"results/ddpm_{args.data}.pt"),
                          example=f"ddpm_{args.data}.pt")
-    png = check_out_file(args.png or out.with_suffix(".png"), "--png" if args.png else "--out",
+    png = check_out_file(default_path(args.png, out.with_suffix(".png")),
+                         "--out" if args.png is None else "--png",
                          example=f"ddpm_{args.data}.png")
     x = ddpm_data(args.data, mnist_dir=args.mnist_dir, n=args.n, seed=args.seed)
     checks.positive_int("steps", args.steps)

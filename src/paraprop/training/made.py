@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from paraprop.models import MADE
-from paraprop.training._common import check_out_file, fit, load_images
+from paraprop.training._common import check_out_file, default_path, fit, load_images
 
 NAME = "made"
 HELP = "train a MADE (Germain et al. 2015) on digits or MNIST"
@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    out = check_out_file(args.out or f"results/made_{args.data}.pt",
+    out = check_out_file(default_path(args.out, f"results/made_{args.data}.pt"),
                          example=f"made_{args.data}.pt")
     torch.manual_seed(args.seed)
     x = made_data(args.data, args.conditional, mnist_dir=args.mnist_dir, seed=args.seed)

@@ -25,7 +25,7 @@ from paraprop import checks
 from paraprop.data import load_digits, load_mnist
 from paraprop.experiments.progress import progress as progress_bar
 from paraprop.models.checkpoint import build_within_budget, read_torch_file
-from paraprop.training._common import check_out_file
+from paraprop.training._common import check_finite_weights, check_out_file, default_path
 
 NAME = "densenet"
 HELP = "train a DenseNet (or the benchmark's ResNet / deep MLP) briefly on digits or MNIST"
@@ -188,8 +188,8 @@ def read_weights(path: str | Path, arch: str | None = None) -> tuple[dict, dict]
         FileNotFoundError: no such file.
         ValueError: the file is not a checkpoint (a directory, an empty, text or truncated
             file, pickled Python objects), a checkpoint of another model (a paraprop model's,
-            or this job's for another ``--arch``), or holds no state dict of tensors; the
-            message names the file and what was expected.
+            or this job's for another ``--arch``), holds no state dict of tensors, or tensors
+            with NaN or inf values; the message names the file and what was expected.
     """
     path = Path(path)
     expected = (f"a {arch or 'network'} checkpoint (this job's format or a plain state_dict "
@@ -208,6 +208,7 @@ def read_weights(path: str | Path, arch: str | None = None) -> tuple[dict, dict]
         raise ValueError(f"{path}: not a checkpoint (expected a state_dict or a dict with one: "
                          f"names to tensors; it holds a {found}"
                          f"{' that is empty or holds other values' if found == 'dict' else ''})")
+    check_finite_weights(state, path)
     state = {_OLD_DENSE_KEY.sub(r"\1\2", k): v for k, v in state.items()}
     info = blob.get("info", {}) if "state_dict" in blob else {}
     return state, dict(info) if isinstance(info, dict) else {}
@@ -327,7 +328,7 @@ def run(args) -> int:
     if args.steps < 0 or args.eval_batch < 0:
         raise ValueError(f"--steps and --eval-batch must be >= 0, got {args.steps}, "
                          f"{args.eval_batch}")
-    out = check_out_file(args.out or f"results/networks_{args.arch}_{args.data}.pt",
+    out = check_out_file(default_path(args.out, f"results/networks_{args.arch}_{args.data}.pt"),
                          example=f"networks_{args.arch}_{args.data}.pt")
     num_classes, source = 10, "random initialisation"
     if args.weights is None:

@@ -8,7 +8,7 @@ import math
 import torch
 
 from paraprop.models import PixelCNN
-from paraprop.training._common import check_out_file, fit, load_images
+from paraprop.training._common import check_out_file, default_path, fit, load_images
 
 NAME = "pixelcnn"
 HELP = "train a gated PixelCNN (discretized logistic mixture) on digits or MNIST"
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    out = check_out_file(args.out or f"results/pixelcnn_{args.data}.pt",
+    out = check_out_file(default_path(args.out, f"results/pixelcnn_{args.data}.pt"),
                          example=f"pixelcnn_{args.data}.pt")
     x, levels = pixel_data(args.data, mnist_dir=args.mnist_dir)
     model = PixelCNN(1, x.shape[-1], hidden=args.hidden, layers=args.layers,

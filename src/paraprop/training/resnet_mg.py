@@ -205,7 +205,7 @@ def run(args) -> int:
               file=sys.stderr)
         return 2
     try:
-        if args.out:
+        if args.out is not None:
             check_out_file(args.out, example="history.json")
     except (ValueError, OSError) as e:
         print(f"paraprop train resnet-mg: {e}", file=sys.stderr)
@@ -222,7 +222,7 @@ def run(args) -> int:
         print(f"paraprop train resnet-mg: {e}", file=sys.stderr)
         return 2
     hist.pop("model")
-    if args.out:
+    if args.out is not None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(hist, indent=2) + "\n")
         print(f"history written to {args.out}")

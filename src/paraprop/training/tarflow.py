@@ -17,7 +17,14 @@ import torch
 
 from paraprop import checks
 from paraprop.models.tarflow import TarFlow
-from paraprop.training._common import check_out_file, fit, image_panel, load_images, save_png
+from paraprop.training._common import (
+    check_out_file,
+    default_path,
+    fit,
+    image_panel,
+    load_images,
+    save_png,
+)
 
 NAME = "tarflow"
 HELP = "train a TarFlow (transformer autoregressive flow, Zhai et al. 2024) on digits or MNIST"
@@ -186,7 +193,7 @@ def run(args) -> int:
     epochs = EPOCHS[args.data] if args.epochs is None else args.epochs
     checks.positive_int("epochs", epochs)
     name = checkpoint_name(args.data, epochs, seed=args.seed, n=args.n, **settings)
-    out = check_out_file(args.out or OUT_DIR / name, example=name)
+    out = check_out_file(default_path(args.out, OUT_DIR / name), example=name)
     model, info = _train(args.data, out, epochs=epochs, seed=args.seed, n=args.n,
                          mnist_dir=args.mnist_dir, progress=True, settings=settings)
     cfg, hist = model.config, info["loss"]
