@@ -13,6 +13,7 @@ and batch norm, in bf16 and fp16, under second-order autograd, torch.func and pi
 8. The library's own NaN (bf16 splines, NaN points): NonFiniteError naming the sample and the
    feature, for every method and tol.
 9. Never more passes than the library's loop, every method, with and without gradients.
+10. A random operation inside an autoregressive network (torch.randn_like) is named.
 """
 
 from __future__ import annotations
@@ -618,3 +619,31 @@ def test_the_stats_say_how_each_inverse_ended():
                 assert st["finished_by"].startswith(start), st["finished_by"]
                 assert part.evaluations == st["sequential_steps"] <= st["library_passes"] == 6
                 assert (st["fallback_passes"] > 0) == (start == "budget")
+
+
+# -- 10. a random operation inside an autoregressive network -----------------------------------
+class _Noise(torch.nn.Module):
+    """Gaussian noise in training mode by torch.randn_like: no list of stochastic layers knows
+    it (before, the solver blamed the map: NotTriangularError, or a random result)."""
+
+    def forward(self, x):
+        return x + 0.3 * torch.randn_like(x) if self.training else x
+
+
+@pytest.mark.parametrize("method", ["jacobi", "sliding_jacobi", "sequential"])
+def test_a_random_operation_in_the_network_is_named(method):
+    flow = _seeded(lambda: zuko.flows.MAF(4, transforms=2)).to(F64)
+    flow.transform.transforms[1].hyper[1] = torch.nn.Sequential(torch.nn.ReLU(), _Noise())
+    z = torch.randn(3, 4, dtype=F64, generator=torch.Generator().manual_seed(0))
+    match = (r"the network of the autoregressive part 'transform.transforms.1' "
+             r"\(MaskedAutoregressiveTransform\) drew random numbers during the inverse.*"
+             r"Call flow.eval\(\) if it draws only in training mode")
+    with torch.no_grad():
+        with pytest.raises(paraprop.StochasticModelError, match=match):
+            parallel_inverse(flow, z, method=method)
+        with accelerate(flow, method=method), pytest.raises(paraprop.StochasticModelError,
+                                                            match=match):
+            flow().transform.inv(z)
+        flow.eval()   # the noise is off: the library's result, bitwise
+        want = flow().transform.inv(z)
+        assert torch.equal(parallel_inverse(flow, z, method=method)[0], want)

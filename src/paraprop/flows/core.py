@@ -5,14 +5,20 @@ A masked autoregressive transform ``y = f(x)`` is inverted by the libraries with
 ``x <- h(x) := f_x^{-1}(y)`` from zeros. ``h`` is triangular (position ``i`` of ``h(x)`` reads
 only the positions before ``i`` in the transform's order), so its fixed point is unique and
 Jacobi reaches it after at most ``D`` passes (Song et al. 2021, §3, Proposition 1); stopping at
-the bitwise fixed point (``tol=0``) returns exactly what the library's loop returns.
+the bitwise fixed point (``tol=0``) returns exactly what the library's loop returns. The solve
+never takes more passes than the library's loop (:class:`Passes` proves from the passes which
+features are exact, stops the solver when the final pass will give the inverse, or when its
+next pass could exceed the library's count, and then runs the library's loop from the
+features proven exact).
 
 Gradients: the libraries differentiate through all their passes. paraprop solves without a
 graph and attaches the gradient of the fixed point by implicit differentiation instead
-(``x* = h(x*; y, θ)`` gives ``dx* = (I - N)^{-1} ∂h``, ``N = ∂h/∂x`` strictly triangular): one
-differentiable pass ``h(x*)`` (the same value, bitwise, at a fixed point) whose incoming
-gradient ``v`` a hook replaces by ``u = (I - N)^{-T} v``, found by the iteration
-``u <- v + N^T u`` (exact after at most ``D`` steps, stopped at its bitwise fixed point).
+(``x* = h(x*; y, θ)`` gives ``dx* = (I - N)^{-1} ∂h``, ``N = ∂h/∂x`` strictly triangular): the
+final pass ``h(x*)``, differentiable (the same value, bitwise), whose incoming gradient ``v`` a
+hook replaces by ``u = (I - N)^{-T} v``, found by the iteration ``u <- v + N^T u`` (exact after
+``groups - 1`` steps, or earlier at its bitwise fixed point). nflows / normflows return
+log|det J| with the inverse: their final pass hooks the conditionals' parameters instead
+(:func:`_made_pass`), one network evaluation for both.
 First-order gradients only: the hook's products are not themselves differentiated, and under
 ``create_graph=True`` they carry a node that refuses a second differentiation
 (:func:`paraprop.first_order.refuse_second_order`) rather than give a wrong second derivative.
@@ -27,6 +33,7 @@ call, so there is no fixed point, and the library's own loop returns a different
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -87,18 +94,51 @@ def invert_part(h: Callable[[torch.Tensor], torch.Tensor], y: torch.Tensor,
         where: the part, for messages.
     """
     grad = torch.is_grad_enabled()
-    with torch.no_grad():
-        run = tracked_solve(h, y, order, cfg, passes=passes, where=where)
-    extra = 1
-    if grad:
-        x = _implicit(h, run.x, run.groups)
-    elif run.complete or run.sol is not None:   # exact already, or the solver's own value
-        x, extra = run.x, 0
-    else:                                       # exact but for the last group: one pass
-        x = h(run.x)
+    with refuse_random(where, y.device):
+        with torch.no_grad():
+            run = tracked_solve(h, y, order, cfg, passes=passes, where=where)
+        extra = 1
+        if grad:
+            x = _implicit(h, run.x, run.groups)
+        elif run.complete or run.sol is not None:   # exact already, or the solver's own value
+            x, extra = run.x, 0
+        else:                                       # exact but for the last group: one pass
+            x = h(run.x)
     check_finite(x, where)
     record(run.solution(x.detach(), extra))
     return x
+
+
+@contextlib.contextmanager
+def refuse_random(where: str, device: torch.device):
+    """Around an inverse: an autoregressive network that draws random numbers (a
+    ``torch.randn_like`` in its ``forward``, which no list of stochastic layers knows) moves the
+    device's global generator; that raises :class:`StochasticModelError` naming the part (its
+    passes differ from call to call: there is no inverse to reproduce)."""
+    cuda = device.type == "cuda"
+
+    def state():
+        return torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+
+    before = state()
+    try:
+        yield
+    except Exception:   # the solver may have tripped over the randomness first: name it
+        if torch.equal(before, state()):
+            raise
+        moved = True
+    else:
+        moved = not torch.equal(before, state())
+    if moved:
+        part = f"the autoregressive part {where}" if where else "an autoregressive part"
+        raise StochasticModelError(
+            f"paraprop.flows: the network of {part} drew random numbers during the inverse "
+            f"(torch's global generator on {device} moved: torch.randn_like, dropout, ...): its "
+            "passes differ from call to call, so neither the library's loop nor paraprop has an "
+            "inverse to reproduce (expected a network that is a fixed function of its input). "
+            "Call flow.eval() if it draws only in training mode, or remove the random "
+            "operation; undo() on the paraprop.flows.accelerate handle runs the library's own "
+            "loop")
 
 
 @dataclasses.dataclass
@@ -562,13 +602,15 @@ def made_inverse(part, y, context, order, cfg, record, *, where: str = ""):
     ``Autoregressive``: ``(outputs, logabsdet)`` of the last pass, at the fixed point, in at
     most the library's ``D`` passes (the last one gives both, with the gradient)."""
     passes = math.prod(y.shape[1:])   # the library's loop: one pass per input
-    with torch.no_grad():
-        run = tracked_solve(made_step(part, y, context), y, order, cfg, passes=passes,
-                            where=where)
-    if torch.is_grad_enabled():
-        outputs, ladj = _made_pass(part, y, context, run.x, run.groups)
-    else:
-        outputs, ladj = part._elementwise_inverse(y, part.autoregressive_net(run.x, context))
+    with refuse_random(where, y.device):
+        with torch.no_grad():
+            run = tracked_solve(made_step(part, y, context), y, order, cfg, passes=passes,
+                                where=where)
+        if torch.is_grad_enabled():
+            outputs, ladj = _made_pass(part, y, context, run.x, run.groups)
+        else:
+            outputs, ladj = part._elementwise_inverse(y, part.autoregressive_net(run.x,
+                                                                                context))
     check_finite(outputs, where)
     record(run.solution(outputs.detach(), 1))
     return outputs, ladj

@@ -56,8 +56,11 @@ def parallel_inverse(transform, y: torch.Tensor, *, context: torch.Tensor | None
 
     Other parts of a composition are inverted by their own inverse. With gradients enabled the
     result is differentiable like the library's (implicit differentiation at the fixed point,
-    one more pass per autoregressive transform; first-order gradients); under
-    ``torch.no_grad()`` it carries no graph.
+    through the final pass; first-order gradients); under ``torch.no_grad()`` it carries no
+    graph. Each autoregressive transform takes at most the passes of the library's own loop
+    (its ``D``, or zuko's ``passes``), the final and the differentiable pass included: a
+    method whose next pass could exceed them is stopped, and the library's loop finishes from
+    the features proven exact (see :class:`paraprop.flows.core.Passes`).
 
     Arguments:
         transform: the forward transform ``y = f(x)``, or a flow (see above).
@@ -79,8 +82,10 @@ def parallel_inverse(transform, y: torch.Tensor, *, context: torch.Tensor | None
     Returns:
         ``(x, solution)``: the preimage and one :class:`paraprop.Solution` for the whole
         inverse: ``iterations`` and ``evaluations`` summed over the autoregressive transforms
-        (``evaluations`` is the number of passes), ``converged`` when all converged,
-        ``stats["parts"]`` the Solution of each transform in the order they were inverted.
+        (``evaluations`` is the number of passes, the final one included), ``converged`` when
+        all converged, ``stats["parts"]`` the Solution of each transform in the order they were
+        inverted (its ``stats``: ``library_passes``, ``groups``, ``finished_by`` -- ``"solver"``,
+        ``"exact prefix"`` or ``"budget"`` -- and ``fallback_passes``).
 
     Raises:
         TypeError: a transform of none of the three libraries; ``y`` or ``context`` not a
@@ -90,6 +95,9 @@ def parallel_inverse(transform, y: torch.Tensor, *, context: torch.Tensor | None
             an unconditional one (or to a zuko transform, already bound to its context); an
             unknown or a Newton-family ``method``, a negative ``tol``, a ``max_iters`` < 1.
         NotImplementedError: a zuko transform defined by an adjacency matrix without an order.
+        paraprop.NonFiniteError: the library's own loop computes a NaN or inf (from final
+            features, or in one of its passes): the part, the sample and the feature named,
+            for every method.
 
     Example:
         >>> import zuko
