@@ -10,6 +10,7 @@ them.
    block only where its measured deviation is well within tol, and says so.
 4. Settings assigned after construction: MADE refuses its constructor settings by name; an
    order changed in place is honoured with its masks or refused.
+5. A random operation in the network (torch.randn_like) is named.
 """
 
 from __future__ import annotations
@@ -384,3 +385,25 @@ def test_made_order_changed_in_place_is_honoured_with_its_masks_or_refused():
         b.order[0] = 7
     with pytest.raises(ValueError, match=r"MADE.order must be a permutation of 0..4"):
         b.log_prob(x)
+
+
+# -- a random operation inside the model's network ------------------------------------------------
+@pytest.mark.parametrize("method", ["jacobi", "sequential", "gs_jacobi", "fixed_passes"])
+def test_a_random_operation_in_the_network_is_named(method):
+    """A MADE whose hidden features get torch.randn_like noise in training mode: no layer list
+    knows it (require_deterministic passes), the global generator moving does."""
+
+    class NoisyMADE(MADE):
+        def _features(self, x):
+            h = super()._features(x)
+            return h + 0.1 * torch.randn_like(h) if self.training else h
+
+    m = NoisyMADE(6, (16,))
+    noise = m.draw_noise(3, torch.Generator().manual_seed(0))
+    with pytest.raises(paraprop.StochasticModelError,
+                       match=r"paraprop.sampling.sample: the model drew random numbers while "
+                             r"sampling .*Call model.eval\(\) if it draws only in training mode"):
+        sample(m, 3, noise=noise, method=method, tol=0)
+    m.eval()
+    want = sample(m, 3, noise=noise, method="sequential")[0]
+    assert torch.equal(sample(m, 3, noise=noise, method=method, tol=0)[0], want)
