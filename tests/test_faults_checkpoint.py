@@ -660,3 +660,16 @@ def test_weights_with_non_finite_values_are_refused(tmp_path, capsys, monkeypatc
     torch.save({k: v for k, v in model.state_dict().items()}, tmp_path / "plain.pt")
     assert main([*WEIGHTS, "--weights", str(tmp_path / "plain.pt")]) == 2   # a plain state_dict
     one_error(capsys, r"plain.pt: tensor '3.bias' holds 2 non-finite values")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_checkpoint_with_non_finite_weights_is_refused_at_load(tmp_path, bad):
+    path = tmp_path / "made.pt"
+    m = MADE(6, (16,))
+    m.save(path)
+    ckpt = torch.load(path, weights_only=True)
+    name = next(k for k, v in ckpt["state_dict"].items() if v.is_floating_point())
+    ckpt["state_dict"][name].view(-1)[0] = bad
+    torch.save(ckpt, path)
+    with pytest.raises(ValueError, match=rf"{path}: tensor {name!r} holds 1 non-finite values"):
+        MADE.load(path)

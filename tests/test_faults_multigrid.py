@@ -472,7 +472,7 @@ def test_a_random_operation_in_a_block_is_named(tol):
     torch.manual_seed(0)
     net = ParallelResidualStack([_Noisy() for _ in range(16)], 1 / 16, tol=tol).train()
     x = inputs(width=4)
-    how = "in the batched evaluation" if tol else "drew random numbers during the solve"
+    how = "vmap refused a random operation" if tol else "drew random numbers during the solve"
     with pytest.raises(StochasticModelError,
                        match=rf"ParallelResidualStack \(forward\): a block .*{how}.* MGRIT "
                              r"evaluates every block several times per solve.* Call "

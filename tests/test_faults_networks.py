@@ -84,6 +84,30 @@ def test_hand_built_recurrence_with_a_stochastic_step_is_refused():
     rec.bind(torch.randn(2, 4))
 
 
+class NoisyLinear(nn.Linear):
+    """Gaussian noise from torch.randn_like in training mode: no layer a list could know."""
+
+    def forward(self, u):
+        out = super().forward(u)
+        return out + 0.1 * torch.randn_like(out) if self.training else out
+
+
+@pytest.mark.parametrize("method", ["jacobi", "gs_jacobi"])
+def test_a_random_operation_in_a_layer_is_named_not_blamed_on_the_map(method):
+    steps = [Step("lin", nn.Linear(4, 8), (-1,)),
+             Step("noisy", NoisyLinear(8, 8), (0,)),
+             Step("head", nn.Linear(8, 5), (1,))]
+    rec = LayerRecurrence(steps)
+    x = torch.randn(3, 4)
+    with pytest.raises(paraprop.StochasticModelError,
+                       match=r"networks.evaluate: a layer drew random numbers during the solve "
+                             r".*Call model.eval\(\) if it draws only in training mode"):
+        evaluate(rec, x, method=method, tol=0, metric="max_abs")
+    steps[1].module.eval()
+    out, sol = evaluate(rec, x, method=method, tol=0, metric="max_abs")
+    assert sol.converged and sol.stats["bitwise_equal"]
+
+
 # -- 2. the device fixture and low precision: tol=0 is bitwise the sequential network ------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["f32", "bf16", "fp16"])

@@ -18,16 +18,18 @@ its randomness elsewhere is caught later, by the solvers' verification of the fi
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import numbers
 
+import torch
 from torch import nn
 
 from paraprop.errors import StochasticModelError
 
 __all__ = ["DROPOUT_ATTRIBUTES", "NOISE_ATTRIBUTES", "NORM_MODULES", "RANDOM_MODULES", "own_part",
-           "require_deterministic", "stochastic_parts"]
+           "refuse_random_draws", "require_deterministic", "stochastic_parts"]
 
 # layers that draw random numbers in train mode
 RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU)
@@ -137,3 +139,37 @@ def _as_module(obj):
         return obj
     owner = getattr(obj, "__self__", None)   # a bound method such as unet.forward
     return owner if isinstance(owner, nn.Module) else None
+
+
+@contextlib.contextmanager
+def refuse_random_draws(device, message: str):
+    """Around a parallel evaluation of a user's module: a module that draws random numbers in
+    its forward (``torch.randn_like``, functional dropout: randomness no list of layers knows)
+    moves the global generator of ``device``; that raises :class:`StochasticModelError` with
+    ``message`` (which should name the entry point, the cause and the fix). One comparison of
+    the generator's state per call of the context, none per evaluation.
+
+    An error raised inside (the solver may trip over the randomness first: a
+    ``NotTriangularError``, or ``vmap``'s refusal of a random operation) becomes the
+    :class:`StochasticModelError` too when the generator moved; otherwise it propagates. Draws
+    from explicit ``torch.Generator`` objects are not seen (the solvers' verification is the
+    check there).
+    """
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+
+    def state():
+        return torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+
+    before = state()
+    try:
+        yield
+    except Exception as e:
+        vmap_refused = isinstance(e, RuntimeError) and "random operation" in str(e) \
+            and "vmap" in str(e)
+        if not vmap_refused and torch.equal(before, state()):
+            raise
+        detail = f" (torch: {str(e).splitlines()[0]})" if vmap_refused else ""
+        raise StochasticModelError(f"{message}{detail}") from None
+    if not torch.equal(before, state()):
+        raise StochasticModelError(message)

@@ -40,6 +40,7 @@ from paraprop.multigrid.common import (
     check_blocks,
     check_input,
     check_settings,
+    refuse_random_blocks,
     resolve_batched,
     run_batched,
     solve_through,
@@ -320,7 +321,11 @@ class LayerParallelStack(nn.Module):
             raise
         self._check_peers(x, refused=False)
         params = self._params.trainable() if torch.is_grad_enabled() else []
-        return solve_through(self, x, params)
+        # a block that draws random numbers (randn_like, ...: no list of layers knows it)
+        # moves this rank's generator; checked once the collective solve has ended, so that
+        # the other ranks are not left waiting
+        with refuse_random_blocks("LayerParallelStack", x.device):
+            return solve_through(self, x, params)
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -33,7 +33,6 @@ call, so there is no fixed point, and the library's own loop returns a different
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -44,7 +43,7 @@ from torch import nn
 
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
-from paraprop.determinism import require_deterministic
+from paraprop.determinism import refuse_random_draws, require_deterministic
 from paraprop.errors import ConvergenceError, NonFiniteError, StochasticModelError
 from paraprop.first_order import refuse_second_order
 from paraprop.result import Solution
@@ -109,36 +108,20 @@ def invert_part(h: Callable[[torch.Tensor], torch.Tensor], y: torch.Tensor,
     return x
 
 
-@contextlib.contextmanager
 def refuse_random(where: str, device: torch.device):
     """Around an inverse: an autoregressive network that draws random numbers (a
     ``torch.randn_like`` in its ``forward``, which no list of stochastic layers knows) moves the
     device's global generator; that raises :class:`StochasticModelError` naming the part (its
     passes differ from call to call: there is no inverse to reproduce)."""
-    cuda = device.type == "cuda"
-
-    def state():
-        return torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
-
-    before = state()
-    try:
-        yield
-    except Exception:   # the solver may have tripped over the randomness first: name it
-        if torch.equal(before, state()):
-            raise
-        moved = True
-    else:
-        moved = not torch.equal(before, state())
-    if moved:
-        part = f"the autoregressive part {where}" if where else "an autoregressive part"
-        raise StochasticModelError(
-            f"paraprop.flows: the network of {part} drew random numbers during the inverse "
-            f"(torch's global generator on {device} moved: torch.randn_like, dropout, ...): its "
-            "passes differ from call to call, so neither the library's loop nor paraprop has an "
-            "inverse to reproduce (expected a network that is a fixed function of its input). "
-            "Call flow.eval() if it draws only in training mode, or remove the random "
-            "operation; undo() on the paraprop.flows.accelerate handle runs the library's own "
-            "loop")
+    part = f"the autoregressive part {where}" if where else "an autoregressive part"
+    return refuse_random_draws(device, (
+        f"paraprop.flows: the network of {part} drew random numbers during the inverse "
+        f"(torch's global generator on {device} moved: torch.randn_like, dropout, ...): its "
+        "passes differ from call to call, so neither the library's loop nor paraprop has an "
+        "inverse to reproduce (expected a network that is a fixed function of its input). "
+        "Call flow.eval() if it draws only in training mode, or remove the random "
+        "operation; undo() on the paraprop.flows.accelerate handle runs the library's own "
+        "loop"))
 
 
 @dataclasses.dataclass

@@ -320,6 +320,26 @@ def build_within_budget(build, config: dict, *, path, kind: str, file_bytes: int
 
 
 # -- the checkpoint of a model ---------------------------------------------------------------------
+def check_finite_weights(state: dict, path, option: str = "") -> None:
+    """Every floating-point tensor of ``state`` must be finite: weights holding NaN or inf
+    train to a loss of NaN and predict nothing.
+
+    Raises:
+        ValueError: naming the file, the first tensor with non-finite values and how many.
+    """
+    for name, t in state.items():
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+            bad = ~torch.isfinite(t)
+            if bool(bad.any()):
+                kinds = " and ".join(k for k, m in (("NaN", torch.isnan(t)),
+                                                     ("inf", torch.isinf(t))) if bool(m.any()))
+                where = f"{option} {path}" if option else f"{path}"
+                raise ValueError(
+                    f"{where}: tensor {name!r} holds {int(bad.sum())} non-finite values "
+                    f"({kinds}) among its {t.numel()}; expected finite weights (training from "
+                    "them gives a loss of NaN, evaluating them meaningless outputs)")
+
+
 def load_checkpoint(cls, kind: str, path, map_location):
     """A model of class ``cls`` from the checkpoint ``{"kind", "config", "state_dict"}`` that
     ``cls.save`` wrote at ``path``; every failure names the file.
@@ -344,6 +364,7 @@ def load_checkpoint(cls, kind: str, path, map_location):
     if not all(isinstance(k, str) for k in cfg):
         raise ValueError(f"{path}: bad {kind} config in the checkpoint: its keys must be "
                          f"strings, got {sorted(map(repr, cfg))[:5]}")
+    check_finite_weights(state, path)
     try:
         model = build_within_budget(cls, cfg, path=path, kind=kind,
                                     file_bytes=path.stat().st_size, tensors=len(state))

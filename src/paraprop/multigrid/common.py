@@ -11,7 +11,6 @@ construction, with the same messages), check the input and the blocks' modes at 
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Sequence
 
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 from paraprop import checks
-from paraprop.determinism import NORM_MODULES, stochastic_parts
+from paraprop.determinism import NORM_MODULES, refuse_random_draws, stochastic_parts
 from paraprop.errors import StochasticModelError
 from paraprop.multigrid.params import stateful_modules
 from paraprop.multigrid.steps import shares_architecture
@@ -183,29 +182,16 @@ RANDOM = ("MGRIT evaluates every block several times per solve, on intermediate 
           "fixed function of its input)")
 
 
-@contextlib.contextmanager
 def refuse_random_blocks(entry: str, device: torch.device):
     """Around a solve: a block that draws random numbers (``torch.randn_like`` and the like,
     which :func:`check_block_modes` cannot see) raises :class:`StochasticModelError`, naming
     the cause: in the batched evaluation ``vmap`` refuses the random operation (its error is
     translated), block by block the global generator of the device moved (one comparison of its
-    state per solve)."""
-    cuda = device.type == "cuda"
-    before = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
-    try:
-        yield
-    except RuntimeError as e:
-        if "random operation" in str(e) and "vmap" in str(e):
-            raise StochasticModelError(
-                f"{entry}: a block called a random operation (torch.randn_like, dropout, ...) "
-                f"in the batched evaluation (torch: {str(e).splitlines()[0]}). {RANDOM}"
-            ) from None
-        raise
-    after = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
-    if not torch.equal(before, after):
-        raise StochasticModelError(
-            f"{entry}: a block drew random numbers during the solve (torch's global generator "
-            f"on {device} moved: torch.randn_like, dropout, ...). {RANDOM}")
+    state per solve; :func:`paraprop.determinism.refuse_random_draws`)."""
+    return refuse_random_draws(device, (
+        f"{entry}: a block drew random numbers during the solve (torch's global generator on "
+        f"{device} moved, or vmap refused a random operation: torch.randn_like, dropout, ...). "
+        f"{RANDOM}"))
 
 
 # -- checks at every forward ---------------------------------------------------------------------

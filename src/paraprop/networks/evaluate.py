@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from paraprop import checks
+from paraprop.determinism import refuse_random_draws
 from paraprop.networks.blocks import jacobi_gs_blocks
 from paraprop.networks.convert import as_recurrence
 from paraprop.networks.recurrence import LayerSystem
@@ -111,12 +112,19 @@ def trace(system: LayerSystem, *, method, tol: float,
         changes.append(fn(out, prev[0]))
         prev[0] = out
 
-    if blocks is not None:
-        sol = jacobi_gs_blocks(system, blocks, tol=tol, norm=norm, max_iters=max_iters,
-                               throw=throw, callback=record)
-    else:
-        sol = solve(system, system.x0, method=method, dim=1, tol=tol, norm=norm,
-                    max_iters=max_iters, throw=throw, callback=record)
+    with refuse_random_draws(system.x0.device, (
+            "networks.evaluate: a layer drew random numbers during the solve (torch's global "
+            f"generator on {system.x0.device} moved: torch.randn_like, dropout, ... in a "
+            "forward): the network gives another value at every evaluation, so there is no "
+            "forward pass to reproduce (expected every layer a fixed function of its input). "
+            "Call model.eval() if it draws only in training mode, or remove the random "
+            "operation")):
+        if blocks is not None:
+            sol = jacobi_gs_blocks(system, blocks, tol=tol, norm=norm, max_iters=max_iters,
+                                   throw=throw, callback=record)
+        else:
+            sol = solve(system, system.x0, method=method, dim=1, tol=tol, norm=norm,
+                        max_iters=max_iters, throw=throw, callback=record)
     out = system.output(sol.value)
     settled = len(errors) + 1
     while settled > 1 and errors[settled - 2] == 0:

@@ -13,8 +13,7 @@ import time
 import torch
 
 from paraprop import checks
-from paraprop.determinism import require_deterministic
-from paraprop.errors import StochasticModelError
+from paraprop.determinism import refuse_random_draws, require_deterministic
 from paraprop.solve import Solution, normalise_dims, solve
 from paraprop.solvers import is_solver
 
@@ -89,33 +88,15 @@ def sample(model, n: int, *, method="jacobi", tol: float = 1e-5, noise=None,
     elif not isinstance(noise, torch.Tensor) or tuple(noise.shape) != expected:
         got = tuple(noise.shape) if isinstance(noise, torch.Tensor) else type(noise).__name__
         raise ValueError(f"noise must have shape {expected} for n={n}, got {got}")
-    cuda = noise.device.type == "cuda"
-    before = torch.cuda.get_rng_state(noise.device) if cuda else torch.get_rng_state()
-    try:
+    with refuse_random_draws(noise.device, (
+            f"paraprop.sampling.sample: the model drew random numbers while sampling (torch's "
+            f"global generator on {noise.device} moved: torch.randn_like, dropout, ... in its "
+            "forward): its network gives another value at every evaluation, so there is no "
+            "ancestral sample for the noise to reproduce (expected a network that is a fixed "
+            "function of its input; all the randomness in the noise). Call model.eval() if it "
+            "draws only in training mode, or remove the random operation")):
         x, sol = _run(model, noise, method, special, solver, block_size, tol, max_iters, throw)
-    except Exception:   # the solver may have tripped over the randomness first: name it
-        if not _moved(before, noise.device):
-            raise
-        _random_model(noise.device)
-    if _moved(before, noise.device):
-        _random_model(noise.device)
     return x, sol
-
-
-def _moved(before: torch.Tensor, device: torch.device) -> bool:
-    """Whether the device's global generator moved since its state was ``before``."""
-    now = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-    return not torch.equal(before, now)
-
-
-def _random_model(device) -> None:
-    raise StochasticModelError(
-        f"paraprop.sampling.sample: the model drew random numbers while sampling (torch's "
-        f"global generator on {device} moved: torch.randn_like, dropout, ... in its forward): "
-        "its network gives another value at every evaluation, so there is no ancestral sample "
-        "for the noise to reproduce (expected a network that is a fixed function of its "
-        "input; all the randomness in the noise). Call model.eval() if it draws only in "
-        "training mode, or remove the random operation") from None
 
 
 def _run(model, noise, method, special, solver, block_size, tol, max_iters, throw):

@@ -12,6 +12,7 @@ import torch
 
 from paraprop.data import load_digits, load_mnist
 from paraprop.experiments.progress import progress as progress_bar
+from paraprop.models.checkpoint import check_finite_weights  # noqa: F401 (re-export)
 
 
 def _can_write_in(directory: Path, option: str, path: Path) -> None:
@@ -39,26 +40,6 @@ def _not_empty(path, option: str, expected: str) -> None:
     if path is None or (isinstance(path, str | bytes) and not path.strip()):
         raise ValueError(f"{option} {path!r}: empty; expected {expected} (leave the option "
                          "out for the default)")
-
-
-def check_finite_weights(state: dict, path, option: str = "") -> None:
-    """Every floating-point tensor of ``state`` must be finite: weights holding NaN or inf
-    train to a loss of NaN and predict nothing.
-
-    Raises:
-        ValueError: naming the file, the first tensor with non-finite values and how many.
-    """
-    for name, t in state.items():
-        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
-            bad = ~torch.isfinite(t)
-            if bool(bad.any()):
-                kinds = " and ".join(k for k, m in (("NaN", torch.isnan(t)),
-                                                     ("inf", torch.isinf(t))) if bool(m.any()))
-                where = f"{option} {path}" if option else f"{path}"
-                raise ValueError(
-                    f"{where}: tensor {name!r} holds {int(bad.sum())} non-finite values "
-                    f"({kinds}) among its {t.numel()}; expected finite weights (training from "
-                    "them gives a loss of NaN, evaluating them meaningless outputs)")
 
 
 def default_path(value, default):
