@@ -37,8 +37,20 @@ from __future__ import annotations
 import torch
 
 from paraprop.diffusion.schedulers import StepTable
-from paraprop.errors import NonFiniteError
+from paraprop.errors import NonFiniteError, StochasticModelError
 from paraprop.scan import linear_recurrence
+
+# units of the dtype's resolution an input change must exceed to measure a step's gain
+OBS_ULPS = 2
+# units of the dtype's resolution (at the outputs' scale) taken off an observed output change:
+# what the rounding of two evaluations may leave between them
+NOISE_ULPS = 1
+# batch variance explains differences of at most this many units of the dtype's resolution,
+# and of this share of the outputs' size (:func:`stochastic_level`)
+STOCHASTIC_ULPS = 64
+STOCHASTIC_REL = 1 / 64
+# a difference above this many units (relative) is checked by evaluating the same rows again
+AMBIGUOUS_ULPS = 16
 
 
 class DiffusionChain:
@@ -100,13 +112,8 @@ class DiffusionChain:
         self.model_rows = 0    # model evaluations (rows of x per call, in samples)
         self.max_rows = 0
         self.track_gains = False
-        self.live_growth = False
-        self._growth = None    # (B, N): how much an error at each step grows by the end
-        self.lam = None        # (B, N): largest observed |d (step_s(x) - x)| / |d x|
         self.gain = None       # (B, N): largest observed |d step_s(x)| / |d x| (NaN: none yet)
         self._seen = None      # (last inputs, last outputs) of every step, (B, N, F) each
-        self._observed = 0     # observations so far (the version of gain and lam)
-        self._derived_cache = {}
         # the steps [lo, N) are the system the solver sees; x_lo is the input of step lo
         self.lo = 0
         self.x_lo = self.x_init
@@ -130,6 +137,10 @@ class DiffusionChain:
         self.loop_out = None
         self.loop_gap = None
         self._step0_input = None
+        # the determinism check (:meth:`diagnose`): made once, when a difference is first seen
+        self.diagnosed = False
+        self.recompute_gap = torch.zeros((), dtype=torch.float64, device=dev)
+        self.cap = None        # model calls the check may not push the run beyond
 
     # -- the model -----------------------------------------------------------------------------
     def _kwargs(self, n: int) -> tuple[dict, set]:
@@ -190,31 +201,70 @@ class DiffusionChain:
         self.loop_gap = torch.where(same_input, gap, 0.0)
         self.irreproducible = self.irreproducible | (self.loop_gap != 0)
 
+    def diagnose(self) -> None:
+        """A step computed again gave other bits (:attr:`irreproducible`): batch variance of
+        the model's kernels, or a model that is not a fixed function of its input. Tell them
+        apart by the size of the difference (relative to the values' size: step 0's model
+        output between the loop's call and a batched one, and any certified step computed
+        again): beyond :func:`stochastic_level` no rounding explains it; above
+        :data:`AMBIGUOUS_ULPS` units of the dtype, the loop's first call (the initial noise at
+        the first timestep, ``B`` rows) is evaluated once more, one model call, counted
+        (where the budget has it), and any difference from the first evaluation of the same
+        rows in the same batch shape settles it. Raises
+        :class:`~paraprop.StochasticModelError` naming the likely cause."""
+        self.diagnosed = True
+        gap = 0.0 if self.loop_gap is None else float(self.loop_gap)
+        scale = 1e-30 if self.loop_out is None else \
+            float(self.loop_out.abs().max().nan_to_num(0, 0, 0).clamp(min=1e-30))
+        size = float(self.exact_values.abs().max().nan_to_num(0, 0, 0).clamp(min=1.0))
+        rel = max(gap / scale, float(self.recompute_gap) / size)
+        eps = torch.finfo(self.dtype).eps
+        if rel > stochastic_level(self.dtype):
+            raise _stochastic(
+                f"a step computed again (in a batch of other rows) differs by {rel:.3g} of "
+                f"the values' size, far beyond the rounding differences of batch-variant "
+                f"kernels in {self.dtype} (at most {stochastic_level(self.dtype):.3g})")
+        if self.loop_out is None or rel <= AMBIGUOUS_ULPS * eps or \
+                (self.cap is not None and self.model_calls >= self.cap):
+            return
+        rows = self.x_init.reshape(self.sample_shape)
+        again = self.call_model(rows, self.timesteps[:1].repeat_interleave(self.B), 1)
+        ref = self.loop_out
+        same = (again == ref) | (again.isnan() & ref.isnan())
+        if not bool(same.all()):
+            diff = float((again.to(torch.float64) - ref.to(torch.float64)).abs()
+                         .nan_to_num(nan=torch.inf).max())
+            raise _stochastic(f"evaluating the loop's first step again on the same {self.B} "
+                              f"rows gave other values (largest difference {diff:.3g}, "
+                              f"outputs of size {scale:.3g})")
+
     def _observe(self, xin: torch.Tensor, nxt: torch.Tensor, start: int, stop: int) -> None:
         """Record each step's gain ``max|step(x) - step(x')| / max|x - x'|`` (per sample, the
-        largest seen) between this evaluation and the step's previous one. Input changes at the
-        rounding level are skipped: their ratios measure rounding, not the map."""
+        largest seen) between this evaluation and the step's previous one, less what the
+        rounding of the two outputs may leave between them (:data:`NOISE_ULPS`); input changes
+        within :func:`observe_level` of the rounding are skipped. Keeps each step's last input
+        and output (:meth:`stale_from`, :meth:`direct`)."""
         if self._seen is None:
             nan = torch.full((self.B, self.N, self.F), float("nan"), dtype=xin.dtype,
                              device=xin.device)
             self._seen = (nan, nan.clone())
             self.gain = torch.full((self.B, self.N), float("nan"), dtype=torch.float64,
                                    device=xin.device)
-            self.lam = self.gain.clone()
         last_in, last_out = self._seen
         w = self.work
-        dx = xin.to(w) - last_in[:, start:stop].to(w)
-        dy = nxt.to(w) - last_out[:, start:stop].to(w)
-        din = dx.abs().amax(2).to(torch.float64)
-        level = 1024 * torch.finfo(xin.dtype).eps * (xin.abs().amax(2).to(torch.float64) + 1)
-        ok = (din > level) & torch.isfinite(din)   # (a non-finite dy gives a NaN ratio: skipped)
-        for store, dnum in ((self.gain, dy), (self.lam, dy - dx)):
-            ratio = torch.where(ok, dnum.abs().amax(2).to(torch.float64) / din, torch.nan)
-            old = store[:, start:stop]
-            store[:, start:stop] = torch.where(ratio.isnan(), old, torch.fmax(old, ratio))
+        # |x - x'|, |y - y'|, |x|, |y| (largest per sample and step) in one reduction
+        din, dout, size_in, size_out = torch.stack(
+            [xin.to(w) - last_in[:, start:stop].to(w), nxt.to(w) - last_out[:, start:stop].to(w),
+             xin.to(w), nxt.to(w)]).abs().amax(3).to(torch.float64).unbind(0)
+        ulp = torch.finfo(xin.dtype).eps
+        level = observe_level(xin.dtype) * size_in.clamp(min=1)
+        noise = NOISE_ULPS * ulp * size_out.clamp(min=1)
+        # (a non-finite difference gives a NaN ratio: skipped)
+        ratio = torch.where(din > level, (dout - noise).clamp(min=0) / din, torch.nan)
+        old = self.gain[:, start:stop]
+        self.gain[:, start:stop] = torch.fmax(old, ratio)
         last_in[:, start:stop] = xin
         last_out[:, start:stop] = nxt
-        self._observed += 1
 
     def inputs(self, X: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """``x_s`` for the system's positions ``[start, stop)``: the input of step ``lo``, then
@@ -222,40 +272,6 @@ class DiffusionChain:
         if start == 0:
             return torch.cat([self.x_lo[:, None], X[:, : stop - 1]], dim=1)
         return X[:, start - 1 : stop - 1]
-
-    # -- what the solver may read --------------------------------------------------------------
-    @property
-    def sensitivity(self):
-        """``(B, N - lo)``: how much a change at position ``i`` moves the later positions of the
-        Picard map, ``|d (step_{i+1}(x) - x)| / |d x|`` as observed (the split's increment,
-        small for a diffusion step), for :class:`~paraprop.solvers.SlidingJacobi`'s freeze
-        estimate; ``None`` until steps have been observed twice, NaN where unknown."""
-        if self.lam is None or not self.track_gains:
-            return None
-        return self._derived("sensitivity", lambda: torch.cat(
-            [fill_unobserved(self.lam, none=float("nan"))[:, 1:],
-             torch.zeros_like(self.lam[:, :1])], dim=1))[:, self.lo:]
-
-    def _derived(self, name: str, make):
-        """A quantity derived from the observed gains, made again only after they changed."""
-        hit = self._derived_cache.get(name)
-        if hit is None or hit[0] != self._observed:
-            hit = (self._observed, make())
-            self._derived_cache[name] = hit
-        return hit[1]
-
-    @property
-    def growth(self):
-        """``(B, N - lo)`` or ``None``: how much an error at each position grows by the end of
-        the chain: set by :func:`paraprop.diffusion.sample`, or with ``live_growth`` the
-        product of the gains observed so far (:func:`growth_after`)."""
-        if self._growth is None and self.live_growth and self.gain is not None:
-            return self._derived("growth", lambda: growth_after(self.gain))[:, self.lo:]
-        return None if self._growth is None else self._growth[:, self.lo:]
-
-    @growth.setter
-    def growth(self, value) -> None:
-        self._growth = value
 
     # -- the triangular system -----------------------------------------------------------------
     def __call__(self, X: torch.Tensor) -> torch.Tensor:
@@ -278,6 +294,8 @@ class DiffusionChain:
             [(self.certified() >= self.N).all().long(), self.irreproducible.long(),
              self.certified().max()]).tolist()
         self.irreproducible_seen = bool(seen)
+        if seen and not self.diagnosed:
+            self.diagnose()
         if done and torch.equal(X, self.exact_values[:, self.lo:]):
             # every position is certified and X holds the certified values: X is the fixed
             # point (a solver's last verification), no model call needed
@@ -333,8 +351,11 @@ class DiffusionChain:
         self.has_next = self.has_next & ~written
         pos = torch.arange(n, device=y.device)[None, :]
         known = a0 + pos < self.exact[:, None]
-        # a certified step computed again with other bits: the model's batch variance
-        self.irreproducible = self.irreproducible | (known & (r != 0).any(2)).any()
+        # a certified step computed again with other bits: the model's batch variance (or
+        # randomness: diagnose() tells them apart by the relative size)
+        off = torch.where(known[:, :, None], r, 0).abs().max()
+        self.irreproducible = self.irreproducible | (off != 0)
+        self.recompute_gap = torch.maximum(self.recompute_gap, off.to(torch.float64))
         # the inputs of step a0 are exact: a leading run of certified positions and of zero
         # residuals is exact, and the direct step after it is the next exact value
         eligible = self.exact >= a0
@@ -398,6 +419,54 @@ class DiffusionChain:
         if start < self.N:
             check_steps_finite(X, start)
 
+    # -- the final check of an estimate --------------------------------------------------------
+    def stale_from(self, X: torch.Tensor, rows: torch.Tensor) -> int:
+        """The first step whose last evaluation (kept while :attr:`track_gains`) was not at its
+        input in the trajectory ``X`` ``(B, N, F)``, over the samples ``rows`` and the positions
+        not certified; ``N`` where every such step is up to date (one host sync)."""
+        if self._seen is None:
+            return 0
+        xin = torch.cat([self.x_init[:, None], X[:, :-1]], dim=1)
+        last_in, last_out = self._seen
+        fresh = (last_in == xin).all(2) & torch.isfinite(last_out).all(2)
+        pos = torch.arange(self.N, device=X.device)[None, :]
+        stale = ~fresh & rows[:, None] & (pos >= self.exact[:, None])
+        first = torch.where(stale.any(0), pos[0], self.N).min()
+        return int(first)
+
+    def direct(self, X: torch.Tensor, start: int, window: int) -> torch.Tensor:
+        """``(B, N, F)``: the direct step of every position of ``X`` from its input in ``X``
+        (bitwise the loop's step from that input), evaluating the steps ``[start, N)`` again
+        in calls of at most ``window`` steps; the steps before ``start`` are the last
+        evaluations (:meth:`stale_from`). The new evaluations are observed as any
+        (:attr:`track_gains` must be on)."""
+        xin = torch.cat([self.x_init[:, None], X[:, :-1]], dim=1)
+        for a in range(start, self.N, window):
+            b = min(self.N, a + window)
+            self.steps(xin[:, a:b], a, b)
+        return self._seen[1]
+
+    def learn_exact(self, X: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """From the direct steps ``y`` of every position of ``X`` (:meth:`direct`): the
+        leading positions whose value is their direct step from an exact input are exact, and
+        the direct step after them is the next exact value. Advances :attr:`exact` for the
+        samples ``rows``; returns ``(B,)``: the first position of each sample whose value is
+        not its direct step (``N``: none; certified positions count as exact)."""
+        pos = torch.arange(self.N, device=X.device)[None, :]
+        same = (y == X).all(2) | (pos < self.exact[:, None])
+        p = same.long().cumprod(1).sum(1)
+        grow = rows & (p >= self.exact)
+        newly = grow[:, None, None] & (pos[:, :, None] < p[:, None, None])
+        self.exact_values.copy_(torch.where(newly, X, self.exact_values))
+        self.exact = torch.where(grow, p, self.exact)
+        more = grow & (p < self.N)
+        nxt = y.gather(1, p.clamp(max=self.N - 1)[:, None, None].expand(self.B, 1, self.F))[:, 0]
+        self.has_next = torch.where(grow, more, self.has_next)
+        self.next_value = torch.where(more[:, None], nxt, self.next_value)
+        at = pos[:, :, None] == p[:, None, None]
+        self.exact_values.copy_(torch.where(more[:, None, None] & at, y, self.exact_values))
+        return p
+
     def update(self, X: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Positions ``index`` computed step by step from ``X`` (the sequential reference)."""
         outs = []
@@ -426,20 +495,30 @@ def check_steps_finite(X: torch.Tensor, start: int = 0) -> None:
     raise nonfinite_error(step, b)
 
 
-def growth_after(gain: torch.Tensor) -> torch.Tensor:
-    """``(B, N)``: the product of the observed step gains ``gain`` (at least 1) after each
-    step; a step never observed takes the sample's largest gain (``inf`` if it has none)."""
-    g = fill_unobserved(gain, none=float("inf")).clamp(min=1.0)
-    logs = g.log()
-    return (logs.flip(1).cumsum(1).flip(1) - logs).exp()
+def stochastic_level(dtype: torch.dtype) -> float:
+    """The largest difference (per unit of the outputs' size) between a model's output for
+    the same rows in batches of different sizes that batch-variant kernels can explain in
+    ``dtype``: :data:`STOCHASTIC_ULPS` units of its resolution, and at least
+    :data:`STOCHASTIC_REL`."""
+    return max(STOCHASTIC_ULPS * torch.finfo(dtype).eps, STOCHASTIC_REL)
 
 
-def fill_unobserved(v: torch.Tensor, *, none: float) -> torch.Tensor:
-    """``v`` ``(B, N)`` with each NaN (a step never observed) replaced by the largest value
-    observed for that sample, or by ``none`` where the sample has no observation at all."""
-    largest = torch.where(v.isnan(), -torch.inf, v).amax(1, keepdim=True)
-    largest = torch.where(largest == -torch.inf, none, largest)
-    return torch.where(v.isnan(), largest, v)
+def _stochastic(what: str) -> StochasticModelError:
+    return StochasticModelError(
+        f"diffusion.sample: the model is not a fixed function of its input: {what}. The likely "
+        "cause is a module in train mode (dropout or other random layers, such as "
+        "torch.randn_like in its forward): call model.eval() first (for a module wrapped in a "
+        "lambda or functools.partial, on the module itself); nondeterministic kernels of a "
+        "model in eval mode are the other one (torch.use_deterministic_algorithms(True)). "
+        "Two evaluations of the same input differ, so there is no sequential result to "
+        "reproduce")
+
+
+def observe_level(dtype: torch.dtype) -> float:
+    """The least input change (per unit of ``|x| + 1``) whose effect on a step is read as the
+    step's gain: below it the ratio measures the dtype's rounding, not the map. :data:`OBS_ULPS`
+    units of ``dtype``'s resolution."""
+    return OBS_ULPS * torch.finfo(dtype).eps
 
 
 def _output(out, x: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 import warnings
 
@@ -14,7 +16,6 @@ from paraprop.diffusion.chain import (
     DiffusionChain,
     check_steps_finite,
     draw_noise,
-    growth_after,
     nonfinite_error,
 )
 from paraprop.diffusion.schedulers import scheduler_kind, step_table
@@ -22,7 +23,6 @@ from paraprop.errors import NonFiniteError
 from paraprop.result import Solution, ensure_converged
 from paraprop.solve import solve
 from paraprop.solvers import Jacobi, Sequential, SlidingJacobi, TriangularAnderson, is_solver
-from paraprop.solvers.stopping import RATES
 
 METHODS = ("sequential", "picard", "anderson")
 # solver objects whose every iteration is one model call that certifies at least one position
@@ -31,6 +31,12 @@ DEFAULT_WINDOW = 128
 SPLITS = ("identity", "eps")
 # units of the dtype's resolution (at the trajectory's scale) an estimate cannot resolve
 FLOOR_ULPS = 4
+# dtypes whose tol > 0 is certified by the loop's bits only (docs/diffusion.md)
+NARROW = (torch.bfloat16, torch.float16)
+# a step whose gain was never observed takes the largest of its neighbours' within this many
+NEIGHBOURS = 4
+# passes of the estimate stage at most (each followed by the final check)
+PASSES = 3
 SCALE = 4.0   # the least trajectory scale the solver's estimate allows rounding for
 
 
@@ -138,7 +144,8 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         (True, True)
     """
     checks.callable_arg("model", model)
-    require_deterministic(model, argument="model", entry="diffusion.sample")
+    for name, entry, module in wrapped_modules(model):
+        require_deterministic(module, argument=name, entry=entry)
     shape = _shape(shape)
     N = checks.positive_int("num_inference_steps", num_inference_steps)
     check_tol(tol)
@@ -204,6 +211,48 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
     sol = ensure_converged(sol, throw, entry="diffusion.sample", max_iters=max_iters, tol=tol,
                            hint=reason or "")
     return traj[:, -1], sol
+
+
+def wrapped_modules(model, name: str = "model", entry: str = "diffusion.sample",
+                    depth: int = 3, seen=None):
+    """``(name, entry, module)`` for ``model`` and the ``torch.nn.Module`` s it wraps, as far
+    as they can be seen: a ``functools.partial`` 's ``func``, ``args`` and ``keywords``, a bound
+    method's ``__self__``, ``__wrapped__`` and the variables a function closes over (a lambda
+    that reads a global module cannot be seen through: the runtime check,
+    :meth:`~paraprop.diffusion.chain.DiffusionChain.diagnose`, catches it)."""
+    seen = set() if seen is None else seen
+    if id(model) in seen or depth < 0:
+        return []
+    seen.add(id(model))
+    if isinstance(model, torch.nn.Module) or \
+            isinstance(getattr(model, "__self__", None), torch.nn.Module):
+        return [(name, entry, model)]   # (a bound method such as unet.forward counts as unet)
+    found = []
+
+    def visit(obj, sub, sub_entry=entry):
+        found.extend(wrapped_modules(obj, sub, sub_entry, depth - 1, seen))
+
+    if isinstance(model, functools.partial):
+        visit(model.func, f"{name}.func")
+        for i, a in enumerate(model.args):
+            visit(a, f"{name}.args[{i}]")
+        for k, v in model.keywords.items():
+            visit(v, f"{name}.keywords[{k!r}]")
+    owner = getattr(model, "__self__", None)
+    if owner is not None and not isinstance(model, functools.partial):
+        visit(owner, f"{name}.__self__")
+    inner = getattr(model, "__wrapped__", None)
+    if inner is not None:
+        visit(inner, f"{name}.__wrapped__")
+    code, cells = getattr(model, "__code__", None), getattr(model, "__closure__", None)
+    if code is not None and cells:
+        for var, cell in zip(code.co_freevars, cells, strict=False):
+            try:
+                value = cell.cell_contents
+            except ValueError:   # an empty cell
+                continue
+            visit(value, var, f"{entry} ({name} closes over {var})")
+    return found
 
 
 def _window_of(solver, N: int) -> int:
@@ -313,6 +362,7 @@ class _Run:
         N, B, F = chain.N, chain.B, chain.F
         self.X = chain.x_init[:, None, :].expand(B, N, F).clone()
         self.cap = cap                 # sequential model calls allowed (at most N)
+        chain.cap = cap
         self.callback = callback
         self.passes = 0
         self.iterations = 0          # parallel iterations, all passes together
@@ -330,9 +380,12 @@ class _Run:
     def left(self) -> int:
         return self.cap - self.chain.model_calls
 
-    def solve(self, solver, lo: int, tol: float, max_iters: int, keep: torch.Tensor):
+    def solve(self, solver, lo: int, tol: float, max_iters: int, keep: torch.Tensor,
+              until: int | None = None):
         """One pass of ``solver`` on the steps ``[lo, N)`` from the current trajectory; the
-        samples ``keep`` (certified already) keep their values."""
+        samples ``keep`` (certified already) keep their values. With ``until``, the pass ends
+        once every other sample's certified prefix reaches it (one host sync per iteration);
+        returns ``None`` where it ended so or on :class:`_Stop`."""
         chain, X = self.chain, self.X
         saved = X[keep].clone()
         chain.restart(X, lo)
@@ -346,12 +399,17 @@ class _Run:
                 full[keep] = saved
                 self.callback(offset + k, full, r)
         last = {}
+        seen_residuals = []
 
         def watch(k, v, r):
             self.iterations = offset + k
+            seen_residuals.append(r)
             if cb is not None:
                 cb(k, v, r)
             if self.strict and chain.irreproducible_seen:   # (no extra sync: read in window)
+                last["value"] = v.clone()
+                raise _Stop
+            if until is not None and int(chain.certified()[~keep].min()) >= until:
                 last["value"] = v.clone()
                 raise _Stop
 
@@ -370,6 +428,9 @@ class _Run:
             X[:, lo:] = last["value"]
             X[keep] = saved
             self._compare()
+            self.residuals.append(torch.tensor([float(v) for v in seen_residuals],
+                                               dtype=torch.float64))
+            self.positions += int(chain.certified().sum()) // chain.B
             return None
         X[:, lo:] = sol.value
         X[keep] = saved
@@ -399,6 +460,8 @@ class _Run:
         """After a pass: did the batched calls give the loop's bits (step 0's model output,
         and every certified step they recomputed)?"""
         chain = self.chain
+        if not chain.diagnosed and bool(chain.irreproducible):
+            chain.diagnose()   # StochasticModelError for a model that is not deterministic
         if chain.loop_gap is None:
             if chain.model_calls and chain.max_rows == chain.B:
                 self.loop_bitwise = True   # every call had the loop's rows
@@ -442,19 +505,37 @@ def _solve_certified(chain, solver, tol, max_iters, callback):
     if run.loop_bitwise is False:
         what = (f"the model rounds differently on the batched calls ({chain.max_rows} rows) "
                 f"than on the loop's ({chain.B} rows): its output for step 0 differs by "
-                f"{run.loop_gap:.3g} (batch-variant or nondeterministic kernels)")
-        if not run.tol_resolvable:   # tol=0, or below the rounding floor: bits or nothing
+                f"{run.loop_gap:.3g} (batch-variant kernels; a difference beyond their "
+                "rounding would have been refused as a stochastic model)")
+        if not run.tol_resolvable:   # tol=0, below the rounding floor, or narrow: bits only
             done = torch.zeros_like(done)
+            hint = (f"a tol above the dtype's rounding floor "
+                    f"({rounding_floor(chain.dtype, SCALE):.3g} at values of size {SCALE:g})"
+                    if chain.dtype not in NARROW else "a wider dtype (in bfloat16 and "
+                    "float16 any tol is certified by the loop's bits only)")
             reason = (f"{what}, so no parallel method gives the loop's bits; use "
-                      "method='sequential' for them, or a tol above the dtype's rounding "
-                      f"floor ({rounding_floor(chain.dtype, SCALE):.3g} at values of size "
-                      f"{SCALE:g})")
-        elif bool(done.any()) and chain.N * _output_gain(chain.table) * run.loop_gap > tol / 100:
-            warnings.warn(f"diffusion.sample: {what}; the error estimate bounds the distance "
-                          "to the sequential trajectory as the batched calls compute each "
-                          "step, and the loop's own sample differs from it by these rounding "
-                          "differences carried along the chain (compare with "
-                          "method='sequential' once)", BatchVarianceWarning, stacklevel=3)
+                      f"method='sequential' for them, or {hint}")
+        else:
+            # a sample certified against the batched calls' map is within the batch variance
+            # carried along the chain of the loop's (the final check's bound, no defects)
+            exact = done & (estimate == 0)
+            if bool(exact.any()):
+                extra = 2 * run.loop_gap * _output_gains(chain.table).to(chain.device)
+                gains = _gains(chain.gain, chain.B, chain.N, chain.device)
+                full = torch.full_like(chain.exact, chain.N)
+                E, _, _ = _bounds(run.X, run.X, full, gains, chain.dtype, extra)
+                estimate = torch.where(exact, E, estimate)
+                done = done & ~(exact & (E > tol))
+                if not bool(done.all()):
+                    reason = (f"{what}; carried along the chain, that difference may exceed "
+                              f"tol={tol:g} (bound {float(E.max()):.3g}): use "
+                              "method='sequential' for the loop's sample")
+            if bool(done.all()) and \
+                    chain.N * _output_gain(chain.table) * run.loop_gap > tol / 100:
+                warnings.warn(f"diffusion.sample: {what}; the error estimate includes that "
+                              "difference at every step, carried along the chain (measured at "
+                              "step 0 only: compare with method='sequential' once)",
+                              BatchVarianceWarning, stacklevel=3)
         bitwise = torch.zeros_like(bitwise)
     return run, done, bitwise, estimate, reason
 
@@ -462,6 +543,12 @@ def _solve_certified(chain, solver, tol, max_iters, callback):
 def _output_gain(table) -> float:
     """The largest ``|d step_s / d model_output|`` over the steps (no clipping): how much a
     rounding difference of the model's output moves one step."""
+    return float(_output_gains(table).max())
+
+
+def _output_gains(table) -> torch.Tensor:
+    """``(N,)`` float64: ``|d step_s / d model_output|`` per step (no clipping, which only
+    lowers it; with thresholding, divided by its least scale, 1)."""
     sa, sb, c0 = (v.to(torch.float64) for v in (table.sqrt_alpha, table.sqrt_beta,
                                                 table.coef_x0))
     if table.kind == "ddpm":
@@ -470,7 +557,7 @@ def _output_gain(table) -> float:
         ce = table.coef_eps.to(torch.float64)
         k = {"epsilon": ce - c0 * sb / sa, "sample": c0 - ce * sa / sb,
              "v_prediction": ce * sa - c0 * sb}[table.prediction]
-    return float(k.abs().max())
+    return k.abs()
 
 
 class BatchVarianceWarning(RuntimeWarning):
@@ -483,7 +570,8 @@ def _passes(run, chain, solver, tol, max_iters, cap):
     """The passes of :func:`_solve_certified`:
 
     * Estimate stage (``tol`` above the rounding floor of the initial noise's scale): the
-      solver runs at ``tol`` less that floor (:func:`_estimate_stage`).
+      solver runs at ``tol`` less that floor, then the final check decides
+      (:func:`_estimate_stage`, :func:`_check`).
     * Exact stage, for the samples left (:func:`_exact_stage`).
 
     Returns ``(done, bitwise, estimate, reason)``: per sample, certified at all, certified
@@ -492,12 +580,12 @@ def _passes(run, chain, solver, tol, max_iters, cap):
     N, B = chain.N, chain.B
     done = torch.zeros(B, dtype=torch.bool, device=chain.device)
     estimate = torch.zeros(B, dtype=torch.float64, device=chain.device)
-    # the floor at a scale the trajectory may grow to and keep the estimates the solver
-    # stopped on: twice the initial noise's, and at least 4 (unit-variance noise, data in
-    # [-1, 1]), or 1/64 of tol where that is more; a sample whose floor exceeds that reserve
-    # is finished exactly
+    # the floor at a scale the trajectory may grow to: twice the initial noise's, and at least
+    # 4 (unit-variance noise, data in [-1, 1]); a tol at or below it is finished exactly
     floor0 = rounding_floor(chain.dtype, max(SCALE, 2 * float(chain.x_init.abs().max())))
-    run.tol_resolvable = tol > floor0   # an estimate can resolve tol in this dtype
+    # an estimate can resolve tol in this dtype: above the floor, and not in bfloat16/float16,
+    # whose steps' gains at the scale of their rounding cannot be measured (see _check)
+    run.tol_resolvable = tol > floor0 and chain.dtype not in NARROW
     run.strict = not run.tol_resolvable   # only the loop's bits can certify such a tol
     if isinstance(solver, Sequential) or N == 1:
         if cap < N:
@@ -505,16 +593,16 @@ def _passes(run, chain, solver, tol, max_iters, cap):
                                           f"calls, more than max_iters={max_iters}")
         run.sequential(0, done)
         return ~done, ~done, estimate, None
+    # the gains of the steps, observed on every call, carry the final check's defects
+    chain.track_gains = run.tol_resolvable
     if _window_of(solver, N) > 1:   # (a window of one step: every call is the loop's)
         run.first_step()
     if run.tol_resolvable:
-        # the solver runs at tol less a reserve for the floor at the final trajectory's scale
-        floor0 = max(floor0, tol / 64)
-        stage = _sliding_stage if isinstance(solver, SlidingJacobi) else _estimate_stage
-        done, estimate = stage(run, chain, solver, tol, floor0)
-    chain.track_gains = False
+        done, estimate = _estimate_stage(run, chain, solver, tol, max(floor0, tol / 64))
     by_estimate = done & (estimate > 0)   # (an accepted estimate includes a floor > 0)
-    done = _exact_stage(run, chain, solver, done)
+    done, estimate = _exact_stage(run, chain, solver, done, estimate, tol)
+    by_estimate = by_estimate | (done & (estimate > 0))
+    chain.track_gains = False
     reason = None
     if not bool(done.all()):
         reason = (f"the budget of {cap} sequential model calls (num_inference_steps={N}"
@@ -524,109 +612,197 @@ def _passes(run, chain, solver, tol, max_iters, cap):
     return done, done & ~by_estimate, estimate, reason
 
 
-def _accept(run, chain, done, estimate, stopped, bound, tol, since=None):
-    """Accept the samples ``stopped`` whose estimate ``bound`` (``(B,)``), with the rounding
-    floor at the scale of their trajectory, is ``<= tol``, and whose estimate does not rest on a
-    repaired non-finite value (none since the model call ``since``; default: in the last
-    iterations the contraction estimate reads); a sample the chain certified exact is accepted
-    as such. Returns the new ``(done, estimate)``."""
-    floor = _floors(run.X, chain.dtype)
-    since = chain.model_calls - RATES - 1 if since is None else since
-    fresh = chain.last_repair < since
-    exact = chain.certified() >= chain.N
-    chain.commit(run.X, exact & ~done)
-    ok = stopped & ~done & (exact | ((bound + floor <= tol) & fresh))
-    by_estimate = ok & ~exact
-    run.floor = max(run.floor, float(torch.where(by_estimate, floor, 0).max()))
-    return done | ok, torch.where(by_estimate, bound + floor, estimate)
-
-
 def _estimate_stage(run, chain, solver, tol, floor0):
-    """Jacobi, Anderson and other full-window solvers: one pass from step 0, one iteration less
-    than the loop would need from the certified prefix (they certify at least one position
-    each, and may verify their last iterate with one more call), each
-    sample stopped on the solver's estimate (``<=`` its tol, or the pass's largest)."""
+    """Passes of the solver at ``tol`` less ``floor0``, each sample stopped on its own estimate,
+    each pass leaving a call for the final check (:func:`_check`), which decides: the solver's
+    estimate only stops the iteration, it certifies nothing. Where the check leaves samples,
+    another pass from their certified prefix at a ``tol`` lowered by what the check found (at
+    most :data:`PASSES`).
+
+    A sliding window of ``w < N`` steps first runs exactly (its freezes from exact inputs
+    only) until every sample's certified prefix reaches ``N - w``, so that the steps left fit
+    one window: the estimate passes and their check then cost one call each (a check of
+    estimate freezes spread over the chain would cost a call per window of them)."""
     N, B = chain.N, chain.B
     done = torch.zeros(B, dtype=torch.bool, device=chain.device)
     estimate = torch.zeros(B, dtype=torch.float64, device=chain.device)
-    # one call less than the loop would need from the certified prefix: a solver may verify
-    # its last iterate with one more call
-    budget = min(run.left, N - int(chain.certified().min())) - 1
-    if budget < 1:
+    window = _window_of(solver, N)
+    tail = solver
+    lo = 0
+    if window < N:
+        # leave the loop from the certified prefix its calls (each call certifies one)
+        if run.left < 2 or \
+                run.solve(solver, 0, 0.0, run.left - 1, done, until=N - window) is not None:
+            return done, estimate   # (ran to the end: exact, or out of budget)
+        lo = int(chain.certified().min())
+        tail = Jacobi()
+    # where defects of one unit of the dtype at the trajectory's scale at every position left
+    # would already exceed tol / 2, an estimate is unlikely to be certified: exactly at once
+    ulp = torch.finfo(chain.dtype).eps * max(1.0, float(run.X.abs().max()))
+    if (N - lo) * ulp > tol / 2:
         return done, estimate
-    sol = run.solve(solver, 0, tol - floor0, budget, done)
-    its = sol.stats["sample_iterations"].reshape(-1).to(chain.device)
-    stopped = torch.ones_like(done) if sol.converged else its < sol.iterations
-    top = float(sol.stats.get("error_estimate", tol)) if sol.converged else tol
-    bound = torch.full((B,), min(top, tol - floor0), dtype=torch.float64, device=chain.device)
-    return _accept(run, chain, done, estimate, stopped, bound, tol)
+    inner = (tol - floor0) / 2
+    for _ in range(PASSES):
+        # every call certifies a position at least: no more calls than the loop from the
+        # certified prefix, less one for the final check (a solver that stops on its
+        # estimate early leaves it more)
+        budget = min(run.left, N - lo) - 1
+        if budget < 1:
+            break
+        before = chain.model_calls
+        run.solve(tail, lo, inner, budget, done)
+        # the loop from a later position where it costs no more than this pass did
+        done, estimate, bound = _check(run, chain, done, estimate, tol, window,
+                                       chain.model_calls - before)
+        if bound is None or bool(done.all()):
+            break
+        worst = float(bound[~done].max())
+        inner = inner * min(0.5, tol / worst) if math.isfinite(worst) else inner / 4
+        # an estimate cannot resolve changes within the rounding floor at the trajectory's
+        # scale: there the exact stage costs no more than another estimate pass
+        if inner <= 8 * rounding_floor(chain.dtype, float(run.X[~done].abs().max())):
+            break
+        lo = int(chain.certified()[~done].min())
+    return done, estimate
 
 
-def _sliding_stage(run, chain, solver, tol, floor0):
-    """The sliding window, whose freezes assume that errors do not grow along the chain.
+def _check(run, chain, done, estimate, tol, window, loop_limit=None):
+    """The certificate of ``tol > 0``: the returned trajectory's own defects under the loop's
+    step map, carried to every later position through the steps' observed gains.
 
-    Pass 1 from step 0 observes every step's gain and budgets each freeze after the growth seen
-    so far; each freeze's estimate is then carried to the end through the growth after it
-    (:func:`~paraprop.diffusion.chain.growth_after`). Where that exceeds ``tol``: a second pass
-    from the certified prefix, each freeze budgeted after that growth, within the budget less what
-    the loop needs from the longest prefix whose freezes carry within ``tol``
-    (:func:`_certified_prefix`); if it fails, the loop from that prefix."""
-    N, B = chain.N, chain.B
-    done = torch.zeros(B, dtype=torch.bool, device=chain.device)
-    estimate = torch.zeros(B, dtype=torch.float64, device=chain.device)
-    if run.left < 1:
-        return done, estimate
-    chain.track_gains = chain.live_growth = True
-    # a repaired value the window froze would stay: no repair at all in the pass
-    since = chain.model_calls
-    sol = run.solve(solver, 0, tol - floor0, run.left, done)
-    growth = None if chain.gain is None else growth_after(chain.gain)
-    freezes = sol.stats.get("freeze_estimates")
-    bound = _carried_error(freezes, growth).to(chain.device, torch.float64).expand(B)
-    stopped = torch.ones_like(done) if sol.converged else torch.zeros_like(done)
-    done, estimate = _accept(run, chain, done, estimate, stopped, bound, tol, since)
-    fresh = bool((chain.last_repair < since).all())
-    if bool(done.all()) or not sol.converged or growth is None or not fresh:
-        return done, estimate
-    floor = _floors(run.X, chain.dtype)
-    q, _ = _certified_prefix(freezes, growth, tol - floor)
-    start = int(q[~done].min())
-    reserve = N - start if 0 < N - start <= run.left else None
-    lo = int(chain.certified()[~done].min())
-    cap = run.left - (reserve or 0)
-    # the loop from `start` costs `reserve` calls for sure; a second pass, about what the first
-    # cost: take the cheaper
-    if cap >= 1 and (reserve is None or reserve > sol.iterations):
-        saved = run.X.clone()
-        chain.growth = growth
-        since = chain.model_calls
-        sol2 = run.solve(solver, lo, tol - floor0, cap, done)
-        if sol2.converged and bool((chain.last_repair < since).all()):
-            bound2 = _carried_error(sol2.stats.get("freeze_estimates"),
-                                    growth_after(chain.gain)[:, lo:])
-            done, estimate = _accept(run, chain, done, estimate, torch.ones_like(done),
-                                     bound2.to(chain.device, torch.float64).expand(B), tol,
-                                     since)
-            if bool(done.all()):
-                return done, estimate
-        if reserve is not None:   # back to pass 1's trajectory, for the loop from `start`
-            run.X[~done] = saved[~done]
-            back = ~done & (chain.exact > lo)   # its certificates beyond lo are pass 2's
-            chain.exact = torch.where(back, lo, chain.exact)
-            chain.has_next = chain.has_next & ~back
-    if reserve is None or bool(done.all()):
-        return done, estimate
+    With ``y_s`` the direct step of position ``s`` from its input in ``X`` (bitwise the loop's
+    step, :meth:`~paraprop.diffusion.chain.DiffusionChain.direct`: one call per ``window``
+    steps whose last evaluation is not at their current input, none where the solver's last
+    iterate was evaluated already) and ``r_s = |y_s - X_s|``, the error ``e_s`` of position
+    ``s`` against the loop's trajectory obeys ``|e_s| <= g_s |e_{s-1}| + r_s + rho_s``: ``g_s``
+    the gain of step ``s`` (the largest ``|d step_s(x)| / |d x|`` observed, in this dtype, for
+    input changes above the rounding level; a step never observed counts as unbounded) and
+    ``rho_s`` what rounding may add to a difference between two inputs (:data:`RHO_ULPS` units
+    of the dtype at the values' scale). Positions before the first defect are exact (their
+    values are the direct steps from exact inputs). The bound of a sample is the largest
+    ``|e_s|`` the recurrence allows (:func:`_bounds`); it is accepted where ``<= tol``. Where it
+    is not, and the loop from some position ``q`` would finish the sample within ``tol`` (the
+    error at ``q - 1`` carried on, plus the rounding of the steps after it) within the budget
+    (and ``loop_limit`` calls), the loop does so. Returns the new ``(done, estimate)`` and
+    the bounds found ``(B,)`` (``None`` where the check was not affordable, or cost as much as
+    the loop)."""
+    N = chain.N
+    undone = ~done
+    chain.commit(run.X, undone)
+    start = chain.stale_from(run.X, undone)
+    calls = -(-(N - start) // window)
+    # the loop from the certified prefix is exact: where it costs no more than the check,
+    # the exact stage takes it
+    if calls > run.left or calls >= N - int(chain.certified()[undone].min()):
+        return done, estimate, None
+    y = chain.direct(run.X, start, window)
+    p = chain.learn_exact(run.X, y, undone)
+    # a sample whose last position is now known is exact
+    whole = undone & (chain.certified() >= N)
+    chain.commit(run.X, whole)
+    p = torch.where(whole, N, p)
+    gap = 0.0 if chain.loop_gap is None else float(chain.loop_gap)
+    extra = None
+    if gap > 0:
+        # the batched calls' map is not the loop's (batch variance, measured at step 0): each
+        # step may differ from the loop's by the output difference times the step's reaction
+        # to it (twice the measured one); no position is the loop's bit for bit
+        extra = 2 * gap * _output_gains(chain.table).to(chain.device)
+    E, F, rho = _bounds(run.X, y, p, _gains(chain.gain, chain.B, N, chain.device), chain.dtype,
+                        extra)
+    ok = undone & (E <= tol)
+    by_estimate = ok & (p < N)
+    estimate = torch.where(by_estimate, E, estimate)
+    run.floor = max(run.floor, float(torch.where(by_estimate, rho, 0).max()))
+    done = done | ok
+    left = ~done
+    if not bool(left.any()):
+        return done, estimate, E
+    # the loop from q finishes every sample left within tol: the latest such q it can afford
+    q = torch.arange(N + 1, device=F.device)
+    limit = run.left if loop_limit is None else min(run.left, loop_limit)
+    fits = ((F <= tol) | ~left[:, None]).all(0) & (N - q <= limit) & (q > 0)
+    if not bool(fits.any()):
+        return done, estimate, E
+    start = int(torch.where(fits, q, -1).max())
     run.sequential(start, done)
-    carried = _contributions(freezes, growth)[:, :start].sum(1)
-    return _accept(run, chain, done, estimate, torch.ones_like(done), carried, tol,
-                   chain.model_calls + 1)
+    exact = chain.certified() >= N
+    bound = F[:, start]
+    by_estimate = left & ~exact
+    estimate = torch.where(by_estimate, bound, estimate)
+    run.floor = max(run.floor, float(torch.where(by_estimate, rho, 0).max()))
+    return done | left, estimate, torch.where(left, bound, E)
 
 
-def _exact_stage(run, chain, solver, done):
+def _bounds(X: torch.Tensor, y: torch.Tensor, p: torch.Tensor, gain, dtype: torch.dtype,
+            extra: torch.Tensor | None = None):
+    """The bounds of :func:`_check` from the trajectory ``X`` and the direct steps ``y``
+    ``(B, N, F)``, the first defect ``p`` ``(B,)`` and the observed gains ``(B, N)`` (NaN: not
+    observed, :func:`_gains`).
+
+    Per position ``s > p``: ``E_s = g_s E_{s-1} + r_s`` carries the defects (every one at its
+    worst), and ``R_s = max(g_s R_{s-1}, rho_s)`` the rounding floor: ``rho_s`` is
+    :data:`FLOOR_ULPS` units of the dtype at the position's scale (``max(1, |X_s|)``), what the
+    rounding of two computations from nearby inputs leaves between them, carried through the
+    growth after it (an expanding chain expands rounding differences too). The bound of a
+    position is ``E_s + R_s``.
+
+    Returns ``(E, F, rho)``: ``E`` ``(B,)`` the largest bound over the trajectory; ``F``
+    ``(B, N + 1)`` the same where the loop recomputes the positions ``>= q`` from position
+    ``q - 1`` (``F[:, N] = E``; ``0`` for ``q <= p``: the loop from an exact input); ``rho``
+    ``(B,)`` the largest ``R_s``. In log space: ``E_s = exp(L_s) sum_{k <= s} r_k exp(-L_k)``
+    (a stable cumulative log-sum-exp) and ``R_s = exp(L_s) max_{k <= s} rho_k exp(-L_k)``,
+    ``L`` the cumulative log gains.
+    """
+    B, N = X.shape[:2]
+    f64 = torch.float64
+    pos = torch.arange(N, device=X.device)[None, :]
+    r = (y.to(f64) - X.to(f64)).abs().amax(2).nan_to_num(nan=math.inf)
+    r = torch.where(pos < p[:, None], 0.0, r)
+    if extra is not None:   # a defect of every step but the loop's own first one
+        r = r + torch.where(pos > 0, extra.to(f64)[None, :], 0.0)
+        p = torch.zeros_like(p)
+    scale = X.to(f64).abs().amax(2).nan_to_num(nan=math.inf).clamp(min=1.0)
+    after = pos > p[:, None]
+    rho = torch.where(after, FLOOR_ULPS * torch.finfo(dtype).eps * scale, 0.0)
+    lg = torch.where(gain.isnan(), math.inf, gain.clamp(min=1e-30).log())
+    L = torch.where(after, lg, 0.0).cumsum(1)
+    Es = (L + torch.logcumsumexp(r.log() - L, dim=1)).exp().nan_to_num(nan=math.inf)
+    Rs = (L + (rho.log() - L).cummax(1).values).exp().nan_to_num(nan=math.inf)
+    total = Es + Rs
+    E = total.amax(1)
+    # the loop from q: positions < q keep their bounds; at s >= q the defect part of position
+    # q - 1 grows through the gains after it, and the rounding floor is at most R_s
+    before = total.cummax(1).values                                  # max_{s <= i}
+    top_L = L.flip(1).cummax(1).values.flip(1)                       # max_{s >= i} L_s
+    top_R = Rs.flip(1).cummax(1).values.flip(1)                      # max_{s >= i} K R_s
+    grown = (Es[:, :-1] * (top_L[:, 1:] - L[:, :-1]).exp()).nan_to_num(nan=math.inf)
+    F = torch.cat([torch.zeros_like(E[:, None]),
+                   torch.maximum(before[:, :-1], grown + top_R[:, 1:]), E[:, None]], dim=1)
+    q = torch.arange(N + 1, device=X.device)[None, :]
+    F = torch.where(q <= p[:, None], 0.0, F)
+    return E, F, Rs.amax(1)
+
+
+def _gains(gain, B: int, N: int, device) -> torch.Tensor:
+    """``(B, N)``: the observed gain of each step, a step never observed taking the largest
+    gain observed among its :data:`NEIGHBOURS` neighbours on each side (the coefficients and
+    the model vary smoothly with the timestep); NaN (unbounded) where none of them was."""
+    if gain is None:
+        return torch.full((B, N), math.nan, dtype=torch.float64, device=device)
+    k = NEIGHBOURS
+    padded = torch.nn.functional.pad(torch.where(gain.isnan(), -math.inf, gain), (k, k),
+                                     value=-math.inf)
+    near = padded.unfold(1, 2 * k + 1, 1).amax(2)
+    return torch.where(gain.isnan(), torch.where(near == -math.inf, math.nan, near), gain)
+
+
+def _exact_stage(run, chain, solver, done, estimate, tol):
     """The samples not ``done``, exactly: one pass that certifies at least one position per
     call (capped to leave the loop the rest), then the loop from the certified prefix; the
     first batched call starts at step 0 (the batch-variance check, :func:`_solve_certified`).
-    Returns ``done`` with the samples certified."""
+    Where the budget cannot carry the loop and ``tol`` is resolvable, the pass leaves a call
+    for the final check (:func:`_check`) instead. Returns the new ``(done, estimate)``."""
     N = chain.N
     passed = False
     while True:
@@ -634,7 +810,7 @@ def _exact_stage(run, chain, solver, done):
         chain.commit(run.X, ~done)
         left = ~done & (certified < N)
         if not bool(left.any()):
-            return torch.ones_like(done) | done
+            return torch.ones_like(done) | done, estimate
         first = int(certified[left].min())   # the loop would go on from here
         keep = ~left
         affordable = run.left >= N - first
@@ -644,50 +820,18 @@ def _exact_stage(run, chain, solver, done):
             run.sequential(first, keep)
             continue
         # each call certifies a position; one call is left for a solver's last verification
+        # (or the final check)
         steps = min(run.left, N - first) - 1 if affordable else run.left - 1
         if steps < 1:
             break
         # the first batched call computes step 0 again: the batch-variance check
         lo = 0 if chain.loop_gap is None else first
         if run.solve(solver, lo, 0.0, steps, keep) is None:   # not the loop's bits
-            return done
+            return done, estimate
         passed = True
     exact = chain.certified() >= N
     chain.commit(run.X, exact & ~done)
-    return done | exact
-
-
-def _floors(X: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(B,)``: :func:`rounding_floor` at the scale of each sample's trajectory."""
-    scale = X.abs().flatten(1).amax(1).to(torch.float64).clamp(min=1.0)
-    return FLOOR_ULPS * torch.finfo(dtype).eps * scale
-
-
-def _contributions(freezes, growth) -> torch.Tensor | None:
-    """``(B, T)``: each freeze's estimate times the growth after it (:func:`growth_after`),
-    ``inf`` for a freeze with no observed gain (``growth=None``); ``None`` without freezes."""
-    if freezes is None:
-        return None
-    if growth is None:
-        return torch.where(freezes > 0, torch.inf, 0.0)
-    return torch.where(freezes > 0, freezes * growth, 0.0)
-
-
-def _carried_error(freezes, growth) -> torch.Tensor:
-    """Per sample: the sum over freezes of their estimate times the growth after them."""
-    c = _contributions(freezes, growth)
-    return torch.zeros(1, dtype=torch.float64) if c is None else c.sum(1)
-
-
-def _certified_prefix(freezes, growth, limit: torch.Tensor):
-    """Per sample, the longest prefix ``[0, q)`` whose freezes, carried to the end, stay within
-    ``limit`` ``(B,)``, and what they carry: ``(q, carried)``, ``(B,)`` each. The loop from
-    ``q`` then finishes the sample within ``limit`` of the sequential one."""
-    c = _contributions(freezes, growth)
-    if c is None:
-        return None, None
-    total = c.cumsum(1)                                        # carried by the freezes < q + 1
-    q = (total <= limit.to(total)[:, None]).long().sum(1)      # monotone: a count is the q
-    before = torch.cat([torch.zeros_like(total[:, :1]), total], dim=1)
-    return q, before.gather(1, q[:, None])[:, 0]
-
+    done = done | exact
+    if run.tol_resolvable and not bool(done.all()):
+        done, estimate, _ = _check(run, chain, done, estimate, tol, _window_of(solver, N))
+    return done, estimate
