@@ -428,20 +428,20 @@ def test_newton_hooks_that_break_their_promise(bad, match):
 
 
 # -- what a good map costs and gets -------------------------------------------------------------
+@pytest.mark.parametrize("tol", [0.0, 1e-6, 1e-300])
 @pytest.mark.parametrize("method", ALL + [Newton()], ids=repr)
-def test_a_good_map_is_certified_with_at_most_one_extra_evaluation(method, device):
+def test_a_good_map_is_certified_within_the_sequential_loops_calls(method, tol, device):
     fn = Good(device)
     ref = _reference(device)
-    sol = paraprop.solve(fn, _x0(device), method=method, dim=1, tol=0)
-    assert sol.converged and torch.equal(sol.value, ref)
-    free = paraprop.solve(fn, _x0(device), method=method, dim=1, tol=1e-300, max_iters=10_000)
-    # the hooks that certify by reasoning pay one evaluation of fn; the others check
-    # themselves (their last sweep reproduced the value), at no cost
-    extra = 1 if isinstance(method, GSJacobi | SlidingJacobi | JacobiGS) else 0
-    want = "evaluation" if extra else "iterations"
-    assert sol.stats["verification"] == want
-    assert free.stats["verification"] == "none"
-    assert sol.evaluations <= free.evaluations + extra
+    sol = paraprop.solve(fn, _x0(device), method=method, dim=1, tol=tol)
+    assert sol.converged and (torch.equal(sol.value, ref) if tol == 0 else
+                              float((sol.value - ref).abs().max()) <= 10 * tol)
+    # the methods that certify by reasoning, with the hooks' values, pay one evaluation of fn,
+    # at every tol; the others check themselves (their certificate comes from fn's values)
+    extra = isinstance(method, GSJacobi | SlidingJacobi | JacobiGS)
+    assert sol.stats["verification"] == ("evaluation" if extra else "iterations")
+    # and never more calls in sequence than the sequential loop
+    assert sol.evaluations <= T and sol.stats["sequential_steps"] <= T
 
 
 def test_the_protocols_describe_the_hooks():

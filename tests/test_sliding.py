@@ -109,20 +109,23 @@ def test_protocol_computes_only_the_window_and_extends_the_cache_once(window):
     x0 = torch.zeros(m.shape, dtype=torch.float64)
     sol = paraprop.solve(m, x0, method=SlidingJacobi(window), dim=-2, tol=0, throw=False)
     T = m.shape[1]
-    # the windows, plus one evaluation of fn (all T positions) that checks the value
+    # the windows, plus one evaluation of fn (all T positions) that checks the value: after
+    # the windows, or as the last call where the windows took T - 1 (never more than T calls)
     assert m.computed + T == sol.stats["positions"]
     assert all(stop - start <= window for start, stop in m.calls)
-    assert sol.evaluations == len(m.calls) + 1 == sol.iterations + 1
+    last = sol.stats.get("finished_sequentially", 0)
+    assert sol.evaluations == len(m.calls) + 1 == sol.iterations + 1 - last <= T
     assert m.extended <= T          # each final position is folded in at most once
     starts = [s for s, _ in m.calls]
     assert starts == sorted(starts)
     if window < T:   # fewer positions than plain Jacobi to the same point
         jac = paraprop.solve(NoWindow(m), x0, method=Jacobi(), dim=-2, tol=0)
         assert sol.stats["positions"] < jac.stats["positions"]
-    # with tol > 0, no evaluation of fn: the windows alone
+    # with tol > 0 too: the value is checked against the certificate by one evaluation
     m2 = RunningMean()
     sol = paraprop.solve(m2, x0, method=SlidingJacobi(window), dim=-2, tol=1e-12)
-    assert m2.computed == sol.stats["positions"] and sol.evaluations == len(m2.calls)
+    assert m2.computed + T == sol.stats["positions"] and sol.evaluations == len(m2.calls) + 1
+    assert sol.evaluations <= T and sol.stats["verification"] == "evaluation"
 
 
 @pytest.mark.parametrize("window", [1, 2, 7, 13])
@@ -238,6 +241,8 @@ def test_bad_guess_is_refused():
         paraprop.solve(bad, torch.zeros(bad.shape, dtype=torch.float64),
                        method=SlidingJacobi(8), dim=-2, tol=0)
     nan = _Guessing(lambda x: torch.full_like(x, float("nan")))
-    with pytest.raises(paraprop.NonFiniteError):
+    with pytest.raises(paraprop.ProtocolError,
+                       match=r"^fn.propose\(x, final\) returned NaN or inf at iteration 1, "
+                             r"sample \(0,\), position \(\d+,\): guesses must be finite"):
         paraprop.solve(nan, torch.zeros(nan.shape, dtype=torch.float64),
                        method=SlidingJacobi(8), dim=-2, tol=0)

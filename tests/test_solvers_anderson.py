@@ -300,12 +300,15 @@ def test_self_dependence_before_the_end_is_caught():
         paraprop.solve(fn, fn.prob.x0(), method="anderson", tol=0)
 
 
-def test_self_dependence_at_the_end_is_caught():
+def test_self_dependence_at_the_end_gives_the_sequential_loops_value():
+    """Only the last position reads itself: within the sequential loop's T calls nothing can
+    see it, so the last call computes that position as the loop does (x0's value there)."""
     fn = _SelfDependent(8, 7)
-    with pytest.raises(paraprop.NotTriangularError, match="depends on itself or on a later one"):
-        paraprop.solve(fn, fn.prob.x0(), method="jacobi", tol=0)   # the Jacobi family does
-    with pytest.raises(paraprop.NotTriangularError, match="depends on itself or on a later one"):
-        paraprop.solve(fn, fn.prob.x0(), method="anderson", tol=0)
+    x0 = fn.prob.x0()
+    ref = paraprop.solve(fn, x0, method="sequential").value
+    for method in ("jacobi", "anderson"):
+        sol = paraprop.solve(fn, x0, method=method, tol=0)
+        assert sol.converged and torch.equal(sol.value, ref) and sol.evaluations <= 8
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "3"])

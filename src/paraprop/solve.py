@@ -125,9 +125,10 @@ def solve(
     dims = _validate(fn, x0, dim, tol, norm, max_iters, callback)
     solver = make_solver(method)
     system = System(fn, x0.shape, x0.dtype, dims, device=x0.device)
+    system.initial = system.canon(x0.detach())
     device = x0.device
     state = State(
-        x=system.canon(x0.detach()).clone(),
+        x=system.initial.clone(),
         active=torch.ones(system.B, dtype=torch.bool, device=device),
         sample_iterations=torch.zeros(system.B, dtype=torch.long, device=device),
     )
@@ -149,12 +150,15 @@ def solve(
                 callback(iterations, system.user(state.x), last)
         converged = bool(state.finished)
         reason, checked = None, "none"
-        if converged and tol == 0 and solver.name != "sequential":
-            checked = "iterations"
-            if not state.verified:   # one evaluation of fn at the value (solvers.verify)
-                reason = verify_final(system, state)
+        if converged and solver.name != "sequential":
+            if state.check is not None:   # the budget's last call checked it (final_step)
+                checked, reason = state.check, state.reason
+            elif state.verified:          # its certificate comes from fn's own values
+                checked = "iterations"
+            else:                         # one evaluation of fn at the value (solvers.verify)
+                reason = verify_final(system, state, tol, norm)
                 checked = "evaluation" if reason is None else "failed"
-                converged = reason is None
+            converged = reason is None
     elapsed = time.perf_counter() - start
     estimate = float(state.estimate.max()) if converged else float("inf")
     history = _history(residuals, device)

@@ -32,9 +32,9 @@ from paraprop.solvers.base import (
     State,
     System,
     check_final,
+    last_from_x0,
     rounding_floor,
     sync,
-    verify_fixed_point,
 )
 
 
@@ -98,10 +98,13 @@ class TriangularAnderson:
         X, T = state.x, system.T
         final, act = e["final"], state.active
         pos = e["index"]
+        # the samples whose last position is all that is left compute it as the sequential
+        # loop does, with x0's value there (the budget: T calls, none left to verify after)
+        last_from_x0(system, state, act & (final == T - 1))
         Y = system.evaluate(X)
         # position `final` is computed from final inputs; later ones may hold an overflowed
         # iterate's value, which keeps the old one and counts as not converged
-        Y, kept = system.keep_finite(Y, X, final, pos, act)
+        Y, kept = system.keep_finite(Y, X, final, pos, act, x=X)
         R = Y - X
         per_pos = R.abs().amax(dim=2) if norm == "max" else R.pow(2).sum(2).sqrt()  # (B, T)
         lo = e["lo"]
@@ -128,7 +131,6 @@ class TriangularAnderson:
         rate = torch.where(picard, d / state.rule.d_prev, torch.full_like(d, float("nan")))
         stop, est = state.rule.update(torch.where(act, d, torch.zeros_like(d)), tol, act,
                                       rate=rate, floor=lambda: rounding_floor(Y, norm))
-        at_bound = act & (new_final >= T) & ~stop & (d > 0)
         stop = stop | (act & (new_final >= T))
         e["picard"] = picard | (act & (d <= tol))
 
@@ -140,7 +142,8 @@ class TriangularAnderson:
             del e[key][: -self.m]
         new = Y if len(e["xs"]) < 2 else self._extrapolate(X, R, e["xs"], e["rs"])
         take_y = exact | stop[:, None] | e["picard"][:, None]
-        new = torch.where(take_y[:, :, None], Y, new)
+        # (an extrapolation that overflowed takes fn's value: the iterate stays finite)
+        new = torch.where(take_y[:, :, None] | ~torch.isfinite(new), Y, new)
         X.copy_(torch.where(act[:, None, None], new, X))
 
         state.estimate = torch.where(stop & (new_final < T), est, state.estimate)
@@ -148,16 +151,8 @@ class TriangularAnderson:
         state.sample_iterations += act.long()
         state.active = act & ~stop
         state.residual = torch.where(act, d, torch.zeros_like(d)).max()
-        # the iteration's one synchronisation: samples at the bound still moving, samples
-        # left, and the smallest final among them
-        n_bound, n_left, e["lo"] = sync(at_bound.sum(), state.active.sum(),
-                                        torch.where(state.active, e["final"], T).min())
-        if n_bound:
-            # every position is final by the triangular structure: one more evaluation checks
-            # it (a position that reads itself or a later one would still move), as Jacobi does
-            state.active = at_bound
-            verify_fixed_point(system, state, 0, system.evaluate(X), tol)
-            state.active = act & ~stop
+        # the iteration's one synchronisation: samples left, and the smallest final among them
+        n_left, e["lo"] = sync(state.active.sum(), torch.where(state.active, e["final"], T).min())
         e["lo"] = int(e["lo"])
         state.finished = n_left == 0
 

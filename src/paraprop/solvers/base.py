@@ -54,6 +54,10 @@ class System:
         self.fast = callable(getattr(fn, "update", None))
         self.windowed = callable(getattr(fn, "window", None))
         self.cache = None  # fn.window's cache of the frozen prefix, kept between calls
+        # x0 in the canonical layout (the caller's tensor, not copied): the sequential loop
+        # computes position t with x0's values at the positions >= t, and so does a solver's
+        # last step (paraprop.solvers.verify.final_step)
+        self.initial: torch.Tensor | None = None
         self.evaluations = 0
         self.positions = 0
         self.iteration = 0  # set by the driver, used in error messages
@@ -75,6 +79,12 @@ class System:
     @nonfinite.setter
     def nonfinite(self, value: bool) -> None:
         self._local.nonfinite = value
+
+    @property
+    def source(self) -> str:
+        """The hook (a key of :data:`~paraprop.solvers.protocols.HOOKS`) whose values the last
+        call (of this thread) returned, for the messages."""
+        return getattr(self._local, "source", "fn")
 
     # -- layout -------------------------------------------------------------------------------
     def canon(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,6 +185,7 @@ class System:
         output is checked for NaN/inf, in ``self.nonfinite`` (off for the reference loop, which
         checks its result once at the end). ``lo``: the first position the call computes (or a
         callable giving it), read only when the output is a view of ``x``."""
+        self._local.source = hook
         if not (guard or check):   # the reference loop: the user's own loop checks nothing
             y = call(self.user(xc))
             if shape is not None:
@@ -247,8 +258,11 @@ class System:
         if y.dtype != self.dtype:
             raise TypeError(f"fn: {what} returned dtype {y.dtype}, expected {self.dtype}")
 
-    def check_finite(self, values: torch.Tensor, index: torch.Tensor | None = None) -> None:
-        """Raise :class:`NonFiniteError` naming the iteration, sample and position."""
+    def check_finite(self, values: torch.Tensor, index: torch.Tensor | None = None,
+                     hook: str = "fn") -> None:
+        """Raise :class:`NonFiniteError` naming the iteration, sample and position (``hook``:
+        the hook whose values these are, a key of :data:`~paraprop.solvers.protocols.HOOKS`;
+        ``fn.propose``'s guesses must be finite: a :class:`ProtocolError` names it)."""
         if bool(torch.isfinite(values.sum())):  # one reduction; inf/NaN anywhere poisons it
             return
         finite = torch.isfinite(values)
@@ -257,29 +271,72 @@ class System:
         b, t, _ = (int(i) for i in (~finite).nonzero()[0])
         if index is not None:
             t = int(index[t])
-        self._non_finite(b, t)
+        if hook == "propose":
+            raise ProtocolError(
+                f"{HOOKS[hook]} returned NaN or inf at iteration {self.iteration}, sample "
+                f"{self.unravel_sample(b)}, position {self.unravel_position(t)}: guesses must be "
+                "finite (a NaN guess at a later position poisons the earlier ones of a map with "
+                "masked weights, 0 * NaN is NaN); return None where there is no guess")
+        self._non_finite(b, t, hook=hook)
 
-    def _non_finite(self, b: int, t: int, extra: str = ""):
+    def _non_finite(self, b: int, t: int, extra: str = "", hook: str = "fn"):
+        who = "fn produced" if hook == "fn" else f"{HOOKS[hook]} returned"
         raise NonFiniteError(
-            f"fn produced a non-finite value at iteration {self.iteration}, sample "
+            f"{who} a non-finite value at iteration {self.iteration}, sample "
             f"{self.unravel_sample(b)}, position {self.unravel_position(t)}{extra} "
             "(NaN or inf; note that 0 * inf is NaN, so an overflow at a later position can "
             "poison earlier ones in masked networks)"
         )
 
+    def _fatal_non_finite(self, b: int, t: int, hook: str, x: torch.Tensor | None):
+        """A non-finite value at position ``t`` of sample ``b``, the first position that is
+        not final there (every input it may depend on is final): say what the solver knows of
+        where it came from (``hook``) and of the iterate ``x`` it was computed from."""
+        later = None
+        if x is not None and t + 1 < x.shape[1]:
+            bad = ~torch.isfinite(x[b, t + 1:]).all(dim=-1)
+            if bool(bad.any()):
+                later = t + 1 + int(bad.nonzero()[0])
+        src = HOOKS[hook]
+        if later is not None:
+            writers = [HOOKS[h] for h in ("window", "update", "propose")
+                       if h in self.used or (h == "propose" and callable(
+                           getattr(self.fn, "propose", None)))]
+            who = (" and ".join(writers) if writers else "a hook") + \
+                (" (they are" if len(writers) > 1 else " (it is")
+            extra = (f", computed by {src} from an iterate that held NaN or inf at a later "
+                     f"position, {self.unravel_position(later)}, which is not final and not "
+                     "the sequential loop's value: a map that reads later positions through "
+                     "masked weights carries it to earlier ones. The solver never writes NaN or "
+                     "inf into the iterate (x0 is checked, a non-finite result is not kept), so "
+                     f"it was written into x by {who} checked only on the positions up to its "
+                     "own, and may not modify x)")
+        elif hook == "fn":
+            extra = (" (computed from final positions only, so the sequential loop produces it "
+                     "too)")
+        else:
+            extra = (f" (returned by {src} at the first position that is not final, whose "
+                     "inputs are final and finite: the sequential loop meets it too if the hook "
+                     "computes fn's values there)")
+        self._non_finite(b, t, extra, hook=hook)
+
     def keep_finite(self, new: torch.Tensor, old: torch.Tensor, first, positions: torch.Tensor,
-                    active: torch.Tensor | None = None):
+                    active: torch.Tensor | None = None, *, x: torch.Tensor | None = None,
+                    hook: str | None = None):
         """Deal with NaN/inf in freshly computed values ``new`` ``(B, n, F)`` of the flat
         ``positions`` ``(n,)``, whose previous values are ``old`` (or a callable returning them,
         called only when needed).
 
         A value of a position ``<= first`` (``first``: int or ``(B,)``, the first position that
         is not final; it was computed from final inputs only) is the map's own: the sequential
-        loop produces it too, so :class:`NonFiniteError`. A value of a later position was
-        computed from inputs that are not final yet (an fp16 Jacobi iterate can overflow where
-        the sequential loop stays finite): that entry keeps ``old``. Returns ``(values, kept)``;
-        ``kept`` is ``None`` when nothing was replaced, else ``(B, n)`` bool: the positions that
-        kept their old value (they must not count as unchanged in this iteration).
+        loop produces it too, so :class:`NonFiniteError` (its message says what the solver
+        knows: which hook returned it, ``hook``, by default the last call's, and whether the
+        iterate ``x`` it was computed from held NaN or inf at later positions, which a hook
+        wrote there). A value of a later position was computed from inputs that are not final
+        yet (an fp16 Jacobi iterate can overflow where the sequential loop stays finite): that
+        entry keeps ``old``. Returns ``(values, kept)``; ``kept`` is ``None`` when nothing was
+        replaced, else ``(B, n)`` bool: the positions that kept their old value (they must not
+        count as unchanged in this iteration).
         """
         if not self.nonfinite:
             return new, None
@@ -296,8 +353,7 @@ class System:
             fatal &= active[:, None]
         if bool(fatal.any()):
             b, j = (int(i) for i in fatal.nonzero()[0])
-            self._non_finite(b, int(positions[j]), " (computed from final positions only, so "
-                             "the sequential loop produces it too)")
+            self._fatal_non_finite(b, int(positions[j]), hook or self.source, x)
         self.kept += int(badpos.sum())
         return torch.where(bad, old, new), badpos
 
@@ -314,9 +370,14 @@ class State:
     extra: dict = field(default_factory=dict)
     rule: ContractionRule | None = None  # the per-sample contraction estimate
     estimate: torch.Tensor | None = None  # (B,) float64: error estimate where a sample stopped
-    # the final value was already checked against fn bitwise by the solver's own evaluations
-    # (at tol=0); otherwise the driver spends one evaluation on it (paraprop.solvers.verify)
+    # the final value was already checked against fn by the solver's own evaluations (its
+    # certificate comes from fn's values); otherwise the driver spends one evaluation on it
+    # (paraprop.solvers.verify)
     verified: bool = False
+    # set by paraprop.solvers.verify.final_step, which checks the value in the budget's last
+    # call: "evaluation" or "failed", and why it failed (converged=False)
+    check: str | None = None
+    reason: str | None = None
 
     def __post_init__(self):
         B, device = self.active.shape[0], self.active.device
@@ -515,6 +576,20 @@ def settle(state: State, at_bound: bool) -> bool:
     return n > 0
 
 
+def last_from_x0(system: System, state: State, samples: torch.Tensor | None = None) -> None:
+    """Before a call that computes the last position from final inputs (the budget's last:
+    ``T`` calls, as the sequential loop): give the last position of ``samples`` (``(B,)``
+    bool; default the active ones) ``x0``'s value, which the sequential loop's last step reads
+    there. The call's value of that position is then that loop's, even for a map whose last
+    position reads itself, which no check within ``T`` calls could see."""
+    if system.initial is None:
+        return
+    T = system.T
+    samples = state.active if samples is None else samples
+    x = state.x
+    x[:, T - 1] = torch.where(samples[:, None], system.initial[:, T - 1], x[:, T - 1])
+
+
 def check_final(system: System, moved_by: torch.Tensor, tol: float, active: torch.Tensor,
                 lo: int = 0) -> None:
     """Raise :class:`NotTriangularError` if a final position moved: ``moved_by`` ``(B, n)`` is
@@ -528,24 +603,6 @@ def check_final(system: System, moved_by: torch.Tensor, tol: float, active: torc
             f"sample {system.unravel_sample(b)} changed at iteration {system.iteration} although "
             "every position it may depend on was already final; some position depends on itself "
             f"or on a later one, {NONDETERMINISTIC}")
-
-
-def verify_fixed_point(system: System, state: State, lo: int, new: torch.Tensor,
-                       tol: float) -> None:
-    """At the exactness bound every position is final, so one more evaluation (``new``, the
-    positions ``[lo, lo + n)``) must not move any of them by more than ``tol``; otherwise some
-    position depends on itself or on a later one. Costs one evaluation, and only when the bound
-    was reached with a forward difference still above ``tol``."""
-    old = state.x[:, lo : lo + new.shape[1]]
-    moved = ~((new - old).abs().amax(dim=2) <= tol) & state.active[:, None]   # NaN moves
-    if bool(moved.any()):
-        b, t = (int(i) for i in moved.nonzero()[0])
-        raise NotTriangularError(
-            f"fn is not autoregressive along dim: position {system.unravel_position(lo + t)} "
-            f"of sample {system.unravel_sample(b)} still changes after {system.iteration} "
-            "iterations, the bound by which every position of a triangular system is final; "
-            f"some position depends on itself or on a later one, {NONDETERMINISTIC}"
-        )
 
 
 _INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}

@@ -7,7 +7,8 @@ import math
 import torch
 
 from paraprop import checks
-from paraprop.solvers.base import State, System, accept, settle, verify_fixed_point
+from paraprop.solvers.base import State, System, accept, settle
+from paraprop.solvers.verify import final_step
 
 
 class GSJacobi:
@@ -45,27 +46,43 @@ class GSJacobi:
         bs = self.size(system)
         state.extra.update(block=0, sweep=0, blocks=math.ceil(system.T / bs), bs=bs,
                            stats={"block_size": bs},
-                           index=torch.arange(system.T, device=state.x.device))
-        # a block is certified by reasoning (its inputs were final), with the window's values:
-        # at tol=0 one evaluation of fn at the end checks them all (paraprop.solvers.verify)
+                           index=torch.arange(system.T, device=state.x.device),
+                           estimated_from=torch.full((system.B,), system.T, dtype=torch.long,
+                                                     device=state.x.device))
+        # a block is certified by reasoning (its inputs were final) or on its error estimate,
+        # with the window's values: one evaluation of fn at the end checks them all
+        # (paraprop.solvers.verify), within the budget of T calls
         state.verified = False
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
         e = state.extra
+        if system.evaluations == system.T - 1:
+            # the budget's last call (every call made one more position final, so only the
+            # last position is left): one evaluation of fn checks the value and gives it
+            final_step(system, state, tol, norm)
+            self._close(state, [state.estimate])
+            return
         lo = e["block"] * e["bs"]
         hi = min(system.T, lo + e["bs"])
         vals = system.window(state.x, lo, hi)
         e["sweep"] += 1
         # positions < lo + sweep - 1 are final; position lo + sweep - 1 is computed from them
         vals, kept = system.keep_finite(vals, lambda: state.x[:, lo:hi], lo + e["sweep"] - 1,
-                                        e["index"][lo:hi], state.active)
+                                        e["index"][lo:hi], state.active, x=state.x)
+        was = state.active
         accept(system, state, lo, hi, vals, tol, norm, exact=e["sweep"] - 1,
                budget=tol * (hi - lo) / system.T, kept=kept)
+        if tol > 0 and state.active is not was:
+            # samples frozen on the estimate: the positions from the first one not computed
+            # from final inputs on were not (paraprop.solvers.verify tells the two apart)
+            frozen = was & ~state.active & (state.estimate > 0)
+            e["estimated_from"] = torch.where(
+                frozen, torch.minimum(e["estimated_from"], torch.full_like(
+                    e["estimated_from"], lo + e["sweep"])), e["estimated_from"])
         at_bound = e["sweep"] >= hi - lo
         moving = settle(state, False)
-        if at_bound and moving and tol > 0:  # block bound, still moving: verify
-            # (at tol=0 the evaluation of fn at the end checks every block at once)
-            verify_fixed_point(system, state, lo, system.window(state.x, lo, hi), tol)
+        # (a block at its bound is final by the triangular structure: the one evaluation of fn
+        # at the end checks every block at once, paraprop.solvers.verify)
         if at_bound or not moving:
             e["block"] += 1
             e["sweep"] = 0
@@ -74,6 +91,13 @@ class GSJacobi:
             state.active[:] = True  # every sample starts the next block
             e["all_active"], e["n_active"] = True, system.B
             state.rule.reset()
-            state.finished = e["block"] == e["blocks"]
-            if state.finished:  # the frozen blocks' estimates add up along the sequence
-                state.estimate = torch.stack(e["estimates"]).sum(0)
+            state.finished = False   # (settle: no sample left in this block)
+            if e["block"] == e["blocks"]:
+                self._close(state, [])
+
+    @staticmethod
+    def _close(state: State, current: list) -> None:
+        """The solve is done: the frozen blocks' estimates add up along the sequence."""
+        state.finished = True
+        state.active = torch.zeros_like(state.active)
+        state.estimate = torch.stack(state.extra.get("estimates", []) + current).sum(0)

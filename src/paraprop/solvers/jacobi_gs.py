@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from paraprop import checks
-from paraprop.solvers.base import State, System, accept, settle, verify_fixed_point
+from paraprop.solvers.base import State, System, accept, settle
+from paraprop.solvers.verify import final_step
 
 
 class JacobiGS:
@@ -80,9 +81,24 @@ class JacobiGS:
             return len(self.blocks)
         return math.ceil(system.T / self.size(system))
 
+    def _ranges(self, system: System) -> list[range]:
+        """The blocks as ranges (``block_size``: contiguous runs of that many positions)."""
+        if self.blocks is not None:
+            return self.blocks
+        bs = self.size(system)
+        return [range(lo, min(lo + bs, system.T)) for lo in range(0, system.T, bs)]
+
     def init(self, system: System, state: State) -> None:
         device = state.x.device
         state.extra["k"] = 0
+        ranges = self._ranges(system)
+        # the budget (never more sequential steps than the sequential loop, T): an iteration
+        # costs its longest block (block_size calls; with explicit blocks, run one per worker),
+        # and certifies the next block at least
+        state.extra.update(ranges=ranges, depth=max(len(b) for b in ranges), used=0,
+                           index=torch.arange(system.T, device=device),
+                           estimated_from=torch.full((system.B,), system.T, dtype=torch.long,
+                                                     device=device))
         if self.blocks is not None:
             if self.blocks[-1].stop != system.T:
                 raise ValueError(f"JacobiGS: blocks cover positions 0..{self.blocks[-1].stop - 1}"
@@ -104,6 +120,9 @@ class JacobiGS:
                 state.extra["owned"] = [torch.tensor([t for b in sh for t in b], device=device)
                                         for sh in shares]
                 state.extra["stats"]["workers"] = len(shares)
+            # the calls one iteration makes in sequence: the longest share's (one thread: all)
+            state.extra["share_steps"] = max(len(sh) for sh in state.extra["shares"]) \
+                if "shares" in state.extra else system.T
             return
         bs = self.size(system)
         # offset j of every block: positions j, j + bs, j + 2 bs, ... below T
@@ -124,7 +143,7 @@ class JacobiGS:
         for index in state.extra["offsets"]:
             vals = system.update(work, index, guard=guard)
             vals, k = system.keep_finite(vals, lambda index=index: work.index_select(1, index),
-                                         first, index, state.active)
+                                         first, index, state.active, x=work)
             kept = _merge(kept, k)
             work.index_copy_(1, index, vals)
         return work, kept
@@ -142,7 +161,7 @@ class JacobiGS:
                     vals = system.update(mine, index, guard=False)
                     vals, k = system.keep_finite(
                         vals, lambda index=index: mine.index_select(1, index), first, index,
-                        state.active)
+                        state.active, x=mine)
                     kept = _merge(kept, k)
                     mine.index_copy_(1, index, vals)
             return mine, kept
@@ -169,23 +188,68 @@ class JacobiGS:
             return self.blocks[min(k, len(self.blocks)) - 1].stop - 1
         return min(k * self.size(system), system.T) - 1
 
+    def _parallel(self, state: State, k: int) -> bool:
+        """Whether iteration ``k`` may run in parallel within the budget: the steps spent, plus
+        its own, plus one sequential step per position after the block it certifies (the worst
+        case), must not exceed ``T``. The last block is always finished sequentially (its
+        sweep would cost the longest block's steps, and a verifying sweep more)."""
+        e = state.extra
+        ranges = e["ranges"]
+        return k < len(ranges) and e["used"] + e["depth"] <= ranges[k - 1].stop
+
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
-        k = state.extra["k"] + 1
+        e = state.extra
+        k = e["k"] + 1
+        e["k"] = k
+        if not self._parallel(state, k):
+            self._finish(system, state, tol, norm, self._exact(system, k))
+            return
         if k == 1:
             # a plain fn: a sweep that reproduced the iterate evaluated fn at it (the check);
-            # fn.update's values are checked by one evaluation of fn at the end (tol=0)
+            # fn.update's values are checked by one evaluation of fn at the end
             state.verified = not system.fast
         work, kept = self._sweep(system, state, self._first_block_end(system, k))
+        e["used"] += e["depth"]
+        self._count(state, e.get("share_steps", e["depth"]))
         exact = self._exact(system, k)
+        was = state.active
         accept(system, state, 0, system.T, work, tol, norm, exact=exact, kept=kept)
-        state.extra["k"] = k
-        at_bound = k >= self.bound(system)
-        moving = settle(state, at_bound)
-        if at_bound and moving and not (tol == 0 and system.fast):
-            # still moving at the bound: verify (at tol=0 with fn.update, the evaluation of fn
-            # at the end does it)
-            verify_fixed_point(system, state, 0, self._sweep(system, state, system.T)[0], tol)
+        if tol > 0 and state.active is not was:
+            # samples stopped on the estimate: the blocks after the ones computed from final
+            # inputs were not certified by reasoning (paraprop.solvers.verify tells them apart)
+            stopped = was & ~state.active & (state.estimate > 0)
+            certified = torch.full_like(e["estimated_from"], e["ranges"][k - 1].stop)
+            e["estimated_from"] = torch.where(
+                stopped, torch.minimum(e["estimated_from"], certified), e["estimated_from"])
+        settle(state, False)
 
+    def _finish(self, system: System, state: State, tol: float, norm: str, p: int) -> None:
+        """The rest of the budget: the positions ``p .. T - 1`` of the samples still iterating
+        (all positions ``< p`` final), one sequential step each, as the sequential loop computes
+        them (``x0``'s values at the positions not computed yet); the last step is one
+        evaluation of ``fn`` that also checks every other position
+        (:func:`~paraprop.solvers.verify.final_step`). One iteration."""
+        e, T = state.extra, system.T
+        x, act = state.x, state.active
+        self._count(state, T - p)
+        if system.initial is not None:
+            x[:, p:] = torch.where(act[:, None, None], system.initial[:, p:], x[:, p:])
+        for t in range(p, T - 1):
+            index = e["index"][t:t + 1]
+            vals = system.update(x, index)
+            # computed from final inputs: a NaN or inf is the sequential loop's own
+            system.keep_finite(vals, lambda t=t: x[:, t:t + 1], t, index, act, x=x)
+            x[:, t:t + 1] = torch.where(act[:, None, None], vals, x[:, t:t + 1])
+        final_step(system, state, tol, norm)
+        e["stats"]["finished_sequentially"] = T - p
+
+    def _count(self, state: State, steps: int) -> None:
+        """Sequential steps: with explicit blocks an iteration's calls run on the workers, and
+        ``stats["sequential_steps"]`` is the longest share's calls (one worker: all)."""
+        e = state.extra
+        e["steps"] = e.get("steps", 0) + steps
+        if self.blocks is not None:
+            e["stats"]["sequential_steps"] = e["steps"]
 
 def _merge(kept, k):
     """The samples that kept a non-finite value's old one, as ``(B, 1)`` (``None``: none)."""

@@ -40,16 +40,16 @@ from __future__ import annotations
 import torch
 
 from paraprop import checks
-from paraprop.errors import ProtocolError
+from paraprop.errors import ConvergenceError, ProtocolError
 from paraprop.scan import linear_recurrence
 from paraprop.solvers.base import (
     State,
     System,
     check_final,
     half_ulp_bound,
+    last_from_x0,
     rounding_floor,
     sync,
-    verify_fixed_point,
 )
 from paraprop.solvers.protocols import HOOKS
 from paraprop.solvers.stopping import Floor
@@ -87,7 +87,7 @@ class _NewtonFamily:
 
     def init(self, system: System, state: State) -> None:
         ex = state.extra
-        ex["access"] = _access(system)
+        ex["access"] = _access(system, self.name)
         ex["lo"] = 0                # positions < lo are exact for every active sample
         ex["stats"] = {"resets": 0, "jacobian": self.form}
         ex["resets"] = 0
@@ -102,6 +102,11 @@ class _NewtonFamily:
         ex = state.extra
         access = ex["access"]
         lo, T, x, act = ex["lo"], system.T, state.x, state.active
+        if lo == T - 1 and not access.markov:
+            # the last iteration the budget allows (T evaluations, as the sequential loop):
+            # position T - 1 is computed from the final positions as that loop's last step
+            # does, with x0's value there; the evaluation checks every other position
+            last_from_x0(system, state)
         fused = None if self.damped else access.newton_step(x, lo, self.form)
         if fused is None:
             y, J = access.linearize(x, lo, self.form, state, tol)
@@ -125,7 +130,9 @@ class _NewtonFamily:
         flags = sync(~torch.isfinite(trial.sum(dim=(1, 2))).all(),
                      ~torch.isfinite(y.sum()) if access.markov else system.nonfinite)
         system.nonfinite = bool(flags[1])
-        y, kept = system.keep_finite(y, seg, lo, ex["index"][lo:], act)
+        y, kept = system.keep_finite(y, seg, lo, ex["index"][lo:], act, x=x,
+                                     hook="fn" if not access.markov else
+                                     "linearize" if fused is None else "newton_step")
         bad = torch.zeros_like(act)
         if flags[0] or kept is not None:
             if flags[0]:
@@ -188,8 +195,6 @@ class _NewtonFamily:
         state.active = cont
         ex["lo"] = lo + 1
         state.finished = n_cont == 0 or lo + 1 >= T
-        if lo + 1 >= T and n_cont and not access.markov:
-            verify_fixed_point(system, state, 0, system.evaluate(state.x), tol)
 
     def _elk(self, x, r, J, lo):
         """The damped step from ``x``: ``delta_lo = r_lo`` (the exact value at ``lo``), then the
@@ -386,8 +391,9 @@ class _FullAccess:
 
     markov = False
 
-    def __init__(self, system: System):
+    def __init__(self, system: System, name: str = "newton"):
         self.system = system
+        self.name = name   # the method, for the messages
         self.jvps = 0   # forward-mode products for the Jacobians, each about one evaluation
 
     def newton_step(self, x, lo, form):
@@ -411,8 +417,22 @@ class _FullAccess:
         for j in range(Fn):
             v = torch.zeros_like(x)
             v[..., j] = 1
-            with torch.enable_grad():
-                _, out = torch.func.jvp(f, (x,), (v,))
+            try:
+                with torch.enable_grad():
+                    _, out = torch.func.jvp(f, (x,), (v,))
+            except (RuntimeError, NotImplementedError) as e:
+                if isinstance(e, ConvergenceError):   # a solve inside fn: not the AD's
+                    raise
+                # fn(x) itself was evaluated just before: what fails is forward-mode AD
+                raise ValueError(
+                    f"method={self.name!r} on a plain fn forms the Jacobians d fn_t / d x_(t-1) "
+                    "by forward-mode automatic differentiation (torch.func.jvp), and fn is not "
+                    f"differentiable that way: {type(e).__name__}: {e}. Make fn differentiable "
+                    "by torch.func.jvp (no out= arguments, no writes into preallocated "
+                    "tensors, no round trips through NumPy or Python numbers), or wrap the cell "
+                    "in paraprop.Recurrence (analytic Jacobians, or a linearize hook), or use a "
+                    "method that needs only fn(x): 'jacobi', 'jacobi_gs', 'gs_jacobi', "
+                    "'sliding_jacobi' or 'anderson'") from e
             cols.append(out[:, lo:])
         self.jvps += Fn
         if form == "diag":
@@ -425,7 +445,7 @@ class _FullAccess:
 MAX_PLAIN_FEATURES = 256
 
 
-def _access(system: System):
+def _access(system: System, name: str = "newton"):
     fn = system.fn
     if getattr(fn, "markov", False) and callable(getattr(fn, "linearize", None)):
         shape = tuple(getattr(fn, "shape", ()))
@@ -446,7 +466,7 @@ def _access(system: System):
             f"forward-mode product per feature and a (batch, T, F, F) array; F={system.F} "
             f"features per position is more than {MAX_PLAIN_FEATURES}: wrap a recurrent cell in "
             "paraprop.Recurrence (analytic or per-row Jacobians), or use method='jacobi'")
-    return _FullAccess(system)
+    return _FullAccess(system, name)
 
 
 class Newton(_NewtonFamily):

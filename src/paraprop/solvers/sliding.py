@@ -40,6 +40,7 @@ from paraprop.errors import ProtocolError
 from paraprop.solvers.base import State, System, half_ulp_bound
 from paraprop.solvers.protocols import HOOKS
 from paraprop.solvers.stopping import freeze_budget, freeze_thresholds
+from paraprop.solvers.verify import final_step
 
 
 class SlidingJacobi:
@@ -87,13 +88,24 @@ class SlidingJacobi:
             start=0,  # the smallest final of the samples still iterating (known on the host)
             index=torch.arange(system.T, device=dev),
             stats={"window": self.size(system)},
+            # the first position each sample froze on an estimate (T: none)
+            estimated_from=torch.full((B,), system.T, dtype=torch.long, device=dev),
+            gain=lambda: _residual_gain(system),
+            premise=lambda: _premise(system),
         )
-        # positions are certified by reasoning (their inputs were final), with the window's
-        # values: at tol=0 one evaluation of fn at the end checks them (paraprop.solvers.verify)
+        # positions are certified by reasoning (their inputs were final) or on an estimate,
+        # with the window's values: one evaluation of fn at the end checks them
+        # (paraprop.solvers.verify), within the budget of T calls
         state.verified = False
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
         e = state.extra
+        if system.evaluations == system.T - 1:
+            # the budget's last call (every sweep made one more position final, so only the
+            # last position is left): one evaluation of fn checks the value and gives it
+            final_step(system, state, tol, norm)
+            e["final"] = torch.full_like(e["final"], system.T)
+            return
         final, T = e["final"], system.T
         act = state.active
         start = e["start"]
@@ -103,7 +115,7 @@ class SlidingJacobi:
         vals = system.window(state.x, start, stop)
         old = state.x[:, start:stop]
         # the first writable position of each sample is computed from final inputs only
-        vals, kept = system.keep_finite(vals, old, final, pos, act)
+        vals, kept = system.keep_finite(vals, old, final, pos, act, x=state.x)
         # only positions that are not final yet (recomputing a final one may differ by
         # rounding); a sample that is done has final = T, so none of its positions is
         writable = pos[None, :] >= final[:, None]                           # (B, n)
@@ -134,7 +146,7 @@ class SlidingJacobi:
         if not state.finished:
             guess = system.propose(state.x, e["final"], e["start"])
             if guess is not None:
-                system.check_finite(guess)
+                system.check_finite(guess, hook="propose")
                 free = e["index"][None, :] >= e["final"][:, None]
                 state.x.copy_(torch.where(free[:, :, None], guess, state.x))
 
@@ -183,11 +195,15 @@ class SlidingJacobi:
             # fn says how much an error at each position grows by the end of the chain:
             # a freeze must fit its share after that growth
             g = growth.gather(1, new_final.clamp(max=T - 1)[:, None]).to(cand.dtype)
-            cand = cand * g
+            # (at least 1: the certificate bounds every position's error, not only the last
+            # one's, so a chain that shrinks errors does not enlarge a freeze's share)
+            cand = cand * g.clamp(min=1)
         m = freeze_budget(cand, tol, T, thresholds)
         if m.device.type == "cpu" and not bool(m.any()):   # no freeze (known on the host)
             return m
         froze = act & (m > 0)
+        e["estimated_from"] = torch.where(froze, torch.minimum(e["estimated_from"], new_final),
+                                          e["estimated_from"])
         block = ar < m[:, None]
         worst = torch.where(block, raw, torch.zeros_like(raw)).amax(1)
         worst = torch.where(froze, worst, 0.0)
@@ -207,6 +223,42 @@ def _ramp(e: dict, n: int, tol: float, T: int, device) -> tuple[torch.Tensor, to
         cache[n] = (torch.arange(n, device=device)[None, :],
                     freeze_thresholds(n, tol, T, device))
     return cache[n]
+
+
+def _residual_gain(system: System) -> torch.Tensor | None:
+    """``(B, T)``: how much a position may move per unit change of the positions before it,
+    as the map's statements allow, for the final check at ``tol > 0``
+    (:mod:`paraprop.solvers.verify`): 1 (the plain estimate's premise, a map that does not
+    expand differences), or more where ``fn.sensitivity`` (the sum of the stated
+    sensitivities of the earlier positions) or ``fn.growth`` (the gain of the step,
+    ``growth[t - 1] / growth[t]``) say so; infinite where they say nothing finite."""
+    sens = _hook_tensor(system, "sensitivity")
+    growth = _hook_tensor(system, "growth")
+    if sens is None and growth is None:
+        return None
+    ref = sens if sens is not None else growth
+    L = torch.ones(system.B, system.T, dtype=torch.float64, device=ref.device)
+    if sens is not None:
+        lam = sens.to(torch.float64)
+        lam = torch.where(lam.isnan(), torch.ones_like(lam), lam)
+        L = torch.maximum(L, lam.cumsum(1) - lam)
+    if growth is not None:
+        g = growth.to(torch.float64)
+        step = torch.ones_like(L)
+        step[:, 1:] = g[:, :-1] / g[:, 1:]
+        L = torch.maximum(L, torch.nan_to_num(step, nan=torch.inf))
+    return torch.nan_to_num(L, nan=torch.inf)
+
+
+def _premise(system: System) -> str:
+    """What the freeze estimates rely on, for the final check's message."""
+    stated = [HOOKS[h] for h in ("sensitivity", "growth")
+              if getattr(system.fn, h, None) is not None]
+    plain = "a map that does not expand differences between positions"
+    if not stated:
+        return f"{plain} (state fn.growth for one that does)"
+    verb = "states" if len(stated) == 1 else "state"
+    return f"{plain}, or where tighter the bounds that {' and '.join(stated)} {verb}"
 
 
 def _hook_tensor(system: System, name: str) -> torch.Tensor | None:
