@@ -319,6 +319,133 @@ def test_update_disagreeing_with_fn_names_the_hook():
         paraprop.solve(UpdateIgnoresIndex(), _x0(), method=JacobiGS(4), dim=1, tol=0)
 
 
+class UpdateDuplicates(UpdateOnly):
+    """Returns the second-last position of ``index`` twice (an off-by-one in a gather)."""
+
+    def update(self, x, index):
+        idx = index.clone()
+        if idx.numel() > 1:
+            idx[-1] = idx[-2]
+        return self.good.base(x).index_select(1, idx)
+
+
+# -- at tol > 0 (solve's default is 1e-5): the same maps, the same outcomes -----------------------
+HOOK_FAULTS = [WindowShifted, WindowStaleCache, WindowIgnoresStart, WindowReadsLater,
+               UpdateWrongOrder, UpdateIgnoresIndex, UpdateDuplicates]
+
+
+@pytest.mark.parametrize("tol", [1e-5, 1e-3])
+@pytest.mark.parametrize("cls", HOOK_FAULTS)
+@pytest.mark.parametrize("method", [JacobiGS(4), GSJacobi(4), SlidingJacobi(4),
+                                    SlidingJacobi(None)], ids=repr)
+def test_broken_hooks_at_tol_above_zero(method, cls, tol):
+    """The probe: at tol=1e-5 a shifted window, a stale cache, an update in reversed order or
+    with a duplicated index gave converged=True with errors of 1.5 to 2 (the check ran at tol=0
+    only). Now: an error, converged=False, or the sequential result within tol."""
+    out = _never_silent(cls(), method, tol=tol)
+    if isinstance(out, paraprop.Solution) and not out.converged:
+        assert out.stats["verification"] == "failed"
+        assert "more than a value within tol" in out.stats["not_converged"]
+
+
+def test_the_probes_shifted_window_at_the_default_tol():
+    with pytest.raises(paraprop.ProtocolError,
+                       match=r"^fn.window\(x, start, stop, cache\) and fn\(x\) disagree at "
+                             r"position \(1,\) of sample \(0,\) \(asked again for positions "
+                             r"\(1,\), \(2,\) alone.*not shifted"):
+        paraprop.solve(WindowShifted(), _x0(), method="sliding_jacobi", dim=1)
+
+
+@pytest.mark.parametrize("method", [GSJacobi(4), SlidingJacobi(4)], ids=repr)
+def test_a_stale_cache_at_the_default_tol(method):
+    with pytest.raises(paraprop.NotTriangularError,
+                       match=r"the value certified as final at position \(1,\) .*stale cache"):
+        paraprop.solve(WindowStaleCache(), _x0(), method=method, dim=1)
+
+
+@pytest.mark.parametrize("cls", [UpdateWrongOrder, UpdateDuplicates])
+def test_an_update_reordered_or_duplicated_at_the_default_tol(cls):
+    with pytest.raises(paraprop.ProtocolError,
+                       match=r"^fn.update\(x, index\) and fn\(x\) disagree at position .*not "
+                             r"reordered, not duplicated"):
+        paraprop.solve(cls(), _x0(), method=SlidingJacobi(4), dim=1)
+
+
+class FalseSensitivity(Good):
+    """States that no position moves another (sensitivity 0): a false bound."""
+
+    def __init__(self):
+        super().__init__(gain=1.5)
+        self.sensitivity = torch.zeros(B * T, dtype=D)
+
+    def window(self, x, start, stop, cache):
+        return self.base(x)[:, start:stop], None
+
+
+@pytest.mark.parametrize("window", [4, None])
+@pytest.mark.parametrize("tol", [1e-5, 1e-3])
+def test_a_false_sensitivity_is_not_certified(window, tol):
+    """The probe: sensitivity = 0 froze every window after one sweep, converged=True with an
+    error of 2. The residual at the final value contradicts the bound: not converged."""
+    fn = FalseSensitivity()
+    sol = paraprop.solve(fn, _x0(), method=SlidingJacobi(window), dim=1, tol=tol, throw=False)
+    assert not sol.converged and sol.stats["verification"] == "failed"
+    assert "the bounds that fn.sensitivity states" in sol.stats["not_converged"]
+    with pytest.raises(paraprop.ConvergenceError,
+                       match=r"did not converge: fn\(x\) at the final value differs from it at "
+                             r"position \(1,\) of sample \(0,\) .* more than a value within "
+                             r"tol=.* of the sequential result can .*fn.sensitivity states"):
+        paraprop.solve(fn, _x0(), method=SlidingJacobi(window), dim=1, tol=tol)
+    # a true statement (no sensitivity stated: the plain estimate) is certified
+    del fn.sensitivity
+    ref = paraprop.solve(fn, _x0(), method="sequential", dim=1).value
+    sol = paraprop.solve(fn, _x0(), method=SlidingJacobi(window), dim=1, tol=tol)
+    assert sol.converged and float((sol.value - ref).abs().max()) <= 10 * tol
+
+
+# -- non-finite values: the message says what the solver knows -----------------------------------
+class WindowWritesNaNAhead(Good):
+    """Scribbles NaN on the positions after its window (a buffer overrun); the map's masked
+    product then carries it to every earlier position."""
+
+    def window(self, x, start, stop, cache):
+        out = self.base(x)[:, start:stop].clone()
+        x[:, stop:] = float("nan")
+        return out, None
+
+
+class UpdateReturnsNaN(UpdateOnly):
+    def update(self, x, index):
+        y = self.good.base(x).index_select(1, index).clone()
+        y[1, 0] = float("nan")
+        return y
+
+
+@pytest.mark.parametrize("method", [GSJacobi(4), SlidingJacobi(4)], ids=repr)
+def test_nan_written_ahead_by_a_window_is_not_blamed_on_the_map(method):
+    """The probe: gs_jacobi said "computed from final positions only, so the sequential loop
+    produces it too", which was false (the window wrote NaN into x after itself)."""
+    with pytest.raises(paraprop.NonFiniteError,
+                       match=r"^fn.window\(x, start, stop, cache\) returned a non-finite value at "
+                             r"iteration \d+, sample \(0,\), position \(\d+,\), the first "
+                             r"position that is not final, from an iterate that held NaN or inf at "
+                             r"a later position, \(\d+,\).*fn.window\(x, start, stop, cache\) "
+                             r"wrote it into x") as e:
+        paraprop.solve(WindowWritesNaNAhead(), _x0(), method=method, dim=1, tol=0)
+    assert "produces it too" not in str(e.value)
+
+
+@pytest.mark.parametrize("method", [GSJacobi(4), SlidingJacobi(4), JacobiGS(4)], ids=repr)
+def test_nan_returned_by_a_hook_names_the_hook(method):
+    with pytest.raises(paraprop.NonFiniteError,
+                       match=r"^fn.update\(x, index\) returned a non-finite value at iteration "
+                             r"1, sample \(1,\), position \(0,\), the first position that is not "
+                             r"final, from final and finite inputs: the sequential loop meets it "
+                             r"too if fn.update\(x, index\) computes fn's values there") as e:
+        paraprop.solve(UpdateReturnsNaN(), _x0(), method=method, dim=1, tol=0)
+    assert "produces it too" not in str(e.value)
+
+
 # -- fn itself ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("method", ALL + [Newton(), QuasiNewton()], ids=repr)
 def test_a_map_that_is_not_triangular(method):

@@ -516,3 +516,33 @@ def test_kalman_step_with_infinite_damping_takes_no_step(form):
     d = kalman_step(J, r, 1e12)
     assert torch.equal(d[:, 0], r[:, 0])
     assert float(d[:, 1:].abs().max()) <= 1e-9
+
+
+def _writes_into_a_buffer():
+    """A Markov map computed with out= (forward-mode AD cannot differentiate it)."""
+    W = torch.eye(2, dtype=torch.float64) * 0.5
+
+    def fn(x):
+        prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
+        out = torch.empty_like(x)
+        torch.tanh(prev @ W.T + 1, out=out)
+        return out
+
+    return fn
+
+
+@pytest.mark.parametrize("method", NEWTON)
+def test_a_map_forward_mode_ad_cannot_differentiate_is_named(method):
+    """The probe got torch's raw "Trying to use forward AD with tanh_out ..." error."""
+    fn = _writes_into_a_buffer()
+    x0 = torch.zeros(2, 6, 2, dtype=torch.float64)
+    with pytest.raises(ValueError,
+                       match=rf"^method='{method}' on a plain fn forms the Jacobians .* by "
+                             r"forward-mode automatic differentiation \(torch.func.jvp\), and fn "
+                             r"is not differentiable that way: NotImplementedError: .*out= .*wrap "
+                             r"the cell in paraprop.Recurrence .*'jacobi', 'jacobi_gs', "
+                             r"'gs_jacobi', 'sliding_jacobi' or 'anderson'"):
+        paraprop.solve(fn, x0, method=method, dim=1)
+    # the methods that need only fn(x) take it
+    ref = paraprop.solve(fn, x0, method="sequential", dim=1).value
+    assert torch.equal(paraprop.solve(fn, x0, method="jacobi", dim=1, tol=0).value, ref)

@@ -680,3 +680,100 @@ def test_the_host_bookkeeping_agrees_with_the_tensor_path(monkeypatch, method, d
         assert torch.equal(a[0], b[0]) and a[1:3] == b[1:3]
         assert torch.equal(a[3], b[3]) and torch.equal(a[4], b[4])
     assert len(set(runs[0][3].tolist())) > 1   # the samples did stop on their own
+
+
+# -- the budget: never more sequential steps than the sequential loop (issue 27 item 7) ---------
+class _Windowed:
+    """A map with a ``window`` hook computing fn's values (no update)."""
+
+    def __init__(self, prob):
+        self.prob = prob
+
+    def __call__(self, x):
+        return self.prob(x)
+
+    def window(self, x, start, stop, cache):
+        return self.prob(x)[:, start:stop], None
+
+
+class _Markov:
+    """``x_t = tanh(W x_{t-1} + 0.5)`` (x_{-1} = 0.3): a plain fn for the Newton family too."""
+
+    def __init__(self, gain, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.W = torch.randn(2, 2, generator=g, dtype=torch.float64) * gain
+
+    def __call__(self, x):
+        prev = torch.cat([torch.full_like(x[:, :1], 0.3), x[:, :-1]], 1)
+        return torch.tanh(prev @ self.W.T + 0.5)
+
+
+BUDGET_METHODS = ["jacobi", "jacobi_gs", "gs_jacobi", "sliding_jacobi", "anderson", "newton",
+                  "quasi_newton", "elk", "quasi_elk", JacobiGS(3), GSJacobi(3),
+                  SlidingJacobi(1), SlidingJacobi(3), TriangularAnderson(1)]
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 16, 20, 64])
+@pytest.mark.parametrize("gain", [0.3, 30.0], ids=["weak", "strong"])
+def test_never_more_calls_than_the_sequential_loop(T, gain):
+    """The probe counted 72 calls of fn for jacobi_gs at T=64 (25 at T=20, 20 at T=16): more
+    than the T of method="sequential". Every method, every map kind, tol=0 and the default:
+    at most T calls (the final check included), and the sequential result."""
+    rand = RandomTriangular((3,), (T,), (2,), seed=T, gain=gain)
+    maps = {"plain": rand, "update": FastTriangular((3,), (T,), (2,), seed=T, gain=gain),
+            "window": _Windowed(rand), "markov": _Markov(gain, seed=T)}
+    x0 = torch.zeros(3, T, 2, dtype=torch.float64)
+    for name, fn in maps.items():
+        ref = paraprop.solve(fn, x0, method="sequential", dim=1)
+        assert ref.evaluations == T
+        for method in BUDGET_METHODS:
+            if name != "markov" and method in ("newton", "quasi_newton", "elk", "quasi_elk"):
+                continue   # (the Newton family on a plain fn assumes a Markov map)
+            for tol in (0.0, 1e-5):
+                sol = paraprop.solve(fn, x0, method=method, dim=1, tol=tol, throw=False)
+                what = (name, repr(method), tol, sol.evaluations)
+                assert sol.evaluations <= T and sol.stats["sequential_steps"] <= T, what
+                if name == "update" and not sol.converged:   # the hook rounds differently
+                    assert "rounding" in sol.stats["not_converged"], what
+                    continue
+                assert sol.converged, what
+                err = float((sol.value - ref.value).abs().max())
+                assert err <= (1e-12 if tol == 0 else 10 * tol), what
+
+
+def test_jacobi_gs_finishes_its_last_block_sequentially():
+    """The probe's map (strongly coupled, T=64): block_size 8 took 8 iterations of 8 calls and a
+    verifying sweep of 8 more. Now the last block is 8 sequential steps, the last of them the
+    evaluation of fn that checks the value: 64 calls, counted in the stats."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(64, 64, generator=g, dtype=torch.float64).tril(-1) * 2.5
+
+    def fn(x):
+        return torch.tanh(x @ W.T + 1.0)
+
+    x0 = torch.zeros(3, 64, dtype=torch.float64)
+    ref = paraprop.solve(fn, x0, method="sequential")
+    for tol in (0.0, 1e-5):
+        sol = paraprop.solve(fn, x0, method="jacobi_gs", tol=tol)
+        assert sol.evaluations == 64 and sol.iterations == 8 and sol.stats["block_size"] == 8
+        assert sol.stats["finished_sequentially"] == 8
+        assert sol.stats["verification"] == "evaluation"
+        assert float((sol.value - ref.value).abs().max()) <= (0 if tol == 0 else 10 * tol)
+
+
+def test_explicit_blocks_keep_the_budget_in_steps_of_their_longest_block():
+    """With explicit blocks an iteration costs its longest block's calls in sequence (one worker
+    per block): iterations run in parallel only while the worst case stays within T."""
+    prob = FastTriangular((2,), (12,), (2,), seed=1, gain=30.0)
+    x0 = torch.zeros(2, 12, 2, dtype=torch.float64)
+    ref = prob.reference(x0)
+    even = JacobiGS(blocks=[range(0, 4), range(4, 8), range(8, 12)], workers=3)
+    sol = paraprop.solve(prob, x0, method=even, dim=1, tol=1e-10)
+    assert sol.iterations <= 3 and sol.stats["sequential_steps"] <= 12
+    assert float((sol.value - ref).abs().max()) <= 1e-9
+    # a first block of one position cannot pay for an iteration of four steps: sequential
+    uneven = JacobiGS(blocks=[range(0, 1), range(1, 5), range(5, 12)], workers=3)
+    sol = paraprop.solve(prob, x0, method=uneven, dim=1, tol=1e-10)
+    assert sol.iterations == 1 and sol.stats["finished_sequentially"] == 12
+    assert sol.stats["sequential_steps"] == 12 and sol.evaluations == 12
+    assert float((sol.value - ref).abs().max()) <= 1e-9

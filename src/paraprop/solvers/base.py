@@ -281,12 +281,11 @@ class System:
 
     def _non_finite(self, b: int, t: int, extra: str = "", hook: str = "fn"):
         who = "fn produced" if hook == "fn" else f"{HOOKS[hook]} returned"
+        note = extra or (" (NaN or inf; note that 0 * inf is NaN, so an overflow at a later "
+                         "position can poison earlier ones in masked networks)")
         raise NonFiniteError(
             f"{who} a non-finite value at iteration {self.iteration}, sample "
-            f"{self.unravel_sample(b)}, position {self.unravel_position(t)}{extra} "
-            "(NaN or inf; note that 0 * inf is NaN, so an overflow at a later position can "
-            "poison earlier ones in masked networks)"
-        )
+            f"{self.unravel_sample(b)}, position {self.unravel_position(t)}{note}")
 
     def _fatal_non_finite(self, b: int, t: int, hook: str, x: torch.Tensor | None):
         """A non-finite value at position ``t`` of sample ``b``, the first position that is
@@ -301,23 +300,23 @@ class System:
         if later is not None:
             writers = [HOOKS[h] for h in ("window", "update", "propose")
                        if h in self.used or (h == "propose" and callable(
-                           getattr(self.fn, "propose", None)))]
-            who = (" and ".join(writers) if writers else "a hook") + \
-                (" (they are" if len(writers) > 1 else " (it is")
-            extra = (f", computed by {src} from an iterate that held NaN or inf at a later "
-                     f"position, {self.unravel_position(later)}, which is not final and not "
-                     "the sequential loop's value: a map that reads later positions through "
-                     "masked weights carries it to earlier ones. The solver never writes NaN or "
-                     "inf into the iterate (x0 is checked, a non-finite result is not kept), so "
-                     f"it was written into x by {who} checked only on the positions up to its "
-                     "own, and may not modify x)")
+                           getattr(self.fn, "propose", None)))] or ["a hook"]
+            extra = (f", the first position that is not final, from an iterate that held NaN or "
+                     f"inf at a later position, {self.unravel_position(later)}: that value is "
+                     "not final and not the sequential loop's, and a map that reads later "
+                     "positions through masked weights carries it to earlier ones (0 * NaN is "
+                     "NaN). The solver writes only finite values into the iterate (x0 is "
+                     f"checked, a non-finite result is not kept), so {' or '.join(writers)} "
+                     "wrote it into x: a hook may not modify x, and is checked only on the "
+                     "positions up to its own")
         elif hook == "fn":
             extra = (" (computed from final positions only, so the sequential loop produces it "
-                     "too)")
+                     "too; note that 0 * inf is NaN, so an overflow at a later position can "
+                     "poison earlier ones in masked networks)")
         else:
-            extra = (f" (returned by {src} at the first position that is not final, whose "
-                     "inputs are final and finite: the sequential loop meets it too if the hook "
-                     "computes fn's values there)")
+            extra = (f", the first position that is not final, from final and finite inputs: "
+                     f"the sequential loop meets it too if {src} computes fn's values there "
+                     "(NaN or inf; 0 * inf is NaN in masked networks)")
         self._non_finite(b, t, extra, hook=hook)
 
     def keep_finite(self, new: torch.Tensor, old: torch.Tensor, first, positions: torch.Tensor,

@@ -38,4 +38,4 @@ class Sequential:
         state.extra["t"] = t + 1
         state.finished = t + 1 == system.T
         if state.finished:  # the first non-finite position in order is the one that went wrong
-            system.check_finite(state.x)
+            system.check_finite(state.x, hook="update" if system.fast else "fn")
