@@ -82,11 +82,13 @@ def solve(
         tol: a sample stops early only when its estimated distance to the sequential result is
             ``<= tol`` (``norm`` over the sample): the contraction estimate for the Jacobi family,
             the Newton step for Newton, each with the dtype's rounding floor added (see
-            ``docs/solve.md``); ``0`` iterates to a bitwise fixed point of ``fn``, checked by
-            ``fn`` itself before ``converged=True`` (one extra evaluation for the methods that
-            certify with ``fn.window`` / ``fn.update``). Independently of ``tol``, every method
-            stops at its exactness bound (``T`` sweeps for Jacobi), where its value equals the
-            sequential result.
+            ``docs/solve.md``); ``0`` iterates to a bitwise fixed point of ``fn``. The methods
+            that certify with ``fn.window`` / ``fn.update`` check the value by one evaluation of
+            ``fn`` before ``converged=True``, at every ``tol`` (bitwise at ``0``; above, against
+            what a value within ``tol`` can have: :mod:`paraprop.solvers.verify`).
+            Independently of ``tol``, every method stops at its exactness bound (``T`` sweeps for
+            Jacobi), where its value equals the sequential result, and no method takes more
+            calls of ``fn`` in sequence than the sequential loop (``T``), the check included.
         norm: ``"max"`` (largest absolute change) or ``"l2"``, per sample.
         max_iters: cap on iterations; ``None`` means the method's exactness bound.
         throw: raise :class:`ConvergenceError` if ``max_iters`` ends the solve before
@@ -104,15 +106,17 @@ def solve(
     Raises:
         ValueError / TypeError: bad arguments (the message names the argument and value).
         NotTriangularError: a position changed after all positions it may depend on were final,
-            or ``fn(x)`` differs from the value certified at ``tol=0`` (the message names the
+            or ``fn(x)`` differs from a value certified from final inputs (the message names the
             other common cause: a module in train mode with dropout).
         ProtocolError: a hook broke its promise (modified ``x``, disagrees with ``fn``, returned
             the wrong kind of value); the message names the hook.
         StochasticModelError: ``fn`` is a module in train mode with stochastic layers.
         NonFiniteError: ``fn`` produced NaN or inf from final positions (iteration, sample and
             position named); one computed from iterates that are not final keeps the old value.
-        ConvergenceError: not converged and ``throw=True``: ``max_iters`` ended it, or at
-            ``tol=0`` ``fn(x)`` differs from the value by rounding (the message says which).
+        ConvergenceError: not converged and ``throw=True``: ``max_iters`` ended it, or the final
+            check did not certify the value (at ``tol=0`` ``fn(x)`` differs from it by rounding;
+            at ``tol > 0`` by more than a value within ``tol`` can, where it was frozen on an
+            estimate); the message says which.
 
     Example:
         >>> W = torch.randn(8, 8).tril(-1) * 0.3

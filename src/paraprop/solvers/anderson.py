@@ -90,7 +90,9 @@ class TriangularAnderson:
             xs=[], rs=[],  # the last iterates and their residuals
             picard=torch.zeros(B, dtype=torch.bool, device=dev),  # finishing with plain steps
         )
-        # it stops only where fn(x) == x bitwise (tol=0), or verifies at the bound
+        # its certificate comes from fn's own values: at tol=0 it stops only where fn(x) == x
+        # bitwise, or at the bound, whose last evaluation computes the last position from the
+        # final ones
         state.verified = True
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:

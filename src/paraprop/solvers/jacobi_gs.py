@@ -22,6 +22,13 @@ class JacobiGS:
     exact (Proposition 2), so at most ``ceil(T / block_size)`` iterations. A sample stops early on
     the contraction estimate of its error.
 
+    Never more calls in sequence than the sequential loop (``T``): the last block is finished
+    by sequential steps from the final prefix, one call per position, the last one an
+    evaluation of ``fn`` that checks the value (one iteration; ``stats["finished_sequentially"]``
+    counts its positions). With explicit ``blocks`` an iteration counts as its longest block's
+    calls (one worker per block), and the blocks from the first one whose iteration could take
+    the total past ``T`` are finished that way.
+
     Arguments:
         block_size: positions per block; ``None``: ``ceil(sqrt(T))``, which balances the
             ``block_size`` calls per iteration against the ``T / block_size`` iterations.
@@ -138,7 +145,7 @@ class JacobiGS:
         work = state.x.clone()
         kept = None
         # a plain fn sees the copy whole (its promise not to modify it is checked); fn.update
-        # gets the private copy, and the final evaluation of fn checks its values (tol=0)
+        # gets the private copy, and the final evaluation of fn checks its values
         guard = not system.fast
         for index in state.extra["offsets"]:
             vals = system.update(work, index, guard=guard)

@@ -93,7 +93,7 @@ class _NewtonFamily:
         ex["resets"] = 0
         ex["index"] = torch.arange(system.T, device=state.x.device)
         # it stops only where fn(x) == x bitwise (tol=0), or at the bound by the exact prefix
-        # (a plain fn: verified there by one evaluation)
+        # (whose last iteration computes the last position from the final ones)
         state.verified = True
         if self.damped:
             ex["stats"]["damping"] = self.damping

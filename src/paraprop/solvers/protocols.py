@@ -54,6 +54,7 @@ class SupportsUpdate(Protocol):
     :class:`~paraprop.solvers.SlidingJacobi` when there is no ``window``. Promise: the values
     are ``fn(x)[..., index, ...]``, whatever ``index`` holds, computed with the same
     operations as ``fn`` (otherwise ``tol=0`` cannot be bitwise: the verification reports it).
+    With several positions, in the order of ``index``, each once.
     """
 
     def update(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor: ...
@@ -100,7 +101,9 @@ class SupportsSensitivity(Protocol):
 
     Read by :class:`~paraprop.solvers.SlidingJacobi` at ``tol > 0`` for a tighter freeze
     estimate. Promise: it is an upper bound of the map's sensitivity. It cannot be checked
-    cheaply; it affects only ``tol > 0`` certificates (``tol=0`` is verified).
+    cheaply on the way; it affects only ``tol > 0`` certificates, whose final check
+    (:mod:`paraprop.solvers.verify`) catches its effect: a residual ``|fn(x) - x|`` beyond what a
+    value within ``tol`` can have (``tol=0`` is verified bitwise).
     """
 
     sensitivity: torch.Tensor | None
@@ -112,7 +115,10 @@ class SupportsGrowth(Protocol):
     error at each position grows by the end of the chain (``>= 1`` for expanding maps).
 
     Read by :class:`~paraprop.solvers.SlidingJacobi` at ``tol > 0``: a freeze must fit its
-    share of ``tol`` after that growth. Promise: an upper bound, as for ``sensitivity``.
+    share of ``tol`` after that growth (a value below 1 counts as 1: the certificate bounds
+    every position's error, not only the last one's); the final check allows a residual of
+    ``growth[t - 1] / growth[t]`` (the step's gain) per unit of error. Promise: an upper bound,
+    as for ``sensitivity``.
     """
 
     growth: torch.Tensor | None

@@ -51,8 +51,8 @@ class SlidingJacobi:
             ``T`` is Jacobi restricted to the positions not yet final.
 
     Counters: ``stats["positions"]`` (positions computed) and ``iterations`` (parallel sweeps).
-    At ``tol=0`` one evaluation of ``fn`` at the end checks the value
-    (:mod:`paraprop.solvers.verify`); on the way, each call of ``fn.window`` and
+    One evaluation of ``fn`` at the end checks the value, at every ``tol``, within ``T`` calls
+    in all (:mod:`paraprop.solvers.verify`); on the way, each call of ``fn.window`` and
     ``fn.propose`` is checked not to modify ``x``.
 
     Example:
