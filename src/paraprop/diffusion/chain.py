@@ -127,8 +127,6 @@ class DiffusionChain:
         # a step recomputed from the same exact input gave other bits (another batch of rows)
         self.irreproducible = torch.zeros((), dtype=torch.bool, device=dev)
         self.irreproducible_seen = False   # its value at the start of the last window call
-        # the call in which each sample last had a non-finite value replaced (-1: never)
-        self.last_repair = torch.full((self.B,), -1, dtype=torch.long, device=dev)
         self._last = None      # (key, X, values) of the last window call
         # per sample, the first step found non-finite from exact inputs (-1: none)
         self.nonfinite_step = torch.full((self.B,), -1, dtype=torch.long, device=dev)
@@ -233,7 +231,7 @@ class DiffusionChain:
         same = (again == ref) | (again.isnan() & ref.isnan())
         if not bool(same.all()):
             diff = float((again.to(torch.float64) - ref.to(torch.float64)).abs()
-                         .nan_to_num(nan=torch.inf).max())
+                         .nan_to_num(nan=torch.inf, posinf=torch.inf).max())
             raise _stochastic(f"evaluating the loop's first step again on the same {self.B} "
                               f"rows gave other values (largest difference {diff:.3g}, "
                               f"outputs of size {scale:.3g})")
@@ -290,9 +288,10 @@ class DiffusionChain:
         # the one host sync of a call: is every position certified, has a certified step been
         # computed with other bits (read by the driver after the iteration), and how far do
         # the certificates reach?
+        certified = self.certified()
         done, seen, reach = torch.stack(
-            [(self.certified() >= self.N).all().long(), self.irreproducible.long(),
-             self.certified().max()]).tolist()
+            [(certified >= self.N).all().long(), self.irreproducible.long(),
+             certified.max()]).tolist()
         self.irreproducible_seen = bool(seen)
         if seen and not self.diagnosed:
             self.diagnose()
@@ -329,8 +328,6 @@ class DiffusionChain:
         # loop's own value: keep it
         bad = ~torch.isfinite(vals) & ~exact[:, :, None]
         vals = torch.where(bad, torch.where(torch.isfinite(y), y, old).nan_to_num(0, 0, 0), vals)
-        hit = bad.flatten(1).any(1)
-        self.last_repair = torch.where(hit, self.model_calls, self.last_repair)
         self._last = (key, X, vals)   # X held: its memory cannot be reused while cached
         return vals.clone(), None
 

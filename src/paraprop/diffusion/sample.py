@@ -37,6 +37,9 @@ NARROW = (torch.bfloat16, torch.float16)
 NEIGHBOURS = 4
 # passes of the estimate stage at most (each followed by the final check)
 PASSES = 3
+# defects of one unit each at this many positions that would use half of tol make the
+# estimate stage give way to the exact result at once (_estimate_stage)
+HOPELESS = 8
 SCALE = 4.0   # the least trajectory scale the solver's estimate allows rounding for
 
 
@@ -381,11 +384,13 @@ class _Run:
         return self.cap - self.chain.model_calls
 
     def solve(self, solver, lo: int, tol: float, max_iters: int, keep: torch.Tensor,
-              until: int | None = None):
+              until: int | None = None, hopeless=None):
         """One pass of ``solver`` on the steps ``[lo, N)`` from the current trajectory; the
         samples ``keep`` (certified already) keep their values. With ``until``, the pass ends
-        once every other sample's certified prefix reaches it (one host sync per iteration);
-        returns ``None`` where it ended so or on :class:`_Stop`."""
+        once every other sample's certified prefix reaches it (one host sync per iteration),
+        unless ``hopeless(scale)`` (the certified values' largest) says an estimate will not
+        pay: then it runs on to the end, without observing gains; returns ``None`` where it
+        ended early or on :class:`_Stop`."""
         chain, X = self.chain, self.X
         saved = X[keep].clone()
         chain.restart(X, lo)
@@ -409,9 +414,17 @@ class _Run:
             if self.strict and chain.irreproducible_seen:   # (no extra sync: read in window)
                 last["value"] = v.clone()
                 raise _Stop
-            if until is not None and int(chain.certified()[~keep].min()) >= until:
-                last["value"] = v.clone()
-                raise _Stop
+            if until is not None and "finish" not in last:
+                # (the scale of the certified values: an iterate far from the answer may be
+                # far larger)
+                reach, scale = torch.stack([chain.certified()[~keep].min().double(),
+                                            chain.exact_values.abs().max().double()]).tolist()
+                if hopeless is not None and hopeless(scale):
+                    last["finish"] = True
+                    chain.track_gains = False
+                elif reach >= until:
+                    last["value"] = v.clone()
+                    raise _Stop
 
         try:
             sol = solve(chain, X[:, lo:].clone(), method=solver, dim=1, tol=tol,
@@ -629,17 +642,21 @@ def _estimate_stage(run, chain, solver, tol, floor0):
     window = _window_of(solver, N)
     tail = solver
     lo = 0
+    eps = torch.finfo(chain.dtype).eps
+
+    def hopeless(scale: float, left: int) -> bool:
+        # defects of one unit of the dtype at the trajectory's scale at HOPELESS of the
+        # positions left would use half of tol: an estimate is unlikely to be certified
+        return min(left, HOPELESS) * eps * max(1.0, scale) > tol / 2
+
     if window < N:
         # leave the loop from the certified prefix its calls (each call certifies one)
-        if run.left < 2 or \
-                run.solve(solver, 0, 0.0, run.left - 1, done, until=N - window) is not None:
+        if run.left < 2 or run.solve(solver, 0, 0.0, run.left - 1, done, until=N - window,
+                                     hopeless=lambda scale: hopeless(scale, window)) is not None:
             return done, estimate   # (ran to the end: exact, or out of budget)
         lo = int(chain.certified().min())
         tail = Jacobi()
-    # where defects of one unit of the dtype at the trajectory's scale at every position left
-    # would already exceed tol / 2, an estimate is unlikely to be certified: exactly at once
-    ulp = torch.finfo(chain.dtype).eps * max(1.0, float(run.X.abs().max()))
-    if (N - lo) * ulp > tol / 2:
+    if hopeless(float(run.X.abs().max()), N - lo):   # exactly at once
         return done, estimate
     inner = (tol - floor0) / 2
     for _ in range(PASSES):
@@ -757,31 +774,36 @@ def _bounds(X: torch.Tensor, y: torch.Tensor, p: torch.Tensor, gain, dtype: torc
     B, N = X.shape[:2]
     f64 = torch.float64
     pos = torch.arange(N, device=X.device)[None, :]
-    r = (y.to(f64) - X.to(f64)).abs().amax(2).nan_to_num(nan=math.inf)
+    r = (y.to(f64) - X.to(f64)).abs().amax(2).nan_to_num(nan=math.inf, posinf=math.inf)
     r = torch.where(pos < p[:, None], 0.0, r)
     if extra is not None:   # a defect of every step but the loop's own first one
         r = r + torch.where(pos > 0, extra.to(f64)[None, :], 0.0)
         p = torch.zeros_like(p)
-    scale = X.to(f64).abs().amax(2).nan_to_num(nan=math.inf).clamp(min=1.0)
+    scale = X.to(f64).abs().amax(2).nan_to_num(nan=math.inf, posinf=math.inf).clamp(min=1.0)
     after = pos > p[:, None]
     rho = torch.where(after, FLOOR_ULPS * torch.finfo(dtype).eps * scale, 0.0)
     lg = torch.where(gain.isnan(), math.inf, gain.clamp(min=1e-30).log())
     L = torch.where(after, lg, 0.0).cumsum(1)
-    Es = (L + torch.logcumsumexp(r.log() - L, dim=1)).exp().nan_to_num(nan=math.inf)
-    Rs = (L + (rho.log() - L).cummax(1).values).exp().nan_to_num(nan=math.inf)
+    Es = _nan_inf((L + torch.logcumsumexp(r.log() - L, dim=1)).exp())
+    Rs = _nan_inf((L + (rho.log() - L).cummax(1).values).exp())
     total = Es + Rs
     E = total.amax(1)
     # the loop from q: positions < q keep their bounds; at s >= q the defect part of position
     # q - 1 grows through the gains after it, and the rounding floor is at most R_s
     before = total.cummax(1).values                                  # max_{s <= i}
     top_L = L.flip(1).cummax(1).values.flip(1)                       # max_{s >= i} L_s
-    top_R = Rs.flip(1).cummax(1).values.flip(1)                      # max_{s >= i} K R_s
-    grown = (Es[:, :-1] * (top_L[:, 1:] - L[:, :-1]).exp()).nan_to_num(nan=math.inf)
+    top_R = Rs.flip(1).cummax(1).values.flip(1)                      # max_{s >= i} R_s
+    grown = _nan_inf(Es[:, :-1] * (top_L[:, 1:] - L[:, :-1]).exp())
     F = torch.cat([torch.zeros_like(E[:, None]),
                    torch.maximum(before[:, :-1], grown + top_R[:, 1:]), E[:, None]], dim=1)
     q = torch.arange(N + 1, device=X.device)[None, :]
     F = torch.where(q <= p[:, None], 0.0, F)
     return E, F, Rs.amax(1)
+
+
+def _nan_inf(v: torch.Tensor) -> torch.Tensor:
+    """``v`` with NaN (from ``inf - inf`` or ``0 * inf``: an unbounded quantity) as ``inf``."""
+    return torch.where(v.isnan(), math.inf, v)
 
 
 def _gains(gain, B: int, N: int, device) -> torch.Tensor:
