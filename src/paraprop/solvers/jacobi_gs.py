@@ -235,17 +235,24 @@ class JacobiGS:
         (all positions ``< p`` final), one sequential step each, as the sequential loop computes
         them (``x0``'s values at the positions not computed yet); the last step is one
         evaluation of ``fn`` that also checks every other position
-        (:func:`~paraprop.solvers.verify.final_step`). One iteration."""
+        (:func:`~paraprop.solvers.verify.final_step`). One iteration. With ``block_size`` the
+        steps are the sweep's first offsets (``fn.update`` sees the calls of an iteration, which
+        a map may serve from one pass, as :class:`paraprop.sampling.pixelcnn.CachedPixels`
+        does); only the last block's positions are taken from them."""
         e, T = state.extra, system.T
         x, act = state.x, state.active
         self._count(state, T - p)
         if system.initial is not None:
             x[:, p:] = torch.where(act[:, None, None], system.initial[:, p:], x[:, p:])
         for t in range(p, T - 1):
-            index = e["index"][t:t + 1]
-            vals = system.update(x, index)
+            if self.blocks is None:   # offset t - p of every block: position t is its last
+                index = e["offsets"][t - p]
+                vals = system.update(x, index)[:, -1:]
+            else:
+                index = e["index"][t:t + 1]
+                vals = system.update(x, index)
             # computed from final inputs: a NaN or inf is the sequential loop's own
-            system.keep_finite(vals, lambda t=t: x[:, t:t + 1], t, index, act, x=x)
+            system.keep_finite(vals, lambda t=t: x[:, t:t + 1], t, e["index"][t:t + 1], act, x=x)
             x[:, t:t + 1] = torch.where(act[:, None, None], vals, x[:, t:t + 1])
         final_step(system, state, tol, norm)
         e["stats"]["finished_sequentially"] = T - p
