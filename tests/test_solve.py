@@ -152,9 +152,10 @@ def test_fast_path_computes_only_requested_positions():
     assert (sol.value - ref).abs().max() <= 1e-12
     prob.calls.clear()
     sol = paraprop.solve(prob, x0, method=JacobiGS(block_size=8), dim=1, tol=0, throw=False)
-    # 20 positions in blocks of 8: the parallel iterations' offsets 0-3 hit 3 blocks, the
-    # others 2; the last block's positions are sequential steps of one position each
-    assert sorted(set(prob.calls)) == [1, 2, 3] and sol.evaluations <= 20
+    # 20 positions in blocks of 8: offsets 0-3 hit 3 blocks, the others 2; the last block is
+    # finished by the sweep's first offsets (one sequential step each) and an evaluation of fn
+    assert sorted(set(prob.calls)) == [2, 3] and sol.evaluations <= 20
+    assert sol.stats["finished_sequentially"] == 4
     assert (sol.value - ref).abs().max() <= 1e-12
     # with tol > 0 too, one evaluation of fn checks the value against the certificate
     prob.calls.clear()
