@@ -25,6 +25,8 @@ What this implementation adds, so that the result is the sequential one:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from paraprop import checks
@@ -102,7 +104,9 @@ class TriangularAnderson:
         pos = e["index"]
         # the samples whose last position is all that is left compute it as the sequential
         # loop does, with x0's value there (the budget: T calls, none left to verify after)
-        last_from_x0(system, state, act & (final == T - 1))
+        last = act & (final == T - 1)
+        if X.device.type != "cpu" or bool(last.any()):   # (free to ask on the host)
+            last_from_x0(system, state, last)
         Y = system.evaluate(X)
         # position `final` is computed from final inputs; later ones may hold an overflowed
         # iterate's value, which keeps the old one and counts as not converged
@@ -144,8 +148,11 @@ class TriangularAnderson:
             del e[key][: -self.m]
         new = Y if len(e["xs"]) < 2 else self._extrapolate(X, R, e["xs"], e["rs"])
         take_y = exact | stop[:, None] | e["picard"][:, None]
-        # (an extrapolation that overflowed takes fn's value: the iterate stays finite)
-        new = torch.where(take_y[:, :, None] | ~torch.isfinite(new), Y, new)
+        new = torch.where(take_y[:, :, None], Y, new)
+        # an extrapolation that overflowed takes fn's value: the iterate stays finite (on the
+        # host one reduction says whether any did; an accelerator replaces without asking)
+        if new.device.type != "cpu" or not math.isfinite(float(new.sum())):
+            new = torch.where(torch.isfinite(new), new, Y)
         X.copy_(torch.where(act[:, None, None], new, X))
 
         state.estimate = torch.where(stop & (new_final < T), est, state.estimate)

@@ -88,7 +88,9 @@ class SupportsPropose(Protocol):
 
     Called by :class:`~paraprop.solvers.SlidingJacobi` after each sweep (Jacobi decoding's
     n-gram guesses). The guesses never change the result (a position is accepted only when
-    its inputs reproduce it). Promise: ``x`` is not modified (return a new tensor).
+    its inputs reproduce it). Promise: ``x`` is not modified (return a new tensor), and the
+    guesses are finite (a NaN guess reaches earlier positions through masked weights:
+    :class:`~paraprop.ProtocolError`).
     """
 
     def propose(self, x: torch.Tensor, final: torch.Tensor) -> torch.Tensor | None: ...
