@@ -631,3 +631,16 @@ def test_hooks_may_return_views_of_other_positions(method):
     x0 = torch.randn(B, T, F, dtype=D, generator=torch.Generator().manual_seed(0))
     sol = paraprop.solve(ShiftByView(), x0, method=method, dim=1, tol=0)
     assert sol.converged and torch.equal(sol.value, torch.zeros_like(x0))
+
+
+@pytest.mark.parametrize(("name", "value", "low"), [("sensitivity", -0.5, "< 0"),
+                                                   ("growth", 0.0, "<= 0")])
+def test_a_negative_sensitivity_or_zero_growth_is_refused(name, value, low):
+    fn = Good()
+    bound = torch.ones(B, T, dtype=D)
+    bound[1, 3] = value
+    setattr(fn, name, bound)
+    with pytest.raises(paraprop.ProtocolError,
+                       match=rf"^fn.{name} must state upper bounds of sizes \(NaN where unknown\), "
+                             rf"got {value:g} {low} at position \(3,\) of sample \(1,\)"):
+        paraprop.solve(fn, _x0(), method=SlidingJacobi(4), dim=1, tol=1e-6)

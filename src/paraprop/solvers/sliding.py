@@ -236,6 +236,16 @@ def _residual_gain(system: System) -> torch.Tensor | None:
     growth = _hook_tensor(system, "growth")
     if sens is None and growth is None:
         return None
+    # bounds of sizes: a negative one (or a growth of 0) is no bound at all
+    for name, v, low in (("sensitivity", sens, "< 0"), ("growth", growth, "<= 0")):
+        if v is not None:
+            bad = v < 0 if name == "sensitivity" else v <= 0
+            if bool(bad.any()):
+                b, t = (int(i) for i in bad.nonzero()[0])
+                raise ProtocolError(
+                    f"{HOOKS[name]} must state upper bounds of sizes (NaN where unknown), got "
+                    f"{float(v[b, t]):.3g} {low} at position {system.unravel_position(t)} of "
+                    f"sample {system.unravel_sample(b)}")
     ref = sens if sens is not None else growth
     L = torch.ones(system.B, system.T, dtype=torch.float64, device=ref.device)
     if sens is not None:
