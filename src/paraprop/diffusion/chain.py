@@ -85,7 +85,12 @@ class DiffusionChain:
     :meth:`commit` writes the known next values. ``irreproducible`` is set when a certified step
     computed again (in another batch of rows) gave other bits, ``loop_gap`` the largest
     difference of step 0's model output between the loop's ``B`` rows and the first batched
-    call's. :meth:`sequential` is the diffusers loop itself, from a certified prefix.
+    call's; :meth:`diagnose` tells batch variance from a model that is not deterministic
+    (:class:`~paraprop.StochasticModelError`). With :attr:`track_gains`, every evaluation of a
+    step is compared with its previous one (``gain``, :meth:`_observe`), and the last input and
+    output of every step are kept: :meth:`stale_from`, :meth:`direct` and :meth:`learn_exact`
+    serve the final check of ``tol > 0`` (:func:`paraprop.diffusion.sample`).
+    :meth:`sequential` is the diffusers loop itself, from a certified prefix.
     """
 
     def __init__(self, model, table: StepTable, x_init: torch.Tensor, z: torch.Tensor,
@@ -172,12 +177,22 @@ class DiffusionChain:
         n = stop - start
         if start == 0:
             self._step0_input = xin[:, 0]
-        rows = xin.transpose(0, 1).reshape(n * self.B, *self.sample_shape[1:])
-        t = self.timesteps[start:stop].repeat_interleave(self.B)
+        # every other batched call holds the steps in reverse order: a step computed again
+        # then sits at other rows of the batch, so a kernel that rounds a row by its place
+        # in the batch shows as a certified step computed with other bits (batch variance),
+        # not only at step 0 (the loop's first call is compared with the first batched one)
+        flip = n > 1 and self.model_calls % 2 == 1
+        order = xin.flip(1) if flip else xin
+        rows = order.transpose(0, 1).reshape(n * self.B, *self.sample_shape[1:])
+        t = self.timesteps[start:stop]
+        t = (t.flip(0) if flip else t).repeat_interleave(self.B)
         out = self.call_model(rows, t, n)
+        shape = (n, self.B, self.F)
+        if flip:
+            out = out.reshape(n, self.B, -1).flip(0).reshape(out.shape)
+            rows = rows.reshape(n, self.B, -1).flip(0).reshape(rows.shape)
         if start == 0:
             self._compare_step0(out[: self.B], n)
-        shape = (n, self.B, self.F)
         prev = self.table.apply(slice(start, stop), rows.reshape(shape), out.reshape(shape),
                                 self.z[start:stop]).transpose(0, 1)
         if self.track_gains:

@@ -78,11 +78,13 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         window: steps per iteration of ``"picard"`` (``None``: 128; a window of at least ``N``
             steps is Jacobi on the whole trajectory); ``"anderson"`` iterates on all ``N`` steps.
         memory: ``"anderson"``'s history (iterates kept; ``None``: its default).
-        tol: a sample is accepted when the estimated distance of its whole trajectory to the
-            sequential one, plus the dtype's rounding floor at its scale, is ``<= tol``
-            (largest absolute difference; see ``docs/diffusion.md``); where ``tol`` is at or
-            below that floor (``stats["tol_resolvable"]``), the method runs to the exact
-            result. ``0``: the loop's trajectory bit for bit, or ``converged=False`` (where the
+        tol: a sample is accepted when the final check bounds the distance of its whole
+            trajectory to the loop's by ``tol`` (largest absolute difference): its defects
+            under the loop's step map, carried through the steps' observed gains, plus the
+            rounding floor (see ``docs/diffusion.md``). Where ``tol`` is at or below the floor
+            at the initial noise's scale, and at any ``tol`` in bfloat16 and float16
+            (``stats["tol_resolvable"] == False``), the method runs to the loop's bits.
+            ``0``: the loop's trajectory bit for bit, or ``converged=False`` (where the
             model's batched calls round differently from the loop's). Not used by
             ``"sequential"``.
         max_iters: cap on model calls in sequence (default and at most: ``N``).
@@ -122,7 +124,10 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
     Raises:
         NotImplementedError: an unsupported scheduler or scheduler configuration.
         paraprop.StochasticModelError: ``model`` is a module in train mode with dropout or
-            batch statistics (call ``model.eval()``).
+            batch statistics (call ``model.eval()``), also behind a ``functools.partial``, a
+            bound method or a closure (:func:`wrapped_modules`); or, at run time, a step
+            computed again differs from its first evaluation beyond what batch variance
+            explains, or the loop's first call evaluated again on the same rows differs.
         ValueError / TypeError: bad arguments, a ``noise`` of the wrong shape, a model output
             of the wrong shape or dtype (each message names the argument and both values).
         paraprop.NonFiniteError: a step computed from exact inputs is not finite (the loop
@@ -133,8 +138,8 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
 
     Warns:
         BatchVarianceWarning: ``tol > 0`` and the model's batched calls round differently from
-            the loop's by an amount that may matter at ``tol`` (the estimate then bounds the
-            distance to the trajectory as the batched calls compute each step).
+            the loop's by an amount that may matter at ``tol`` (the estimate carries the
+            measured difference at every step; it is measured at step 0 only).
 
     Example:
         >>> from diffusers import DDIMScheduler
@@ -501,12 +506,13 @@ def _solve_certified(chain, solver, tol, max_iters, callback):
     batched call evaluates the model on step 0 again, among ``n * B`` rows. A model whose
     kernels round a row differently in such a batch (batch variance), or nondeterministic
     kernels, show a difference there or at a certified step computed again
-    (``stats["loop_bitwise"] = False``): the parallel fixed point is then the sequential
-    trajectory as the *batched* calls compute each step, not the loop's bit for bit. At
-    ``tol=0`` (and at a ``tol`` below the rounding floor, which only the loop's bits can
-    certify) the solve stops with ``converged=False`` at once; above it the estimate bounds the
-    distance to that batched trajectory, and a ``BatchVarianceWarning`` says so where the
-    difference may matter.
+    (``stats["loop_bitwise"] = False``; a difference beyond batch variance is a stochastic
+    model: :meth:`~paraprop.diffusion.chain.DiffusionChain.diagnose`): the parallel fixed
+    point is then the sequential trajectory as the *batched* calls compute each step, not the
+    loop's bit for bit. Where only the loop's bits certify ``tol`` (``tol=0``, below the
+    rounding floor, bfloat16/float16) the solve stops with ``converged=False``; above it the
+    final check carries the measured difference at every step, and a
+    ``BatchVarianceWarning`` says so where it may matter.
 
     Returns ``(run, done, bitwise, estimate, reason)``.
     """
@@ -574,16 +580,17 @@ def _output_gains(table) -> torch.Tensor:
 
 
 class BatchVarianceWarning(RuntimeWarning):
-    """The model's output for a row depends on the other rows of its batch (or its kernels are
-    nondeterministic): a parallel sample is the sequential one as the batched calls compute each
-    step, which differs from the loop's by that rounding."""
+    """The model's output for a row depends on the other rows of its batch: a parallel sample
+    is the sequential one as the batched calls compute each step, which differs from the
+    loop's by that rounding (carried in the estimate)."""
 
 
 def _passes(run, chain, solver, tol, max_iters, cap):
     """The passes of :func:`_solve_certified`:
 
-    * Estimate stage (``tol`` above the rounding floor of the initial noise's scale): the
-      solver runs at ``tol`` less that floor, then the final check decides
+    * Estimate stage (``tol`` above the rounding floor of the initial noise's scale, not in
+      bfloat16/float16): the solver runs at half of ``tol`` less that floor, then the final
+      check decides
       (:func:`_estimate_stage`, :func:`_check`).
     * Exact stage, for the samples left (:func:`_exact_stage`).
 
