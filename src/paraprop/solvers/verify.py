@@ -155,8 +155,8 @@ def compare(system: System, state: State, x: torch.Tensor, y: torch.Tensor, tol:
     else:
         gain = state.extra.get("gain")
         L = gain() if callable(gain) else None
-        if L is None:
-            L = torch.ones(B, T, dtype=torch.float64, device=x.device)
+        L = torch.ones(B, T, dtype=torch.float64, device=x.device) if L is None else \
+            L.to(x.device)
         if norm == "max":
             m = torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).reshape(B, -1).amax(1)
             rho = half_ulp_bound(m.to(torch.float64), x.dtype)
