@@ -448,6 +448,21 @@ def test_a_converged_sample_is_within_tol_of_the_real_loop(kind, cfg, eta, dtype
     assert converged >= 1 or variance == 6
 
 
+def test_samples_settled_in_a_pass_keep_their_values_in_the_next():
+    """float64 with a batch-variant MLP, Anderson, N=100: a later pass from a certified prefix
+    of the samples left recomputed the settled ones (accepted on an estimate, their inputs not
+    exact) in other rows, and the solver saw a position it held final change
+    (NotTriangularError). Settled samples are left as they are."""
+    model = Mlp4(seed=0).double()
+    make = lambda: DDPMScheduler(prediction_type="sample", clip_sample=False)  # noqa: E731
+    ref = loop(model, make(), (6, 2, 2), 100, 0, dtype=torch.float64)
+    x, sol = sample(model, make(), (6, 2, 2), num_inference_steps=100, method="anderson",
+                    tol=1e-3, throw=False, generator=gen(0))
+    assert sol.stats["passes"] >= 2 and sol.iterations <= 100
+    if sol.converged:
+        assert float((x - ref).abs().max()) <= 1e-3
+
+
 def test_the_probes_float16_sample_prediction_case():
     """The probe's reproducer: converged=True at 3.2 from the loop with tol=0.05. In float16 no
     estimate is taken (the steps' gains at the scale of its rounding cannot be measured): the

@@ -133,6 +133,9 @@ class DiffusionChain:
         self.irreproducible = torch.zeros((), dtype=torch.bool, device=dev)
         self.irreproducible_seen = False   # its value at the start of the last window call
         self._last = None      # (key, X, values) of the last window call
+        # (B,) or None: samples a pass leaves as they are (settled in an earlier pass; their
+        # inputs may not be exact, so recomputing them in other rows could change them)
+        self.frozen = None
         # per sample, the first step found non-finite from exact inputs (-1: none)
         self.nonfinite_step = torch.full((self.B,), -1, dtype=torch.long, device=dev)
         # step 0's model output on the loop's rows, and its largest difference from the
@@ -343,6 +346,8 @@ class DiffusionChain:
         # loop's own value: keep it
         bad = ~torch.isfinite(vals) & ~exact[:, :, None]
         vals = torch.where(bad, torch.where(torch.isfinite(y), y, old).nan_to_num(0, 0, 0), vals)
+        if self.frozen is not None:   # samples settled already keep their values
+            vals = torch.where(self.frozen[:, None, None], old, vals)
         self._last = (key, X, vals)   # X held: its memory cannot be reused while cached
         return vals.clone(), None
 

@@ -431,6 +431,7 @@ class _Run:
                     last["value"] = v.clone()
                     raise _Stop
 
+        chain.frozen = keep if bool(keep.any()) else None
         try:
             sol = solve(chain, X[:, lo:].clone(), method=solver, dim=1, tol=tol,
                         max_iters=max_iters, throw=False, callback=watch)
@@ -443,6 +444,7 @@ class _Run:
                 raise nonfinite_error(step, int((bad == step).nonzero()[0])) from e
             raise
         except _Stop:
+            chain.frozen = None
             X[:, lo:] = last["value"]
             X[keep] = saved
             self._compare()
@@ -450,6 +452,7 @@ class _Run:
                                                dtype=torch.float64))
             self.positions += int(chain.certified().sum()) // chain.B
             return None
+        chain.frozen = None
         X[:, lo:] = sol.value
         X[keep] = saved
         self._compare()
