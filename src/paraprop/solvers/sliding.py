@@ -19,8 +19,9 @@ Here "done" is certified, not guessed:
   position ``j`` is the sum of the sweep's changes at the non-final positions before it, which
   bounds its error when the map does not expand differences (``|f_j(x) - f_j(y)| <=
   max_{i<j} |x_i - y_i|``, e.g. a residual step with a contracting increment); for expanding
-  maps state ``fn.growth`` or use ``tol=0`` (:func:`paraprop.diffusion.sample` does the
-  former from the gains it observes).
+  maps state ``fn.growth`` or use ``tol=0``. (:func:`paraprop.diffusion.sample` states
+  neither: it certifies its trajectory by a final check of its own against the loop's step
+  map, carried through the gains it observes.)
 
 Before each sweep ``fn.propose(x, final)``, when ``fn`` has it, may return new guesses for the
 positions that are not final (``final`` ``(B,)``: positions below it are); the result does not
