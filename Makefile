@@ -87,7 +87,7 @@ DEVICE  ?= cuda
 GPU_OUT ?= $(or $(OUT),results/gpu-check)
 GPU_PY  ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 gpu-check:
-	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) src/paraprop/bench/gpu_check.py \
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) src/paraprop_lab/bench/gpu_check.py \
 	  --device $(DEVICE) --out $(GPU_OUT)
 
 # What the GPU machine lacks (no network there; Python 3.12): wheels of the packages below, at

@@ -1,15 +1,15 @@
 """Every public name is in the API reference (docs/reference/*.md, built by ``make docs``).
 
 A package's public names are its ``__all__`` (or, without one, the names it defines that do not
-start with ``_``). The public packages are ``paraprop`` and its subpackages, found on disk, plus
-the modules of ``paraprop.SUBPACKAGES``, less the tooling behind the ``paraprop`` command. A name
-is in the reference when a ``::: target`` block of a reference page documents it: directly (the
-target is the object, e.g. ``::: paraprop.solve.solve`` for a function that shares its
-module's name), or as a member of its documented package. mkdocstrings renders a package's
-``__all__`` but reads the source statically, so two kinds of names need a block of their own:
-modules (submodules are not rendered inline) and names that are also a submodule's name
-(``paraprop.solve`` the function and ``paraprop/solve.py`` the module: the static reader sees
-the module). The checks read the pages and import the package; they do not need mkdocs.
+start with ``_``). The public packages are ``paraprop`` and its subpackages, found on disk, plus the
+modules of ``paraprop.SUBPACKAGES`` (the lab behind the ``paraprop`` command, ``paraprop_lab``, is a
+package of its own and not API). A name is in the reference when a ``::: target`` block of a
+reference page documents it: directly (the target is the object, e.g. ``::: paraprop.solve.solve``
+for a function that shares its module's name), or as a member of its documented package.
+mkdocstrings renders a package's ``__all__`` but reads the source statically, so two kinds of names
+need a block of their own: modules (submodules are not rendered inline) and names that are also a
+submodule's name (``paraprop.solve`` the function and ``paraprop/solve.py`` the module: the static
+reader sees the module). The checks read the pages and import the package; they do not need mkdocs.
 """
 
 import importlib
@@ -24,12 +24,11 @@ import paraprop
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "reference"
-TOOLING = {"bench", "cli", "demos", "experiments"}  # the `paraprop` command, not API
 
 
 def _public_packages() -> list[str]:
     found = {m.name for m in pkgutil.iter_modules(paraprop.__path__) if m.ispkg}
-    names = sorted((found | set(paraprop.SUBPACKAGES)) - TOOLING)
+    names = sorted(found | set(paraprop.SUBPACKAGES))
     return ["paraprop", *(f"paraprop.{n}" for n in names)]
 
 

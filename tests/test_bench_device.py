@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from paraprop import bench
-from paraprop.bench import collect, gpu
-from paraprop.bench import scan as scan_suite
-from paraprop.experiments.rows_report import cpu_only
+from paraprop_lab import bench
+from paraprop_lab.bench import collect, gpu
+from paraprop_lab.bench import scan as scan_suite
+from paraprop_lab.experiments.rows_report import cpu_only
 
 SUITES = [n for n in bench.suites() if n != "gpu"]
 
@@ -94,14 +94,14 @@ def test_gpu_reports_render_last_under_their_own_section(tmp_path):
 
 
 def _cli_has_device() -> bool:
-    from paraprop import cli
+    from paraprop_lab import cli
 
     sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
     return any("--device" in a.option_strings for a in sub.choices["bench"]._actions)
 
 
 def test_the_command_line_forwards_the_device(tmp_path, capsys):
-    from paraprop import cli
+    from paraprop_lab import cli
 
     if not _cli_has_device():
         pytest.skip("paraprop bench has no --device option yet (cli.py, another area: the "

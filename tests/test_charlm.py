@@ -31,7 +31,7 @@ def test_vocab_errors():
 
 
 def test_training_lowers_the_loss_and_reloads(tmp_path):
-    from paraprop.training.charlm import corpus, trained_charlm, validation_loss
+    from paraprop_lab.training.charlm import corpus, trained_charlm, validation_loss
 
     kw = {"width": 16, "layers": 1, "heads": 2, "context": 64}
     model, vocab, info = trained_charlm(tmp_path, steps=30, progress=False, **kw)
@@ -48,7 +48,7 @@ def test_training_lowers_the_loss_and_reloads(tmp_path):
 
 
 def test_cli_job(tmp_path, capsys):
-    from paraprop.cli import main
+    from paraprop_lab.cli import main
 
     out = tmp_path / "lm"
     rc = main(["train", "charlm", "--steps", "3", "--width", "16", "--layers", "1",

@@ -10,13 +10,13 @@ import sys
 import pytest
 import torch
 
-from paraprop import bench, demos
-from paraprop.cli import main
-from paraprop.experiments.explain import fewer_passes
-from paraprop.experiments.harness import interleaved, speedups
-from paraprop.experiments.progress import progress
-from paraprop.experiments.report import fmt, markdown_table, text_table
-from paraprop.training._common import fit
+from paraprop_lab import bench, demos
+from paraprop_lab.cli import main
+from paraprop_lab.experiments.explain import fewer_passes
+from paraprop_lab.experiments.harness import interleaved, speedups
+from paraprop_lab.experiments.progress import progress
+from paraprop_lab.experiments.report import fmt, markdown_table, text_table
+from paraprop_lab.training._common import fit
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
@@ -196,7 +196,7 @@ def test_missing_data_dir_is_one_line(tmp_path, capsys):
 
 def test_unusable_out_dir_fails_before_any_work(tmp_path, capsys, monkeypatch):
     (tmp_path / "file").write_text("x")
-    monkeypatch.setattr("paraprop.demos.parts", lambda: pytest.fail("the demo ran"))
+    monkeypatch.setattr("paraprop_lab.demos.parts", lambda: pytest.fail("the demo ran"))
     assert main(["demo", "--quick", "--out", str(tmp_path / "file" / "sub")]) == 2
     _one_error_line(capsys.readouterr().err, r"--out .*file/sub: cannot create the results "
                                               r"directory \(Not a directory\)")
@@ -225,7 +225,7 @@ def test_debug_shows_the_traceback_and_bugs_keep_theirs(tmp_path, monkeypatch):
     def bug(args):
         raise KeyError("a bug")
 
-    monkeypatch.setattr("paraprop.cli._cmd_info", bug)
+    monkeypatch.setattr("paraprop_lab.cli._cmd_info", bug)
     with pytest.raises(KeyError, match="a bug"):
         main(["info"])
 
@@ -238,7 +238,7 @@ def test_help_documents_errors_and_debug(capsys):
 
 
 def test_console_script_user_error_is_one_line():
-    proc = subprocess.run([sys.executable, "-m", "paraprop.cli", "bench", "nosuch"],
+    proc = subprocess.run([sys.executable, "-m", "paraprop_lab.cli", "bench", "nosuch"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     _one_error_line(proc.stderr, r"unknown benchmark suite 'nosuch'")
@@ -247,13 +247,13 @@ def test_console_script_user_error_is_one_line():
 def test_demo_skips_a_part_whose_optional_extra_is_missing(tmp_path, capsys, monkeypatch):
     import types
 
-    from paraprop import demos
+    from paraprop_lab import demos
 
     ran = []
-    needs = types.ModuleType("paraprop.demos.needs")
+    needs = types.ModuleType("paraprop_lab.demos.needs")
     needs.TITLE, needs.REQUIRES = "needs a missing extra", ("no_such_module_for_paraprop",)
     needs.run = lambda out, quick: ran.append("needs")
-    plain = types.ModuleType("paraprop.demos.plain")
+    plain = types.ModuleType("paraprop_lab.demos.plain")
     plain.TITLE = "runs"
     plain.run = lambda out, quick: ran.append("plain") or {"headline": "ran", "rows": []}
     monkeypatch.setattr(demos, "parts", lambda: [needs, plain])

@@ -10,7 +10,7 @@ import torch
 from paraprop.data import make_moons
 from paraprop.models import MLPDenoiser, small_unet
 from paraprop.models.denoisers import load_unet, save_unet, timestep_embedding
-from paraprop.training import ddpm
+from paraprop_lab.training import ddpm
 
 pytest.importorskip("diffusers")
 
@@ -212,7 +212,7 @@ def test_samples_png_images(tmp_path):
 
 @pytest.mark.slow
 def test_cli_job_writes_checkpoint_and_png(tmp_path, capsys):
-    from paraprop.cli import main
+    from paraprop_lab.cli import main
 
     out = tmp_path / "m.pt"
     assert main(["train", "ddpm", "--data", "moons", "--epochs", "1", "--n", "256",

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from paraprop.cli import main
 from paraprop.models import MADE, MLPDenoiser, PixelCNN, TarFlow
 from paraprop.models.checkpoint import build_within_budget, read_torch_file
-from paraprop.training.networks import make_network, save_checkpoint
+from paraprop_lab.cli import main
+from paraprop_lab.training.networks import make_network, save_checkpoint
 
 
 def one_error(capsys, match: str) -> str:
@@ -117,7 +117,7 @@ def test_weights_that_are_not_checkpoints(tmp_path, capsys, monkeypatch, case):
     make, match = BAD_WEIGHTS[case]
     path = tmp_path / "w"
     make(path)
-    monkeypatch.setattr("paraprop.training.networks.image_data",
+    monkeypatch.setattr("paraprop_lab.training.networks.image_data",
                         lambda *a, **k: pytest.fail("the job went on to load data"))
     assert main([*WEIGHTS, "--weights", str(path), "--out", str(tmp_path / "o.pt")]) == 2
     one_error(capsys, re.escape(str(tmp_path)) + "/" + match)
@@ -486,12 +486,12 @@ DENIED = r"\((Permission denied|Read-only file system|Operation not permitted)\)
 # Each job, with the function its run() calls first for data or training (it must not be
 # reached) and a file name its --out error suggests.
 JOBS = {
-    "made": (["--epochs", "1"], "paraprop.training.made.made_data", "made_digits.pt"),
-    "pixelcnn": (["--epochs", "1"], "paraprop.training.pixelcnn.pixel_data",
+    "made": (["--epochs", "1"], "paraprop_lab.training.made.made_data", "made_digits.pt"),
+    "pixelcnn": (["--epochs", "1"], "paraprop_lab.training.pixelcnn.pixel_data",
                  "pixelcnn_digits.pt"),
-    "tarflow": (["--epochs", "1"], "paraprop.training.tarflow._train", "tarflow_digits_e1.pt"),
-    "ddpm": (["--epochs", "1"], "paraprop.training.ddpm.ddpm_data", "ddpm_moons.pt"),
-    "densenet": (["--arch", "mlp", "--steps", "1"], "paraprop.training.networks.make_network",
+    "tarflow": (["--epochs", "1"], "paraprop_lab.training.tarflow._train", "tarflow_digits_e1.pt"),
+    "ddpm": (["--epochs", "1"], "paraprop_lab.training.ddpm.ddpm_data", "ddpm_moons.pt"),
+    "densenet": (["--arch", "mlp", "--steps", "1"], "paraprop_lab.training.networks.make_network",
                  "networks_mlp_mnist.pt"),
 }
 
@@ -535,7 +535,7 @@ def test_out_below_a_file(tmp_path, capsys, monkeypatch, job):
 
 def test_out_missing_folders_are_not_created_before_training(tmp_path, monkeypatch):
     """The check leaves nothing behind: a folder that does not exist yet is made by the save."""
-    from paraprop.training._common import check_out_file
+    from paraprop_lab.training._common import check_out_file
 
     out = tmp_path / "a" / "b" / "m.pt"
     assert check_out_file(out) == out
@@ -543,14 +543,14 @@ def test_out_missing_folders_are_not_created_before_training(tmp_path, monkeypat
 
 
 def test_ddpm_png_is_checked_too(tmp_path, capsys, monkeypatch):
-    _forbid(monkeypatch, "paraprop.training.ddpm.ddpm_data")
+    _forbid(monkeypatch, "paraprop_lab.training.ddpm.ddpm_data")
     assert main(["train", "ddpm", "--out", str(tmp_path / "m.pt"), "--png", str(tmp_path)]) == 2
     one_error(capsys, rf"--png {re.escape(str(tmp_path))}: is a directory; expected the path "
                       r"of a file to write, e.g. .*ddpm_moons.png$")
 
 
 def test_charlm_out_is_a_file(tmp_path, capsys, monkeypatch):
-    _forbid(monkeypatch, "paraprop.training.charlm.corpus")
+    _forbid(monkeypatch, "paraprop_lab.training.charlm.corpus")
     (tmp_path / "f").write_text("x")
     assert main(["train", "charlm", "--out", str(tmp_path / "f")]) == 2
     one_error(capsys, rf"--out {re.escape(str(tmp_path / 'f'))}: is a file, not a directory; "
@@ -558,7 +558,7 @@ def test_charlm_out_is_a_file(tmp_path, capsys, monkeypatch):
 
 
 def test_resnet_mg_out_is_a_directory(tmp_path, capsys, monkeypatch):
-    _forbid(monkeypatch, "paraprop.training.resnet_mg.train")
+    _forbid(monkeypatch, "paraprop_lab.training.resnet_mg.train")
     assert main(["train", "resnet-mg", "--out", str(tmp_path)]) == 2
     assert re.search(r"--out .*: is a directory; expected the path of a file to write, e.g. "
                      r".*history.json", capsys.readouterr().err)
@@ -569,8 +569,8 @@ def test_bench_and_demo_out_cannot_be_written(tmp_path, capsys, monkeypatch, unw
         def run(self, *a, **k):
             pytest.fail("the suite ran before --out was checked")
 
-    monkeypatch.setattr("paraprop.bench.load", lambda name: Suite())
-    monkeypatch.setattr("paraprop.demos.parts", lambda: pytest.fail("the demo ran"))
+    monkeypatch.setattr("paraprop_lab.bench.load", lambda name: Suite())
+    monkeypatch.setattr("paraprop_lab.demos.parts", lambda: pytest.fail("the demo ran"))
     out = unwritable / "results"
     assert main(["bench", "core", "--out", str(out)]) == 2
     one_error(capsys, rf"--out {re.escape(str(out))}: cannot create the results directory "
@@ -584,7 +584,7 @@ def test_bench_and_demo_out_cannot_be_written(tmp_path, capsys, monkeypatch, unw
 
 
 def test_report_out_is_checked_before_collecting(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("paraprop.bench.collect.collect",
+    monkeypatch.setattr("paraprop_lab.bench.collect.collect",
                         lambda *a, **k: pytest.fail("collected before --out was checked"))
     assert main(["report", "--out", str(tmp_path)]) == 2
     one_error(capsys, r"is a directory; expected the path of a file to write, e.g. "
@@ -620,18 +620,20 @@ def test_out_ending_as_a_directory_is_refused(tmp_path, capsys, monkeypatch, job
     ["train", "densenet", "--arch", "mlp"], ["train", "charlm"], ["train", "resnet-mg"],
     ["demo"], ["bench", "core"], ["report"]], ids=lambda c: " ".join(c[:2]))
 def test_an_empty_out_is_refused_not_replaced_by_the_default(capsys, monkeypatch, command):
-    for target in ("paraprop.training.made.made_data", "paraprop.training.pixelcnn.pixel_data",
-                   "paraprop.training.tarflow._train", "paraprop.training.ddpm.ddpm_data",
-                   "paraprop.training.networks.make_network", "paraprop.training.charlm.corpus",
-                   "paraprop.training.resnet_mg.train", "paraprop.demos.parts",
-                   "paraprop.bench.collect.collect"):
+    for target in ("paraprop_lab.training.made.made_data",
+                   "paraprop_lab.training.pixelcnn.pixel_data",
+                   "paraprop_lab.training.tarflow._train", "paraprop_lab.training.ddpm.ddpm_data",
+                   "paraprop_lab.training.networks.make_network",
+                   "paraprop_lab.training.charlm.corpus",
+                   "paraprop_lab.training.resnet_mg.train", "paraprop_lab.demos.parts",
+                   "paraprop_lab.bench.collect.collect"):
         _forbid(monkeypatch, target)
 
     class Suite:
         def run(self, *a, **k):
             pytest.fail("the suite ran before --out was checked")
 
-    monkeypatch.setattr("paraprop.bench.load", lambda name: Suite())
+    monkeypatch.setattr("paraprop_lab.bench.load", lambda name: Suite())
     assert main([*command, "--out", ""]) == 2
     err = capsys.readouterr().err   # (resnet-mg prints its own prefix)
     assert re.search(r"--out '': empty; expected .* \(leave the option out for the default\)$",
@@ -639,7 +641,7 @@ def test_an_empty_out_is_refused_not_replaced_by_the_default(capsys, monkeypatch
 
 
 def test_ddpm_empty_png_is_refused(tmp_path, capsys, monkeypatch):
-    _forbid(monkeypatch, "paraprop.training.ddpm.ddpm_data")
+    _forbid(monkeypatch, "paraprop_lab.training.ddpm.ddpm_data")
     assert main(["train", "ddpm", "--out", str(tmp_path / "m.pt"), "--png", ""]) == 2
     one_error(capsys, r"--png '': empty; expected the path of a file to write")
 
@@ -648,7 +650,7 @@ def test_ddpm_empty_png_is_refused(tmp_path, capsys, monkeypatch):
                                              (-float("inf"), "inf")])
 def test_weights_with_non_finite_values_are_refused(tmp_path, capsys, monkeypatch, value, kind):
     """Weights holding NaN / inf trained to loss NaN without a word."""
-    _forbid(monkeypatch, "paraprop.training.networks.train_network")
+    _forbid(monkeypatch, "paraprop_lab.training.networks.train_network")
     model = make_network("mlp", size=8)
     with torch.no_grad():
         model[3].bias[[1, 4]] = value

@@ -548,7 +548,7 @@ def test_flows_is_a_subpackage_of_paraprop():
 
 @pytest.mark.slow
 def test_bench_flows_quick(tmp_path):
-    from paraprop.bench import flows
+    from paraprop_lab.bench import flows
 
     payload = flows.run(tmp_path, quick=True, repeats=1)
     assert payload["rows"] and all(r["bitwise equal"] for r in payload["rows"])

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from paraprop.bench import gpu, gpu_check
-from paraprop.experiments import device as devmod
-from paraprop.experiments import rows_recurrent
-from paraprop.experiments.rows import Context, RowSpec, choice, max_abs, row, run_specs, skipped
+from paraprop_lab.bench import gpu, gpu_check
+from paraprop_lab.experiments import device as devmod
+from paraprop_lab.experiments import rows_recurrent
+from paraprop_lab.experiments.rows import Context, RowSpec, choice, max_abs, row, run_specs, skipped
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     env.pop("OUT", None)
     # the test step runs this file's gpu-marked case only: it skips on the CPU (exit 0)
     res = subprocess.run(
-        [sys.executable, str(ROOT / "src/paraprop/bench/gpu_check.py"), "--device", "cpu",
+        [sys.executable, str(ROOT / "src/paraprop_lab/bench/gpu_check.py"), "--device", "cpu",
          "--out", str(out), "--wheels", str(tmp_path / "none"),
          "--pytest-args", "tests/test_gpu_check.py -m gpu"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
@@ -120,7 +120,7 @@ def test_a_row_that_kills_its_process_is_recorded_and_the_rest_go_on(tmp_path, m
     calls = []
 
     def fake_run(cmd, *, env, log, timeout, out=None, cwd=None):
-        step = cmd[3] if cmd[1] == "-m" and cmd[2] == "paraprop.bench.gpu_check" else "?"
+        step = cmd[3] if cmd[1] == "-m" and cmd[2] == "paraprop_lab.bench.gpu_check" else "?"
         calls.append((step, cmd))
         if step == "env":
             Path(cmd[cmd.index("--json") + 1]).write_text("{}")

@@ -206,7 +206,7 @@ def test_pruned_weights_leave_the_pattern():
 
 
 def test_bench_jacobians_quick(tmp_path):
-    from paraprop.bench import jacobians
+    from paraprop_lab.bench import jacobians
 
     payload = jacobians.run(tmp_path, quick=True, repeats=1)
     rows = {r["layer"]: r for r in payload["table1"]}

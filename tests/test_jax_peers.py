@@ -1,5 +1,5 @@
-"""paraprop.experiments.jax_peers: the JAX ``lax.scan`` peers give torch's outputs and autograd's
-gradients, refuse what they do not model, and the module imports without JAX.
+"""paraprop_lab.experiments.jax_peers: the JAX ``lax.scan`` peers give torch's outputs and
+autograd's gradients, refuse what they do not model, and the module imports without JAX.
 
 The tests that run JAX skip without it (the ``peers`` extra); the import test runs either way.
 """
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import paraprop
-import paraprop.experiments
-from paraprop.experiments import jax_peers
+import paraprop_lab.experiments
+from paraprop_lab.experiments import jax_peers
 
 requires_jax = pytest.mark.skipif(not jax_peers.available(),
                                   reason="jax is not installed (the peers extra)")
@@ -127,9 +127,9 @@ def test_bad_inputs_are_refused():
 
 def test_module_imports_and_available_is_a_bool_without_jax(monkeypatch):
     monkeypatch.setitem(sys.modules, "jax", None)                # `import jax` raises
-    monkeypatch.delitem(sys.modules, "paraprop.experiments.jax_peers")
-    monkeypatch.delattr(paraprop.experiments, "jax_peers")       # restored by undo()
-    fresh = importlib.import_module("paraprop.experiments.jax_peers")
+    monkeypatch.delitem(sys.modules, "paraprop_lab.experiments.jax_peers")
+    monkeypatch.delattr(paraprop_lab.experiments, "jax_peers")       # restored by undo()
+    fresh = importlib.import_module("paraprop_lab.experiments.jax_peers")
     assert fresh.available() is False
     with pytest.raises(ImportError, match="peers"):
         fresh.peer(torch.nn.GRU(I, H))

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from paraprop import bench
-from paraprop.bench import triangular
-from paraprop.demos import triangular as demo
 from paraprop.errors import ConvergenceError
 from paraprop.models import deep_mlp
+from paraprop_lab import bench
+from paraprop_lab.bench import triangular
+from paraprop_lab.demos import triangular as demo
 
 
 def test_bench_triangular_quick(tmp_path):

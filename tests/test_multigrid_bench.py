@@ -5,13 +5,13 @@ import json
 import numpy as np
 import pytest
 
-from paraprop.bench import multigrid as suite
-from paraprop.bench import suites
-from paraprop.cli import main
 from paraprop.data import IDXError
-from paraprop.demos import multigrid as demo
-from paraprop.training import jobs
-from paraprop.training.resnet_mg import load_data, train
+from paraprop_lab.bench import multigrid as suite
+from paraprop_lab.bench import suites
+from paraprop_lab.cli import main
+from paraprop_lab.demos import multigrid as demo
+from paraprop_lab.training import jobs
+from paraprop_lab.training.resnet_mg import load_data, train
 
 
 @pytest.mark.slow

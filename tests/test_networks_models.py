@@ -8,14 +8,14 @@ import torch
 # the suite and the demo part build torchvision's architectures (the optional 'vision' extra)
 pytest.importorskip("torchvision", reason="needs torchvision (pip install 'paraprop[vision]')")
 
-from paraprop import bench
-from paraprop.bench import networks as suite
-from paraprop.cli import main
-from paraprop.demos import networks as demo
 from paraprop.networks import as_recurrence, evaluate
 from paraprop.solvers import GSJacobi
-from paraprop.training import jobs
-from paraprop.training.networks import (
+from paraprop_lab import bench
+from paraprop_lab.bench import networks as suite
+from paraprop_lab.cli import main
+from paraprop_lab.demos import networks as demo
+from paraprop_lab.training import jobs
+from paraprop_lab.training.networks import (
     accuracy,
     checkpoint_classes,
     image_data,

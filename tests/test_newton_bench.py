@@ -3,8 +3,8 @@
 import json
 import math
 
-from paraprop import bench
-from paraprop.bench import newton
+from paraprop_lab import bench
+from paraprop_lab.bench import newton
 
 
 def _positive(v) -> bool:

@@ -2,9 +2,9 @@
 
 import json
 
-from paraprop import bench, demos
-from paraprop.bench import fusion as fusion_suite
-from paraprop.demos import fusion as fusion_demo
+from paraprop_lab import bench, demos
+from paraprop_lab.bench import fusion as fusion_suite
+from paraprop_lab.demos import fusion as fusion_demo
 
 
 def test_bench_fusion_quick(tmp_path):

@@ -2,8 +2,8 @@
 
 import json
 
-from paraprop import bench
-from paraprop.bench import pararnn
+from paraprop_lab import bench
+from paraprop_lab.bench import pararnn
 
 
 def test_pararnn_suite_quick(tmp_path):

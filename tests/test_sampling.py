@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import paraprop
-from paraprop.cli import main
 from paraprop.models import MADE
 from paraprop.sampling import sample
 from paraprop.solve import solve
 from paraprop.solvers import GSJacobi, JacobiGS, SlidingJacobi
+from paraprop_lab.cli import main
 from problems import TOLERANCES
 
 CONDITIONALS = ["logistic", "gaussian", "bernoulli"]
@@ -145,7 +145,7 @@ def test_bad_arguments():
             MADE(bad, (8,))
     with pytest.raises(ValueError, match="max_iters is not used by method='fixed_passes'"):
         sample(m, 4, method="fixed_passes", max_iters=3)
-    from paraprop.training.made import train_made
+    from paraprop_lab.training.made import train_made
 
     with pytest.raises(ValueError, match="epochs and batch_size must be >= 1, got 0, 100"):
         train_made(m, torch.zeros(2, 24, dtype=torch.float64), epochs=0)
@@ -178,7 +178,7 @@ def test_train_made_cli(tmp_path, capsys):
 
 
 def test_bench_made_quick(tmp_path):
-    from paraprop.bench import made
+    from paraprop_lab.bench import made
 
     payload = made.run(tmp_path, quick=True, repeats=1)
     rows = {r["method"]: r for r in payload["digits"]["rows"]}

@@ -2,8 +2,8 @@
 
 import json
 
-from paraprop import bench
-from paraprop.bench import bppsa
+from paraprop_lab import bench
+from paraprop_lab.bench import bppsa
 
 
 def test_bppsa_suite_quick(tmp_path, capsys):
@@ -53,7 +53,7 @@ def test_step_macs_counts_the_products():
 
 
 def test_busy_core_is_started_and_stopped():
-    from paraprop.experiments.harness import busy_core
+    from paraprop_lab.experiments.harness import busy_core
 
     with busy_core(seconds=30) as proc:
         assert proc.poll() is None

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import paraprop
-from paraprop.experiments.core import made_problem
 from paraprop.solvers import Jacobi, SlidingJacobi
+from paraprop_lab.experiments.core import made_problem
 from problems import TOLERANCES, FastTriangular, RandomTriangular
 
 

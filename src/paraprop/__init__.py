@@ -30,9 +30,11 @@ except importlib.metadata.PackageNotFoundError:  # run from a source tree that w
     __version__ = "0+unknown"
 
 # documented subpackages and modules, imported on first attribute access
-SUBPACKAGES = ("bench", "cli", "data", "decoding", "demos", "diffusion", "distributed", "flows",
-               "jacobians", "linalg", "models", "multigrid", "networks", "nn", "optim", "result",
-               "sampling", "scan", "solvers", "training")
+# (the lab, ``paraprop_lab``: bench, demos, experiments, training and the CLI, is a package of
+# its own that the library never imports)
+SUBPACKAGES = ("data", "decoding", "diffusion", "distributed", "flows", "jacobians", "linalg",
+               "models", "multigrid", "networks", "nn", "optim", "result", "sampling", "scan",
+               "solvers")
 
 
 def __getattr__(name: str):

@@ -1,0 +1,72 @@
+"""``paraprop bench decoding``: exact Jacobi decoding of a character-level GPT-2-shaped LM
+(``paraprop train charlm``: trained here on Python's documentation topics).
+
+For greedy and sampled decoding (temperature 0.8) at batch 1, 4 and 16, 256 new tokens after
+prompts cut from held-out text: ``model.generate`` (transformers, with its KV cache),
+paraprop's sequential KV-cached loop (the fairer baseline: the same model passes one token at
+a time), and Jacobi decoding with and without n-gram guesses. Reported: tokens per second,
+model passes, accepted tokens per pass, the speed ratios, and whether the tokens equal the
+sequential ones (greedy: ``generate``'s too).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+from paraprop.decoding import generate  # noqa: E402
+from paraprop_lab.experiments import rows_sampling as _rows
+from paraprop_lab.experiments.decoding import COLUMNS, case_rows, plot, prompts  # noqa: E402
+from paraprop_lab.experiments.device import resolve
+from paraprop_lab.experiments.harness import machine_info  # noqa: E402
+from paraprop_lab.experiments.report import markdown_table, text_table, write_results  # noqa: E402
+from paraprop_lab.experiments.rows import RowSpec
+from paraprop_lab.experiments.rows_report import device_suite
+from paraprop_lab.training.charlm import corpus, trained_charlm  # noqa: E402
+
+DESCRIPTION = "Jacobi decoding of a char LM: generate vs sequential KV-cached loop vs Jacobi"
+
+# the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
+DEVICE_ROWS = [RowSpec("decoding.greedy", _rows.decoding_rows, 30)]
+
+
+def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+        device: str | None = None) -> dict:
+    if resolve(device).type != "cpu":        # the headline rows, on that device
+        return device_suite(Path(out_dir), "decoding", DEVICE_ROWS, resolve(device), quick=quick,
+                            repeats=repeats)
+    repeats = repeats or (1 if quick else 3)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model, vocab, info = trained_charlm(out_dir, **({"steps": 20} if quick else {}))
+    model.requires_grad_(False)
+    _, _, held = corpus(vocab)
+    new = 32 if quick else 256
+    window = 16
+    payload = {"suite": "decoding", "machine": machine_info(), "repeats": repeats,
+               "quick": quick, "model": {k: v for k, v in info.items() if k != "loss"},
+               "new_tokens": new, "window": window}
+    sections, table = [], {}
+    for sample in (False, True):
+        mode = "sampled" if sample else "greedy"
+        for batch in ((1, 4) if quick else (1, 4, 16)):
+            ids = prompts(vocab, held, batch)
+            rows = case_rows(model, ids, new, sample=sample, window=window, repeats=repeats,
+                             desc=f"{mode} batch {batch}")
+            table[(mode, batch)] = rows
+            title = f"{mode} decoding, batch {batch}, {new} new tokens"
+            print(f"\n{title}")
+            print(text_table(rows, COLUMNS))
+            sections.append((title, markdown_table(rows, COLUMNS)))
+            payload[f"{mode}_b{batch}"] = rows
+    png = plot(out_dir / "decoding_throughput.png", table)
+    sections.append(("throughput", f"![]({png.name})"))
+    ex, _ = generate(model, prompts(vocab, held, 1), max_new_tokens=new)
+    payload["example"] = vocab.decode(ex[0])
+    sections.append(("a greedy sample (prompt, then the generated text)",
+                     "```\n" + payload["example"] + "\n```"))
+    write_results(out_dir, "decoding", payload, sections,
+                  "paraprop bench decoding" + (" --quick" if quick else ""))
+    return payload
+

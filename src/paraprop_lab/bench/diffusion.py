@@ -1,0 +1,145 @@
+"""``paraprop bench diffusion``: exact parallel sampling of diffusion models (ParaDiGMS, ParaTAA).
+
+Models trained here (``paraprop train ddpm``): an MLP denoiser on two moons (the scale of a
+diffusion policy: per-call overhead dominates) and a small UNet on the digits. For DDPM with 1000
+steps and DDIM with 50 and 100 steps (eta 0 and 1), every method samples the same noise; the
+baseline is the diffusers loop ``scheduler.step(model(x, t), t, x)``. Reported per method: the
+sequential model calls (iterations), model evaluations per sample, wall time against the
+diffusers loop, and the largest deviation from the sequential sample. A last table checks
+diffusers' own batched steps (``DDPMParallelScheduler`` / ``DDIMParallelScheduler``) against
+their sequential schedulers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import torch  # noqa: E402
+
+from paraprop.diffusion import step_table  # noqa: E402
+from paraprop_lab.experiments import rows_sampling as _rows
+from paraprop_lab.experiments.device import resolve
+from paraprop_lab.experiments.diffusion import COLUMNS, TOL, chain_rows, curves_plot  # noqa: E402
+from paraprop_lab.experiments.harness import machine_info  # noqa: E402
+from paraprop_lab.experiments.report import markdown_table, text_table, write_results  # noqa: E402
+from paraprop_lab.experiments.rows import RowSpec
+from paraprop_lab.experiments.rows_report import device_suite
+from paraprop_lab.training.ddpm import trained_denoiser  # noqa: E402
+
+DESCRIPTION = "diffusion sampling: diffusers loop vs Picard (ParaDiGMS) vs Anderson (ParaTAA)"
+
+# the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
+DEVICE_ROWS = [RowSpec("diffusion.picard", _rows.diffusion_rows, 30)]
+
+
+def parallel_scheduler_rows(steps_list=(50, 100, 1000)) -> list[dict]:
+    """diffusers' batched steps (its ParaDiGMS schedulers) against the sequential step, on the
+    same inputs and without noise: the largest deviation over all timesteps."""
+    from diffusers import (
+        DDIMParallelScheduler,
+        DDIMScheduler,
+        DDPMParallelScheduler,
+        DDPMScheduler,
+    )
+
+    configs = {
+        "leading spacing": {},
+        "trailing spacing": {"timestep_spacing": "trailing"},
+        "linspace spacing": {"timestep_spacing": "linspace"},
+        "Stable Diffusion config": {"steps_offset": 1, "beta_schedule": "scaled_linear",
+                                    "beta_start": 0.00085, "beta_end": 0.012},
+    }
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for name, seq_cls, par_cls in (("DDPM", DDPMScheduler, DDPMParallelScheduler),
+                                   ("DDIM", DDIMScheduler, DDIMParallelScheduler)):
+        for label, cfg in configs.items():
+            if name == "DDIM" and label == "Stable Diffusion config":
+                cfg = {**cfg, "set_alpha_to_one": False}
+            for steps in steps_list:
+                if steps >= 1000 and cfg.get("steps_offset"):
+                    continue  # its timesteps would run past 999
+                seq = seq_cls(clip_sample=False, **cfg)
+                par = par_cls(clip_sample=False, **cfg)
+                table = step_table(seq, steps)
+                par.set_timesteps(steps)
+                x = torch.randn(steps, 4, 2, generator=g)
+                out = torch.randn(steps, 4, 2, generator=g)
+                idx = torch.arange(steps)
+                want = table.apply(idx, x, out, torch.zeros_like(x))
+                ts = table.timesteps[:, None].expand(steps, 4).reshape(-1)
+                extra = {} if name == "DDPM" else {"eta": 0.0}
+                got = par.batch_step_no_noise(out.reshape(-1, 2), ts, x.reshape(-1, 2), **extra)
+                dev = (got.reshape(steps, 4, 2) - want).abs().amax(dim=(1, 2))
+                rows.append({"scheduler": f"{name}ParallelScheduler", "config": label,
+                             "steps": steps, "max_abs_err": float(dev.max()),
+                             "steps that differ": int((dev > 1e-6).sum()),
+                             "reproduces sequential": bool(float(dev.max()) <= 1e-6)})
+    return rows
+
+
+PARALLEL_COLUMNS = ["scheduler", "config", "steps", "max_abs_err", "steps that differ",
+                    "reproduces sequential"]
+
+
+def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+        device: str | None = None) -> dict:
+    if resolve(device).type != "cpu":        # the headline rows, on that device
+        return device_suite(Path(out_dir), "diffusion", DEVICE_ROWS, resolve(device), quick=quick,
+                            repeats=repeats)
+    from diffusers import DDIMScheduler, DDPMScheduler
+
+    repeats = repeats or (1 if quick else 5)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {"suite": "diffusion", "machine": machine_info(), "tol": TOL,
+               "repeats": repeats, "quick": quick}
+    sections = []
+    moons, info = trained_denoiser(out_dir, "moons", **({"epochs": 2} if quick else {}))
+    moons.requires_grad_(False)
+    payload["moons_model"] = info
+    chains = [("DDPM", 1000, None, None), ("DDIM", 100, 0.0, None), ("DDIM", 100, 1.0, None),
+              ("DDIM", 50, 0.0, None), ("DDIM", 50, 1.0, None)]
+    if quick:
+        chains = [("DDPM", 100, None, None), ("DDIM", 20, 0.0, None)]
+    batch = 16
+    for kind, steps, eta, window in chains:
+        scheduler = DDPMScheduler(clip_sample=False) if kind == "DDPM" else \
+            DDIMScheduler(clip_sample=False)
+        label = f"{kind} {steps} steps" + ("" if eta is None else f", eta {eta:g}")
+        title = f"MLP denoiser on two moons, batch {batch}, {label}"
+        rows, curves = chain_rows(moons, scheduler, (batch, 2), steps, eta=eta,
+                                  repeats=repeats, window=window, desc=label)
+        print(f"\n{title} (tol={TOL:g})")
+        print(text_table(rows, COLUMNS))
+        stem = f"diffusion_moons_{kind.lower()}{steps}" + ("" if eta is None else f"_eta{eta:g}")
+        plot = curves_plot(out_dir / f"{stem}.png", title, curves, steps)
+        sections.append((title, markdown_table(rows, COLUMNS) + f"\n\n![]({plot.name})"))
+        payload[stem] = rows
+
+    unet, uinfo = trained_denoiser(out_dir, "digits", **({"epochs": 1} if quick else {}))
+    unet.requires_grad_(False)
+    payload["digits_model"] = uinfo
+    steps = 10 if quick else 50
+    title = f"UNet2DModel on the digits (8x8), batch 16, DDIM {steps} steps, eta 0"
+    rows, curves = chain_rows(unet, DDIMScheduler(clip_sample=False), (16, 1, 8, 8), steps,
+                              eta=0.0, repeats=max(1, repeats // 2), window=None,
+                              desc="unet digits")
+    print(f"\n{title} (tol={TOL:g})")
+    print(text_table(rows, COLUMNS))
+    plot = curves_plot(out_dir / "diffusion_digits_ddim.png", title, curves, steps)
+    sections.append((title, markdown_table(rows, COLUMNS) + f"\n\n![]({plot.name})"))
+    payload["digits_ddim"] = rows
+
+    prow = parallel_scheduler_rows((20,) if quick else (50, 100, 1000))
+    print("\ndiffusers' batched steps vs the sequential step (same inputs, no noise)")
+    print(text_table(prow, PARALLEL_COLUMNS))
+    sections.append(("diffusers' parallel schedulers: batched step vs sequential step",
+                     markdown_table(prow, PARALLEL_COLUMNS)))
+    payload["parallel_schedulers"] = prow
+    write_results(out_dir, "diffusion", payload, sections,
+                  "paraprop bench diffusion" + (" --quick" if quick else ""))
+    return payload
+

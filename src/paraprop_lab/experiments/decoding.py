@@ -1,0 +1,109 @@
+"""Jacobi decoding of a character-level LM against the sequential KV-cached loop and ``generate``,
+measured per case; shared by ``paraprop bench decoding`` and the decoding demo part.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from paraprop.decoding import generate  # noqa: E402
+from paraprop_lab.experiments.harness import interleaved, median  # noqa: E402
+from paraprop_lab.experiments.plots import save_figure  # noqa: E402
+
+COLUMNS = ["method", "tokens_per_s", "model_calls", "tokens_per_call", "vs_sequential",
+           "vs_generate", "same_tokens"]
+
+
+PROMPT = 48      # characters per prompt
+
+
+TEMPERATURE = 0.8
+
+
+def prompts(vocab, held: torch.Tensor, batch: int) -> torch.Tensor:
+    """``batch`` prompts of :data:`PROMPT` characters of prose: held-out lines that start with
+    a capital letter and run on for the whole prompt, spread evenly over the held-out text."""
+    nl = vocab.index.get("\n")
+    capital = torch.tensor([vocab.index[c] for c in vocab.chars if c.isupper()])
+    starts = (held[:-PROMPT - 1] == nl).nonzero().flatten() + 1
+    starts = starts[torch.isin(held[starts], capital)]
+    windows = held[starts[:, None] + torch.arange(PROMPT)]
+    starts = starts[~(windows == nl).any(1)]
+    pick = starts[torch.linspace(0, len(starts) - 1, batch).long()]
+    return torch.stack([held[s : s + PROMPT] for s in pick.tolist()])
+
+
+def case_rows(model, ids, new: int, *, sample: bool, window: int, repeats: int,
+              desc: str) -> list[dict]:
+    # top_k=0: no top-k, as on the transformers side (generate's default is top_k=50)
+    kw = {"do_sample": True, "temperature": TEMPERATURE, "top_k": 0} if sample else {}
+    seed = 0
+
+    def ours(**extra):
+        def run():
+            g = torch.Generator().manual_seed(seed) if sample else None
+            return generate(model, ids, max_new_tokens=new, generator=g, **kw, **extra)
+        return run
+
+    def hf():
+        hkw = {"do_sample": True, "temperature": TEMPERATURE, "top_k": 0} if sample else \
+            {"do_sample": False}
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                              pad_token_id=0, **hkw)
+
+    cases = {"transformers generate": hf,
+             "paraprop sequential (KV cache)": ours(method="sequential"),
+             f"jacobi (window {window}, n-gram guesses)": ours(window=window),
+             f"jacobi (window {window}, no guesses)": ours(window=window, ngram=0)}
+    with torch.no_grad():
+        times = interleaved(cases, repeats=repeats, warmup=1, desc=desc)
+        ref, _ = cases["paraprop sequential (KV cache)"]()
+        hf_tokens = hf()
+    seq_t = median(times["paraprop sequential (KV cache)"])
+    gen_t = median(times["transformers generate"])
+    rows = []
+    for name, run in cases.items():
+        t = median(times[name])
+        if name == "transformers generate":
+            tokens, calls, per = hf_tokens, new, 1.0
+            same = bool(torch.equal(tokens, ref)) if not sample else "n/a (own RNG)"
+        else:
+            with torch.no_grad():
+                tokens, sol = run()
+            calls, per = sol.stats["model_calls"], sol.stats["tokens_per_call"]
+            same = bool(torch.equal(tokens, ref))
+        rows.append({"method": name, "tokens_per_s": ids.shape[0] * new / t,
+                     "model_calls": calls, "tokens_per_call": per, "vs_sequential": seq_t / t,
+                     "vs_generate": gen_t / t, "same_tokens": same, "time_s": t})
+    return rows
+
+
+def plot(path: Path, table: dict) -> Path:
+    """Tokens per second of each method against the batch size, greedy and sampled."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, mode in zip(axes, ("greedy", "sampled"), strict=True):
+        batches = sorted(b for (m, b) in table if m == mode)
+        methods = [r["method"] for r in table[(mode, batches[0])]]
+        for i, name in enumerate(methods):
+            ys = [next(r["tokens_per_s"] for r in table[(mode, b)] if r["method"] == name)
+                  for b in batches]
+            ax.plot(batches, ys, marker="o", color=f"C{i}", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size (sequences decoded together)")
+        ax.set_title(f"{mode} decoding" + (f" (temperature {TEMPERATURE})"
+                                            if mode == "sampled" else ""))
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("generated tokens per second")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Character-level GPT-2-shaped LM, 256 new tokens: throughput by method",
+                 fontsize=10)
+    return save_figure(fig, path, dpi=110)
+

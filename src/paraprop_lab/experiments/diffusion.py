@@ -1,0 +1,111 @@
+"""A diffusion chain sampled by the diffusers loop, Picard (ParaDiGMS) and Anderson (ParaTAA),
+measured side by side; shared by ``paraprop bench diffusion`` and the diffusion demo part.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from paraprop.diffusion import sample  # noqa: E402
+from paraprop_lab.experiments.harness import interleaved, median  # noqa: E402
+from paraprop_lab.experiments.plots import save_figure  # noqa: E402
+from paraprop_lab.training.ddpm import sample_loop  # noqa: E402
+
+TOL = 1e-3
+
+
+COLUMNS = ["method", "iterations", "model_evals", "time_ms", "speedup", "max_abs_err"]
+
+
+MEMORY = 3
+
+
+def chain_rows(model, scheduler, shape, steps: int, *, eta, repeats: int, window: int | None,
+               seed: int = 0, desc: str = "") -> tuple[list[dict], dict]:
+    """Every method on one chain; rows and the per-iteration curves."""
+    kw = {} if eta is None else {"eta": eta}
+
+    def gen():
+        return torch.Generator().manual_seed(seed)
+
+    def loop():
+        return sample_loop(model, scheduler, shape, steps, seed=seed, eta=eta)
+
+    ref, ref_sol = sample(model, scheduler, shape, num_inference_steps=steps,
+                          method="sequential", generator=gen(), **kw)
+    specs = {"paraprop sequential": {"method": "sequential"},
+             "picard": {"method": "picard", "window": window, "tol": TOL},
+             f"anderson (memory {MEMORY})": {"method": "anderson", "memory": MEMORY,
+                                             "tol": TOL}}
+    if window is None and 64 < steps <= 128:   # the sliding window against the full one
+        specs["picard, window 64"] = {"method": "picard", "window": 64, "tol": TOL}
+
+    def runner(spec):
+        return lambda: sample(model, scheduler, shape, num_inference_steps=steps,
+                              generator=gen(), **spec, **kw)
+
+    cases = {"diffusers loop": loop, **{k: runner(v) for k, v in specs.items()}}
+    times = interleaved(cases, repeats=repeats, warmup=1, desc=desc)
+    base = median(times["diffusers loop"])
+    x_loop = loop()
+    rows = [{"method": "diffusers loop", "iterations": steps, "model_evals": steps,
+             "time_ms": 1e3 * base, "speedup": 1.0,
+             "max_abs_err": float((x_loop - ref).abs().max())}]
+    curves = {}
+    traj_ref = ref_sol.value
+    for label, spec in specs.items():
+        errs, progress = [], []
+
+        def cb(k, traj, r, errs=errs, progress=progress):
+            dev = (traj - traj_ref).abs().flatten(2).amax(dim=(0, 2))   # per step
+            errs.append(float(dev[-1]))
+            progress.append(int((dev <= TOL).cumprod(0).sum()))
+
+        x, sol = sample(model, scheduler, shape, num_inference_steps=steps, generator=gen(),
+                        callback=cb if spec["method"] != "sequential" else None, **spec, **kw)
+        t = median(times[label])
+        rows.append({"method": label if spec["method"] != "picard" else
+                     f"picard (window {sol.stats['window']})",
+                     "iterations": sol.iterations,
+                     "model_evals": sol.stats["model_evaluations"], "time_ms": 1e3 * t,
+                     "speedup": base / t, "max_abs_err": float((x - ref).abs().max())})
+        if spec["method"] != "sequential":
+            curves[rows[-1]["method"]] = {"residual": sol.residuals.tolist(), "error": errs,
+                                          "progress": progress}
+    return rows, curves
+
+
+def curves_plot(path: Path, title: str, curves: dict, steps: int) -> Path:
+    """Left: distance of the last step to the sequential sample, and the stopping rule's
+    residual, per iteration. Right: leading steps within tolerance of the sequential
+    trajectory, per iteration (the window's progress)."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for i, (name, c) in enumerate(curves.items()):
+        color = f"C{i}"
+        a.semilogy([max(v, 1e-12) for v in c["error"]], color=color, marker=".",
+                   label=f"{name}: error of the sample")
+        a.semilogy([max(v, 1e-12) for v in c["residual"]], color=color, ls=":",
+                   label=f"{name}: change per iteration")
+        b.plot(range(1, len(c["progress"]) + 1), c["progress"], color=color, marker=".",
+               label=name)
+    a.axhline(TOL, color="grey", ls="--", lw=0.8, label=f"tolerance {TOL:g}")
+    a.set_xlabel("iteration (one batched model call each)")
+    a.set_ylabel("largest absolute difference\n(zero drawn at 1e-12)")
+    a.set_title("the sample against the sequential one", fontsize=9)
+    a.legend(fontsize=7)
+    a.grid(True, which="both", alpha=0.3)
+    b.axhline(steps, color="grey", ls="--", lw=0.8)
+    b.set_xlabel("iteration (one batched model call each)")
+    b.set_ylabel(f"leading steps within {TOL:g}\nof the sequential trajectory")
+    b.set_title(f"steps already final (of {steps})", fontsize=9)
+    b.legend(fontsize=7)
+    b.grid(True, alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path, dpi=110)
+

@@ -1,0 +1,282 @@
+"""Device rows of the nonlinear adapters (issue 28's targets): MADE by Jacobi against ancestral
+sampling, PixelCNN by GS-Jacobi against its cached sampler, Jacobi decoding against
+``generate``, diffusion by Picard iteration against the diffusers loop, TarFlow against its
+key/value-cached sampler; and the measurements behind the decoding window and the TarFlow plan.
+
+Each model is trained here, on the row's device, with the training job's own function and the
+recipe of the CPU suite where the window allows (the row's note says where it does not): the
+number of iterations a solver needs depends on the trained model. See
+:mod:`paraprop_lab.experiments.rows` for the record format and the scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paraprop_lab.experiments.rows import Context, choice, max_abs, row
+
+MADE_TARGET, PIXELCNN_TARGET, DECODING_TARGET = 26.0, 4.4, 2.0
+DIFFUSION_TARGET, TARFLOW_TARGET = 3.0, 3.0
+
+
+def _images(ctx: Context, load, want: str, **kw):
+    """``load(data, **kw)`` for ``want`` (``"mnist"`` at the GPU scale), falling back to the
+    digits where the MNIST files are not found; returns the data, its name and a note."""
+    data = ctx.pick("digits", want)
+    if data == "mnist":
+        try:
+            return load("mnist", **kw), "mnist", ""
+        except (OSError, ValueError) as e:
+            return load("digits", **kw), "digits", f"MNIST not found ({e}): the digits instead. "
+    return load("digits", **kw), "digits", ""
+
+
+# -- MADE --------------------------------------------------------------------------------------
+def made_rows(ctx: Context) -> list[dict]:
+    """A MADE 2x512 (logistic conditionals) trained on MNIST (20 epochs), 100 samples from the
+    same noise by ancestral sampling and by Jacobi (online stop, tol 1e-5; Song et al. 2021,
+    §5.3.1: 26x on a GPU)."""
+    from paraprop.models import MADE
+    from paraprop.sampling import sample
+    from paraprop_lab.experiments.made import TOL
+    from paraprop_lab.training.made import made_data, train_made
+
+    x, data, note = _images(ctx, made_data, "mnist", conditional="logistic")
+    hidden, epochs = ctx.pick(((16, 16), 1), ((512, 512), 20 if data == "mnist" else 30))
+    if ctx.tiny:
+        x = x[:128]
+    dev, n = ctx.device, ctx.pick(8, 100)
+    model = MADE(x.shape[1], hidden, "logistic", seed=0).to(dev)
+    hist = train_made(model, x.to(dev), epochs=epochs, progress=False)
+    model.requires_grad_(False)
+    noise = model.draw_noise(n, torch.Generator().manual_seed(0))
+    runs = {"ancestral": lambda: sample(model, n, method="sequential", noise=noise),
+            "jacobi": lambda: sample(model, n, method="jacobi", tol=TOL, noise=noise)}
+    times = ctx.time(runs, repeats=ctx.rounds(5), desc="made")
+    ref, _ = runs["ancestral"]()
+    got, sol = runs["jacobi"]()
+    D = model.features
+    return [row("made", "jacobi_vs_ancestral", what="MADE sampling: Jacobi vs ancestral",
+                shape=f"MADE {'x'.join(map(str, hidden))} on {data} (D={D}), {n} samples",
+                baseline="ancestral (D passes)", baseline_s=times["ancestral"],
+                method=f"jacobi, online stop, tol {TOL:g}", method_s=times["jacobi"],
+                target=MADE_TARGET, max_dev=max_abs(got, ref), bound=TOL,
+                note=note + f"trained here: {epochs} epochs, NLL {hist[-1]:.3f} nats/dim",
+                iterations=sol.iterations, evaluations=sol.evaluations, passes_saved=D /
+                max(1, sol.evaluations))]
+
+
+# -- PixelCNN ----------------------------------------------------------------------------------
+def pixelcnn_rows(ctx: Context) -> list[dict]:
+    """A gated PixelCNN (hidden 32, 5 layers, 1 epoch on MNIST), 16 images from the same noise
+    by the cached sequential sampler and by GS-Jacobi (tol 0; Song et al. 2021, Table 1: 4.4x
+    on a GPU)."""
+    from paraprop.models import PixelCNN
+    from paraprop.sampling import sample
+    from paraprop.sampling.pixelcnn import DEFAULT_WINDOW_ROWS
+    from paraprop.solvers import GSJacobi
+    from paraprop_lab.training.pixelcnn import pixel_data, train_pixelcnn
+
+    (x, levels), data, note = _images(ctx, pixel_data, "mnist")
+    hidden, layers, epochs = ctx.pick((8, 2, 1), (32, 5, 1 if data == "mnist" else 10))
+    if ctx.tiny:
+        x = x[:64]
+    dev, n = ctx.device, ctx.pick(2, 16)
+    model = PixelCNN(1, x.shape[-1], hidden=hidden, layers=layers, mixtures=5,
+                     levels=levels).to(dev)
+    hist = train_pixelcnn(model, x.to(dev), epochs=epochs, progress=False)
+    model.requires_grad_(False)
+    noise = model.draw_noise(n, torch.Generator().manual_seed(0))
+    rows_per = min(DEFAULT_WINDOW_ROWS, model.size)
+    runs = {"cached": lambda: sample(model, n, method="sequential_cached", noise=noise, tol=0),
+            "gs_jacobi": lambda: sample(model, n, method=GSJacobi(block_size=rows_per),
+                                        noise=noise, tol=0)}
+    times = ctx.time(runs, repeats=ctx.rounds(3), desc="pixelcnn")
+    ref, _ = runs["cached"]()
+    got, sol = runs["gs_jacobi"]()
+    return [row("pixelcnn", "gs_jacobi_vs_cached", what="PixelCNN sampling: GS-Jacobi vs the "
+                "cached sequential sampler", shape=f"hidden {hidden}, {layers} layers, {data} "
+                f"{model.size}x{model.size}, {n} images", baseline="sequential, cached",
+                baseline_s=times["cached"], method=f"gs_jacobi, windows of {rows_per} rows, "
+                "tol 0", method_s=times["gs_jacobi"], target=PIXELCNN_TARGET,
+                max_dev=max_abs(got, ref), bound=0.0,
+                note=note + f"trained here: {epochs} epoch(s), {hist[-1]:.3f} bits/dim",
+                iterations=sol.iterations, evaluations=sol.evaluations,
+                identical=bool(torch.equal(got, ref)))]
+
+
+# -- decoding ----------------------------------------------------------------------------------
+def _charlm(ctx: Context):
+    from paraprop.models.charlm import char_gpt2
+    from paraprop_lab.training.charlm import TRAIN, corpus, train_charlm
+
+    vocab, train, held = corpus()
+    kw = ctx.pick({"width": 16, "layers": 1, "heads": 2, "context": 64}, {})
+    steps = ctx.pick(3, TRAIN["steps"])
+    model = char_gpt2(len(vocab), seed=0, **kw).to(ctx.device)
+    hist = train_charlm(model, train.to(ctx.device), steps=steps, progress=False,
+                        length=min(TRAIN["length"], model.config.n_positions))
+    model.requires_grad_(False)
+    return model, vocab, held, steps, hist
+
+
+def decoding_rows(ctx: Context) -> list[dict]:
+    """The character-level GPT-2-shaped LM of ``paraprop bench decoding`` (trained here, 1500
+    steps), greedy, batch 1, 256 new tokens: ``model.generate`` (transformers, KV cache) vs
+    Jacobi decoding (window 16, n-gram guesses); also the window sizes, the measurement behind
+    the default window."""
+    from paraprop.decoding import generate
+    from paraprop_lab.experiments.decoding import prompts
+
+    model, vocab, held, steps, hist = _charlm(ctx)
+    new = ctx.pick(16, 256)
+    ids = prompts(vocab, held, 1).to(ctx.device)
+
+    def hf():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                              pad_token_id=0, do_sample=False)
+
+    def ours(**kw):
+        return lambda: generate(model, ids, max_new_tokens=new, **kw)
+
+    runs = {"generate": hf, "jacobi": ours(window=16), "sequential": ours(method="sequential")}
+    with torch.no_grad():
+        times = ctx.time(runs, repeats=ctx.rounds(3), desc="decoding")
+        want, tokens = hf(), {}
+        for k in ("jacobi", "sequential"):
+            tokens[k], sol = runs[k]()
+            if k == "jacobi":
+                stats = sol.stats
+        windows = ctx.pick([4, 8], [4, 8, 16, 32, 64])
+        wtimes = ctx.time({f"window {w}": ours(window=w) for w in windows},
+                          repeats=ctx.rounds(3), desc="decoding windows")
+    differ = int((tokens["jacobi"] != want).sum())
+    shape = f"char LM ({sum(p.numel() for p in model.parameters())} parameters), batch 1, " \
+            f"{new} new tokens, greedy"
+    return [row("decoding", "jacobi_vs_generate", what="greedy decoding: Jacobi vs "
+                "model.generate", shape=shape, baseline="transformers generate (KV cache)",
+                baseline_s=times["generate"], method="paraprop jacobi, window 16, n-gram "
+                "guesses", method_s=times["jacobi"], target=DECODING_TARGET,
+                max_dev=float(differ), bound=0.0,
+                note=f"deviation: tokens that differ from generate's; trained here: {steps} "
+                f"steps, loss {hist[-1]:.3f}", model_calls=stats.get("model_calls"),
+                tokens_per_call=stats.get("tokens_per_call"),
+                same_as_sequential=bool(torch.equal(tokens["jacobi"], tokens["sequential"])),
+                vs_sequential=times["sequential"] / times["jacobi"]),
+            choice("decoding", "window", what="paraprop.decoding.generate window (default 16)",
+                   shape=shape, times=wtimes, auto="window 16" if 16 in windows else None)]
+
+
+# -- diffusion ---------------------------------------------------------------------------------
+def _denoiser(ctx: Context, data: str, epochs: int, n: int | None):
+    from paraprop_lab.training.ddpm import ddpm_data, make_denoiser, train_ddpm
+
+    x = ddpm_data(data, n=n)
+    model = make_denoiser(data, x).to(ctx.device)
+    hist = train_ddpm(model, x.to(ctx.device), epochs=epochs, progress=False)
+    return model.requires_grad_(False), hist
+
+
+def _chain_row(ctx: Context, name: str, model, scheduler, shape, steps: int, eta, what: str,
+               label: str, note: str) -> dict:
+    from paraprop.diffusion import sample
+    from paraprop_lab.experiments.diffusion import TOL
+    from paraprop_lab.training.ddpm import sample_loop
+
+    kw = {} if eta is None else {"eta": eta}
+
+    def ours(method, **extra):
+        return lambda: sample(model, scheduler, shape, num_inference_steps=steps, method=method,
+                              generator=torch.Generator().manual_seed(0), **extra, **kw)
+
+    runs = {"loop": lambda: sample_loop(model, scheduler, shape, steps, seed=0, eta=eta),
+            "picard": ours("picard", tol=TOL)}
+    times = ctx.time(runs, repeats=ctx.rounds(3), desc=name)
+    ref, _ = ours("sequential")()
+    got, sol = runs["picard"]()
+    return row("diffusion", name, what=what, shape=f"{label}, batch {shape[0]}",
+               baseline="diffusers loop", baseline_s=times["loop"],
+               method=f"picard, window {sol.stats['window']}, tol {TOL:g}",
+               method_s=times["picard"], target=DIFFUSION_TARGET, max_dev=max_abs(got, ref),
+               bound=TOL, note=note, iterations=sol.iterations,
+               model_evals=sol.stats.get("model_evaluations"),
+               loop_vs_sequential=max_abs(runs["loop"](), ref))
+
+
+def diffusion_rows(ctx: Context) -> list[dict]:
+    """ParaDiGMS' setting: the MLP denoiser on two moons, DDPM with 1000 steps, and the small
+    UNet on the digits, DDIM with 50 steps (eta 0); the diffusers loop against Picard
+    iteration on the same noise (ParaDiGMS: 2-4x on GPUs)."""
+    from diffusers import DDIMScheduler, DDPMScheduler
+
+    out = []
+    epochs = ctx.pick(1, 100)
+    mlp, hist = _denoiser(ctx, "moons", epochs, ctx.pick(256, None))
+    steps = ctx.pick(20, 1000)
+    out.append(_chain_row(ctx, "ddpm_mlp_moons", mlp, DDPMScheduler(clip_sample=False),
+                          (16, 2), steps, None, "diffusion sampling (DDPM, MLP denoiser): "
+                          "Picard vs the diffusers loop", f"MLP on two moons, DDPM {steps} steps",
+                          f"trained here: {epochs} epochs (the CPU suite: 300), loss "
+                          f"{hist[-1]:.3f}"))
+    epochs = ctx.pick(1, 30)
+    unet, hist = _denoiser(ctx, "digits", epochs, ctx.pick(64, None))
+    steps = ctx.pick(5, 50)
+    out.append(_chain_row(ctx, "ddim_unet_digits", unet, DDIMScheduler(clip_sample=False),
+                          (16, 1, 8, 8), steps, 0.0, "diffusion sampling (DDIM, UNet): Picard "
+                          "vs the diffusers loop", f"UNet2DModel on the digits, DDIM {steps} "
+                          "steps, eta 0", f"trained here: {epochs} epochs (the CPU suite: "
+                          f"100), loss {hist[-1]:.3f}"))
+    return out
+
+
+# -- TarFlow -----------------------------------------------------------------------------------
+def tarflow_rows(ctx: Context) -> list[dict]:
+    """A TarFlow trained on MNIST (28x28, 49 patches of 16 values, 8 blocks; the recipe of
+    ``paraprop train tarflow``), 16 images from the same latents: the key/value-cached loop
+    against Jacobi and the per-block plan of ``method="auto"`` (TarFlow's GS-Jacobi: 2.5-5.3x)."""
+    from paraprop.models.tarflow import TarFlow
+    from paraprop.solvers import GSJacobi
+    from paraprop_lab.experiments.tarflow import TOL, _plan_text
+    from paraprop_lab.training.tarflow import DEFAULTS, EPOCHS, PATCH, tarflow_data, train_tarflow
+
+    x, data, note = _images(ctx, tarflow_data, "mnist")
+    opts = {**DEFAULTS, "patch_size": PATCH[data]}
+    epochs = ctx.pick(1, EPOCHS[data])
+    if ctx.tiny:
+        x = x[:64]
+        opts.update(blocks=2, width=16, heads=2)
+    flow = TarFlow(x.shape[-1], x.shape[1], opts["patch_size"], opts["blocks"], opts["layers"],
+                   opts["width"], opts["heads"], opts["noise_std"], seed=0).to(ctx.device)
+    hist = train_tarflow(flow, x.to(ctx.device), epochs=epochs, batch_size=opts["batch_size"],
+                         lr=opts["lr"], progress=False)
+    flow.requires_grad_(False)
+    batch = ctx.pick(2, 16)
+    z = torch.randn(batch, flow.channels, flow.image_size, flow.image_size,
+                    generator=torch.Generator().manual_seed(0)).to(ctx.device)
+    window = max(8, flow.T // 4)
+    specs = {"cached": ("sequential_cached", 0.0), "jacobi": ("jacobi", TOL),
+             f"gs-jacobi {window}": (GSJacobi(window), TOL), "auto": ("auto", TOL)}
+    with torch.no_grad():
+        exact, _ = flow.inverse(z, method="sequential", tol=0.0)
+        flow.inverse(z, method="auto", tol=TOL)          # its calibration, outside the timing
+        times = ctx.time({k: (lambda m=m, t=t: flow.inverse(z, method=m, tol=t))
+                          for k, (m, t) in specs.items()}, repeats=ctx.rounds(3), desc="tarflow")
+        results = {k: flow.inverse(z, method=m, tol=t) for k, (m, t) in specs.items()}
+    shape = (f"{data} {flow.image_size}x{flow.image_size}, {flow.T} patches of {flow.P}, "
+             f"{opts['blocks']} blocks, batch {batch}")
+    note += f"trained here: {epochs} epochs, loss {hist[-1]:.3f}"
+    out = []
+    for k in ("jacobi", "auto"):
+        got, sol = results[k]
+        out.append(row("tarflow", f"{k}_vs_cached", what="TarFlow sampling vs the KV-cached "
+                       "loop", shape=shape, baseline="sequential, KV cache",
+                       baseline_s=times["cached"], method=f"{k}, tol {TOL:g}", method_s=times[k],
+                       target=TARFLOW_TARGET, max_dev=max_abs(got, exact), bound=TOL, note=note,
+                       model_calls=sol.stats.get("model_calls"),
+                       plan=_plan_text(sol.stats["methods"])))
+    auto_s = times.pop("auto")
+    out.append(choice("tarflow", "plan", what="TarFlow.inverse method='auto' (a plan per block, "
+                      "calibrated at run time)", shape=shape, times=times, auto=None,
+                      auto_s=auto_s, note="auto's plan: "
+                      + _plan_text(results["auto"][1].stats["methods"])))
+    return out
