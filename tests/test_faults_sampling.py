@@ -319,7 +319,7 @@ def test_a_block_whose_windows_round_differently_is_not_certified(monkeypatch):
     """A sampling map whose windows differ from its full pass by one unit in the last place (a
     kernel that rounds a window differently): the solve's verification declines to certify
     tol=0, and TarFlow says which block and why."""
-    from paraprop.models import tarflow as tf
+    from paraprop.flows import tarflow_inverse as tf
 
     window = tf.BlockInverse.window
 

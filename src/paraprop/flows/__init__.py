@@ -7,6 +7,9 @@ parallel passes, bitwise their own result.
   ``core.py``).
 - :func:`accelerate`: make the library's own ``sample`` / ``rsample`` / ``inverse`` /
   ``log_prob`` use it, on one flow instance, until ``undo()`` (``accelerate.py``).
+- The inverse of one block of paraprop's own :class:`paraprop.models.TarFlow` as a triangular
+  system with the cached-prefix protocol (``tarflow_inverse.py``: ``BlockInverse``, what
+  ``TarFlow.sampling_map`` returns).
 
 The libraries are imported only when a flow of theirs is used.
 """
