@@ -1,14 +1,23 @@
-"""The package's layout as docs/concepts.md draws it: every file placed in the map, and bench/ a
-leaf that nothing but the CLI imports."""
+"""The layout as docs/concepts.md draws it: two top-level packages, the library ``paraprop`` and
+its lab ``paraprop_lab``; every file placed in the map; the lab a leaf that the library never
+imports (and, inside the lab, bench/ a leaf that nothing but the CLI imports); ``import
+paraprop`` light."""
 
 from __future__ import annotations
 
 import ast
 import re
+import runpy
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
+PACKAGES = ("paraprop", "paraprop_lab")
 ROWS = {"core", "adapter", "training", "tooling"}
 COLUMNS = {"nonlinear", "linear", "both", "-"}
 
@@ -17,11 +26,12 @@ def _map() -> dict[str, tuple[str, str]]:
     text = (ROOT / "docs" / "concepts.md").read_text()
     section = text.split("### Every file", 1)[1].split("\n## ", 1)[0]
     return {m[0]: (m[1], m[2]) for m in
-            re.findall(r"^\| `(paraprop/[^`]+\.py)` \| (\w+) \| ([\w-]+) \|", section, re.M)}
+            re.findall(r"^\| `((?:paraprop|paraprop_lab)/[^`]+\.py)` \| (\w+) \| ([\w-]+) \|",
+                       section, re.M)}
 
 
 def _files() -> set[str]:
-    return {str(p.relative_to(SRC)) for p in (SRC / "paraprop").rglob("*.py")}
+    return {p.relative_to(SRC).as_posix() for pkg in PACKAGES for p in (SRC / pkg).rglob("*.py")}
 
 
 def test_every_file_has_a_row_and_a_column_in_the_map():
@@ -33,38 +43,117 @@ def test_every_file_has_a_row_and_a_column_in_the_map():
     assert bad == {}
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(source: str) -> set[str]:
+    """Every module ``source`` imports: ``import`` / ``from`` statements (with the names a
+    ``from`` imports, which may be modules) and ``importlib.import_module`` / ``__import__``
+    of a string constant."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module:
             out.add(node.module)
             out.update(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
+        elif (isinstance(node, ast.Call) and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+              and (getattr(node.func, "attr", None) == "import_module"
+                   or getattr(node.func, "id", None) in ("import_module", "__import__"))):
+            out.add(node.args[0].value)
     return out
 
 
-def test_bench_is_a_leaf():
+def _lab_imports(source: str) -> set[str]:
+    return {m for m in _imports(source) if m == "paraprop_lab" or m.startswith("paraprop_lab.")}
+
+
+def test_the_library_never_imports_the_lab():
+    offenders = {}
+    for path in sorted((SRC / "paraprop").rglob("*.py")):
+        found = _lab_imports(path.read_text())
+        if found:
+            offenders[path.relative_to(SRC).as_posix()] = sorted(found)
+    assert offenders == {}, "the library imports the lab (move the piece down into paraprop)"
+
+
+def test_the_lab_import_check_sees_every_form():
+    # the check above must be able to fail: a check that cannot fail would prove nothing
+    source = ("import paraprop_lab\n"
+              "from paraprop_lab.bench import collect\n"
+              "def f():\n"
+              "    from paraprop_lab import cli\n"
+              "    import importlib\n"
+              "    importlib.import_module('paraprop_lab.training')\n"
+              "    __import__('paraprop_lab.demos')\n"
+              "import paraprop_labels\n")
+    assert _lab_imports(source) == {"paraprop_lab", "paraprop_lab.bench",
+                                    "paraprop_lab.bench.collect", "paraprop_lab.cli",
+                                    "paraprop_lab.training", "paraprop_lab.demos"}
+    assert _lab_imports("import paraprop\nfrom paraprop.models import MADE\n") == set()
+
+
+def test_bench_is_a_leaf_of_the_lab():
     offenders = []
-    for path in (SRC / "paraprop").rglob("*.py"):
+    for path in (SRC / "paraprop_lab").rglob("*.py"):
         rel = path.relative_to(SRC).as_posix()
-        if rel.startswith("paraprop/bench/") or rel == "paraprop/cli.py":
+        if rel.startswith("paraprop_lab/bench/") or rel == "paraprop_lab/cli.py":
             continue
-        if any(m == "paraprop.bench" or m.startswith("paraprop.bench.")
-               for m in _imports(path)):
+        if any(m == "paraprop_lab.bench" or m.startswith("paraprop_lab.bench.")
+               for m in _imports(path.read_text())):
             offenders.append(rel)
     assert offenders == []
+
+
+def test_import_paraprop_is_light():
+    # what `import paraprop` adds to what `import torch` loads: paraprop and the standard
+    # library, nothing else (no lab, no matplotlib, transformers, diffusers, ...)
+    code = ("import sys; import torch; before = {m.split('.')[0] for m in sys.modules}; "
+            "import paraprop; after = {m.split('.')[0] for m in sys.modules}; "
+            "print(' '.join(sorted(after - before - set(sys.stdlib_module_names))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    added = set(out.stdout.split())
+    assert added == {"paraprop"}
+    assert not added & {"paraprop_lab", "matplotlib", "transformers", "diffusers"}
+
+
+def test_the_lab_names_are_not_library_attributes():
+    import paraprop
+
+    for name in ("bench", "cli", "demos", "experiments", "training"):
+        assert name not in paraprop.SUBPACKAGES
+        with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+            getattr(paraprop, name)
+
+
+def test_the_command_is_the_labs():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["scripts"] == {"paraprop": "paraprop_lab.cli:main"}
+    find = project["tool"]["setuptools"]["packages"]["find"]
+    assert {"paraprop", "paraprop_lab"} <= set(find["include"])
+    module, _, attr = project["project"]["scripts"]["paraprop"].partition(":")
+    __import__(module)
+    assert callable(getattr(sys.modules[module], attr))
+
+
+def test_python_dash_m_paraprop_lab_is_the_command(capsys, monkeypatch):
+    import paraprop
+
+    monkeypatch.setattr(sys, "argv", ["paraprop", "--version"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module("paraprop_lab", run_name="__main__")
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"paraprop {paraprop.__version__}"
 
 
 def test_the_map_is_read_from_the_page():
     # the parser above must see the table: a check that cannot fail would prove nothing
     placed = _map()
     assert placed["paraprop/solve.py"] == ("core", "nonlinear")
-    assert placed["paraprop/bench/collect.py"] == ("tooling", "-")
+    assert placed["paraprop_lab/bench/collect.py"] == ("tooling", "-")
 
 
 def test_benchmarks_page_is_generated_from_stored_reports_and_notes():
-    from paraprop.bench.collect import render
+    from paraprop_lab.bench.collect import render
 
     page = (ROOT / "docs" / "benchmarks.md").read_text()
     rendered = render(ROOT / "benchmarks" / "reports", ROOT / "benchmarks" / "notes")
