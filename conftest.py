@@ -1,4 +1,5 @@
-"""Shared set-up for the docstring examples (``--doctest-modules`` over ``src/paraprop``).
+"""Shared set-up for the docstring examples (``--doctest-modules`` over ``src/paraprop`` and
+``src/paraprop_lab``).
 
 Every docstring example runs with ``torch``, ``nn`` (``torch.nn``), ``F``
 (``torch.nn.functional``) and ``paraprop`` already imported, on top of its own module's names,

@@ -1,4 +1,5 @@
-"""Models used by the demos and benchmarks."""
+"""Models that the documented API, the tests, the demos and the benchmarks name (MADE, PixelCNN,
+TarFlow, the denoisers, the char LM, the reference triangular systems)."""
 
 from paraprop.models.classifier import RecurrentClassifier
 from paraprop.models.denoisers import MLPDenoiser, small_unet
