@@ -1,5 +1,6 @@
 """The reference computations of the demo and benchmarks are correct triangular systems."""
 
+import pytest
 import torch
 
 import paraprop
@@ -47,6 +48,30 @@ def test_masked_affine_map_jacobian_is_strictly_lower_and_update_matches():
     assert torch.equal(J.triu(), torch.zeros_like(J))
     idx = torch.tensor([0, 5, 11])
     assert torch.equal(m.update(x, idx), m(x)[:, idx])    # the protocol: bitwise forward's
+
+
+@pytest.mark.parametrize("features", [16, 40, 300])
+def test_masked_affine_map_chunks_update_bitwise_and_follow_weight_changes(features):
+    # 1, 3 and 16 chunks of the output layer (chunk_positions); the chunked weights are cached
+    # between calls and must follow an in-place change of the weights or the bias
+    m = MaskedAffineMap(features, (48,), seed=1).requires_grad_(False)
+    m.bind(torch.randn(5, features, generator=torch.Generator().manual_seed(2)))
+    x = torch.randn(5, features, generator=torch.Generator().manual_seed(3))
+    idx = torch.tensor([0, features // 3, features // 2, features - 1])
+    before = m(x)
+    assert torch.equal(m.update(x, idx), before[:, idx])
+    with torch.no_grad():
+        m.out.weight.mul_(0.5)
+    after = m(x)
+    assert not torch.equal(after, before)
+    fresh = MaskedAffineMap(features, (48,), seed=1).requires_grad_(False)
+    fresh.bind(m.z).load_state_dict(m.state_dict())
+    assert torch.equal(after, fresh(x))        # what an uncached map computes
+    assert torch.equal(m.update(x, idx), after[:, idx])
+    with torch.no_grad():
+        m.out.bias.add_(0.25)
+    assert torch.equal(m.update(x, idx), m(x)[:, idx])
+    assert not torch.equal(m(x), after)
 
 
 def test_masked_affine_map_sampling_all_methods_agree():

@@ -70,7 +70,7 @@ def own_part(m: nn.Module, *, norms: bool = True) -> str | None:
                          and not m.track_running_stats):
             return None   # per-sample statistics: a fixed function of each sample
         return "normalises with batch statistics and updates its running ones"
-    for attr in DROPOUT_ATTRIBUTES:
+    for attr in _present(m):
         # the instance's own attribute: no __getattr__ fallback (diffusers' modules answer
         # unknown names from their config, with a deprecation warning), no property
         v = inspect.getattr_static(m, attr, None)
@@ -81,6 +81,19 @@ def own_part(m: nn.Module, *, norms: bool = True) -> str | None:
         if attr not in NOISE_ATTRIBUTES and 0 < float(v) < 1:
             return f"applies dropout in train mode ({attr}={v})"
     return None
+
+
+_ATTRIBUTE_SET = frozenset(DROPOUT_ATTRIBUTES)
+
+
+def _present(m: nn.Module) -> list[str]:
+    """The names of :data:`DROPOUT_ATTRIBUTES` that ``m``'s instance dict or class hierarchy
+    defines, in that tuple's order: set intersections instead of one ``getattr_static`` per
+    name (most modules define none, and this runs for every module of a model per call)."""
+    found = _ATTRIBUTE_SET.intersection(vars(m)) if hasattr(m, "__dict__") else set()
+    for klass in type(m).__mro__:
+        found |= _ATTRIBUTE_SET.intersection(klass.__dict__)
+    return [a for a in DROPOUT_ATTRIBUTES if a in found] if found else []
 
 
 def stochastic_parts(module, *, norms: bool = True) -> list[tuple[str, str, str]]:

@@ -6,7 +6,8 @@ evaluations. With the noise drawn up front, sampling is the triangular system
 of the ``d``-th conditional at its noise. :meth:`MADE.sampling_map` builds that system for
 :func:`paraprop.sampling.sample`.
 
-The system computes its output layer in :data:`OUT_CHUNKS` fixed chunks of positions, and its
+The system computes its output layer in fixed chunks of positions
+(:func:`paraprop.models.masked.chunk_positions`: at most 16, of at least 16 positions), and its
 ``update`` (one position of the ancestral sampler, a few of Jacobi-GS) computes the chunks that
 hold the positions asked for with the same products: a product over a subset of the output rows
 is another kernel call, which BLAS may round differently from the full product (it does on this
@@ -25,11 +26,10 @@ from torch.nn import functional as F
 
 from paraprop import checks
 from paraprop.models.checkpoint import Checkpointed
-from paraprop.models.masked import MaskedLinear, made_masks
+from paraprop.models.masked import MaskedLinear, chunk_positions, made_masks
 
 CONDITIONALS = {"logistic": 2, "gaussian": 2, "bernoulli": 1}
 _LOG_SCALE_MID, _LOG_SCALE_HALF = -2.0, 4.0  # log-scales are squashed into [-6, 2]
-OUT_CHUNKS = 16  # the sampling map's output layer, in this many chunks of positions
 # attributes fixed at construction (assigning one afterwards is refused by name)
 FIXED = ("features", "hidden", "conditional", "order", "seed", "k", "perm", "natural", "config")
 
@@ -241,9 +241,10 @@ class _MADESampler:
     """``x = g(x, noise)`` in sampling order (position ``k`` is feature ``perm[k]``).
 
     The output layer's rows are taken once in sampling order, position-major (the ``k``
-    parameters of a position side by side), and multiplied in :data:`OUT_CHUNKS` chunks of
-    ``step`` positions: the full map computes every chunk, ``update`` the chunks holding its
-    positions, with the same products on the same slices (see the module doc).
+    parameters of a position side by side), and multiplied in chunks of ``step`` positions
+    (:func:`paraprop.models.masked.chunk_positions`): the full map computes every chunk,
+    ``update`` the chunks holding its positions, with the same products on the same slices
+    (see the module doc).
     """
 
     def __init__(self, model: MADE, noise: torch.Tensor):
@@ -252,7 +253,7 @@ class _MADESampler:
         self.x0 = torch.zeros_like(noise)
         self.dim = -1
         D, k = m.features, m.k
-        self.step = -(-D // OUT_CHUNKS)   # positions per chunk
+        self.step = chunk_positions(D)   # positions per chunk
         rows = (m.perm[:, None] + D * torch.arange(k, device=m.perm.device)[None]).reshape(-1)
         self.w = m.out.masked_weight().index_select(0, rows)   # (D k, hidden)
         self.b = m.out.bias.index_select(0, rows)

@@ -6,6 +6,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# A MADE-shaped sampling map multiplies its output layer in fixed chunks of positions, the full
+# map and its `update` alike, so that `update` is bitwise the full map (a product over a subset of
+# the output rows is another BLAS call, which may round differently from the full product).
+OUT_CHUNKS = 16  # at most this many chunks
+MIN_CHUNK = 16   # of at least this many positions (one chunk below that)
+
+
+def chunk_positions(features: int) -> int:
+    """Positions per chunk of a sampling map's output layer: ``features`` in at most
+    :data:`OUT_CHUNKS` chunks of at least :data:`MIN_CHUNK` positions (one product per chunk:
+    small chunks would cost a kernel call each for little work)."""
+    return max(-(-features // OUT_CHUNKS), min(features, MIN_CHUNK))
+
 
 def made_degrees(features: int, hidden: tuple[int, ...],
                  order: torch.Tensor | None = None) -> list[torch.Tensor]:

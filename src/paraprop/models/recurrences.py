@@ -18,9 +18,7 @@ import math
 import torch
 from torch import nn
 
-from paraprop.models.masked import MaskedLinear, made_masks
-
-OUT_CHUNKS = 16  # MaskedAffineMap's output layer, in this many chunks of positions
+from paraprop.models.masked import MaskedLinear, chunk_positions, made_masks
 
 
 class LayerChain(nn.Module):
@@ -131,7 +129,8 @@ class MaskedAffineMap(nn.Module):
     def _affine(self, mu, a, z):
         return mu + torch.exp(self.scale_clip * torch.tanh(a)) * z
 
-    # The output layer is multiplied in OUT_CHUNKS fixed chunks of positions, by forward and by
+    # The output layer is multiplied in fixed chunks of positions (paraprop.models.masked's
+    # chunk_positions: at most 16, of at least 16 positions), by forward and by
     # update alike: a product over a subset of the output rows is another BLAS call, which may
     # round differently from the full product (it does here in float32 and float64), and update
     # must compute bitwise what forward computes (the solvers' protocol; paraprop.models.made
@@ -140,7 +139,16 @@ class MaskedAffineMap(nn.Module):
         """The output weights and biases with each chunk's ``mu`` and ``a`` rows side by side
         (chunk ``c`` is rows ``[2 c s, 2 (c + 1) s)``), and the chunk size ``s``."""
         D = self.features
-        s = -(-D // OUT_CHUNKS)
+        s = chunk_positions(D)
+        w_full, b_full = self.out.masked_weight(), self.out.bias
+        if s == D:                  # one chunk: the rows are in that order already
+            return w_full, b_full, s
+        grad = torch.is_grad_enabled() and (w_full.requires_grad or b_full.requires_grad)
+        key = (w_full, w_full._version, b_full._version, b_full.data_ptr())
+        cached = getattr(self, "_chunk_cache", None)
+        if not grad and cached is not None and cached[0][0] is key[0] \
+                and cached[0][1:] == key[1:]:
+            return cached[1]
         pos = torch.arange(D, device=self.out.bias.device)
         chunk, within = pos // s, pos % s
         lo = chunk * s
@@ -149,8 +157,10 @@ class MaskedAffineMap(nn.Module):
         order = torch.empty(2 * D, dtype=torch.long, device=pos.device)
         order[mu_row] = pos
         order[mu_row + n] = pos + D
-        w = self.out.masked_weight().index_select(0, order)
-        return w, self.out.bias.index_select(0, order), s
+        out = (w_full.index_select(0, order), b_full.index_select(0, order), s)
+        if not grad:                # reused until the weights change (the solvers call it
+            self._chunk_cache = (key, out)  # once per evaluation)
+        return out
 
     def _raw(self, h, w, b, s, c) -> tuple[torch.Tensor, torch.Tensor]:
         lo = c * s
