@@ -7,7 +7,7 @@ of the ``d``-th conditional at its noise. :meth:`MADE.sampling_map` builds that 
 :func:`paraprop.sampling.sample`.
 
 The system computes its output layer in fixed chunks of positions
-(:func:`paraprop.models.masked.chunk_positions`: at most 16, of at least 16 positions), and its
+(:func:`paraprop.models.masked.chunk_positions`: at most 16, of at least 32 positions), and its
 ``update`` (one position of the ancestral sampler, a few of Jacobi-GS) computes the chunks that
 hold the positions asked for with the same products: a product over a subset of the output rows
 is another kernel call, which BLAS may round differently from the full product (it does on this

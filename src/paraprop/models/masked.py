@@ -10,7 +10,7 @@ from torch import nn
 # map and its `update` alike, so that `update` is bitwise the full map (a product over a subset of
 # the output rows is another BLAS call, which may round differently from the full product).
 OUT_CHUNKS = 16  # at most this many chunks
-MIN_CHUNK = 16   # of at least this many positions (one chunk below that)
+MIN_CHUNK = 32   # of at least this many positions (one chunk below that)
 
 
 def chunk_positions(features: int) -> int:

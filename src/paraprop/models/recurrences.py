@@ -130,7 +130,7 @@ class MaskedAffineMap(nn.Module):
         return mu + torch.exp(self.scale_clip * torch.tanh(a)) * z
 
     # The output layer is multiplied in fixed chunks of positions (paraprop.models.masked's
-    # chunk_positions: at most 16, of at least 16 positions), by forward and by
+    # chunk_positions: at most 16, of at least 32 positions), by forward and by
     # update alike: a product over a subset of the output rows is another BLAS call, which may
     # round differently from the full product (it does here in float32 and float64), and update
     # must compute bitwise what forward computes (the solvers' protocol; paraprop.models.made
