@@ -68,8 +68,18 @@ class LayerChain(nn.Module):
 
     def update(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         # the same batched product as forward, on the layers asked for: a plain matmul for one
-        # layer rounds differently (float64 here), and update must be bitwise forward's values
-        prev = self._prev(x).index_select(1, index)
+        # layer rounds differently (float64 here), and update must be bitwise forward's values.
+        # One layer is computed as a batch of two (the layer twice): torch may send a batch of
+        # one to another kernel (it does on this CPU for some shapes).
+        if index.numel() == 1:              # the sequential solver: one host read per step
+            layer = int(index)
+            prev = self.u.expand(x.shape[0], -1) if layer == 0 else x[:, layer - 1]
+            pair = index.expand(2)
+            out = _layers(prev[:, None].expand(-1, 2, -1), self.weight.index_select(0, pair),
+                          self.bias.index_select(0, pair))
+            return out[:, :1]
+        below = x.index_select(1, (index - 1).clamp(min=0))       # only the rows asked for
+        prev = torch.where((index == 0)[:, None], self.u[:, None], below)
         return _layers(prev, self.weight.index_select(0, index), self.bias.index_select(0, index))
 
 
