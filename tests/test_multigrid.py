@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from paraprop.errors import PeerError
 from paraprop.models.blocks import ConvBlock, conv_blocks, mlp_blocks
 from paraprop.multigrid import (
     AdjointStepper,
@@ -14,7 +15,7 @@ from paraprop.multigrid import (
     residual_norm,
     split_layers,
 )
-from paraprop.multigrid.threads import PeerFailed, run_threads
+from paraprop.multigrid.threads import run_threads
 
 # (allowed max |mgrit - serial| relative to max |serial|, solve tolerance) per dtype.
 TOL = {torch.float64: (1e-12, 1e-13), torch.float32: (1e-5, 1e-6)}
@@ -308,7 +309,7 @@ def test_a_failing_thread_releases_the_others(wait):
                 link.recv(torch.zeros(2), 1, tag=0)
             else:
                 link.sum(1.0)
-        except PeerFailed as e:
+        except PeerError as e:
             stopped.append(str(e))
             raise
 

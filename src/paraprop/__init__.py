@@ -17,6 +17,7 @@ from paraprop.errors import (
     ConvergenceError,
     NonFiniteError,
     NotTriangularError,
+    PeerError,
     ProtocolError,
     StochasticModelError,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "ConvergenceError",
     "NonFiniteError",
     "NotTriangularError",
+    "PeerError",
     "ProtocolError",
     "Recurrence",
     "Solution",

@@ -23,6 +23,13 @@ class StochasticModelError(ValueError):
     message names the layer and the fix (``model.eval()``)."""
 
 
+class PeerError(RuntimeError):
+    """Another rank of a multi-rank solve failed, did not answer in time, or its connection
+    broke (it died or hangs): the one exception for a peer's failure, with threads
+    (:func:`paraprop.multigrid.threads.run_threads`, where the failing rank's own error is the
+    one re-raised) and with ``torch.distributed`` (:mod:`paraprop.distributed`)."""
+
+
 class ProtocolError(ValueError):
     """A map broke a promise of an optional hook it implements (``window``, ``update``,
     ``propose``, ...): the message names the hook and what it did."""

@@ -22,14 +22,11 @@ import torch
 import torch.distributed as dist
 
 from paraprop import checks
+from paraprop.errors import PeerError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DistLink", "PeerError", "check_timeout", "init_from_env"]
 
 DEFAULT_TIMEOUT_S = 60.0
-
-
-class PeerError(RuntimeError):
-    """A peer rank did not answer in time or its connection broke (it died or hangs)."""
 
 
 def _td(seconds: float) -> _dt.timedelta:

@@ -7,7 +7,8 @@ processes, and it drives the cost model's event clock (:mod:`paraprop.multigrid.
 
 When a rank fails, :func:`run_threads` puts a poison message on every queue and breaks the
 barrier, so the other ranks stop at their next receive or all-reduce (raising
-:class:`PeerFailed`) instead of waiting for the timeout; the failing rank's error is re-raised.
+:class:`paraprop.PeerError`) instead of waiting for the timeout; the failing rank's error is
+re-raised.
 """
 
 from __future__ import annotations
@@ -18,13 +19,11 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["PeerFailed", "QueueLink", "run_threads"]
+from paraprop.errors import PeerError
+
+__all__ = ["QueueLink", "run_threads"]
 
 _POISON = "poison"  # the tag of the message run_threads sends when a rank failed
-
-
-class PeerFailed(RuntimeError):
-    """Another rank of :func:`run_threads` failed (its own error is the one re-raised)."""
 
 
 class QueueLink:
@@ -48,7 +47,7 @@ class QueueLink:
             raise TimeoutError(f"rank {self.me}: nothing from rank {src} within "
                                f"{self.timeout} s (tag {tag})") from None
         if got == _POISON:
-            raise PeerFailed(f"rank {self.me}: rank {t} failed (waiting for rank {src}, "
+            raise PeerError(f"rank {self.me}: rank {t} failed (waiting for rank {src}, "
                              f"tag {tag})")
         if got != tag:
             raise RuntimeError(f"rank {self.me}: expected tag {tag} from rank {src}, got {got}")
@@ -65,7 +64,7 @@ class QueueLink:
                 total = sum(self._board)
             self._barrier.wait(self.timeout)
         except threading.BrokenBarrierError:
-            raise PeerFailed(f"rank {self.me}: the all-reduce was abandoned (a rank failed or "
+            raise PeerError(f"rank {self.me}: the all-reduce was abandoned (a rank failed or "
                              f"did not arrive within {self.timeout} s)") from None
         return total
 
@@ -98,7 +97,7 @@ def run_threads(world: int, fn: Callable[[int, QueueLink], object], *, timeout: 
             results[r] = fn(r, QueueLink(r, world, queues, barrier, board, timeout))
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors[r] = e
-            if not isinstance(e, PeerFailed):
+            if not isinstance(e, PeerError):
                 for (_, dest), q in queues.items():
                     if dest != r:
                         q.put((_POISON, r))
@@ -110,7 +109,7 @@ def run_threads(world: int, fn: Callable[[int, QueueLink], object], *, timeout: 
     for t in threads:
         t.join()
     for e in errors:
-        if e is not None and not isinstance(e, PeerFailed | threading.BrokenBarrierError):
+        if e is not None and not isinstance(e, PeerError | threading.BrokenBarrierError):
             raise e
     for e in errors:
         if e is not None:
