@@ -315,3 +315,23 @@ def test_no_per_sample_blocks_when_only_the_last_layer_has_an_activation():
         with torch.no_grad():
             assert torch.allclose(mlp_forward(first, x, method=method).value, first(x),
                                   atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["jacobi", "bicgstab"])
+def test_backward_iteration_cap_throw_or_report(method):
+    # an iterative backward solve stopped by max_iters: ConvergenceError by default, or (with
+    # throw=False) the gradients of the last iterate and an unconverged Solution
+    net = make_mlp([4, 8, 8, 8, 8, 8, 3], "tanh", seed=4)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    g = torch.randn(5, 3, dtype=torch.float64)
+    with pytest.raises(ConvergenceError, match=rf"method='{method}' did not converge"):
+        mlp_backward(net, x, g, method=method, tol=1e-14, max_iters=1)
+    (gx, gp), sol = mlp_backward(net, x, g, method=method, tol=1e-14, max_iters=1, throw=False)
+    assert not sol.converged and sol.iterations == 1
+    ref = torch.autograd.grad(net(x.clone().requires_grad_()), [*net.parameters()], g)
+    assert gx.shape == x.shape and len(gp) == len(ref)
+    assert max(float((a - b).abs().max()) for a, b in zip(gp, ref, strict=True)) > 1e-10
+    (gx, gp), sol = mlp_backward(net, x, g, method=method, tol=1e-13, max_iters=500)
+    assert sol.converged
+    with pytest.raises(TypeError, match=r"throw must be a bool, got 'no'"):
+        mlp_backward(net, x, g, method=method, throw="no")

@@ -159,3 +159,19 @@ def test_rnn_empty_batch_gives_empty_gradients_like_autograd(bf):
     for a, b in zip([gx, gh0, *gp], ref, strict=True):
         assert a.shape == b.shape and torch.equal(a, b)
     assert sol.converged and sol.value.shape == (0, 5 * 2 * 4)
+
+
+def test_rnn_backward_iteration_cap_throw_or_report():
+    torch.manual_seed(0)
+    rnn = nn.RNN(3, 4, num_layers=2).double()
+    x = torch.randn(12, 2, 3, dtype=torch.float64)
+    g = torch.randn(12, 2, 4, dtype=torch.float64)
+    with pytest.raises(paraprop.ConvergenceError, match=r"method='jacobi' did not converge"):
+        rnn_backward(rnn, x, g, method="jacobi", tol=1e-14, max_iters=1)
+    (gx, gh0, gp), sol = rnn_backward(rnn, x, g, method="jacobi", tol=1e-14, max_iters=1,
+                                      throw=False)
+    assert not sol.converged and sol.iterations == 1
+    ref = torch.autograd.grad(rnn(x.clone().requires_grad_())[0], [*rnn.parameters()], g)
+    assert max(float((a - b).abs().max()) for a, b in zip(gp, ref, strict=True)) > 1e-10
+    with pytest.raises(TypeError, match=r"throw must be a bool, got 0"):
+        rnn_backward(rnn, x, g, throw=0)

@@ -50,7 +50,7 @@ __all__ = ["mlp_backward", "mlp_forward"]
 
 def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tensor, *,
                  method: str = "cyclic_reduction", points: ActivationPoints | None = None,
-                 tol: float | None = None, max_iters: int | None = None
+                 tol: float | None = None, max_iters: int | None = None, throw: bool = True
                  ) -> tuple[tuple[torch.Tensor, list[torch.Tensor]], Solution]:
     """Gradients of an MLP by solving its backward (upper) system (Naumov 2017, eq. 14/19).
 
@@ -64,6 +64,9 @@ def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tenso
         points: activation points of this input (:func:`activation_points`); computed when
             ``None`` (one sequential forward pass without a graph).
         tol, max_iters: for the iterative methods (see :func:`paraprop.linalg.solve`).
+        throw: raise :class:`~paraprop.ConvergenceError` when an iterative method stops
+            unconverged; ``False`` returns the gradients of the last iterate with
+            ``solution.converged`` ``False``.
 
     Returns:
         ``((grad_input, grad_params), solution)``: ``dL/dx`` ``(B, in_features)`` and the
@@ -76,7 +79,7 @@ def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tenso
             non-finite ``x`` or ``grad_output``, bad solver options (as
             :func:`paraprop.linalg.solve`: ``tol``/``max_iters`` with a direct method)
             (named); an empty batch gives zero gradients, as autograd does;
-        ConvergenceError: an iterative method did not converge.
+        ConvergenceError: an iterative method did not converge and ``throw=True``.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double()
@@ -88,6 +91,7 @@ def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tenso
     """
     if grad_output is None:
         raise ValueError("grad_output is required (dL/d model(x), shape (B, out_features))")
+    checks.boolean("throw", throw)
     parsed = parse_mlp(model)
     x = check_input(x, parsed)
     grad_output = check_grad_output(grad_output, parsed, x)
@@ -108,7 +112,7 @@ def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tenso
         groups = chain_groups(parsed.chains, list(points.pre))
         bwd, b_rhs = backward_system(parsed, x, groups, per_layer(groups, l, 2), grad_output,
                                       NegOnes(x))
-    sol = solve(bwd, b_rhs, method=method, tol=tol, max_iters=max_iters)
+    sol = solve(bwd, b_rhs, method=method, tol=tol, max_iters=max_iters, throw=throw)
     with torch.no_grad():
         grad_input, params = gradients(parsed, points, sol.value, list(bwd.sizes))
     return (grad_input, params), sol

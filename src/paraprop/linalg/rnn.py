@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paraprop import checks
 from paraprop.determinism import require_deterministic
 from paraprop.linalg.driver import check_solver_args, solve
 from paraprop.linalg.operators import BlockDiagonalOperator, MatrixOperator
@@ -223,7 +224,7 @@ def _build(rnn, xs, h0, grad_output, grad_hn) -> RNNSystems:
 def rnn_backward(rnn: nn.RNN, x: torch.Tensor, grad_output: torch.Tensor | None, *,
                  h0: torch.Tensor | None = None, grad_hn: torch.Tensor | None = None,
                  method: str = "cyclic_reduction", tol: float | None = None,
-                 max_iters: int | None = None
+                 max_iters: int | None = None, throw: bool = True
                  ) -> tuple[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]], Solution]:
     """Gradients of a stacked ``nn.RNN`` by solving its nested backward system (eq. 23-24).
 
@@ -232,6 +233,9 @@ def rnn_backward(rnn: nn.RNN, x: torch.Tensor, grad_output: torch.Tensor | None,
         method: any of :data:`paraprop.linalg.METHODS`; ``"cyclic_reduction"`` takes
             ``ceil(log2 K) + 1 + ceil(log2 tau)`` levels.
         tol, max_iters: for the iterative methods.
+        throw: raise :class:`~paraprop.ConvergenceError` when an iterative method stops
+            unconverged; ``False`` returns the gradients of the last iterate with
+            ``solution.converged`` ``False``.
 
     Returns:
         ``((grad_input, grad_h0, grad_params), solution)``: the gradients (``grad_params`` in
@@ -243,7 +247,7 @@ def rnn_backward(rnn: nn.RNN, x: torch.Tensor, grad_output: torch.Tensor | None,
             tensors (named); no gradient given; bad solver options (as
             :func:`paraprop.linalg.solve`); ``paraprop.StochasticModelError`` for an ``rnn`` in
             train mode with ``dropout > 0``. An empty batch gives zero gradients;
-        ConvergenceError: an iterative method did not converge.
+        ConvergenceError: an iterative method did not converge and ``throw=True``.
 
     Example:
         >>> rnn = nn.RNN(3, 4, num_layers=2).double()
@@ -256,6 +260,7 @@ def rnn_backward(rnn: nn.RNN, x: torch.Tensor, grad_output: torch.Tensor | None,
     """
     if grad_output is None and grad_hn is None:
         raise ValueError("give grad_output and/or grad_hn")
+    checks.boolean("throw", throw)
     xs, h0, grad_output, grad_hn = _validate(rnn, x, h0, grad_output, grad_hn,
                                              "linalg.rnn_backward")
     if xs.shape[1] == 0:  # an empty batch: zero gradients, as autograd gives
@@ -269,7 +274,8 @@ def rnn_backward(rnn: nn.RNN, x: torch.Tensor, grad_output: torch.Tensor | None,
                              torch.zeros(0, dtype=torch.float64), st)
     with torch.no_grad():
         S = _build(rnn, xs, h0, grad_output, grad_hn)
-    sol = solve(S.backward, S.backward_rhs, method=method, tol=tol, max_iters=max_iters)
+    sol = solve(S.backward, S.backward_rhs, method=method, tol=tol, max_iters=max_iters,
+                throw=throw)
     tau, K, B, n = S.hidden.shape
     with torch.no_grad():
         delta = sol.value.reshape(B, tau, K, n).permute(1, 2, 0, 3)  # (tau, K, B, n)
