@@ -2,13 +2,13 @@
 
 The kernels are compiled once for the module (:func:`built_cache`); every case copies that
 cache, damages it in one way, and every build the case triggers copies the module's library
-instead of running the compiler (``native._compile`` replaced). The decisions are taken in this
-process through ``native.status()`` with the module's globals reset as a fresh import has them
-(:func:`fresh`). Loading a truncated shared library kills the process with SIGBUS, so here the
-loader (``native._open``) is guarded: it only ever receives the bytes of the module's build, and
-anything else is recorded and refused (the case then fails) instead of being mapped. The
-concurrent builders run as real processes (a scan in each, checked against the PyTorch
-reference), repairing one truncated cache at once.
+instead of running the compiler (``native_build._compile`` replaced). The decisions are taken
+in this process through ``native_build.status()`` with the module's globals reset as a fresh
+import has them (:func:`fresh`). Loading a truncated shared library kills the process with
+SIGBUS, so here the loader (``native_build._open``) is guarded: it only ever receives the bytes
+of the module's build, and anything else is recorded and refused (the case then fails) instead
+of being mapped. The concurrent builders run as real processes (a scan in each, checked against
+the PyTorch reference), repairing one truncated cache at once.
 """
 
 import json
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paraprop.scan import linear_recurrence, native
+from paraprop.scan import linear_recurrence, native_build
 
 # Run in the subprocess: argv = [output file, barrier directory, number of processes]. Every
 # "compilation" copies $PARAPROP_TEST_PREBUILT, once all the processes have reached it (each
@@ -31,7 +31,7 @@ from paraprop.scan import linear_recurrence, native
 SCRIPT = r"""
 import json, os, sys, time
 import torch
-from paraprop.scan import linear_recurrence, native
+from paraprop.scan import linear_recurrence, native_build
 
 with open(os.environ["PARAPROP_TEST_PREBUILT"], "rb") as f:
     prebuilt = f.read()
@@ -45,8 +45,8 @@ def _copy(cc, args):
         time.sleep(0.01)
     with open(args[args.index("-o") + 1], "wb") as f:
         f.write(prebuilt)
-native._compile = _copy
-status = native.status()
+native_build._compile = _copy
+status = native_build.status()
 g = torch.Generator().manual_seed(0)
 A = 0.5 * torch.randn(2, 40, 4, 4, generator=g, dtype=torch.float64)
 a = torch.rand(2, 40, 4, generator=g, dtype=torch.float64)
@@ -54,7 +54,7 @@ b = torch.randn(2, 40, 4, generator=g, dtype=torch.float64)
 dense = linear_recurrence(A, b, algorithm="sequential")
 diag = linear_recurrence(a, b, algorithm="sequential")
 torch.save({"A": A, "a": a, "b": b, "dense": dense, "diag": diag}, sys.argv[1])
-print(json.dumps({"status": status, "available": native.available()}))
+print(json.dumps({"status": status, "available": native_build.available()}))
 """
 
 
@@ -83,21 +83,21 @@ def assert_healthy(cache: Path) -> None:
     lib, manifest = entry(cache)
     rec = json.loads(manifest.read_text())
     assert rec["size"] == lib.stat().st_size
-    assert native._verify(lib, manifest) is None
+    assert native_build._verify(lib, manifest) is None
 
 
 @pytest.fixture(scope="module")
 def built_cache(tmp_path_factory) -> Path:
     """A kernel cache holding the generic library, compiled once for the module with the real
-    compiler, flags and sources (``native._compile_into``), for every case to copy."""
-    cc = native._compiler()
+    compiler, flags and sources (``native_build._compile_into``), for every case to copy."""
+    cc = native_build._compiler()
     if cc is None:
         pytest.skip("no C compiler to build kernels")
     cache = tmp_path_factory.mktemp("native-cache")
     os.chmod(cache, 0o700)
-    key, flags = native._key(cc)
+    key, flags = native_build._key(cc)
     target = cache / f"scan_kernels_{key}.so"
-    native._compile_into(cc, flags, target, target.with_suffix(".json"))
+    native_build._compile_into(cc, flags, target, target.with_suffix(".json"))
     assert_healthy(cache)
     return cache
 
@@ -107,7 +107,7 @@ def reset(monkeypatch) -> None:
     descriptors of libraries loaded meanwhile stay open, as the module keeps them)."""
     for name, value in (("_lib", None), ("_status", "not built yet"), ("_special", {}),
                         ("_notes", []), ("_where", None), ("_private", None), ("_fds", [])):
-        monkeypatch.setattr(native, name, value)
+        monkeypatch.setattr(native_build, name, value)
 
 
 class Fresh:
@@ -117,13 +117,13 @@ class Fresh:
         self.monkeypatch, self.good, self.refused = monkeypatch, good, []
 
     def compile(self, cc, args) -> None:
-        """Stand-in for ``native._compile``: writes the module's build."""
+        """Stand-in for ``native_build._compile``: writes the module's build."""
         if any(a.startswith("-D") for a in args):
             raise RuntimeError("only the generic kernels are prebuilt")
         Path(args[args.index("-o") + 1]).write_bytes(self.good)
 
     def open(self, target, fd):
-        """Guard of ``native._open``: only the module's build reaches the dynamic loader."""
+        """Guard of ``native_build._open``: only the module's build reaches the dynamic loader."""
         if os.pread(fd, len(self.good) + 1, 0) != self.good:
             self.refused.append(str(target))
             os.close(fd)
@@ -131,21 +131,21 @@ class Fresh:
         return self.real_open(target, fd)
 
     def run(self, cache: Path) -> dict:
-        """``native.status()`` with ``cache`` as the kernel cache, a dense and a diagonal scan
+        """``native_build.status()`` with ``cache`` as the kernel cache, a dense and a diagonal scan
         (native when the kernels load) checked against the PyTorch reference; nothing but the
         module's build was offered to the loader."""
         self.monkeypatch.setenv("PARAPROP_CACHE_DIR", str(cache))
-        status = native.status()
+        status = native_build.status()
         g = torch.Generator().manual_seed(0)
         A = 0.5 * torch.randn(2, 40, 4, 4, generator=g, dtype=torch.float64)
         a = torch.rand(2, 40, 4, generator=g, dtype=torch.float64)
         b = torch.randn(2, 40, 4, generator=g, dtype=torch.float64)
-        use = native.available() or None
+        use = native_build.available() or None
         check_scans(A, a, b, linear_recurrence(A, b, algorithm="sequential", native=use),
                     linear_recurrence(a, b, algorithm="sequential", native=use))
         assert not self.refused, f"a file other than a fresh build reached the loader: " \
                                  f"{self.refused}"
-        return {"status": status, "available": native.available()}
+        return {"status": status, "available": native_build.available()}
 
     def restart(self) -> None:
         """As if the next process started."""
@@ -157,10 +157,10 @@ def fresh(monkeypatch, built_cache) -> Fresh:
     """``native`` with its globals reset, the compiler replaced by a copy of the module's build
     and the loader guarded (:class:`Fresh`)."""
     f = Fresh(monkeypatch, entry(built_cache)[0].read_bytes())
-    f.real_open = native._open
+    f.real_open = native_build._open
     reset(monkeypatch)
-    monkeypatch.setattr(native, "_compile", f.compile)
-    monkeypatch.setattr(native, "_open", f.open)
+    monkeypatch.setattr(native_build, "_compile", f.compile)
+    monkeypatch.setattr(native_build, "_open", f.open)
     monkeypatch.delenv("PARAPROP_NATIVE", raising=False)
     return f
 
@@ -171,7 +171,7 @@ def test_control_a_copy_of_the_module_cache_is_used_as_is(fresh, built_cache, tm
     lib = entry(cache)[0]
     mtime = lib.stat().st_mtime_ns
     assert fresh.run(cache) == {"status": "ok", "available": True}
-    assert lib.stat().st_mtime_ns == mtime and native._where == cache
+    assert lib.stat().st_mtime_ns == mtime and native_build._where == cache
 
 
 def test_control_the_guard_refuses_other_bytes(fresh, built_cache, tmp_path):
@@ -179,7 +179,7 @@ def test_control_the_guard_refuses_other_bytes(fresh, built_cache, tmp_path):
     build (here: its manifest rewritten to match damaged bytes) is caught at the loader."""
     cache = damaged_copy(built_cache, tmp_path, "same-size-corrupt")
     lib, manifest = entry(cache)
-    size, sha = native._digest(lib)
+    size, sha = native_build._digest(lib)
     manifest.write_text(json.dumps({"version": 1, "library": lib.name, "size": size,
                                     "sha256": sha}))
     with pytest.raises(AssertionError, match="a file other than a fresh build reached the "
@@ -253,7 +253,7 @@ def test_damaged_cache_that_cannot_be_rebuilt_is_ignored(fresh, built_cache, tmp
     def no_compiler(cc, args):
         raise RuntimeError("simulated compiler failure")
 
-    monkeypatch.setattr(native, "_compile", no_compiler)
+    monkeypatch.setattr(native_build, "_compile", no_compiler)
     rec = fresh.run(cache)  # correct via the fallback
     assert not rec["available"]
     status = rec["status"]
@@ -263,7 +263,7 @@ def test_damaged_cache_that_cannot_be_rebuilt_is_ignored(fresh, built_cache, tmp
     assert {p.name: p.read_bytes() for p in cache.iterdir()} == before  # left alone
     # and still refused by the next (working) process
     fresh.restart()
-    monkeypatch.setattr(native, "_compile", fresh.compile)
+    monkeypatch.setattr(native_build, "_compile", fresh.compile)
     assert fresh.run(cache)["status"].startswith("ok (rebuilt")
 
 
@@ -296,26 +296,26 @@ def test_concurrent_builders(built_cache, tmp_path):
 def test_verify_never_raises(tmp_path):
     """The check itself copes with anything in place of the files."""
     lib, manifest = tmp_path / "scan_kernels_x.so", tmp_path / "scan_kernels_x.json"
-    assert native._verify(lib, manifest) == "its manifest is missing"
+    assert native_build._verify(lib, manifest) == "its manifest is missing"
     manifest.mkdir()
-    assert native._verify(lib, manifest) == "its manifest is not a regular file"
+    assert native_build._verify(lib, manifest) == "its manifest is not a regular file"
     manifest.rmdir()
     os.mkfifo(manifest)  # opening a FIFO would block: refused without opening it
-    assert native._verify(lib, manifest) == "its manifest is not a regular file"
+    assert native_build._verify(lib, manifest) == "its manifest is not a regular file"
     manifest.unlink()
     manifest.write_bytes(b"\xff\xfe")
-    assert native._verify(lib, manifest) == "its manifest is not valid JSON"
+    assert native_build._verify(lib, manifest) == "its manifest is not valid JSON"
     manifest.write_text("[" * 100_000)
-    assert "its manifest is malformed (over" in native._verify(lib, manifest)
+    assert "its manifest is malformed (over" in native_build._verify(lib, manifest)
     manifest.write_text("[" * 60_000)
-    assert native._verify(lib, manifest) in ("its manifest is not valid JSON",
+    assert native_build._verify(lib, manifest) in ("its manifest is not valid JSON",
                                              "its manifest is malformed (not a version-1 "
                                              "record of this library)")
     manifest.write_text(json.dumps({"version": 1, "library": "other.so", "size": 3,
                                     "sha256": "00"}))
-    assert "its manifest is malformed" in native._verify(lib, manifest)
+    assert "its manifest is malformed" in native_build._verify(lib, manifest)
     manifest.write_text(json.dumps({"version": 1, "library": lib.name, "size": 3,
                                     "sha256": "00"}))
-    assert native._verify(lib, manifest) == "the library is missing (its manifest is there)"
+    assert native_build._verify(lib, manifest) == "the library is missing (its manifest is there)"
     lib.mkdir()
-    assert native._verify(lib, manifest) == "the library is not a regular file"
+    assert native_build._verify(lib, manifest) == "the library is not a regular file"

@@ -1,5 +1,5 @@
 """Faults of trust in the native kernel cache: a library that someone else could have written is
-never loaded; the kernels are rebuilt privately or refused, and ``native.status()`` says why.
+never loaded; the kernels are rebuilt privately or refused, and ``native_build.status()`` says why.
 
 The attack (issue 27): a shared library planted in a cache directory another user can write,
 next to a manifest that matches it, was loaded, and its constructor ran in this process. Here
@@ -7,9 +7,9 @@ the planted library's constructor writes a marker file; a control case proves th
 does write the marker, and every other case asserts that the marker never appears.
 
 The kernels are compiled once for the module (:func:`build`); every build the cases trigger
-copies that library instead of running the compiler (``native._compile`` replaced), so a case
+copies that library instead of running the compiler (``native_build._compile`` replaced), so a case
 costs no compilation. The decisions (which directory, which file, rebuild or refuse, what
-``status()`` says) are taken in this process through ``native.status()`` with the module's
+``status()`` says) are taken in this process through ``native_build.status()`` with the module's
 globals reset as a fresh import has them (:func:`fresh`); the case of issue 27 also runs end to
 end in a fresh interpreter, where the private directory must be gone after exit. Other owners
 are made with ``chown`` to an unused uid (and a cache this user cannot write by ``seteuid`` to
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paraprop.scan import linear_recurrence, native
+from paraprop.scan import linear_recurrence, native_build
 
 FOREIGN = 12345  # a uid that no account on the test machine uses
 ROOT = os.geteuid() == 0
@@ -51,7 +51,7 @@ __attribute__((constructor)) static void planted(void) {
 SCRIPT = r"""
 import json, os
 import torch
-from paraprop.scan import linear_recurrence, native
+from paraprop.scan import linear_recurrence, native_build
 
 if os.environ.get("PARAPROP_TEST_PREBUILT"):
     with open(os.environ["PARAPROP_TEST_PREBUILT"], "rb") as f:
@@ -61,38 +61,38 @@ if os.environ.get("PARAPROP_TEST_PREBUILT"):
             raise RuntimeError("only the generic kernels are prebuilt")
         with open(args[args.index("-o") + 1], "wb") as f:
             f.write(prebuilt)
-    native._compile = _copy
+    native_build._compile = _copy
 if os.environ.get("PARAPROP_TEST_BREAK_BUILD"):
     def _no_compiler(cc, args):
         raise RuntimeError("simulated compiler failure")
-    native._compile = _no_compiler
-status = native.status()
+    native_build._compile = _no_compiler
+status = native_build.status()
 g = torch.Generator().manual_seed(0)
 A = 0.5 * torch.randn(2, 30, 3, 3, generator=g, dtype=torch.float64)
 b = torch.randn(2, 30, 3, generator=g, dtype=torch.float64)
 got = linear_recurrence(A, b, algorithm="sequential")
 ref = linear_recurrence(A, b, algorithm="sequential", native=False)
 torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
-print(json.dumps({"status": status, "available": native.available(),
-                  "where": None if native._where is None else str(native._where)}))
+print(json.dumps({"status": status, "available": native_build.available(),
+                  "where": None if native_build._where is None else str(native_build._where)}))
 """
 
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory) -> Path:
     """The generic kernel library, compiled once for the module with the real compiler, flags
-    and sources (``native._compile_into``)."""
-    cc = native._compiler()
+    and sources (``native_build._compile_into``)."""
+    cc = native_build._compiler()
     if cc is None:
         pytest.skip("no C compiler to build kernels")
-    key, flags = native._key(cc)
+    key, flags = native_build._key(cc)
     target = tmp_path_factory.mktemp("build") / f"scan_kernels_{key}.so"
-    native._compile_into(cc, flags, target, target.with_suffix(".json"))
+    native_build._compile_into(cc, flags, target, target.with_suffix(".json"))
     return target
 
 
 def copying(build: Path):
-    """A stand-in for ``native._compile`` that writes the module's build where the compiler
+    """A stand-in for ``native_build._compile`` that writes the module's build where the compiler
     would have (the bytes are read now: the stand-in may run as another user)."""
     data = build.read_bytes()
 
@@ -109,7 +109,7 @@ def reset(monkeypatch) -> None:
     descriptors of libraries loaded meanwhile stay open, as the module keeps them)."""
     for name, value in (("_lib", None), ("_status", "not built yet"), ("_special", {}),
                         ("_notes", []), ("_where", None), ("_private", None), ("_fds", [])):
-        monkeypatch.setattr(native, name, value)
+        monkeypatch.setattr(native_build, name, value)
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def fresh(monkeypatch, build, tmp_path) -> Path:
     compiler replaced by a copy of :func:`build`, ``tempfile``'s directory a private one under
     ``tmp_path`` (returned)."""
     reset(monkeypatch)
-    monkeypatch.setattr(native, "_compile", copying(build))
+    monkeypatch.setattr(native_build, "_compile", copying(build))
     monkeypatch.delenv("PARAPROP_NATIVE", raising=False)
     tmp = directory(tmp_path / "tmp", 0o700)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
@@ -130,21 +130,21 @@ def scan_check() -> None:
     g = torch.Generator().manual_seed(0)
     A = 0.5 * torch.randn(2, 30, 3, 3, generator=g, dtype=torch.float64)
     b = torch.randn(2, 30, 3, generator=g, dtype=torch.float64)
-    got = linear_recurrence(A, b, algorithm="sequential", native=native.available() or None)
+    got = linear_recurrence(A, b, algorithm="sequential", native=native_build.available() or None)
     ref = linear_recurrence(A, b, algorithm="sequential", native=False)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 
 def run_here(monkeypatch, cache: Path, marker: Path) -> dict:
-    """``native.status()`` in this process (after :func:`fresh`) with ``cache`` as the kernel
+    """``native_build.status()`` in this process (after :func:`fresh`) with ``cache`` as the kernel
     cache; the scan must be correct and the planted library must not have run."""
     monkeypatch.setenv("PARAPROP_CACHE_DIR", str(cache))
     monkeypatch.setenv("PARAPROP_PLANTED_MARKER", str(marker))
-    status = native.status()
+    status = native_build.status()
     scan_check()
     assert not marker.exists(), "the planted library was loaded: its constructor ran"
-    return {"status": status, "available": native.available(),
-            "where": None if native._where is None else str(native._where)}
+    return {"status": status, "available": native_build.available(),
+            "where": None if native_build._where is None else str(native_build._where)}
 
 
 def run_fresh(cache: Path, marker: Path, build: Path, **env) -> dict:
@@ -163,17 +163,17 @@ def run_fresh(cache: Path, marker: Path, build: Path, **env) -> dict:
 
 def library_name() -> str:
     """The file name of the generic kernel library this machine's processes look for."""
-    return f"scan_kernels_{native._key(native._compiler())[0]}.so"
+    return f"scan_kernels_{native_build._key(native_build._compiler())[0]}.so"
 
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory) -> Path:
     """A shared library whose constructor writes ``$PARAPROP_PLANTED_MARKER``."""
-    if native._compiler() is None:
+    if native_build._compiler() is None:
         pytest.skip("no C compiler")
     d = tmp_path_factory.mktemp("planted")
     (d / "planted.c").write_text(PLANTED_C)
-    subprocess.run([native._compiler(), "-shared", "-fPIC", "-o", str(d / "planted.so"),
+    subprocess.run([native_build._compiler(), "-shared", "-fPIC", "-o", str(d / "planted.so"),
                     str(d / "planted.c")], check=True, capture_output=True, timeout=120)
     return d / "planted.so"
 
@@ -190,7 +190,7 @@ def plant(cache: Path, planted: Path, *, uid: int | None = None, mode: int = 0o7
     else:
         shutil.copyfile(planted, target)
         os.chmod(target, mode)
-    size, sha = native._digest(planted)
+    size, sha = native_build._digest(planted)
     manifest = target.with_suffix(".json")
     manifest.write_text(json.dumps({"version": 1, "library": target.name, "size": size,
                                     "sha256": sha}) + "\n")
@@ -223,7 +223,7 @@ def test_control_the_stand_in_compiler_gives_working_kernels(fresh, tmp_path, mo
     cache = tmp_path / "cache"
     rec = run_here(monkeypatch, cache, tmp_path / "marker")
     assert rec == {"status": "ok", "available": True, "where": str(cache)}
-    assert native._verify(cache / library_name(),
+    assert native_build._verify(cache / library_name(),
                           (cache / library_name()).with_suffix(".json")) is None
 
 
@@ -333,7 +333,7 @@ def test_untrusted_file_in_a_safe_cache_is_rebuilt(fresh, planted, tmp_path, mon
     assert rec["status"] == f"ok (rebuilt the untrusted cached {lib.name}: {reason})", rec
     st = os.lstat(lib)  # replaced by a library of this user, which the next process loads
     assert not os.path.islink(lib) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
-    assert native._verify(lib, lib.with_suffix(".json")) is None
+    assert native_build._verify(lib, lib.with_suffix(".json")) is None
     assert lib.read_bytes() != planted.read_bytes()
     reset(monkeypatch)  # the next process uses the repaired cache as is
     assert run_here(monkeypatch, cache, tmp_path / "marker")["status"] == "ok"
@@ -346,7 +346,7 @@ def test_untrusted_file_that_cannot_be_rebuilt_is_ignored(fresh, planted, tmp_pa
     def no_compiler(cc, args):
         raise RuntimeError("simulated compiler failure")
 
-    monkeypatch.setattr(native, "_compile", no_compiler)
+    monkeypatch.setattr(native_build, "_compile", no_compiler)
     rec = run_here(monkeypatch, cache, tmp_path / "marker")
     assert not rec["available"], rec
     assert rec["status"] == (f"unavailable: the cached kernel library {lib} is untrusted (the "
@@ -373,14 +373,14 @@ def test_sticky_world_writable_parent_is_accepted(fresh, tmp_path, monkeypatch):
 def unwritable(monkeypatch, cache: Path) -> None:
     """Make every build into ``cache`` fail as a directory without write permission does (for
     the cases that do not need root; the real refusal is tested as another uid below)."""
-    real = native._compile_into
+    real = native_build._compile_into
 
     def compile_into(cc, flags, target, manifest):
         if target.parent == cache:
             raise PermissionError(errno.EACCES, "Permission denied", str(cache / ".build-x"))
         return real(cc, flags, target, manifest)
 
-    monkeypatch.setattr(native, "_compile_into", compile_into)
+    monkeypatch.setattr(native_build, "_compile_into", compile_into)
 
 
 def built_privately(rec: dict, cache: Path, extra: str = "") -> None:
@@ -392,8 +392,9 @@ def built_privately(rec: dict, cache: Path, extra: str = "") -> None:
 
 
 def verified(where: Path) -> str | None:
-    """What :func:`native._verify` says of the generic library in ``where``."""
-    return native._verify(where / library_name(), where / Path(library_name()).with_suffix(".json"))
+    """What :func:`native_build._verify` says of the generic library in ``where``."""
+    return native_build._verify(where / library_name(),
+                                where / Path(library_name()).with_suffix(".json"))
 
 
 @as_root
@@ -407,16 +408,16 @@ def test_cache_of_root_that_this_user_cannot_write(fresh, tmp_path, monkeypatch)
         tmp = directory(base / "tmp", 0o1777)
         monkeypatch.setattr(tempfile, "tempdir", str(tmp))
         monkeypatch.setenv("PARAPROP_CACHE_DIR", str(cache))
-        if native._dir_problem(cache) is not None:
+        if native_build._dir_problem(cache) is not None:
             pytest.skip(f"{SYSTEM_TMP} is not a safe place for this case")
         os.seteuid(FOREIGN)
         try:
-            status, where = native.status(), native._where
+            status, where = native_build.status(), native_build._where
             check = verified(where)  # as that user, whose files they are
         finally:
             os.seteuid(0)
         assert not list(cache.iterdir()), "something was written into the unwritable cache"
-        built_privately({"status": status, "available": native.available(),
+        built_privately({"status": status, "available": native_build.available(),
                          "where": str(where)}, cache)
         assert check is None and where.parent == tmp and where.stat().st_uid == FOREIGN
         scan_check()
@@ -441,7 +442,7 @@ def test_unwritable_cache_serves_its_good_library(fresh, build, tmp_path, monkey
     unwritable(monkeypatch, cache)
     rec = run_here(monkeypatch, cache, tmp_path / "marker")
     assert rec == {"status": "ok", "available": True, "where": str(cache)}
-    assert native._private is None, "a private directory was made for nothing"
+    assert native_build._private is None, "a private directory was made for nothing"
 
 
 def test_unwritable_cache_with_an_untrusted_library(fresh, planted, tmp_path, monkeypatch):
@@ -479,64 +480,64 @@ def test_unwritable_cache_and_a_failing_compiler(fresh, tmp_path, monkeypatch):
     def no_compiler(cc, args):
         raise RuntimeError("simulated compiler failure")
 
-    monkeypatch.setattr(native, "_compile", no_compiler)
+    monkeypatch.setattr(native_build, "_compile", no_compiler)
     rec = run_here(monkeypatch, cache, tmp_path / "marker")
     assert not rec["available"], rec
     assert rec["status"] == (
         f"unavailable: writing into the kernel cache directory {cache} failed (Permission "
-        f"denied), and building into the private directory {native._private} failed too "
+        f"denied), and building into the private directory {native_build._private} failed too "
         "(simulated compiler failure)"), rec
 
 
 # -- the checks themselves, in process ------------------------------------------------------------
 def test_dir_problem_accepts_private_and_sticky_directories(tmp_path):
-    assert native._dir_problem(directory(tmp_path / "mine", 0o700)) is None
-    assert native._dir_problem(directory(tmp_path / "readable", 0o755)) is None
+    assert native_build._dir_problem(directory(tmp_path / "mine", 0o700)) is None
+    assert native_build._dir_problem(directory(tmp_path / "readable", 0o755)) is None
     sticky = directory(tmp_path / "sticky", 0o1777)
-    assert native._dir_problem(directory(sticky / "c", 0o700)) is None
-    assert native._dir_problem(sticky / "not" / "there" / "yet") is None  # made 0700 later
+    assert native_build._dir_problem(directory(sticky / "c", 0o700)) is None
+    assert native_build._dir_problem(sticky / "not" / "there" / "yet") is None  # made 0700 later
     (tmp_path / "link").symlink_to(tmp_path / "mine")
-    assert native._dir_problem(tmp_path / "link") is None
+    assert native_build._dir_problem(tmp_path / "link") is None
 
 
 def test_dir_problem_refuses_writable_directories(tmp_path):
-    assert native._dir_problem(directory(tmp_path / "a", 0o777)) == \
+    assert native_build._dir_problem(directory(tmp_path / "a", 0o777)) == \
         f"{tmp_path / 'a'}: it is writable by its group or others (mode 0o777)"
-    assert native._dir_problem(directory(tmp_path / "b", 0o770)) == \
+    assert native_build._dir_problem(directory(tmp_path / "b", 0o770)) == \
         f"{tmp_path / 'b'}: it is writable by its group or others (mode 0o770)"
-    assert native._dir_problem(directory(tmp_path / "s", 0o1777)) == \
+    assert native_build._dir_problem(directory(tmp_path / "s", 0o1777)) == \
         f"{tmp_path / 's'}: it is writable by its group or others (mode 0o1777)"  # itself
     above = directory(tmp_path / "open", 0o777)
     for below in (directory(above / "c", 0o700), above / "missing" / "c"):
-        assert native._dir_problem(below) == (f"{above} is writable by its group or others "
+        assert native_build._dir_problem(below) == (f"{above} is writable by its group or others "
                                               "without the sticky bit (mode 0o777)")
     (tmp_path / "file").write_text("x")
-    assert native._dir_problem(tmp_path / "file") == f"{tmp_path / 'file'} is not a directory"
+    assert native_build._dir_problem(tmp_path / "file") == f"{tmp_path / 'file'} is not a directory"
     # a link into a writable directory is judged where it points
     (tmp_path / "to-open").symlink_to(above / "c")
-    assert "without the sticky bit" in native._dir_problem(tmp_path / "to-open")
+    assert "without the sticky bit" in native_build._dir_problem(tmp_path / "to-open")
 
 
 @as_root
 def test_dir_problem_refuses_directories_of_another_user(tmp_path):
     theirs = directory(tmp_path / "theirs", 0o755, uid=FOREIGN)
-    assert native._dir_problem(theirs) == (f"{theirs}: it is owned by uid {FOREIGN}, not by "
+    assert native_build._dir_problem(theirs) == (f"{theirs}: it is owned by uid {FOREIGN}, not by "
                                            "this user (uid 0) or root")
     mine = directory(theirs / "mine", 0o700, uid=0)  # theirs can swap it: refused
-    assert native._dir_problem(mine) == (f"{theirs} is owned by uid {FOREIGN}, not by this "
+    assert native_build._dir_problem(mine) == (f"{theirs} is owned by uid {FOREIGN}, not by this "
                                          "user (uid 0) or root")
     link = tmp_path / "link"
     link.symlink_to(tmp_path)
     os.lchown(link, FOREIGN, FOREIGN)  # a link of theirs on the way is refused too
-    assert native._dir_problem(link / "mine2") == (f"{link} is owned by uid {FOREIGN}, not by "
-                                                   "this user (uid 0) or root")
+    assert native_build._dir_problem(link / "mine2") == (
+        f"{link} is owned by uid {FOREIGN}, not by this user (uid 0) or root")
 
 
 def built_pair(tmp_path: Path) -> tuple[Path, Path]:
     """A library and manifest that pass the check (any file: only bytes are compared)."""
     lib, manifest = tmp_path / "scan_kernels_x.so", tmp_path / "scan_kernels_x.json"
     lib.write_bytes(b"\x7fELF not really")
-    size, sha = native._digest(lib)
+    size, sha = native_build._digest(lib)
     manifest.write_text(json.dumps({"version": 1, "library": lib.name, "size": size,
                                     "sha256": sha}))
     return lib, manifest
@@ -544,25 +545,25 @@ def built_pair(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_checked_file_modes_and_links(tmp_path):
     lib, manifest = built_pair(tmp_path)
-    fd, problem = native._checked(lib, manifest)
+    fd, problem = native_build._checked(lib, manifest)
     assert problem is None and fd is not None
     os.close(fd)
     os.chmod(lib, 0o666)
-    assert native._verify(lib, manifest) == ("the library is writable by its group or others "
+    assert native_build._verify(lib, manifest) == ("the library is writable by its group or others "
                                              "(mode 0o666)")
     os.chmod(lib, 0o644)
     os.chmod(manifest, 0o620)
-    assert native._verify(lib, manifest) == ("its manifest is writable by its group or others "
-                                             "(mode 0o620)")
+    assert native_build._verify(lib, manifest) == (
+        "its manifest is writable by its group or others (mode 0o620)")
     os.chmod(manifest, 0o644)
     real = tmp_path / "real.so"
     lib.rename(real)
     lib.symlink_to(real)
-    assert native._verify(lib, manifest) == "the library is a symbolic link"
+    assert native_build._verify(lib, manifest) == "the library is a symbolic link"
     real_manifest = tmp_path / "real.json"
     manifest.rename(real_manifest)
     manifest.symlink_to(real_manifest)
-    assert native._verify(lib, manifest) == "its manifest is a symbolic link"
+    assert native_build._verify(lib, manifest) == "its manifest is a symbolic link"
 
 
 def test_a_fresh_build_that_fails_the_check_is_not_loaded(tmp_path):
@@ -571,29 +572,30 @@ def test_a_fresh_build_that_fails_the_check_is_not_loaded(tmp_path):
     with pytest.raises(RuntimeError, match=rf"the kernel library {lib} just built fails its "
                                            r"check \(the library is writable by its group or "
                                            r"others \(mode 0o666\)\); it is not loaded"):
-        native._open_built(lib, manifest)
+        native_build._open_built(lib, manifest)
 
 
 @as_root
 def test_checked_foreign_files(tmp_path):
     lib, manifest = built_pair(tmp_path)
     os.chown(lib, FOREIGN, FOREIGN)
-    assert native._verify(lib, manifest) == (f"the library is owned by uid {FOREIGN}, not by "
+    assert native_build._verify(lib, manifest) == (f"the library is owned by uid {FOREIGN}, not by "
                                              "this user (uid 0) or root")
     os.chown(lib, 0, 0)
     os.chown(manifest, FOREIGN, 0)
-    assert native._verify(lib, manifest) == (f"its manifest is owned by uid {FOREIGN}, not by "
-                                             "this user (uid 0) or root")
+    assert native_build._verify(lib, manifest) == (
+        f"its manifest is owned by uid {FOREIGN}, not by this user (uid 0) or root")
 
 
 def test_this_process_loads_only_checked_libraries():
     """The kernels of this test process come from a checked directory, loaded through the
     checked descriptor."""
-    if not native.available():
-        pytest.skip(native.status())
-    assert native._where is not None and native._dir_problem(native._where) is None
-    assert native._fds, "no descriptor kept for the loaded library"
-    for fd in native._fds:
+    if not native_build.available():
+        pytest.skip(native_build.status())
+    assert native_build._where is not None
+    assert native_build._dir_problem(native_build._where) is None
+    assert native_build._fds, "no descriptor kept for the loaded library"
+    for fd in native_build._fds:
         st = os.fstat(fd)
         assert st.st_uid in (os.geteuid(), 0) and not st.st_mode & 0o022
     g = torch.Generator().manual_seed(1)

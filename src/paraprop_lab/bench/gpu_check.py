@@ -335,9 +335,10 @@ def source_id() -> str:
     except (OSError, subprocess.SubprocessError):
         pass
     h = hashlib.sha256()
-    for p in sorted([*(SRC / "paraprop").rglob("*.py"), *(SRC / "paraprop_lab").rglob("*.py")]):
+    for p in sorted([*(SRC / "paraprop").rglob("*.py"), *(SRC / "paraprop").rglob("*.c"),
+                     *(SRC / "paraprop_lab").rglob("*.py")]):
         h.update(p.relative_to(SRC).as_posix().encode() + b"\0" + p.read_bytes())
-    return f"sha256 of src/paraprop{{,_lab}}/**.py {h.hexdigest()[:12]} (no git here)"
+    return f"sha256 of src/paraprop{{,_lab}}/**.{{py,c}} {h.hexdigest()[:12]} (no git here)"
 
 
 def env_report(args) -> int:

@@ -1,15 +1,12 @@
-"""C source of the native sequential kernels (see :mod:`paraprop.scan.native`).
+/* The native sequential kernels of paraprop.scan (loaded by paraprop/scan/native.py, built by
+   paraprop/scan/native_build.py). This body is compiled twice, once per scalar type: the unit
+   defines SCALAR (float or double) and SFX(name) (name_f32 or name_f64), then includes it.
 
-Kept as a Python string so that it ships with the package without package-data settings. The
-body is compiled twice, once per scalar type (``float`` -> ``*_f32``, ``double`` -> ``*_f64``).
-"""
-
-# The kernels evaluate h_t = A_t h_prev + b_t step by step, one batch row after another
-# (batch rows are independent, so the caller splits them across threads). Every array is
-# addressed as base + n * stride_n + t * stride_t (+ the feature index, contiguous), so
-# time-major, batch-major and broadcast (stride 0) layouts need no copy. `reverse` walks t from
-# T-1 down to 0 (h_prev = h_{t+1}); h0 == NULL means a zero initial state.
-BODY = r"""
+   The kernels evaluate h_t = A_t h_prev + b_t step by step, one batch row after another
+   (batch rows are independent, so the caller splits them across threads). Every array is
+   addressed as base + n * stride_n + t * stride_t (+ the feature index, contiguous), so
+   time-major, batch-major and broadcast (stride 0) layouts need no copy. `reverse` walks t from
+   T-1 down to 0 (h_prev = h_{t+1}); h0 == NULL means a zero initial state. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -562,10 +559,4 @@ void SFX(pp_lstm_fwd)(i64 N, i64 T, i64 H,
     free(a_all);
     free(ownW);
     pp_ftz_end(csr);
-}
-"""
-
-UNITS = {
-    "f32": "#define SCALAR float\n#define PP_SINGLE 1\n#define SFX(name) name##_f32\n",
-    "f64": "#define SCALAR double\n#define SFX(name) name##_f64\n",
 }

@@ -1,0 +1,625 @@
+"""Building, caching and loading the native (C) kernels of :mod:`paraprop.scan.native`.
+
+On a small CPU a PyTorch operator costs a few microseconds of dispatch, so ``T`` small steps of
+``h_t = A_t h_{t-1} + b_t`` cost ``T`` times that however small ``H`` is. These kernels run the
+whole recurrence in one call: the sequential algorithm without per-step dispatch (the same
+``O(T H^2)`` work, none of the ``H``-fold extra work of a tree scan), with the independent batch
+rows split across threads.
+
+The kernels are plain C (no PyTorch or Python headers), compiled on first use with the system C
+compiler (``$CC``, else ``cc``/``gcc``) into a per-user cache directory (``$PARAPROP_CACHE_DIR``,
+else ``$XDG_CACHE_HOME/paraprop``, else ``~/.cache/paraprop``) and loaded with :mod:`ctypes`.
+Nothing needs to be installed: when no compiler is found or the build fails, :func:`available`
+is ``False`` (``status()`` says why) and every caller falls back to the pure-PyTorch
+algorithms. ``PARAPROP_NATIVE=0`` disables the kernels.
+
+Every cached library ``scan_kernels_<key>.so`` has a manifest ``scan_kernels_<key>.json``
+written at build time with its size and sha256. A library is loaded only when it matches its
+manifest: mapping a truncated shared library kills the process with SIGBUS, so a damaged one
+(truncated, overwritten, no manifest, a manifest that is not what this module writes) is
+rebuilt, and if the rebuild fails it is ignored; ``status()`` says which. Builders write to a
+temporary directory in the cache and rename into place, so concurrent processes never see a
+partial file.
+
+Loading a library runs its code, so the cache is trusted only the way ssh trusts its files: the
+cache directory and every file loaded from it must be owned by this user (or by root, who can
+change this user's files anyway) and writable by no one else (no group or other write bit),
+every directory above the cache must be owned by this user or root and not writable by others
+unless it is sticky (like ``/tmp``), and symbolic links are checked where they point (the library
+and its manifest must not be links at all). A library or manifest that fails the check in a safe
+cache directory is rebuilt in place; a cache directory that fails it is not used at all: the
+kernels are built into a private directory (``tempfile.mkdtemp``, mode 0700, removed at exit)
+for this process, and if that directory is not safe either the kernels are unavailable. A
+safe cache directory that this user cannot write (say root's, mode 0755) still serves the
+libraries in it that pass the check; a library that has to be built goes to the private
+directory instead. ``status()`` gives the reason in every case. The library is checked and
+hashed through one open file descriptor and loaded through that descriptor
+(``/proc/self/fd/N`` where it exists), so the bytes loaded are the bytes checked.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import errno
+import functools
+import hashlib
+import json
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import tempfile
+import threading
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "status"]
+
+# the C source (package data, compiled twice: once per scalar type, with these definitions)
+SOURCE = "kernels.c"
+UNITS = {
+    "f32": "#define SCALAR float\n#define PP_SINGLE 1\n#define SFX(name) name##_f32\n",
+    "f64": "#define SCALAR double\n#define SFX(name) name##_f64\n",
+}
+
+
+@functools.cache
+def body() -> str:
+    """The kernels' C source (:data:`SOURCE`, shipped beside this module)."""
+    return resources.files("paraprop.scan").joinpath(SOURCE).read_text(encoding="utf-8")
+
+
+_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+          "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast", "-std=c99"]
+_LIBS = ["-lm"]  # after the sources: the float64 cells call libm's tanh and exp
+_DTYPES = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes.c_double)}
+
+# Calls with at least this many (row, step) pairs use kernels compiled for their state size.
+_SPECIALISE_MIN_WORK = 4096
+
+_lock = threading.Lock()
+_lib = None
+_special: dict[tuple[int, int], ctypes.CDLL] = {}
+_status = "not built yet"
+_notes: list[str] = []  # what status() adds to "ok": cached libraries rebuilt, fallbacks taken
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("PARAPROP_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "paraprop"
+
+
+def _compiler() -> str | None:
+    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cand and shutil.which(cand):
+            return shutil.which(cand)
+    return None
+
+
+_MANIFEST_VERSION = 1
+_MANIFEST_MAX_BYTES = 1 << 16
+_GROUP_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+_where: Path | None = None  # the checked cache directory of this process (see _cache)
+_private: Path | None = None  # the private fallback directory, once made
+_fds: list[int] = []  # descriptors of the loaded libraries, kept open (see _open)
+
+
+def _uid() -> int:
+    geteuid = getattr(os, "geteuid", None)
+    if geteuid is None:
+        raise RuntimeError("file ownership cannot be checked on this platform (no os.geteuid), "
+                           "so no cached library is loaded")
+    return geteuid()
+
+
+def _owner_problem(st: os.stat_result, uid: int) -> str | None:
+    """Why a file or directory with status ``st`` may not be trusted by ``uid`` (owner, write
+    bits), or ``None``."""
+    if st.st_uid not in (uid, 0):
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {uid}) or root"
+    if st.st_mode & _GROUP_OTHER_WRITE:
+        return (f"it is writable by its group or others (mode "
+                f"{oct(stat.S_IMODE(st.st_mode))})")
+    return None
+
+
+def _ancestor_problem(path: str, uid: int) -> str | None:
+    """Why the existing directory (or link) ``path`` above the cache lets someone else swap
+    what lies below it: owned by another user, or writable by others without the sticky bit."""
+    st = os.lstat(path)
+    if st.st_uid not in (uid, 0):
+        return f"{path} is owned by uid {st.st_uid}, not by this user (uid {uid}) or root"
+    if (not stat.S_ISLNK(st.st_mode) and st.st_mode & _GROUP_OTHER_WRITE
+            and not st.st_mode & stat.S_ISVTX):
+        return (f"{path} is writable by its group or others without the sticky bit (mode "
+                f"{oct(stat.S_IMODE(st.st_mode))})")
+    return None
+
+
+def _dir_problem(root: Path) -> str | None:
+    """Why the directory ``root`` is not a safe place to load libraries from, or ``None``.
+
+    Safe means: ``root`` (symbolic links resolved) is a directory owned by this user or root and
+    not writable by its group or others, and every directory above it, on the path as written
+    and on the resolved path, is owned by this user or root and not writable by others unless
+    it is sticky. Components that do not exist yet are skipped (they are created with mode
+    0700). Never raises.
+    """
+    try:
+        uid = _uid()
+        written = os.path.abspath(root)
+        real = os.path.realpath(root)
+        for path in (written, real):
+            for part in reversed(Path(path).parents):
+                try:
+                    problem = _ancestor_problem(str(part), uid)
+                except FileNotFoundError:
+                    break
+                if problem:
+                    return problem
+        try:  # the cache itself as written, when it is a link: whose link
+            if os.path.islink(written):
+                problem = _ancestor_problem(written, uid)
+                if problem:
+                    return problem
+        except FileNotFoundError:
+            pass
+        try:
+            st = os.lstat(real)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{real} is not a directory"
+        problem = _owner_problem(st, uid)
+        return None if problem is None else f"{real}: {problem}"
+    except (OSError, RuntimeError) as e:
+        return f"it cannot be examined ({getattr(e, 'strerror', None) or e})"
+
+
+def _private_dir() -> Path:
+    """A directory made for this process by ``tempfile.mkdtemp`` (mode 0700), removed at exit."""
+    global _private
+    if _private is None:
+        _private = Path(os.path.realpath(tempfile.mkdtemp(prefix="paraprop-kernels-")))
+        atexit.register(shutil.rmtree, _private, ignore_errors=True)
+    return _private
+
+
+def _cache() -> Path:
+    """The directory this process builds and loads kernels in: the cache directory when it is
+    safe (:func:`_dir_problem`; created with mode 0700 if missing), else a private directory
+    (the reason is noted for :func:`status`). Call with ``_lock`` held.
+
+    Raises:
+        RuntimeError: neither the cache directory nor a private directory is safe.
+    """
+    global _where
+    if _where is not None:
+        return _where
+    root = _cache_dir()
+    problem = _dir_problem(root)
+    if problem is None:
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+        except OSError as e:
+            problem = f"it cannot be created ({e.strerror or e})"
+        else:
+            problem = _dir_problem(root)
+    if problem is None:  # from now on the resolved path: a link swapped later is not followed
+        _where = Path(os.path.realpath(root))
+        return _where
+    return _go_private(f"the kernel cache directory {root} is not safe to load libraries from "
+                       f"({problem})", "and neither is a private directory {private} "
+                       "({fallback})")
+
+
+def _go_private(reason: str, neither: str) -> Path:
+    """Make the private directory (:func:`_private_dir`) the one this process builds and loads
+    kernels in, noting ``reason`` (why not the cache directory) for :func:`status`. Call with
+    ``_lock`` held.
+
+    Arguments:
+        reason: why the cache directory is not used, e.g. ``"the kernel cache directory ... is
+            not safe to load libraries from (...)"``.
+        neither: how the error continues when the private directory is not safe either, with
+            the fields ``{private}`` and ``{fallback}`` (the directory and what is wrong).
+
+    Raises:
+        RuntimeError: the private directory cannot be made or is not safe.
+    """
+    global _where
+    try:
+        private = _private_dir()
+        fallback = _dir_problem(private)
+    except OSError as e:
+        private, fallback = None, f"it cannot be created ({e.strerror or e})"
+    if fallback is not None:
+        raise RuntimeError(f"{reason}, " + neither.format(
+            private=private or "(tempfile.mkdtemp)", fallback=fallback) + "; no library is "
+            "loaded")
+    _notes.append(f"{reason}; built into the private directory {private} instead")
+    _where = private
+    return private
+
+
+def _open_checked(path: Path) -> tuple[int | None, str | None]:
+    """Open ``path`` for reading without following a symbolic link or blocking on a FIFO, and
+    check the opened file: a regular file owned by this user (or root), writable by no one else.
+
+    Returns:
+        ``(fd, None)``, or ``(None, problem)``; ``FileNotFoundError`` propagates.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) \
+        | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return None, "is a symbolic link"
+        return None, f"cannot be read ({e.strerror or e})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            problem = "is not a regular file"
+        else:
+            owner = _owner_problem(st, _uid())
+            problem = None if owner is None else owner.replace("it is ", "is ", 1)
+    except (OSError, RuntimeError) as e:
+        problem = f"cannot be examined ({getattr(e, 'strerror', None) or e})"
+    if problem is not None:
+        os.close(fd)
+        return None, problem
+    return fd, None
+
+
+def _digest_fd(fd: int) -> tuple[int, str]:
+    """Size in bytes and sha256 (hex) of the open file ``fd``, read from its start."""
+    h = hashlib.sha256()
+    size = 0
+    os.lseek(fd, 0, os.SEEK_SET)
+    while chunk := os.read(fd, 1 << 20):
+        h.update(chunk)
+        size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _digest(path: Path) -> tuple[int, str]:
+    """Size in bytes and sha256 (hex) of the file at ``path``; ``OSError`` if it cannot be read."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        return _digest_fd(fd)
+    finally:
+        os.close(fd)
+
+
+# What a problem of _checked() is: "untrusted" (ownership, links, write bits) or "damaged".
+_UNTRUSTED = ("is owned by", "is writable by", "is a symbolic link")
+
+
+def _checked(target: Path, manifest: Path) -> tuple[int | None, str | None]:
+    """Check a cached library against the manifest written when it was built, and both files'
+    ownership and modes (:func:`_open_checked`).
+
+    Returns:
+        ``(fd, None)`` with ``fd`` an open descriptor of the library whose size and sha256 are
+        those its manifest records, or ``(None, problem)`` saying what is wrong (a missing,
+        unreadable, garbage or foreign manifest counts as wrong). Never raises.
+    """
+    try:
+        mfd, problem = _open_checked(manifest)
+    except FileNotFoundError:
+        return None, "its manifest is missing"
+    if problem is not None:
+        return None, f"its manifest {problem}"
+    try:
+        raw = os.read(mfd, _MANIFEST_MAX_BYTES + 1)
+    except OSError as e:
+        return None, f"its manifest cannot be read ({e.strerror or e})"
+    finally:
+        os.close(mfd)
+    if len(raw) > _MANIFEST_MAX_BYTES:
+        return None, f"its manifest is malformed (over {_MANIFEST_MAX_BYTES} bytes)"
+    try:
+        rec = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None, "its manifest is not valid JSON"
+    if not (isinstance(rec, dict) and rec.get("version") == _MANIFEST_VERSION
+            and rec.get("library") == target.name and type(rec.get("size")) is int
+            and isinstance(rec.get("sha256"), str)):
+        return None, "its manifest is malformed (not a version-1 record of this library)"
+    try:
+        fd, problem = _open_checked(target)
+    except FileNotFoundError:
+        return None, "the library is missing (its manifest is there)"
+    if problem is not None:
+        return None, f"the library {problem}"
+    try:
+        size, sha = _digest_fd(fd)
+    except OSError as e:
+        os.close(fd)
+        return None, f"the library cannot be read ({e.strerror or e})"
+    if size != rec["size"] or sha != rec["sha256"]:
+        os.close(fd)
+        if size != rec["size"]:
+            return None, f"its size is {size} bytes, its manifest says {rec['size']}"
+        return None, "its sha256 does not match its manifest (same size, other bytes)"
+    return fd, None
+
+
+def _verify(target: Path, manifest: Path) -> str | None:
+    """``None`` when the cached library ``target`` may be loaded (:func:`_checked`), else what
+    is wrong with it or its ``manifest``. Never raises."""
+    fd, problem = _checked(target, manifest)
+    if fd is not None:
+        os.close(fd)
+    return problem
+
+
+def _compile(cc: str, args: list[str]) -> None:
+    """Run the C compiler ``cc`` with ``args``.
+
+    Raises:
+        RuntimeError: the compiler exits non-zero (the message ends with its stderr).
+        OSError, subprocess.TimeoutExpired: it cannot be started, or runs over 300 s.
+    """
+    proc = subprocess.run([cc, *args], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compiling the scan kernels failed: {proc.stderr[-2000:]}")
+
+
+def _compile_into(cc: str, flags: list[str], target: Path, manifest: Path) -> None:
+    """Compile the kernels into ``target`` and record its size and sha256 in ``manifest``.
+
+    Everything is written in a temporary directory inside the cache and renamed into place
+    (atomic on one file system): the library first, then its manifest. A concurrent reader
+    therefore sees either complete old files or complete new ones; a library paired with another
+    builder's manifest fails verification and is rebuilt, never loaded unchecked.
+
+    Raises:
+        RuntimeError: the compilation failed.
+        OSError: the cache directory cannot be written.
+    """
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+        tmpd = Path(tmp)
+        (tmpd / "body.h").write_text(body())
+        sources = []
+        for suffix, defs in UNITS.items():
+            src = tmpd / f"kernels_{suffix}.c"
+            src.write_text(defs + '#include "body.h"\n')
+            sources.append(str(src))
+        out = tmpd / "lib.so"
+        _compile(cc, [*flags, "-o", str(out), *sources, *_LIBS])
+        # writable by no one else whatever the umask, or the check before loading refuses it
+        os.chmod(out, stat.S_IMODE(os.stat(out).st_mode) & ~_GROUP_OTHER_WRITE)
+        size, sha = _digest(out)
+        man = tmpd / "manifest.json"
+        man.write_text(json.dumps({"version": _MANIFEST_VERSION, "library": target.name,
+                                   "size": size, "sha256": sha}) + "\n")
+        os.chmod(man, 0o644)
+        os.replace(out, target)
+        os.replace(man, manifest)
+
+
+def _open(target: Path, fd: int) -> ctypes.CDLL:
+    """Load the library checked through the open descriptor ``fd`` (:func:`_checked`) and
+    declare its kernels' signatures.
+
+    The loader opens ``/proc/self/fd/<fd>`` where it exists, i.e. the very file that was checked
+    and hashed, even if the name ``target`` was replaced since; elsewhere it opens ``target``
+    (whose directory only this user or root can write). ``fd`` stays open for the life of the
+    process once the library is loaded (the loader recognises a library by its name, so a
+    descriptor number must not name two libraries), and is closed if loading fails.
+
+    Raises:
+        OSError: the dynamic loader refuses the file.
+        AttributeError: a kernel symbol is missing.
+    """
+    by_fd = f"/proc/self/fd/{fd}"
+    try:
+        lib = ctypes.CDLL(by_fd if os.path.exists(by_fd) else str(target))
+    except BaseException:
+        os.close(fd)
+        raise
+    _fds.append(fd)
+    i64, ci, vp = ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p
+    plain = [i64, i64, i64, ci, vp, i64, i64, vp, i64, i64, vp, i64, vp, i64, i64]
+    fact = [i64, i64, i64, i64, ci, vp, i64, i64, vp, i64, i64, vp, vp, vp, i64, i64, vp, i64,
+            vp, i64, i64]
+    lstm = [i64, i64, i64, ci, ci, vp, i64, i64, vp, i64, i64, vp, i64, i64, vp, vp, i64, i64,
+            vp, i64, vp, i64, i64]
+    rnn = [i64, i64, i64, ci, vp, i64, i64, vp, vp, i64, vp, i64, i64]
+    gru = [i64, i64, i64, vp, i64, i64, vp, vp, vp, i64, *[vp, i64, i64] * 4]
+    lstm_fwd = [i64, i64, i64, vp, i64, i64, vp, vp, i64, vp, i64, *[vp, i64, i64] * 5]
+    for suffix in UNITS:
+        for kind, argtypes in (("dense", plain), ("diag", plain), ("factored", fact),
+                               ("lstm", lstm), ("rnn_fwd", rnn), ("gru_fwd", gru),
+                               ("lstm_fwd", lstm_fwd)):
+            fn = getattr(lib, f"pp_{kind}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+def _key(cc: str, defines: tuple[tuple[str, int], ...] = ()) -> tuple[str, list[str]]:
+    """``(key, flags)``: the compiler flags for ``defines`` and the cache key of the library
+    they build with ``cc`` (``scan_kernels_<key>.so``), a hash of the source, the flags, the
+    compiler (path, size, mtime) and the CPU."""
+    st = os.stat(cc)  # identifies the compiler without running it
+    version = [f"{os.path.realpath(cc)}:{st.st_size}:{st.st_mtime_ns}"]
+    cpu = ""
+    try:  # -march=native: a library built on one CPU may not run on another
+        cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    flags = [*_FLAGS, *(f"-D{k}={v}" for k, v in defines)]
+    key = hashlib.sha256("\n".join([body(), *UNITS.values(), *flags, *_LIBS, cc, *version, cpu,
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    return key, flags
+
+
+def _build(defines: tuple[tuple[str, int], ...] = ()) -> ctypes.CDLL:
+    """Compile (once per source, compiler, CPU and ``defines``) and load a kernel library.
+
+    The library lives in the directory :func:`_cache` picks (the cache when it is safe, else a
+    private one). A cached library is loaded only after :func:`_checked` accepts it (its owner,
+    its mode, its manifest's size and sha256). One that fails (or that the dynamic loader
+    refuses) is rebuilt, and the rebuild is noted for :func:`status` ("untrusted" or
+    "damaged"); when the rebuild fails the cached file is left alone and never loaded. A build
+    that cannot be written into the cache directory (``OSError``) is made in the private
+    directory instead (:func:`_compile_into_or_private`). Call with ``_lock`` held.
+
+    Arguments:
+        defines: ``-D`` macros, e.g. ``(("PP_FIXED_H", 8), ("PP_FIXED_K", 0))``.
+
+    Returns:
+        The loaded library, its kernel signatures declared.
+
+    Raises:
+        RuntimeError: no compiler, the compilation failed, no safe directory (see
+            :func:`_cache`), no directory to write the build in, or a damaged or untrusted
+            cached library could not be rebuilt (the message says what was wrong with it and
+            why the rebuild failed).
+        OSError: the first build in the private directory cannot be written.
+    """
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set $CC)")
+    key, flags = _key(cc, defines)
+    where = _cache()
+    target = where / f"scan_kernels_{key}.so"
+    manifest = target.with_suffix(".json")
+    problem = None  # what is wrong with the cached library, if there is one
+    if os.path.lexists(target) or os.path.lexists(manifest):
+        fd, problem = _checked(target, manifest)
+        if fd is not None:
+            try:
+                return _open(target, fd)
+            except OSError as e:  # verified bytes the loader refuses: try a fresh build once
+                problem = f"the dynamic loader refuses it ({e})"
+    what = problem and ("untrusted" if any(w in problem for w in _UNTRUSTED) else "damaged")
+    try:
+        built = _compile_into_or_private(cc, flags, target, manifest)
+    except Exception as e:
+        if problem is None:  # first build: failures propagate as is
+            raise
+        raise RuntimeError(f"the cached kernel library {target} is {what} ({problem}) and "
+                           f"rebuilding it failed ({e}); it is ignored") from e
+    if problem is not None:
+        _notes.append(f"rebuilt the {what} cached {target.name}: {problem}")
+    return _open_built(*built)
+
+
+def _compile_into_or_private(cc: str, flags: list[str], target: Path,
+                             manifest: Path) -> tuple[Path, Path]:
+    """:func:`_compile_into` ``target`` and ``manifest``; when that fails with an ``OSError`` (a
+    cache directory that is safe but that this user cannot write, e.g. root's, mode 0755, or a
+    full disk), in the private directory instead (:func:`_go_private`, noted for
+    :func:`status`). Call with ``_lock`` held.
+
+    Returns:
+        The paths of the library and manifest built.
+
+    Raises:
+        RuntimeError: the compilation failed, or the private directory is not safe, or
+            building there failed too (the message gives both reasons).
+        OSError: writing into the private directory (already in use) failed.
+    """
+    try:
+        _compile_into(cc, flags, target, manifest)
+        return target, manifest
+    except OSError as e:
+        if _private is not None and target.parent == _private:
+            raise
+        reason = (f"writing into the kernel cache directory {target.parent} failed "
+                  f"({e.strerror or e})")
+        private = _go_private(reason, "and a private directory {private} is not safe either "
+                                      "({fallback})")
+    target, manifest = private / target.name, private / manifest.name
+    try:
+        _compile_into(cc, flags, target, manifest)
+    except Exception as e2:
+        raise RuntimeError(f"{reason}, and building into the private directory {private} "
+                           f"failed too ({e2})") from e2
+    return target, manifest
+
+
+def _open_built(target: Path, manifest: Path) -> ctypes.CDLL:
+    """Load a library this process has just built, after the same check as a cached one.
+
+    Raises:
+        RuntimeError: it fails the check (e.g. replaced meanwhile by a file of someone else).
+    """
+    fd, problem = _checked(target, manifest)
+    if fd is None:
+        raise RuntimeError(f"the kernel library {target} just built fails its check "
+                           f"({problem}); it is not loaded")
+    return _open(target, fd)
+
+
+def _load():
+    global _lib, _status
+    if _lib is not None or _status != "not built yet":
+        return _lib
+    with _lock:
+        if _lib is None and _status == "not built yet":
+            if os.environ.get("PARAPROP_NATIVE", "1") == "0":
+                _status = "disabled by PARAPROP_NATIVE=0"
+            else:
+                try:
+                    _lib = _build()
+                    _status = "ok"
+                except Exception as e:  # any failure means: use the PyTorch algorithms
+                    _status = f"unavailable: {e}"
+    return _lib
+
+
+def _library(H: int, K: int, work: int):
+    """The generic library, or for large calls (``work`` = rows x steps) one built for this
+    ``(H, K)``; a failed specialised build falls back to the generic library."""
+    lib = _load()
+    if work < _SPECIALISE_MIN_WORK or H > 128 or K > 512:
+        return lib
+    key = (H, K)
+    if key not in _special:
+        with _lock:
+            if key not in _special:
+                try:
+                    _special[key] = _build((("PP_FIXED_H", H), ("PP_FIXED_K", K)))
+                except Exception as e:  # keep the generic kernels
+                    _notes.append(f"generic kernels for H={H}, K={K}: {e}")
+                    _special[key] = lib
+    return _special[key]
+
+
+def available() -> bool:
+    """Whether the native kernels are built and loaded (builds them on first call)."""
+    return _load() is not None
+
+
+def status() -> str:
+    """``"ok"``, or why the native kernels are not used.
+
+    Returns:
+        ``"ok"`` when the kernels are loaded and nothing went wrong; ``"ok (...)"`` when they
+        are loaded but this process built them in a private directory because the cache
+        directory is not safe or cannot be written, rebuilt a damaged or untrusted cached
+        library, or fell back to the generic kernels for a specialised build (the parentheses
+        say which and why);
+        ``"disabled by PARAPROP_NATIVE=0"`` or ``"unavailable: <reason>"`` otherwise, e.g. no
+        compiler, a failed build, no safe directory to build in, or a damaged or untrusted
+        cached library that could not be rebuilt.
+    """
+    _load()
+    if _status == "ok" and _notes:
+        return f"ok ({'; '.join(_notes)})"
+    return _status
