@@ -33,19 +33,7 @@ from torch import nn
 
 from paraprop import checks
 from paraprop.distributed.comm import DEFAULT_TIMEOUT_S, DistLink, PeerError, check_timeout
-from paraprop.multigrid.common import (
-    DEFAULT_TOL,
-    as_coarsening,
-    check_block_modes,
-    check_blocks,
-    check_input,
-    check_settings,
-    refuse_random_blocks,
-    resolve_batched,
-    run_batched,
-    solve_through,
-    warn_unchecked,
-)
+from paraprop.multigrid import common
 from paraprop.multigrid.hierarchy import Hierarchy, split_layers
 from paraprop.multigrid.mgrit import run_mgrit
 from paraprop.multigrid.params import BlockParams
@@ -140,16 +128,16 @@ class LayerParallelStack(nn.Module):
     def __init__(self, blocks: Sequence[nn.Module], step_size: float, *, depth: int,
                  sizes: Sequence[int] | None = None, coarsening: int | Sequence[int] = 4,
                  levels: int = 2, relax: str = "FCF", max_iters: int | None = None,
-                 tol: float | None = DEFAULT_TOL, throw: bool = True, c_weight: float = 1.0,
+                 tol: float | None = common.DEFAULT_TOL, throw: bool = True, c_weight: float = 1.0,
                  backward: str = "adjoint", timeout: float = DEFAULT_TIMEOUT_S, group=None,
                  batched: bool | None = None):
         super().__init__()
-        blocks = check_blocks(blocks)
-        check_settings(step_size=step_size, relax=relax, max_iters=max_iters, tol=tol,
-                       c_weight=c_weight, backward=backward)
+        blocks = common.check_blocks(blocks)
+        common.check_settings(step_size=step_size, relax=relax, max_iters=max_iters, tol=tol,
+                              c_weight=c_weight, backward=backward)
         check_timeout(timeout)
         batched_arg = batched
-        resolve_batched(blocks, batched)
+        common.resolve_batched(blocks, batched)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised; call "
                                "paraprop.distributed.init_from_env() first")
@@ -164,7 +152,7 @@ class LayerParallelStack(nn.Module):
             raise ValueError(f"rank {self.rank} owns layers [{a}, {b}) of depth={depth}, so it "
                              f"needs {b - a} blocks, got {len(blocks)}")
         self.hierarchy = Hierarchy.build(depth, levels=levels,
-                                         coarsening=as_coarsening(coarsening))
+                                         coarsening=common.as_coarsening(coarsening))
         self.blocks = nn.ModuleList(blocks)
         self.batched = batched_arg
         self.depth, self.step_size = depth, float(step_size)
@@ -175,7 +163,7 @@ class LayerParallelStack(nn.Module):
         self._params = BlockParams(self.blocks)
         bound = self.hierarchy.exact_cycles()
         if tol is None and levels > 1 and max_iters is not None and max_iters < bound:
-            warn_unchecked("LayerParallelStack", max_iters, bound)
+            common.warn_unchecked("LayerParallelStack", max_iters, bound)
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -190,7 +178,7 @@ class LayerParallelStack(nn.Module):
     @batched.setter
     def batched(self, value) -> None:
         checks.boolean("batched", value, allow_none=True)
-        object.__setattr__(self, "_batched", resolve_batched(self.blocks, value))
+        object.__setattr__(self, "_batched", common.resolve_batched(self.blocks, value))
         object.__setattr__(self, "_batched_arg", value)
 
     @property
@@ -226,13 +214,8 @@ class LayerParallelStack(nn.Module):
         if dist.get_backend(self.group) != "gloo":
             desc = desc.to(torch.device("cuda", torch.cuda.current_device()))
         got = [torch.empty_like(desc) for _ in range(self.world)]
-        try:
-            dist.all_gather(got, desc, group=self.group, async_op=True).wait(
-                _dt.timedelta(seconds=self.timeout))
-        except RuntimeError as e:
-            raise PeerError(f"rank {self.rank} (forward): the input check with the other ranks "
-                            f"failed after at most {self.timeout:g} s: a peer died or hangs "
-                            f"({str(e).splitlines()[0][:200]})") from None
+        self._collective(lambda: dist.all_gather(got, desc, group=self.group, async_op=True),
+                         "forward", "the input check with the other ranks")
         got = [g.cpu() for g in got]
         if refused:
             return  # the caller raises its own error
@@ -250,20 +233,25 @@ class LayerParallelStack(nn.Module):
         """``t`` from rank ``src`` on every rank (the initial condition, which every rank also
         uses as its initial guess at the C-points, as a single process does)."""
         t = t.detach().clone().contiguous()
-        try:
-            dist.broadcast(t, src, group=self.group, async_op=True).wait(
-                _dt.timedelta(seconds=self.timeout))
-        except RuntimeError as e:
-            raise PeerError(f"rank {self.rank} ({what}): broadcast from rank {src} failed after "
-                            f"at most {self.timeout:g} s: a peer died or hangs "
-                            f"({str(e).splitlines()[0][:200]})") from None
+        self._collective(lambda: dist.broadcast(t, src, group=self.group, async_op=True), what,
+                         f"broadcast from rank {src}")
         return t
+
+    def _collective(self, start, what: str, action: str) -> None:
+        """Run the collective that ``start()`` launches and wait for it at most ``timeout``
+        seconds: :class:`PeerError` naming ``action`` when a peer died or hangs."""
+        try:
+            start().wait(_dt.timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            raise PeerError(f"rank {self.rank} ({what}): {action} failed after at most "
+                            f"{self.timeout:g} s: a peer died or hangs "
+                            f"({str(e).splitlines()[0][:200]})") from None
 
     def _solve_forward(self, x: torch.Tensor):
         t0 = time.perf_counter()
         x = self._broadcast(x, self.ranks[0], "forward")
-        batched = run_batched("LayerParallelStack", self.batched,
-                              self.__dict__.get("_batched_arg"), x.dtype, self.tol)
+        batched = common.run_batched("LayerParallelStack", self.batched,
+                                   self.__dict__.get("_batched_arg"), x.dtype, self.tol)
         stacked = self._stacked(batched)
         a, _ = self.layers
         stepper = ForwardStepper(self.blocks, a, batched=batched, stacked=stacked)
@@ -305,14 +293,14 @@ class LayerParallelStack(nn.Module):
             raise TypeError(f"x must be a floating-point torch.Tensor, got {type(x).__name__}")
         try:
             # the settings again (attributes may be assigned after construction)
-            check_settings(step_size=self.step_size, relax=self.relax,
-                           max_iters=self.max_iters, tol=self.tol, c_weight=self.c_weight,
-                           backward=self.backward_mode, throw=self.throw)
+            common.check_settings(step_size=self.step_size, relax=self.relax,
+                                  max_iters=self.max_iters, tol=self.tol, c_weight=self.c_weight,
+                                  backward=self.backward_mode, throw=self.throw)
             check_timeout(self.timeout)
-            check_input(x, self._params.floating(), self.layers[0])
-            check_block_modes(self._params.stateful(), self.layers[0])
-            run_batched("LayerParallelStack", self.batched, self.__dict__.get("_batched_arg"),
-                        x.dtype, self.tol)
+            common.check_input(x, self._params.floating(), self.layers[0])
+            common.check_block_modes(self._params.stateful(), self.layers[0])
+            common.run_batched("LayerParallelStack", self.batched,
+                               self.__dict__.get("_batched_arg"), x.dtype, self.tol)
         except (TypeError, ValueError):
             try:
                 self._check_peers(x, refused=True)  # the others learn of it and raise too
@@ -324,8 +312,8 @@ class LayerParallelStack(nn.Module):
         # a block that draws random numbers (randn_like, ...: no list of layers knows it)
         # moves this rank's generator; checked once the collective solve has ended, so that
         # the other ranks are not left waiting
-        with refuse_random_blocks("LayerParallelStack", x.device):
-            return solve_through(self, x, params)
+        with common.refuse_random_blocks("LayerParallelStack", x.device):
+            return common.solve_through(self, x, params)
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
