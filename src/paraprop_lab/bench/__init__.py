@@ -6,7 +6,9 @@ measures with :mod:`paraprop_lab.experiments` (the timing harness, the report wr
 measurements it shares with ``paraprop demo``) and writes ``SUITE.json``, ``SUITE.md`` and PNG
 plots under ``out_dir``. ``device`` (``None``: the CPU) is where it measures: a suite with a
 GPU row lists it in ``DEVICE_ROWS`` (:class:`paraprop_lab.experiments.rows.RowSpec`) and runs it
-there (reported as ``SUITE_cuda``); one without refuses any device but the CPU, saying why.
+there (reported as ``SUITE_cuda``: its CPU run decorated by
+:func:`paraprop_lab.experiments.rows_report.with_device_rows`); one without refuses any device but
+the CPU, saying why (:func:`paraprop_lab.experiments.rows_report.cpu_only`).
 ``gpu`` runs every suite's ``DEVICE_ROWS`` side by side (``make gpu-check``,
 :mod:`paraprop_lab.bench.gpu_check`). New suites are found by name, nothing to register.
 Nothing in the lab imports ``bench`` but the CLI, and nothing in the library imports the lab:

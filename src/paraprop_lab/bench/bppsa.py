@@ -36,12 +36,11 @@ from paraprop.nn import JacobiBackward, ScanBackward
 from paraprop.scan import native
 from paraprop_lab.experiments import rows_recurrent as _rows
 from paraprop_lab.experiments.bppsa import CLASSES, LR, pair
-from paraprop_lab.experiments.device import resolve
 from paraprop_lab.experiments.harness import interleaved, machine_info, matmul_rate, median
 from paraprop_lab.experiments.plots import plt, save_figure
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results
 from paraprop_lab.experiments.rows import RowSpec
-from paraprop_lab.experiments.rows_report import device_suite
+from paraprop_lab.experiments.rows_report import with_device_rows
 
 DESCRIPTION = ("BPPSA: RNN/GRU/LSTM backward as a scan vs torch autograd (T, batch, GRU, "
                "GRU/LSTM hidden 64, Jacobi)")
@@ -449,11 +448,8 @@ LOAD_COLUMNS = ["T", "batch", "repeats", "threads", "quiet_torch_bwd_ms", "quiet
                 "loaded_bwd_speedup", "quiet_native_step_speedup", "loaded_native_step_speedup"]
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
-        device: str | None = None) -> dict:
-    if resolve(device).type != "cpu":        # the headline rows, on that device
-        return device_suite(Path(out_dir), "bppsa", DEVICE_ROWS, resolve(device), quick=quick,
-                            repeats=repeats)
+@with_device_rows("bppsa", DEVICE_ROWS)
+def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
     out_dir = Path(out_dir)
     t_start = time.perf_counter()
     t_sweep = [10, 100] if quick else T_SWEEP

@@ -16,11 +16,10 @@ from pathlib import Path
 
 from paraprop_lab.experiments import rows_more as _rows
 from paraprop_lab.experiments.core import run_problems  # noqa: E402
-from paraprop_lab.experiments.device import resolve
 from paraprop_lab.experiments.harness import machine_info
 from paraprop_lab.experiments.report import write_results
 from paraprop_lab.experiments.rows import RowSpec
-from paraprop_lab.experiments.rows_report import device_suite
+from paraprop_lab.experiments.rows_report import with_device_rows
 
 DESCRIPTION = "sequential vs Jacobi vs hybrids on a MADE-shaped map and an MLP-depth recurrence"
 
@@ -28,11 +27,8 @@ DESCRIPTION = "sequential vs Jacobi vs hybrids on a MADE-shaped map and an MLP-d
 DEVICE_ROWS = [RowSpec("core.triangular_maps", _rows.core_rows, 10)]
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
-        device: str | None = None) -> dict:
-    if resolve(device).type != "cpu":        # its device rows, on that device
-        return device_suite(Path(out_dir), "core", DEVICE_ROWS, resolve(device), quick=quick,
-                            repeats=repeats)
+@with_device_rows("core", DEVICE_ROWS)
+def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
     repeats = repeats or (3 if quick else 5)
     tol = 1e-5
     res = run_problems(out_dir, quick=quick, repeats=repeats, tol=tol, name="core")

@@ -19,11 +19,10 @@ matplotlib.use("Agg")
 from paraprop.decoding import generate  # noqa: E402
 from paraprop_lab.experiments import rows_sampling as _rows
 from paraprop_lab.experiments.decoding import COLUMNS, case_rows, plot, prompts  # noqa: E402
-from paraprop_lab.experiments.device import resolve
 from paraprop_lab.experiments.harness import machine_info  # noqa: E402
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results  # noqa: E402
 from paraprop_lab.experiments.rows import RowSpec
-from paraprop_lab.experiments.rows_report import device_suite
+from paraprop_lab.experiments.rows_report import with_device_rows
 from paraprop_lab.training.charlm import corpus, trained_charlm  # noqa: E402
 
 DESCRIPTION = "Jacobi decoding of a char LM: generate vs sequential KV-cached loop vs Jacobi"
@@ -32,11 +31,8 @@ DESCRIPTION = "Jacobi decoding of a char LM: generate vs sequential KV-cached lo
 DEVICE_ROWS = [RowSpec("decoding.greedy", _rows.decoding_rows, 30)]
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
-        device: str | None = None) -> dict:
-    if resolve(device).type != "cpu":        # the headline rows, on that device
-        return device_suite(Path(out_dir), "decoding", DEVICE_ROWS, resolve(device), quick=quick,
-                            repeats=repeats)
+@with_device_rows("decoding", DEVICE_ROWS)
+def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
     repeats = repeats or (1 if quick else 3)
     out_dir.mkdir(parents=True, exist_ok=True)
     model, vocab, info = trained_charlm(out_dir, **({"steps": 20} if quick else {}))

@@ -21,12 +21,11 @@ import torch  # noqa: E402
 
 from paraprop.diffusion import step_table  # noqa: E402
 from paraprop_lab.experiments import rows_sampling as _rows
-from paraprop_lab.experiments.device import resolve
 from paraprop_lab.experiments.diffusion import COLUMNS, TOL, chain_rows, curves_plot  # noqa: E402
 from paraprop_lab.experiments.harness import machine_info  # noqa: E402
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results  # noqa: E402
 from paraprop_lab.experiments.rows import RowSpec
-from paraprop_lab.experiments.rows_report import device_suite
+from paraprop_lab.experiments.rows_report import with_device_rows
 from paraprop_lab.training.ddpm import trained_denoiser  # noqa: E402
 
 DESCRIPTION = "diffusion sampling: diffusers loop vs Picard (ParaDiGMS) vs Anderson (ParaTAA)"
@@ -85,11 +84,8 @@ PARALLEL_COLUMNS = ["scheduler", "config", "steps", "max_abs_err", "steps that d
                     "reproduces sequential"]
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
-        device: str | None = None) -> dict:
-    if resolve(device).type != "cpu":        # the headline rows, on that device
-        return device_suite(Path(out_dir), "diffusion", DEVICE_ROWS, resolve(device), quick=quick,
-                            repeats=repeats)
+@with_device_rows("diffusion", DEVICE_ROWS)
+def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
     from diffusers import DDIMScheduler, DDPMScheduler
 
     repeats = repeats or (1 if quick else 5)

@@ -29,11 +29,10 @@ import torch
 
 from paraprop.flows import accelerate
 from paraprop_lab.experiments import rows_more as _rows
-from paraprop_lab.experiments.device import resolve
 from paraprop_lab.experiments.harness import interleaved, machine_info, median
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results
 from paraprop_lab.experiments.rows import RowSpec
-from paraprop_lab.experiments.rows_report import device_suite
+from paraprop_lab.experiments.rows_report import with_device_rows
 
 DESCRIPTION = "zuko / nflows / normflows sampling: the library's own vs paraprop.flows.accelerate"
 
@@ -127,11 +126,8 @@ def row(label: str, call_label: str, d: int, build, call, target: bool, n: int, 
             "times_s": times}
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
-        device: str | None = None) -> dict:
-    if resolve(device).type != "cpu":        # its device rows, on that device
-        return device_suite(Path(out_dir), "flows", DEVICE_ROWS, resolve(device), quick=quick,
-                            repeats=repeats)
+@with_device_rows("flows", DEVICE_ROWS)
+def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
     repeats = repeats or (1 if quick else 5)
     out_dir.mkdir(parents=True, exist_ok=True)
     n = 10 if quick else SAMPLES

@@ -20,13 +20,12 @@ import torch  # noqa: E402
 from paraprop.flows import parallel_inverse  # noqa: E402
 from paraprop.sampling import sample  # noqa: E402
 from paraprop_lab.experiments import rows_sampling as _rows
-from paraprop_lab.experiments.device import resolve
 from paraprop_lab.experiments.harness import interleaved, machine_info, median  # noqa: E402
 from paraprop_lab.experiments.made import COLUMNS, TOL, image_grid, sampling_rows
 from paraprop_lab.experiments.plots import convergence_plot  # noqa: E402
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results  # noqa: E402
 from paraprop_lab.experiments.rows import RowSpec
-from paraprop_lab.experiments.rows_report import device_suite
+from paraprop_lab.experiments.rows_report import with_device_rows
 from paraprop_lab.training.made import trained_made
 
 DESCRIPTION = "MADE sampling: ancestral vs Jacobi (online / oracle stop) vs fixed passes; flows"
@@ -77,11 +76,8 @@ FLOW_COLUMNS = ["flow", "D", "library passes", "paraprop passes", "fewer passes"
                 "paraprop_ms", "speedup", "bitwise equal", "max_abs_err"]
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
-        device: str | None = None) -> dict:
-    if resolve(device).type != "cpu":        # the headline rows, on that device
-        return device_suite(Path(out_dir), "made", DEVICE_ROWS, resolve(device), quick=quick,
-                            repeats=repeats)
+@with_device_rows("made", DEVICE_ROWS)
+def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
     repeats = repeats or (1 if quick else 5)
     out_dir.mkdir(parents=True, exist_ok=True)
     sections, payload = [], {"suite": "made", "machine": machine_info(), "tol": TOL,

@@ -41,11 +41,10 @@ from paraprop.multigrid import (
     simulate,
 )
 from paraprop_lab.experiments import rows_more as _rows
-from paraprop_lab.experiments.device import resolve
 from paraprop_lab.experiments.harness import interleaved, machine_info, median
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results
 from paraprop_lab.experiments.rows import RowSpec
-from paraprop_lab.experiments.rows_report import device_suite
+from paraprop_lab.experiments.rows_report import with_device_rows
 
 DESCRIPTION = ("MGRIT: residual per cycle vs depth, batched MG vs serial forward, torchrun "
                "ranks vs model partitioning, simulated speedups, training accuracy")
@@ -438,11 +437,8 @@ def training_study(out_dir: Path, quick: bool) -> dict:
             "md": md + "\n\n" + note + f"\n\n![]({png.name})"}
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
-        device: str | None = None) -> dict:
-    if resolve(device).type != "cpu":        # its device rows, on that device
-        return device_suite(Path(out_dir), "multigrid", DEVICE_ROWS, resolve(device), quick=quick,
-                            repeats=repeats)
+@with_device_rows("multigrid", DEVICE_ROWS)
+def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
     """Run the suite; writes ``multigrid.json``, ``multigrid.md`` and PNGs under ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -47,13 +47,12 @@ from paraprop.errors import NonFiniteError
 from paraprop.nn import GRU, ParaGRU, ParallelForward, ParaLSTM
 from paraprop.solvers import ELK
 from paraprop_lab.experiments import rows_recurrent as _rows
-from paraprop_lab.experiments.device import resolve
 from paraprop_lab.experiments.harness import interleaved, machine_info, median
 from paraprop_lab.experiments.plots import plt, save_figure
 from paraprop_lab.experiments.progress import progress as progress_bar
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results
 from paraprop_lab.experiments.rows import RowSpec
-from paraprop_lab.experiments.rows_report import device_suite
+from paraprop_lab.experiments.rows_report import with_device_rows
 
 DESCRIPTION = ("Newton / quasi-Newton / ELK forward: GRU vs torch.nn.GRU; sine-wave GRU; "
                "ParaGRU / ParaLSTM")
@@ -536,11 +535,8 @@ PARA_COLUMNS = ["cell", "T", "hidden", "batch", "rounds", "sequential_ms", "newt
 TARGET_COLUMNS = ["target", "measured", "met"]
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
-        device: str | None = None) -> dict:
-    if resolve(device).type != "cpu":        # the headline rows, on that device
-        return device_suite(Path(out_dir), "newton", DEVICE_ROWS, resolve(device), quick=quick,
-                            repeats=repeats)
+@with_device_rows("newton", DEVICE_ROWS)
+def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
     out_dir = Path(out_dir)
     cfg = QUICK if quick else FULL
     t_start = time.perf_counter()

@@ -17,11 +17,10 @@ import torch
 from paraprop.nn import ParaGRU, ParaLSTM
 from paraprop_lab.bench import newton
 from paraprop_lab.experiments import rows_recurrent as _rows
-from paraprop_lab.experiments.device import resolve
 from paraprop_lab.experiments.harness import interleaved, machine_info, median
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results
 from paraprop_lab.experiments.rows import RowSpec
-from paraprop_lab.experiments.rows_report import device_suite
+from paraprop_lab.experiments.rows_report import with_device_rows
 
 DESCRIPTION = "ParaGRU / ParaLSTM: Newton forward vs their sequential loop, and JAX lax.scan"
 
@@ -48,11 +47,8 @@ def jax_ms(cell: str, T: int, H: int, B: int, repeats: int) -> float:
                                     desc=f"{cell} JAX")["jax"])
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
-        device: str | None = None) -> dict:
-    if resolve(device).type != "cpu":        # the headline rows, on that device
-        return device_suite(Path(out_dir), "pararnn", DEVICE_ROWS, resolve(device), quick=quick,
-                            repeats=repeats)
+@with_device_rows("pararnn", DEVICE_ROWS)
+def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     cfg = newton.QUICK if quick else newton.FULL

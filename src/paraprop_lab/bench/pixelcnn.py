@@ -19,12 +19,11 @@ from paraprop.sampling import sample
 from paraprop.sampling.pixelcnn import DEFAULT_BLOCK_ROWS, DEFAULT_WINDOW_ROWS
 from paraprop.solvers import GSJacobi, JacobiGS
 from paraprop_lab.experiments import rows_sampling as _rows
-from paraprop_lab.experiments.device import resolve
 from paraprop_lab.experiments.harness import interleaved, machine_info, median
 from paraprop_lab.experiments.made import image_rows
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results
 from paraprop_lab.experiments.rows import RowSpec
-from paraprop_lab.experiments.rows_report import device_suite
+from paraprop_lab.experiments.rows_report import with_device_rows
 from paraprop_lab.training.pixelcnn import pixel_data, train_pixelcnn
 
 SWEEP_REPEATS = 3  # at least this many timed runs per sweep row (after one warm-up run)
@@ -116,11 +115,8 @@ def samples_figure(path: Path, images: dict[str, torch.Tensor], title: str, n: i
     return image_rows(path, [(k, (x[:, 0] + 1) / 2) for k, x in images.items()], title, n)
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
-        device: str | None = None) -> dict:
-    if resolve(device).type != "cpu":        # the headline rows, on that device
-        return device_suite(Path(out_dir), "pixelcnn", DEVICE_ROWS, resolve(device), quick=quick,
-                            repeats=repeats)
+@with_device_rows("pixelcnn", DEVICE_ROWS)
+def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
     repeats = repeats or (1 if quick else 2)
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"suite": "pixelcnn", "machine": machine_info(), "repeats": repeats,

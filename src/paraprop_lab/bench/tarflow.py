@@ -20,12 +20,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from paraprop_lab.experiments import rows_sampling as _rows
-from paraprop_lab.experiments.device import resolve
 from paraprop_lab.experiments.harness import machine_info  # noqa: E402
 from paraprop_lab.experiments.plots import save_figure  # noqa: E402
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results  # noqa: E402
 from paraprop_lab.experiments.rows import RowSpec
-from paraprop_lab.experiments.rows_report import device_suite
+from paraprop_lab.experiments.rows_report import with_device_rows
 from paraprop_lab.experiments.tarflow import COLUMNS, TOL, method_rows  # noqa: E402
 from paraprop_lab.training.tarflow import trained_tarflow  # noqa: E402
 
@@ -53,11 +52,8 @@ def residual_plot(path: Path, title: str, curves: dict) -> Path:
     return save_figure(fig, path, dpi=110)
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
-        device: str | None = None) -> dict:
-    if resolve(device).type != "cpu":        # the headline rows, on that device
-        return device_suite(Path(out_dir), "tarflow", DEVICE_ROWS, resolve(device), quick=quick,
-                            repeats=repeats)
+@with_device_rows("tarflow", DEVICE_ROWS)
+def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
     repeats = repeats or (1 if quick else 5)
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"suite": "tarflow", "machine": machine_info(), "tol": TOL, "batch": BATCH,

@@ -26,12 +26,11 @@ from paraprop.errors import ConvergenceError, NonFiniteError
 from paraprop.linalg import activation_points, mlp_backward, mlp_forward, rnn_backward
 from paraprop.models import deep_mlp
 from paraprop_lab.experiments import rows_more as _rows
-from paraprop_lab.experiments.device import resolve
 from paraprop_lab.experiments.harness import interleaved, machine_info, median, threads
 from paraprop_lab.experiments.plots import plt, save_figure
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results
 from paraprop_lab.experiments.rows import RowSpec
-from paraprop_lab.experiments.rows_report import device_suite
+from paraprop_lab.experiments.rows_report import with_device_rows
 
 DESCRIPTION = ("MLP/RNN backward as block bi-diagonal systems: cyclic reduction vs autograd, "
                "Jacobi, BiCGStab")
@@ -272,11 +271,8 @@ def rnn_configs(quick: bool) -> list[tuple[int, int, int, int]]:
     return [(2, 8, 8, 2)] if quick else [(4, 16, 16, 4), (4, 64, 16, 4), (8, 32, 16, 1)]
 
 
-def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
-        device: str | None = None) -> dict:
-    if resolve(device).type != "cpu":        # its device rows, on that device
-        return device_suite(Path(out_dir), "triangular", DEVICE_ROWS, resolve(device), quick=quick,
-                            repeats=repeats)
+@with_device_rows("triangular", DEVICE_ROWS)
+def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
     """Run the suite; timings use 1 intra-op thread except the thread comparison.
 
     On the shared 2-core machine, batched kernels with 2 threads open OpenMP parallel regions

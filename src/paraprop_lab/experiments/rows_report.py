@@ -127,6 +127,26 @@ def device_suite(out_dir: Path, suite: str, specs: list[RowSpec], device: torch.
                  cmd, payload={"quick": quick, "repeats": repeats})
 
 
+def with_device_rows(suite: str, specs: list[RowSpec]):
+    """The ``run`` of a suite that has a CPU report and device rows ``specs``: decorates the
+    suite's CPU run ``cpu_run(out_dir, *, quick, repeats)`` into ``run(out_dir, *, quick=False,
+    repeats=None, device=None)``, which measures on the CPU (``device`` ``None`` or ``"cpu"``)
+    by ``cpu_run`` and on any other device by the rows (:func:`device_suite`, reported as
+    ``SUITE_DEVICE``). The device is checked first (:func:`resolve`: an unknown one, or CUDA
+    where torch sees none, is a ``ValueError`` before anything runs)."""
+    def decorate(cpu_run):
+        def run(out_dir: Path, *, quick: bool = False, repeats: int | None = None,
+                device: str | None = None) -> dict:
+            dev = resolve(device)
+            if dev.type != "cpu":
+                return device_suite(Path(out_dir), suite, specs, dev, quick=quick,
+                                    repeats=repeats)
+            return cpu_run(out_dir, quick=quick, repeats=repeats)
+        run.__module__, run.__doc__ = cpu_run.__module__, cpu_run.__doc__
+        return run
+    return decorate
+
+
 def cpu_only(suite: str, device, why: str) -> None:
     """The check of a suite without device rows: nothing for the CPU (or ``None``), else a
     ``ValueError`` that names the suite, the device and ``why``.
