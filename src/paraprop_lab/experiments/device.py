@@ -92,10 +92,11 @@ def card(device: torch.device) -> dict:
     return out
 
 
-def record(device: torch.device) -> dict:
-    """Where and when a figure was measured: the date, the host, torch and its CUDA, Triton,
-    and for a GPU its name (``device`` then reads ``cuda:NAME``, as the reports print it)."""
-    info = {
+def host() -> dict:
+    """When, and on which host: the date, CPU count, torch's threads, torch, Python, the
+    platform and the processor (what :func:`record` and
+    :func:`paraprop_lab.experiments.harness.machine_info` start with)."""
+    return {
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
@@ -103,8 +104,13 @@ def record(device: torch.device) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
-        "device": "cpu",
     }
+
+
+def record(device: torch.device) -> dict:
+    """Where and when a figure was measured: the date, the host, torch and its CUDA, Triton,
+    and for a GPU its name (``device`` then reads ``cuda:NAME``, as the reports print it)."""
+    info = {**host(), "device": "cpu"}
     if device.type == "cuda":
         gpu = card(device)
         info.update(device=f"cuda:{gpu['name']}", gpu=gpu, cuda=torch.version.cuda,

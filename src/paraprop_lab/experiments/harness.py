@@ -8,16 +8,13 @@ load hits all of them alike, and reports medians and the ratios of those medians
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
-from paraprop_lab.experiments.device import synchronize
+from paraprop_lab.experiments.device import host, record, resolve, synchronize
 from paraprop_lab.experiments.progress import progress
 
 
@@ -26,19 +23,9 @@ def machine_info(device: torch.device | str | None = None) -> dict:
     (:func:`paraprop_lab.experiments.device.record`: a GPU's name, CUDA and Triton too), else this
     machine with the CUDA device it has, if any."""
     if device is not None:
-        from paraprop_lab.experiments.device import record, resolve
-
         return record(resolve(device))
-    return {
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "device": "cuda:" + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-    }
+    gpu = torch.cuda.is_available()
+    return {**host(), "device": f"cuda:{torch.cuda.get_device_name()}" if gpu else "cpu"}
 
 
 def interleaved(
