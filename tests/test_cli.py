@@ -1,11 +1,13 @@
 """The command line: demo smoke run, bench listing and errors, info; user errors as one line."""
 
+import ast
 import importlib.util
 import io
 import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +16,8 @@ from paraprop_lab import bench, demos
 from paraprop_lab.cli import main
 from paraprop_lab.experiments.explain import fewer_passes
 from paraprop_lab.experiments.harness import interleaved, speedups
-from paraprop_lab.experiments.progress import progress
 from paraprop_lab.experiments.report import fmt, markdown_table, text_table
+from paraprop_lab.progress import progress
 from paraprop_lab.training._common import fit
 
 
@@ -107,6 +109,31 @@ def test_progress_on_a_terminal_is_a_live_bar():
     for _ in progress(range(3), desc="off", file=quiet, disable=True):
         pass
     assert quiet.getvalue() == ""
+
+
+def _lab_imports(path: Path) -> set[str]:
+    """The ``paraprop_lab`` modules a file imports (``import`` and ``from`` forms, any depth)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
+                 [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        out.update(n for n in names if n.split(".")[0] == "paraprop_lab")
+    return out
+
+
+def test_the_training_jobs_import_nothing_of_the_measurements():
+    # one direction only: experiments imports training (the models it measures), never the
+    # reverse; the progress bars both use sit above them (paraprop_lab.progress)
+    import paraprop_lab.training
+
+    folder = Path(paraprop_lab.training.__file__).parent
+    found = {f.name: sorted(m for m in _lab_imports(f) if m.startswith(
+        ("paraprop_lab.experiments", "paraprop_lab.bench", "paraprop_lab.demos",
+         "paraprop_lab.cli"))) for f in folder.glob("*.py")}
+    assert {k: v for k, v in found.items() if v} == {}
+    assert "paraprop_lab.progress" in _lab_imports(folder / "_common.py")   # the check sees it
+    assert _lab_imports(folder.parent / "experiments" / "diffusion.py") >= {
+        "paraprop_lab.training.ddpm"}
 
 
 def test_tables_have_no_none_cells():

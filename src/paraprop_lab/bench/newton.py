@@ -49,10 +49,10 @@ from paraprop.solvers import ELK
 from paraprop_lab.experiments import rows_recurrent as _rows
 from paraprop_lab.experiments.harness import interleaved, machine_info, median
 from paraprop_lab.experiments.plots import plt, save_figure
-from paraprop_lab.experiments.progress import progress as progress_bar
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results
 from paraprop_lab.experiments.rows import RowSpec
 from paraprop_lab.experiments.rows_report import with_device_rows
+from paraprop_lab.progress import progress as progress_bar
 
 DESCRIPTION = ("Newton / quasi-Newton / ELK forward: GRU vs torch.nn.GRU; sine-wave GRU; "
                "ParaGRU / ParaLSTM")

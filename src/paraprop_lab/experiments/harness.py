@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from paraprop_lab.experiments.device import host, record, resolve, synchronize
-from paraprop_lab.experiments.progress import progress
+from paraprop_lab.progress import progress
 
 
 def machine_info(device: torch.device | str | None = None) -> dict:
@@ -43,7 +43,7 @@ def interleaved(
         repeats: timed rounds; each round runs every case once, in order.
         warmup: untimed rounds first (allocations, caches, lazy initialisation).
         desc: label of the progress bar (one summary line when the output is not a terminal:
-            :func:`paraprop_lab.experiments.progress.progress`).
+            :func:`paraprop_lab.progress.progress`).
         device: the device the cases run on: each timed call starts and ends with a
             synchronization of it, so that its time covers the work it queued
             (:func:`paraprop_lab.experiments.device.synchronize`; ``None``: every CUDA device in

@@ -12,7 +12,7 @@ import torch
 
 from paraprop.data import load_digits, load_mnist
 from paraprop.models.checkpoint import check_finite_weights  # noqa: F401 (re-export)
-from paraprop_lab.experiments.progress import progress as progress_bar
+from paraprop_lab.progress import progress as progress_bar
 
 
 def _can_write_in(directory: Path, option: str, path: Path) -> None:

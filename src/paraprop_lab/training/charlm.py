@@ -19,7 +19,7 @@ import torch
 from paraprop import checks
 from paraprop.data.text import CharVocab, load_text
 from paraprop.models.charlm import DEFAULTS, char_gpt2, load_charlm, save_charlm
-from paraprop_lab.experiments.progress import progress as progress_bar
+from paraprop_lab.progress import progress as progress_bar
 from paraprop_lab.training._common import check_out_dir, default_path
 
 NAME = "charlm"

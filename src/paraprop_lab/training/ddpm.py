@@ -19,7 +19,7 @@ import torch
 from paraprop import checks
 from paraprop.data import make_moons
 from paraprop.models.denoisers import MLPDenoiser, load_unet, save_unet, small_unet
-from paraprop_lab.experiments.progress import progress as progress_bar
+from paraprop_lab.progress import progress as progress_bar
 from paraprop_lab.training._common import (
     check_out_file,
     default_path,

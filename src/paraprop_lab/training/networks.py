@@ -24,7 +24,7 @@ from torch import nn
 from paraprop import checks
 from paraprop.data import load_digits, load_mnist
 from paraprop.models.checkpoint import build_within_budget, read_torch_file
-from paraprop_lab.experiments.progress import progress as progress_bar
+from paraprop_lab.progress import progress as progress_bar
 from paraprop_lab.training._common import check_finite_weights, check_out_file, default_path
 
 NAME = "densenet"

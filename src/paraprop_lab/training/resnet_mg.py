@@ -26,7 +26,7 @@ from paraprop import checks
 from paraprop.data import IDXError, load_digits, load_mnist
 from paraprop.models.blocks import ConvBlock
 from paraprop.multigrid import ParallelResidualStack
-from paraprop_lab.experiments.progress import progress as progress_bar
+from paraprop_lab.progress import progress as progress_bar
 from paraprop_lab.training._common import check_out_file
 
 NAME = "resnet-mg"

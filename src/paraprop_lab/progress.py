@@ -4,7 +4,8 @@ On a terminal, :func:`progress` is a live tqdm bar that disappears when done. Wh
 not a terminal (output piped or redirected to a file), a live bar would write a run of ``\\r``
 updates; there the bar is replaced by a counter that writes one line when it is closed (or its
 iterable is exhausted), e.g. ``demo made: 12/12 runs in 0.8 s``. Every progress bar of the
-package (timing harness, training jobs) goes through :func:`progress`.
+lab (timing harness, training jobs) goes through :func:`progress`; it sits above both so that the
+training jobs import nothing of :mod:`paraprop_lab.experiments`.
 """
 
 from __future__ import annotations
