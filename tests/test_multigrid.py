@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+import paraprop
 from paraprop.errors import PeerError
 from paraprop.models.blocks import ConvBlock, conv_blocks, mlp_blocks
 from paraprop.multigrid import (
@@ -120,10 +121,13 @@ def test_tol_stops_early_and_history_decreases():
     assert 0 < res.stats["convergence_factor"] < 1
     capped = mgrit(ForwardStepper(blocks), x, hier, 1 / 64, max_iters=1, tol=1e-8, throw=False)
     assert capped.iterations == 1 and capped.converged is False
+    assert capped.result is paraprop.Result.max_iters_reached
     with pytest.warns(UncheckedResultWarning, match="not checked"):
         unchecked = mgrit(ForwardStepper(blocks), x, hier, 1 / 64, max_iters=1, tol=None)
     assert unchecked.iterations == 1 and unchecked.converged is False  # tol=None: not checked
     assert unchecked.stats["checked"] is False
+    assert unchecked.result is paraprop.Result.unchecked and not res.stats.get("not_converged")
+    assert res.result is paraprop.Result.successful
 
 
 def test_convergence_does_not_depend_on_depth():

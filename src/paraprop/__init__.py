@@ -22,7 +22,7 @@ from paraprop.errors import (
     StochasticModelError,
 )
 from paraprop.recurrence import Recurrence
-from paraprop.result import Solution
+from paraprop.result import Result, Solution
 from paraprop.solve import solve
 
 try:  # one source: pyproject.toml's [project] version, as installed
@@ -57,6 +57,7 @@ __all__ = [
     "PeerError",
     "ProtocolError",
     "Recurrence",
+    "Result",
     "Solution",
     "StochasticModelError",
     "__version__",

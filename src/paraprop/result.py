@@ -9,16 +9,34 @@ is the single place that turns an unconverged result into :class:`~paraprop.Conv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from dataclasses import dataclass
 
 import torch
 
 from paraprop.errors import ConvergenceError
 
-__all__ = ["Solution", "ensure_converged"]
+__all__ = ["Result", "Solution", "ensure_converged"]
 
 
-@dataclass(frozen=True)
+class Result(enum.Enum):
+    """Why an iterative method stopped: the result code of every :class:`Solution`
+    (``solution.result``), with its message as the value. ``Solution.converged`` is
+    ``result is Result.successful``; the other codes say why the value is not certified.
+    (Failures that no value survives raise instead, whatever ``throw`` says:
+    :class:`~paraprop.NonFiniteError`, :class:`~paraprop.NotTriangularError`,
+    :class:`~paraprop.StochasticModelError`, :class:`~paraprop.ProtocolError`.)"""
+
+    successful = "within the method's stated bound of the sequential result"
+    max_iters_reached = "max_iters ended the run before the stopping rule certified the value"
+    not_certified = ("the stopping rule or the final check could not certify the value within "
+                     "tol (a value at the rounding floor of its dtype, a tol=0 value that is not "
+                     "bitwise the sequential one, or a final check that failed)")
+    unchecked = ("a fixed number of iterations ran and nothing checked the value (tol=None, "
+                 "or a cycle count below the exactness bound)")
+
+
+@dataclass(frozen=True, init=False)
 class Solution:
     """The result of an iterative solve.
 
@@ -28,10 +46,10 @@ class Solution:
         iterations: parallel sweeps (or cycles) taken: the most any sample took.
         evaluations: calls of ``fn`` (or of ``fn.update`` / ``fn.window``); each is one
             sequential step.
-        converged: ``True`` only when the value is within the method's stated bound of the
-            sequential result: the error estimate of its stopping rule is ``<= tol``, or the
-            method reached its exactness bound. A run that was not checked (a fixed number of
-            cycles, ``tol=None``) reports ``False`` and says so in ``stats["checked"]``.
+        result: the :class:`Result` code: :attr:`Result.successful` only when the value is
+            within the method's stated bound of the sequential result (the error estimate of
+            its stopping rule is ``<= tol``, or the method reached its exactness bound);
+            otherwise why not (``max_iters_reached``, ``not_certified``, ``unchecked``).
         residuals: the convergence measure after each iteration (max over the samples still
             iterating), a 1-D float64 tensor: the forward difference ``||x_k - x_{k-1}||`` for
             the Jacobi family, the Newton step for the Newton family; empty for
@@ -40,16 +58,55 @@ class Solution:
             documents its own keys. Common ones: ``positions`` (positions computed, the work),
             ``sequential_steps``, ``bound`` (iterations that guarantee the exact result),
             ``sample_iterations``, ``error_estimate`` (the stopping rule's estimate of
-            ``max |value - sequential|`` when it stopped; ``0.0`` at the exactness bound).
+            ``max |value - sequential|`` when it stopped; ``0.0`` at the exactness bound),
+            ``not_converged`` (the reason, where the entry point knows more than the code).
+
+    ``converged`` (``result is Result.successful``) and ``message`` derive from ``result``.
+    The constructor takes ``result``, or for the entry points not yet ported to codes the
+    boolean ``converged`` (``False`` reads as ``unchecked`` when ``stats["checked"]`` is
+    ``False``, else ``max_iters_reached``); both at once must agree.
     """
 
     value: torch.Tensor
     method: str
     iterations: int
     evaluations: int
-    converged: bool
     residuals: torch.Tensor
-    stats: dict = field(default_factory=dict)
+    stats: dict
+    result: Result
+
+    def __init__(self, value: torch.Tensor, method: str, iterations: int, evaluations: int,
+                 converged: bool | None = None, residuals: torch.Tensor | None = None,
+                 stats: dict | None = None, *, result: Result | None = None):
+        stats = {} if stats is None else stats
+        if result is None:
+            if converged is None:
+                raise TypeError("Solution needs result= (a paraprop.Result) or converged=")
+            result = (Result.successful if converged else Result.unchecked
+                      if stats.get("checked") is False else Result.max_iters_reached)
+        elif not isinstance(result, Result):
+            raise TypeError(f"result must be a paraprop.Result, got {result!r}")
+        elif converged is not None and bool(converged) != (result is Result.successful):
+            raise ValueError(f"converged={converged} contradicts result={result.name}")
+        if residuals is None:
+            residuals = torch.zeros(0, dtype=torch.float64)
+        for name, v in (("value", value), ("method", method), ("iterations", iterations),
+                        ("evaluations", evaluations), ("residuals", residuals),
+                        ("stats", stats), ("result", result)):
+            object.__setattr__(self, name, v)
+
+    @property
+    def converged(self) -> bool:
+        """``True`` only when the value is within the method's stated bound of the sequential
+        result (``result is Result.successful``)."""
+        return self.result is Result.successful
+
+    @property
+    def message(self) -> str:
+        """What :attr:`result` means for this run (with the entry point's reason, where it
+        gave one in ``stats["not_converged"]``)."""
+        reason = self.stats.get("not_converged")
+        return f"{self.result.value}: {reason}" if reason else self.result.value
 
 
 def ensure_converged(solution: Solution, throw: bool, *, entry: str, max_iters,

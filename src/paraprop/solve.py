@@ -22,7 +22,7 @@ from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
 from paraprop.determinism import require_deterministic
 from paraprop.errors import ConvergenceError, NonFiniteError, NotTriangularError
-from paraprop.result import Solution, ensure_converged
+from paraprop.result import Result, Solution, ensure_converged
 from paraprop.solvers import make_solver
 from paraprop.solvers.base import State, System
 from paraprop.solvers.verify import verify_final
@@ -154,6 +154,7 @@ def solve(
                 callback(iterations, system.user(state.x), last)
         converged = bool(state.finished)
         reason, checked = None, "none"
+        result = Result.successful if converged else Result.max_iters_reached
         if converged and solver.name != "sequential":
             if state.check is not None:   # the budget's last call checked it (final_step)
                 checked, reason = state.check, state.reason
@@ -163,6 +164,8 @@ def solve(
                 reason = verify_final(system, state, tol, norm)
                 checked = "evaluation" if reason is None else "failed"
             converged = reason is None
+            if not converged:
+                result = Result.not_certified
     elapsed = time.perf_counter() - start
     estimate = float(state.estimate.max()) if converged else float("inf")
     history = _history(residuals, device)
@@ -179,7 +182,7 @@ def solve(
         method=solver.name,
         iterations=iterations,
         evaluations=system.evaluations,
-        converged=converged,
+        result=result,
         residuals=history,
         stats={
             "positions": system.positions,

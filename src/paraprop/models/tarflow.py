@@ -35,7 +35,7 @@ from paraprop.checks import check_max_iters, check_tol
 from paraprop.determinism import require_deterministic
 from paraprop.flows.tarflow_inverse import BlockInverse, default_chunk
 from paraprop.models.checkpoint import Checkpointed
-from paraprop.result import Solution, ensure_converged
+from paraprop.result import Result, Solution, ensure_converged
 from paraprop.solve import solve
 from paraprop.solvers import GSJacobi, Jacobi, is_solver, make_solver
 
@@ -374,7 +374,7 @@ class TarFlow(Checkpointed, nn.Module):
             value=images, method=name,
             iterations=sum(s.iterations for s in sols),
             evaluations=sum(s.evaluations for s in sols),
-            converged=all(s.converged for s in sols),
+            result=next((s.result for s in sols if not s.converged), Result.successful),
             residuals=torch.cat([s.residuals for s in sols]),
             stats={"blocks": sols, "methods": [_name(m) for m in plan],
                    "model_calls": sum(s.evaluations for s in sols),

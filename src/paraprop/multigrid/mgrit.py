@@ -70,7 +70,7 @@ from paraprop.multigrid.common import (
     warn_unchecked,
 )
 from paraprop.multigrid.hierarchy import Hierarchy, LocalLevel, local_levels
-from paraprop.result import Solution, ensure_converged
+from paraprop.result import Result, Solution, ensure_converged
 
 __all__ = ["RELAX", "Link", "mgrit", "residual_norm", "run_mgrit"]
 
@@ -566,7 +566,8 @@ def run_mgrit(stepper, x, hierarchy, step_size, *, relax="FCF", max_iters=None,
         method="mgrit" if hierarchy.levels > 1 else "sequential",
         iterations=cycles,
         evaluations=stepper.counts.evaluations,
-        converged=bool(converged),
+        result=(Result.successful if converged else Result.unchecked if not checked
+                else Result.max_iters_reached),
         residuals=torch.tensor(residuals, dtype=torch.float64),
         stats={"checked": checked, "error_estimate": estimate, "changes": rule.changes,
                "bound": bound, "tol": tol, "convergence_factor": factor,
