@@ -42,6 +42,37 @@ def _not_empty(path, option: str, expected: str) -> None:
                          "out for the default)")
 
 
+def add_data_arguments(p, *, choices, default: str, epochs: int | dict[str, int]) -> None:
+    """The options every image job opens with: ``--data`` (``choices``, ``default``),
+    ``--mnist-dir`` and ``--epochs`` (``epochs``: an int default, or data -> epochs, then
+    ``None`` by default, the data's number, listed in the help)."""
+    p.add_argument("--data", choices=list(choices), default=default)
+    p.add_argument("--mnist-dir", default=None, help="directory of the MNIST IDX files")
+    if isinstance(epochs, dict):
+        p.add_argument("--epochs", type=int, default=None,
+                       help="default: " + ", ".join(f"{k} {v}" for k, v in epochs.items()))
+    else:
+        p.add_argument("--epochs", type=int, default=epochs)
+
+
+def results_file(args, job: str) -> Path:
+    """The checkpoint of ``paraprop train JOB``: ``--out``, by default
+    ``results/JOB_DATA.pt``, checked by :func:`check_out_file` before any training."""
+    return check_out_file(default_path(args.out, f"results/{job}_{args.data}.pt"),
+                          example=f"{job}_{args.data}.pt")
+
+
+def subplots(*args, **kwargs):
+    """``matplotlib.pyplot.subplots`` on the headless Agg backend (matplotlib imported when a
+    figure is drawn, so that the jobs load without it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
 def default_path(value, default):
     """The option's ``value``, or ``default`` when it was not given (``None``); an empty value
     is kept, for :func:`check_out_file` to refuse."""
@@ -122,6 +153,13 @@ def load_images(data: str, *, mnist_dir=None) -> tuple[torch.Tensor, int]:
     if data == "mnist":
         return load_mnist(mnist_dir)[0], 256
     raise ValueError(f"unknown data={data!r}; choose 'digits' or 'mnist'")
+
+
+def signed_images(data: str, *, mnist_dir=None, n: int | None = None) -> torch.Tensor:
+    """Images ``(N, 1, S, S)`` float32 scaled to ``[-1, 1]``: the first ``n``, or all."""
+    images, _ = load_images(data, mnist_dir=mnist_dir)
+    x = images[:, None] * 2 - 1
+    return x if n is None else x[:n]
 
 
 def fit(model: torch.nn.Module, x: torch.Tensor, loss: Callable[[torch.Tensor], torch.Tensor], *,

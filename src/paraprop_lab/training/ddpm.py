@@ -21,12 +21,15 @@ from paraprop.data import make_moons
 from paraprop.models.denoisers import MLPDenoiser, load_unet, save_unet, small_unet
 from paraprop_lab.progress import progress as progress_bar
 from paraprop_lab.training._common import (
+    add_data_arguments,
     check_out_file,
     default_path,
     fit,
     image_panel,
-    load_images,
+    results_file,
     save_png,
+    signed_images,
+    subplots,
 )
 
 NAME = "ddpm"
@@ -59,9 +62,7 @@ def ddpm_data(data: str, *, mnist_dir=None, n: int | None = None, seed: int = 0)
     checks.positive_int("n", n, allow_none=True)
     if data == "moons":
         return make_moons(MOONS if n is None else n, seed=seed)
-    images, _ = load_images(data, mnist_dir=mnist_dir)
-    x = images[:, None] * 2 - 1
-    return x if n is None else x[:n]
+    return signed_images(data, mnist_dir=mnist_dir, n=n)
 
 
 def make_denoiser(data: str, x: torch.Tensor, *, steps: int = 1000, seed: int = 0):
@@ -236,16 +237,11 @@ def samples_png(path: str | Path, model, data: str, x: torch.Tensor, *, steps: i
     Returns:
         ``path``, as a ``Path``.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     path = Path(path)
     moons = data == "moons"
     n = min(1000, len(x)) if moons else 16
     s = draw_samples(model, data, (n, *x.shape[1:]), steps=steps, seed=seed, progress=progress)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4.4))
+    fig, axes = subplots(1, 2, figsize=(9, 4.4))
     if moons:
         lim = 1.15 * float(max(x[:n].abs().max(), 1.0))
         for ax, pts, title in ((axes[0], x[:n], f"training data ({n} points)"),
@@ -267,10 +263,7 @@ def samples_png(path: str | Path, model, data: str, x: torch.Tensor, *, steps: i
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", choices=list(DATA), default="moons")
-    p.add_argument("--mnist-dir", default=None, help="directory of the MNIST IDX files")
-    p.add_argument("--epochs", type=int, default=None,
-                   help="default: " + ", ".join(f"{k} {v}" for k, v in EPOCHS.items()))
+    add_data_arguments(p, choices=DATA, default="moons", epochs=EPOCHS)
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"],
@@ -285,8 +278,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     start = time.perf_counter()
-    out = check_out_file(default_path(args.out, f"results/ddpm_{args.data}.pt"),
-                         example=f"ddpm_{args.data}.pt")
+    out = results_file(args, "ddpm")
     png = check_out_file(default_path(args.png, out.with_suffix(".png")),
                          "--out" if args.png is None else "--png",
                          example=f"ddpm_{args.data}.png")

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from paraprop.models import MADE
-from paraprop_lab.training._common import check_out_file, default_path, fit, load_images
+from paraprop_lab.training._common import add_data_arguments, fit, load_images, results_file
 
 NAME = "made"
 HELP = "train a MADE (Germain et al. 2015) on digits or MNIST"
@@ -55,9 +55,7 @@ def trained_made(out_dir: Path, data: str, *, hidden=(512, 512), epochs: int = 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", choices=["digits", "mnist"], default="digits")
-    p.add_argument("--mnist-dir", default=None, help="directory of the MNIST IDX files")
-    p.add_argument("--epochs", type=int, default=20)
+    add_data_arguments(p, choices=["digits", "mnist"], default="digits", epochs=20)
     p.add_argument("--batch-size", type=int, default=100)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--hidden", type=int, nargs="+", default=[512, 512])
@@ -68,8 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    out = check_out_file(default_path(args.out, f"results/made_{args.data}.pt"),
-                         example=f"made_{args.data}.pt")
+    out = results_file(args, "made")
     torch.manual_seed(args.seed)
     x = made_data(args.data, args.conditional, mnist_dir=args.mnist_dir, seed=args.seed)
     model = MADE(x.shape[1], tuple(args.hidden), args.conditional, seed=args.seed)

@@ -8,7 +8,7 @@ import math
 import torch
 
 from paraprop.models import PixelCNN
-from paraprop_lab.training._common import check_out_file, default_path, fit, load_images
+from paraprop_lab.training._common import add_data_arguments, fit, load_images, results_file
 
 NAME = "pixelcnn"
 HELP = "train a gated PixelCNN (discretized logistic mixture) on digits or MNIST"
@@ -36,9 +36,7 @@ def train_pixelcnn(model: PixelCNN, x: torch.Tensor, *, epochs: int, batch_size:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", choices=["digits", "mnist"], default="digits")
-    p.add_argument("--mnist-dir", default=None, help="directory of the MNIST IDX files")
-    p.add_argument("--epochs", type=int, default=10)
+    add_data_arguments(p, choices=["digits", "mnist"], default="digits", epochs=10)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--hidden", type=int, default=32)
@@ -49,8 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    out = check_out_file(default_path(args.out, f"results/pixelcnn_{args.data}.pt"),
-                         example=f"pixelcnn_{args.data}.pt")
+    out = results_file(args, "pixelcnn")
     x, levels = pixel_data(args.data, mnist_dir=args.mnist_dir)
     model = PixelCNN(1, x.shape[-1], hidden=args.hidden, layers=args.layers,
                      mixtures=args.mixtures, levels=levels, seed=args.seed)

@@ -18,12 +18,14 @@ import torch
 from paraprop import checks
 from paraprop.models.tarflow import TarFlow
 from paraprop_lab.training._common import (
+    add_data_arguments,
     check_out_file,
     default_path,
     fit,
     image_panel,
-    load_images,
     save_png,
+    signed_images,
+    subplots,
 )
 
 NAME = "tarflow"
@@ -44,9 +46,7 @@ def tarflow_data(data: str, *, mnist_dir=None, n: int | None = None) -> torch.Te
     """
     checks.one_of("data", data, DATA)
     checks.positive_int("n", n, allow_none=True)
-    images, _ = load_images(data, mnist_dir=mnist_dir)
-    x = images[:, None] * 2 - 1
-    return x if n is None else x[:n]
+    return signed_images(data, mnist_dir=mnist_dir, n=n)
 
 
 def train_tarflow(model: TarFlow, x: torch.Tensor, *, epochs: int, batch_size: int = 128,
@@ -148,15 +148,9 @@ def samples_png(path: str | Path, model: TarFlow, x: torch.Tensor, *, seed: int 
                 n: int = 16, temperatures: tuple[float, ...] = (1.0, 0.7)) -> Path:
     """A PNG of ``n`` training images beside ``n`` samples at each of ``temperatures`` (Jacobi,
     ``tol=0``: the exact inverse; the same noise at every temperature). Returns ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-
     path = Path(path)
-    fig, axes = plt.subplots(1, 1 + len(temperatures), figsize=(4.5 * (1 + len(temperatures)),
-                                                                4.6))
+    cols = 1 + len(temperatures)
+    fig, axes = subplots(1, cols, figsize=(4.5 * cols, 4.6))
     panels = [(x[:n], "training images")]
     for t in temperatures:
         images, sol = model.sample(n, method="jacobi", tol=0, temperature=t,
@@ -169,10 +163,7 @@ def samples_png(path: str | Path, model: TarFlow, x: torch.Tensor, *, seed: int 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", choices=list(DATA), default="digits")
-    p.add_argument("--mnist-dir", default=None, help="directory of the MNIST IDX files")
-    p.add_argument("--epochs", type=int, default=None,
-                   help="default: " + ", ".join(f"{k} {v}" for k, v in EPOCHS.items()))
+    add_data_arguments(p, choices=DATA, default="digits", epochs=EPOCHS)
     p.add_argument("--patch-size", type=int, default=None,
                    help="default: " + ", ".join(f"{k} {v}" for k, v in PATCH.items()))
     for key in ("blocks", "layers", "width", "heads", "batch_size"):
