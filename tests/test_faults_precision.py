@@ -258,7 +258,7 @@ def test_the_floor_is_part_of_the_estimate():
 def test_ratios_over_rounding_noise_give_no_estimate():
     """ContractionRule: steps at the rounding level whose ratios fall by 2x each time are noise,
     not contraction: no stop; the same steps above the noise stop."""
-    from paraprop.solvers.stopping import NOISE, ContractionRule
+    from paraprop.stopping import NOISE, ContractionRule
 
     active = torch.ones(1, dtype=torch.bool)
     for scale, stops in ((1.0, False), (1e6, True)):

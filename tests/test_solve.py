@@ -592,7 +592,7 @@ def test_newton_family_on_the_device(method, device):
 
 # -- the stopping rule's host path (NumPy views) and accelerator path (tensor operators) ---------
 def _rule_pair(B, rated):
-    from paraprop.solvers import stopping
+    from paraprop import stopping
 
     host = stopping.ContractionRule(B, "cpu")
     device = stopping.ContractionRule(B, "cpu")
@@ -609,7 +609,7 @@ def test_the_rule_on_the_host_agrees_with_the_accelerator_path(rated, seed):
     same IEEE operations, so the same stops, estimates of the stopping samples and rounding
     floor bitwise (the host skips the estimate where no sample can stop), on sequences with
     zeros, infinities, steps at the noise level, and samples leaving."""
-    from paraprop.solvers.stopping import Floor
+    from paraprop.stopping import Floor
 
     g = torch.Generator().manual_seed(seed)
     B, tol = 7, 1e-3
@@ -643,7 +643,7 @@ def test_the_rule_on_the_host_agrees_with_the_accelerator_path(rated, seed):
 
 
 def test_the_rule_takes_rate_in_every_call_or_in_none():
-    from paraprop.solvers.stopping import ContractionRule
+    from paraprop.stopping import ContractionRule
 
     rule = ContractionRule(2, "cpu")
     on = torch.ones(2, dtype=torch.bool)
@@ -659,7 +659,7 @@ def test_the_rule_takes_rate_in_every_call_or_in_none():
 def test_the_host_bookkeeping_agrees_with_the_tensor_path(monkeypatch, method, dtype):
     """accept's (B,) bookkeeping runs on NumPy views on the host; with them off it runs the
     tensor operators an accelerator runs: the same sweeps, stops and estimates, bitwise."""
-    from paraprop.solvers.stopping import ContractionRule
+    from paraprop.stopping import ContractionRule
 
     g = torch.Generator().manual_seed(1)
     T, B = 12, 5

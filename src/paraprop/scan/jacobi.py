@@ -6,7 +6,7 @@ batched matrix-vector product over all ``T`` steps. After ``k`` sweeps positions
 exact, so ``T`` sweeps give the sequential result; stopping earlier (``max_iters``, ``tol``)
 gives an approximation whose error decays with the products of the ``A_t`` (a truncated
 back-propagation when the recurrence is a backward pass). The ``tol`` stop is the contraction
-estimate of :mod:`paraprop.solvers.stopping`: a recurrence that accumulates (``A_t`` near the
+estimate of :mod:`paraprop.stopping`: a recurrence that accumulates (``A_t`` near the
 identity) is never stopped on a small step.
 """
 
@@ -19,6 +19,7 @@ import torch
 from paraprop import checks
 from paraprop.result import Solution, ensure_converged
 from paraprop.scan.recurrence import canonicalise
+from paraprop.stopping import ContractionRule
 
 
 def jacobi_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
@@ -65,8 +66,6 @@ def jacobi_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
     x = torch.zeros_like(bb)
     residuals = []
     converged = False
-    from paraprop.solvers.stopping import ContractionRule  # the solvers package imports scan
-
     rule = ContractionRule(1, bb.device)
     always = torch.ones(1, dtype=torch.bool, device=bb.device)
     estimate = float("inf")

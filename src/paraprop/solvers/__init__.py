@@ -8,7 +8,7 @@ Pass a name (defaults apply) or a configured object as ``method`` to :func:`para
 
 Each class has ``bound(system)`` (iterations that guarantee the exact result), ``init`` and
 ``step``; the one driver in :mod:`paraprop.solve` owns the loop, and the stopping rules live in
-:mod:`paraprop.solvers.stopping`.
+:mod:`paraprop.stopping`.
 """
 
 from paraprop.solvers.anderson import TriangularAnderson

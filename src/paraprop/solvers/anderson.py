@@ -19,7 +19,7 @@ What this implementation adds, so that the result is the sequential one:
   contracts (an estimate from them let a sample stop at twice ``tol``), so once a sample's
   residual ``||fn(x) - x||`` is ``<= tol`` it continues with plain fixed-point steps
   ``x <- fn(x)``, and stops on the Jacobi rule over those: the residual and its contraction
-  estimate ``q / (1 - q) * d`` are ``<= tol`` (:class:`~paraprop.solvers.stopping.ContractionRule`).
+  estimate ``q / (1 - q) * d`` are ``<= tol`` (:class:`~paraprop.stopping.ContractionRule`).
   This usually costs one or two iterations more than stopping on the residual.
 """
 

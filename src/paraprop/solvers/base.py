@@ -21,7 +21,7 @@ import torch
 
 from paraprop.errors import NonFiniteError, NotTriangularError, ProtocolError
 from paraprop.solvers.protocols import HOOKS
-from paraprop.solvers.stopping import ContractionRule, Floor
+from paraprop.stopping import ContractionRule, Floor
 
 # the other common cause of a position that moves although its inputs are final
 NONDETERMINISTIC = ("or fn's repeated evaluation differs (a module in train mode with dropout or "
@@ -387,7 +387,7 @@ class State:
 
 
 def rounding_floor(values: torch.Tensor, norm: str) -> Floor:
-    """The rounding floor (:class:`~paraprop.solvers.stopping.Floor`, ``(B,)`` float64) of
+    """The rounding floor (:class:`~paraprop.stopping.Floor`, ``(B,)`` float64) of
     ``values`` ``(B, n, F)`` (the positions that are not final: a final one is bitwise the
     sequential value), in ``norm``.
 
@@ -398,7 +398,7 @@ def rounding_floor(values: torch.Tensor, norm: str) -> Floor:
     estimate adds ``bound = (ulp(m) + max(eps m, s)) / 2`` at the values' largest magnitude ``m``
     and divides by ``1 - q - eps / 2`` (``slack``): that is one unit in the last place at
     ``m`` where ``m`` is a power of two, less than one and a half units otherwise, the least an
-    estimate in this dtype can certify (:mod:`paraprop.solvers.stopping`). The unit of rounding
+    estimate in this dtype can certify (:mod:`paraprop.stopping`). The unit of rounding
     noise is ``eps * m``. With ``norm="l2"`` both are ``eps * ||v||_2`` (a bound of the same sum
     per entry).
     """
@@ -410,7 +410,7 @@ def rounding_floor(values: torch.Tensor, norm: str) -> Floor:
 
 def _floor_arrays(values: torch.Tensor, norm: str) -> Floor:
     """:func:`rounding_floor`, its ``(B,)`` numbers as NumPy arrays on the host (the stopping
-    rule's arithmetic runs there, :class:`~paraprop.solvers.stopping.ContractionRule`)."""
+    rule's arithmetic runs there, :class:`~paraprop.stopping.ContractionRule`)."""
     finfo = torch.finfo(values.dtype)
     B = values.shape[0]
     if values.numel() == 0:   # every position final
@@ -473,7 +473,7 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
         system, state: the system and the solver state (``state.x`` is updated in place).
         lo, hi: the positions ``new`` holds (canonical layout ``(B, hi - lo, F)``).
         tol, norm: a sample stops when the contraction estimate of its error
-            (:class:`~paraprop.solvers.stopping.ContractionRule`, with the rounding floor of the
+            (:class:`~paraprop.stopping.ContractionRule`, with the rounding floor of the
             dtype) and its forward difference are ``<= tol``, or when it did not move at all;
             its values are then frozen.
         exact: the first ``exact`` positions of ``[lo, hi)`` are final already. For an

@@ -13,7 +13,7 @@ class Jacobi:
     After sweep ``k`` the positions ``< k`` equal the sequential result exactly (Proposition 1),
     so at most ``T`` sweeps are needed (as many calls as the sequential loop), and a position
     ``< k - 1`` that still moves at sweep ``k`` proves that ``fn`` is not triangular. A sample
-    stops early on the contraction estimate of its error (:mod:`paraprop.solvers.stopping`).
+    stops early on the contraction estimate of its error (:mod:`paraprop.stopping`).
     Sweep ``T`` computes the last position as the sequential loop does (from the final
     positions, with ``x0``'s value at the last one) and checks every other position.
 

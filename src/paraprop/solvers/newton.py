@@ -24,7 +24,7 @@ the sequential result, because position ``k - 1`` is set to ``fn(x)_{k-1}``, com
 exact prefix. Those positions are frozen and the work shrinks to the suffix, so at most ``T``
 iterations are needed. A sample stops on an estimate of its error, never on the residual
 ``|fn(x) - x|`` (which does not bound it): exact Newton on the size of its step, the others on
-the contraction of successive steps (:mod:`paraprop.solvers.stopping`). A step that overflows
+the contraction of successive steps (:mod:`paraprop.stopping`). A step that overflows
 (Newton can diverge) is replaced by the Jacobi update for that sample and counted in
 ``stats["resets"]``; it never reaches the result.
 
@@ -52,7 +52,7 @@ from paraprop.solvers.base import (
     sync,
 )
 from paraprop.solvers.protocols import HOOKS
-from paraprop.solvers.stopping import Floor
+from paraprop.stopping import Floor
 
 FORMS = {"newton": "any", "quasi_newton": "diag", "elk": "dense", "quasi_elk": "diag"}
 DEFAULT_DAMPING = 1e-2
@@ -65,7 +65,7 @@ class _NewtonFamily:
     Stopping: exact Newton stops a sample when its step ``||delta||`` is ``<= tol`` (the step
     is the linearised error of the iterate, accumulation included). The approximate and damped
     steps estimate the error by the contraction of successive steps
-    (:class:`~paraprop.solvers.stopping.ContractionRule`), plus the step itself, since a
+    (:class:`~paraprop.stopping.ContractionRule`), plus the step itself, since a
     stopping sample returns ``fn(x)`` rather than the next iterate.
     """
 

@@ -40,8 +40,8 @@ from paraprop import checks
 from paraprop.errors import ProtocolError
 from paraprop.solvers.base import State, System, half_ulp_bound
 from paraprop.solvers.protocols import HOOKS
-from paraprop.solvers.stopping import freeze_budget, freeze_thresholds
 from paraprop.solvers.verify import final_step
+from paraprop.stopping import freeze_budget, freeze_thresholds
 
 
 class SlidingJacobi:
