@@ -11,10 +11,9 @@ from torch import nn
 from paraprop.data import bitstreams
 from paraprop.nn import JacobiBackward, ScanBackward
 from paraprop.scan import native
+from paraprop_lab.demos._common import speedup_part
 from paraprop_lab.experiments.bppsa import CLASSES, pair
 from paraprop_lab.experiments.harness import interleaved, median
-from paraprop_lab.experiments.plots import bar_plot
-from paraprop_lab.experiments.report import markdown_table, text_table
 
 ORDER = 30
 TITLE = "Back-propagation as a scan: an RNN's backward pass at T = 1000 (BPPSA)"
@@ -72,16 +71,9 @@ def run(out_dir: Path, *, quick: bool = False) -> dict:
                      "grad_rel_err": err, "note": note})
     title = (f"RNN bitstream classification, T={T}, batch {batch}, hidden 20: backward pass "
              f"(median of {2 if quick else 7} interleaved rounds)")
-    print(title)
-    print(text_table(rows, COLUMNS))
-    why, headline = explain(rows, T, sweeps=30)
-    print(why)
-    png = bar_plot(out_dir / "demo_bppsa_backward.png", title.split(":")[0],
-                   [r["method"] for r in rows], [r["speedup"] for r in rows],
-                   "speedup of the backward pass over torch autograd (times faster)")
-    md = markdown_table(rows, COLUMNS) + "\n\n" + why + f"\n\n![]({png.name})"
-    return {"rows": rows, "sections": [(title, md)], "why": why, "headline": headline,
-            "plots": [png]}
+    return speedup_part(out_dir, "demo_bppsa_backward.png", title, rows, COLUMNS,
+                        explain(rows, T, sweeps=30), plot_title=title.split(":")[0],
+                        ylabel="speedup of the backward pass over torch autograd (times faster)")
 
 
 def explain(rows: list[dict], T: int, *, sweeps: int) -> tuple[str, str]:

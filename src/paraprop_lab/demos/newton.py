@@ -7,10 +7,9 @@ from pathlib import Path
 import torch
 
 from paraprop.nn import GRU
+from paraprop_lab.demos._common import speedup_part
 from paraprop_lab.experiments.explain import fewer_passes, pass_cost
 from paraprop_lab.experiments.harness import interleaved, median
-from paraprop_lab.experiments.plots import bar_plot
-from paraprop_lab.experiments.report import markdown_table, text_table
 
 ORDER = 35
 TITLE = "Recurrences by Newton's method: a GRU forward pass at T = 30000 (DEER, quasi-DEER)"
@@ -57,16 +56,9 @@ def run(out_dir: Path, *, quick: bool = False) -> dict:
                      "max_abs_err": float((outs[name] - outs["torch.nn.GRU"]).abs().max())})
     title = (f"GRU forward, T={T}, batch {batch}, hidden {hidden}, input 1 "
              f"(median of {repeats} interleaved rounds; torch: {T} dependent steps)")
-    print(title)
-    print(text_table(rows, COLUMNS))
-    why, headline = explain(rows, T)
-    print(why)
-    png = bar_plot(out_dir / "demo_newton_forward.png", title.split(" (")[0],
-                   [r["method"] for r in rows], [r["speedup"] for r in rows],
-                   "speedup of the forward pass over torch.nn.GRU (times faster)")
-    md = markdown_table(rows, COLUMNS) + "\n\n" + why + f"\n\n![]({png.name})"
-    return {"rows": rows, "sections": [(title, md)], "why": why, "headline": headline,
-            "plots": [png]}
+    return speedup_part(out_dir, "demo_newton_forward.png", title, rows, COLUMNS,
+                        explain(rows, T), plot_title=title.split(" (")[0],
+                        ylabel="speedup of the forward pass over torch.nn.GRU (times faster)")
 
 
 def explain(rows: list[dict], T: int) -> tuple[str, str]:
