@@ -353,30 +353,26 @@ def _smooth(xs: list[float], k: int = 10) -> list[float]:
 def plot_sweep(path: Path, rows: list[dict], key: str, xlabel: str, title: str) -> Path:
     """BPPSA Fig. 8 style: times (log-log) and speedups against T or batch."""
     xs = [r[key] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    ax = axes[0]
-    ax.loglog(xs, [r["torch_bwd_ms"] for r in rows], "o-", label="torch autograd backward")
-    ax.loglog(xs, [r["scan_bwd_ms"] for r in rows], "s-", label="scan backward (native)")
-    if "chunked_bwd_ms" in rows[0]:
-        ax.loglog(xs, [r["chunked_bwd_ms"] for r in rows], "^-",
-                  label="scan backward (PyTorch chunked)")
-    ax.loglog(xs, [r["torch_step_ms"] for r in rows], "o--", alpha=0.6, label="torch step")
-    ax.loglog(xs, [r["scan_step_ms"] for r in rows], "s--", alpha=0.6, label="scan step")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("median time (ms)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    ax = axes[1]
-    ax.semilogx(xs, [r["bwd_speedup"] for r in rows], "s-", label="backward")
-    ax.semilogx(xs, [r["step_speedup"] for r in rows], "o-", label="training step")
-    if "chunked_bwd_speedup" in rows[0]:
-        ax.semilogx(xs, [r["chunked_bwd_speedup"] for r in rows], "^-",
-                    label="backward, PyTorch chunked")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("speedup over torch autograd")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, (times, speedups) = plt.subplots(1, 2, figsize=(11, 4))
+    # (axes, how, column, style, label, alpha); the chunked columns only where rows have them
+    lines = [(times.loglog, "torch_bwd_ms", "o-", "torch autograd backward", None),
+             (times.loglog, "scan_bwd_ms", "s-", "scan backward (native)", None),
+             (times.loglog, "chunked_bwd_ms", "^-", "scan backward (PyTorch chunked)", None),
+             (times.loglog, "torch_step_ms", "o--", "torch step", 0.6),
+             (times.loglog, "scan_step_ms", "s--", "scan step", 0.6),
+             (speedups.semilogx, "bwd_speedup", "s-", "backward", None),
+             (speedups.semilogx, "step_speedup", "o-", "training step", None),
+             (speedups.semilogx, "chunked_bwd_speedup", "^-", "backward, PyTorch chunked", None)]
+    for draw, column, style, label, alpha in lines:
+        if not column.startswith("chunked") or column in rows[0]:
+            draw(xs, [r[column] for r in rows], style, label=label, alpha=alpha)
+    speedups.axhline(1.0, color="grey", lw=0.8)
+    for ax, ylabel, fontsize in ((times, "median time (ms)", 7),
+                                 (speedups, "speedup over torch autograd", 8)):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=fontsize)
     fig.suptitle(title)
     return save_figure(fig, path, dpi=110)
 
