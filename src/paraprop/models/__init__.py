@@ -8,7 +8,7 @@ from paraprop.models.made import MADE
 from paraprop.models.masked import MaskedLinear, made_degrees, made_masks
 from paraprop.models.mlp import deep_mlp
 from paraprop.models.pixelcnn import PixelCNN
-from paraprop.models.recurrences import LayerChain, MaskedAffineMap
+from paraprop.models.synthetic import LayerChain, MaskedAffineMap
 from paraprop.models.tarflow import TarFlow
 
 __all__ = ["MADE", "LayerChain", "MLPDenoiser", "MaskedAffineMap", "MaskedLinear", "PixelCNN",

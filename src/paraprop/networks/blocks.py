@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from paraprop import checks
-from paraprop.networks.recurrence import LayerSystem
+from paraprop.networks.layer_system import LayerSystem
 from paraprop.result import Solution
 from paraprop.solve import solve
 from paraprop.solvers import JacobiGS

@@ -25,7 +25,7 @@ from torch import nn
 
 from paraprop import checks
 from paraprop.determinism import require_deterministic
-from paraprop.networks.recurrence import LayerRecurrence, Step
+from paraprop.networks.layer_system import LayerRecurrence, Step
 
 __all__ = ["UnsupportedModuleError", "as_recurrence", "register_converter"]
 

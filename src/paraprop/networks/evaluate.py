@@ -17,7 +17,7 @@ from paraprop import checks
 from paraprop.determinism import refuse_random_draws
 from paraprop.networks.blocks import jacobi_gs_blocks
 from paraprop.networks.convert import as_recurrence
-from paraprop.networks.recurrence import LayerSystem
+from paraprop.networks.layer_system import LayerSystem
 from paraprop.solve import Solution, solve
 from paraprop.solvers import make_solver
 

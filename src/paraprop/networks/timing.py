@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from paraprop import checks
-from paraprop.networks.recurrence import LayerSystem
+from paraprop.networks.layer_system import LayerSystem
 
 __all__ = ["estimate_time", "partition_time", "profile", "uniform_blocks"]
 
