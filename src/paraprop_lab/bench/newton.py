@@ -170,25 +170,15 @@ def _timed(cases: dict, warm: int, reps: dict, desc: str) -> dict[str, list[floa
 def forward_cell(H: int, T: int, x: torch.Tensor, warm: int, reps: dict):
     """Forward times (no graph), iterations and ``max |h - h_torch|`` of one (hidden, T)."""
     ref, ours = models(H)
-    outs, stats = {}, {}
-
-    def case(name, model):
-        def go():
-            with torch.no_grad():
-                outs[name] = model(x)[0]
-            if name != "torch":
-                stats[name] = {k: v[0] for k, v in model.forward_stats.items()}
-        return go
-
-    cases = {"torch": case("torch", ref), **{m: case(m, g) for m, g in ours.items()}}
+    cases, outs, stats = _rows.forward_cases({"torch": ref, **ours}, x)
     times = _timed(cases, warm, reps, f"fwd H={H} T={T}")
     row = {"hidden": H, "T": T, "rounds": reps["torch"], "torch_ms": 1e3 * median(times["torch"])}
     for m in METHODS:
         row[f"{m}_ms"] = 1e3 * median(times[m])
         row[f"{m}_speedup"] = row["torch_ms"] / row[f"{m}_ms"]
     for m in METHODS:
-        row[f"{m}_iters"] = stats[m]["iterations"]
-        row[f"{m}_resets"] = stats[m]["resets"]
+        row[f"{m}_iters"] = stats[m]["iterations"][0]
+        row[f"{m}_resets"] = stats[m]["resets"][0]
         row[f"{m}_err"] = float((outs[m] - outs["torch"]).abs().max())
     return row, times
 

@@ -347,16 +347,11 @@ def _gru_pair(H: int, method: str, tol: float | None):
     return ref, mine
 
 
-def newton_rows(ctx: Context) -> list[dict]:
-    """DEER's headline: a GRU (hidden 8, input 1, batch 16) forward over T=100000 by Newton and
-    quasi-Newton (``ParallelForward(tol=1e-6)``) against torch.nn.GRU (cuDNN on a GPU)."""
-    H, T, B = ctx.pick((4, 300, 2), (8, 100000, 16))
-    dev = ctx.device
-    x = torch.randn(T, B, 1, generator=torch.Generator().manual_seed(T)).to(dev)
-    ref, newton = _gru_pair(H, "newton", NEWTON_FORWARD_TOL)
-    _, quasi = _gru_pair(H, "quasi_newton", NEWTON_FORWARD_TOL)
-    ref = ref.to(dev)
-    models = {"newton": newton.to(dev), "quasi_newton": quasi.to(dev)}
+def forward_cases(models: dict[str, nn.Module], x: torch.Tensor) -> tuple[dict, dict, dict]:
+    """Timing cases of recurrent modules' forwards on ``x``, without a graph: ``name -> call``
+    (:func:`paraprop_lab.experiments.harness.interleaved`), and the two dicts the calls fill:
+    ``outs`` (name -> the output sequence, ``model(x)[0]``) and ``stats`` (name -> a copy of the
+    module's ``forward_stats``; every model but ``"torch"``, whose module keeps none)."""
     outs, stats = {}, {}
 
     def case(name, model):
@@ -367,7 +362,20 @@ def newton_rows(ctx: Context) -> list[dict]:
                 stats[name] = dict(model.forward_stats)
         return run
 
-    cases = {"torch": case("torch", ref), **{k: case(k, m) for k, m in models.items()}}
+    return {name: case(name, model) for name, model in models.items()}, outs, stats
+
+
+def newton_rows(ctx: Context) -> list[dict]:
+    """DEER's headline: a GRU (hidden 8, input 1, batch 16) forward over T=100000 by Newton and
+    quasi-Newton (``ParallelForward(tol=1e-6)``) against torch.nn.GRU (cuDNN on a GPU)."""
+    H, T, B = ctx.pick((4, 300, 2), (8, 100000, 16))
+    dev = ctx.device
+    x = torch.randn(T, B, 1, generator=torch.Generator().manual_seed(T)).to(dev)
+    ref, newton = _gru_pair(H, "newton", NEWTON_FORWARD_TOL)
+    _, quasi = _gru_pair(H, "quasi_newton", NEWTON_FORWARD_TOL)
+    ref = ref.to(dev)
+    models = {"newton": newton.to(dev), "quasi_newton": quasi.to(dev)}
+    cases, outs, stats = forward_cases({"torch": ref, **models}, x)
     times = ctx.time(cases, repeats=ctx.rounds(5), desc=f"newton GRU T={T}")
     return [row("newton", f"gru_forward.{m}", what="GRU forward by Newton (DEER) vs torch's "
                 "kernel (cuDNN on a GPU)", shape=f"T={T}, hidden {H}, batch {B}, input 1, "
