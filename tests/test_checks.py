@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from paraprop import checks
 
@@ -119,3 +120,26 @@ def test_one_of():
     with pytest.raises(ValueError, match=r"^unknown levels=True; choose one of 1, 2$"):
         checks.one_of("levels", True, (1, 2))
     assert checks.one_of("levels", 2, (1, 2)) == 2
+
+
+def test_finite_names_the_first_bad_entry():
+    t = torch.tensor([[1.0, 2.0], [float("nan"), float("inf")]])
+    with pytest.raises(ValueError, match=r"^x must be finite; entry \(1, 0\) of shape \(2, 2\) "
+                       r"is nan$"):
+        checks.finite("x", t)
+    ok = torch.ones(3)
+    assert checks.finite("x", ok) is ok
+
+
+def test_same_kind_names_dtype_then_device():
+    ref = torch.zeros(2, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"^x has dtype torch.float32 but the model has "
+                       r"torch.float64$"):
+        checks.same_kind("x", torch.zeros(2), ref, "the model")
+    if torch.cuda.is_available():
+        with pytest.raises(TypeError, match=r"^x is on cuda:0 but the model is on cpu$"):
+            checks.same_kind("x", ref.cuda(), ref, "the model")
+    meta = torch.zeros(2, dtype=torch.float64, device="meta")
+    with pytest.raises(TypeError, match=r"^x is on meta but the model is on cpu$"):
+        checks.same_kind("x", meta, ref, "the model")
+    assert checks.same_kind("x", ref, ref, "the model") is ref

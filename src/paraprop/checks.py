@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 __all__ = [
     "boolean",
     "callable_arg",
     "check_max_iters",
     "check_tol",
+    "finite",
     "is_int",
     "is_number",
     "nonneg_int",
@@ -30,6 +33,7 @@ __all__ = [
     "one_of",
     "positive_int",
     "positive_number",
+    "same_kind",
 ]
 
 
@@ -163,3 +167,25 @@ def check_tol(tol, name: str = "tol"):
 def check_max_iters(max_iters, name: str = "max_iters"):
     """``max_iters`` if it is ``None`` or an int ``>= 1`` (the iteration cap of the solvers)."""
     return positive_int(name, max_iters, allow_none=True)
+
+
+def finite(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` if every entry is finite; else ``ValueError`` naming ``name`` and its first NaN or
+    inf entry (``x must be finite; entry (0, 2) of shape (4, 3) is nan``)."""
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} must be finite; entry {idx} of shape {tuple(t.shape)} is "
+                         f"{float(t[idx])}")
+    return t
+
+
+def same_kind(name: str, t: torch.Tensor, ref: torch.Tensor, owner: str) -> torch.Tensor:
+    """``t`` if it has the dtype and the device of ``ref``; else ``TypeError`` naming both
+    (``x has dtype torch.float32 but the model has torch.float64``, ``x is on cuda:0 but the
+    model is on cpu``). ``owner`` names what ``ref`` belongs to (``"the model"``)."""
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but {owner} has {ref.dtype}")
+    if torch.device(t.device) != torch.device(ref.device):
+        raise TypeError(f"{name} is on {t.device} but {owner} is on {ref.device}")
+    return t

@@ -141,11 +141,7 @@ def _validate(system, rhs, method, tol, max_iters, throw):
                          f"must have shape ({system.batch}, {system.N}); got {tuple(rhs.shape)}")
     if rhs.numel() == 0:
         raise ValueError(f"rhs must not be empty, got shape {tuple(rhs.shape)}")
-    bad = ~torch.isfinite(rhs)
-    if bool(bad.any()):
-        idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"rhs must be finite; entry {idx} of shape {tuple(rhs.shape)} is "
-                         f"{float(rhs[idx])}")
+    checks.finite("rhs", rhs)
     system.check_nonsingular()
     B = 1 if rhs.dim() == 1 else rhs.shape[0]
     R = rhs.reshape(B, 1, system.N) if system.batch is not None else rhs.reshape(1, B, system.N)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paraprop import checks
 from paraprop.linalg.activations import (
     SUPPORTED,
     WITH_SETTINGS,
@@ -110,22 +111,8 @@ def check_input(x, parsed: ParsedMLP, name: str = "x") -> torch.Tensor:
     n0 = parsed.linears[0].in_features
     if x.dim() != 2 or x.shape[1] != n0:
         raise ValueError(f"{name} must have shape (B, {n0}), got {tuple(x.shape)}")
-    w = parsed.linears[0].weight
-    if x.dtype != w.dtype:
-        raise TypeError(f"{name} has dtype {x.dtype} but the model has {w.dtype}")
-    if torch.device(x.device) != torch.device(w.device):
-        raise TypeError(f"{name} is on {x.device} but the model is on {w.device}")
-    check_finite(x, name)
-    return x.detach()
-
-
-def check_finite(t: torch.Tensor, name: str) -> None:
-    """Raise ``ValueError`` naming ``name`` and its first NaN or inf entry."""
-    bad = ~torch.isfinite(t)
-    if bool(bad.any()):
-        idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{name} must be finite; entry {idx} of shape {tuple(t.shape)} is "
-                         f"{float(t[idx])}")
+    checks.same_kind(name, x, parsed.linears[0].weight, "the model")
+    return checks.finite(name, x).detach()
 
 
 def group_by(keys: list) -> dict:
@@ -213,11 +200,8 @@ def check_grad_output(grad_output, parsed: ParsedMLP, x: torch.Tensor) -> torch.
     if tuple(grad_output.shape) != (x.shape[0], out):
         raise ValueError(f"grad_output must have shape ({x.shape[0]}, {out}), got "
                          f"{tuple(grad_output.shape)}")
-    if grad_output.dtype != x.dtype:
-        raise TypeError(f"grad_output has dtype {grad_output.dtype} but x has {x.dtype}")
-    if torch.device(grad_output.device) != torch.device(x.device):
-        raise TypeError(f"grad_output is on {grad_output.device} but x is on {x.device}")
-    check_finite(grad_output, "grad_output")
+    checks.same_kind("grad_output", grad_output, x, "x")
+    checks.finite("grad_output", grad_output)
     return grad_output.detach()
 
 

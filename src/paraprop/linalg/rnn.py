@@ -91,10 +91,7 @@ def _validate(rnn, x, h0, grad_output, grad_hn, entry: str):
                          f"({'(B, tau, ...)' if rnn.batch_first else 'batch_first=False'}), "
                          f"got {tuple(getattr(x, 'shape', ()))}")
     w = rnn.weight_ih_l0
-    if x.dtype != w.dtype:
-        raise TypeError(f"x has dtype {x.dtype} but the rnn has {w.dtype}")
-    if torch.device(x.device) != torch.device(w.device):
-        raise TypeError(f"x is on {x.device} but the rnn is on {w.device}")
+    checks.same_kind("x", x, w, "the rnn")
     xs = x.detach().transpose(0, 1) if rnn.batch_first else x.detach()
     tau, B, _ = xs.shape
     if tau == 0:
@@ -115,16 +112,8 @@ def _check_tensor(name: str, t, shape: tuple, w: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if t.dtype != w.dtype:
-        raise TypeError(f"{name} has dtype {t.dtype} but the rnn has {w.dtype}")
-    if torch.device(t.device) != torch.device(w.device):
-        raise TypeError(f"{name} is on {t.device} but the rnn is on {w.device}")
-    bad = ~torch.isfinite(t)
-    if bool(bad.any()):
-        idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{name} must be finite; entry {idx} of shape {shape} is "
-                         f"{float(t[idx])}")
-    return t.detach()
+    checks.same_kind(name, t, w, "the rnn")
+    return checks.finite(name, t).detach()
 
 
 def from_rnn(rnn: nn.RNN, x: torch.Tensor, *, h0: torch.Tensor | None = None,
