@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from paraprop import solvers
+from paraprop import Result, solvers
 from paraprop.decoding import choose, generate, process_logits
 
 transformers = pytest.importorskip("transformers")
@@ -374,6 +374,8 @@ def test_certificate_failure_raises_with_throw():
     ids, _ = prompts(1, 4)
     out, sol = generate(model, ids, max_new_tokens=6, eos_token_id=[], throw=False)
     assert not sol.converged and (0, 1) in sol.stats["uncertified"]
+    assert sol.result is Result.not_certified
+    assert sol.message.endswith(sol.stats["uncertified_cause"])
     assert sol.stats["margin_ratio"] == 0.0
     with pytest.raises(paraprop_convergence(), match=r"new position 1 of sample 0 is not "
                        r"certified.*it is an exact tie in the gap between the best and the "

@@ -18,17 +18,19 @@ scores are processed as ``generate`` processes them (:mod:`paraprop.decoding.pro
 from __future__ import annotations
 
 import dataclasses
+import math
 from types import SimpleNamespace
 
 import torch
 
 from paraprop import checks
 from paraprop.decoding import settings as _settings
-from paraprop.decoding.lm import CachedLM, cache_keyword
+from paraprop.decoding.lm import CachedLM, cache_keyword, forward_params
 from paraprop.decoding.ngrams import NgramPool
 from paraprop.decoding.processors import Pipeline, _scale
 from paraprop.determinism import require_deterministic
 from paraprop.errors import ConvergenceError, NotTriangularError, StochasticModelError
+from paraprop.result import Result
 from paraprop.solve import solve
 from paraprop.solvers import GSJacobi, Sequential, SlidingJacobi, is_solver
 
@@ -150,7 +152,8 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
     """
     require_deterministic(model, argument="model", entry="decoding.generate")
     _settings.check_causal(model)
-    cache_keyword(model)
+    params = forward_params(model)          # one signature per call
+    cache_keyword(model, params)
     B, P = _check_ids(input_ids)
     explicit = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                     top_k=top_k, top_p=top_p, min_p=min_p,
@@ -173,7 +176,7 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
     if attention_mask is not None:
         mask = torch.cat([attention_mask.to(torch.long),
                           attention_mask.new_ones((B, T), dtype=torch.long)], dim=1)
-    lm = CachedLM(model, tokens, mask)
+    lm = CachedLM(model, tokens, mask, params)
     pool = None
     if ngram and not isinstance(solver, Sequential):
         real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None \
@@ -208,7 +211,7 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
              "window": solver_size(solver, T), "new_tokens": n,
              "batch_advance": "minimum" if B > 1 else "per-sample",
              "processors": pipe.active}
-    converged, message = sol.converged, None
+    result, message = sol.result, None
     if isinstance(solver, Sequential):
         stats.update(certificate="sequential", margin_ratio=float("inf"), uncertified=[])
     else:
@@ -224,9 +227,9 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
             b, t = where[0]
             stats["uncertified_cause"] = _cause(tmap, b, t, coarse, len(where))
         if where and sol.converged:
-            converged = False
-            message = stats["uncertified_cause"]
-    sol = dataclasses.replace(sol, value=gen, stats=stats, converged=converged)
+            result = Result.not_certified
+            message = stats["not_converged"] = stats["uncertified_cause"]
+    sol = dataclasses.replace(sol, value=gen, stats=stats, result=result)
     if message is not None and throw:
         raise ConvergenceError(message, solution=sol)
     return torch.cat([input_ids, gen[:, :n]], dim=1), sol
@@ -258,6 +261,13 @@ class _TokenMap:
     from (the ``FINGERPRINT`` largest logits of the first computation): a difference above the
     rounding bound of the margins means the model is not a fixed function of its input
     (:class:`paraprop.StochasticModelError`, raised at the next pass's host sync or at the end).
+    Without ``recheck`` (the sequential loop, which computes each position once, from its final
+    prefix, so that nothing is ever computed twice) no fingerprints are kept, and no margins:
+    that loop is the reference and needs no certificate.
+
+    Per pass: one host sync (the positions to compute, the cache's valid length and the repeat
+    check's largest ratio so far), one model call, and a fixed number of tensor operations
+    over the window (no per-position Python loop).
     """
 
     markov = False
@@ -275,8 +285,11 @@ class _TokenMap:
         self.first = first                      # the prefill's logits of position 0
         B = lm.tokens.shape[0]
         self.stamp = 0
-        self.prev = lm.tokens[:, P:].clone()    # the tokens written last time
-        self.changed = torch.zeros(B, T, dtype=torch.long, device=dev)     # stamp of change
+        # the stamp of the latest change of each position (lm.tokens[:, P:] holds the tokens
+        # written last time), and of the latest change before it: since[:, t] = max(changed[:,
+        # :t]), so a decision is valid while computed >= since
+        self.changed = torch.zeros(B, T, dtype=torch.long, device=dev)
+        self.since = torch.zeros(B, T, dtype=torch.long, device=dev)
         self.computed = torch.full((B, T), -1, dtype=torch.long, device=dev)
         self.tok = torch.zeros(B, T, dtype=torch.long, device=dev)        # decisions
         self.ratio = torch.full((B, T), torch.inf, dtype=torch.float64, device=dev)
@@ -285,11 +298,13 @@ class _TokenMap:
         self.cause = torch.zeros(B, T, dtype=torch.long, device=dev)
         K = min(self.FINGERPRINT, first.shape[-1])
         self.fp_idx = torch.zeros(B, T, K, dtype=torch.long, device=dev)
-        self.fp_val = torch.zeros(B, T, K, dtype=first.dtype, device=dev)
+        self.fp_val = torch.zeros(B, T, K, dtype=torch.float64, device=dev)
         self.fp_scale = torch.zeros(B, T, dtype=torch.float32, device=dev)
-        # the largest repeat difference over its bound, with where it was:
-        # [ratio, sample, position, token, first logit, second logit, bound]
-        self.worst = torch.zeros(7, dtype=torch.float64, device=dev)
+        # the largest repeat difference over its bound so far (a 0-d tensor, read at each
+        # pass's sync), and the last comparison's tensors, to say where it was: every comparison
+        # is followed by a sync before the next one, so a ratio above 1 is the last one's
+        self.worst = torch.zeros((), dtype=torch.float64, device=dev)
+        self.last = None
         self.compared = torch.zeros((), dtype=torch.long, device=dev)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -307,7 +322,11 @@ class _TokenMap:
         return x
 
     def update(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        lo, hi = int(index[0]), int(index[-1]) + 1
+        if index.numel() == 1:                 # the sequential loop: one sync
+            lo = int(index)
+            hi = lo + 1
+        else:
+            lo, hi = int(index[0]), int(index[-1]) + 1
         if hi - lo != index.numel():
             full = self.window(x, 0, self.T, None)[0]
             return full.index_select(1, index)
@@ -324,34 +343,42 @@ class _TokenMap:
         P, lm = self.P, self.lm
         gen = x.to(torch.long)
         self.stamp += 1
-        self.changed.masked_fill_(gen != self.prev, self.stamp)
-        self.prev.copy_(gen)
-        lm.tokens[:, P:] = gen
-        last = self.changed.cummax(1).values                               # latest change <= t
-        since = torch.cat([last.new_zeros(last.shape[0], 1), last[:, :-1]], 1)
-        valid = self.computed >= since               # decided with the current prefix
-        ended = self.ended(gen)
-        need = (~valid & ~ended)[:, start:stop].any(0)                     # (n,)
+        buf = lm.tokens[:, P:]                  # the tokens written last time
+        self.changed.masked_fill_(gen != buf, self.stamp)
+        buf.copy_(gen)
+        self.since[:, 1:] = self.changed[:, :-1].cummax(1).values
+        # not decided with the current prefix (and not after the sample's EOS)
+        todo = self.computed[:, start:stop] < self.since[:, start:stop]
+        ended = self.ended(gen) if self.eos is not None else None
+        if ended is not None:
+            todo &= ~ended[:, start:stop]
         n = stop - start
-        ar = torch.arange(n, device=need.device)
-        span = torch.stack([need.any().long(), torch.where(need, ar, n).min(),
-                            torch.where(need, ar, -1).max(), lm.valid_length()])
-        span = torch.cat([span.to(torch.float64), self.worst[:1]]).tolist()   # one sync
-        if span[4] > 1:
+        # the prompt is never written: only the cache entries from P on can be stale
+        head = min(P, lm.cached.shape[1])
+        host = torch.cat([self.worst.view(1), todo.any(0).to(torch.float64),
+                          lm.same_from(head).to(torch.float64)]).tolist()      # one sync
+        if host[0] > 1:
             self._stochastic()
-        if span[0]:
-            a, b = start + int(span[1]), start + int(span[2]) + 1
+        need = host[1 : n + 1]
+        if 1.0 in need:
+            same = host[n + 1 :]
+            cached = head + (same.index(0.0) if 0.0 in same else len(same))
+            a = start + need.index(1.0)
+            b = stop - need[::-1].index(1.0)
             if self.recheck and a > 0:
                 a -= 1      # the repeat check: one decided position, recomputed
-            self._decide(a, b, valid[:, a:b], int(span[3]))
-        out = torch.where(ended[:, start:stop], self.pad, self.tok[:, start:stop])
+            self._decide(a, b, cached)
+        out = self.tok[:, start:stop]
+        if ended is not None:
+            out = torch.where(ended[:, start:stop], self.pad, out)
         return out.to(x.dtype), None
 
-    def _decide(self, a: int, b: int, valid: torch.Tensor, cached: int) -> None:
+    def _decide(self, a: int, b: int, cached: int) -> None:
         """Decide the positions ``[a, b)`` from the current buffer (one model pass; ``cached``
         is the cache's valid length); compare the logits of the positions decided before with
-        the same prefix (``valid``) with the ones they were decided from."""
+        the same prefix with the ones they were decided from."""
         P, lm = self.P, self.lm
+        valid = self.computed[:, a:b] >= self.since[:, a:b]     # decided with this prefix
         if a == 0 and not self.started:                   # position 0: from the prefill
             parts = [self.first[:, None]]
             if b > 1:
@@ -360,59 +387,68 @@ class _TokenMap:
         else:
             logits = lm.logits(P - 1 + a, P - 1 + b, cached)
         u = None if self.u is None else self.u[:, a:b]
-        tok, ratio, cause = self.pipe.decide(logits, lm.tokens, a, u)
         self.started = True
+        old_tok = self.tok[:, a:b]
+        if not self.recheck:          # the sequential loop: the tokens, no certificate
+            tok = self.pipe.decide(logits, lm.tokens, a, u, margins=False)[0]
+            old_tok.copy_(torch.where(valid, old_tok, tok))
+            self.computed[:, a:b] = torch.where(valid, self.computed[:, a:b], self.stamp)
+            return
+        scale = _scale(logits)
+        tok, ratio, cause = self.pipe.decide(logits, lm.tokens, a, u, scale=scale)
         if a == 0:          # computed by the prefill, exactly as generate's first step
             ratio[:, 0] = torch.inf
-        self._compare(logits, a, b, valid)
-        old_tok, old_ratio, old_cause = self.tok[:, a:b], self.ratio[:, a:b], self.cause[:, a:b]
+        self._compare(logits, scale, a, b, valid)
+        old_ratio, old_cause = self.ratio[:, a:b], self.cause[:, a:b]
         flip = valid & (tok != old_tok)          # same prefix, another decision: a near-tie
         if a == 0:
             flip[:, 0] = False                   # the prefill's token stands
         keep = valid & (old_ratio <= ratio)
-        cause = torch.where(keep, old_cause, cause)
-        cause = torch.where(valid & (old_cause == -1), -1, cause)
-        self.ratio[:, a:b] = torch.where(flip, 0.0, torch.where(keep, old_ratio, ratio))
-        self.cause[:, a:b] = torch.where(flip & (cause != -1), -2, cause)
-        self.tok[:, a:b] = torch.where(valid, old_tok, tok)
+        # the kept decision's cause (a non-finite one stays)
+        cause = torch.where(keep | (valid & (old_cause == -1)), old_cause, cause)
+        old_ratio.copy_(torch.where(flip, 0.0, torch.where(keep, old_ratio, ratio)))
+        old_cause.copy_(torch.where(flip & (cause != -1), -2, cause))
+        old_tok.copy_(torch.where(valid, old_tok, tok))
         self.computed[:, a:b] = torch.where(valid, self.computed[:, a:b], self.stamp)
 
-    def _compare(self, logits: torch.Tensor, a: int, b: int, valid: torch.Tensor) -> None:
+    def _compare(self, logits: torch.Tensor, scale: torch.Tensor, a: int, b: int,
+                 valid: torch.Tensor) -> None:
         """The repeat check of the positions ``[a, b)`` decided before with the same prefix
-        (``valid``), and the fingerprints of the others (no host sync)."""
-        scale = _scale(logits)
+        (``valid``), and the fingerprints of the others (no host sync); ``scale`` is
+        :func:`~paraprop.decoding.processors._scale` of ``logits``."""
         idx = self.fp_idx[:, a:b]
+        fp_val = self.fp_val[:, a:b]
         new = logits.gather(-1, idx).to(torch.float64)
-        old = self.fp_val[:, a:b].to(torch.float64)
+        old = fp_val            # (the updates below keep the valid positions, the compared ones)
         bound = self.pipe.factor * torch.maximum(scale, self.fp_scale[:, a:b]).to(torch.float64)
-        ok = valid[..., None] & new.isfinite() & old.isfinite()
-        r = (new - old).abs() / bound[..., None]
-        r = torch.where(ok & ~r.isnan(), r, 0.0)
-        n, K = b - a, idx.shape[-1]
-        m = r.reshape(-1).argmax().view(1)        # one-element tensors: no host sync
-        bi, ti = m // (n * K), (m // K) % n
-        info = torch.cat([r.reshape(-1).gather(0, m), bi.double(), (ti + a).double(),
-                          idx.reshape(-1).gather(0, m).double(), old.reshape(-1).gather(0, m),
-                          new.reshape(-1).gather(0, m), bound.reshape(-1).gather(0, bi * n + ti)])
-        self.worst = torch.where(info[0] > self.worst[0], info, self.worst)
+        both = valid[..., None]
+        ok = both & new.isfinite() & old.isfinite()
+        r = torch.where(ok, (new - old).abs() / bound[..., None], 0.0)
+        r = r.nan_to_num(nan=0.0, posinf=math.inf)         # 0/0: no difference
+        self.worst = torch.maximum(self.worst, r.amax())
+        self.last = (r, idx, old, new, bound, a)
         self.compared += valid.sum()
         top = logits.topk(idx.shape[-1], dim=-1)
-        keep = valid[..., None]
-        self.fp_idx[:, a:b] = torch.where(keep, idx, top.indices)
-        self.fp_val[:, a:b] = torch.where(keep, self.fp_val[:, a:b], top.values.to(
-            self.fp_val.dtype))
+        idx.copy_(torch.where(both, idx, top.indices))
+        fp_val.copy_(torch.where(both, fp_val, top.values.to(torch.float64)))
         self.fp_scale[:, a:b] = torch.where(valid, self.fp_scale[:, a:b], scale)
 
     def check_repeats(self) -> tuple[int, float]:
         """Raise :class:`~paraprop.StochasticModelError` if a repeat check failed; else the
         number of repeats compared and the largest difference over its bound (one sync)."""
-        both = torch.stack([self.compared.double(), self.worst[0]]).tolist()
+        both = torch.stack([self.compared.double(), self.worst]).tolist()
         if both[1] > 1:
             self._stochastic()
         return int(both[0]), both[1]
 
     def _stochastic(self) -> None:
-        r, b, t, tok, old, new, bound = self.worst.tolist()
+        r_all, idx, old_all, new_all, bound_all, a = self.last
+        n, K = r_all.shape[1], r_all.shape[2]
+        at = int(r_all.reshape(-1).argmax())
+        b, t, k = at // (n * K), (at // K) % n, at % K
+        r, tok = float(r_all[b, t, k]), int(idx[b, t, k])
+        old, new, bound = float(old_all[b, t, k]), float(new_all[b, t, k]), float(bound_all[b, t])
+        t += a
         model = self.model
         training = []
         if isinstance(model, torch.nn.Module):

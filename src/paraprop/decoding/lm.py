@@ -24,14 +24,12 @@ import torch
 CACHE_NAMES = ("past_key_values", "cache")
 
 
-def cache_keyword(model) -> str:
+def cache_keyword(model, params=None) -> str:
     """The keyword under which ``model``'s forward takes the cache; ``TypeError`` naming the
-    contract if it has none."""
-    fwd = getattr(model, "forward", None)
-    if not callable(model) or fwd is None:
-        raise TypeError(f"model must be a torch module with forward(input_ids, "
-                        f"past_key_values=..., use_cache=True), got {type(model).__name__}")
-    params = inspect.signature(fwd).parameters
+    contract if it has none. ``params``: the forward's parameters (:func:`forward_params`),
+    where the caller has them."""
+    if params is None:
+        params = forward_params(model)
     for name in reversed(CACHE_NAMES):   # prefer the current name where both exist
         if name in params:
             return name
@@ -42,9 +40,14 @@ def cache_keyword(model) -> str:
                     "past_key_values=..., use_cache=True) returning logits and the cache)")
 
 
-def _accepts(model, name: str) -> bool:
-    params = inspect.signature(model.forward).parameters
-    return name in params
+def forward_params(model):
+    """The parameters of ``model.forward``'s signature (``TypeError`` naming the contract
+    where ``model`` is not callable or has no forward)."""
+    fwd = getattr(model, "forward", None)
+    if not callable(model) or fwd is None:
+        raise TypeError(f"model must be a torch module with forward(input_ids, "
+                        f"past_key_values=..., use_cache=True), got {type(model).__name__}")
+    return inspect.signature(fwd).parameters
 
 
 class CachedLM:
@@ -55,19 +58,23 @@ class CachedLM:
         tokens: ``(B, L)`` int64, the full token buffer (prompt, then generated positions);
             the caller writes generated tokens into it.
         attention_mask: ``(B, L)`` 0/1 or ``None`` (no padding).
+        params: the forward's parameters (:func:`forward_params`), where the caller has them.
 
     Counters: ``calls`` (forward passes) and ``fed`` (token positions fed to the model).
     """
 
-    def __init__(self, model, tokens: torch.Tensor, attention_mask: torch.Tensor | None):
+    def __init__(self, model, tokens: torch.Tensor, attention_mask: torch.Tensor | None,
+                 params=None):
         self.model = model
-        self.key = cache_keyword(model)
+        if params is None:
+            params = forward_params(model)
+        self.key = cache_keyword(model, params)
         self.tokens = tokens
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None     # no padding: the model's own causal mask, as generate does
         self.mask = attention_mask
-        self.pass_mask = attention_mask is not None and _accepts(model, "attention_mask")
-        self.pass_pos = attention_mask is not None and _accepts(model, "position_ids")
+        self.pass_mask = attention_mask is not None and "attention_mask" in params
+        self.pass_pos = attention_mask is not None and "position_ids" in params
         if attention_mask is not None and not self.pass_mask:
             raise TypeError(
                 f"model {type(model).__name__}: the prompts are left-padded (attention_mask has "
@@ -77,7 +84,7 @@ class CachedLM:
         if self.pass_pos:       # otherwise the model derives positions from the mask (Bloom)
             pos = attention_mask.long().cumsum(-1) - 1
             self.position_ids = pos.masked_fill(attention_mask == 0, 0)
-        self.keep_logits = _accepts(model, "logits_to_keep")
+        self.keep_logits = "logits_to_keep" in params
         self.past = None
         self.cached = tokens[:, :0]      # the tokens the cache entries were computed from
         self.calls = 0
@@ -89,6 +96,15 @@ class CachedLM:
         n = self.cached.shape[1]
         same = (self.cached == self.tokens[:, :n]).all(0)
         return same.long().cumprod(0).sum()
+
+    def same_from(self, start: int) -> torch.Tensor:
+        """``(max(0, n - start),)`` bool, ``n`` the cache's length: whether the cache entry at
+        each position from ``start`` on was computed from the buffer's current token there, in
+        every sample. The caller that never writes the positions before ``start`` syncs it with
+        its own scalars: the valid length is ``min(start, n)`` plus its leading run of
+        ``True``."""
+        n = self.cached.shape[1]
+        return (self.cached[:, start:] == self.tokens[:, start:n]).all(0)
 
     def logits(self, a: int, b: int, valid: int | None = None) -> torch.Tensor:
         """Logits ``(B, b - a, V)`` predicting the tokens at positions ``a + 1 .. b`` of the

@@ -77,10 +77,21 @@ def choose(scores: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
     whose cumulative probability exceeds ``u`` times the total). Returns int64 ``(...)``."""
     if u is None:
         return scores.argmax(dim=-1)
-    cdf = scores.softmax(dim=-1).to(torch.float64).cumsum(dim=-1)
-    level = u.to(torch.float64)[..., None] * cdf[..., -1:]
-    tok = (cdf <= level).sum(dim=-1)
-    return tok.clamp(max=scores.shape[-1] - 1)
+    return _draw(scores, _cdf(scores), u)[0]
+
+
+def _cdf(scores: torch.Tensor) -> torch.Tensor:
+    """The cumulative distribution of ``softmax(scores)`` in float64 ``(..., V)``."""
+    return scores.softmax(dim=-1).to(torch.float64).cumsum(dim=-1)
+
+
+def _draw(scores: torch.Tensor, cdf: torch.Tensor,
+          u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`choose`'s draw from the distribution ``cdf`` (:func:`_cdf`), and the level
+    ``u * total`` ``(...)`` it was drawn at."""
+    level = u.to(torch.float64) * cdf[..., -1]
+    tok = (cdf <= level[..., None]).sum(dim=-1)
+    return tok.clamp(max=scores.shape[-1] - 1), level
 
 
 class Pipeline:
@@ -175,35 +186,55 @@ class Pipeline:
         return out
 
     def decide(self, logits: torch.Tensor, tokens: torch.Tensor, first: int,
-               u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               u: torch.Tensor | None, *, scale: torch.Tensor | None = None,
+               margins: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tokens, margin ratios and causes ``(B, n)`` for the logits of the positions
         ``first .. first + n - 1`` (see :meth:`process`), with the variates ``u`` ``(B, n)`` when
         sampling. ``cause`` is the index in :meth:`criteria` of the smallest margin, or ``-1``
-        where the model's logits are not finite (NaN, ``+inf``, or all ``-inf``)."""
+        where the model's logits are not finite (NaN, ``+inf``, or all ``-inf``). ``scale``:
+        :func:`_scale` of ``logits`` where the caller has it. ``margins=False``: the tokens
+        only (ratio and cause ``None``), for the sequential loop, which needs no certificate."""
         scores, stages = self.process(logits, tokens, first)
-        ratios = []
-        tok = choose(scores, u)
-        delta = self.factor * _scale(logits) * self.gain          # (B, n) score-space bound
         if u is None:
-            ratios.append(_gap(scores, 1) / (2 * delta))
+            tok = scores.argmax(dim=-1)
+        else:
+            cdf = _cdf(scores)
+            tok, level = _draw(scores, cdf, u)
+        if not margins:
+            return tok, None, None
+        if scale is None:
+            scale = _scale(logits)
+        # 2 * delta, delta = c * max|logits| * gain: the (B, n) score-space bound (doubling
+        # is exact, so this is bitwise 2 * (c * scale * gain))
+        delta2 = (2 * self.factor) * scale
+        if self.gain != 1.0:
+            delta2 = delta2 * self.gain
+        if u is None:
+            ratios = [_gap(scores, 1) / delta2]
         else:
             # a normalised cumulative mass c moves by at most c (1 - c) (e^{2 delta} - 1)
-            rel = torch.expm1(2 * delta) / 4
-            ratios.append(_draw_margin(scores, u, tok) / rel)
-            ratios += self._filter_ratios(stages, delta, rel)
-        stacked = torch.stack(ratios).to(torch.float64)
-        stacked = torch.where(stacked.isnan(), 0.0, stacked)     # 0/0: an exact tie
+            rel = torch.expm1(delta2) / 4
+            ratios = [_draw_margin(cdf, level, tok) / rel]
+            ratios += self._filter_ratios(stages, delta2, rel)
+        if len(ratios) == 1:
+            stacked = ratios[0].to(torch.float64)
+        else:
+            stacked = torch.stack(ratios).to(torch.float64)
+        # 0/0: an exact tie (infinities stay)
+        stacked = stacked.nan_to_num(nan=0.0, posinf=math.inf, neginf=-math.inf)
+        finite = logits.amax(-1).isfinite()     # amax is NaN with a NaN, inf with an inf
+        if len(ratios) == 1:
+            return tok, stacked, torch.where(finite, 0, -1)
         ratio, cause = stacked.min(0)
-        cause = torch.where(nonfinite(logits), -1, cause)
-        return tok, ratio, cause
+        return tok, ratio, torch.where(finite, cause, -1)
 
-    def _filter_ratios(self, stages, delta, rel) -> list[torch.Tensor]:
+    def _filter_ratios(self, stages, delta2, rel) -> list[torch.Tensor]:
         s, out = self.s, []
         if s.top_k is not None:
             if s.top_k < stages[0].shape[-1]:
-                out.append(_gap(stages[0], s.top_k) / (2 * delta))
+                out.append(_gap(stages[0], s.top_k) / delta2)
             else:
-                out.append(torch.full_like(delta, torch.inf))
+                out.append(torch.full_like(delta2, torch.inf))
         if s.top_p is not None:
             ordered = torch.sort(stages[1], dim=-1).values                  # ascending
             mass = ordered.softmax(dim=-1).cumsum(dim=-1)[..., :-1]
@@ -213,34 +244,33 @@ class Pipeline:
             kept = ordered.gather(-1, k)
             dropped = ordered.gather(-1, (k - 1).clamp(min=0))
             gap = torch.where((k > 0) & (dropped > -torch.inf), kept - dropped, torch.inf)
-            out.append(gap[..., 0] / (2 * delta))
+            out.append(gap[..., 0] / delta2)
         for stage, proc in zip(stages[3:], self.post, strict=True):
             # the best token is always kept (the warpers' min_tokens_to_keep=1): only the
             # others can cross the threshold
             best = stage.argmax(-1, keepdim=True)
             if type(proc).__name__ == "MinPLogitsWarper":
                 if s.min_p <= 0:
-                    out.append(torch.full_like(delta, torch.inf))
+                    out.append(torch.full_like(delta2, torch.inf))
                     continue
                 rel_logp = stage - stage.amax(-1, keepdim=True)
                 dist = (rel_logp - math.log(s.min_p)).abs()
             else:   # EpsilonLogitsWarper
                 dist = (stage.log_softmax(-1) - math.log(s.epsilon_cutoff)).abs()
             dist = dist.scatter(-1, best, torch.inf)
-            out.append(_finite_min(dist, stage) / (2 * delta))
+            out.append(_finite_min(dist, stage) / delta2)
         return out
 
 
 def nonfinite(logits: torch.Tensor) -> torch.Tensor:
-    """``(B, n)``: where the model's logits hold NaN or ``+inf``, or are all ``-inf``."""
-    return logits.isnan().any(-1) | (logits == torch.inf).any(-1) | \
-        (logits == -torch.inf).all(-1)
+    """``(B, n)``: where the model's logits hold NaN or ``+inf``, or are all ``-inf`` (where
+    their maximum is not finite: ``amax`` propagates NaN)."""
+    return ~logits.amax(-1).isfinite()
 
 
 def _scale(logits: torch.Tensor) -> torch.Tensor:
     """``max |logit|`` over the finite logits of each position, float32 ``(B, n)``."""
-    a = logits.to(torch.float32).abs()
-    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax(-1)
+    return logits.to(torch.float32).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs().amax(-1)
 
 
 def _gap(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -257,13 +287,11 @@ def _finite_min(dist: torch.Tensor, stage: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(stage), dist, torch.inf).amin(-1)
 
 
-def _draw_margin(scores: torch.Tensor, u: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
-    """The distance (as a fraction of the total mass) of ``u`` from the inner boundaries of the
-    chosen token's interval of the cumulative distribution (the boundaries at 0 and at the total
-    do not move)."""
-    cdf = scores.softmax(dim=-1).to(torch.float64).cumsum(dim=-1)
+def _draw_margin(cdf: torch.Tensor, level: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """The distance (as a fraction of the total mass) of the draw's level (:func:`_draw`) from
+    the inner boundaries of the chosen token's interval of the cumulative distribution ``cdf``
+    (:func:`_cdf`; the boundaries at 0 and at the total do not move)."""
     total = cdf[..., -1]
-    level = u.to(torch.float64) * total
     hi = cdf.gather(-1, tok[..., None])[..., 0]
     lo = torch.where(tok > 0, cdf.gather(-1, (tok - 1).clamp(min=0)[..., None])[..., 0], 0.0)
     below = torch.where(lo > 0, level - lo, torch.inf)
