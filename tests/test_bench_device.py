@@ -50,6 +50,28 @@ def test_suites_without_device_rows_refuse_a_gpu_by_name(name, monkeypatch, tmp_
     cpu_only(name, "cpu", "x")
 
 
+def test_every_suite_with_device_rows_sends_a_device_to_its_own_rows(monkeypatch, tmp_path):
+    # with_device_rows: off the CPU a suite runs its DEVICE_ROWS by device_suite, under its own
+    # name, with the caller's quick and repeats; its CPU measurement does not start
+    from paraprop_lab.experiments import rows_report
+
+    _fake_cuda(monkeypatch)
+    calls = []
+    monkeypatch.setattr(rows_report, "device_suite",
+                        lambda out, suite, specs, dev, **kw: calls.append(
+                            (out, suite, specs, dev, kw)) or {"suite": suite})
+    with_rows = [n for n in SUITES if hasattr(bench.load(n), "DEVICE_ROWS") and n != "scan"]
+    assert len(with_rows) >= 12
+    for name in with_rows:
+        mod = bench.load(name)
+        assert mod.run(tmp_path, quick=True, repeats=2, device="cuda") == {"suite": name}
+        out, suite, specs, dev, kw = calls.pop()
+        assert (out, suite, dev, kw) == (tmp_path, name, torch.device("cuda", 0),
+                                         {"quick": True, "repeats": 2})
+        assert specs is mod.DEVICE_ROWS
+    assert calls == [] and list(tmp_path.iterdir()) == []
+
+
 def test_a_gpu_suite_without_cuda_says_so(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
