@@ -34,6 +34,8 @@ certified inputs is real, and is returned as it is (the solver reports it).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from paraprop.diffusion.schedulers import StepTable
@@ -51,6 +53,8 @@ STOCHASTIC_ULPS = 64
 STOCHASTIC_REL = 1 / 64
 # a difference above this many units (relative) is checked by evaluating the same rows again
 AMBIGUOUS_ULPS = 16
+# observations of the steps' gains taken together, at most (DiffusionChain._observe, gain)
+OBSERVATIONS_KEPT = 16
 
 
 class DiffusionChain:
@@ -117,8 +121,12 @@ class DiffusionChain:
         self.model_rows = 0    # model evaluations (rows of x per call, in samples)
         self.max_rows = 0
         self.track_gains = False
-        self.gain = None       # (B, N): largest observed |d step_s(x)| / |d x| (NaN: none yet)
+        self._gain = None      # (B, N): largest observed |d step_s(x)| / |d x| (NaN: none yet)
         self._seen = None      # (last inputs, last outputs) of every step, (B, N, F) each
+        # the observations not yet in _gain: (OBSERVATIONS_KEPT, 4, B, N) float64, NaN where
+        # none, and how many of its rows hold some (see _observe, gain)
+        self._pending = None
+        self._n_pending = 0
         # the steps [lo, N) are the system the solver sees; x_lo is the input of step lo
         self.lo = 0
         self.x_lo = self.x_init
@@ -145,8 +153,13 @@ class DiffusionChain:
         self._step0_input = None
         # the determinism check (:meth:`diagnose`): made once, when a difference is first seen
         self.diagnosed = False
-        self.recompute_gap = torch.zeros((), dtype=torch.float64, device=dev)
+        self._recompute_gap = torch.zeros((), dtype=torch.float64, device=dev)
+        self._gaps = []        # the differences of certified steps computed again, not yet in it
         self.cap = None        # model calls the check may not push the run beyond
+        # on the host a value read costs no synchronisation: window reads one sum per call
+        self.host = self.device.type == "cpu"
+        self._aranges = {}     # n -> arange(n) (the positions of a window)
+        self._units = None     # (dtype, the factors of _observe)
 
     # -- the model -----------------------------------------------------------------------------
     def _kwargs(self, n: int) -> tuple[dict, set]:
@@ -191,11 +204,11 @@ class DiffusionChain:
         t = (t.flip(0) if flip else t).repeat_interleave(self.B)
         out = self.call_model(rows, t, n)
         shape = (n, self.B, self.F)
-        if flip:
-            out = out.reshape(n, self.B, -1).flip(0).reshape(out.shape)
-            rows = rows.reshape(n, self.B, -1).flip(0).reshape(rows.shape)
-        if start == 0:
-            self._compare_step0(out[: self.B], n)
+        if flip:   # back in the steps' order
+            out = out.reshape(shape).flip(0)
+            rows = rows.reshape(shape).flip(0)
+        if start == 0 and self.loop_gap is None:
+            self._compare_step0(out.reshape(n * self.B, *self.sample_shape[1:])[: self.B], n)
         prev = self.table.apply(slice(start, stop), rows.reshape(shape), out.reshape(shape),
                                 self.z[start:stop]).transpose(0, 1)
         if self.track_gains:
@@ -264,23 +277,77 @@ class DiffusionChain:
             nan = torch.full((self.B, self.N, self.F), float("nan"), dtype=xin.dtype,
                              device=xin.device)
             self._seen = (nan, nan.clone())
-            self.gain = torch.full((self.B, self.N), float("nan"), dtype=torch.float64,
-                                   device=xin.device)
+            self._gain = torch.full((self.B, self.N), float("nan"), dtype=torch.float64,
+                                    device=xin.device)
+            # as many observations as fit in the memory the last values take (at least one,
+            # at most OBSERVATIONS_KEPT; 4 MB in any case)
+            record = 4 * self.B * self.N * 8
+            kept = max(2 * nan.numel() * nan.element_size(), 1 << 22) // record
+            self._pending = torch.full((min(max(kept, 1), OBSERVATIONS_KEPT), 4, self.B, self.N),
+                                       float("nan"), dtype=torch.float64, device=xin.device)
+        elif self._n_pending == self._pending.shape[0]:
+            self._fold()
         last_in, last_out = self._seen
-        w = self.work
-        # |x - x'|, |y - y'|, |x|, |y| (largest per sample and step) in one reduction
-        din, dout, size_in, size_out = torch.stack(
-            [xin.to(w) - last_in[:, start:stop].to(w), nxt.to(w) - last_out[:, start:stop].to(w),
-             xin.to(w), nxt.to(w)]).abs().amax(3).to(torch.float64).unbind(0)
-        ulp = torch.finfo(xin.dtype).eps
-        level = observe_level(xin.dtype) * size_in.clamp(min=1)
-        noise = NOISE_ULPS * ulp * size_out.clamp(min=1)
-        # (a non-finite difference gives a NaN ratio: skipped)
-        ratio = torch.where(din > level, (dout - noise).clamp(min=0) / din, torch.nan)
-        old = self.gain[:, start:stop]
-        self.gain[:, start:stop] = torch.fmax(old, ratio)
-        last_in[:, start:stop] = xin
-        last_out[:, start:stop] = nxt
+        last_in, last_out = last_in[:, start:stop], last_out[:, start:stop]
+        vals = (xin, nxt, last_in, last_out)
+        if self.work != xin.dtype:
+            vals = tuple(v.to(self.work) for v in vals)
+        x, y, x_was, y_was = vals
+        # |x - x'|, |y - y'|, |x|, |y| (largest per sample and step) in one reduction; the
+        # ratios are taken when the gains are read (gain), many observations at once
+        stats = torch.stack([x - x_was, y - y_was, x, y]).abs().amax(3)
+        self._pending[self._n_pending, :, :, start:stop] = stats
+        self._n_pending += 1
+        last_in.copy_(xin)
+        last_out.copy_(nxt)
+
+    @property
+    def gain(self) -> torch.Tensor | None:
+        """``(B, N)`` float64: each step's largest observed gain (NaN: never observed), or
+        ``None`` before the first observation (:meth:`_observe`)."""
+        if self._n_pending:
+            self._fold()
+        return self._gain
+
+    def _fold(self) -> None:
+        """The ratios of the pending observations into :attr:`gain`: per observation and step,
+        ``(|y - y'| - noise)^+ / |x - x'|`` where ``|x - x'|`` exceeds the observation level,
+        ``noise`` being what the rounding of the two outputs may leave between them
+        (:data:`NOISE_ULPS`), and the level :func:`observe_level`, both at the values' scale
+        (``max(1, |x|)``, ``max(1, |y|)``); the largest ratio is kept (the same values, in any
+        order, as observation by observation)."""
+        stats = self._pending[: self._n_pending]
+        din, dout = stats[:, 0], stats[:, 1]
+        level, noise = stats[:, 2:].clamp(min=1).mul_(self._obs_units(self.dtype)).unbind(1)
+        # (a non-finite difference, or no observation, gives a NaN ratio: skipped)
+        ratio = (dout - noise).clamp_(min=0).div_(din).masked_fill_(din <= level, math.nan)
+        if ratio.shape[0] > 1:   # (ratios are >= 0: -1 marks NaN in the largest)
+            ratio = ratio.masked_fill(ratio.isnan(), -1.0).amax(0)
+            ratio = ratio.masked_fill_(ratio < 0, math.nan)
+        else:
+            ratio = ratio[0]
+        torch.fmax(self._gain, ratio, out=self._gain)
+        stats.fill_(math.nan)
+        self._n_pending = 0
+
+    @property
+    def recompute_gap(self) -> torch.Tensor:
+        """0-d float64: the largest difference of a certified step computed again (NaN
+        propagating; :meth:`diagnose`)."""
+        if self._gaps:
+            gaps = torch.stack(self._gaps).to(torch.float64).max()
+            self._recompute_gap = torch.maximum(self._recompute_gap, gaps)
+            self._gaps = []
+        return self._recompute_gap
+
+    def _obs_units(self, dtype: torch.dtype) -> torch.Tensor:
+        """``(2, 1, 1)`` float64: :func:`observe_level` and :data:`NOISE_ULPS` units of
+        ``dtype``, the factors of :meth:`_observe` (made once)."""
+        if self._units is None or self._units[0] != dtype:
+            v = torch.tensor([observe_level(dtype), NOISE_ULPS * torch.finfo(dtype).eps],
+                             dtype=torch.float64, device=self.device)
+            self._units = (dtype, v[:, None, None])
+        return self._units[1]
 
     def inputs(self, X: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """``x_s`` for the system's positions ``[start, stop)``: the input of step ``lo``, then
@@ -306,10 +373,12 @@ class DiffusionChain:
         # the one host sync of a call: is every position certified, has a certified step been
         # computed with other bits (read by the driver after the iteration), and how far do
         # the certificates reach?
-        certified = self.certified()
-        done, seen, reach = torch.stack(
-            [(certified >= self.N).all().long(), self.irreproducible.long(),
-             certified.max()]).tolist()
+        least, reach = torch.aminmax(self.certified())
+        if self.host:   # (reading a host tensor is no synchronisation)
+            least, seen, reach = int(least), bool(self.irreproducible), int(reach)
+        else:
+            least, seen, reach = torch.stack([least, self.irreproducible.long(), reach]).tolist()
+        done = least >= self.N
         self.irreproducible_seen = bool(seen)
         if seen and not self.diagnosed:
             self.diagnose()
@@ -321,14 +390,15 @@ class DiffusionChain:
         lo = self.lo
         y = self.steps(xin, lo + start, lo + stop)
         old = X[:, start:stop]
-        r = y.to(self.work) - old.to(self.work)
+        narrow = self.work != self.dtype
+        r = y.to(self.work) - old.to(self.work) if narrow else y - old
         # positions certified already keep their certified values (their step computed again
         # in another batch of rows may round apart: the batch-variance check)
         if lo + start <= reach:
             known, exact = self._certify(X, r, y, lo + start)
-            r = torch.where(known[:, :, None], 0, r)
+            r.masked_fill_(known[:, :, None], 0)
         else:   # the window starts past every certificate (a sliding window's freezes)
-            known = exact = torch.zeros(r.shape[:2], dtype=torch.bool, device=r.device)
+            known = exact = None
         if self.identity_split:
             acc = r.cumsum(dim=1)
         else:
@@ -338,14 +408,21 @@ class DiffusionChain:
         D = torch.cat([torch.zeros_like(r[:, :1]), acc[:, :-1]], dim=1)  # input changes
         if not self.identity_split:
             D = self.a[lo + start : lo + stop][None, :, None] * D
-        vals = torch.where(D == 0, y, (y.to(self.work) + D).to(self.dtype))
-        vals = torch.where(known[:, :, None], self.exact_values[:, lo + start : lo + stop], vals)
+        vals = torch.where(D == 0, y, (y.to(self.work) + D).to(self.dtype) if narrow else y + D)
+        if known is not None:
+            vals = torch.where(known[:, :, None], self.exact_values[:, lo + start : lo + stop],
+                               vals)
         # a non-finite value at a position not computed from certified inputs comes from an
         # iterate that is not final yet: replace it by a finite guess (the direct step, else
         # the old value, zero for what is still not finite); from certified inputs it is the
-        # loop's own value: keep it
-        bad = ~torch.isfinite(vals) & ~exact[:, :, None]
-        vals = torch.where(bad, torch.where(torch.isfinite(y), y, old).nan_to_num(0, 0, 0), vals)
+        # loop's own value: keep it (on the host, a finite sum of the values says at once that
+        # there is none)
+        if not (self.host and math.isfinite(float(vals.sum()))):
+            bad = ~torch.isfinite(vals)
+            if exact is not None:
+                bad = bad & ~exact[:, :, None]
+            vals = torch.where(bad, torch.where(torch.isfinite(y), y, old).nan_to_num(0, 0, 0),
+                               vals)
         if self.frozen is not None:   # samples settled already keep their values
             vals = torch.where(self.frozen[:, None, None], old, vals)
         self._last = (key, X, vals)   # X held: its memory cannot be reused while cached
@@ -357,46 +434,56 @@ class DiffusionChain:
         ``r`` the residuals ``y - X`` there), without a host sync. Returns two ``(B, n)``
         masks: the positions certified before this evaluation, and those whose value this
         evaluation computed from certified inputs."""
-        lo, n = self.lo, r.shape[1]
+        lo, n, B, F = self.lo, r.shape[1], self.B, self.F
         T = X.shape[1]
-        # the pending next value, if the solver has written it
-        at = (self.exact - lo).clamp(0, T - 1)
-        cur = X.gather(1, at[:, None, None].expand(self.B, 1, self.F))[:, 0]
-        written = self.has_next & (self.exact >= lo) & (self.exact < self.N) & \
-            (cur == self.next_value).all(1)
-        self.exact = self.exact + written.long()
-        self.has_next = self.has_next & ~written
-        pos = torch.arange(n, device=y.device)[None, :]
-        known = a0 + pos < self.exact[:, None]
+        exact, has_next = self.exact, self.has_next
+        # the pending next value, if the solver has written it (at a position of X)
+        rel = exact - lo
+        at = rel.clamp(0, T - 1)
+        cur = X.gather(1, at[:, None, None].expand(B, 1, F))[:, 0]
+        written = has_next & (at == rel) & (cur == self.next_value).all(1)
+        exact = exact + written
+        has_next = has_next ^ written   # (written only where has_next)
+        pos = self._positions(n, y.device)
+        known = pos < (exact - a0)[:, None]
         # a certified step computed again with other bits: the model's batch variance (or
         # randomness: diagnose() tells them apart by the relative size)
-        off = torch.where(known[:, :, None], r, 0).abs().max()
+        rmax = r.abs().amax(2)
+        off = rmax.masked_fill(~known, 0).max()
         self.irreproducible = self.irreproducible | (off != 0)
-        self.recompute_gap = torch.maximum(self.recompute_gap, off.to(torch.float64))
+        self._gaps.append(off)   # (recompute_gap: read by diagnose() only)
         # the inputs of step a0 are exact: a leading run of certified positions and of zero
         # residuals is exact, and the direct step after it is the next exact value
-        eligible = self.exact >= a0
-        zero = known | (r == 0).all(2)
-        run = zero.long().cumprod(1).sum(1)
+        eligible = exact >= a0
+        run = (known | (rmax == 0)).cumprod(1).sum(1)
         reach = a0 + run
-        grow = eligible & (reach >= self.exact)
+        grow = eligible & (reach >= exact)
         more = grow & (run < n)
-        nxt = y.gather(1, run.clamp(max=n - 1)[:, None, None].expand(self.B, 1, self.F))[:, 0]
+        nxt = y.gather(1, run.clamp(max=n - 1)[:, None, None].expand(B, 1, F))[:, 0]
+        upto = pos <= run[:, None]   # (known ones among them: run counts them)
         # the certified values: the direct steps y of the run and of the next position
-        fresh = grow[:, None] & (pos <= run[:, None]) & ~known
         window = self.exact_values[:, a0 : a0 + n]
-        window.copy_(torch.where(fresh[:, :, None], y, window))
-        self.exact = torch.where(grow, reach, self.exact)
-        self.has_next = torch.where(grow, more, self.has_next)
+        torch.where((grow[:, None] & (upto ^ known))[:, :, None], y, window, out=window)
+        self.exact = torch.where(grow, reach, exact)
+        self.has_next = torch.where(grow, more, has_next)
         self.next_value = torch.where(more[:, None], nxt, self.next_value)
         # a non-finite direct step from exact inputs is the loop's own value: the first one
-        real = more & ~torch.isfinite(nxt).all(1) & (self.nonfinite_step < 0)
-        self.nonfinite_step = torch.where(real, reach, self.nonfinite_step)
-        return known, eligible[:, None] & (pos <= run[:, None])
+        # (on the host, a finite sum says at once that there is none)
+        if not (self.host and math.isfinite(float(nxt.sum()))):
+            real = more & ~torch.isfinite(nxt).all(1) & (self.nonfinite_step < 0)
+            self.nonfinite_step = torch.where(real, reach, self.nonfinite_step)
+        return known, eligible[:, None] & upto
+
+    def _positions(self, n: int, device) -> torch.Tensor:
+        """``(1, n)``: ``0 .. n - 1`` on ``device`` (made once per ``n``)."""
+        pos = self._aranges.get(n)
+        if pos is None:
+            pos = self._aranges[n] = torch.arange(n, device=device)[None, :]
+        return pos
 
     def certified(self) -> torch.Tensor:
         """``(B,)``: positions certified exact, the known next value included."""
-        return self.exact + self.has_next.long()
+        return self.exact + self.has_next
 
     def commit(self, X: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Write the known exact next values into the full trajectory ``X`` ``(B, N, F)``

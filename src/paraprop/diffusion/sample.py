@@ -410,6 +410,18 @@ class _Run:
                 self.callback(offset + k, full, r)
         last = {}
         seen_residuals = []
+        any_kept = bool(keep.any())
+
+        def progress() -> tuple[float, float]:
+            # the least certified prefix of the samples iterating, and the scale of the
+            # certified values (an iterate far from the answer may be far larger): one host
+            # sync (on the host, two reads)
+            certified = chain.certified()
+            reach = certified[~keep].min() if any_kept else certified.min()
+            scale = chain.exact_values.abs().max()
+            if chain.host:
+                return float(reach), float(scale)
+            return tuple(torch.stack([reach.double(), scale.double()]).tolist())
 
         def watch(k, v, r):
             self.iterations = offset + k
@@ -420,10 +432,7 @@ class _Run:
                 last["value"] = v.clone()
                 raise _Stop
             if until is not None and "finish" not in last:
-                # (the scale of the certified values: an iterate far from the answer may be
-                # far larger)
-                reach, scale = torch.stack([chain.certified()[~keep].min().double(),
-                                            chain.exact_values.abs().max().double()]).tolist()
+                reach, scale = progress()
                 if hopeless is not None and hopeless(scale):
                     last["finish"] = True
                     chain.track_gains = False
@@ -431,7 +440,7 @@ class _Run:
                     last["value"] = v.clone()
                     raise _Stop
 
-        chain.frozen = keep if bool(keep.any()) else None
+        chain.frozen = keep if any_kept else None
         try:
             sol = solve(chain, X[:, lo:].clone(), method=solver, dim=1, tol=tol,
                         max_iters=max_iters, throw=False, callback=watch)
@@ -545,7 +554,7 @@ def _solve_certified(chain, solver, tol, max_iters, callback):
                 extra = 2 * run.loop_gap * _output_gains(chain.table).to(chain.device)
                 gains = _gains(chain.gain, chain.B, chain.N, chain.device)
                 full = torch.full_like(chain.exact, chain.N)
-                E, _, _ = _bounds(run.X, run.X, full, gains, chain.dtype, extra)
+                E, _, _ = _bounds(run.X, run.X, full, gains, chain.dtype, extra, loop=False)
                 estimate = torch.where(exact, E, estimate)
                 done = done & ~(exact & (E > tol))
                 if not bool(done.all()):
@@ -735,8 +744,8 @@ def _check(run, chain, done, estimate, tol, window, loop_limit=None):
         # step may differ from the loop's by the output difference times the step's reaction
         # to it (twice the measured one); no position is the loop's bit for bit
         extra = 2 * gap * _output_gains(chain.table).to(chain.device)
-    E, F, rho = _bounds(run.X, y, p, _gains(chain.gain, chain.B, N, chain.device), chain.dtype,
-                        extra)
+    gains = _gains(chain.gain, chain.B, N, chain.device)
+    E, _, rho = _bounds(run.X, y, p, gains, chain.dtype, extra, loop=False)
     ok = undone & (E <= tol)
     by_estimate = ok & (p < N)
     estimate = torch.where(by_estimate, E, estimate)
@@ -746,6 +755,8 @@ def _check(run, chain, done, estimate, tol, window, loop_limit=None):
     if not bool(left.any()):
         return done, estimate, E
     # the loop from q finishes every sample left within tol: the latest such q it can afford
+    # (the bounds of the loop from each q: computed again, where some sample is left)
+    _, F, _ = _bounds(run.X, y, p, gains, chain.dtype, extra)
     q = torch.arange(N + 1, device=F.device)
     limit = run.left if loop_limit is None else min(run.left, loop_limit)
     fits = ((F <= tol) | ~left[:, None]).all(0) & (N - q <= limit) & (q > 0)
@@ -762,7 +773,7 @@ def _check(run, chain, done, estimate, tol, window, loop_limit=None):
 
 
 def _bounds(X: torch.Tensor, y: torch.Tensor, p: torch.Tensor, gain, dtype: torch.dtype,
-            extra: torch.Tensor | None = None):
+            extra: torch.Tensor | None = None, loop: bool = True):
     """The bounds of :func:`_check` from the trajectory ``X`` and the direct steps ``y``
     ``(B, N, F)``, the first defect ``p`` ``(B,)`` and the observed gains ``(B, N)`` (NaN: not
     observed, :func:`_gains`).
@@ -777,9 +788,9 @@ def _bounds(X: torch.Tensor, y: torch.Tensor, p: torch.Tensor, gain, dtype: torc
     Returns ``(E, F, rho)``: ``E`` ``(B,)`` the largest bound over the trajectory; ``F``
     ``(B, N + 1)`` the same where the loop recomputes the positions ``>= q`` from position
     ``q - 1`` (``F[:, N] = E``; ``0`` for ``q <= p``: the loop from an exact input); ``rho``
-    ``(B,)`` the largest ``R_s``. In log space: ``E_s = exp(L_s) sum_{k <= s} r_k exp(-L_k)``
-    (a stable cumulative log-sum-exp) and ``R_s = exp(L_s) max_{k <= s} rho_k exp(-L_k)``,
-    ``L`` the cumulative log gains.
+    ``(B,)`` the largest ``R_s``; ``F`` is ``None`` where ``loop`` is false. In log space:
+    ``E_s = exp(L_s) sum_{k <= s} r_k exp(-L_k)`` (a stable cumulative log-sum-exp) and
+    ``R_s = exp(L_s) max_{k <= s} rho_k exp(-L_k)``, ``L`` the cumulative log gains.
     """
     B, N = X.shape[:2]
     f64 = torch.float64
@@ -798,6 +809,8 @@ def _bounds(X: torch.Tensor, y: torch.Tensor, p: torch.Tensor, gain, dtype: torc
     Rs = _nan_inf((L + (rho.log() - L).cummax(1).values).exp())
     total = Es + Rs
     E = total.amax(1)
+    if not loop:
+        return E, None, Rs.amax(1)
     # the loop from q: positions < q keep their bounds; at s >= q the defect part of position
     # q - 1 grows through the gains after it, and the rounding floor is at most R_s
     before = total.cummax(1).values                                  # max_{s <= i}
@@ -837,6 +850,8 @@ def _exact_stage(run, chain, solver, done, estimate, tol):
     for the final check (:func:`_check`) instead. Returns the new ``(done, estimate)``."""
     N = chain.N
     passed = False
+    if bool(done.all()):   # (certified by the estimate stage: nothing to commit)
+        return torch.ones_like(done), estimate
     while True:
         certified = chain.certified()
         chain.commit(run.X, ~done)

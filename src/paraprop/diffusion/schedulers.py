@@ -46,6 +46,8 @@ PREDICTIONS = ("epsilon", "sample", "v_prediction")
 DDPM_VARIANCES = ("fixed_small", "fixed_small_log", "fixed_large")
 # devices on which PyTorch divides by a CPU scalar through its reciprocal (BinaryDivTrueKernel)
 RECIPROCAL_DIVISION = ("cuda", "xpu")
+# slices of steps whose columns StepTable.apply keeps ready (a solve asks for at most ~N of them)
+WINDOWS_KEPT = 4096
 _COLUMNS = ("sqrt_alpha", "sqrt_beta", "coef_x0", "coef_x", "coef_eps", "sigma")
 
 
@@ -89,6 +91,7 @@ class StepTable:
         # which steps add noise, on the host: read in the hot loop without a device sync
         self.noisy_steps = tuple(bool(v) for v in self.noisy.cpu().tolist())
         self._columns = {}   # (device, dtype) -> the coefficient columns as apply reads them
+        self._windows = {}   # a slice of steps, the samples' device, dtype and dim -> _window
 
     @property
     def N(self) -> int:
@@ -120,65 +123,96 @@ class StepTable:
         ``x``, ``out`` (the model output) and ``z`` (the step noise) are ``(n, ...)``, one
         leading row per step, all of the sample dtype. Each operation is ``scheduler.step``'s,
         in its precision (see the module doc)."""
-        n = x.shape[0]
-        shape = (n,) + (1,) * (x.dim() - 1)
         dt, om = x.dtype, opmath(x.dtype)
+        reciprocal, cols, noisy = self._window(index, x)
+
+        if om == dt:   # (no conversions)
+            def mul(name: str, t: torch.Tensor) -> torch.Tensor:  # diffusers' `c * t`
+                return cols[name, 0] * t
+
+            def div(t: torch.Tensor, name: str) -> torch.Tensor:  # diffusers' `t / c`
+                # (where reciprocal, the column holds 1 / c already)
+                return t * cols[name, 1] if reciprocal else t / cols[name, 1]
+        else:
+            def mul(name: str, t: torch.Tensor) -> torch.Tensor:
+                return (cols[name, 0] * t.to(om)).to(dt)
+
+            def div(t: torch.Tensor, name: str) -> torch.Tensor:
+                if reciprocal:
+                    return (t.to(om) * cols[name, 1]).to(dt)
+                return (t.to(om) / cols[name, 1]).to(dt)
+
+        if self.prediction == "epsilon":
+            x0 = div(x - mul("sqrt_beta", out), "sqrt_alpha")
+            eps = out
+        elif self.prediction == "sample":
+            x0 = out
+            eps = div(x - mul("sqrt_alpha", x0), "sqrt_beta") if self.kind == "ddim" else None
+        else:  # v_prediction
+            x0 = mul("sqrt_alpha", x) - mul("sqrt_beta", out)
+            eps = mul("sqrt_alpha", out) + mul("sqrt_beta", x) if self.kind == "ddim" else None
+        if self.threshold is not None:
+            x0 = _threshold(x0, *self.threshold)
+        elif self.clip is not None:
+            x0 = x0.clamp(-self.clip, self.clip)
+        if self.kind == "ddpm":
+            prev = mul("coef_x0", x0) + mul("coef_x", x)
+        else:
+            if self.clipped_eps:
+                eps = div(x - mul("sqrt_alpha", x0), "sqrt_beta")
+            prev = mul("coef_x0", x0) + mul("coef_eps", eps)
+        if noisy is False:
+            return prev
+        with_noise = prev + mul("sigma", z)
+        if noisy is True:
+            return with_noise
+        return torch.where(noisy, with_noise, prev)
+
+    def _window(self, index, x: torch.Tensor):
+        """What :meth:`apply` reads for the steps ``index`` and samples like ``x``: whether it
+        divides through the reciprocal, the coefficient columns (per name ``(for c * t, for
+        t / c)``, shaped to broadcast over ``x``), and which steps add noise (``False``: none,
+        ``True``: all, else a mask shaped like the columns). Kept per slice of steps (the
+        solvers ask for the same windows again and again)."""
         on_cpu = x.device.type == "cpu"
         # how PyTorch reads the 0-d float32 coefficient of `c * t` and `t / c` (module doc)
         mul_rounds = on_cpu or self.scalars == "device"
         div_rounds = self.scalars == "device"
         reciprocal = not on_cpu and self.scalars == "cpu" and \
             x.device.type in RECIPROCAL_DIVISION
-        steps = (range(self.N)[index] if isinstance(index, slice)
-                 else [int(i) for i in index.tolist()])
-
-        cols = self._prepared(x.device, dt, mul_rounds, div_rounds, reciprocal)
-
-        def c(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-            m, d = cols[name]
-            if isinstance(index, slice):
-                return m[index].reshape(shape), d[index].reshape(shape)
-            i = index.to(m.device)
-            return m.index_select(0, i).reshape(shape), d.index_select(0, i).reshape(shape)
-
-        def mul(cv, t: torch.Tensor) -> torch.Tensor:  # diffusers' `c * t`
-            return (cv[0] * t.to(om)).to(dt)
-
-        def div(t: torch.Tensor, cv) -> torch.Tensor:  # diffusers' `t / c`
-            if reciprocal:   # the column holds 1 / c already
-                return (t.to(om) * cv[1]).to(dt)
-            return (t.to(om) / cv[1]).to(dt)
-
-        sa, sb = c("sqrt_alpha"), c("sqrt_beta")
-        if self.prediction == "epsilon":
-            x0 = div(x - mul(sb, out), sa)
-            eps = out
-        elif self.prediction == "sample":
-            x0 = out
-            eps = div(x - mul(sa, x0), sb) if self.kind == "ddim" else None
-        else:  # v_prediction
-            x0 = mul(sa, x) - mul(sb, out)
-            eps = mul(sa, out) + mul(sb, x) if self.kind == "ddim" else None
-        if self.threshold is not None:
-            x0 = _threshold(x0, *self.threshold)
-        elif self.clip is not None:
-            x0 = x0.clamp(-self.clip, self.clip)
-        if self.kind == "ddpm":
-            prev = mul(c("coef_x0"), x0) + mul(c("coef_x"), x)
+        sliced = isinstance(index, slice)
+        key = None
+        if sliced:
+            key = (x.device, x.dtype, x.dim(), index.start, index.stop, index.step)
+            hit = self._windows.get(key)
+            if hit is not None:
+                return hit
+        n = x.shape[0]
+        shape = (n,) + (1,) * (x.dim() - 1)
+        prepared = self._prepared(x.device, x.dtype, mul_rounds, div_rounds, reciprocal)
+        # each column when apply first reads it: (name, 0) for `c * t`, (name, 1) for `t / c`
+        if sliced:
+            steps = range(self.N)[index]
+            cols = _Lazy(lambda key: prepared[key[0]][key[1]][index].reshape(shape))
         else:
-            if self.clipped_eps:
-                eps = div(x - mul(sa, x0), sb)
-            prev = mul(c("coef_x0"), x0) + mul(c("coef_eps"), eps)
+            steps = [int(i) for i in index.tolist()]
+            i = index.to(x.device)
+            cols = _Lazy(lambda key: prepared[key[0]][key[1]].index_select(0, i).reshape(shape))
         noisy = [self.noisy_steps[s] for s in steps]
-        if any(noisy):
-            with_noise = prev + mul(c("sigma"), z)
-            if all(noisy):
-                return with_noise
-            keep = self.noisy[index] if isinstance(index, slice) else \
+        if all(noisy) and noisy:
+            noisy = True
+        elif not any(noisy):
+            noisy = False
+        else:
+            keep = self.noisy[index] if sliced else \
                 self.noisy.index_select(0, index.to(self.noisy.device))
-            return torch.where(keep.to(x.device).reshape(shape), with_noise, prev)
-        return prev
-
+            noisy = keep.to(x.device).reshape(shape)
+        out = (reciprocal, cols, noisy)
+        if sliced:
+            if len(self._windows) >= WINDOWS_KEPT:
+                self._windows.clear()
+            self._windows[key] = out
+        return out
 
     def _prepared(self, device, dtype, mul_rounds: bool, div_rounds: bool, reciprocal: bool):
         """The coefficient columns as :meth:`apply` reads them on ``device`` for samples of
@@ -188,16 +222,27 @@ class StepTable:
         key = (torch.device(device), dtype)
         if key not in self._columns:
             om = opmath(dtype)
-            out = {}
-            for name in _COLUMNS:
+
+            def column(name: str) -> tuple[torch.Tensor, torch.Tensor]:
                 v = getattr(self, name)
-                if v is None:
-                    continue
                 m = (v.to(dtype) if mul_rounds else v).to(device, om)
                 d = (v.to(dtype) if div_rounds else v).to(device, om)
-                out[name] = (m, 1 / d if reciprocal else d)
-            self._columns[key] = out
+                return m, 1 / d if reciprocal else d
+
+            self._columns[key] = _Lazy(column)   # (each coefficient when first read)
         return self._columns[key]
+
+
+class _Lazy(dict):
+    """A dict whose missing keys are made by ``make(key)`` on first use, and kept."""
+
+    def __init__(self, make):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key):
+        value = self[key] = self._make(key)
+        return value
 
 
 def _threshold(x0: torch.Tensor, ratio: float, max_value: float) -> torch.Tensor:
