@@ -59,11 +59,12 @@ class Accelerated:
     SETTINGS = ("method", "tol", "max_iters", "throw")
 
     def __init__(self, flow: nn.Module, parts: list[tuple[object, nn.Module]],
-                 cfg: core.Settings):
+                 cfg: core.Settings, names: dict[int, str] | None = None):
         d = self.__dict__
         d["flow"], d["parts"] = flow, tuple(p for _, p in parts)
         d["_cfg"], d["_counters"] = cfg, core.Counters()
-        names = {id(m): name for name, m in flow.named_modules()}
+        if names is None:
+            names = {id(m): name for name, m in flow.named_modules()}
         for adapter, part in parts:
             core.install(part, adapter.ATTRIBUTE, adapter.accelerated,
                          core.Patch(cfg, self._counters, adapter.ATTRIBUTE,
@@ -212,9 +213,11 @@ def accelerate(flow: nn.Module, *, method="jacobi", tol: float = 0.0,
         raise TypeError(f"flow must be a zuko, nflows or normflows flow (an nn.Module), got "
                         f"{type(flow).__name__}")
     found = []
+    named = list(flow.named_modules())   # one walk of the flow, for every library and the names
+    modules = [m for _, m in named]
     for name, adapter in LIBRARIES.items():
         if name in sys.modules:   # a flow of a library that is not imported has no such parts
-            found += [(adapter, p) for p in adapter.parts(flow)]
+            found += [(adapter, p) for p in adapter.parts(flow, modules)]
     if not found:
         raise ValueError(f"flow has no autoregressive part to accelerate (looked for "
                          f"{'; '.join(_PARTS)}), "
@@ -224,4 +227,4 @@ def accelerate(flow: nn.Module, *, method="jacobi", tol: float = 0.0,
         raise ValueError(f"flow is already accelerated ({len(done)} of its {len(found)} "
                          "autoregressive parts are patched): call undo() on the earlier "
                          "handle first")
-    return Accelerated(flow, found, cfg)
+    return Accelerated(flow, found, cfg, names={id(m): n for n, m in named})

@@ -175,28 +175,73 @@ def _groups(keys: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.long, device=keys.device), step.cumsum(0)])
 
 
+@dataclasses.dataclass(frozen=True)
+class Order:
+    """A transform's feature order as the solve uses it (:func:`order_plan`; read only)."""
+
+    perm: torch.Tensor | None   # position k of the solve is feature perm[k] (None: natural)
+    inv: torch.Tensor | None    # its inverse permutation
+    gid: torch.Tensor           # the group of each position of the solve
+    G: int                      # the number of groups
+    gid_row: torch.Tensor       # (1, D): gid, and gid + 1, as rows against (N, D) passes
+    next_row: torch.Tensor
+    k_G: torch.Tensor           # 0-d G
+
+
+_ORDERS: dict[tuple, Order] = {}
+_ORDERS_MAX = 256
+
+
+def order_plan(order: torch.Tensor | None, D: int, device: torch.device) -> Order:
+    """The permutation and groups of ``order`` (the rank of each of the ``D`` features;
+    ``None``: natural order) on ``device``: computed once per distinct order and device, not
+    at every inverse (a transform's order is fixed; the key is its values, not its identity,
+    so a modified or rebuilt order gets its own)."""
+    device = torch.device(device)
+    if order is None:
+        key: tuple = (device, D)
+    else:
+        o = order.detach()
+        key = (device, D, o.dtype, tuple(o.shape),
+               o.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    plan = _ORDERS.get(key)
+    if plan is None:
+        plan = _make_order(order, D, device)
+        if len(_ORDERS) >= _ORDERS_MAX:
+            _ORDERS.clear()
+        _ORDERS[key] = plan
+    return plan
+
+
+def _make_order(order, D: int, device: torch.device) -> Order:
+    if order is None:
+        keys, perm = torch.arange(D, device=device), None
+    else:
+        order = order.to(device)
+        perm = torch.argsort(order, stable=True)   # position k of the solve is feature perm[k]
+        keys = order.index_select(0, perm)
+        if torch.equal(perm, torch.arange(D, device=device)):   # already in order
+            perm = None
+    gid = _groups(keys)
+    G = int(gid[-1]) + 1 if gid.numel() else 0
+    gid_row = gid[None, :]
+    return Order(perm=perm, inv=None if perm is None else torch.argsort(perm), gid=gid, G=G,
+                 gid_row=gid_row, next_row=gid_row + 1, k_G=torch.tensor(G, device=device))
+
+
 def tracked_solve(h, y, order, cfg, *, passes: int, where: str = "") -> Run:
     """Solve ``x = h(x)`` from zeros, positions sorted by ``order``, in at most ``passes``
     evaluations of ``h`` together with the one pass that follows (see :class:`Passes`)."""
     start = time.perf_counter()
     D = y.shape[-1]
-    if order is None:
-        keys, perm = torch.arange(D, device=y.device), None
-    else:
-        order = order.to(y.device)
-        perm = torch.argsort(order, stable=True)   # position k of the solve is feature perm[k]
-        keys = order.index_select(0, perm)
-        if torch.equal(perm, torch.arange(D, device=y.device)):   # already in order
-            perm = None
+    plan = order_plan(order, D, y.device)
+    perm, inv = plan.perm, plan.inv
     fn = h
     if perm is not None:
-        inv = torch.argsort(perm)
-
         def fn(xp):
             return h(xp.index_select(-1, inv)).index_select(-1, perm)
 
-    tracker = Passes(fn, _groups(keys), budget=passes, where=where, method=cfg.solver.name,
-                     features=perm)
+    tracker = Passes(fn, plan, budget=passes, where=where, method=cfg.solver.name)
     sol = None
     if y.numel():
         try:
@@ -220,12 +265,23 @@ def tracked_solve(h, y, order, cfg, *, passes: int, where: str = "") -> Run:
                 f"{passes}); pass max_iters=None, or throw=False for the unconverged value")
     else:
         x, exact, complete, why = sol.value, sol.converged, False, "solver"
-    if perm is not None:
-        x = x.index_select(-1, torch.argsort(perm))
+    if inv is not None:
+        x = x.index_select(-1, inv)
     return Run(x=x, sol=sol, complete=complete, exact=exact, groups=tracker.G,
                evaluations=tracker.evals, budget=passes, method=cfg.solver.name, D=D, why=why,
                time_s=time.perf_counter() - start, cap=cfg.max_iters,
                fallback=tracker.fallback)
+
+
+_CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 0-d ``0`` and ``-1`` (int64) on ``device``, made once (read only, never written)."""
+    k = _CONSTANTS.get(device)
+    if k is None:
+        k = _CONSTANTS[device] = (torch.tensor(0, device=device), torch.tensor(-1, device=device))
+    return k
 
 
 class _Stop(Exception):
@@ -262,17 +318,27 @@ class Passes:
     another method that the library's loop never computes: the solver keeps its old value.
     """
 
-    def __init__(self, h, gid: torch.Tensor, *, budget: int, where: str, method: str,
-                 features: torch.Tensor | None):
-        self.h, self.gid = h, gid
-        self.G = int(gid[-1]) + 1 if gid.numel() else 0
-        self.budget, self.where, self.method, self.features = budget, where, method, features
+    def __init__(self, h, plan: Order, *, budget: int, where: str, method: str):
+        self.h, self.gid, self.G = h, plan.gid, plan.G
+        self.budget, self.where, self.method, self.features = budget, where, method, plan.perm
         self.evals = 0
         self.budgeted = True
         self.stopped = "exact"   # why the solver was stopped: "exact" or "budget"
         self.fallback = 0        # passes of the library's loop after it (:meth:`finish`)
         self.p_min = 0           # host copy of P.min()
         self.E = self.P = self.chain = self.last = self.shape = None
+        # built once per order, not per pass: the (1, D) rows of each position's group and of
+        # the group after it, and the 0-d constants of the passes' operators (a Python number
+        # there costs a tensor of its own at every operator)
+        self.gid_row, self.next_row, self.k_G = plan.gid_row, plan.next_row, plan.k_G
+        self.k_0, self.k_neg = _constants(plan.gid.device)
+        # on the host a check is one reduction read as a Python number (no device to wait
+        # for); elsewhere the pass's facts travel in one transfer
+        self.host = plan.gid.device.type == "cpu"
+        # on the host, what the last pass proved about its own output y (see :meth:`_learn`):
+        # y is finite, and the least proven prefix after a pass at x == y
+        self.last_finite = False
+        self.worst_same = 0
 
     def _need(self, p_min: int) -> int:
         """Passes still needed after this one (the final pass included), worst case."""
@@ -280,53 +346,91 @@ class Passes:
 
     def _worst(self, xf: torch.Tensor) -> int:
         """The least proven prefix after a pass at ``xf``: a sample whose input agrees with its
-        proven values on groups ``< k`` gets groups ``<= k`` exact."""
-        known = self.gid[None, :] < self.P[:, None]
-        off = known & (xf != self.E)
-        first = off.to(torch.int8).argmax(1)
-        k = torch.where(off.any(1), self.gid[first], self.P)
-        return int(torch.maximum(self.P, (k + 1).clamp(max=self.G)).min())
+        proven values on groups ``< P`` gets groups ``<= P`` exact (``min(P + 1, G)``); one
+        whose input differs there gains nothing (a difference at group ``k < P`` proves groups
+        ``<= k``, which it has)."""
+        known = self.gid_row < self.P[:, None]
+        off = ((xf != self.E) & known).any(1)
+        return min(int(torch.where(off, self.P, self.P + 1).amin()), self.G)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.reshape(-1, x.shape[-1])
+        same = False   # x is bitwise the last pass's output (known on the host only)
         if self.E is None:
             self.shape = x.shape
             self.E = torch.zeros_like(xf)
             self.P = torch.zeros(xf.shape[0], dtype=torch.long, device=xf.device)
             self.chain = (xf == 0).all(1)
         else:
-            self.chain = self.chain & (xf == self.last).all(1)
-        if self.budgeted and self.evals + 1 + self._need(self.p_min) > self.budget \
-                and self.evals + 1 + self._need(self._worst(xf)) > self.budget:
-            self.stopped = "budget"
-            raise _Stop
+            same = self.host and torch.equal(xf, self.last)
+            if not same:
+                self.chain = self.chain & (xf == self.last).all(1)
+        if self.budgeted and self.evals + 1 + self._need(self.p_min) > self.budget:
+            # the budget is tight: the pass must add a group for every sample; at x == y of
+            # the last pass a proven p_min + 1 settles it without looking at x again
+            worst = self.worst_same if same and self.worst_same > self.p_min else \
+                self._worst(xf)
+            if self.evals + 1 + self._need(worst) > self.budget:
+                self.stopped = "budget"
+                raise _Stop
         y = self.h(x)
         self.evals += 1
         if not self.budgeted:
             self.fallback += 1
-        self._learn(xf, y.reshape(xf.shape))
+        self._learn(xf, y.reshape(xf.shape), same)
         if self.budgeted and self.p_min >= self.G - 1:
             self.stopped = "exact"
             raise _Stop
         return y
 
-    def _learn(self, xf: torch.Tensor, yf: torch.Tensor) -> None:
-        fin = torch.isfinite(xf).all(1)       # the triangular argument needs a finite input
+    def _learn(self, xf: torch.Tensor, yf: torch.Tensor, same: bool) -> None:
+        # the triangular argument needs a finite input: x - x is 0 where x is finite and NaN
+        # at NaN/inf, so one sum per row tells whether the row is finite. On the host: x equal
+        # to the last output, which was finite, or one sum of x read as a number, clears every
+        # row at once (an overflow of that sum only sends it to the per-row test)
+        if self.host and ((same and self.last_finite) or math.isfinite(float(xf.sum()))):
+            fin = None
+        else:
+            fin = (xf - xf).sum(1) == self.k_0
         differ = xf != yf                      # NaN differs
-        first = differ.to(torch.int8).argmax(1)
-        m = torch.where(differ.any(1), self.gid[first], self.G)   # h(x) exact on groups <= m
-        new = torch.where(fin, (m + 1).clamp(max=self.G), 0)
-        self.E = torch.where(self.gid[None, :] < new[:, None], yf, self.E)
+        # h(x) is exact on the groups <= the first group where it differs from x (every group
+        # if none): the groups below reach = min(that group + 1, G) (positions are sorted by
+        # group, so the first differing position holds the least differing group)
+        reach = torch.where(differ, self.next_row, self.k_G).amin(1)
+        new = reach if fin is None else torch.where(fin, reach, self.k_0)
+        self.E = torch.where(self.gid_row < new[:, None], yf, self.E)
         self.P = torch.maximum(self.P, new)
-        bad = ~torch.isfinite(yf) & fin[:, None]
-        p_min, nonfinite = torch.stack([self.P.min(), bad.any().to(torch.long)]).tolist()
-        self.p_min = p_min
         self.last = yf.clone()
-        if nonfinite:
-            self._non_finite(bad, m)
+        if self.host:
+            self.last_finite = math.isfinite(float(yf.sum()))
+            if not self.last_finite:   # a NaN/inf in h(x), or a sum that overflowed
+                self._non_finite(yf, fin, reach)
+            # one reduction for p_min and the least proven prefix after a pass at x == y:
+            # P_b + 1 where this pass proved at least all sample b had (new_b >= P_b: E equals
+            # y on b's proven groups then), at least P_b elsewhere; key_b = 2 P_b + that bit
+            v = int((self.P + self.P + (new >= self.P)).amin())
+            self.p_min = v >> 1
+            self.worst_same = min(self.p_min + (v & 1), self.G)
+            return
+        bad = (yf - yf).sum(1) != self.k_0    # rows with a NaN/inf
+        if fin is not None:
+            bad &= fin
+        # the one synchronisation of the pass: P.min(), or -1 if a row has a non-finite value
+        code = int(torch.where(bad, self.k_neg, self.P).amin())
+        if code < 0:
+            self._non_finite(yf, fin, reach)
+            code = int(self.P.amin())
+        self.p_min = code
 
-    def _non_finite(self, bad: torch.Tensor, m: torch.Tensor) -> None:
-        exact = bad & (self.gid[None, :] <= m[:, None])
+    def _non_finite(self, yf: torch.Tensor, fin: torch.Tensor | None,
+                    reach: torch.Tensor) -> None:
+        """A NaN/inf in ``h(x)`` from a finite ``x`` (``fin``: its finite rows, ``None``: all):
+        :class:`NonFiniteError` where the library's loop computes it too; nothing where only
+        another method's iterate led to it (the solver keeps its old values there)."""
+        bad = ~torch.isfinite(yf)
+        if fin is not None:
+            bad &= fin[:, None]
+        exact = bad & (self.gid_row < reach[:, None])
         exactly = bool(exact.any())
         mask = exact if exactly else bad & self.chain[:, None]
         if not exactly and not bool(mask.any()):
@@ -376,7 +480,10 @@ def raise_non_finite(where: str, batch, b: int, feature: int, how: str) -> None:
 def check_finite(x: torch.Tensor, where: str) -> None:
     """The result of an inverse must be finite (:func:`raise_non_finite` otherwise): its last
     pass computes every feature from final ones."""
-    bad = ~torch.isfinite(x.detach())
+    v = x.detach()
+    if math.isfinite(float(v.sum())):   # one reduction; an overflowing sum checks every value
+        return
+    bad = ~torch.isfinite(v)
     if not bool(bad.any()):
         return
     b, k = (int(i) for i in bad.reshape(-1, x.shape[-1]).nonzero()[0])

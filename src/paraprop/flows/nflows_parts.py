@@ -87,11 +87,13 @@ def _walk(t, y, context, cfg, record, names):
 
 
 # -- accelerate -----------------------------------------------------------------------------------
-def parts(root: nn.Module) -> list[nn.Module]:
-    """The autoregressive transforms of ``root``."""
+def parts(root: nn.Module, modules=None) -> list[nn.Module]:
+    """The autoregressive transforms of ``root`` (``modules``: ``root.modules()``, when the
+    caller has them already)."""
     from nflows.transforms.autoregressive import AutoregressiveTransform
 
-    return [m for m in root.modules() if isinstance(m, AutoregressiveTransform)]
+    return [m for m in (root.modules() if modules is None else modules)
+            if isinstance(m, AutoregressiveTransform)]
 
 
 ATTRIBUTE = "inverse"   # patched on each part's instance

@@ -115,9 +115,11 @@ def _walk(t, y, context, cfg, record, names):
 
 
 # -- accelerate -----------------------------------------------------------------------------------
-def parts(root: nn.Module) -> list[nn.Module]:
-    """The ``Autoregressive`` modules of ``root``."""
-    return [m for m in root.modules() if isinstance(m, _autoregressive())]
+def parts(root: nn.Module, modules=None) -> list[nn.Module]:
+    """The ``Autoregressive`` modules of ``root`` (``modules``: ``root.modules()``, when the
+    caller has them already)."""
+    kind = _autoregressive()
+    return [m for m in (root.modules() if modules is None else modules) if isinstance(m, kind)]
 
 
 ATTRIBUTE = "inverse"   # patched on each part's instance

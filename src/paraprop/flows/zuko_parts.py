@@ -150,11 +150,13 @@ def _solve(meta, order, y, cfg, record, *, passes, where):
 
 
 # -- accelerate -----------------------------------------------------------------------------------
-def parts(root: nn.Module) -> list[nn.Module]:
-    """The MaskedAutoregressiveTransform modules of ``root`` (checked: each has an order)."""
+def parts(root: nn.Module, modules=None) -> list[nn.Module]:
+    """The MaskedAutoregressiveTransform modules of ``root`` (checked: each has an order;
+    ``modules``: ``root.modules()``, when the caller has them already)."""
     from zuko.flows.autoregressive import MaskedAutoregressiveTransform
 
-    found = [m for m in root.modules() if isinstance(m, MaskedAutoregressiveTransform)]
+    found = [m for m in (root.modules() if modules is None else modules)
+             if isinstance(m, MaskedAutoregressiveTransform)]
     for m in found:
         if not isinstance(getattr(m, "order", None), torch.Tensor):
             raise NotImplementedError(f"flow contains a zuko MaskedAutoregressiveTransform built "
