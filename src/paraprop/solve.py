@@ -13,7 +13,6 @@ methods solve one linear recurrence per iteration instead (DEER, quasi-DEER, ELK
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
 from paraprop.determinism import require_deterministic
+from paraprop.driver import Outcome, run
 from paraprop.errors import ConvergenceError, NonFiniteError, NotTriangularError
 from paraprop.result import Result, Solution, ensure_converged
 from paraprop.solvers import make_solver
@@ -130,28 +130,50 @@ def solve(
     solver = make_solver(method)
     system = System(fn, x0.shape, x0.dtype, dims, device=x0.device)
     system.initial = system.canon(x0.detach())
-    device = x0.device
-    state = State(
-        x=system.initial.clone(),
-        active=torch.ones(system.B, dtype=torch.bool, device=device),
-        sample_iterations=torch.zeros(system.B, dtype=torch.long, device=device),
-    )
-    bound = solver.bound(system)
-    cap = bound if max_iters is None else max_iters
-    residuals: list = []
-    iterations = 0
-    start = time.perf_counter()
     with torch.no_grad():
-        solver.init(system, state)
-        while not state.finished and iterations < cap:
-            iterations += 1
-            system.iteration = iterations
-            solver.step(system, state, tol, norm)
-            if state.residual is not None:
-                residuals.append(state.residual)
-            if callback is not None:
-                last = None if state.residual is None else float(state.residual)
-                callback(iterations, system.user(state.x), last)
+        run_ = _Solve(solver, system, tol, norm, max_iters)
+        cap = run_.bound if max_iters is None else max_iters
+        report = None if callback is None else \
+            lambda k, r: callback(k, system.user(run_.state.x), None if r is None else float(r))
+        sol = run(run_, max_iters=cap, entry="solve", throw=False, tol=tol, callback=report)
+    if getattr(fn, "markov", False) and callable(getattr(fn, "attach", None)):
+        sol = dataclasses.replace(sol, value=fn.attach(sol.value))
+    return ensure_converged(sol, throw, entry="solve", max_iters=max_iters, tol=tol,
+                            last=float(sol.residuals[-1]) if len(sol.residuals) else None,
+                            measure="convergence measure", reason=sol.stats.get("not_converged"))
+
+
+class _Solve:
+    """One :func:`solve` as a :class:`paraprop.driver.Method`: the solver object's ``step``
+    on the system's state, and its final check (:mod:`paraprop.solvers.verify`) at the end."""
+
+    def __init__(self, solver, system: System, tol: float, norm: str, max_iters: int | None):
+        device = system.initial.device
+        self.solver, self.system, self.tol, self.norm = solver, system, tol, norm
+        self.max_iters = max_iters
+        self.name = solver.name
+        self.state = State(
+            x=system.initial.clone(),
+            active=torch.ones(system.B, dtype=torch.bool, device=device),
+            sample_iterations=torch.zeros(system.B, dtype=torch.long, device=device),
+        )
+        self.bound = solver.bound(system)
+        self.iterations = 0
+
+    def init(self) -> None:
+        self.solver.init(self.system, self.state)
+
+    def stopped(self) -> bool:
+        return bool(self.state.finished)
+
+    def step(self):
+        self.iterations += 1
+        self.system.iteration = self.iterations
+        self.solver.step(self.system, self.state, self.tol, self.norm)
+        return self.state.residual
+
+    def outcome(self, iterations: int) -> Outcome:
+        state, system, solver, tol = self.state, self.system, self.solver, self.tol
         converged = bool(state.finished)
         reason, checked = None, "none"
         result = Result.successful if converged else Result.max_iters_reached
@@ -161,60 +183,30 @@ def solve(
             elif state.verified:          # its certificate comes from fn's own values
                 checked = "iterations"
             else:                         # one evaluation of fn at the value (solvers.verify)
-                reason = verify_final(system, state, tol, norm)
+                reason = verify_final(system, state, tol, self.norm)
                 checked = "evaluation" if reason is None else "failed"
             converged = reason is None
             if not converged:
                 result = Result.not_certified
-    elapsed = time.perf_counter() - start
-    estimate = float(state.estimate.max()) if converged else float("inf")
-    history = _history(residuals, device)
-    floor = float(state.rule.blocked)
-    if not converged and reason is None and floor > 0:
-        reason = (f"max_iters={max_iters} ended it before a certificate, and the error estimate "
-                  f"could not certify tol={tol} earlier in {x0.dtype}: the steps or the estimate "
-                  f"were at the rounding floor of the values ({floor:.3g} at their scale), so "
-                  "only a bitwise fixed point or the exactness bound certifies it; pass "
-                  "max_iters=None (the bound) or a larger tol")
-
-    sol = Solution(
-        value=system.user(state.x),
-        method=solver.name,
-        iterations=iterations,
-        evaluations=system.evaluations,
-        result=result,
-        residuals=history,
-        stats={
-            "positions": system.positions,
-            "sequential_steps": system.evaluations,
-            "bound": bound,
-            "sample_iterations": state.sample_iterations.reshape(system.batch_shape).cpu(),
-            "T": system.T,
-            "error_estimate": estimate,
-            "time_s": elapsed,
-            "verification": checked,
-            "rounding_floor": floor,
-            "kept_non_finite": system.kept,
-            **({"not_converged": reason} if reason else {}),
-            **{k: (v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v)
-               for k, v in state.extra.get("stats", {}).items()},
-        },
-    )
-    if getattr(fn, "markov", False) and callable(getattr(fn, "attach", None)):
-        sol = dataclasses.replace(sol, value=fn.attach(sol.value))
-    return ensure_converged(sol, throw, entry="solve", max_iters=max_iters, tol=tol,
-                            last=float(history[-1]) if len(history) else None,
-                            measure="convergence measure", reason=reason)
-
-
-def _history(residuals: list, device) -> torch.Tensor:
-    """The per-iteration residuals (floats or device scalars) as one float64 CPU tensor, with
-    one transfer at the end instead of one per iteration."""
-    if not residuals:
-        return torch.zeros(0, dtype=torch.float64)
-    if all(isinstance(r, torch.Tensor) for r in residuals):
-        return torch.stack(residuals).to(torch.float64).cpu()
-    return torch.tensor([float(r) for r in residuals], dtype=torch.float64)
+        floor = float(state.rule.blocked)
+        if not converged and reason is None and floor > 0:
+            reason = (f"max_iters={self.max_iters} ended it before a certificate, and the error "
+                      f"estimate could not certify tol={tol} earlier in {system.dtype}: the "
+                      f"steps or the estimate were at the rounding floor of the values "
+                      f"({floor:.3g} at their scale), so only a bitwise fixed point or the "
+                      "exactness bound certifies it; pass max_iters=None (the bound) or a "
+                      "larger tol")
+        own = {k: (v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v)
+               for k, v in state.extra.get("stats", {}).items()}
+        steps = own.pop("sequential_steps", system.evaluations)
+        return Outcome(
+            system.user(state.x), result, evaluations=system.evaluations,
+            positions=system.positions, sequential_steps=steps, bound=self.bound,
+            error_estimate=float(state.estimate.max()) if converged else float("inf"),
+            stats={"sample_iterations": state.sample_iterations.reshape(system.batch_shape).cpu(),
+                   "T": system.T, "verification": checked, "rounding_floor": floor,
+                   "kept_non_finite": system.kept, **own},
+            reason=reason)
 
 
 def _validate(fn, x0, dim, tol, norm, max_iters, callback) -> tuple[int, int]:

@@ -22,8 +22,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from paraprop.driver import Outcome, build
 from paraprop.jacobians import transposed_jacobian
-from paraprop.result import Solution
+from paraprop.result import Result, Solution
 from paraprop.scan.ragged import ragged_scan
 
 __all__ = ["analyze", "backward", "combine_flops", "record"]
@@ -150,10 +151,11 @@ def _scan_backward(layers, activations, jts, grad_output, levels, start):
     stats = {"steps": steps, "combines": sum(s["combines"] for s in steps),
              "flops": sum(s["flops"] for s in steps), "critical_flops": _critical(steps, "flops"),
              "L": len(jts), "time_s": time.perf_counter() - start}
-    sol = Solution(value=torch.cat([g.flatten() for g in grads]),
-                   method="sequential" if levels == 0 else "blelloch", iterations=depth,
-                   evaluations=depth, converged=True,
-                   residuals=torch.zeros(0, dtype=torch.float64), stats=stats)
+    time_s = stats.pop("time_s")
+    out = Outcome(torch.cat([g.flatten() for g in grads]), Result.successful, evaluations=depth,
+                  sequential_steps=depth, error_estimate=0.0, stats=stats)
+    sol = build("sequential" if levels == 0 else "blelloch", out, iterations=depth,
+                time_s=time_s)
     return grads, sol
 
 

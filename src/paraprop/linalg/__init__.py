@@ -10,7 +10,7 @@
   system of a stacked ``nn.RNN``.
 """
 
-from paraprop.linalg.driver import METHODS, solve
+from paraprop.linalg.entry import METHODS, solve
 from paraprop.linalg.mlp import mlp_backward, mlp_forward
 from paraprop.linalg.mlp_layers import ActivationPoints, activation_points
 from paraprop.linalg.mlp_systems import MLPSystems, from_mlp

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from paraprop.driver import Outcome
 from paraprop.errors import NonFiniteError
 from paraprop.linalg.stacked import StackedSystem
 from paraprop.linalg.system import BlockBidiagonal
+from paraprop.result import Result
 
-__all__ = ["Layout", "bicgstab", "jacobi"]
+__all__ = ["BiCGStab", "Jacobi", "Layout"]
 
 
 class Layout:
@@ -91,40 +93,51 @@ def _check_finite(rel: torch.Tensor, method: str, it: int) -> None:
 # The iteration matrix -D^{-1}(A - D) is strictly block triangular, hence nilpotent: the error
 # vanishes after `depth` sweeps (l for a flat system), where the iterate equals substitution's.
 # D (x_{i+1} - x_i) = r - A x_i, so each sweep also yields the previous iterate's residual.
-def jacobi(system: BlockBidiagonal, R: torch.Tensor, tol: float, max_iters: int):
-    """Solve by Jacobi sweeps; ``R`` is ``(G, Q, N)``. Returns ``(X, info)``."""
-    L = Layout(system, R)
-    G, Q = L.shape_gq
-    bound = system.depth
-    b = L.b
-    bnorm = L.norm(b)
-    x = torch.zeros_like(b)
-    done = torch.zeros(G, Q, dtype=torch.bool, device=b.device)
-    sample_it = torch.zeros(G, Q, dtype=torch.long)
-    residuals: list[float] = []
-    it = 0
-    while it < max_iters:
-        it += 1
-        x_new = L.solve_diag(b - L.off(x))
-        diff = x_new - x
-        rel = _relative(L.norm(diff if L.d is None else L.d * diff), bnorm)
-        _check_finite(rel, "jacobi", it)
-        residuals.append(float(rel.max()))
-        x = x_new
-        newly = ~done & (rel <= tol)
-        sample_it[newly.cpu()] = it
-        done |= newly
-        if bool(done.all()) or it >= bound:
-            break
-    exact = it >= bound
-    sample_it[~done.cpu()] = it if exact else 0
-    converged = bool(done.all()) or exact
-    info = {"iterations": it, "evaluations": it, "converged": converged,
-            "residuals": residuals, "X": L.finish(x), "bound": bound,
-            "levels": it, "flops": it * (L.flops_matvec + 2 * b.numel()),
-            "memory_bytes": 4 * b.numel() * b.element_size(),
-            "sample_iterations": sample_it}
-    return info
+class Jacobi:
+    """Jacobi sweeps on ``A X = R`` (``R``: ``(G, Q, N)``), a :class:`paraprop.driver.Method`;
+    ``value`` of its outcome is ``(G, Q, N)``."""
+
+    name = "jacobi"
+
+    def __init__(self, system: BlockBidiagonal, R: torch.Tensor, tol: float):
+        self.L = L = Layout(system, R)
+        G, Q = L.shape_gq
+        self.tol, self.bound = tol, system.depth
+        self.bnorm = L.norm(L.b)
+        self.x = torch.zeros_like(L.b)
+        self.done = torch.zeros(G, Q, dtype=torch.bool, device=L.b.device)
+        self.sample_it = torch.zeros(G, Q, dtype=torch.long)
+        self.it = 0
+        self.finished = False
+
+    def stopped(self) -> bool:
+        return self.finished
+
+    def step(self) -> float:
+        L = self.L
+        self.it += 1
+        x_new = L.solve_diag(L.b - L.off(self.x))
+        diff = x_new - self.x
+        rel = _relative(L.norm(diff if L.d is None else L.d * diff), self.bnorm)
+        _check_finite(rel, self.name, self.it)
+        self.x = x_new
+        newly = ~self.done & (rel <= self.tol)
+        self.sample_it[newly.cpu()] = self.it
+        self.done |= newly
+        self.finished = bool(self.done.all()) or self.it >= self.bound
+        return float(rel.max())
+
+    def outcome(self, iterations: int) -> Outcome:
+        L, it = self.L, iterations
+        exact = it >= self.bound
+        self.sample_it[~self.done.cpu()] = it if exact else 0
+        converged = bool(self.done.all()) or exact
+        return Outcome(
+            L.finish(self.x), Result.successful if converged else Result.max_iters_reached,
+            evaluations=it, positions=it * L.system.l, sequential_steps=it, bound=self.bound,
+            stats={"levels": it, "flops": it * (L.flops_matvec + 2 * L.b.numel()),
+                   "memory_bytes": 4 * L.b.numel() * L.b.element_size(),
+                   "sample_iterations": self.sample_it})
 
 
 # BiCGStab (van der Vorst 1992) with the diagonal preconditioner K = D, Naumov 2017 eq. 38-41.
@@ -132,64 +145,79 @@ def jacobi(system: BlockBidiagonal, R: torch.Tensor, tol: float, max_iters: int)
 # one-dimensional residual minimisation along K^{-1} s (omega); two products with A. Every
 # right-hand side runs its own scalars; a finished one keeps its iterate (alpha = omega = 0). A
 # breakdown (rho = 0) restarts that right-hand side with the shadow residual set to r.
-def bicgstab(system: BlockBidiagonal, R: torch.Tensor, tol: float, max_iters: int):
-    """Solve by preconditioned BiCGStab; ``R`` is ``(G, Q, N)``. Returns ``(X, info)``."""
-    L = Layout(system, R)
-    G, Q = L.shape_gq
-    b = L.b
-    bc = L.bc
-    bnorm = L.norm(b)
-    x = torch.zeros_like(b)
-    r = b.clone()
-    rhat = b.clone()
-    p = torch.zeros_like(b)
-    v = torch.zeros_like(b)
-    ones = torch.ones(G, Q, dtype=b.dtype, device=b.device)
-    rho_old, alpha, omega = ones.clone(), ones.clone(), ones.clone()
-    active = _relative(bnorm, bnorm) > tol  # b = 0 -> x = 0, done
-    sample_it = torch.zeros(G, Q, dtype=torch.long)
-    residuals: list[float] = []
-    breakdowns = 0
-    it = 0
+class BiCGStab:
+    """Preconditioned BiCGStab on ``A X = R`` (``R``: ``(G, Q, N)``), a
+    :class:`paraprop.driver.Method`; ``value`` of its outcome is ``(G, Q, N)``."""
 
-    def safe(num, den, mask):
-        ok = mask & (den != 0)
-        return torch.where(ok, num / torch.where(ok, den, 1), 0)
+    name = "bicgstab"
 
-    while bool(active.any()) and it < max_iters:
-        it += 1
-        rho = L.dot(rhat, r)
+    def __init__(self, system: BlockBidiagonal, R: torch.Tensor, tol: float, max_iters: int):
+        self.L = L = Layout(system, R)
+        G, Q = L.shape_gq
+        b = L.b
+        self.tol, self.max_iters = tol, max_iters
+        self.bnorm = L.norm(b)
+        self.x = torch.zeros_like(b)
+        self.r, self.rhat = b.clone(), b.clone()
+        self.p, self.v = torch.zeros_like(b), torch.zeros_like(b)
+        ones = torch.ones(G, Q, dtype=b.dtype, device=b.device)
+        self.rho_old, self.alpha, self.omega = ones.clone(), ones.clone(), ones.clone()
+        self.active = _relative(self.bnorm, self.bnorm) > tol  # b = 0 -> x = 0, done
+        self.sample_it = torch.zeros(G, Q, dtype=torch.long)
+        self.breakdowns = 0
+        self.it = 0
+
+    def stopped(self) -> bool:
+        return not bool(self.active.any())
+
+    def step(self) -> float:
+        L, bc, active, tol = self.L, self.L.bc, self.active, self.tol
+        self.it += 1
+
+        def safe(num, den, mask):
+            ok = mask & (den != 0)
+            return torch.where(ok, num / torch.where(ok, den, 1), 0)
+
+        r = self.r
+        rho = L.dot(self.rhat, r)
         brk = active & (rho == 0)
         if bool(brk.any()):
-            breakdowns += int(brk.sum())
-            rhat = torch.where(bc(brk), r, rhat)
+            self.breakdowns += int(brk.sum())
+            self.rhat = torch.where(bc(brk), r, self.rhat)
             rho = torch.where(brk, L.dot(r, r), rho)
-        beta = safe(rho, rho_old, active & ~brk) * safe(alpha, omega, active & ~brk)
-        p = r + bc(beta) * (p - bc(omega) * v)
-        y = L.solve_diag(p)
-        v = L.matvec(y)
-        alpha = safe(rho, L.dot(rhat, v), active)
-        x = x + bc(alpha) * y
-        s = r - bc(alpha) * v
-        half = active & (_relative(L.norm(s), bnorm) <= tol)
+        beta = safe(rho, self.rho_old, active & ~brk) * safe(self.alpha, self.omega,
+                                                            active & ~brk)
+        self.p = r + bc(beta) * (self.p - bc(self.omega) * self.v)
+        y = L.solve_diag(self.p)
+        self.v = L.matvec(y)
+        self.alpha = safe(rho, L.dot(self.rhat, self.v), active)
+        self.x = self.x + bc(self.alpha) * y
+        s = r - bc(self.alpha) * self.v
+        half = active & (_relative(L.norm(s), self.bnorm) <= tol)
         z = L.solve_diag(s)
         t = L.matvec(z)
-        omega = safe(L.dot(t, s), L.dot(t, t), active & ~half)
-        x = x + bc(omega) * z
-        r = s - bc(omega) * t
-        rho_old = torch.where(active, rho, rho_old)
-        rel = _relative(L.norm(r), bnorm)
-        _check_finite(rel, "bicgstab", it)
+        self.omega = safe(L.dot(t, s), L.dot(t, t), active & ~half)
+        self.x = self.x + bc(self.omega) * z
+        self.r = s - bc(self.omega) * t
+        self.rho_old = torch.where(active, rho, self.rho_old)
+        rel = _relative(L.norm(self.r), self.bnorm)
+        _check_finite(rel, self.name, self.it)
         rel = torch.where(half, torch.zeros_like(rel), rel)
-        residuals.append(float(torch.where(active, rel, 0).max()))
+        measure = float(torch.where(active, rel, 0).max())
         newly = active & (half | (rel <= tol))
-        sample_it[newly.cpu()] = it
-        active &= ~newly
-    true_res = _relative(L.norm(b - L.matvec(x)), bnorm)
-    info = {"iterations": it, "evaluations": 2 * it, "converged": not bool(active.any()),
-            "residuals": residuals, "X": L.finish(x), "bound": max_iters,
-            "levels": 2 * it, "flops": it * (2 * L.flops_matvec + 14 * b.numel()),
-            "memory_bytes": 9 * b.numel() * b.element_size(),
-            "sample_iterations": sample_it, "breakdowns": breakdowns,
-            "true_residual": float(true_res.max()) if true_res.numel() else 0.0}
-    return info
+        self.sample_it[newly.cpu()] = self.it
+        self.active = active & ~newly
+        return measure
+
+    def outcome(self, iterations: int) -> Outcome:
+        L, it, b = self.L, iterations, self.L.b
+        true_res = _relative(L.norm(b - L.matvec(self.x)), self.bnorm)
+        converged = not bool(self.active.any())
+        return Outcome(
+            L.finish(self.x), Result.successful if converged else Result.max_iters_reached,
+            evaluations=2 * it, positions=2 * it * L.system.l, sequential_steps=2 * it,
+            bound=self.max_iters,
+            stats={"levels": 2 * it, "flops": it * (2 * L.flops_matvec + 14 * b.numel()),
+                   "memory_bytes": 9 * b.numel() * b.element_size(),
+                   "sample_iterations": self.sample_it, "breakdowns": self.breakdowns,
+                   "true_residual": float(true_res.max()) if true_res.numel() else 0.0})

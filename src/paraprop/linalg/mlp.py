@@ -27,10 +27,11 @@ import torch
 from torch import nn
 
 from paraprop import checks
+from paraprop.driver import Outcome, build, run
 from paraprop.linalg.activations import (
     chain_value_and_derivative,
 )
-from paraprop.linalg.driver import DEFAULT_TOL, check_solver_args, solve
+from paraprop.linalg.entry import DEFAULT_TOL, check_solver_args, solve
 from paraprop.linalg.mlp_layers import (
     ActivationPoints,
     activation_points,
@@ -43,7 +44,7 @@ from paraprop.linalg.mlp_layers import (
     per_layer,
 )
 from paraprop.linalg.mlp_systems import NegOnes, backward_system, forward_only, gradients
-from paraprop.result import Solution, ensure_converged
+from paraprop.result import Result, Solution
 
 __all__ = ["mlp_backward", "mlp_forward"]
 
@@ -101,10 +102,10 @@ def mlp_backward(model: nn.Sequential, x: torch.Tensor, grad_output: torch.Tenso
         check_solver_args(method, tol, max_iters)
         grads = (torch.zeros_like(x), [torch.zeros_like(p.detach()) for p in model.parameters()])
         N = sum(parsed.out_features)
-        st = {"levels": 0, "flops": 0, "memory_bytes": 0, "time_s": 0.0,
-              "l": len(parsed.linears), "N": N}
-        return grads, Solution(x.new_zeros(0, N), method, 0, 0, True,
-                               torch.zeros(0, dtype=torch.float64), st)
+        out = Outcome(x.new_zeros(0, N), Result.successful, evaluations=0, sequential_steps=0,
+                      error_estimate=0.0, stats={"levels": 0, "flops": 0, "memory_bytes": 0,
+                                                 "l": len(parsed.linears), "N": N})
+        return grads, build(method, out, iterations=0, time_s=0.0)
     with torch.no_grad():
         if points is None:
             points = activation_points(model, x)
@@ -180,9 +181,11 @@ def mlp_forward(model: nn.Sequential, x: torch.Tensor, *, points: ActivationPoin
     if x.shape[0] == 0:  # an empty batch: an empty output, nothing to solve
         if points is None:
             points = activation_points(model, x)
-        st = {"levels": 0, "solve_levels": 0, "flops": 0, "points": points,
-              "time_s": time.perf_counter() - start, "layer_evaluations": 0}
-        return Solution(points.output, method, 0, 0, True, torch.zeros(0, dtype=torch.float64), st)
+        out = Outcome(points.output, Result.successful, evaluations=0, sequential_steps=0,
+                      bound=l, error_estimate=0.0,
+                      stats={"levels": 0, "solve_levels": 0, "flops": 0, "points": points,
+                             "layer_evaluations": 0})
+        return build(method, out, iterations=0, time_s=time.perf_counter() - start)
     if points is None:
         # the sequential pass (l dependent layer evaluations) gives the points; the solve then
         # reproduces its output, so the counters include both
@@ -191,43 +194,63 @@ def mlp_forward(model: nn.Sequential, x: torch.Tensor, *, points: ActivationPoin
             fwd, rhs = forward_only(parsed, x, points)
         sol = solve(fwd, rhs, method=method)
         z = fwd.split(sol.value)
-        st = {"levels": l + sol.stats["levels"], "solve_levels": sol.stats["levels"],
-              "flops": sol.stats["flops"], "points": points,
-              "time_s": time.perf_counter() - start, "layer_evaluations": l}
-        return Solution(z[-1], method, 1, l + sol.stats["levels"], True,
-                        torch.zeros(0, dtype=torch.float64), st)
+        levels = l + sol.stats["levels"]
+        out = Outcome(z[-1], Result.successful, evaluations=levels, sequential_steps=levels,
+                      bound=l, error_estimate=0.0,
+                      stats={"levels": levels, "solve_levels": sol.stats["levels"],
+                             "flops": sol.stats["flops"], "points": points,
+                             "layer_evaluations": l})
+        return build(method, out, iterations=1, time_s=time.perf_counter() - start)
     with torch.no_grad():
-        z0, _ = chain_value_and_derivative(parsed.lead, x)
-    levels = solve_levels = flops = 0
-    residuals: list[float] = []
-    converged = False
-    it = 0
-    with torch.no_grad():
-        while it < cap:
-            it += 1
-            fwd, rhs = forward_only(parsed, x, points)
-            sol = solve(fwd, rhs, method=method)
-            solve_levels += sol.stats["levels"]
-            levels += sol.stats["levels"] + 1  # + the batched evaluation of all layers
-            flops += sol.stats["flops"]
-            z = fwd.split(sol.value)
-            inputs = (z0, *z[:-1])
-            pre = linear_batched(parsed.linears, inputs)
-            change = max(float((a - b).abs().max()) for a, b in zip(pre, points.pre,
-                                                                    strict=True))
-            scale = max(1.0, max(float(y.abs().max()) for y in pre))
-            residuals.append(change)
-            output, _ = chain_value_and_derivative(parsed.chains[-1], pre[-1])
-            points = ActivationPoints(x, tuple(inputs), tuple(pre), output)
-            if not change <= tol * scale and it < l:
-                continue
-            converged = True
-            break
-    st = {"levels": levels, "solve_levels": solve_levels, "flops": flops, "points": points,
-          "time_s": time.perf_counter() - start, "layer_evaluations": it * l}
-    out = Solution(points.output, method, it, levels, converged,
-                   torch.tensor(residuals, dtype=torch.float64), st)
-    return ensure_converged(out, throw, entry="mlp_forward", max_iters=max_iters, tol=tol,
-                            measure="relative change of the points (the Newton step)",
-                            last=residuals[-1] / scale if residuals else None)
+        return run(_Newton(parsed, x, points, method, tol), max_iters=cap, entry="mlp_forward",
+                   throw=throw, tol=tol, user_max_iters=max_iters,
+                   measure="change of the points (the Newton step; tol is relative to "
+                           "max(1, max |points|))")
+
+
+class _Newton:
+    """Newton's method on the forward system (a :class:`paraprop.driver.Method`): each
+    iteration solves the lower system linearised at the current points, then evaluates every
+    layer at once at the new inputs; exact after ``l`` iterations."""
+
+    def __init__(self, parsed, x: torch.Tensor, points: ActivationPoints, method: str,
+                 tol: float):
+        self.name = method
+        self.parsed, self.x, self.points, self.method, self.tol = parsed, x, points, method, tol
+        self.l = len(parsed.linears)
+        self.z0, _ = chain_value_and_derivative(parsed.lead, x)
+        self.levels = self.solve_levels = self.flops = 0
+        self.it = 0
+        self.converged = False
+
+    def stopped(self) -> bool:
+        return self.converged
+
+    def step(self) -> float:
+        parsed = self.parsed
+        self.it += 1
+        fwd, rhs = forward_only(parsed, self.x, self.points)
+        sol = solve(fwd, rhs, method=self.method)
+        self.solve_levels += sol.stats["levels"]
+        self.levels += sol.stats["levels"] + 1  # + the batched evaluation of all layers
+        self.flops += sol.stats["flops"]
+        z = fwd.split(sol.value)
+        inputs = (self.z0, *z[:-1])
+        pre = linear_batched(parsed.linears, inputs)
+        change = max(float((a - b).abs().max()) for a, b in zip(pre, self.points.pre,
+                                                                strict=True))
+        scale = max(1.0, max(float(y.abs().max()) for y in pre))
+        output, _ = chain_value_and_derivative(parsed.chains[-1], pre[-1])
+        self.points = ActivationPoints(self.x, tuple(inputs), tuple(pre), output)
+        self.converged = change <= self.tol * scale or self.it >= self.l
+        return change
+
+    def outcome(self, iterations: int) -> Outcome:
+        return Outcome(
+            self.points.output,
+            Result.successful if self.converged else Result.max_iters_reached,
+            evaluations=self.levels, sequential_steps=self.levels, bound=self.l,
+            stats={"levels": self.levels, "solve_levels": self.solve_levels,
+                   "flops": self.flops, "points": self.points,
+                   "layer_evaluations": iterations * self.l})
 

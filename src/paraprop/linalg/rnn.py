@@ -27,10 +27,11 @@ from torch import nn
 
 from paraprop import checks
 from paraprop.determinism import require_deterministic
-from paraprop.linalg.driver import check_solver_args, solve
+from paraprop.driver import Outcome, build
+from paraprop.linalg.entry import check_solver_args, solve
 from paraprop.linalg.operators import BlockDiagonalOperator, MatrixOperator
 from paraprop.linalg.system import BlockBidiagonal
-from paraprop.result import Solution
+from paraprop.result import Result, Solution
 
 __all__ = ["RNNSystems", "from_rnn", "rnn_backward"]
 
@@ -257,10 +258,11 @@ def rnn_backward(rnn: nn.RNN, x: torch.Tensor, grad_output: torch.Tensor | None,
         K, n = rnn.num_layers, rnn.hidden_size
         out = (torch.zeros_like(x), xs.new_zeros(K, 0, n),
                [torch.zeros_like(p.detach()) for p in rnn.parameters()])
-        st = {"levels": 0, "flops": 0, "memory_bytes": 0, "time_s": 0.0,
-              "l": xs.shape[0], "N": xs.shape[0] * K * n}
-        return out, Solution(xs.new_zeros(0, xs.shape[0] * K * n), method, 0, 0, True,
-                             torch.zeros(0, dtype=torch.float64), st)
+        st = {"levels": 0, "flops": 0, "memory_bytes": 0, "l": xs.shape[0],
+              "N": xs.shape[0] * K * n}
+        empty = Outcome(xs.new_zeros(0, xs.shape[0] * K * n), Result.successful, evaluations=0,
+                        sequential_steps=0, error_estimate=0.0, stats=st)
+        return out, build(method, empty, iterations=0, time_s=0.0)
     with torch.no_grad():
         S = _build(rnn, xs, h0, grad_output, grad_hn)
     sol = solve(S.backward, S.backward_rhs, method=method, tol=tol, max_iters=max_iters,

@@ -33,6 +33,7 @@ from torch.nn import functional as F
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
 from paraprop.determinism import require_deterministic
+from paraprop.driver import Outcome, build
 from paraprop.flows.tarflow_inverse import BlockInverse, default_chunk
 from paraprop.models.checkpoint import Checkpointed
 from paraprop.result import Result, Solution, ensure_converged
@@ -370,18 +371,20 @@ class TarFlow(Checkpointed, nn.Module):
         images = unpatchify(h, self.patch_size, self.channels)
         name = method if isinstance(method, str) else \
             method.name if is_solver(method) else "per_block"
-        sol = Solution(
-            value=images, method=name,
-            iterations=sum(s.iterations for s in sols),
-            evaluations=sum(s.evaluations for s in sols),
-            result=next((s.result for s in sols if not s.converged), Result.successful),
-            residuals=torch.cat([s.residuals for s in sols]),
+        evaluations = sum(s.evaluations for s in sols)
+        out = Outcome(
+            images, next((s.result for s in sols if not s.converged), Result.successful),
+            evaluations=evaluations,
+            positions=sum(s.stats.get("positions") or 0 for s in sols),
+            sequential_steps=sum(s.stats.get("sequential_steps") or 0 for s in sols),
+            error_estimate=sum(s.stats.get("error_estimate") or 0.0 for s in sols),
             stats={"blocks": sols, "methods": [_name(m) for m in plan],
-                   "model_calls": sum(s.evaluations for s in sols),
-                   "positions": sum(s.stats.get("positions", 0) for s in sols),
+                   "model_calls": evaluations,
                    "chunks": sum(s.stats.get("chunks", 0) for s in sols),
-                   "error_estimates": [s.stats.get("error_estimate", 0.0) for s in sols],
-                   "time_s": time.perf_counter() - start})
+                   "error_estimates": [s.stats.get("error_estimate", 0.0) for s in sols]},
+            residuals=torch.cat([s.residuals for s in sols]))
+        sol = build(name, out, iterations=sum(s.iterations for s in sols),
+                    residuals=out.residuals, time_s=time.perf_counter() - start)
         # the first block (in inversion order) that could not certify for another reason than
         # max_iters (e.g. a tol=0 value that fn(x) reproduces only to rounding) says why
         why = next((f"block {k}: {sols[k].stats['not_converged']}"
@@ -404,14 +407,12 @@ class TarFlow(Checkpointed, nn.Module):
             # the KV-cached loop); handed a block by "auto", its deviation from the exact
             # inverse measured at calibration (at most CACHED_SHARE * tol)
             est = 0.0 if measured is None else measured
-            return Solution(value=x, method="sequential_cached", iterations=T - 1,
-                            evaluations=T - 1, converged=True,
-                            residuals=torch.empty(0, dtype=torch.float64),
-                            stats={"positions": T - 1, "sequential_steps": T - 1,
-                                   "bound": T - 1, "T": T, "error_estimate": est,
-                                   "error_estimate_source": "the loop itself"
-                                   if measured is None else "calibration",
-                                   "time_s": time.perf_counter() - start})
+            out = Outcome(x, Result.successful, evaluations=T - 1, positions=T - 1,
+                          sequential_steps=T - 1, bound=T - 1, error_estimate=est,
+                          stats={"T": T, "error_estimate_source": "the loop itself"
+                                 if measured is None else "calibration"})
+            return build("sequential_cached", out, iterations=T - 1,
+                         time_s=time.perf_counter() - start)
         f = self.sampling_map(z, k, chunk)
         sol = solve(f, f.x0, method=method, dim=-2, tol=tol, max_iters=max_iters, throw=False)
         sol.stats["chunks"] = f.chunks

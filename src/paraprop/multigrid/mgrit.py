@@ -52,12 +52,12 @@ the ranks by one all-reduce per cycle, so every rank takes the same decision.
 from __future__ import annotations
 
 import math
-import time
 from typing import Protocol
 
 import torch
 
 from paraprop import checks
+from paraprop.driver import Outcome, run
 from paraprop.multigrid.common import (
     DEFAULT_TOL,
     RELAX,
@@ -468,10 +468,6 @@ def run_mgrit(stepper, x, hierarchy, step_size, *, relax="FCF", max_iters=None,
     parts = parts if parts is not None else [(0, hierarchy.n_steps)]
     solver = _Solver(stepper, hierarchy, float(step_size), relax, float(c_weight), link, parts,
                      me)
-    L0 = solver.levels[0]
-    t0 = time.perf_counter()
-    U = x.new_empty((L0.n_local, *x.shape))
-    U[0] = x
     bound = hierarchy.exact_cycles()
     # At the bound the states are the serial ones bitwise only where the C-relaxation copies
     # the fine step into the C-points (FCF, c_weight=1). F-relaxation, or a weighted
@@ -482,110 +478,136 @@ def run_mgrit(stepper, x, hierarchy, step_size, *, relax="FCF", max_iters=None,
     bitwise_bound = relax == "FCF" and c_weight == 1
     settle = tol == 0 and hierarchy.levels > 1 and not bitwise_bound
     cap = (2 * bound if settle else bound) if max_iters is None else max_iters
-    checking = tol is not None
-    residuals: list[float] = []
-    rule = _ErrorEstimate()
-    estimate = math.inf if checking else math.nan
-    stopped = False  # by the rule, a zero residual or a zero change
-    cycles = 0
-    # The parameter gradients of the adjoint can be accumulated during the final relaxation
-    # (one VJP per layer with respect to state and parameters) when it is known to be final.
-    collect = collect and callable(getattr(stepper, "begin_collect", None))
-    collected = False
+    cycles = _Cycles(solver, stepper, x, hierarchy, tol, cap, bound, settle, init, link,
+                     collect and callable(getattr(stepper, "begin_collect", None)))
     with torch.no_grad():
-        if hierarchy.levels == 1:
-            if collect:
-                stepper.begin_collect()
-                collected = True
-            solver.serial(L0, U)
-        else:
-            uc = solver.c_view(L0, U)
-            if init is not None:
-                if init.shape != uc.shape:
-                    raise ValueError(f"init must have shape {tuple(uc.shape)} (this rank's "
-                                     f"C-points), got {tuple(init.shape)}")
-                uc.copy_(init)
-            else:
-                uc.copy_(x.expand_as(uc))
-
-            def final(k: int) -> bool:  # is the relaxation after cycle k the last one?
-                nonlocal collected
-                if collect and tol is None and k == cap:
-                    stepper.begin_collect()
-                    collected = True
-                return collected
-
-            final(0)
-            W = solver.f_relax(L0, U, True)
-            (sq,) = _scalars(solver.residual_sq(L0, U, W))
-            r, _ = solver.reduce(sq, None)
-            residuals.append(r)
-            prev = U.clone() if checking and cap > 0 else None
-            if checking and r == 0:
-                stopped, estimate = True, 0.0
-            while cycles < cap and not stopped and math.isfinite(residuals[-1]):
-                if relax == "FCF":
-                    solver.c_relax(L0, U, W)
-                    W = solver.f_relax(L0, U, True)
-                solver.coarse_correct(0, U, W)
-                final(cycles + 1)
-                W = solver.f_relax(L0, U, True)
-                cycles += 1
-                change = None
-                sq = solver.residual_sq(L0, U, W)
-                if checking:    # the residual and the change in one transfer
-                    sq, change = _scalars(sq, _max_change(U, prev))
-                    prev.copy_(U)
-                else:
-                    (sq,) = _scalars(sq)
-                r, d = solver.reduce(sq, change)
-                residuals.append(r)
-                if checking:
-                    estimate = rule.update(d)
-                    if r == 0:
-                        estimate = 0.0
-                    stopped = estimate <= tol and (d <= tol or estimate == 0.0)
-                    if settle:   # a bitwise fixed point of the cycle may still round (above)
-                        stopped = r == 0
-        if link is not None:
-            link.flush()
-    grads = stepper.end_collect() if collected else None
-    elapsed = time.perf_counter() - t0
-    finite = not residuals or math.isfinite(residuals[-1])
-    if hierarchy.levels == 1:
-        converged, checked, estimate = True, True, 0.0
-    elif finite and (residuals[-1] == 0 or (cycles >= bound and not settle)):
-        converged, checked, estimate = True, True, 0.0
-    else:
-        converged, checked = finite and stopped, checking
-    factor = math.nan
-    if cycles and residuals[0] > 0:
-        factor = (residuals[-1] / residuals[0]) ** (1.0 / cycles)
-    sol = Solution(
-        value=U,
-        method="mgrit" if hierarchy.levels > 1 else "sequential",
-        iterations=cycles,
-        evaluations=stepper.counts.evaluations,
-        result=(Result.successful if converged else Result.unchecked if not checked
-                else Result.max_iters_reached),
-        residuals=torch.tensor(residuals, dtype=torch.float64),
-        stats={"checked": checked, "error_estimate": estimate, "changes": rule.changes,
-               "bound": bound, "tol": tol, "convergence_factor": factor,
-               "calls": stepper.counts.calls, "time_s": elapsed, "levels": hierarchy.levels,
-               "coarsening": list(hierarchy.coarsening), "relax": relax,
-               "parameter_grads": grads},
-    )
-    if not checking:
+        sol = run(cycles, max_iters=cap, entry=entry, throw=False, tol=tol)
+    if tol is None:
         return sol
     hint = ("the iterate became non-finite (coarse steps of c * h overflowed?); use smaller "
-            "coarsening factors or fewer levels" if not finite else
+            "coarsening factors or fewer levels" if not cycles.finite else
             f"tol=0 with relax={relax!r}, c_weight={c_weight:g} stops only at a zero residual "
             "(the bitwise serial states): its coarse correction reaches them up to rounding at "
             "the exactness bound and bitwise a cycle or two later; raise max_iters (None: twice "
             "the bound), use relax='FCF' with c_weight=1, or a tol > 0" if settle else
             "raise max_iters (None: the exactness bound, the serial result) or tol")
     return ensure_converged(sol, throw, entry=entry, max_iters=cap, tol=tol,
-                            last=estimate, hint=hint)
+                            last=sol.stats["error_estimate"], hint=hint)
+
+
+class _Cycles:
+    """MGRIT's cycles as a :class:`paraprop.driver.Method`: ``init`` relaxes the initial guess
+    and measures its residual, each ``step`` is one cycle (C-relaxation for FCF, the coarse
+    correction, F-relaxation) and returns the cycle's residual; the error estimate of the
+    changes (:class:`_ErrorEstimate`) is the stopping rule."""
+
+    def __init__(self, solver, stepper, x, hierarchy, tol, cap, bound, settle, init, link,
+                 collect):
+        self.solver, self.stepper, self.x, self.hierarchy = solver, stepper, x, hierarchy
+        self.tol, self.cap, self.bound, self.settle = tol, cap, bound, settle
+        self.guess, self.link, self.collect = init, link, collect
+        self.name = "mgrit" if hierarchy.levels > 1 else "sequential"
+        self.checking = tol is not None
+        self.residuals: list[float] = []
+        self.rule = _ErrorEstimate()
+        self.estimate = math.inf if self.checking else math.nan
+        self.stop = False  # by the rule, a zero residual or a zero change
+        self.cycles = 0
+        # The parameter gradients of the adjoint can be accumulated during the final relaxation
+        # (one VJP per layer with respect to state and parameters) when it is known to be
+        # final.
+        self.collected = False
+        self.finite = True
+
+    def _final(self, k: int) -> bool:   # is the relaxation after cycle k the last one?
+        if self.collect and self.tol is None and k == self.cap:
+            self.stepper.begin_collect()
+            self.collected = True
+        return self.collected
+
+    def init(self) -> None:
+        solver, x = self.solver, self.x
+        L0 = self.L0 = solver.levels[0]
+        U = self.U = x.new_empty((L0.n_local, *x.shape))
+        U[0] = x
+        if self.hierarchy.levels == 1:
+            if self.collect:
+                self.stepper.begin_collect()
+                self.collected = True
+            solver.serial(L0, U)
+            return
+        uc = solver.c_view(L0, U)
+        if self.guess is not None:
+            if self.guess.shape != uc.shape:
+                raise ValueError(f"init must have shape {tuple(uc.shape)} (this rank's "
+                                 f"C-points), got {tuple(self.guess.shape)}")
+            uc.copy_(self.guess)
+        else:
+            uc.copy_(x.expand_as(uc))
+        self._final(0)
+        self.W = solver.f_relax(L0, U, True)
+        (sq,) = _scalars(solver.residual_sq(L0, U, self.W))
+        r, _ = solver.reduce(sq, None)
+        self.residuals.append(r)
+        self.prev = U.clone() if self.checking and self.cap > 0 else None
+        if self.checking and r == 0:
+            self.stop, self.estimate = True, 0.0
+
+    def stopped(self) -> bool:
+        return self.hierarchy.levels == 1 or self.stop or not math.isfinite(self.residuals[-1])
+
+    def step(self) -> float:
+        solver, L0, U = self.solver, self.L0, self.U
+        if solver.relax == "FCF":
+            solver.c_relax(L0, U, self.W)
+            self.W = solver.f_relax(L0, U, True)
+        solver.coarse_correct(0, U, self.W)
+        self._final(self.cycles + 1)
+        self.W = solver.f_relax(L0, U, True)
+        self.cycles += 1
+        change = None
+        sq = solver.residual_sq(L0, U, self.W)
+        if self.checking:    # the residual and the change in one transfer
+            sq, change = _scalars(sq, _max_change(U, self.prev))
+            self.prev.copy_(U)
+        else:
+            (sq,) = _scalars(sq)
+        r, d = solver.reduce(sq, change)
+        self.residuals.append(r)
+        if self.checking:
+            self.estimate = self.rule.update(d)
+            if r == 0:
+                self.estimate = 0.0
+            self.stop = self.estimate <= self.tol and (d <= self.tol or self.estimate == 0.0)
+            if self.settle:   # a bitwise fixed point of the cycle may still round (above)
+                self.stop = r == 0
+        return r
+
+    def outcome(self, iterations: int) -> Outcome:
+        if self.link is not None:
+            self.link.flush()
+        grads = self.stepper.end_collect() if self.collected else None
+        residuals, cycles, hierarchy = self.residuals, self.cycles, self.hierarchy
+        finite = self.finite = not residuals or math.isfinite(residuals[-1])
+        estimate = self.estimate
+        if hierarchy.levels == 1:
+            converged, checked, estimate = True, True, 0.0
+        elif finite and (residuals[-1] == 0 or (cycles >= self.bound and not self.settle)):
+            converged, checked, estimate = True, True, 0.0
+        else:
+            converged, checked = finite and self.stop, self.checking
+        factor = math.nan
+        if cycles and residuals[0] > 0:
+            factor = (residuals[-1] / residuals[0]) ** (1.0 / cycles)
+        return Outcome(
+            self.U, Result.successful if converged else Result.unchecked if not checked
+            else Result.max_iters_reached,
+            evaluations=self.stepper.counts.evaluations, bound=self.bound,
+            error_estimate=estimate, residuals=torch.tensor(residuals, dtype=torch.float64),
+            stats={"checked": checked, "changes": self.rule.changes, "tol": self.tol,
+                   "convergence_factor": factor, "calls": self.stepper.counts.calls,
+                   "levels": hierarchy.levels, "coarsening": list(hierarchy.coarsening),
+                   "relax": self.solver.relax, "parameter_grads": grads})
 
 
 def _validate(x, hierarchy, step_size, relax, max_iters, tol, c_weight, parts, me) -> None:

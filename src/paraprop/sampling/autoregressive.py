@@ -14,6 +14,8 @@ import torch
 
 from paraprop import checks
 from paraprop.determinism import refuse_random_draws, require_deterministic
+from paraprop.driver import Outcome, build
+from paraprop.result import Result
 from paraprop.solve import Solution, normalise_dims, solve
 from paraprop.solvers import is_solver
 
@@ -124,7 +126,6 @@ def _fixed_passes(system) -> Solution:
     start = time.perf_counter()
     for _ in range(T):
         x = system(x)
-    return Solution(value=x, method="fixed_passes", iterations=T, evaluations=T,
-                    converged=True, residuals=torch.empty(0, dtype=torch.float64),
-                    stats={"positions": T * T, "sequential_steps": T, "bound": T, "T": T,
-                           "error_estimate": 0.0, "time_s": time.perf_counter() - start})
+    out = Outcome(x, Result.successful, evaluations=T, positions=T * T, sequential_steps=T,
+                  bound=T, error_estimate=0.0, stats={"T": T})
+    return build("fixed_passes", out, iterations=T, time_s=time.perf_counter() - start)

@@ -12,12 +12,11 @@ identity) is never stopped on a small step.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from paraprop import checks
-from paraprop.result import Solution, ensure_converged
+from paraprop.driver import Outcome, run
+from paraprop.result import Result, Solution
 from paraprop.scan.recurrence import canonicalise
 from paraprop.stopping import ContractionRule
 
@@ -59,39 +58,54 @@ def jacobi_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
     checks.boolean("reverse", reverse)
     checks.boolean("throw", throw)
     c = canonicalise(A, b, h0)
-    op, bb = c.op, c.b
-    T = bb.shape[1]
+    T = c.b.shape[1]
     cap = T if max_iters is None else min(max_iters, T)
-    start = (c.h0 if c.h0 is not None else torch.zeros_like(bb[:, 0])).unsqueeze(1)
-    x = torch.zeros_like(bb)
-    residuals = []
-    converged = False
-    rule = ContractionRule(1, bb.device)
-    always = torch.ones(1, dtype=torch.bool, device=bb.device)
-    estimate = float("inf")
-    t0 = time.perf_counter()
-    # one sweep: shift the iterate by one step (h_prev), apply every A_t at once, add b
-    for k in range(1, cap + 1):
+    return run(_Sweeps(c, reverse, tol), max_iters=cap, entry="jacobi_recurrence", throw=throw,
+               tol=tol, measure="forward difference", user_max_iters=max_iters)
+
+
+class _Sweeps:
+    """Jacobi sweeps on a canonical recurrence (a :class:`paraprop.driver.Method`): shift the
+    iterate by one step (``h_prev``), apply every ``A_t`` at once, add ``b``."""
+
+    name = "jacobi"
+
+    def __init__(self, c, reverse: bool, tol: float):
+        self.c, self.reverse, self.tol = c, reverse, tol
+        bb = c.b
+        self.T = bb.shape[1]
+        self.start = (c.h0 if c.h0 is not None else torch.zeros_like(bb[:, 0])).unsqueeze(1)
+        self.x = torch.zeros_like(bb)
+        self.rule = ContractionRule(1, bb.device)
+        self.always = torch.ones(1, dtype=torch.bool, device=bb.device)
+        self.k = 0
+        self.converged = False
+        self.estimate = float("inf")
+
+    def stopped(self) -> bool:
+        return self.converged
+
+    def step(self) -> float:
+        bb, x = self.c.b, self.x
+        self.k += 1
         prev = torch.empty_like(bb)   # fresh each sweep: autograd may have saved the last one
-        if reverse:
-            prev[:, :-1], prev[:, -1:] = x[:, 1:], start
+        if self.reverse:
+            prev[:, :-1], prev[:, -1:] = x[:, 1:], self.start
         else:
-            prev[:, 1:], prev[:, :1] = x[:, :-1], start
-        new = op.apply(prev).add_(bb)
+            prev[:, 1:], prev[:, :1] = x[:, :-1], self.start
+        new = self.c.op.apply(prev).add_(bb)
         res = float(torch.sub(new.detach(), x.detach()).abs_().max()) if new.numel() else 0.0
-        residuals.append(res)
-        x = new
-        stop, est = rule.update(torch.tensor([res], dtype=torch.float64, device=bb.device), tol,
-                                always)
-        if k == T or bool(stop):
-            converged = True
-            estimate = 0.0 if k == T else float(est)
-            break
-    sol = Solution(value=c.user(x), method="jacobi", iterations=len(residuals),
-                   evaluations=len(residuals), converged=converged,
-                   residuals=torch.tensor(residuals, dtype=torch.float64),
-                   stats={"error_estimate": estimate, "bound": T, "T": T,
-                          "time_s": time.perf_counter() - t0})
-    return ensure_converged(sol, throw, entry="jacobi_recurrence", max_iters=max_iters, tol=tol,
-                            measure="forward difference",
-                            last=residuals[-1] if residuals else None)
+        self.x = new
+        stop, est = self.rule.update(torch.tensor([res], dtype=torch.float64, device=bb.device),
+                                     self.tol, self.always)
+        if self.k == self.T or bool(stop):
+            self.converged = True
+            self.estimate = 0.0 if self.k == self.T else float(est)
+        return res
+
+    def outcome(self, iterations: int) -> Outcome:
+        return Outcome(self.c.user(self.x),
+                       Result.successful if self.converged else Result.max_iters_reached,
+                       evaluations=iterations, positions=iterations * self.T,
+                       sequential_steps=iterations, bound=self.T,
+                       error_estimate=self.estimate, stats={"T": self.T})

@@ -9,11 +9,12 @@ from collections.abc import Sequence
 import torch
 
 from paraprop import checks
+from paraprop.driver import Outcome, build, run
 from paraprop.errors import NonFiniteError
 from paraprop.linalg.direct import cyclic_reduction, substitution
-from paraprop.linalg.iterative import bicgstab, jacobi
+from paraprop.linalg.iterative import BiCGStab, Jacobi
 from paraprop.linalg.system import BlockBidiagonal
-from paraprop.result import Solution, ensure_converged
+from paraprop.result import Result, Solution
 
 __all__ = ["DIRECT", "ITERATIVE", "METHODS", "check_solver_args", "solve"]
 
@@ -76,37 +77,52 @@ def solve(
         (4, True)
     """
     system, R, out_shape = _validate(system, rhs, method, tol, max_iters, throw)
-    if method in ITERATIVE:
-        tol = DEFAULT_TOL.get(system.dtype, 1e-6) if tol is None else float(tol)
-        if max_iters is None:
-            max_iters = system.depth if method == "jacobi" else max(2 * system.N, 20)
-    start = time.perf_counter()
-    with torch.no_grad():
-        if method in DIRECT:
-            fn = substitution if method == "substitution" else cyclic_reduction
+    if method in DIRECT:
+        start = time.perf_counter()
+        fn = substitution if method == "substitution" else cyclic_reduction
+        with torch.no_grad():
             X, st = fn(system, R)
-            info = {"iterations": st["levels"], "evaluations": st["levels"], "converged": True,
-                    "residuals": [], **st}
-        else:
-            fn = jacobi if method == "jacobi" else bicgstab
-            info = fn(system, R, tol, max_iters)
-            X = info.pop("X")
-    elapsed = time.perf_counter() - start
-    value = X.reshape(out_shape)
-    if not bool(torch.isfinite(value).all()):
-        raise NonFiniteError(f"method={method!r} produced NaN or inf (the system is too badly "
-                             "conditioned for this dtype, or its blocks overflow in products)")
-    stats = {k: v for k, v in info.items()
-             if k not in ("iterations", "evaluations", "converged", "residuals")}
-    stats.update({"time_s": elapsed, "l": system.l, "N": system.N})
-    if "sample_iterations" in stats:
-        stats["sample_iterations"] = stats["sample_iterations"].reshape(out_shape[:-1])
-    sol = Solution(value=value, method=method, iterations=info["iterations"],
-                   evaluations=info["evaluations"], converged=info["converged"],
-                   residuals=torch.tensor(info["residuals"], dtype=torch.float64), stats=stats)
-    return ensure_converged(sol, throw, entry="linalg.solve", max_iters=max_iters, tol=tol,
-                            measure="relative residual",
-                            last=info["residuals"][-1] if info["residuals"] else None)
+        out = _Shaped.finish(Outcome(X, Result.successful, evaluations=st["levels"],
+                                     sequential_steps=st["levels"], bound=st["levels"],
+                                     error_estimate=0.0, stats=st), method, out_shape, system)
+        return build(method, out, iterations=st["levels"], time_s=time.perf_counter() - start)
+    tol = DEFAULT_TOL.get(system.dtype, 1e-6) if tol is None else float(tol)
+    user_max_iters = max_iters
+    if max_iters is None:
+        max_iters = system.depth if method == "jacobi" else max(2 * system.N, 20)
+    with torch.no_grad():
+        inner = Jacobi(system, R, tol) if method == "jacobi" else \
+            BiCGStab(system, R, tol, max_iters)
+        return run(_Shaped(inner, out_shape, system), max_iters=max_iters,
+                   entry="linalg.solve", throw=throw, tol=tol, measure="relative residual",
+                   user_max_iters=user_max_iters if user_max_iters is not None else max_iters)
+
+
+class _Shaped:
+    """A linear method whose outcome comes back in the shape of ``rhs`` (finite, or
+    :class:`~paraprop.NonFiniteError`), with the system's size in its stats."""
+
+    def __init__(self, inner, out_shape: tuple, system: BlockBidiagonal):
+        self.inner, self.out_shape, self.system = inner, out_shape, system
+        self.name = inner.name
+        self.stopped, self.step = inner.stopped, inner.step
+
+    def outcome(self, iterations: int) -> Outcome:
+        return self.finish(self.inner.outcome(iterations), self.name, self.out_shape,
+                           self.system)
+
+    @staticmethod
+    def finish(out: Outcome, method: str, out_shape: tuple, system) -> Outcome:
+        out.value = out.value.reshape(out_shape)
+        if not bool(torch.isfinite(out.value).all()):
+            raise NonFiniteError(f"method={method!r} produced NaN or inf (the system is too "
+                                 "badly conditioned for this dtype, or its blocks overflow in "
+                                 "products)")
+        if "sample_iterations" in out.stats:
+            out.stats["sample_iterations"] = out.stats["sample_iterations"].reshape(
+                out_shape[:-1])
+        out.stats.update({"l": system.l, "N": system.N})
+        return out
 
 
 def _validate(system, rhs, method, tol, max_iters, throw):
