@@ -198,8 +198,8 @@ class DiffusionChain:
         # in the batch shows as a certified step computed with other bits (batch variance),
         # not only at step 0 (the loop's first call is compared with the first batched one)
         flip = n > 1 and self.model_calls % 2 == 1
-        order = xin.flip(1) if flip else xin
-        rows = order.transpose(0, 1).reshape(n * self.B, *self.sample_shape[1:])
+        order = xin.transpose(0, 1).flip(0) if flip else xin.transpose(0, 1)
+        rows = order.reshape(n * self.B, *self.sample_shape[1:])
         t = self.timesteps[start:stop]
         t = (t.flip(0) if flip else t).repeat_interleave(self.B)
         out = self.call_model(rows, t, n)
