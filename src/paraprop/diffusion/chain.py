@@ -122,7 +122,7 @@ class DiffusionChain:
         self.max_rows = 0
         self.track_gains = False
         self._gain = None      # (B, N): largest observed |d step_s(x)| / |d x| (NaN: none yet)
-        self._seen = None      # (last inputs, last outputs) of every step, (B, N, F) each
+        self._seen = None      # (2, B, N, F): the last input and output of every step
         # the observations not yet in _gain: (OBSERVATIONS_KEPT, 4, B, N) float64, NaN where
         # none, and how many of its rows hold some (see _observe, gain)
         self._pending = None
@@ -159,6 +159,7 @@ class DiffusionChain:
         # on the host a value read costs no synchronisation: window reads one sum per call
         self.host = self.device.type == "cpu"
         self._aranges = {}     # n -> arange(n) (the positions of a window)
+        self._samples = torch.arange(self.B, device=dev)
         self._units = None     # (dtype, the factors of _observe)
 
     # -- the model -----------------------------------------------------------------------------
@@ -274,32 +275,26 @@ class DiffusionChain:
         within :func:`observe_level` of the rounding are skipped. Keeps each step's last input
         and output (:meth:`stale_from`, :meth:`direct`)."""
         if self._seen is None:
-            nan = torch.full((self.B, self.N, self.F), float("nan"), dtype=xin.dtype,
-                             device=xin.device)
-            self._seen = (nan, nan.clone())
+            self._seen = torch.full((2, self.B, self.N, self.F), float("nan"), dtype=xin.dtype,
+                                    device=xin.device)
             self._gain = torch.full((self.B, self.N), float("nan"), dtype=torch.float64,
                                     device=xin.device)
             # as many observations as fit in the memory the last values take (at least one,
             # at most OBSERVATIONS_KEPT; 4 MB in any case)
             record = 4 * self.B * self.N * 8
-            kept = max(2 * nan.numel() * nan.element_size(), 1 << 22) // record
+            kept = max(self._seen.numel() * self._seen.element_size(), 1 << 22) // record
             self._pending = torch.full((min(max(kept, 1), OBSERVATIONS_KEPT), 4, self.B, self.N),
                                        float("nan"), dtype=torch.float64, device=xin.device)
         elif self._n_pending == self._pending.shape[0]:
             self._fold()
-        last_in, last_out = self._seen
-        last_in, last_out = last_in[:, start:stop], last_out[:, start:stop]
-        vals = (xin, nxt, last_in, last_out)
-        if self.work != xin.dtype:
-            vals = tuple(v.to(self.work) for v in vals)
-        x, y, x_was, y_was = vals
+        now = torch.stack([xin, nxt])
+        was = self._seen[:, :, start:stop]   # (the last input and output of each step)
+        a, b = (now, was) if self.work == xin.dtype else (now.to(self.work), was.to(self.work))
         # |x - x'|, |y - y'|, |x|, |y| (largest per sample and step) in one reduction; the
         # ratios are taken when the gains are read (gain), many observations at once
-        stats = torch.stack([x - x_was, y - y_was, x, y]).abs().amax(3)
-        self._pending[self._n_pending, :, :, start:stop] = stats
+        self._pending[self._n_pending, :, :, start:stop] = torch.cat([a - b, a]).abs().amax(3)
         self._n_pending += 1
-        last_in.copy_(xin)
-        last_out.copy_(nxt)
+        was.copy_(now)
 
     @property
     def gain(self) -> torch.Tensor | None:
@@ -420,7 +415,7 @@ class DiffusionChain:
         if not (self.host and math.isfinite(float(vals.sum()))):
             bad = ~torch.isfinite(vals)
             if exact is not None:
-                bad = bad & ~exact[:, :, None]
+                bad = bad & ~exact()[:, :, None]
             vals = torch.where(bad, torch.where(torch.isfinite(y), y, old).nan_to_num(0, 0, 0),
                                vals)
         if self.frozen is not None:   # samples settled already keep their values
@@ -428,19 +423,19 @@ class DiffusionChain:
         self._last = (key, X, vals)   # X held: its memory cannot be reused while cached
         return vals.clone(), None
 
-    def _certify(self, X: torch.Tensor, r: torch.Tensor, y: torch.Tensor,
-                 a0: int) -> torch.Tensor:
+    def _certify(self, X: torch.Tensor, r: torch.Tensor, y: torch.Tensor, a0: int):
         """Advance :attr:`exact` from one evaluation of the steps ``[a0, a0 + n)`` (absolute;
-        ``r`` the residuals ``y - X`` there), without a host sync. Returns two ``(B, n)``
-        masks: the positions certified before this evaluation, and those whose value this
-        evaluation computed from certified inputs."""
-        lo, n, B, F = self.lo, r.shape[1], self.B, self.F
+        ``r`` the residuals ``y - X`` there), without a host sync (on the host, one read).
+        Returns the ``(B, n)`` mask of the positions certified before this evaluation, and a
+        function that makes the mask of those whose value this evaluation computed from
+        certified inputs (read only where a value is not finite)."""
+        lo, n = self.lo, r.shape[1]
         T = X.shape[1]
         exact, has_next = self.exact, self.has_next
         # the pending next value, if the solver has written it (at a position of X)
         rel = exact - lo
         at = rel.clamp(0, T - 1)
-        cur = X.gather(1, at[:, None, None].expand(B, 1, F))[:, 0]
+        cur = X[self._samples, at]
         written = has_next & (at == rel) & (cur == self.next_value).all(1)
         exact = exact + written
         has_next = has_next ^ written   # (written only where has_next)
@@ -450,7 +445,10 @@ class DiffusionChain:
         # randomness: diagnose() tells them apart by the relative size)
         rmax = r.abs().amax(2)
         off = rmax.masked_fill(~known, 0).max()
-        self.irreproducible = self.irreproducible | (off != 0)
+        if not self.host:
+            self.irreproducible = self.irreproducible | (off != 0)
+        elif float(off) != 0:   # (NaN too; on the host a read, no synchronisation)
+            self.irreproducible = torch.ones_like(self.irreproducible)
         self._gaps.append(off)   # (recompute_gap: read by diagnose() only)
         # the inputs of step a0 are exact: a leading run of certified positions and of zero
         # residuals is exact, and the direct step after it is the next exact value
@@ -459,7 +457,7 @@ class DiffusionChain:
         reach = a0 + run
         grow = eligible & (reach >= exact)
         more = grow & (run < n)
-        nxt = y.gather(1, run.clamp(max=n - 1)[:, None, None].expand(B, 1, F))[:, 0]
+        nxt = y[self._samples, run.clamp(max=n - 1)]
         upto = pos <= run[:, None]   # (known ones among them: run counts them)
         # the certified values: the direct steps y of the run and of the next position
         window = self.exact_values[:, a0 : a0 + n]
@@ -472,7 +470,7 @@ class DiffusionChain:
         if not (self.host and math.isfinite(float(nxt.sum()))):
             real = more & ~torch.isfinite(nxt).all(1) & (self.nonfinite_step < 0)
             self.nonfinite_step = torch.where(real, reach, self.nonfinite_step)
-        return known, eligible[:, None] & upto
+        return known, lambda: eligible[:, None] & upto
 
     def _positions(self, n: int, device) -> torch.Tensor:
         """``(1, n)``: ``0 .. n - 1`` on ``device`` (made once per ``n``)."""
