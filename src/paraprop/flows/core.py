@@ -36,8 +36,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -186,9 +188,11 @@ class Order:
     gid_row: torch.Tensor       # (1, D): gid, and gid + 1, as rows against (N, D) passes
     next_row: torch.Tensor
     k_G: torch.Tensor           # 0-d G
+    host_rows: tuple | None     # on the host: gid_row and next_row as NumPy arrays
 
 
 _ORDERS: dict[tuple, Order] = {}
+_BY_TENSOR: dict[int, tuple] = {}   # id -> (weak reference, version, device, D, plan)
 _ORDERS_MAX = 256
 
 
@@ -201,6 +205,12 @@ def order_plan(order: torch.Tensor | None, D: int, device: torch.device) -> Orde
     if order is None:
         key: tuple = (device, D)
     else:
+        # the same tensor as last time, not modified in place since (its version counter):
+        # the plan of its values then, without reading them again
+        seen = _BY_TENSOR.get(id(order))
+        if seen is not None and seen[0]() is order and seen[1] == order._version and \
+                seen[2] == device and seen[3] == D:
+            return seen[4]
         o = order.detach()
         key = (device, D, o.dtype, tuple(o.shape),
                o.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
@@ -210,6 +220,10 @@ def order_plan(order: torch.Tensor | None, D: int, device: torch.device) -> Orde
         if len(_ORDERS) >= _ORDERS_MAX:
             _ORDERS.clear()
         _ORDERS[key] = plan
+    if order is not None:
+        if len(_BY_TENSOR) >= _ORDERS_MAX:
+            _BY_TENSOR.clear()
+        _BY_TENSOR[id(order)] = (weakref.ref(order), order._version, device, D, plan)
     return plan
 
 
@@ -225,8 +239,11 @@ def _make_order(order, D: int, device: torch.device) -> Order:
     gid = _groups(keys)
     G = int(gid[-1]) + 1 if gid.numel() else 0
     gid_row = gid[None, :]
+    next_row = gid_row + 1
+    host = (gid_row.numpy(), next_row.numpy()) if device.type == "cpu" else None
     return Order(perm=perm, inv=None if perm is None else torch.argsort(perm), gid=gid, G=G,
-                 gid_row=gid_row, next_row=gid_row + 1, k_G=torch.tensor(G, device=device))
+                 gid_row=gid_row, next_row=next_row, k_G=torch.tensor(G, device=device),
+                 host_rows=host)
 
 
 def tracked_solve(h, y, order, cfg, *, passes: int, where: str = "") -> Run:
@@ -274,6 +291,8 @@ def tracked_solve(h, y, order, cfg, *, passes: int, where: str = "") -> Run:
 
 
 _CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+# the dtypes whose host bookkeeping runs on NumPy views (:meth:`Passes._learn_numpy`)
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 
 def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,8 +352,12 @@ class Passes:
         self.gid_row, self.next_row, self.k_G = plan.gid_row, plan.next_row, plan.k_G
         self.k_0, self.k_neg = _constants(plan.gid.device)
         # on the host a check is one reduction read as a Python number (no device to wait
-        # for); elsewhere the pass's facts travel in one transfer
+        # for), and the bookkeeping of a dtype NumPy has runs on NumPy views of the same
+        # arrays (:meth:`_learn_numpy`: an operator there costs a fraction of a torch one on
+        # arrays this small); elsewhere the pass's facts travel in one transfer
         self.host = plan.gid.device.type == "cpu"
+        self.rows_np = plan.host_rows
+        self.E_np = self.P_np = None
         # on the host, what the last pass proved about its own output y (see :meth:`_learn`):
         # y is finite, and the least proven prefix after a pass at x == y
         self.last_finite = False
@@ -361,6 +384,8 @@ class Passes:
             self.E = torch.zeros_like(xf)
             self.P = torch.zeros(xf.shape[0], dtype=torch.long, device=xf.device)
             self.chain = (xf == 0).all(1)
+            if self.host and self.rows_np is not None and xf.dtype in _NUMPY_DTYPES:
+                self.E_np, self.P_np = self.E.numpy(), self.P.numpy()   # views: one state
         else:
             same = self.host and torch.equal(xf, self.last)
             if not same:
@@ -377,7 +402,10 @@ class Passes:
         self.evals += 1
         if not self.budgeted:
             self.fallback += 1
-        self._learn(xf, y.reshape(xf.shape), same)
+        if self.E_np is not None:
+            self._learn_numpy(xf, y.reshape(xf.shape), same)
+        else:
+            self._learn(xf, y.reshape(xf.shape), same)
         if self.budgeted and self.p_min >= self.G - 1:
             self.stopped = "exact"
             raise _Stop
@@ -421,6 +449,29 @@ class Passes:
             self._non_finite(yf, fin, reach)
             code = int(self.P.amin())
         self.p_min = code
+
+    def _learn_numpy(self, xf: torch.Tensor, yf: torch.Tensor, same: bool) -> None:
+        """:meth:`_learn` on the host, on NumPy views (``E`` and ``P`` updated in place):
+        the same values, operator by operator."""
+        xn, yn = xf.detach().numpy(), yf.detach().numpy()
+        gid_row, next_row = self.rows_np
+        if (same and self.last_finite) or math.isfinite(float(xn.sum())):
+            fin = None
+        else:
+            fin = (xn - xn).sum(1) == 0
+        reach = np.where(xn != yn, next_row, self.G).min(1)
+        new = reach if fin is None else np.where(fin, reach, 0)
+        np.copyto(self.E_np, yn, where=gid_row < new[:, None])
+        P = self.P_np
+        np.maximum(P, new, out=P)
+        self.last = yf.clone()
+        self.last_finite = math.isfinite(float(yn.sum()))
+        if not self.last_finite:   # a NaN/inf in h(x), or a sum that overflowed
+            self._non_finite(yf, None if fin is None else torch.from_numpy(fin),
+                             torch.from_numpy(reach))
+        v = int((P + P + (new >= P)).min())   # as in :meth:`_learn`
+        self.p_min = v >> 1
+        self.worst_same = min(self.p_min + (v & 1), self.G)
 
     def _non_finite(self, yf: torch.Tensor, fin: torch.Tensor | None,
                     reach: torch.Tensor) -> None:
