@@ -487,6 +487,8 @@ class DiffusionChain:
         """Write the known exact next values into the full trajectory ``X`` ``(B, N, F)``
         (of the samples ``rows``, a ``(B,)`` mask; default all)."""
         take = self.has_next if rows is None else self.has_next & rows
+        if self.host and not bool(take.any()):   # (nothing to write: on the host, a read)
+            return
         idx = self.exact.clamp(max=self.N - 1)[:, None, None].expand(self.B, 1, self.F)
         cur = X.gather(1, idx)
         X.scatter_(1, idx, torch.where(take[:, None, None], self.next_value[:, None], cur))
