@@ -379,7 +379,10 @@ class Passes:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.reshape(-1, x.shape[-1])
         same = False   # x is bitwise the last pass's output (known on the host only)
-        if self.E is None:
+        known = False  # the worst case after this pass is self.worst_same, x unseen
+        if self.last is None:
+            # no pass yet, nothing proven (P = 0): the pass proves group 0, whatever x holds
+            known, self.worst_same = True, min(1, self.G)
             self.shape = x.shape
             self.E = torch.zeros_like(xf)
             self.P = torch.zeros(xf.shape[0], dtype=torch.long, device=xf.device)
@@ -387,13 +390,13 @@ class Passes:
             if self.host and self.rows_np is not None and xf.dtype in _NUMPY_DTYPES:
                 self.E_np, self.P_np = self.E.numpy(), self.P.numpy()   # views: one state
         else:
-            same = self.host and torch.equal(xf, self.last)
+            same = known = self.host and torch.equal(xf, self.last)
             if not same:
                 self.chain = self.chain & (xf == self.last).all(1)
         if self.budgeted and self.evals + 1 + self._need(self.p_min) > self.budget:
             # the budget is tight: the pass must add a group for every sample; at x == y of
             # the last pass a proven p_min + 1 settles it without looking at x again
-            worst = self.worst_same if same and self.worst_same > self.p_min else \
+            worst = self.worst_same if known and self.worst_same > self.p_min else \
                 self._worst(xf)
             if self.evals + 1 + self._need(worst) > self.budget:
                 self.stopped = "budget"
