@@ -90,8 +90,12 @@ class StepTable:
     def __post_init__(self):
         # which steps add noise, on the host: read in the hot loop without a device sync
         self.noisy_steps = tuple(bool(v) for v in self.noisy.cpu().tolist())
+        self._noise_counts = [0]   # noisy steps before each step (prefix counts)
+        for v in self.noisy_steps:
+            self._noise_counts.append(self._noise_counts[-1] + v)
         self._columns = {}   # (device, dtype) -> the coefficient columns as apply reads them
         self._windows = {}   # a slice of steps, the samples' device, dtype and dim -> _window
+        self._tall = {}      # the samples' device, dtype and dim -> the columns shaped for them
 
     @property
     def N(self) -> int:
@@ -190,18 +194,26 @@ class StepTable:
         n = x.shape[0]
         shape = (n,) + (1,) * (x.dim() - 1)
         prepared = self._prepared(x.device, x.dtype, mul_rounds, div_rounds, reciprocal)
-        # each column when apply first reads it: (name, 0) for `c * t`, (name, 1) for `t / c`
+        # each column when apply first reads it: (name, 0) for `c * t`, (name, 1) for `t / c`,
+        # of the columns shaped to broadcast over samples of x.dim() dims (kept)
+        tall = self._tall.get((x.device, x.dtype, x.dim()))
+        if tall is None:
+            tall = self._tall[x.device, x.dtype, x.dim()] = _Lazy(
+                lambda key: prepared[key[0]][key[1]].reshape((-1,) + shape[1:]))
         if sliced:
             steps = range(self.N)[index]
-            cols = _Lazy(lambda key: prepared[key[0]][key[1]][index].reshape(shape))
+            cols = _Lazy(lambda key: tall[key][index])
+            # how many of these steps add noise (from the prefix counts)
+            noises = self._noise_counts[steps.stop] - self._noise_counts[steps.start] \
+                if steps.step == 1 else sum(self.noisy_steps[s] for s in steps)
         else:
             steps = [int(i) for i in index.tolist()]
             i = index.to(x.device)
-            cols = _Lazy(lambda key: prepared[key[0]][key[1]].index_select(0, i).reshape(shape))
-        noisy = [self.noisy_steps[s] for s in steps]
-        if all(noisy) and noisy:
+            cols = _Lazy(lambda key: tall[key].index_select(0, i))
+            noises = sum(self.noisy_steps[s] for s in steps)
+        if noises == len(steps) and noises:
             noisy = True
-        elif not any(noisy):
+        elif not noises:
             noisy = False
         else:
             keep = self.noisy[index] if sliced else \
