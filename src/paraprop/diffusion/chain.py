@@ -123,10 +123,11 @@ class DiffusionChain:
         self.track_gains = False
         self._gain = None      # (B, N): largest observed |d step_s(x)| / |d x| (NaN: none yet)
         self._seen = None      # (2, B, N, F): the last input and output of every step
-        # the observations not yet in _gain: (OBSERVATIONS_KEPT, 4, B, N) float64, NaN where
-        # none, and how many of its rows hold some (see _observe, gain)
+        # the observations not yet in _gain: (OBSERVATIONS_KEPT, 4, B, N) float64, each row's
+        # steps from column 0 on (NaN elsewhere), and the steps of each row held (see _observe,
+        # gain)
         self._pending = None
-        self._n_pending = 0
+        self._records: list[tuple[int, int]] = []
         # the steps [lo, N) are the system the solver sees; x_lo is the input of step lo
         self.lo = 0
         self.x_lo = self.x_init
@@ -285,22 +286,23 @@ class DiffusionChain:
             kept = max(self._seen.numel() * self._seen.element_size(), 1 << 22) // record
             self._pending = torch.full((min(max(kept, 1), OBSERVATIONS_KEPT), 4, self.B, self.N),
                                        float("nan"), dtype=torch.float64, device=xin.device)
-        elif self._n_pending == self._pending.shape[0]:
+        elif len(self._records) == self._pending.shape[0]:
             self._fold()
         now = torch.stack([xin, nxt])
         was = self._seen[:, :, start:stop]   # (the last input and output of each step)
         a, b = (now, was) if self.work == xin.dtype else (now.to(self.work), was.to(self.work))
         # |x - x'|, |y - y'|, |x|, |y| (largest per sample and step) in one reduction; the
         # ratios are taken when the gains are read (gain), many observations at once
-        self._pending[self._n_pending, :, :, start:stop] = torch.cat([a - b, a]).abs().amax(3)
-        self._n_pending += 1
+        self._pending[len(self._records), :, :, : stop - start] = \
+            torch.cat([a - b, a]).abs().amax(3)
+        self._records.append((start, stop))
         was.copy_(now)
 
     @property
     def gain(self) -> torch.Tensor | None:
         """``(B, N)`` float64: each step's largest observed gain (NaN: never observed), or
         ``None`` before the first observation (:meth:`_observe`)."""
-        if self._n_pending:
+        if self._records:
             self._fold()
         return self._gain
 
@@ -311,19 +313,24 @@ class DiffusionChain:
         (:data:`NOISE_ULPS`), and the level :func:`observe_level`, both at the values' scale
         (``max(1, |x|)``, ``max(1, |y|)``); the largest ratio is kept (the same values, in any
         order, as observation by observation)."""
-        stats = self._pending[: self._n_pending]
+        records = self._records
+        width = max(stop - start for start, stop in records)
+        stats = self._pending[: len(records), :, :, :width]
         din, dout = stats[:, 0], stats[:, 1]
         level, noise = stats[:, 2:].clamp(min=1).mul_(self._obs_units(self.dtype)).unbind(1)
         # (a non-finite difference, or no observation, gives a NaN ratio: skipped)
         ratio = (dout - noise).clamp_(min=0).div_(din).masked_fill_(din <= level, math.nan)
-        if ratio.shape[0] > 1:   # (ratios are >= 0: -1 marks NaN in the largest)
+        if len(records) > 2 and all(r == records[0] for r in records):
+            # the same steps in every row (a full window): their largest, at once (ratios are
+            # >= 0: -1 marks NaN)
             ratio = ratio.masked_fill(ratio.isnan(), -1.0).amax(0)
-            ratio = ratio.masked_fill_(ratio < 0, math.nan)
-        else:
-            ratio = ratio[0]
-        torch.fmax(self._gain, ratio, out=self._gain)
+            ratio = ratio.masked_fill_(ratio < 0, math.nan)[None]
+            records = records[:1]
+        for row, (start, stop) in enumerate(records):
+            gain = self._gain[:, start:stop]
+            torch.fmax(gain, ratio[row, :, : stop - start], out=gain)
         stats.fill_(math.nan)
-        self._n_pending = 0
+        self._records = []
 
     @property
     def recompute_gap(self) -> torch.Tensor:
