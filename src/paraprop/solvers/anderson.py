@@ -65,6 +65,8 @@ class TriangularAnderson:
     """
 
     name = "anderson"
+    # the optional hooks of fn this solver calls (paraprop.solvers.protocols): fn only
+    hooks: tuple[str, ...] = ()
     DEFAULT_MEMORY = 3
     DEFAULT_REGULARIZATION = 1e-6
 

@@ -27,6 +27,9 @@ class GSJacobi:
     """
 
     name = "gs_jacobi"
+    # the optional hooks of fn it calls (solvers.protocols; the final check calls fn):
+    # fn.window (else fn.update, else fn)
+    hooks: tuple[str, ...] = ("window", "update")
 
     def __init__(self, block_size: int | None = None):
         self.block_size = checks.positive_int("GSJacobi: block_size", block_size,

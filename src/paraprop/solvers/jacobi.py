@@ -26,6 +26,8 @@ class Jacobi:
     """
 
     name = "jacobi"
+    # the optional hooks of fn this solver calls (paraprop.solvers.protocols): fn only
+    hooks: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return "Jacobi()"

@@ -51,6 +51,9 @@ class JacobiGS:
     """
 
     name = "jacobi_gs"
+    # the optional hooks of fn it calls (solvers.protocols; the final check calls fn):
+    # fn.update for the blocks' positions (else fn)
+    hooks: tuple[str, ...] = ("update",)
 
     def __init__(self, block_size: int | None = None, *, blocks=None, workers: int = 1,
                  costs=None, intra_op_threads: int = 1):

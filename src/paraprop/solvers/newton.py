@@ -70,6 +70,9 @@ class _NewtonFamily:
     """
 
     name = "newton"
+    # the optional hooks of fn this solver calls (paraprop.solvers.protocols): the
+    # Jacobian-free Markov access of fn.linearize / fn.newton_step where fn has them (else fn)
+    hooks: tuple[str, ...] = ("linearize", "newton_step")
     damped = False
 
     def __init__(self, damping: float | None = None):

@@ -16,6 +16,9 @@ class Sequential:
     """
 
     name = "sequential"
+    # the optional hooks of fn it calls (solvers.protocols; the final check calls fn):
+    # fn.update for one position per step (else fn)
+    hooks: tuple[str, ...] = ("update",)
 
     def __repr__(self) -> str:
         return "Sequential()"

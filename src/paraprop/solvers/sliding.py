@@ -67,6 +67,9 @@ class SlidingJacobi:
     """
 
     name = "sliding_jacobi"
+    # the optional hooks of fn it calls (solvers.protocols; the final check calls fn):
+    # fn.window (else fn.update, else fn), fn.propose, fn.sensitivity, fn.growth
+    hooks: tuple[str, ...] = ("window", "update", "propose", "sensitivity", "growth")
     DEFAULT_WINDOW = 64
 
     def __init__(self, window: int | None = None):
