@@ -388,6 +388,30 @@ def test_certificate_failure_raises_with_throw():
                                                 eos_token_id=None))
 
 
+def test_the_packed_transfer_gives_the_same_result(monkeypatch):
+    """Off the CPU each pass sends the iterate and the previous pass's decisions, margins and
+    fingerprints to the host in one float64 copy (on the CPU: views). Forced on the CPU, the
+    copy gives the same tokens, margins, causes and repeat-check figures, bitwise (greedy and
+    sampled, a padded batch with EOS, float32 and bfloat16)."""
+    from paraprop.decoding.decode import _TokenMap
+
+    ids, mask = prompts(3, 5)
+    keys = ("model_calls", "margin_ratio", "uncertified", "repeat_checks", "repeat_ratio",
+            "new_tokens", "fed_positions")
+    for dtype in (torch.float32, torch.bfloat16):
+        model = make("gpt2", "cpu", dtype)
+        for kw in ({}, {"do_sample": True, "top_p": 0.9, "eos_token_id": [3]}):
+            runs = []
+            for packed in (False, True):
+                monkeypatch.setattr(_TokenMap, "PACKED", packed)
+                out, sol = generate(model, ids, attention_mask=mask, max_new_tokens=12,
+                                    window=6, throw=False,
+                                    generator=torch.Generator().manual_seed(1), **kw)
+                runs.append((out, sol.converged, {k: sol.stats[k] for k in keys}))
+            assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:], kw
+            assert runs[0][2]["repeat_checks"] > 0
+
+
 def paraprop_convergence():
     import paraprop
     return paraprop.ConvergenceError

@@ -401,10 +401,15 @@ def test_hidden_randomness_is_caught_at_run_time(monkeypatch):
         assert 0 < sol.stats["repeat_checks"] and sol.stats["repeat_ratio"] < 1
 
 
-def test_tiny_randomness():
+@pytest.mark.parametrize("packed", [False, True])
+def test_tiny_randomness(packed, monkeypatch):
     """Noise of 1e-4 of the logits is far above the rounding bound: refused. Noise below the
     bound (1e-13 in float64) cannot change a certified token: the tokens are the sequential
-    loop's, and the repeat check reports it under its bound."""
+    loop's, and the repeat check reports it under its bound. ``packed``: each pass's results
+    reach the host in one float64 copy, as off the CPU."""
+    from paraprop.decoding.decode import _TokenMap
+
+    monkeypatch.setattr(_TokenMap, "PACKED", packed)
     ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     model = _NoisyLM(1e-4).double().train()

@@ -18,9 +18,9 @@ scores are processed as ``generate`` processes them (:mod:`paraprop.decoding.pro
 from __future__ import annotations
 
 import dataclasses
-import math
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from paraprop import checks
@@ -176,7 +176,7 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
     if attention_mask is not None:
         mask = torch.cat([attention_mask.to(torch.long),
                           attention_mask.new_ones((B, T), dtype=torch.long)], dim=1)
-    lm = CachedLM(model, tokens, mask, params)
+    lm = CachedLM(model, tokens, mask, params, track=False)
     pool = None
     if ngram and not isinstance(solver, Sequential):
         real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None \
@@ -196,9 +196,9 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
         except (ConvergenceError, NotTriangularError):
             tmap.check_repeats()        # a model that is not a fixed function explains it
             raise
-        repeats = tmap.check_repeats()
         if sol.converged:
             tmap.check_final(sol.value)
+        repeats = tmap.check_repeats()     # (the last pass's comparison included)
     gen = sol.value.to(torch.long)
     ended = tmap.ended(gen)
     n = T
@@ -215,13 +215,11 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
     if isinstance(solver, Sequential):
         stats.update(certificate="sequential", margin_ratio=float("inf"), uncertified=[])
     else:
-        live = ~ended[:, :n]
-        ratio = torch.where(live, tmap.ratio[:, :n], torch.inf)
-        bad = ratio <= 1
-        low = torch.stack([ratio.min(), bad.any().to(ratio.dtype)]).tolist()   # one sync
-        where = bad.nonzero().tolist() if low[1] else []
+        live = ~ended[:, :n].cpu().numpy()
+        ratio = np.where(live, tmap.ratio[:, :n], np.inf)        # (the margins: on the host)
+        where = [(int(b), int(t)) for b, t in np.argwhere(ratio <= 1)]
         stats.update(certificate="margin", rounding_factor=factor, rounding_dtype=str(coarse),
-                     margin_ratio=low[0], uncertified=[tuple(w) for w in where],
+                     margin_ratio=float(ratio.min()), uncertified=where,
                      repeat_checks=repeats[0], repeat_ratio=repeats[1])
         if where:
             b, t = where[0]
@@ -265,13 +263,20 @@ class _TokenMap:
     prefix, so that nothing is ever computed twice) no fingerprints are kept, and no margins:
     that loop is the reference and needs no certificate.
 
-    Per pass: one host sync (the positions to compute, the cache's valid length and the repeat
-    check's largest ratio so far), one model call, and a fixed number of tensor operations
-    over the window (no per-position Python loop).
+    **Where the bookkeeping runs.** The tokens, the decisions the window returns and the
+    margins' arithmetic stay on the model's device. The memo (which position was decided with
+    which prefix), the repeat check's comparison and the merge of a position's margins are
+    small ``(B, T)`` integer and float arrays kept on the host (NumPy), fed by the pass's one
+    transfer: each pass sends the iterate and the previous pass's decisions, margins and
+    fingerprints to the host in one copy (a view on the CPU), and the comparison of a pass is
+    made there, at the next pass's sync, which raises as before.
     """
 
     markov = False
     FINGERPRINT = 8       # logits kept per position for the repeat check (the largest ones)
+    # the pass's transfer as one float64 copy (True), as views (False: the CPU), or by the
+    # device (None: one copy off the CPU); the tests run the copy on the CPU
+    PACKED: bool | None = None
 
     def __init__(self, lm: CachedLM, P: int, T: int, u, pipe: Pipeline, eos: list[int],
                  pad: int, pool: NgramPool | None, first: torch.Tensor, model=None,
@@ -280,32 +285,35 @@ class _TokenMap:
         self.pipe, self.pad, self.pool = pipe, pad, pool
         self.model, self.recheck = model, recheck
         self.started = False                    # position 0 decided (from the prefill)
-        dev = lm.tokens.device
+        dev = self.device = lm.tokens.device
         self.eos = torch.tensor(eos, dtype=torch.long, device=dev) if eos else None
+        self.eos_h = np.array(eos, dtype=np.int64) if eos else None
         self.first = first                      # the prefill's logits of position 0
         B = lm.tokens.shape[0]
         self.stamp = 0
-        # the stamp of the latest change of each position (lm.tokens[:, P:] holds the tokens
-        # written last time), and of the latest change before it: since[:, t] = max(changed[:,
-        # :t]), so a decision is valid while computed >= since
-        self.changed = torch.zeros(B, T, dtype=torch.long, device=dev)
-        self.since = torch.zeros(B, T, dtype=torch.long, device=dev)
-        self.computed = torch.full((B, T), -1, dtype=torch.long, device=dev)
-        self.tok = torch.zeros(B, T, dtype=torch.long, device=dev)        # decisions
-        self.ratio = torch.full((B, T), torch.inf, dtype=torch.float64, device=dev)
+        # host: the tokens written last time (never modified in place: a new array per pass),
+        # the stamp of each position's latest change and of the latest change before it
+        # (since[:, t] = max(changed[:, :t])), and of its decision: a decision is valid while
+        # computed >= since
+        self.written = lm.tokens[:, P:].cpu().numpy().copy()
+        self.changed = np.zeros((B, T), dtype=np.int64)
+        self.since = np.zeros((B, T), dtype=np.int64)
+        self.computed = np.full((B, T), -1, dtype=np.int64)
+        # the generated tokens the cache's entries after the prompt were computed from
+        self.cache_gen = self.written[:, : max(0, lm.length - P)]
+        self.tok = torch.zeros(B, T, dtype=torch.long, device=dev)    # decisions (device)
+        self.tok_h = np.zeros((B, T), dtype=np.int64)                 # the same, on the host
+        self.ratio = np.full((B, T), np.inf)
         # the criterion of the smallest margin (Pipeline.criteria), -1: non-finite logits,
         # -2: two computations from the same prefix chose different tokens
-        self.cause = torch.zeros(B, T, dtype=torch.long, device=dev)
+        self.cause = np.zeros((B, T), dtype=np.int64)
         K = min(self.FINGERPRINT, first.shape[-1])
-        self.fp_idx = torch.zeros(B, T, K, dtype=torch.long, device=dev)
-        self.fp_val = torch.zeros(B, T, K, dtype=torch.float64, device=dev)
-        self.fp_scale = torch.zeros(B, T, dtype=torch.float32, device=dev)
-        # the largest repeat difference over its bound so far (a 0-d tensor, read at each
-        # pass's sync), and the last comparison's tensors, to say where it was: every comparison
-        # is followed by a sync before the next one, so a ratio above 1 is the last one's
-        self.worst = torch.zeros((), dtype=torch.float64, device=dev)
-        self.last = None
-        self.compared = torch.zeros((), dtype=torch.long, device=dev)
+        self.fp_idx = np.zeros((B, T, K), dtype=np.int64)
+        self.fp_val = np.zeros((B, T, K), dtype=np.float64)
+        self.fp_scale = np.zeros((B, T), dtype=np.float32)
+        self.worst = 0.0            # the largest repeat difference over its bound so far
+        self.compared = 0
+        self.pending = None         # the last pass's results, settled at the next sync
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.window(x, 0, self.T, None)[0]
@@ -339,46 +347,83 @@ class _TokenMap:
         hit = torch.isin(gen, self.eos).long().cumsum(1) > 0               # EOS at or before t
         return torch.cat([hit.new_zeros(hit.shape[0], 1), hit[:, :-1]], 1)
 
+    def _ended_h(self, gen: np.ndarray) -> np.ndarray:
+        """:meth:`ended` of host tokens."""
+        hit = np.logical_or.accumulate(np.isin(gen, self.eos_h), axis=1)
+        out = np.zeros_like(hit)
+        out[:, 1:] = hit[:, :-1]
+        return out
+
+    def _sync(self, x: torch.Tensor) -> np.ndarray:
+        """The pass's one transfer to the host: the iterate ``x`` as host token ids, with the
+        previous pass's results (settled here: the repeat check raises here)."""
+        pend = self.pending
+        tensors = [x.detach()] + ([] if pend is None else pend[2])
+        packed = self.device.type != "cpu" if self.PACKED is None else self.PACKED
+        if not packed:
+            arrays = [t.numpy() for t in tensors]
+        else:   # one copy, as float64 (exact for the ids), back to each tensor's dtype
+            flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
+            arrays, at = [], 0
+            for t in tensors:
+                arrays.append(flat[at : at + t.numel()].reshape(t.shape).astype(
+                    _NUMPY[t.dtype], copy=False))
+                at += t.numel()
+        if pend is not None:
+            self.pending = None
+            self._settle(pend[0], pend[1], *arrays[1:])
+        return arrays[0].astype(np.int64)
+
     def window(self, x: torch.Tensor, start: int, stop: int, cache):
         P, lm = self.P, self.lm
-        gen = x.to(torch.long)
+        gen = self._sync(x)
         self.stamp += 1
-        buf = lm.tokens[:, P:]                  # the tokens written last time
-        self.changed.masked_fill_(gen != buf, self.stamp)
-        buf.copy_(gen)
-        self.since[:, 1:] = self.changed[:, :-1].cummax(1).values
+        self.changed[gen != self.written] = self.stamp
+        self.written = gen
+        lm.tokens[:, P:].copy_(x)
+        np.maximum.accumulate(self.changed[:, :-1], axis=1, out=self.since[:, 1:])
         # not decided with the current prefix (and not after the sample's EOS)
         todo = self.computed[:, start:stop] < self.since[:, start:stop]
-        ended = self.ended(gen) if self.eos is not None else None
-        if ended is not None:
-            todo &= ~ended[:, start:stop]
-        n = stop - start
-        # the prompt is never written: only the cache entries from P on can be stale
-        head = min(P, lm.cached.shape[1])
-        host = torch.cat([self.worst.view(1), todo.any(0).to(torch.float64),
-                          lm.same_from(head).to(torch.float64)]).tolist()      # one sync
-        if host[0] > 1:
-            self._stochastic()
-        need = host[1 : n + 1]
-        if 1.0 in need:
-            same = host[n + 1 :]
-            cached = head + (same.index(0.0) if 0.0 in same else len(same))
-            a = start + need.index(1.0)
-            b = stop - need[::-1].index(1.0)
+        ended = None
+        if self.eos_h is not None:
+            ended = self._ended_h(gen)[:, start:stop]
+            todo &= ~ended
+            # (host-to-device copies before the model call, not after it: from pageable
+            # memory such a copy waits for the device's queue)
+            ended = torch.from_numpy(ended).to(self.device) if ended.any() else None
+        need = todo.any(0)
+        if need.any():
+            a = start + int(need.argmax())
+            b = stop - int(need[::-1].argmax())
             if self.recheck and a > 0:
                 a -= 1      # the repeat check: one decided position, recomputed
-            self._decide(a, b, cached)
+            self._decide(a, b, self._cache_valid())
         out = self.tok[:, start:stop]
         if ended is not None:
-            out = torch.where(ended[:, start:stop], self.pad, out)
+            out = torch.where(ended, self.pad, out)
         return out.to(x.dtype), None
+
+    def _cache_valid(self) -> int:
+        """The cache's valid length: the prompt's entries (never written) and the leading ones
+        computed from the current tokens."""
+        k = self.cache_gen.shape[1]
+        if k == 0:
+            return self.lm.length
+        diff = (self.cache_gen != self.written[:, :k]).any(0)
+        return self.P + (int(diff.argmax()) if diff.any() else k)
 
     def _decide(self, a: int, b: int, cached: int) -> None:
         """Decide the positions ``[a, b)`` from the current buffer (one model pass; ``cached``
-        is the cache's valid length); compare the logits of the positions decided before with
-        the same prefix with the ones they were decided from."""
+        is the cache's valid length); the comparison of the positions decided before with the
+        same prefix with the ones they were decided from, and the merge of their margins, are
+        made on the host at the next sync (:meth:`_settle`)."""
         P, lm = self.P, self.lm
         valid = self.computed[:, a:b] >= self.since[:, a:b]     # decided with this prefix
+        self.computed[:, a:b] = np.where(valid, self.computed[:, a:b], self.stamp)
+        # (host-to-device copies before the model call: see window)
+        valid_d = torch.from_numpy(valid).to(self.device) if valid.any() else None
+        if self.recheck:
+            idx = torch.from_numpy(self.fp_idx[:, a:b]).to(self.device)
         if a == 0 and not self.started:                   # position 0: from the prefill
             parts = [self.first[:, None]]
             if b > 1:
@@ -386,69 +431,84 @@ class _TokenMap:
             logits = torch.cat(parts, 1)
         else:
             logits = lm.logits(P - 1 + a, P - 1 + b, cached)
+        self.cache_gen = self.written[:, : max(0, lm.length - P)]
         u = None if self.u is None else self.u[:, a:b]
         self.started = True
-        old_tok = self.tok[:, a:b]
         if not self.recheck:          # the sequential loop: the tokens, no certificate
             tok = self.pipe.decide(logits, lm.tokens, a, u, margins=False)[0]
-            old_tok.copy_(torch.where(valid, old_tok, tok))
-            self.computed[:, a:b] = torch.where(valid, self.computed[:, a:b], self.stamp)
+            self.tok[:, a:b] = tok if valid_d is None else torch.where(
+                valid_d, self.tok[:, a:b], tok)
             return
         scale = _scale(logits)
-        tok, ratio, cause = self.pipe.decide(logits, lm.tokens, a, u, scale=scale)
+        # the margins (none for position 0 alone: it comes from the prefill, as generate's)
+        first_only = a == 0 and b == 1
+        tok, parts = self.pipe.decide_parts(logits, lm.tokens, a, u, scale=scale,
+                                            margins=not first_only)
+        new = logits.gather(-1, idx).to(torch.float64)
+        top = logits.topk(idx.shape[-1], dim=-1)
+        self.tok[:, a:b] = tok if valid_d is None else torch.where(valid_d, self.tok[:, a:b],
+                                                                    tok)
+        self.pending = (a, valid, [tok, scale, new, top.values.to(torch.float64), top.indices,
+                                   *(parts or [])])
+
+    def _settle(self, a: int, valid: np.ndarray, tok, scale, new, top_val, top_idx,
+                *parts) -> None:
+        """A pass's results, on the host: its margins (:meth:`Pipeline.ratios`), the repeat
+        check of the positions ``[a, b)`` decided before with the same prefix (``valid``:
+        raises if it fails), the fingerprints of the others, and the merge of the margins (a
+        position computed again with the same prefix keeps its first decision and the smaller
+        margin; another decision is a near-tie)."""
+        b = a + valid.shape[1]
+        if parts:
+            ratio, cause = self.pipe.ratios(list(parts))
+        else:       # position 0 alone, from the prefill
+            ratio, cause = np.full(valid.shape, np.inf), np.zeros(valid.shape, dtype=np.int64)
         if a == 0:          # computed by the prefill, exactly as generate's first step
-            ratio[:, 0] = torch.inf
-        self._compare(logits, scale, a, b, valid)
-        old_ratio, old_cause = self.ratio[:, a:b], self.cause[:, a:b]
+            ratio[:, 0] = np.inf
+        old = self.fp_val[:, a:b]
+        bound = self.pipe.factor * np.maximum(scale, self.fp_scale[:, a:b]).astype(np.float64)
+        both = valid[..., None]
+        ok = both & np.isfinite(new) & np.isfinite(old)
+        with np.errstate(all="ignore"):
+            r = np.where(ok, np.abs(new - old) / bound[..., None], 0.0)
+        r[np.isnan(r)] = 0.0                                   # 0/0: no difference
+        self.compared += int(valid.sum())
+        at = int(r.argmax())
+        if r.flat[at] > self.worst:
+            self.worst = float(r.flat[at])
+            if self.worst > 1:
+                n, K = r.shape[1], r.shape[2]
+                i, t, k = at // (n * K), (at // K) % n, at % K
+                self._stochastic(self.worst, i, a + t, int(self.fp_idx[i, a + t, k]),
+                                 float(old[i, t, k]), float(new[i, t, k]), float(bound[i, t]))
+        self.fp_idx[:, a:b] = np.where(both, self.fp_idx[:, a:b], top_idx)
+        self.fp_val[:, a:b] = np.where(both, old, top_val)
+        self.fp_scale[:, a:b] = np.where(valid, self.fp_scale[:, a:b], scale)
+        old_tok, old_ratio, old_cause = self.tok_h[:, a:b], self.ratio[:, a:b], \
+            self.cause[:, a:b]
         flip = valid & (tok != old_tok)          # same prefix, another decision: a near-tie
         if a == 0:
             flip[:, 0] = False                   # the prefill's token stands
         keep = valid & (old_ratio <= ratio)
         # the kept decision's cause (a non-finite one stays)
-        cause = torch.where(keep | (valid & (old_cause == -1)), old_cause, cause)
-        old_ratio.copy_(torch.where(flip, 0.0, torch.where(keep, old_ratio, ratio)))
-        old_cause.copy_(torch.where(flip & (cause != -1), -2, cause))
-        old_tok.copy_(torch.where(valid, old_tok, tok))
-        self.computed[:, a:b] = torch.where(valid, self.computed[:, a:b], self.stamp)
+        cause = np.where(keep | (valid & (old_cause == -1)), old_cause, cause)
+        self.ratio[:, a:b] = np.where(flip, 0.0, np.where(keep, old_ratio, ratio))
+        self.cause[:, a:b] = np.where(flip & (cause != -1), -2, cause)
+        self.tok_h[:, a:b] = np.where(valid, old_tok, tok)
 
-    def _compare(self, logits: torch.Tensor, scale: torch.Tensor, a: int, b: int,
-                 valid: torch.Tensor) -> None:
-        """The repeat check of the positions ``[a, b)`` decided before with the same prefix
-        (``valid``), and the fingerprints of the others (no host sync); ``scale`` is
-        :func:`~paraprop.decoding.processors._scale` of ``logits``."""
-        idx = self.fp_idx[:, a:b]
-        fp_val = self.fp_val[:, a:b]
-        new = logits.gather(-1, idx).to(torch.float64)
-        old = fp_val            # (the updates below keep the valid positions, the compared ones)
-        bound = self.pipe.factor * torch.maximum(scale, self.fp_scale[:, a:b]).to(torch.float64)
-        both = valid[..., None]
-        ok = both & new.isfinite() & old.isfinite()
-        r = torch.where(ok, (new - old).abs() / bound[..., None], 0.0)
-        r = r.nan_to_num(nan=0.0, posinf=math.inf)         # 0/0: no difference
-        self.worst = torch.maximum(self.worst, r.amax())
-        self.last = (r, idx, old, new, bound, a)
-        self.compared += valid.sum()
-        top = logits.topk(idx.shape[-1], dim=-1)
-        idx.copy_(torch.where(both, idx, top.indices))
-        fp_val.copy_(torch.where(both, fp_val, top.values.to(torch.float64)))
-        self.fp_scale[:, a:b] = torch.where(valid, self.fp_scale[:, a:b], scale)
+    def settle(self) -> None:
+        """Settle the last pass's results (one transfer; the repeat check raises here)."""
+        if self.pending is not None:
+            self._sync(self.tok.new_zeros((self.tok.shape[0], 0), dtype=torch.float64))
 
     def check_repeats(self) -> tuple[int, float]:
         """Raise :class:`~paraprop.StochasticModelError` if a repeat check failed; else the
-        number of repeats compared and the largest difference over its bound (one sync)."""
-        both = torch.stack([self.compared.double(), self.worst]).tolist()
-        if both[1] > 1:
-            self._stochastic()
-        return int(both[0]), both[1]
+        number of repeats compared and the largest difference over its bound."""
+        self.settle()
+        return self.compared, self.worst
 
-    def _stochastic(self) -> None:
-        r_all, idx, old_all, new_all, bound_all, a = self.last
-        n, K = r_all.shape[1], r_all.shape[2]
-        at = int(r_all.reshape(-1).argmax())
-        b, t, k = at // (n * K), (at // K) % n, at % K
-        r, tok = float(r_all[b, t, k]), int(idx[b, t, k])
-        old, new, bound = float(old_all[b, t, k]), float(new_all[b, t, k]), float(bound_all[b, t])
-        t += a
+    def _stochastic(self, r: float, b: int, t: int, tok: int, old: float, new: float,
+                    bound: float) -> None:
         model = self.model
         training = []
         if isinstance(model, torch.nn.Module):
@@ -467,8 +527,8 @@ class _TokenMap:
                     "function of its input")
         raise StochasticModelError(
             f"decoding.generate: the model gave different logits for the same tokens in two "
-            f"passes: at new position {int(t)} of sample {int(b)}, the logit of token "
-            f"{int(tok)} was {old:.9g}, then {new:.9g} from the same prefix, a difference of "
+            f"passes: at new position {t} of sample {b}, the logit of token "
+            f"{tok} was {old:.9g}, then {new:.9g} from the same prefix, a difference of "
             f"{r:.3g} times the rounding bound ({bound:.3g}) between passes of different "
             "shapes. So it is not a fixed function of its input, and there is no sequential "
             f"result to reproduce (its tokens would change from run to run): the {mode} "
@@ -511,6 +571,10 @@ class _TokenMap:
         if not changed:
             return None
         return torch.tensor(rows, dtype=x.dtype, device=x.device)
+
+
+_NUMPY = {torch.bool: np.bool_, torch.int64: np.int64, torch.float32: np.float32,
+          torch.float64: np.float64}
 
 
 def _cause(tmap: _TokenMap, b: int, t: int, coarse: torch.dtype, count: int) -> str:

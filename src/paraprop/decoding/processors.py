@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from paraprop import checks
@@ -193,7 +194,24 @@ class Pipeline:
         sampling. ``cause`` is the index in :meth:`criteria` of the smallest margin, or ``-1``
         where the model's logits are not finite (NaN, ``+inf``, or all ``-inf``). ``scale``:
         :func:`_scale` of ``logits`` where the caller has it. ``margins=False``: the tokens
-        only (ratio and cause ``None``), for the sequential loop, which needs no certificate."""
+        only (ratio and cause ``None``), for the sequential loop, which needs no certificate.
+
+        The margins' last steps are elementwise arithmetic on ``(B, n)`` values, made on the
+        host (:meth:`decide_parts`, then :meth:`ratios`: one transfer; Jacobi decoding defers
+        it to its next sync); the ratios are the same bits either way."""
+        tok, parts = self.decide_parts(logits, tokens, first, u, scale=scale, margins=margins)
+        if parts is None:
+            return tok, None, None
+        ratio, cause = self.ratios([p.cpu().numpy() for p in parts])
+        return (tok, torch.from_numpy(ratio).to(tok.device),
+                torch.from_numpy(cause).to(tok.device))
+
+    def decide_parts(self, logits: torch.Tensor, tokens: torch.Tensor, first: int,
+                     u: torch.Tensor | None, *, scale: torch.Tensor | None = None,
+                     margins: bool = True) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """The part of :meth:`decide` on the logits' device: the tokens ``(B, n)``, and the
+        small tensors (each ``(B, n)`` or ``(B, n, 2)``, no bfloat16) that :meth:`ratios`
+        makes the margin ratios from (``None`` with ``margins=False``)."""
         scores, stages = self.process(logits, tokens, first)
         if u is None:
             tok = scores.argmax(dim=-1)
@@ -201,7 +219,7 @@ class Pipeline:
             cdf = _cdf(scores)
             tok, level = _draw(scores, cdf, u)
         if not margins:
-            return tok, None, None
+            return tok, None
         if scale is None:
             scale = _scale(logits)
         # 2 * delta, delta = c * max|logits| * gain: the (B, n) score-space bound (doubling
@@ -209,24 +227,42 @@ class Pipeline:
         delta2 = (2 * self.factor) * scale
         if self.gain != 1.0:
             delta2 = delta2 * self.gain
-        if u is None:
-            ratios = [_gap(scores, 1) / delta2]
-        else:
-            # a normalised cumulative mass c moves by at most c (1 - c) (e^{2 delta} - 1)
-            rel = torch.expm1(delta2) / 4
-            ratios = [_draw_margin(cdf, level, tok) / rel]
-            ratios += self._filter_ratios(stages, delta2, rel)
-        if len(ratios) == 1:
-            stacked = ratios[0].to(torch.float64)
-        else:
-            stacked = torch.stack(ratios).to(torch.float64)
-        # 0/0: an exact tie (infinities stay)
-        stacked = stacked.nan_to_num(nan=0.0, posinf=math.inf, neginf=-math.inf)
         finite = logits.amax(-1).isfinite()     # amax is NaN with a NaN, inf with an inf
+        if u is None:
+            # the best two processed scores (their gap is the decision's margin)
+            top = scores.topk(2, dim=-1).values if scores.shape[-1] > 1 else delta2[..., None]
+            return tok, [finite, delta2, top]
+        # a normalised cumulative mass c moves by at most c (1 - c) (e^{2 delta} - 1)
+        rel = torch.expm1(delta2) / 4
+        # the cumulative mass below and at the drawn token (the edges of its interval)
+        edges = cdf.gather(-1, torch.stack([tok - 1, tok], -1).clamp(min=0))
+        return tok, [finite, rel, cdf[..., -1], level, edges, tok,
+                     *self._filter_ratios(stages, delta2, rel)]
+
+    def ratios(self, parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """The margin ratios (float64) and causes (int64) ``(B, n)`` of :meth:`decide`, on the
+        host, from :meth:`decide_parts`'s tensors (as NumPy arrays of their dtypes): the same
+        IEEE operations as on the device, so the same bits."""
+        finite = parts[0]
+        with np.errstate(all="ignore"):
+            if self.s.do_sample:
+                rel, total, level, edges, tok = parts[1:6]
+                ratios = [_draw_margin(edges, total, level, tok) / rel] + list(parts[6:])
+            else:
+                delta2, top = parts[1:3]
+                if top.shape[-1] < 2:            # one token: no second best
+                    gap = np.full(delta2.shape, np.inf, dtype=np.float32)
+                else:
+                    hi, lo = top[..., 0], top[..., 1]
+                    gap = np.where(lo == -np.inf, np.float32(np.inf), hi - lo)
+                ratios = [gap / delta2]
+            stacked = np.stack([r.astype(np.float64) for r in ratios])
+        stacked[np.isnan(stacked)] = 0.0                     # 0/0: an exact tie
         if len(ratios) == 1:
-            return tok, stacked, torch.where(finite, 0, -1)
-        ratio, cause = stacked.min(0)
-        return tok, ratio, torch.where(finite, cause, -1)
+            return stacked[0], np.where(finite, 0, -1).astype(np.int64)
+        cause = stacked.argmin(0)
+        ratio = np.take_along_axis(stacked, cause[None], 0)[0]
+        return ratio, np.where(finite, cause, -1).astype(np.int64)
 
     def _filter_ratios(self, stages, delta2, rel) -> list[torch.Tensor]:
         s, out = self.s, []
@@ -287,16 +323,18 @@ def _finite_min(dist: torch.Tensor, stage: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(stage), dist, torch.inf).amin(-1)
 
 
-def _draw_margin(cdf: torch.Tensor, level: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+def _draw_margin(edges: np.ndarray, total: np.ndarray, level: np.ndarray,
+                 tok: np.ndarray) -> np.ndarray:
     """The distance (as a fraction of the total mass) of the draw's level (:func:`_draw`) from
-    the inner boundaries of the chosen token's interval of the cumulative distribution ``cdf``
-    (:func:`_cdf`; the boundaries at 0 and at the total do not move)."""
-    total = cdf[..., -1]
-    hi = cdf.gather(-1, tok[..., None])[..., 0]
-    lo = torch.where(tok > 0, cdf.gather(-1, (tok - 1).clamp(min=0)[..., None])[..., 0], 0.0)
-    below = torch.where(lo > 0, level - lo, torch.inf)
-    above = torch.where(hi < total, hi - level, torch.inf)
-    return torch.minimum(below, above) / total
+    the inner boundaries of the chosen token's interval of the cumulative distribution:
+    ``edges`` holds the cumulative mass at the token before it and at the token (float64,
+    ``(..., 2)``), ``total`` the whole mass (the boundaries at 0 and at the total do not
+    move). On the host, in float64."""
+    lo = np.where(tok > 0, edges[..., 0], 0.0)
+    hi = edges[..., 1]
+    below = np.where(lo > 0, level - lo, np.inf)
+    above = np.where(hi < total, hi - level, np.inf)
+    return np.minimum(below, above) / total
 
 
 def _processors(s, P: int, attention_mask, device) -> list:

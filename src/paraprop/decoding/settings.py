@@ -311,9 +311,10 @@ def _text_config(model):
     return cfg
 
 
-def max_positions(model) -> int | None:
-    """``config.max_position_embeddings`` (``n_positions`` for GPT-2), or ``None``."""
-    cfg = _text_config(model)
+def max_positions(model, cfg=None) -> int | None:
+    """``config.max_position_embeddings`` (``n_positions`` for GPT-2), or ``None``
+    (``cfg``: the model's text configuration, where the caller has it)."""
+    cfg = _text_config(model) if cfg is None else cfg
     for name in ("max_position_embeddings", "n_positions"):
         v = getattr(cfg, name, None)
         if checks.is_int(v) and v > 0:
@@ -321,9 +322,9 @@ def max_positions(model) -> int | None:
     return None
 
 
-def vocab_size(model) -> int | None:
+def vocab_size(model, cfg=None) -> int | None:
     """The token ids the model embeds: its input embedding's rows (``get_input_embeddings``),
-    else ``config.vocab_size``, else ``None``."""
+    else ``config.vocab_size``, else ``None`` (``cfg``: as for :func:`max_positions`)."""
     get = getattr(model, "get_input_embeddings", None)
     if callable(get):
         try:
@@ -333,7 +334,7 @@ def vocab_size(model) -> int | None:
         rows = getattr(emb, "num_embeddings", None)
         if checks.is_int(rows) and rows > 0:
             return rows
-    v = getattr(_text_config(model), "vocab_size", None)
+    v = getattr(_text_config(model) if cfg is None else cfg, "vocab_size", None)
     return v if checks.is_int(v) and v > 0 else None
 
 
@@ -377,13 +378,13 @@ def check_model(model, input_ids: torch.Tensor, s: Settings) -> None:
                          f"(attention_chunk_size={chunk}) and the prompt ({P}) plus "
                          f"max_new_tokens={T} make {total} > {chunk} positions; keep them "
                          f"within {chunk}")
-    limit = max_positions(model)
+    limit = max_positions(model, tcfg)
     if limit is not None and total > limit:
         raise ValueError(f"decoding.generate: the prompt ({P} positions) plus max_new_tokens={T} "
                          f"make {total} positions, more than the model's "
                          f"max_position_embeddings={limit}; shorten the prompt or generate at "
                          f"most {max(limit - P, 0)} new tokens")
-    V = vocab_size(model)
+    V = vocab_size(model, tcfg)
     lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()       # one sync
     if lo < 0:
         raise ValueError(f"input_ids holds the negative token id {lo}; token ids must be in "
