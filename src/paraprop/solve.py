@@ -197,7 +197,7 @@ class _Solve:
                       "exactness bound certifies it; pass max_iters=None (the bound) or a "
                       "larger tol")
         own = {k: (v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v)
-               for k, v in state.extra.get("stats", {}).items()}
+               for k, v in state.stats.items()}
         steps = own.pop("sequential_steps", system.evaluations)
         return Outcome(
             system.user(state.x), result, evaluations=system.evaluations,

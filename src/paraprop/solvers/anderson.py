@@ -26,6 +26,7 @@ What this implementation adds, so that the result is the sequential one:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +39,17 @@ from paraprop.solvers.base import (
     rounding_floor,
     sync,
 )
+
+
+@dataclass(slots=True)
+class _AndersonState:
+    final: torch.Tensor       # (B,) long: positions < final are final
+    index: torch.Tensor       # arange(T)
+    picard: torch.Tensor      # (B,) bool: finishing with plain steps
+    lo: int = 0               # the smallest final of the samples still iterating (on the host)
+    # the last iterates and their residuals
+    xs: list[torch.Tensor] = field(default_factory=list)
+    rs: list[torch.Tensor] = field(default_factory=list)
 
 
 class TriangularAnderson:
@@ -87,23 +99,19 @@ class TriangularAnderson:
 
     def init(self, system: System, state: State) -> None:
         B, dev = system.B, state.x.device
-        state.extra.update(
-            final=torch.zeros(B, dtype=torch.long, device=dev),  # positions < final are final
-            lo=0,  # the smallest final of the samples still iterating (known on the host)
-            index=torch.arange(system.T, device=dev),
-            xs=[], rs=[],  # the last iterates and their residuals
-            picard=torch.zeros(B, dtype=torch.bool, device=dev),  # finishing with plain steps
-        )
+        state.own = _AndersonState(final=torch.zeros(B, dtype=torch.long, device=dev),
+                                   index=torch.arange(system.T, device=dev),
+                                   picard=torch.zeros(B, dtype=torch.bool, device=dev))
         # its certificate comes from fn's own values: at tol=0 it stops only where fn(x) == x
         # bitwise, or at the bound, whose last evaluation computes the last position from the
         # final ones
         state.verified = True
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
-        e = state.extra
+        e: _AndersonState = state.own
         X, T = state.x, system.T
-        final, act = e["final"], state.active
-        pos = e["index"]
+        final, act = e.final, state.active
+        pos = e.index
         # the samples whose last position is all that is left compute it as the sequential
         # loop does, with x0's value there (the budget: T calls, none left to verify after)
         last = act & (final == T - 1)
@@ -115,7 +123,7 @@ class TriangularAnderson:
         Y, kept = system.keep_finite(Y, X, final, pos, act, x=X)
         R = Y - X
         per_pos = R.abs().amax(dim=2) if norm == "max" else R.pow(2).sum(2).sqrt()  # (B, T)
-        lo = e["lo"]
+        lo = e.lo
         if lo > 0:  # final positions were computed from final inputs: they must not move
             check_final(system, per_pos[:, :lo], tol, act)
         if kept is not None:
@@ -135,21 +143,21 @@ class TriangularAnderson:
             torch.linalg.vector_norm(R.reshape(R.shape[0], -1), dim=1).to(torch.float64)
         if kept is not None:
             d = torch.where(kept.any(dim=1), torch.inf, d)
-        picard = e["picard"]
+        picard = e.picard
         rate = torch.where(picard, d / state.rule.d_prev, torch.full_like(d, float("nan")))
         stop, est = state.rule.update(torch.where(act, d, torch.zeros_like(d)), tol, act,
                                       rate=rate, floor=lambda: rounding_floor(Y, norm))
         stop = stop | (act & (new_final >= T))
-        e["picard"] = picard | (act & (d <= tol))
+        e.picard = picard | (act & (d <= tol))
 
         # the next iterate: fn's value on the exact prefix and for stopping samples, the
         # triangular Anderson extrapolation elsewhere
-        e["xs"].append(X.clone())
-        e["rs"].append(R)
-        for key in ("xs", "rs"):
-            del e[key][: -self.m]
-        new = Y if len(e["xs"]) < 2 else self._extrapolate(X, R, e["xs"], e["rs"])
-        take_y = exact | stop[:, None] | e["picard"][:, None]
+        e.xs.append(X.clone())
+        e.rs.append(R)
+        for kept_iterates in (e.xs, e.rs):
+            del kept_iterates[: -self.m]
+        new = Y if len(e.xs) < 2 else self._extrapolate(X, R, e.xs, e.rs)
+        take_y = exact | stop[:, None] | e.picard[:, None]
         new = torch.where(take_y[:, :, None], Y, new)
         # an extrapolation that overflowed takes fn's value: the iterate stays finite (on the
         # host one reduction says whether any did; an accelerator replaces without asking)
@@ -158,13 +166,13 @@ class TriangularAnderson:
         X.copy_(torch.where(act[:, None, None], new, X))
 
         state.estimate = torch.where(stop & (new_final < T), est, state.estimate)
-        e["final"] = torch.where(act, torch.maximum(final, new_final), final)
+        e.final = torch.where(act, torch.maximum(final, new_final), final)
         state.sample_iterations += act.long()
         state.active = act & ~stop
         state.residual = torch.where(act, d, torch.zeros_like(d)).max()
         # the iteration's one synchronisation: samples left, and the smallest final among them
-        n_left, e["lo"] = sync(state.active.sum(), torch.where(state.active, e["final"], T).min())
-        e["lo"] = int(e["lo"])
+        n_left, next_lo = sync(state.active.sum(), torch.where(state.active, e.final, T).min())
+        e.lo = int(next_lo)
         state.finished = n_left == 0
 
     def _extrapolate(self, X, R, xs, rs) -> torch.Tensor:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -359,14 +361,32 @@ class System:
 
 @dataclass
 class State:
-    """The iterate and the per-sample bookkeeping of one solve."""
+    """The iterate and the per-sample bookkeeping of one solve: the fields that the driver,
+    :func:`accept`, :func:`settle` and the final check (:mod:`paraprop.solvers.verify`) share,
+    and in ``own`` the solver's private state, a dataclass its ``init`` makes."""
 
     x: torch.Tensor  # (B, T, F), owned by the solver
     active: torch.Tensor  # (B,) bool: samples still iterating
     sample_iterations: torch.Tensor  # (B,) long: sweeps each sample took part in
     residual: float | torch.Tensor | None = math.inf  # convergence measure of the last iteration
     finished: bool = False
-    extra: dict = field(default_factory=dict)
+    # whether every sample is still iterating, and how many are (None: not counted yet, all);
+    # kept by accept and settle
+    all_active: bool = True
+    n_active: int | None = None
+    # the solver's own counters and settings, reported in Solution.stats
+    stats: dict[str, object] = field(default_factory=dict)
+    # (B,) long: the first position each sample froze on an error estimate (T: none; None: the
+    # solver freezes nothing on an estimate), read by the final check
+    # (paraprop.solvers.verify) to tell a broken map from a failed estimate
+    estimated_from: torch.Tensor | None = None
+    # for the final check at tol > 0 (paraprop.solvers.verify): a callable giving the (B, T)
+    # gain of a position per unit change of the earlier ones (None: 1), and what the freeze
+    # estimates rely on, a string or a callable giving one (None: the observed contraction)
+    gain: Callable[[], torch.Tensor | None] | None = None
+    premise: str | Callable[[], str] | None = None
+    # the solver's private state (a dataclass of its own, made by its init)
+    own: Any = None
     rule: ContractionRule | None = None  # the per-sample contraction estimate
     estimate: torch.Tensor | None = None  # (B,) float64: error estimate where a sample stopped
     # the final value was already checked against fn by the solver's own evaluations (its
@@ -489,7 +509,7 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
     """
     old = state.x[:, lo:hi]
     active = state.active
-    all_active = state.extra.get("all_active", True)
+    all_active = state.all_active
     rule = state.rule
     # on the host the (B,) bookkeeping runs on NumPy views (the rule's arithmetic does too)
     host = rule.host_arrays and new.device.type == "cpu"
@@ -532,7 +552,7 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
         stop, est = out
         np.copyto(state.estimate.numpy(), est, where=stop)
         state.active = torch.from_numpy(active.numpy() & ~stop)
-        state.extra["n_active"] = state.extra.get("n_active", active.numel()) - rule.n_stopped
+        state.n_active = _n_active(state, active) - rule.n_stopped
         return
     if all_active:
         state.sample_iterations += 1
@@ -548,7 +568,12 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
     state.estimate = torch.where(stop, est, state.estimate)
     state.active = active & ~stop
     if rule.n_stopped is not None:
-        state.extra["n_active"] = state.extra.get("n_active", active.numel()) - rule.n_stopped
+        state.n_active = _n_active(state, active) - rule.n_stopped
+
+
+def _n_active(state: State, active: torch.Tensor) -> int:
+    """The samples iterating before this iteration's stops (all where not counted yet)."""
+    return active.numel() if state.n_active is None else state.n_active
 
 
 def _host_array(t: torch.Tensor) -> np.ndarray:
@@ -563,14 +588,16 @@ def _masked_max(v: torch.Tensor, active: torch.Tensor) -> float:
 
 def settle(state: State, at_bound: bool) -> bool:
     """End an iteration with its one synchronisation: the number of samples still iterating.
-    Sets ``state.finished`` (none left, or ``at_bound``) and ``state.extra["all_active"]``;
-    returns whether any sample is still iterating. On the host :func:`accept` counts the
-    samples that stopped (``state.extra["n_active"]``), and nothing is read here."""
+    Sets ``state.finished`` (none left, or ``at_bound``) and ``state.all_active``; returns
+    whether any sample is still iterating. On the host :func:`accept` counts the samples that
+    stopped (``state.n_active``), and nothing is read here."""
     B = state.active.numel()
-    n = state.extra.get("n_active", B) if state.rule.n_stopped is not None else \
-        int(state.active.sum())
-    state.extra["n_active"] = n
-    state.extra["all_active"] = n == B
+    if state.rule.n_stopped is not None:
+        n = B if state.n_active is None else state.n_active
+    else:
+        n = int(state.active.sum())
+    state.n_active = n
+    state.all_active = n == B
     state.finished = at_bound or n == 0
     return n > 0
 

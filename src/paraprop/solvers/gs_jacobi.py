@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
 from paraprop import checks
 from paraprop.solvers.base import State, System, accept, settle
 from paraprop.solvers.verify import final_step
+
+
+@dataclass(slots=True)
+class _GSJacobiState:
+    blocks: int               # how many blocks
+    bs: int                   # positions per block
+    index: torch.Tensor       # arange(T), for the non-finite checks
+    block: int = 0            # the current block
+    sweep: int = 0            # sweeps of the current block so far
+    # (B,) float64 per block done: its samples' error estimates (they add up)
+    estimates: list[torch.Tensor] = field(default_factory=list)
 
 
 class GSJacobi:
@@ -47,55 +59,55 @@ class GSJacobi:
 
     def init(self, system: System, state: State) -> None:
         bs = self.size(system)
-        state.extra.update(block=0, sweep=0, blocks=math.ceil(system.T / bs), bs=bs,
-                           stats={"block_size": bs},
-                           index=torch.arange(system.T, device=state.x.device),
-                           estimated_from=torch.full((system.B,), system.T, dtype=torch.long,
-                                                     device=state.x.device))
+        state.own = _GSJacobiState(math.ceil(system.T / bs), bs,
+                                   torch.arange(system.T, device=state.x.device))
+        state.stats = {"block_size": bs}
+        state.estimated_from = torch.full((system.B,), system.T, dtype=torch.long,
+                                          device=state.x.device)
         # a block is certified by reasoning (its inputs were final) or on its error estimate,
         # with the window's values: one evaluation of fn at the end checks them all
         # (paraprop.solvers.verify), within the budget of T calls
         state.verified = False
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
-        e = state.extra
+        e: _GSJacobiState = state.own
         if system.evaluations == system.T - 1:
             # the budget's last call (every call made one more position final, so only the
             # last position is left): one evaluation of fn checks the value and gives it
             final_step(system, state, tol, norm)
             self._close(state, [state.estimate])
             return
-        lo = e["block"] * e["bs"]
-        hi = min(system.T, lo + e["bs"])
+        lo = e.block * e.bs
+        hi = min(system.T, lo + e.bs)
         vals = system.window(state.x, lo, hi)
-        e["sweep"] += 1
+        e.sweep += 1
         # positions < lo + sweep - 1 are final; position lo + sweep - 1 is computed from them
-        vals, kept = system.keep_finite(vals, lambda: state.x[:, lo:hi], lo + e["sweep"] - 1,
-                                        e["index"][lo:hi], state.active, x=state.x)
+        vals, kept = system.keep_finite(vals, lambda: state.x[:, lo:hi], lo + e.sweep - 1,
+                                        e.index[lo:hi], state.active, x=state.x)
         was = state.active
-        accept(system, state, lo, hi, vals, tol, norm, exact=e["sweep"] - 1,
+        accept(system, state, lo, hi, vals, tol, norm, exact=e.sweep - 1,
                budget=tol * (hi - lo) / system.T, kept=kept)
         if tol > 0 and state.active is not was:
             # samples frozen on the estimate: the positions from the first one not computed
             # from final inputs on were not (paraprop.solvers.verify tells the two apart)
             frozen = was & ~state.active & (state.estimate > 0)
-            e["estimated_from"] = torch.where(
-                frozen, torch.minimum(e["estimated_from"], torch.full_like(
-                    e["estimated_from"], lo + e["sweep"])), e["estimated_from"])
-        at_bound = e["sweep"] >= hi - lo
+            frm = state.estimated_from
+            state.estimated_from = torch.where(
+                frozen, torch.minimum(frm, torch.full_like(frm, lo + e.sweep)), frm)
+        at_bound = e.sweep >= hi - lo
         moving = settle(state, False)
         # (a block at its bound is final by the triangular structure: the one evaluation of fn
         # at the end checks every block at once, paraprop.solvers.verify)
         if at_bound or not moving:
-            e["block"] += 1
-            e["sweep"] = 0
-            e.setdefault("estimates", []).append(state.estimate.clone())
+            e.block += 1
+            e.sweep = 0
+            e.estimates.append(state.estimate.clone())
             state.estimate.zero_()
             state.active[:] = True  # every sample starts the next block
-            e["all_active"], e["n_active"] = True, system.B
+            state.all_active, state.n_active = True, system.B
             state.rule.reset()
             state.finished = False   # (settle: no sample left in this block)
-            if e["block"] == e["blocks"]:
+            if e.block == e.blocks:
                 self._close(state, [])
 
     @staticmethod
@@ -103,4 +115,4 @@ class GSJacobi:
         """The solve is done: the frozen blocks' estimates add up along the sequence."""
         state.finished = True
         state.active = torch.zeros_like(state.active)
-        state.estimate = torch.stack(state.extra.get("estimates", []) + current).sum(0)
+        state.estimate = torch.stack(state.own.estimates + current).sum(0)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from paraprop.solvers.base import State, System, accept, last_from_x0, settle
+
+
+@dataclass(slots=True)
+class _JacobiState:
+    k: int                    # sweeps done
+    positions: torch.Tensor   # arange(T), for the non-finite checks
 
 
 class Jacobi:
@@ -36,12 +44,12 @@ class Jacobi:
         return system.T
 
     def init(self, system: System, state: State) -> None:
-        state.extra["k"] = 0
-        state.extra["positions"] = torch.arange(system.T, device=state.x.device)
+        state.own = _JacobiState(0, torch.arange(system.T, device=state.x.device))
         state.verified = True  # it stops only on a sweep of fn that reproduced the iterate
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
-        k = state.extra["k"] + 1
+        own: _JacobiState = state.own
+        k = own.k + 1
         if k == system.T:
             # the last sweep the budget allows (T calls, as the sequential loop): positions
             # < T - 1 are final, and position T - 1 is computed from them as the sequential
@@ -50,8 +58,8 @@ class Jacobi:
             last_from_x0(system, state)
         y = system.evaluate(state.x)
         # positions < k - 1 are final, position k - 1 is computed from them
-        y, kept = system.keep_finite(y, state.x, k - 1, state.extra["positions"], state.active,
+        y, kept = system.keep_finite(y, state.x, k - 1, own.positions, state.active,
                                      x=state.x)
         accept(system, state, 0, system.T, y, tol, norm, exact=k - 1, kept=kept)
-        state.extra["k"] = k
+        own.k = k
         settle(state, k >= system.T)

@@ -5,12 +5,31 @@ from __future__ import annotations
 import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 from paraprop import checks
 from paraprop.solvers.base import State, System, accept, settle
 from paraprop.solvers.verify import final_step
+
+
+@dataclass(slots=True)
+class _JacobiGSState:
+    ranges: list[range]       # the blocks
+    depth: int                # the longest block's positions (an iteration's calls)
+    index: torch.Tensor       # arange(T), for the non-finite checks
+    # the positions of each call of an iteration, in order: with block_size offset j of every
+    # block; with blocks one position each, last block first
+    offsets: list[torch.Tensor]
+    # the calls one iteration makes in sequence (the longest share's with workers)
+    share_steps: int
+    k: int = 0                # iterations done
+    used: int = 0             # the sequential steps of the parallel iterations
+    steps: int = 0            # the sequential steps in all
+    # with workers > 1: per thread its calls' positions, and the positions it owns
+    shares: list[list[torch.Tensor]] | None = None
+    owned: list[torch.Tensor] | None = None
 
 
 class JacobiGS:
@@ -100,15 +119,15 @@ class JacobiGS:
 
     def init(self, system: System, state: State) -> None:
         device = state.x.device
-        state.extra["k"] = 0
         ranges = self._ranges(system)
         # the budget (never more sequential steps than the sequential loop, T): an iteration
         # costs its longest block (block_size calls; with explicit blocks, run one per worker),
         # and certifies the next block at least
-        state.extra.update(ranges=ranges, depth=max(len(b) for b in ranges), used=0,
-                           index=torch.arange(system.T, device=device),
-                           estimated_from=torch.full((system.B,), system.T, dtype=torch.long,
-                                                     device=device))
+        depth = max(len(b) for b in ranges)
+        state.own = own = _JacobiGSState(ranges, depth, torch.arange(system.T, device=device),
+                                         [], depth)
+        state.estimated_from = torch.full((system.B,), system.T, dtype=torch.long,
+                                          device=device)
         if self.blocks is not None:
             if self.blocks[-1].stop != system.T:
                 raise ValueError(f"JacobiGS: blocks cover positions 0..{self.blocks[-1].stop - 1}"
@@ -116,41 +135,40 @@ class JacobiGS:
             index = [torch.tensor([t], device=device) for t in range(system.T)]
             # last block first, positions in order: each block reads the earlier blocks' old
             # values (the parallel semantics of Algorithm 2)
-            state.extra["offsets"] = [index[t] for b in reversed(self.blocks) for t in b]
-            state.extra["stats"] = {"blocks": [[b.start, b.stop] for b in self.blocks]}
+            own.offsets = [index[t] for b in reversed(self.blocks) for t in b]
+            state.stats = {"blocks": [[b.start, b.stop] for b in self.blocks]}
             if self.workers > 1:
                 cost = [sum(self.costs[t] for t in b) if self.costs else len(b)
                         for b in self.blocks]
                 shares = share_blocks(self.blocks, cost, self.workers,
                                       balanced=self.costs is not None)
                 # per thread: its blocks last to first, as (flat index, position) pairs
-                state.extra["shares"] = [[index[t] for b in reversed(sh) for t in b]
-                                         for sh in shares]
+                own.shares = [[index[t] for b in reversed(sh) for t in b] for sh in shares]
                 # each thread's positions, to copy its results back in one call
-                state.extra["owned"] = [torch.tensor([t for b in sh for t in b], device=device)
-                                        for sh in shares]
-                state.extra["stats"]["workers"] = len(shares)
+                own.owned = [torch.tensor([t for b in sh for t in b], device=device)
+                             for sh in shares]
+                state.stats["workers"] = len(shares)
             # the calls one iteration makes in sequence: the longest share's (one thread: all)
-            state.extra["share_steps"] = max(len(sh) for sh in state.extra["shares"]) \
-                if "shares" in state.extra else system.T
+            own.share_steps = max(len(sh) for sh in own.shares) \
+                if own.shares is not None else system.T
             return
         bs = self.size(system)
         # offset j of every block: positions j, j + bs, j + 2 bs, ... below T
-        state.extra["offsets"] = [torch.arange(j, system.T, bs, device=device) for j in range(bs)]
-        state.extra["stats"] = {"block_size": bs}
+        own.offsets = [torch.arange(j, system.T, bs, device=device) for j in range(bs)]
+        state.stats = {"block_size": bs}
 
     def _sweep(self, system: System, state: State, first: int) -> tuple[torch.Tensor, object]:
         """One iteration on a copy of the iterate; ``first``: the first position that is not
         final (the positions up to the end of its block are computed from final inputs).
         Returns the new values and the samples that kept a non-finite value's old one."""
-        if "shares" in state.extra:
+        if state.own.shares is not None:
             return self._threaded_sweep(system, state, first)
         work = state.x.clone()
         kept = None
         # a plain fn sees the copy whole (its promise not to modify it is checked); fn.update
         # gets the private copy, and the final evaluation of fn checks its values
         guard = not system.fast
-        for index in state.extra["offsets"]:
+        for index in state.own.offsets:
             vals = system.update(work, index, guard=guard)
             vals, k = system.keep_finite(vals, lambda index=index: work.index_select(1, index),
                                          first, index, state.active, x=work)
@@ -177,10 +195,10 @@ class JacobiGS:
             return mine, kept
 
         pool = _pool(self.workers, self.intra_op_threads)
-        results = list(pool.map(run, state.extra["shares"]))
+        results = list(pool.map(run, state.own.shares))
         work = state.x.clone()
         kept = None
-        for owned, (mine, k) in zip(state.extra["owned"], results, strict=True):
+        for owned, (mine, k) in zip(state.own.owned, results, strict=True):
             work.index_copy_(1, owned, mine.index_select(1, owned))
             kept = _merge(kept, k)
         return work, kept
@@ -203,14 +221,14 @@ class JacobiGS:
         its own, plus one sequential step per position after the block it certifies (the worst
         case), must not exceed ``T``. The last block is always finished sequentially (its
         sweep would cost the longest block's steps, and a verifying sweep more)."""
-        e = state.extra
-        ranges = e["ranges"]
-        return k < len(ranges) and e["used"] + e["depth"] <= ranges[k - 1].stop
+        e: _JacobiGSState = state.own
+        ranges = e.ranges
+        return k < len(ranges) and e.used + e.depth <= ranges[k - 1].stop
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
-        e = state.extra
-        k = e["k"] + 1
-        e["k"] = k
+        e: _JacobiGSState = state.own
+        k = e.k + 1
+        e.k = k
         if not self._parallel(state, k):
             self._finish(system, state, tol, norm, self._exact(system, k))
             return
@@ -219,8 +237,8 @@ class JacobiGS:
             # fn.update's values are checked by one evaluation of fn at the end
             state.verified = not system.fast
         work, kept = self._sweep(system, state, self._first_block_end(system, k))
-        e["used"] += e["depth"]
-        self._count(state, e.get("share_steps", e["depth"]))
+        e.used += e.depth
+        self._count(state, e.share_steps)
         exact = self._exact(system, k)
         was = state.active
         accept(system, state, 0, system.T, work, tol, norm, exact=exact, kept=kept)
@@ -228,9 +246,9 @@ class JacobiGS:
             # samples stopped on the estimate: the blocks after the ones computed from final
             # inputs were not certified by reasoning (paraprop.solvers.verify tells them apart)
             stopped = was & ~state.active & (state.estimate > 0)
-            certified = torch.full_like(e["estimated_from"], e["ranges"][k - 1].stop)
-            e["estimated_from"] = torch.where(
-                stopped, torch.minimum(e["estimated_from"], certified), e["estimated_from"])
+            frm = state.estimated_from
+            certified = torch.full_like(frm, e.ranges[k - 1].stop)
+            state.estimated_from = torch.where(stopped, torch.minimum(frm, certified), frm)
         settle(state, False)
 
     def _finish(self, system: System, state: State, tol: float, norm: str, p: int) -> None:
@@ -242,31 +260,32 @@ class JacobiGS:
         steps are the sweep's first offsets (``fn.update`` sees the calls of an iteration, which
         a map may serve from one pass, as :class:`paraprop.sampling.pixelcnn.CachedPixels`
         does); only the last block's positions are taken from them."""
-        e, T = state.extra, system.T
+        e: _JacobiGSState = state.own
+        T = system.T
         x, act = state.x, state.active
         self._count(state, T - p)
         if system.initial is not None:
             x[:, p:] = torch.where(act[:, None, None], system.initial[:, p:], x[:, p:])
         for t in range(p, T - 1):
             if self.blocks is None:   # offset t - p of every block: position t is its last
-                index = e["offsets"][t - p]
+                index = e.offsets[t - p]
                 vals = system.update(x, index)[:, -1:]
             else:
-                index = e["index"][t:t + 1]
+                index = e.index[t:t + 1]
                 vals = system.update(x, index)
             # computed from final inputs: a NaN or inf is the sequential loop's own
-            system.keep_finite(vals, lambda t=t: x[:, t:t + 1], t, e["index"][t:t + 1], act, x=x)
+            system.keep_finite(vals, lambda t=t: x[:, t:t + 1], t, e.index[t:t + 1], act, x=x)
             x[:, t:t + 1] = torch.where(act[:, None, None], vals, x[:, t:t + 1])
         final_step(system, state, tol, norm)
-        e["stats"]["finished_sequentially"] = T - p
+        state.stats["finished_sequentially"] = T - p
 
     def _count(self, state: State, steps: int) -> None:
         """Sequential steps: with explicit blocks an iteration's calls run on the workers, and
         ``stats["sequential_steps"]`` is the longest share's calls (one worker: all)."""
-        e = state.extra
-        e["steps"] = e.get("steps", 0) + steps
+        e: _JacobiGSState = state.own
+        e.steps += steps
         if self.blocks is not None:
-            e["stats"]["sequential_steps"] = e["steps"]
+            state.stats["sequential_steps"] = e.steps
 
 def _merge(kept, k):
     """The samples that kept a non-finite value's old one, as ``(B, 1)`` (``None``: none)."""

@@ -37,6 +37,8 @@ follow are the same either way.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from paraprop import checks
@@ -56,6 +58,17 @@ from paraprop.stopping import Floor
 
 FORMS = {"newton": "any", "quasi_newton": "diag", "elk": "dense", "quasi_elk": "diag"}
 DEFAULT_DAMPING = 1e-2
+
+
+@dataclass(slots=True)
+class _NewtonState:
+    access: _MarkovAccess | _FullAccess   # how fn's values and Jacobians are had
+    index: torch.Tensor       # arange(T)
+    lo: int = 0               # positions < lo are exact for every active sample
+    # the steps that took fn(x) instead (a Python int, then a device scalar once one did)
+    resets: int | torch.Tensor = 0
+    # one array of x's size for the residual, made at the first step (see _work)
+    work: torch.Tensor | None = None
 
 
 class _NewtonFamily:
@@ -89,22 +102,19 @@ class _NewtonFamily:
         return system.T
 
     def init(self, system: System, state: State) -> None:
-        ex = state.extra
-        ex["access"] = _access(system, self.name)
-        ex["lo"] = 0                # positions < lo are exact for every active sample
-        ex["stats"] = {"resets": 0, "jacobian": self.form}
-        ex["resets"] = 0
-        ex["index"] = torch.arange(system.T, device=state.x.device)
+        state.own = _NewtonState(_access(system, self.name),
+                                 torch.arange(system.T, device=state.x.device))
+        state.stats = {"resets": 0, "jacobian": self.form}
         # it stops only where fn(x) == x bitwise (tol=0), or at the bound by the exact prefix
         # (whose last iteration computes the last position from the final ones)
         state.verified = True
         if self.damped:
-            ex["stats"]["damping"] = self.damping
+            state.stats["damping"] = self.damping
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
-        ex = state.extra
-        access = ex["access"]
-        lo, T, x, act = ex["lo"], system.T, state.x, state.active
+        ex: _NewtonState = state.own
+        access = ex.access
+        lo, T, x, act = ex.lo, system.T, state.x, state.active
         if lo == T - 1 and not access.markov:
             # the last iteration the budget allows (T evaluations, as the sequential loop):
             # position T - 1 is computed from the final positions as that loop's last step
@@ -116,7 +126,7 @@ class _NewtonFamily:
         else:
             y, trial = fused
         if not access.markov:
-            ex["stats"]["jvps"] = access.jvps
+            state.stats["jvps"] = access.jvps
         state.sample_iterations += act.long()
         seg = x[:, lo:]
         if fused is None:
@@ -133,7 +143,7 @@ class _NewtonFamily:
         flags = sync(~torch.isfinite(trial.sum(dim=(1, 2))).all(),
                      ~torch.isfinite(y.sum()) if access.markov else system.nonfinite)
         system.nonfinite = bool(flags[1])
-        y, kept = system.keep_finite(y, seg, lo, ex["index"][lo:], act, x=x,
+        y, kept = system.keep_finite(y, seg, lo, ex.index[lo:], act, x=x,
                                      hook="fn" if not access.markov else
                                      "linearize" if fused is None else "newton_step")
         bad = torch.zeros_like(act)
@@ -143,7 +153,7 @@ class _NewtonFamily:
             if kept is not None:
                 bad = bad | (kept.any(dim=1) & act)
             trial = torch.where(bad[:, None, None], y, trial)
-            ex["resets"] = ex["stats"]["resets"] = ex["resets"] + bad.sum()
+            ex.resets = state.stats["resets"] = ex.resets + bad.sum()
         trial[:, 0] = y[:, 0]   # exact: computed from the exact prefix
         if norm == "max":
             size = _max_difference(trial, seg)
@@ -196,7 +206,7 @@ class _NewtonFamily:
         state.residual = size.max()
         cont = act & ~stop
         state.active = cont
-        ex["lo"] = lo + 1
+        ex.lo = lo + 1
         state.finished = n_cont == 0 or lo + 1 >= T
 
     def _elk(self, x, r, J, lo):
@@ -210,13 +220,13 @@ class _NewtonFamily:
         return x[:, lo:] + step.to(r.dtype)
 
 
-def _work(ex: dict, x: torch.Tensor, lo: int) -> torch.Tensor:
+def _work(ex: _NewtonState, x: torch.Tensor, lo: int) -> torch.Tensor:
     """A ``(B, T - lo, F)`` array for the residual, carved from one array of ``x``'s size kept
     for the whole solve (on a CPU a fresh array costs a page fault per 4 KB, every iteration)."""
-    if "work" not in ex:
-        ex["work"] = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+    if ex.work is None:
+        ex.work = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
     B, T, F = x.shape
-    return ex["work"][:B * (T - lo) * F].view(B, T - lo, F)
+    return ex.work[:B * (T - lo) * F].view(B, T - lo, F)
 
 
 # Values per chunk of :func:`_max_difference` on a CPU: the chunk's difference stays in cache.

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from paraprop.solvers.base import State, System
+
+
+@dataclass(slots=True)
+class _SequentialState:
+    t: int                # the next position to compute
+    index: torch.Tensor   # arange(T), sliced for fn.update's one-position index
 
 
 class Sequential:
@@ -27,18 +35,18 @@ class Sequential:
         return system.T
 
     def init(self, system: System, state: State) -> None:
-        state.extra["t"] = 0
-        state.extra["index"] = torch.arange(system.T, device=state.x.device)
+        state.own = _SequentialState(0, torch.arange(system.T, device=state.x.device))
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
-        t = state.extra["t"]
+        own: _SequentialState = state.own
+        t = own.t
         # the reference loop: one position per call, its hooks trusted as the user's own loop
         # would (a copy of x per call to check them would cost T copies)
-        state.x[:, t : t + 1] = system.update(state.x, state.extra["index"][t : t + 1],
+        state.x[:, t : t + 1] = system.update(state.x, own.index[t : t + 1],
                                               guard=False, check=False)
         state.sample_iterations += 1
         state.residual = None  # one pass, no forward difference
-        state.extra["t"] = t + 1
+        own.t = t + 1
         state.finished = t + 1 == system.T
         if state.finished:  # the first non-finite position in order is the one that went wrong
             system.check_finite(state.x, hook="update" if system.fast else "fn")

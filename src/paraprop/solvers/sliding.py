@@ -34,6 +34,8 @@ each sweep evaluates every position and keeps the window's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from paraprop import checks
@@ -42,6 +44,15 @@ from paraprop.solvers.base import State, System, half_ulp_bound
 from paraprop.solvers.protocols import HOOKS
 from paraprop.solvers.verify import final_step
 from paraprop.stopping import freeze_budget, freeze_thresholds
+
+
+@dataclass(slots=True)
+class _SlidingState:
+    final: torch.Tensor       # (B,) long: positions < final are final
+    index: torch.Tensor       # arange(T)
+    start: int = 0            # the smallest final of the samples still iterating (on the host)
+    # per window length n: arange(n) (1, n) and the freeze thresholds (see _ramp)
+    ramps: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 class SlidingJacobi:
@@ -87,35 +98,32 @@ class SlidingJacobi:
     def init(self, system: System, state: State) -> None:
         B = system.B
         dev = state.x.device
-        state.extra.update(
-            final=torch.zeros(B, dtype=torch.long, device=dev),  # positions < final are final
-            start=0,  # the smallest final of the samples still iterating (known on the host)
-            index=torch.arange(system.T, device=dev),
-            stats={"window": self.size(system)},
-            # the first position each sample froze on an estimate (T: none)
-            estimated_from=torch.full((B,), system.T, dtype=torch.long, device=dev),
-            gain=lambda: _residual_gain(system),
-            premise=lambda: _premise(system),
-        )
+        state.own = _SlidingState(torch.zeros(B, dtype=torch.long, device=dev),
+                                  torch.arange(system.T, device=dev))
+        state.stats = {"window": self.size(system)}
+        # the first position each sample froze on an estimate (T: none)
+        state.estimated_from = torch.full((B,), system.T, dtype=torch.long, device=dev)
+        state.gain = lambda: _residual_gain(system)
+        state.premise = lambda: _premise(system)
         # positions are certified by reasoning (their inputs were final) or on an estimate,
         # with the window's values: one evaluation of fn at the end checks them
         # (paraprop.solvers.verify), within the budget of T calls
         state.verified = False
 
     def step(self, system: System, state: State, tol: float, norm: str) -> None:
-        e = state.extra
+        e: _SlidingState = state.own
         if system.evaluations == system.T - 1:
             # the budget's last call (every sweep made one more position final, so only the
             # last position is left): one evaluation of fn checks the value and gives it
             final_step(system, state, tol, norm)
-            e["final"] = torch.full_like(e["final"], system.T)
+            e.final = torch.full_like(e.final, system.T)
             return
-        final, T = e["final"], system.T
+        final, T = e.final, system.T
         act = state.active
-        start = e["start"]
+        start = e.start
         stop = min(T, start + self.size(system))
         n = stop - start
-        pos = e["index"][start:stop]
+        pos = e.index[start:stop]
         vals = system.window(state.x, start, stop)
         old = state.x[:, start:stop]
         # the first writable position of each sample is computed from final inputs only
@@ -140,29 +148,29 @@ class SlidingJacobi:
             new_final = new_final + self._freeze(system, state, start, stop, d_pos, cs,
                                                  writable, exact_to, new_final, tol, norm)
         # (at most stop: a sample that is done keeps final = T)
-        e["final"] = torch.maximum(final, new_final)
+        e.final = torch.maximum(final, new_final)
         state.sample_iterations += act
-        state.active = e["final"] < T
+        state.active = e.final < T
         state.residual = d_pos.max() if n else 0.0
         # the iteration's one synchronisation: where the next window starts (T: done)
-        e["start"] = int(e["final"].min())
-        state.finished = e["start"] >= T
+        e.start = int(e.final.min())
+        state.finished = e.start >= T
         if not state.finished:
-            guess = system.propose(state.x, e["final"], e["start"])
+            guess = system.propose(state.x, e.final, e.start)
             if guess is not None:
                 system.check_finite(guess, hook="propose")
-                free = e["index"][None, :] >= e["final"][:, None]
+                free = e.index[None, :] >= e.final[:, None]
                 state.x.copy_(torch.where(free[:, :, None], guess, state.x))
 
     def _freeze(self, system, state, start, stop, d_pos, cs, writable, shift, new_final, tol,
                 norm):
         """``(B,)``: how many positions after the certified ones may be frozen at ``tol > 0``
         (see the module doc); logs each freeze's estimate in ``stats["freeze_estimates"]``."""
-        e, T, n = state.extra, system.T, stop - start
+        T, n = system.T, stop - start
         act = state.active
-        log = e["stats"].get("freeze_estimates")
+        log = state.stats.get("freeze_estimates")
         if log is None:
-            log = e["stats"]["freeze_estimates"] = torch.zeros(
+            log = state.stats["freeze_estimates"] = torch.zeros(
                 system.B, T, dtype=torch.float64, device=d_pos.device)
         # A position computed from inputs with errors e_i has an error <= max_i e_i when the
         # map does not expand differences; the input errors are at most the changes of the
@@ -181,7 +189,7 @@ class SlidingJacobi:
             total = lam.cumsum(1) - lam
             tight = torch.where(total < 1, wsum / (1 - total), torch.inf)
             est = torch.minimum(est, tight)
-        ar, thresholds = _ramp(e, n, tol, T, d_pos.device)
+        ar, thresholds = _ramp(state.own, n, tol, T, d_pos.device)
         at = ar + shift[:, None]                 # the candidates, from the first one not final
         raw = est.gather(1, at.clamp(max=n - 1)).masked_fill_(at >= n, float("inf"))
         # a value computed from inputs within est of the sequential ones is within est plus
@@ -206,8 +214,8 @@ class SlidingJacobi:
         if m.device.type == "cpu" and not bool(m.any()):   # no freeze (known on the host)
             return m
         froze = act & (m > 0)
-        e["estimated_from"] = torch.where(froze, torch.minimum(e["estimated_from"], new_final),
-                                          e["estimated_from"])
+        frm = state.estimated_from
+        state.estimated_from = torch.where(froze, torch.minimum(frm, new_final), frm)
         block = ar < m[:, None]
         worst = torch.where(block, raw, torch.zeros_like(raw)).amax(1)
         worst = torch.where(froze, worst, 0.0)
@@ -219,10 +227,11 @@ class SlidingJacobi:
         return m
 
 
-def _ramp(e: dict, n: int, tol: float, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _ramp(e: _SlidingState, n: int, tol: float, T: int, device
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``arange(n)`` ``(1, n)`` and the freeze thresholds of :func:`freeze_budget` for ``n``
     candidates, made once per window length of a solve."""
-    cache = e.setdefault("ramps", {})
+    cache = e.ramps
     if n not in cache:
         cache[n] = (torch.arange(n, device=device)[None, :],
                     freeze_thresholds(n, tol, T, device))

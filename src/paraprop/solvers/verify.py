@@ -110,7 +110,7 @@ def final_step(system: System, state: State, tol: float, norm: str) -> None:
     state.finished = True
     state.check = "evaluation" if reason is None else "failed"
     state.reason = reason
-    stats = state.extra.setdefault("stats", {})
+    stats = state.stats
     stats["finished_sequentially"] = stats.get("finished_sequentially", 0) + 1
 
 
@@ -153,7 +153,7 @@ def compare(system: System, state: State, x: torch.Tensor, y: torch.Tensor, tol:
                     "to accept a difference at the rounding level")
         gross = over & (r > bound + loose[:, None])
     else:
-        gain = state.extra.get("gain")
+        gain = state.gain
         L = gain() if callable(gain) else None
         L = torch.ones(B, T, dtype=torch.float64, device=x.device) if L is None else \
             L.to(x.device)
@@ -225,7 +225,7 @@ def _blame(system, state, x, y, b, t, tol, allow, r=None, bound=None, L=None):
                 f"{system.unravel_position(t)}). A hook must compute fn's values at exactly the "
                 "positions asked for (not shifted, not reordered, not duplicated, not ignoring "
                 "start or index)")
-    frm = state.extra.get("estimated_from")
+    frm = state.estimated_from
     exact = tol == 0 or frm is None or t < int(frm[b])
     stale = " or fn.window served values from a stale cache," if hook == "window" else ""
     if exact:
@@ -235,8 +235,9 @@ def _blame(system, state, x, y, b, t, tol, allow, r=None, bound=None, L=None):
             f"{'s' if hook is None else ''} now from the same final positions: fn is not "
             "autoregressive along dim (some position depends on itself or on a later one),"
             f"{stale} {NONDETERMINISTIC}")
-    premise = state.extra.get("premise", "the contraction observed on the sweeps")
-    premise = premise() if callable(premise) else premise
+    premise = state.premise
+    premise = "the contraction observed on the sweeps" if premise is None else \
+        premise() if callable(premise) else premise
     return (f"fn(x) at the final value differs from it at {where} by {r:.3g}, more than a value "
             f"within tol={tol} of the sequential result can ({bound:.3g}: (1 + {L:.3g}) * tol "
             f"plus rounding); that position was frozen on an error estimate, which relies on "
