@@ -188,7 +188,8 @@ class Order:
     gid_row: torch.Tensor       # (1, D): gid, and gid + 1, as rows against (N, D) passes
     next_row: torch.Tensor
     k_G: torch.Tensor           # 0-d G
-    host_rows: tuple | None     # on the host: gid_row and next_row as NumPy arrays
+    host_rows: tuple | None     # on the host, NumPy: gid as a (1, D) row of the narrowest
+    #                             integer type that holds it, and gid + 1 (D,) int64
 
 
 _ORDERS: dict[tuple, Order] = {}
@@ -240,7 +241,10 @@ def _make_order(order, D: int, device: torch.device) -> Order:
     G = int(gid[-1]) + 1 if gid.numel() else 0
     gid_row = gid[None, :]
     next_row = gid_row + 1
-    host = (gid_row.numpy(), next_row.numpy()) if device.type == "cpu" else None
+    host = None
+    if device.type == "cpu":
+        narrow = np.int16 if G < np.iinfo(np.int16).max else np.int32
+        host = (gid_row.numpy().astype(narrow), next_row.numpy()[0])
     return Order(perm=perm, inv=None if perm is None else torch.argsort(perm), gid=gid, G=G,
                  gid_row=gid_row, next_row=next_row, k_G=torch.tensor(G, device=device),
                  host_rows=host)
@@ -293,6 +297,7 @@ def tracked_solve(h, y, order, cfg, *, passes: int, where: str = "") -> Run:
 _CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 # the dtypes whose host bookkeeping runs on NumPy views (:meth:`Passes._learn_numpy`)
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
+_NUMPY_EQUAL = 4096   # values above which NumPy compares two host arrays faster than torch.equal
 
 
 def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,7 +395,12 @@ class Passes:
             if self.host and self.rows_np is not None and xf.dtype in _NUMPY_DTYPES:
                 self.E_np, self.P_np = self.E.numpy(), self.P.numpy()   # views: one state
         else:
-            same = known = self.host and torch.equal(xf, self.last)
+            # on the host one comparison of the arrays (NumPy's, faster on large ones)
+            if self.E_np is not None and xf.numel() > _NUMPY_EQUAL:
+                same = bool((xf.detach().numpy() == self.last_np).all())
+            else:
+                same = self.host and torch.equal(xf, self.last)
+            known = same
             if not same:
                 self.chain = self.chain & (xf == self.last).all(1)
         if self.budgeted and self.evals + 1 + self._need(self.p_min) > self.budget:
@@ -454,21 +464,26 @@ class Passes:
         self.p_min = code
 
     def _learn_numpy(self, xf: torch.Tensor, yf: torch.Tensor, same: bool) -> None:
-        """:meth:`_learn` on the host, on NumPy views (``E`` and ``P`` updated in place):
-        the same values, operator by operator."""
+        """:meth:`_learn` on the host, on NumPy views (``E`` and ``P`` updated in place): the
+        same values. The first differing position of each row by one ``argmax`` of the
+        comparison (NumPy stops at the first ``True``), the mask of the proven groups in the
+        narrowest integer type; the finiteness sums by torch (vectorised)."""
         xn, yn = xf.detach().numpy(), yf.detach().numpy()
-        gid_row, next_row = self.rows_np
-        if (same and self.last_finite) or math.isfinite(float(xn.sum())):
+        gid_row, next_flat = self.rows_np
+        if (same and self.last_finite) or math.isfinite(float(xf.sum())):
             fin = None
         else:
             fin = (xn - xn).sum(1) == 0
-        reach = np.where(xn != yn, next_row, self.G).min(1)
+        differ = xn != yn
+        first = differ.argmax(1)   # 0 where a row has no difference (and differ there is False)
+        reach = np.where(differ[np.arange(differ.shape[0]), first], next_flat[first], self.G)
         new = reach if fin is None else np.where(fin, reach, 0)
-        np.copyto(self.E_np, yn, where=gid_row < new[:, None])
+        np.copyto(self.E_np, yn, where=gid_row < new.astype(gid_row.dtype)[:, None])
         P = self.P_np
         np.maximum(P, new, out=P)
         self.last = yf.clone()
-        self.last_finite = math.isfinite(float(yn.sum()))
+        self.last_np = self.last.numpy()
+        self.last_finite = math.isfinite(float(yf.sum()))
         if not self.last_finite:   # a NaN/inf in h(x), or a sum that overflowed
             self._non_finite(yf, None if fin is None else torch.from_numpy(fin),
                              torch.from_numpy(reach))
