@@ -300,6 +300,11 @@ _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 _NUMPY_EQUAL = 4096   # values above which NumPy compares two host arrays faster than torch.equal
 
 
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a host tensor (the solve runs without a graph; detached if not)."""
+    return (t.detach() if t.requires_grad else t).numpy()
+
+
 def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The 0-d ``0`` and ``-1`` (int64) on ``device``, made once (read only, never written)."""
     k = _CONSTANTS.get(device)
@@ -397,7 +402,7 @@ class Passes:
         else:
             # on the host one comparison of the arrays (NumPy's, faster on large ones)
             if self.E_np is not None and xf.numel() > _NUMPY_EQUAL:
-                same = bool((xf.detach().numpy() == self.last_np).all())
+                same = bool((_host(xf) == self.last.numpy()).all())
             else:
                 same = self.host and torch.equal(xf, self.last)
             known = same
@@ -468,7 +473,7 @@ class Passes:
         same values. The first differing position of each row by one ``argmax`` of the
         comparison (NumPy stops at the first ``True``), the mask of the proven groups in the
         narrowest integer type; the finiteness sums by torch (vectorised)."""
-        xn, yn = xf.detach().numpy(), yf.detach().numpy()
+        xn, yn = _host(xf), _host(yf)
         gid_row, next_flat = self.rows_np
         if (same and self.last_finite) or math.isfinite(float(xf.sum())):
             fin = None
@@ -482,7 +487,6 @@ class Passes:
         P = self.P_np
         np.maximum(P, new, out=P)
         self.last = yf.clone()
-        self.last_np = self.last.numpy()
         self.last_finite = math.isfinite(float(yf.sum()))
         if not self.last_finite:   # a NaN/inf in h(x), or a sum that overflowed
             self._non_finite(yf, None if fin is None else torch.from_numpy(fin),
