@@ -14,6 +14,8 @@ and batch norm, in bf16 and fp16, under second-order autograd, torch.func and pi
    feature, for every method and tol.
 9. Never more passes than the library's loop, every method, with and without gradients.
 10. A random operation inside an autoregressive network (torch.randn_like) is named.
+11. The bookkeeping of the passes (the proof of exactness and the budget) is the same in its
+    host (NumPy, torch) and accelerator forms.
 """
 
 from __future__ import annotations
@@ -652,3 +654,95 @@ def test_a_random_operation_in_the_network_is_named(method):
         flow.eval()   # the noise is off: the library's result, bitwise
         want = flow().transform.inv(z)
         assert torch.equal(parallel_inverse(flow, z, method=method)[0], want)
+
+
+# -- 11. the pass bookkeeping: its host (NumPy, torch) and device forms agree ----------------------
+def _triangular(order: torch.Tensor, dtype, kind: str, seed: int = 0):
+    """``x -> tanh(W x + b) + y`` with ``W`` strictly triangular in ``order`` (ties: groups);
+    ``kind``: ``"nan"`` puts a NaN at sample 1, feature 3 whatever the input (the library's own
+    NaN), ``"overflow"`` an inf wherever a non-final input of the last group exceeds 0.5."""
+    g = torch.Generator().manual_seed(seed)
+    D = order.numel()
+    mask = (order[None, :] < order[:, None]).to(F64)
+    W = (torch.randn(D, D, generator=g, dtype=F64) * mask * 0.7).to(dtype)
+    b = torch.randn(D, generator=g, dtype=F64).to(dtype)
+
+    def make(y):
+        def h(x):
+            z = torch.tanh(x @ W.T + b) + y
+            if kind == "nan":
+                z = z.clone()
+                z[1, 3] = float("nan")
+            elif kind == "overflow":
+                z = torch.where((x.abs() > 0.5) & (order == order.max()),
+                                torch.full_like(z, float("inf")), z)
+            return z
+        return h
+    return make
+
+
+def _tracked_outcome(h, y, order, method, passes):
+    from paraprop.flows import core
+
+    cfg = core.settings(method, 0.0, None, False)
+    try:
+        r = core.tracked_solve(h, y, order, cfg, passes=passes, where="part")
+    except paraprop.NonFiniteError as e:
+        return ("NonFiniteError", str(e))
+    return (r.x, r.evaluations, r.why, r.exact, r.complete, r.fallback, r.groups)
+
+
+def _same_outcome(a, b) -> bool:
+    if isinstance(a[0], str) or isinstance(b[0], str):
+        return a == b
+    return torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_the_pass_bookkeeping_is_the_same_on_every_path(monkeypatch, dtype):
+    """Passes keeps its proof on the host in NumPy (float32/64/16), else in torch operators
+    (bfloat16; every accelerator): the same passes, stops, values and errors either way, for
+    Jacobi (whose iterate is the last pass's output), methods whose iterate is not, tied
+    groups, a budget below D, the library's own NaN, an overflow in a non-final iterate, and an
+    array large enough for the host's NumPy comparison of iterates."""
+    from paraprop.flows import core
+
+    calls = {"numpy": 0}
+    learn_numpy = core.Passes._learn_numpy
+
+    def counted(self, *a):
+        calls["numpy"] += 1
+        return learn_numpy(self, *a)
+
+    init = core.Passes.__init__
+
+    def on_device(self, *a, **k):   # the accelerators' form of the bookkeeping, on the host
+        init(self, *a, **k)
+        self.host = False
+
+    cases = []
+    for (N, D), methods, kinds in (((3, 7), ("jacobi", "jacobi_gs", "anderson"),
+                                    ("plain", "nan", "overflow")),
+                                   ((70, 64), ("jacobi",), ("plain",))):
+        g = torch.Generator().manual_seed(D)
+        for ties in (False, True):
+            order = torch.randperm(D, generator=g) // (2 if ties else 1)
+            G = int(order.unique().numel())
+            y = torch.randn(N, D, generator=g).to(dtype)
+            for kind in kinds:
+                make = _triangular(order, dtype, kind)
+                for method in methods:
+                    for passes in {D, max(G, D - 2)}:
+                        cases.append((make(y), y, order, method, passes))
+    with torch.no_grad():
+        monkeypatch.setattr(core.Passes, "_learn_numpy", counted)
+        host = [_tracked_outcome(*c) for c in cases]
+        assert (calls["numpy"] > 0) == (dtype != torch.bfloat16)
+        monkeypatch.setattr(core, "_NUMPY_DTYPES", ())
+        torch_host = [_tracked_outcome(*c) for c in cases]
+        monkeypatch.setattr(core.Passes, "__init__", on_device)
+        device = [_tracked_outcome(*c) for c in cases]
+    kinds_seen = {type(o[0]) for o in host}
+    assert kinds_seen == {str, torch.Tensor}   # errors and values both exercised
+    for a, b, c in zip(host, torch_host, device, strict=True):
+        assert _same_outcome(a, b) and _same_outcome(a, c)
