@@ -192,6 +192,42 @@ def test_the_picard_fixed_point_is_the_sequential_trajectory_bitwise(dtype, devi
         assert not torch.equal(cumsum_form, X)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_gains_are_those_of_every_observation(dtype, device):
+    """The chain folds its gain observations many at a time (when read, or when its buffer is
+    full): the gains are bitwise those of taking each observation's ratio as it comes, over
+    full, partial and single-step windows, reads in between and more calls than the buffer."""
+    from paraprop.diffusion.chain import NOISE_ULPS, OBSERVATIONS_KEPT, observe_level
+
+    B, N, shape = 3, 12, (3, 2)
+    table = step_table(DDPMScheduler(clip_sample=False), N)
+    noise = draw_noise(table, shape, generator=gen(1), dtype=dtype, device=device)
+    chain = DiffusionChain(Eps().to(device, dtype), table, noise[0], noise[1:])
+    chain.track_gains = True
+    f64 = torch.float64
+    want = torch.full((B, N), math.nan, dtype=f64, device=device)
+    last = torch.full((2, B, N, 2), math.nan, dtype=dtype, device=device)
+    g = gen(2)
+    windows = [(0, N), (3, 9), (0, 1), (5, N), (0, N)] * 4 + [(2, 7)] * (OBSERVATIONS_KEPT + 2)
+    for k, (a, b) in enumerate(windows):
+        xin = torch.randn(B, b - a, 2, generator=g).to(device, dtype) * (1 + k % 3)
+        if k % 5 == 4:   # (an input that did not move: no ratio)
+            xin[0] = last[0, 0, a:b]
+        nxt = chain.steps(xin, a, b)
+        w = torch.float32 if dtype == torch.bfloat16 else dtype
+        din, dout = ((v.to(w) - u.to(w)).abs().amax(2).to(f64)
+                     for v, u in ((xin, last[0, :, a:b]), (nxt, last[1, :, a:b])))
+        level = observe_level(dtype) * xin.to(w).abs().amax(2).to(f64).clamp(min=1)
+        noise_ = NOISE_ULPS * torch.finfo(dtype).eps * nxt.to(w).abs().amax(2).to(f64).clamp(min=1)
+        ratio = torch.where(din > level, (dout - noise_).clamp(min=0) / din, math.nan)
+        want[:, a:b] = torch.fmax(want[:, a:b], ratio)
+        last[0, :, a:b], last[1, :, a:b] = xin, nxt
+        if k in (3, 11):   # a read in between folds what is pending
+            assert torch.equal(chain.gain.view(torch.int64), want.view(torch.int64))
+    assert bool(want.isfinite().all())   # (every step observed, with inputs that moved)
+    assert torch.equal(chain.gain.view(torch.int64), want.view(torch.int64))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_noise_is_drawn_on_the_generator_device_and_moved(dtype, device):
     """A CPU generator gives the same noise wherever the sample lives (as diffusers'
