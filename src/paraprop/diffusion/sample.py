@@ -19,8 +19,9 @@ from paraprop.diffusion.chain import (
     nonfinite_error,
 )
 from paraprop.diffusion.schedulers import scheduler_kind, step_table
+from paraprop.driver import Outcome, build
 from paraprop.errors import NonFiniteError
-from paraprop.result import Solution, ensure_converged
+from paraprop.result import Result, Solution, ensure_converged
 from paraprop.solve import solve
 from paraprop.solvers import Jacobi, Sequential, SlidingJacobi, TriangularAnderson, is_solver
 
@@ -197,25 +198,28 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
     if converged:
         certificate = "bitwise" if bool(bitwise.all()) else "estimate"
     stats = {
-        "model_calls": chain.model_calls, "sequential_steps": chain.model_calls,
+        "model_calls": chain.model_calls,
         "model_evaluations": chain.model_rows // B, "max_rows": chain.max_rows,
-        "steps": N, "bound": N, "T": N, "split": split, "passes": run.passes,
-        "fallback_steps": run.fallback_steps, "positions": run.positions,
+        "steps": N, "T": N, "split": split, "passes": run.passes,
+        "fallback_steps": run.fallback_steps,
         "sample_iterations": run.per_sample,
         "window": _window_of(solver, N),
         "certificate": certificate,
         "bitwise": bitwise.cpu(),
-        "error_estimate": float(estimate.max()) if converged else float("inf"),
         "rounding_floor": run.floor, "tol_resolvable": run.tol_resolvable,
         "loop_bitwise": run.loop_bitwise,
-        "time_s": time.perf_counter() - start,
     }
     if reason is not None:
         stats["reason"] = reason
     residuals = torch.cat(run.residuals) if run.residuals else torch.zeros(0, dtype=torch.float64)
-    sol = Solution(value=traj, method=name, iterations=chain.model_calls,
-                   evaluations=chain.model_calls, converged=converged, residuals=residuals,
-                   stats=stats)
+    result = (Result.successful if converged else Result.not_certified if reason is not None
+              else Result.max_iters_reached)
+    out = Outcome(traj, result, evaluations=chain.model_calls, positions=run.positions,
+                  sequential_steps=chain.model_calls, bound=N,
+                  error_estimate=float(estimate.max()) if converged else float("inf"),
+                  stats=stats)
+    sol = build(name, out, iterations=chain.model_calls, residuals=residuals,
+                time_s=time.perf_counter() - start)
     sol = ensure_converged(sol, throw, entry="diffusion.sample", max_iters=max_iters, tol=tol,
                            hint=reason or "")
     return traj[:, -1], sol
