@@ -1,6 +1,8 @@
 """paraprop.driver: one loop for every iterative method, and the one place a Solution is built."""
 
+import ast
 import importlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +11,8 @@ from torch import nn
 import paraprop
 from paraprop import Result, driver
 from paraprop.driver import COUNTERS, Outcome, build, run
+
+SRC = Path(paraprop.__file__).parent
 
 # every iterative entry point: (module whose `run` it calls, a call of it)
 ENTRY_POINTS = {
@@ -45,6 +49,17 @@ def test_every_iterative_entry_point_runs_through_the_driver(module, monkeypatch
     assert len(seen) == 1 and sol.method == seen[0]
     assert set(COUNTERS) <= set(sol.stats) and sol.stats["time_s"] > 0
     assert isinstance(sol.result, Result)
+
+
+def test_solution_is_built_only_by_the_driver():
+    # no module of the library calls Solution(...) except paraprop/driver.py
+    calls = []
+    for path in sorted(SRC.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Solution":
+                calls.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    assert [c.split(":")[0] for c in calls] == ["driver.py"], calls
 
 
 class _Count:

@@ -46,9 +46,10 @@ from torch import nn
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
 from paraprop.determinism import refuse_random_draws, require_deterministic
+from paraprop.driver import Outcome, build
 from paraprop.errors import ConvergenceError, NonFiniteError, StochasticModelError
 from paraprop.first_order import refuse_second_order
-from paraprop.result import Solution
+from paraprop.result import Result, Solution
 from paraprop.solve import solve
 from paraprop.solvers import METHODS, NEWTON_METHODS, make_solver
 
@@ -157,16 +158,16 @@ class Run:
         if self.sol is not None:
             return dataclasses.replace(self.sol, value=value, evaluations=total,
                                        stats={**self.sol.stats, **common})
-        stats = {"positions": total * self.D, "bound": self.groups, "T": self.D,
-                 "error_estimate": 0.0 if self.exact else float("inf"),
-                 "verification": "exact prefix" if self.exact else "none",
-                 "time_s": self.time_s, **common}
-        if not self.exact:
-            stats["not_converged"] = (f"max_iters={self.cap} ended the passes before every "
-                                      "feature was proven exact")
-        return Solution(value=value, method=self.method, iterations=self.evaluations,
-                        evaluations=total, converged=self.exact,
-                        residuals=torch.empty(0, dtype=torch.float64), stats=stats)
+        common.pop("sequential_steps")
+        out = Outcome(
+            value, Result.successful if self.exact else Result.max_iters_reached,
+            evaluations=total, positions=total * self.D, sequential_steps=total,
+            bound=self.groups, error_estimate=0.0 if self.exact else float("inf"),
+            stats={"T": self.D, "verification": "exact prefix" if self.exact else "none",
+                   **common},
+            reason=None if self.exact else (f"max_iters={self.cap} ended the passes before "
+                                            "every feature was proven exact"))
+        return build(self.method, out, iterations=self.evaluations, time_s=self.time_s)
 
 
 def _groups(keys: torch.Tensor) -> torch.Tensor:
@@ -613,20 +614,20 @@ def _neumann(v: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor],
 
 def combine(parts: list[Solution], method: str, value: torch.Tensor, time_s: float) -> Solution:
     """One Solution for solves run one after another (e.g. the transforms of a flow)."""
-    return Solution(
-        value=value, method=method,
-        iterations=sum(p.iterations for p in parts),
+    residuals = torch.cat([p.residuals for p in parts]) if parts \
+        else torch.empty(0, dtype=torch.float64)
+    out = Outcome(
+        value, next((p.result for p in parts if not p.converged), Result.successful),
         evaluations=sum(p.evaluations for p in parts),
-        converged=all(p.converged for p in parts),
-        residuals=torch.cat([p.residuals for p in parts]) if parts
-        else torch.empty(0, dtype=torch.float64),
-        stats={"parts": parts, "positions": sum(p.stats.get("positions", 0) for p in parts),
-               "error_estimate": sum(p.stats.get("error_estimate", 0.0) for p in parts),
-               "time_s": time_s,
-               # why a part could not certify, where that is not max_iters (its solve's words)
-               **next(({"not_converged": f"part {k}: {p.stats['not_converged']}"}
-                       for k, p in enumerate(parts)
-                       if not p.converged and p.stats.get("not_converged")), {})})
+        positions=sum(p.stats.get("positions") or 0 for p in parts),
+        sequential_steps=sum(p.stats.get("sequential_steps") or 0 for p in parts),
+        error_estimate=sum(p.stats.get("error_estimate") or 0.0 for p in parts),
+        stats={"parts": parts},
+        # why a part could not certify, where that is not max_iters (its solve's words)
+        reason=next((f"part {k}: {p.stats['not_converged']}" for k, p in enumerate(parts)
+                     if not p.converged and p.stats.get("not_converged")), None))
+    return build(method, out, iterations=sum(p.iterations for p in parts),
+                 residuals=residuals, time_s=time_s)
 
 
 # -- argument checks ---------------------------------------------------------------------------
