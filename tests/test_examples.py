@@ -31,23 +31,42 @@ CASES = {
 }
 
 
-def run_example(script: str) -> str:
+# further runs of a script with options (each also at its --smoke size)
+VARIANTS = [("gru_classifier.py", ("--cell", "lstm"))]
+
+
+def run_example(script: str, *options: str) -> str:
     launcher, _ = CASES[script]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([*launcher, str(EXAMPLES / script), "--smoke"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (f"{script} --smoke exited {proc.returncode}\n"
-                                  f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}")
+    proc = subprocess.run([*launcher, str(EXAMPLES / script), "--smoke", *options], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (f"{script} --smoke {' '.join(options)} exited "
+                                  f"{proc.returncode}\nstdout:\n{proc.stdout}\n"
+                                  f"stderr:\n{proc.stderr[-4000:]}")
     return proc.stdout
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", sorted(CASES))
-def test_example_smoke(script):
-    out = run_example(script)
+@pytest.mark.parametrize(("script", "options"), [(s, ()) for s in sorted(CASES)] + VARIANTS,
+                         ids=lambda v: " ".join(v) if isinstance(v, tuple) else v)
+def test_example_smoke(script, options):
+    out = run_example(script, *options)
     lines = out.strip().splitlines()
     assert lines, f"{script} printed nothing"
     assert re.search(CASES[script][1], lines[-1]), f"{script}: unexpected last line\n{out}"
+    if "--cell" in options:  # the run used the cell it was asked for
+        cell = options[options.index("--cell") + 1]
+        assert re.search(rf"^{cell.upper()}, T=", out, flags=re.M), out
+
+
+def test_lstm_run_uses_the_lstm_drop_in():
+    """``--cell lstm`` swaps torch.nn.LSTM for paraprop.nn.LSTM (the smoke run checks the
+    gradients); the README says so."""
+    source = (EXAMPLES / "gru_classifier.py").read_text()
+    assert re.search(r'"lstm": \(nn\.LSTM, paraprop\.nn\.LSTM\)', source)
+    readme = (EXAMPLES / "README.md").read_text()
+    assert "--cell lstm" in readme and "paraprop.nn.LSTM" in readme
+    assert "no LSTM" not in readme
 
 
 def test_every_example_is_tested_and_listed():
