@@ -1,6 +1,6 @@
 """Griffe extension (see mkdocs.yml): reads paraprop's docstring conventions as Google style.
 
-- ``Example:`` (the house heading, DESIGN.md) is read as ``Examples:``, so the doctest lines
+- ``Example:`` (the house heading of the docstrings) is read as ``Examples:``, so the doctest lines
   render as code.
 - ``a, b: text`` in an ``Arguments:`` (or ``Attributes:``) section documents ``a`` and ``b``
   together; it is read as one entry per name with the same text, so every parameter name is
