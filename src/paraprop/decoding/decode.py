@@ -444,12 +444,14 @@ class _TokenMap:
         first_only = a == 0 and b == 1
         tok, parts = self.pipe.decide_parts(logits, lm.tokens, a, u, scale=scale,
                                             margins=not first_only)
-        new = logits.gather(-1, idx).to(torch.float64)
+        new = logits.gather(-1, idx)
         top = logits.topk(idx.shape[-1], dim=-1)
+        top_val = top.values
+        if logits.dtype not in _NUMPY:         # 16-bit logits: float64 for the host (exact)
+            new, top_val = new.to(torch.float64), top_val.to(torch.float64)
         self.tok[:, a:b] = tok if valid_d is None else torch.where(valid_d, self.tok[:, a:b],
                                                                     tok)
-        self.pending = (a, valid, [tok, scale, new, top.values.to(torch.float64), top.indices,
-                                   *(parts or [])])
+        self.pending = (a, valid, [tok, scale, new, top_val, top.indices, *(parts or [])])
 
     def _settle(self, a: int, valid: np.ndarray, tok, scale, new, top_val, top_idx,
                 *parts) -> None:
@@ -459,6 +461,7 @@ class _TokenMap:
         position computed again with the same prefix keeps its first decision and the smaller
         margin; another decision is a near-tie)."""
         b = a + valid.shape[1]
+        new, top_val = new.astype(np.float64, copy=False), top_val.astype(np.float64, copy=False)
         if parts:
             ratio, cause = self.pipe.ratios(list(parts))
         else:       # position 0 alone, from the prefill

@@ -11,8 +11,9 @@ keywords ``attention_mask`` and ``position_ids`` are passed when the forward acc
 length, head_dim)``, by slicing.
 
 :class:`CachedLM` keeps one cache for a batch of sequences and remembers which tokens its
-entries were computed from, so a request for the logits of positions ``[a, b)`` reuses exactly
-the entries that are still valid and recomputes the rest.
+entries were computed from (or leaves that to its caller, ``track=False``, who passes the valid
+length), so a request for the logits of positions ``[a, b)`` reuses exactly the entries that are
+still valid and recomputes the rest.
 """
 
 from __future__ import annotations
