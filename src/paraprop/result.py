@@ -25,7 +25,17 @@ class Result(enum.Enum):
     ``result is Result.successful``; the other codes say why the value is not certified.
     (Failures that no value survives raise instead, whatever ``throw`` says:
     :class:`~paraprop.NonFiniteError`, :class:`~paraprop.NotTriangularError`,
-    :class:`~paraprop.StochasticModelError`, :class:`~paraprop.ProtocolError`.)"""
+    :class:`~paraprop.StochasticModelError`, :class:`~paraprop.ProtocolError`.)
+
+    Example:
+        >>> W = torch.randn(6, 6).tril(-1)
+        >>> fn = lambda x: torch.tanh(x @ W.T + 1)
+        >>> paraprop.solve(fn, torch.zeros(6), method="jacobi").result
+        <Result.successful: "within the method's stated bound of the sequential result">
+        >>> sol = paraprop.solve(fn, torch.zeros(6), method="jacobi", max_iters=2, throw=False)
+        >>> sol.result is paraprop.Result.max_iters_reached, sol.converged
+        (True, False)
+    """
 
     successful = "within the method's stated bound of the sequential result"
     max_iters_reached = "max_iters ended the run before the stopping rule certified the value"
@@ -65,6 +75,15 @@ class Solution:
     The constructor takes ``result``, or for the entry points not yet ported to codes the
     boolean ``converged`` (``False`` reads as ``unchecked`` when ``stats["checked"]`` is
     ``False``, else ``max_iters_reached``); both at once must agree.
+
+    Example:
+        >>> W = torch.randn(6, 6).tril(-1)
+        >>> sol = paraprop.solve(lambda x: torch.tanh(x @ W.T + 1), torch.zeros(6),
+        ...                      method="jacobi", tol=0)
+        >>> sol.converged, sol.method, sol.iterations <= 6, sol.value.shape
+        (True, 'jacobi', True, torch.Size([6]))
+        >>> sol.message
+        "within the method's stated bound of the sequential result"
     """
 
     value: torch.Tensor
@@ -127,6 +146,15 @@ def ensure_converged(solution: Solution, throw: bool, *, entry: str, max_iters,
         reason: why the result is not certified, where that is not ``max_iters`` (e.g. a
             ``tol=0`` value that differs from ``fn(x)`` by rounding); it replaces the
             "within max_iters" wording.
+
+    Example:
+        >>> sol = paraprop.Solution(torch.zeros(3), "jacobi", iterations=2, evaluations=2,
+        ...                         result=paraprop.Result.max_iters_reached)
+        >>> paraprop.result.ensure_converged(sol, False, entry="mine", max_iters=2, tol=0) is sol
+        True
+        >>> paraprop.result.ensure_converged(sol, True, entry="mine", max_iters=2, tol=0)
+        Traceback (most recent call last):
+        paraprop.errors.ConvergenceError: mine: method='jacobi' did not converge within ...
     """
     if solution.converged or not throw:
         return solution
