@@ -26,14 +26,29 @@ NEWTON_METHODS = ("newton", "quasi_newton", "elk", "quasi_elk")
 
 
 def is_solver(obj) -> bool:
-    """Whether ``obj`` follows the solver protocol (``name``, ``bound``, ``init``, ``step``)."""
+    """Whether ``obj`` follows the solver protocol (``name``, ``bound``, ``init``, ``step``).
+
+    Example:
+        >>> is_solver(Jacobi()), is_solver(Jacobi), is_solver("jacobi")
+        (True, False, False)
+    """
     return not isinstance(obj, type) and isinstance(getattr(obj, "name", None), str) and \
         all(callable(getattr(obj, a, None)) for a in ("bound", "init", "step"))
 
 
 def make_solver(method, *, argument: str = "method", names=METHODS):
     """The solver object for ``method``: a name from ``names`` (defaults apply) or an object
-    following the solver protocol (returned as is)."""
+    following the solver protocol (returned as is).
+
+    Example:
+        >>> make_solver("jacobi_gs")
+        JacobiGS(block_size=None)
+        >>> make_solver(ELK(damping=1e-3), names=NEWTON_METHODS)
+        ELK(damping=0.001)
+        >>> make_solver("newton", names=("jacobi",))
+        Traceback (most recent call last):
+        ValueError: unknown method='newton'; choose one of jacobi, or pass a solver object ...
+    """
     if isinstance(method, str):
         if method not in names:
             raise ValueError(f"unknown {argument}={method!r}; choose one of {', '.join(names)}, "

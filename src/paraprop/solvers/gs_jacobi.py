@@ -36,6 +36,14 @@ class GSJacobi:
 
     Arguments:
         block_size: positions per block; ``None``: ``ceil(sqrt(T))``.
+
+    Example:
+        >>> W = 0.5 * torch.randn(8, 8).tril(-1)
+        >>> fn = lambda x: torch.tanh(x @ W.T + 1)
+        >>> ref = paraprop.solve(fn, torch.zeros(8), method="sequential")
+        >>> sol = paraprop.solve(fn, torch.zeros(8), method=paraprop.solvers.GSJacobi(4), tol=0)
+        >>> sol.converged, torch.equal(sol.value, ref.value)    # tol=0: bitwise
+        (True, True)
     """
 
     name = "gs_jacobi"

@@ -67,6 +67,14 @@ class JacobiGS:
             least loaded thread. Default: round-robin.
         intra_op_threads: PyTorch threads inside each worker thread (default 1: the workers are
             the parallelism).
+
+    Example:
+        >>> W = 0.5 * torch.randn(8, 8).tril(-1)
+        >>> fn = lambda x: torch.tanh(x @ W.T + 1)
+        >>> ref = paraprop.solve(fn, torch.zeros(8), method="sequential")
+        >>> sol = paraprop.solve(fn, torch.zeros(8), method=paraprop.solvers.JacobiGS(2), tol=0)
+        >>> sol.iterations <= 4, torch.equal(sol.value, ref.value)   # <= ceil(8 / 2) sweeps
+        (True, True)
     """
 
     name = "jacobi_gs"

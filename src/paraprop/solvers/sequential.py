@@ -21,6 +21,13 @@ class Sequential:
     This is how a feedforward computation is normally run: ``T`` dependent steps, each one call of
     ``fn`` (or of ``fn.update(x, [t])`` when ``fn`` provides it). Every other method returns this
     result. It has no stopping rule: all ``T`` steps are always taken.
+
+    Example:
+        >>> W = torch.randn(6, 6).tril(-1)
+        >>> sol = paraprop.solve(lambda x: torch.tanh(x @ W.T + 1), torch.zeros(6),
+        ...                      method=paraprop.solvers.Sequential())
+        >>> sol.iterations, sol.evaluations, sol.converged
+        (6, 6, True)
     """
 
     name = "sequential"
