@@ -38,9 +38,14 @@ class Factored:
             ``K / H`` times). With both ``None``, ``K`` must be a multiple of ``H``.
         diag: ``(..., T, H)`` per-step diagonal ``d_t``, or ``None`` (zero).
 
-    Example (the transposed Jacobians of a tanh RNN, BPPSA):
-        >>> W = torch.randn(20, 20); h = torch.tanh(torch.randn(16, 100, 20))
-        >>> A = Factored(scale=1 - h**2, left=W.T)            # J_t^T = W^T diag(1 - h_t^2)
+    Example:
+        >>> W, h = 0.3 * torch.randn(8, 8), torch.tanh(torch.randn(2, 10, 8))
+        >>> A = Factored(scale=1 - h**2, left=W.T)    # a tanh RNN's J_t^T = W^T diag(1 - h_t^2)
+        >>> b = torch.randn(2, 10, 8)
+        >>> dense = W.T * (1 - h**2)[..., None, :]    # the same matrices, (2, 10, 8, 8)
+        >>> g = paraprop.scan.linear_recurrence(A, b)
+        >>> torch.allclose(g, paraprop.scan.linear_recurrence(dense, b), atol=1e-5)
+        True
     """
 
     scale: torch.Tensor
@@ -74,11 +79,17 @@ class LSTMFactored:
         weight: ``(4H, H)``, ``W_hh`` (shared by all steps).
         transposed: the transposes ``A_t^T`` (back-propagation) instead of ``A_t`` (Newton).
 
-    Example (the transposed Jacobians of an LSTM with hidden size 8):
-        >>> W = torch.randn(32, 8); T = 100
-        >>> A = LSTMFactored(scale=torch.rand(4, T, 32), forget=torch.rand(4, T, 8),
-        ...                  output=torch.rand(4, T, 8), weight=W, transposed=True)
-        >>> g = paraprop.scan.linear_recurrence(A, torch.randn(4, T, 16), reverse=True)
+    Example:
+        >>> W, T = 0.3 * torch.randn(32, 8), 10     # an LSTM with hidden size 8: states [h; c]
+        >>> A = LSTMFactored(scale=torch.rand(2, T, 32), forget=torch.rand(2, T, 8),
+        ...                  output=torch.rand(2, T, 8), weight=W, transposed=True)
+        >>> x = torch.randn(2, T, 16)
+        >>> g = paraprop.scan.linear_recurrence(A, x, reverse=True)    # back-propagation
+        >>> g.shape
+        torch.Size([2, 10, 16])
+        >>> torch.allclose(g, paraprop.scan.linear_recurrence(A, x, reverse=True,
+        ...                                                   algorithm="blelloch"), atol=1e-5)
+        True
     """
 
     scale: torch.Tensor
