@@ -31,7 +31,13 @@ __all__ = ["UnsupportedModuleError", "as_recurrence", "register_converter"]
 
 
 class UnsupportedModuleError(TypeError):
-    """A module that cannot be turned into states of a recurrence (the message says why)."""
+    """A module that cannot be turned into states of a recurrence (the message says why).
+
+    Example:
+        >>> paraprop.networks.as_recurrence(nn.LSTM(3, 3))
+        Traceback (most recent call last):
+        paraprop.networks.convert.UnsupportedModuleError: cannot turn the model (LSTM) into ...
+    """
 
 
 _CONVERTERS: dict[type, Callable[[nn.Module], list[Step]]] = {}

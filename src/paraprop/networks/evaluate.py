@@ -57,7 +57,13 @@ def top5_changes(output: torch.Tensor, reference: torch.Tensor, k: int = 5) -> i
 
 
 def max_abs(output: torch.Tensor, reference: torch.Tensor) -> float:
-    """Largest absolute difference between ``output`` and ``reference``."""
+    """Largest absolute difference between ``output`` and ``reference`` (a ``metric`` of
+    :func:`evaluate`).
+
+    Example:
+        >>> max_abs(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
+        0.5
+    """
     return float((output - reference).abs().max())
 
 
@@ -192,8 +198,8 @@ def evaluate(
             turned into a recurrence (:class:`~paraprop.networks.UnsupportedModuleError`), an
             output that the metric cannot rank; the errors of :func:`paraprop.solve`.
 
-    Example (a small DenseNet; ``densenet121(num_classes=10)`` works the same, more slowly):
-        >>> import torchvision
+    Example:
+        >>> import torchvision        # a small DenseNet; densenet121() works the same, slower
         >>> net = torchvision.models.DenseNet(growth_rate=8, block_config=(2, 2, 2, 2),
         ...                                   num_init_features=16, num_classes=10).eval()
         >>> x = torch.randn(4, 3, 32, 32)

@@ -37,6 +37,11 @@ class Step:
             tensor), ``"list"`` (a list of tensors, as torchvision's dense layers take them) or
             ``"cat"`` (concatenated along dim 1, the channels).
         clone_input: copy the input first, because ``module`` changes it in place.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> [(s.name, s.inputs) for s in paraprop.networks.as_recurrence(net).steps]
+        [('0..1', (-1,)), ('2', (0,))]
     """
 
     name: str
@@ -198,8 +203,8 @@ class LayerSystem:
         TypeError: a state that is not floating point, or whose dtype differs from the first
             state's, or that lost the batch dim (the step is named).
 
-    Example (a small DenseNet; ``densenet121(num_classes=10)`` works the same, more slowly):
-        >>> import torchvision
+    Example:
+        >>> import torchvision        # a small DenseNet; densenet121() works the same, slower
         >>> net = torchvision.models.DenseNet(growth_rate=8, block_config=(2, 2, 2, 2),
         ...                                   num_init_features=16, num_classes=10).eval()
         >>> system = paraprop.networks.as_recurrence(net).bind(torch.randn(2, 3, 32, 32))
