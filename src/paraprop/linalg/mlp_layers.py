@@ -33,6 +33,16 @@ class ActivationPoints:
             after any leading activations).
         pre: ``pre[k] = y_k``, the output of Linear ``k`` (the activation points).
         output: the model's output ``z_l``.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        >>> x = torch.randn(5, 3)
+        >>> pts = paraprop.linalg.activation_points(net, x)
+        >>> y0 = net[0](x)
+        >>> torch.equal(pts.pre[0], y0), torch.equal(pts.inputs[1], torch.tanh(y0))
+        (True, True)
+        >>> torch.equal(pts.output, net(x))
+        True
     """
 
     x: torch.Tensor

@@ -42,6 +42,16 @@ class MLPSystems:
             (``None`` unless ``grad_output`` was given).
         derivatives: ``f_k'(y_k)`` per layer ``(B, n_k)`` (``None`` for a layer without
             activation).
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+        >>> x = torch.randn(5, 3, dtype=torch.float64)
+        >>> S = from_mlp(net, x, grad_output=torch.ones(5, 2, dtype=torch.float64))
+        >>> u = paraprop.linalg.solve(S.backward, S.backward_rhs).value   # u_k = dL/dy_k
+        >>> y0 = net[0](x).detach().requires_grad_()                      # autograd's u_0
+        >>> net[2](torch.tanh(y0)).sum().backward()
+        >>> torch.allclose(S.backward.split(u)[0], y0.grad)
+        True
     """
 
     points: ActivationPoints
@@ -71,11 +81,11 @@ def from_mlp(model: nn.Sequential, x: torch.Tensor, *, grad_output: torch.Tensor
         TypeError / ValueError: unsupported modules, shapes, dtypes or devices, a non-finite
             ``x`` or ``grad_output`` (named).
 
-    Example (Naumov 2017, eq. 13-14):
+    Example:
         >>> net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
         >>> x = torch.randn(5, 3, dtype=torch.float64)
         >>> S = from_mlp(net, x, grad_output=torch.ones(5, 2, dtype=torch.float64))
-        >>> z = paraprop.linalg.solve(S.forward, S.forward_rhs).value
+        >>> z = paraprop.linalg.solve(S.forward, S.forward_rhs).value   # Naumov 2017, eq. 13
         >>> torch.allclose(S.forward.split(z)[-1], net(x))
         True
     """

@@ -47,6 +47,13 @@ class RNNSystems:
             right-hand side (``None`` without gradients).
         hidden: ``(tau, K, B, n)`` hidden states of the pass; ``pre``: the pre-activations.
         output, h_n: as returned by ``rnn(x, h0)``.
+
+    Example:
+        >>> rnn = nn.RNN(3, 4, num_layers=2).double()             # K = 2 layers, n = 4
+        >>> S = from_rnn(rnn, torch.randn(6, 2, 3, dtype=torch.float64))  # tau = 6, B = 2
+        >>> h = paraprop.linalg.solve(S.forward, S.forward_rhs).value     # (B, tau * K * n)
+        >>> torch.allclose(h.view(2, 6, 2, 4), S.hidden.permute(2, 0, 1, 3))
+        True
     """
 
     forward: BlockBidiagonal
