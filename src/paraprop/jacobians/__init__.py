@@ -38,7 +38,16 @@ def _pair(v) -> tuple[int, int]:
 
 def pattern_of(layer: nn.Module, x: torch.Tensor) -> tuple[patterns.Pattern, tuple[int, ...]]:
     """The cached CSR pattern of ``layer``'s transposed Jacobian at inputs shaped like ``x``,
-    and the output shape (one sample)."""
+    and the output shape (one sample).
+
+    Example:
+        >>> conv, x = nn.Conv2d(1, 2, 3), torch.randn(1, 5, 5)
+        >>> pattern, out_shape = pattern_of(conv, x)
+        >>> pattern.shape, out_shape            # J^T is (x.numel(), conv(x).numel())
+        ((25, 18), (2, 3, 3))
+        >>> pattern_of(conv, x)[0] is pattern   # cached per layer configuration
+        True
+    """
     _check(layer, x)
     if isinstance(layer, nn.Conv2d):
         pad = layer.padding

@@ -35,7 +35,14 @@ def _nnz(t: torch.Tensor) -> int:
 
 
 def combine_flops(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Multiply-adds x2 of ``b @ a`` (sparse or dense, ``a`` a matrix or a vector)."""
+    """Multiply-adds x2 of ``b @ a`` (sparse or dense, ``a`` a matrix or a vector).
+
+    Example:
+        >>> combine_flops(torch.randn(3, 4), torch.randn(2, 3))   # 2 * (2 * 3) * 4
+        48
+        >>> combine_flops(torch.randn(3), torch.randn(2, 3))      # a matrix-vector product
+        12
+    """
     if a.dim() == 1:
         return 2 * _nnz(b)
     if b.layout == torch.sparse_csr and a.layout == torch.sparse_csr:
@@ -68,7 +75,14 @@ def _critical(steps: list[dict], key: str | None) -> int:
 def record(layers: Sequence[nn.Module], x: torch.Tensor) -> tuple[list[torch.Tensor],
                                                                    torch.Tensor]:
     """Run a chain on one sample (each layer sees ``a[None]``, a batch of one) and return the
-    input of every layer and the output."""
+    input of every layer and the output.
+
+    Example:
+        >>> layers = [nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)]
+        >>> acts, out = record(layers, torch.randn(4))
+        >>> [tuple(a.shape) for a in acts], tuple(out.shape)
+        ([(4,), (3,), (3,)], (2,))
+    """
     acts, h = [], x
     with torch.no_grad():
         for layer in layers:
@@ -168,6 +182,12 @@ def analyze(layers: Sequence[nn.Module], activations: Sequence[torch.Tensor], *,
     ``Solution.stats``); a BP operator costs ``2 nnz(J_i^T)`` (its VJP as a sparse
     matrix-vector product) and, for convolutions and linear layers, also its dense FLOPs
     (``drop_zero_weights`` as in :func:`backward`).
+
+    Example:
+        >>> layers = [nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)]
+        >>> report = analyze(layers, record(layers, torch.randn(4))[0])
+        >>> [b["nnz"] for b in report["bp"]], report["bp_total_flops"]   # J^T: 4x3, 3x3 diag, 3x2
+        ([12, 3, 6], 42)
     """
     start = time.perf_counter()
     with torch.no_grad():
