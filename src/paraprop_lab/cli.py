@@ -9,6 +9,8 @@ Other exceptions are bugs and keep their traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,8 +21,9 @@ import paraprop
 from paraprop.errors import ConvergenceError, NonFiniteError
 from paraprop.optim.errors import FusionError
 from paraprop_lab import bench, demos, training
-from paraprop_lab.experiments.harness import machine_info
+from paraprop_lab.experiments.harness import machine_info, threads
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results
+from paraprop_lab.progress import Heartbeat, lines_to, seconds
 from paraprop_lab.training._common import check_out_dir, check_out_file
 
 # Exceptions that report a user error (bad arguments, files or data): one line, exit status 2.
@@ -28,31 +31,116 @@ USER_ERRORS = (ValueError, TypeError, OSError, ConvergenceError, NonFiniteError,
 
 
 def _cmd_demo(args) -> int:
+    if args.quick and args.full:
+        raise ValueError("--quick and --full exclude each other: --quick is a smoke run at tiny "
+                         "sizes, --full the long version that trains every model")
+    mode = "quick" if args.quick else "full" if args.full else "default"
     out = _out_dir(args.out)
+    parts = demos.parts()
+    n, note = demo_threads(os.environ, _load_average(), os.cpu_count() or 1,
+                           torch.get_num_threads())
+    beat = Heartbeat(sys.stdout)
+    with contextlib.redirect_stdout(beat.wrap()), threads(n):
+        with lines_to(sys.stdout), beat:
+            return _demo_parts(parts, mode, out, beat, note)
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on this platform
+        return None
+
+
+def demo_threads(environ, load: float | None, cores: int, current: int) -> tuple[int, str]:
+    """The intra-op threads the demo times with, and a note when it takes fewer than
+    ``current``: one per core that other jobs leave free (by the 1-minute load average), at
+    least one. Under load a multi-threaded kernel waits at every parallel region for a thread
+    that another job has descheduled, so 2-thread timings of small operators stall by 10-50x on
+    2 busy cores; the baseline and the method always run with the same threads. An explicit
+    ``OMP_NUM_THREADS`` is kept as it is.
+
+    Example:
+        >>> demo_threads({}, 3.2, 2, 2)[0], demo_threads({}, 0.1, 2, 2)
+        (1, (2, ''))
+    """
+    if "OMP_NUM_THREADS" in environ or load is None or current <= 1:
+        return current, ""
+    free = max(1, min(current, int(cores - load + 0.5)))
+    if free >= current:
+        return current, ""
+    return free, (f"Other jobs are running (load average {load:.1f} on {cores} cores), so the "
+                  f"demo times with {free} thread{'s' if free > 1 else ''} instead of {current}: "
+                  "threads that wait for a busy core stall every small operator, and the "
+                  "baseline and the method share the same setting. OMP_NUM_THREADS=N overrides.")
+
+
+def _demo_header(parts: list, mode: str, out: Path, note: str = "") -> float:
+    """Print what the demo will do and how long it takes; returns the expected seconds."""
+    expected = sum(demos.expected_seconds(p, mode) for p in parts)
+    print(f"paraprop demo: {len(parts)} parts" + (
+        f", about {seconds(expected)} on a quiet 2-core CPU (this machine: {os.cpu_count()} "
+        f"cores; longer while other jobs run)"
+        if expected else "") + ".")
+    if mode == "default":
+        print("The models that take minutes to train are loaded from checkpoints shipped with "
+              "paraprop; 'paraprop demo --full' trains them here instead (more than an hour).")
+    elif mode == "full":
+        print("--full: every model is trained here first, with progress lines; the parts also "
+              "time larger sizes.")
+    else:
+        print("--quick: a smoke run at tiny sizes with barely trained models; its figures show "
+              "nothing about speed.")
+    print("Parts where paraprop wins on this CPU come first; where a method loses here, its part "
+          "says why and where it wins instead.")
+    print(f"Every part checks its result against the sequential computation. Results: "
+          f"{out}/demo.md, demo.json and PNG plots.")
+    if note:
+        print(note)
+    return expected
+
+
+def _demo_parts(parts: list, mode: str, out: Path, beat: Heartbeat, note: str) -> int:
     t0 = time.perf_counter()
+    expected = _demo_header(parts, mode, out, note)
     sections, summary, headlines = [], {}, []
-    for part in demos.parts():
-        print(f"\n=== {part.TITLE} ===")
+    done_expected = 0.0
+    for i, part in enumerate(parts, 1):
         name = part.__name__.rsplit(".", 1)[-1]
+        print(f"\n=== [{i}/{len(parts)}] {part.TITLE} ===")
+        beat.start(f"[{i}/{len(parts)}] {name}")
+        t_part = time.perf_counter()
         missing = demos.missing_requirements(part)
         if missing:  # an optional extra is not installed: say so and go on
-            why = f"skipped: needs {', '.join(missing)} (pip install 'paraprop[vision]')"
+            why = demos.skip_note(missing)
             print(why)
-            headlines.append({"part": name, "headline": why, "plots": "(no plot)", "why": why})
-            continue
-        res = part.run(out, quick=args.quick)
-        sections += res.get("sections", [])
-        summary[name] = res.get("rows", [])
-        headlines.append(demos.summary_row(name, res, out))
+            headlines.append({"part": name, "headline": why, "plots": "(no plot)", "why": why,
+                              "seconds": 0.0})
+        else:
+            res = demos.run_part(part, out, mode)
+            sections += res.get("sections", [])
+            summary[name] = res.get("rows", [])
+            headlines.append({**demos.summary_row(name, res, out),
+                              "seconds": time.perf_counter() - t_part})
+        took, total = time.perf_counter() - t_part, time.perf_counter() - t0
+        done_expected += demos.expected_seconds(part, mode)
+        left = sum(demos.expected_seconds(p, mode) for p in parts[i:])
+        if left and done_expected:  # the rest, at the pace of the parts so far
+            togo = f"; about {seconds(left * total / done_expected)} to go"
+        else:
+            togo = ""
+        print(f"--- {name}: done in {seconds(took)} ({seconds(total)} so far{togo})")
+    beat.start("summary")
     sections.append(("Summary", markdown_table(headlines, demos.SUMMARY_COLUMNS)))
-    payload = {"machine": machine_info(), "quick": args.quick, "parts": summary,
+    payload = {"machine": machine_info(), "mode": mode, "threads_note": note,
+               "quick": mode == "quick", "expected_seconds": expected, "parts": summary,
                "summary": headlines}
     js, md = write_results(out, "demo", payload, sections,
-                           "paraprop demo" + (" --quick" if args.quick else ""))
+                           "paraprop demo" + {"quick": " --quick", "full": " --full"}.get(mode, ""))
     took = time.perf_counter() - t0
     print(f"\n=== Summary (plots in {out}/) ===")
     print(text_table(headlines, demos.SUMMARY_COLUMNS))
-    print(f"\nDone in {took:.1f} s. Results: {md}, {js} and PNG plots in {out}/")
+    print(f"\nDone in {seconds(took)}. Results: {md}, {js} and PNG plots in {out}/")
     return 0
 
 
@@ -118,8 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on a user error, show the traceback instead of one line")
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="the main job: every capability on the embedded data")
-    d.add_argument("--quick", action="store_true", help="fewer timing rounds (a smoke run)")
+    d = sub.add_parser("demo", help="the main job: every capability on the embedded data, in "
+                                    "a few minutes")
+    d.add_argument("--quick", action="store_true",
+                   help="a smoke run: tiny sizes, barely trained models (for tests)")
+    d.add_argument("--full", action="store_true",
+                   help="the long version: train every model here (more than an hour on 2 "
+                        "cores) instead of loading the shipped checkpoints, larger sizes")
     d.add_argument("--out", default="results", help="results directory (default: results)")
     d.set_defaults(func=_cmd_demo)
 

@@ -15,8 +15,9 @@ from paraprop_lab.experiments.explain import fewer_passes, pass_cost
 from paraprop_lab.experiments.harness import interleaved, median, threads
 from paraprop_lab.experiments.report import markdown_table, text_table
 
-ORDER = 40
+ORDER = 35
 TITLE = "Back-propagation as a triangular system: cyclic reduction in log2(l) + 1 levels"
+SECONDS = {"quick": 2, "default": 3, "full": 3}
 COLUMNS = ["l", "width", "batch", "autograd_ms", "cr_ms", "speedup", "cr_levels",
            "sequential_levels", "grad_rel_err_f64"]
 

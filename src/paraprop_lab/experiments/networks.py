@@ -6,6 +6,7 @@ networks demo part.
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -151,20 +152,25 @@ def network_rows(model, images: torch.Tensor, *, name: str, weights: str, tol: f
 def fig1d(path: Path, title: str, curves: dict[str, dict], tol: float) -> Path:
     """Fig. 1d style, per variant: top-5 changes (against the sequential output, and against the
     previous iterate) and the forward difference against the estimated time (iterations x the
-    slowest block), with the sequential time (the sum of all state times) marked."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    slowest block), with the sequential time (the sum of all state times) marked. Every
+    iteration is a marker, so a variant that stops after one iteration is a visible point."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = ["tab:red", "tab:green", "tab:purple"]
     seq = 0.0
     for (label, c), color in zip(curves.items(), colors, strict=False):
         ts = [c["unit_ms"] * k for k in range(1, len(c["errors"]) + 1)]
+        n = f" ({len(ts)} iteration{'s' if len(ts) != 1 else ''})"
         seq = c["seq_ms"]
-        axes[0].plot(ts, c["errors"], "-", color=color, lw=2, label=f"{label}: against sequential")
-        axes[0].plot(ts, c["changes"], ":", color=color, lw=1.5,
+        axes[0].plot(ts, c["errors"], "-", marker="o", ms=4, color=color, lw=2,
+                     label=f"{label}{n}: against sequential")
+        axes[0].plot(ts, c["changes"], ":", marker="x", ms=4, color=color, lw=1.5,
                      label=f"{label}: against the previous iteration")
-        axes[1].semilogy(ts, [max(r, 1e-12) for r in c["residuals"]], ":", color=color,
+        axes[1].semilogy(ts, [max(r, 1e-12) for r in c["residuals"]], ":", marker="x", ms=4,
+                         color=color,
                          label=f"{label}: change from the previous iteration (all states)")
-        axes[1].semilogy(ts, [max(e, 1e-12) for e in c["max_abs_errors"]], "-", color=color,
-                         label=f"{label}: output's difference from sequential")
+        axes[1].semilogy(ts, [max(e, 1e-12) for e in c["max_abs_errors"]], "-", marker="o",
+                         ms=4, color=color, label=f"{label}{n}: output's difference from "
+                                                  "sequential")
     axes[0].set_ylabel("top-5 labels that differ, per image")
     axes[0].set_title("predictions against the sequential ones", fontsize=9)
     axes[1].set_title("layer values against the sequential ones", fontsize=9)
@@ -173,9 +179,10 @@ def fig1d(path: Path, title: str, curves: dict[str, dict], tol: float) -> Path:
     for a in axes:
         a.axvline(seq, color="k", ls="--", lw=1.5, label="sequential (sum of state times)")
         a.set_xlabel("estimated time: iterations x slowest block (ms)")
+        a.set_xlim(left=0)
         a.grid(True, alpha=0.3)
         a.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 110), fontsize=9)
     return save_figure(fig, path, dpi=110)
 
 
