@@ -40,7 +40,18 @@ DEFAULT_TOL = 1e-5
 
 class UncheckedResultWarning(UserWarning):
     """A solve with ``tol=None`` and fewer cycles than the exactness bound: its result is not
-    checked against the serial one (``converged=False``, ``stats["checked"] = False``)."""
+    checked against the serial one (``converged=False``, ``stats["checked"] = False``).
+
+    Example:
+        >>> from paraprop.multigrid import ForwardStepper, Hierarchy, mgrit
+        >>> stepper = ForwardStepper([nn.Linear(4, 4) for _ in range(16)])
+        >>> hierarchy = Hierarchy.build(16, levels=2, coarsening=4)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     sol = mgrit(stepper, torch.randn(2, 4), hierarchy, 0.1, tol=None, max_iters=1)
+        >>> caught[0].category.__name__, sol.result
+        ('UncheckedResultWarning', <Result.unchecked: ...>)
+    """
 
 
 def warn_unchecked(entry: str, max_iters: int, bound: int, stacklevel: int = 3) -> None:

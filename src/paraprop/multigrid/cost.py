@@ -53,6 +53,17 @@ class CostModel:
         fused_s: one VJP with respect to state and parameters together: the step of the
             adjoint's final relaxation, which then accumulates the parameter gradients
             (``None``: a separate parameter-gradient sweep of ``param_grad_s`` per layer).
+
+    Example:
+        >>> m = CostModel(forward_s=1e-3, adjoint_s=2e-3, param_grad_s=2e-3, backprop_s=2e-3,
+        ...               latency_s=5e-5)
+        >>> report = simulate(256, 8, m, levels=2)      # 256 layers on 8 workers
+        >>> sorted(report)
+        ['messages', 'mgrit_s', 'partition_s', 'serial_s', 'speedup_vs_partition',
+         'speedup_vs_serial']
+        >>> CostModel(forward_s=-1, adjoint_s=0, param_grad_s=0, backprop_s=0)
+        Traceback (most recent call last):
+        ValueError: forward_s must be a number >= 0, got -1
     """
 
     forward_s: float

@@ -638,7 +638,21 @@ def residual_norm(stepper, states: torch.Tensor, step_size: float, x: torch.Tens
                   ) -> float:
     """``||A(u) - g||``: the 2-norm of ``u_{n+1} - u_n - h F_n(u_n)`` over all fine steps (and
     ``u_0 - x`` when ``x`` is given), for states ``(N + 1, *S)`` of one process. A check, not
-    used by the solver."""
+    used by the solver.
+
+    Example:
+        >>> from paraprop.multigrid import ForwardStepper
+        >>> stepper = ForwardStepper([nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        ...                           for _ in range(6)])
+        >>> u = [torch.randn(2, 4)]
+        >>> with torch.no_grad():                        # the serial states u_0 .. u_6
+        ...     for block in stepper.blocks:
+        ...         u.append(u[-1] + 0.5 * block(u[-1]))
+        >>> residual_norm(stepper, torch.stack(u), 0.5, x=u[0]) < 1e-6   # rounding only
+        True
+        >>> residual_norm(stepper, torch.zeros(7, 2, 4), 0.5) > 0.1
+        True
+    """
     with torch.no_grad():
         n = states.shape[0] - 1
         nxt = stepper.step(stepper.offset, 1, n, states[:-1], step_size)
