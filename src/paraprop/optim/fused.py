@@ -146,6 +146,23 @@ class FusedOptimizer(torch.optim.Optimizer):
     The read-only settings fix the hooks and buckets built at :func:`fuse`: assigning one
     raises ``AttributeError`` naming the way to change it (``unfuse()``, then :func:`fuse`
     again) instead of being ignored.
+
+    Example:
+        >>> import copy
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> plain = copy.deepcopy(model)
+        >>> opt = fuse(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model,
+        ...            mode="backward")
+        >>> plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+        >>> for _ in range(3):
+        ...     x, y = torch.randn(16, 4), torch.randn(16, 1)
+        ...     for m, o in ((model, opt), (plain, plain_opt)):
+        ...         F.mse_loss(m(x), y).backward()
+        ...         o.step()
+        ...         o.zero_grad()
+        >>> opt.flush()
+        >>> all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+        True
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, *,
