@@ -23,7 +23,16 @@ _FILES = {
 
 
 class IDXError(ValueError):
-    """A missing, truncated or corrupt IDX file (the message names the file)."""
+    """A missing, truncated or corrupt IDX file (the message names the file).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "labels-idx1-ubyte"
+        >>> _ = path.write_bytes(bytes([0, 0, 8, 1]) + (3).to_bytes(4, "big") + b"\x01")
+        >>> read_idx(path)                       # announces 3 labels, holds 1
+        Traceback (most recent call last):
+        paraprop.data.mnist.IDXError: .../labels-idx1-ubyte: 9 bytes, expected 11 for shape (3,) ...
+    """
 
 
 # Deflate expands at most about 1032:1, so a gzip file of n bytes holds at most this many times n.
@@ -56,7 +65,18 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     """Read one IDX file (``.gz`` or raw) into a numpy array, validating its header and size.
 
     A ``.gz`` file is decompressed only as far as its header announces, and a header that
-    announces more than the file can hold is refused (:func:`_gunzip_bounded`)."""
+    announces more than the file can hold is refused (:func:`_gunzip_bounded`).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> def idx(dims, body):                 # magic (uint8, len(dims) dims), dims, data
+        ...     return bytes([0, 0, 8, len(dims)]) + b"".join(
+        ...         d.to_bytes(4, "big") for d in dims) + body
+        >>> _ = (folder / "labels-idx1-ubyte").write_bytes(idx([3], bytes([7, 2, 1])))
+        >>> read_idx(folder / "labels-idx1-ubyte")
+        array([7, 2, 1], dtype=uint8)
+    """
     path = Path(path)
     try:
         raw = _gunzip_bounded(path) if path.suffix == ".gz" else path.read_bytes()
@@ -85,7 +105,16 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
 
 def find_mnist_dir(mnist_dir: str | os.PathLike | None = None) -> Path | None:
     """The MNIST directory from the argument, ``$PARAPROP_MNIST_DIR`` or ``../shared/data/mnist``
-    (relative to the working directory, then to this repository); ``None`` if none exists."""
+    (relative to the working directory, then to this repository); ``None`` if none exists.
+
+    Example:
+        >>> find_mnist_dir("/data/mnist")             # the argument first
+        PosixPath('/data/mnist')
+        >>> from unittest import mock
+        >>> with mock.patch.dict(os.environ, {"PARAPROP_MNIST_DIR": "/elsewhere/mnist"}):
+        ...     find_mnist_dir()                      # then the environment
+        PosixPath('/elsewhere/mnist')
+    """
     if mnist_dir is not None:
         return Path(mnist_dir)
     if os.environ.get(ENV):
@@ -118,6 +147,18 @@ def load_mnist(mnist_dir: str | os.PathLike | None = None, *, split: str = "test
         IDXError: missing, truncated or inconsistent files, a header announcing 0 images or 0
             rows or columns (the message names the file).
         ValueError: unknown split.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> def idx(dims, body):                 # magic (uint8, len(dims) dims), dims, data
+        ...     return bytes([0, 0, 8, len(dims)]) + b"".join(
+        ...         d.to_bytes(4, "big") for d in dims) + body
+        >>> _ = (folder / "t10k-images-idx3-ubyte").write_bytes(idx([2, 28, 28], bytes(2 * 784)))
+        >>> _ = (folder / "t10k-labels-idx1-ubyte").write_bytes(idx([2], bytes([7, 2])))
+        >>> images, labels = load_mnist(folder)          # split="test": the t10k files
+        >>> images.shape, images.dtype, labels.tolist()
+        (torch.Size([2, 28, 28]), torch.float32, [7, 2])
     """
     if not isinstance(split, str) or split not in _FILES:
         raise ValueError(f"unknown split={split!r}; choose 'test' or 'train'")

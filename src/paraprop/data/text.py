@@ -7,7 +7,13 @@ import torch
 
 
 def load_text() -> str:
-    """The ``pydoc_data.topics`` pages joined in sorted topic order (nothing is downloaded)."""
+    """The ``pydoc_data.topics`` pages joined in sorted topic order (nothing is downloaded).
+
+    Example:
+        >>> text = load_text()
+        >>> len(text) > 100_000, "lambda" in text
+        (True, True)
+    """
     from pydoc_data.topics import topics
 
     return "\n".join(topics[k] for k in sorted(topics))
@@ -19,6 +25,13 @@ class CharVocab:
     Arguments:
         chars: the characters, in id order.
         fallback: the character unknown ones map to (must be in ``chars``).
+
+    Example:
+        >>> vocab = CharVocab.of("hello world")
+        >>> len(vocab), vocab.encode("hold!")
+        (9, tensor([4, 6, 5, 2, 1]))
+        >>> vocab.decode(vocab.encode("hold!"))          # "!" is not in the text
+        'hold?'
     """
 
     def __init__(self, chars: str, fallback: str = "?"):
