@@ -24,7 +24,7 @@ from paraprop_lab.experiments.explain import num
 from paraprop_lab.experiments.harness import median
 from paraprop_lab.experiments.report import markdown_table, text_table
 
-ORDER = 70
+ORDER = 60
 TITLE = "Optimizer fusion: the optimizer step inside forward or backward, the same model"
 SECONDS = {"quick": 3, "default": 10, "full": 10}
 

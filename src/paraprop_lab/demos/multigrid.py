@@ -29,7 +29,7 @@ from paraprop_lab.experiments.explain import num
 from paraprop_lab.experiments.harness import interleaved, median
 from paraprop_lab.experiments.report import markdown_table, text_table
 
-ORDER = 60
+ORDER = 50
 TITLE = "Layer-parallel ResNets by nonlinear multigrid (MGRIT): the serial result, in parallel"
 SECONDS = {"quick": 3, "default": 4, "full": 4}
 

@@ -19,7 +19,7 @@ from paraprop_lab.experiments.networks import COLUMNS, MEASURE_COLUMNS, TOL, fig
 from paraprop_lab.experiments.report import markdown_table, text_table
 from paraprop_lab.training.networks import accuracy, image_data, split, train_network
 
-ORDER = 80
+ORDER = 70
 REQUIRES = ("torchvision",)  # the DenseNet class
 TITLE = "Network inference as a recurrence over layers: a DenseNet by Jacobi-GS"
 SECONDS = {"quick": 4, "default": 8, "full": 8}
