@@ -6,7 +6,13 @@ from torch import nn
 
 
 class RecurrentClassifier(nn.Module):
-    """A recurrent layer read out by a linear layer from its last state (BPPSA §4.1)."""
+    """A recurrent layer read out by a linear layer from its last state (BPPSA §4.1).
+
+    Example:
+        >>> model = RecurrentClassifier(paraprop.nn.GRU(1, 8), classes=3)
+        >>> model(torch.randn(20, 4, 1)).shape          # (T, batch, 1) -> logits (batch, 3)
+        torch.Size([4, 3])
+    """
 
     def __init__(self, rnn: nn.Module, classes: int):
         super().__init__()

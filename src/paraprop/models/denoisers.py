@@ -205,6 +205,11 @@ def small_unet(sample_size: int, channels: int = 1, *, widths=(32, 64), seed: in
     Raises:
         ValueError: a bad ``sample_size``, ``channels``, ``widths`` or ``seed``.
         ImportError: diffusers is not installed.
+
+    Example:
+        >>> unet = small_unet(8, widths=(8, 16))
+        >>> unet(torch.randn(2, 1, 8, 8), torch.tensor(3)).sample.shape
+        torch.Size([2, 1, 8, 8])
     """
     checks.positive_int("sample_size", sample_size)
     checks.positive_int("channels", channels)

@@ -23,7 +23,12 @@ def chunk_positions(features: int) -> int:
 def made_degrees(features: int, hidden: tuple[int, ...],
                  order: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Degrees of the MADE units (Germain et al. 2015): inputs get their order ``1..D``, hidden
-    units a degree in ``[1, D-1]`` (cycled, deterministic), so output ``d`` sees inputs ``< d``."""
+    units a degree in ``[1, D-1]`` (cycled, deterministic), so output ``d`` sees inputs ``< d``.
+
+    Example:
+        >>> [d.tolist() for d in made_degrees(3, (4,))]
+        [[1, 2, 3], [1, 2, 1, 2]]
+    """
     if order is None:
         order = torch.arange(1, features + 1)
     degrees = [order]
@@ -34,7 +39,15 @@ def made_degrees(features: int, hidden: tuple[int, ...],
 
 def made_masks(features: int, hidden: tuple[int, ...],
                order: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Masks (out, in) of every layer of a MADE; the last one is strictly autoregressive."""
+    """Masks (out, in) of every layer of a MADE; the last one is strictly autoregressive.
+
+    Example:
+        >>> hidden_mask, out_mask = made_masks(3, (4,))
+        >>> out_mask          # output d sees the hidden units of degree < d
+        tensor([[0., 0., 0., 0.],
+                [1., 0., 1., 0.],
+                [1., 1., 1., 1.]])
+    """
     deg = made_degrees(features, hidden, order=order)
     masks = [(d_out[:, None] >= d_in[None, :]).float() for d_in, d_out in zip(deg, deg[1:],
                                                                               strict=False)]
@@ -48,6 +61,12 @@ class MaskedLinear(nn.Linear):
     Outside autograd (sampling, evaluation) the masked weight is computed once and reused until
     the weight or the mask changes (tracked by their version counters and storage), so an
     iterative sampler does not redo ``weight * mask`` at every network evaluation.
+
+    Example:
+        >>> layer = MaskedLinear(3, 2, torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
+        >>> x = torch.randn(4, 3)
+        >>> torch.equal(layer(x), F.linear(x, layer.weight * layer.mask, layer.bias))
+        True
     """
 
     def __init__(self, in_features: int, out_features: int, mask: torch.Tensor):

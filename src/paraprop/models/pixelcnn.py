@@ -75,6 +75,14 @@ class PixelCNN(Checkpointed, nn.Module):
     Raises:
         ValueError: a size that is not a positive int, ``levels`` below 2, an even kernel or
             one below 3, a negative or non-int seed.
+
+    Example:
+        >>> model = PixelCNN(image_size=6, hidden=8, layers=2, mixtures=2, levels=17).eval()
+        >>> noise = model.draw_noise(2, torch.Generator().manual_seed(0))
+        >>> x, sol = paraprop.sampling.sample(model, 2, noise=noise, method="jacobi", tol=0)
+        >>> ref, _ = paraprop.sampling.sample(model, 2, noise=noise, method="sequential")
+        >>> x.shape, torch.equal(x, ref), model.log_prob(x).shape
+        (torch.Size([2, 1, 6, 6]), True, torch.Size([2]))
     """
 
     def __init__(self, in_channels: int = 1, image_size: int = 28, hidden: int = 32,
