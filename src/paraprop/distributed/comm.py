@@ -48,6 +48,17 @@ class DistLink:
             with nccl, see the module notes).
         group: the process group (``None``: the default group).
         what: a label for error messages (e.g. ``"forward"``).
+
+    Example:
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}",
+        ...                         rank=0, world_size=1)        # a world of one, in process
+        >>> link = DistLink([0], timeout=10)
+        >>> link.sum([1.0, 2.5])                               # an all-reduce over the ranks
+        [1.0, 2.5]
+        >>> link.gather(torch.ones(2))                          # one tensor per rank
+        [tensor([1., 1.])]
+        >>> dist.destroy_process_group()
     """
 
     def __init__(self, ranks: list[int], *, timeout: float = DEFAULT_TIMEOUT_S, group=None,
@@ -149,9 +160,22 @@ def init_from_env(backend: str | None = None, *, timeout: float = DEFAULT_TIMEOU
     Raises:
         RuntimeError: the environment variables are missing (not launched by torchrun).
 
-    Example (in a script started by ``torchrun --nproc_per_node=2 script.py``)::
+    Example:
+        In a script started by ``torchrun --nproc_per_node=2 script.py``, ``rank =
+        init_from_env(timeout=30)`` is all it takes; here the environment torchrun would set
+        describes a world of one:
 
-        rank = init_from_env(timeout=30)   # gloo on a CPU-only machine
+        >>> import os, socket, torch.distributed as dist
+        >>> from unittest import mock
+        >>> with socket.socket() as s:                          # a free port
+        ...     s.bind(("127.0.0.1", 0))
+        ...     port = s.getsockname()[1]
+        >>> env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+        ...        "MASTER_PORT": str(port)}
+        >>> with mock.patch.dict(os.environ, env):
+        ...     init_from_env("gloo", timeout=30), dist.get_world_size()
+        (0, 1)
+        >>> dist.destroy_process_group()
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()

@@ -26,7 +26,13 @@ __all__ = ["SpawnError", "spawn"]
 
 
 class SpawnError(RuntimeError):
-    """A child process failed, died or did not finish in time (the message says which)."""
+    """A child process failed, died or did not finish in time (the message says which).
+
+    Example:
+        >>> spawn(pow, 1, -1)           # rank 0 computes pow(0, -1)
+        Traceback (most recent call last):
+        paraprop.distributed.launch.SpawnError: rank 0: ZeroDivisionError: ...
+    """
 
 
 def _entry(rank, world, rendezvous, backend, threads, group_timeout, fn, args, results):
@@ -69,13 +75,13 @@ def spawn(fn: Callable, world: int, *args, timeout: float = 120.0, backend: str 
     Raises:
         SpawnError: a child raised (unless ``allow_errors``), died, or the time ran out.
 
-    Example (``fn`` must live in an importable module; guard the call with
-    ``if __name__ == "__main__":`` in scripts)::
+    Example:
+        ``fn`` must live in an importable module (a builtin here), and a script guards the
+        call with ``if __name__ == "__main__":``.
 
-        def world_size(rank):
-            return torch.distributed.get_world_size()
-
-        spawn(world_size, 2)   # [2, 2]
+        >>> results = spawn(pow, 2, -1, allow_errors=True)   # pow(rank, -1), ranks 0 and 1
+        >>> results[0].splitlines()[0], results[1]
+        ('ERROR: ZeroDivisionError: 0.0 cannot be raised to a negative power', 1.0)
     """
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world)

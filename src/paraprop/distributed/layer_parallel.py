@@ -117,12 +117,27 @@ class LayerParallelStack(nn.Module):
         paraprop.ConvergenceError: ``tol`` not reached in ``max_iters`` cycles (``throw=True``;
             on every rank).
 
-    Example (under ``torchrun --nproc_per_node=2``)::
+    Example:
+        Under ``torchrun --nproc_per_node=2`` each rank runs these lines with its own blocks
+        (``range(*layer_range(16))``); here a world of one holds them all.
 
-        init_from_env()
-        a, b = layer_range(64)
-        stack = LayerParallelStack([make_block() for _ in range(a, b)], 1 / 64, depth=64)
-        y = stack(x)      # u_64 on rank 1
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}",
+        ...                         rank=0, world_size=1)        # a world of one, in process
+        >>> blocks = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)]
+        >>> stack = LayerParallelStack(blocks, 1 / 16, depth=16)
+        >>> x = torch.randn(3, 4)
+        >>> y = stack(x)                                        # u_16, by MGRIT
+        >>> u = x
+        >>> with torch.no_grad():                               # the serial loop
+        ...     for block in blocks:
+        ...         u = u + block(u) / 16
+        >>> stack.last_stats["forward"].converged, bool((y - u).abs().max() < 1e-5)
+        (True, True)
+        >>> y.sum().backward()                                  # collective, as forward
+        >>> blocks[0][0].weight.grad.shape
+        torch.Size([4, 4])
+        >>> dist.destroy_process_group()
     """
 
     def __init__(self, blocks: Sequence[nn.Module], step_size: float, *, depth: int,
@@ -359,10 +374,23 @@ def partitioned_forward(blocks: Sequence[nn.Module], x: torch.Tensor, step_size:
     Raises:
         PeerError: the previous or next rank died or hangs.
 
-    Example (under ``torchrun --nproc_per_node=2``)::
+    Example:
+        Under ``torchrun --nproc_per_node=2`` rank ``r`` passes
+        ``blocks[slice(*layer_range(16))]``; here a world of one holds them all.
 
-        a, b = layer_range(64)
-        y = partitioned_forward(blocks[a:b], x, 1 / 64)   # u_64 on rank 1
+        >>> import tempfile, torch.distributed as dist
+        >>> dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}",
+        ...                         rank=0, world_size=1)        # a world of one, in process
+        >>> blocks = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(16)]
+        >>> x = torch.randn(3, 4)
+        >>> y = partitioned_forward(blocks, x, 1 / 16)
+        >>> u = x
+        >>> with torch.no_grad():
+        ...     for block in blocks:
+        ...         u = u + block(u) / 16
+        >>> torch.equal(y, u)
+        True
+        >>> dist.destroy_process_group()
     """
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
