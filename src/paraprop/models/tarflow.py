@@ -323,7 +323,7 @@ class TarFlow(Checkpointed, nn.Module):
             MNIST model, 8 blocks at ``tol=1e-4`` left 4.5e-4 in the images, at ``tol=1e-5``
             3e-5). The per-block figure is the stopping rule's estimate, not a proof: on a
             strongly expanding block (``exp(alpha)`` up to ~100) Jacobi's contraction estimate
-            was seen to stop a sample at 3x its ``tol`` (``tests/test_tarflow.py``). ``tol=0``
+            was seen to stop a sample at 3x its ``tol`` (a case of the test suite). ``tol=0``
             gives the exact fixed point of every block, bitwise ``method="sequential"``
             whatever the solve method, in every dtype (float64, float32, bf16, fp16), or
             ``converged=False``; at ``tol > 0`` a ``tol`` below the dtype's rounding at the

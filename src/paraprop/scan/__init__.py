@@ -9,9 +9,6 @@
 - :func:`ragged_scan`: Blelloch's scan over a list of elements that cannot be stacked (sparse
   and dense matrices of different shapes: BPPSA over a chain of layers), with a per-step record.
 - :mod:`paraprop.scan.native`: the C kernels behind ``sequential`` on the CPU.
-
-One file per algorithm: :mod:`.sequential`, :mod:`.blelloch`, :mod:`.hillis_steele`,
-:mod:`.chunked`.
 """
 
 from paraprop.scan.associative import SCAN_ALGORITHMS, associative_scan
