@@ -79,8 +79,8 @@ def _demo_header(parts: list, mode: str, out: Path, note: str = "") -> float:
     """Print what the demo will do and how long it takes; returns the expected seconds."""
     expected = sum(demos.expected_seconds(p, mode) for p in parts)
     print(f"paraprop demo: {len(parts)} parts" + (
-        f", about {seconds(expected)} on a quiet 2-core CPU (this machine: {os.cpu_count()} "
-        f"cores; longer while other jobs run)"
+        f", about {seconds(expected)} (as measured on a 2-core CPU; this machine has "
+        f"{os.cpu_count()} cores; longer while other jobs run)"
         if expected else "") + ".")
     if mode == "default":
         print("The models that take minutes to train are loaded from checkpoints shipped with "

@@ -18,8 +18,8 @@ The demo has three modes (:data:`MODES`):
 - ``quick`` (``paraprop demo --quick``): a smoke run at tiny sizes, for tests; its figures show
   nothing.
 
-A part may define ``SECONDS``, its wall time per mode on a quiet 2-core CPU (measured), from
-which the demo says up front how long it will take; and ``REQUIRES``, the optional modules it
+A part may define ``SECONDS``, its wall time per mode as measured on a 2-core CPU, from which
+the demo says up front how long it will take; and ``REQUIRES``, the optional modules it
 needs (a part whose module is missing is skipped with a note).
 """
 
@@ -61,8 +61,8 @@ def skip_note(missing: list[str]) -> str:
 
 
 def expected_seconds(part, mode: str) -> float:
-    """The part's wall time in ``mode`` on a quiet 2-core CPU, from its ``SECONDS`` (0 for a
-    part that states none)."""
+    """The part's wall time in ``mode`` as measured on a 2-core CPU, from its ``SECONDS`` (0 for
+    a part that states none)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     return float(getattr(part, "SECONDS", {}).get(mode, 0.0))

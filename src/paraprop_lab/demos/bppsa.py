@@ -18,7 +18,7 @@ from paraprop_lab.experiments.harness import interleaved, median
 
 ORDER = 15
 TITLE = "Training an RNN at T = 1000: the backward pass as a scan (BPPSA), the forward native"
-SECONDS = {"quick": 3, "default": 15, "full": 30}
+SECONDS = {"quick": 2, "default": 5, "full": 30}
 COLUMNS = ["method", "fwd_ms", "bwd_ms", "step_ms", "speedup", "bwd_speedup", "grad_rel_err",
            "note"]
 

@@ -12,7 +12,7 @@ from paraprop_lab.experiments.report import markdown_table, text_table
 ORDER = 40
 REQUIRES = ("diffusers",)
 TITLE = "Diffusion sampling: the diffusers loop's sample in far fewer sequential model calls"
-SECONDS = {"quick": 5, "default": 20, "full": 900}
+SECONDS = {"quick": 5, "default": 13, "full": 900}
 
 
 def run(out_dir: Path, *, quick: bool = False, full: bool = False) -> dict:

@@ -26,7 +26,7 @@ from paraprop_lab.experiments.report import markdown_table, text_table
 
 ORDER = 60
 TITLE = "Optimizer fusion: the optimizer step inside forward or backward, the same model"
-SECONDS = {"quick": 3, "default": 10, "full": 10}
+SECONDS = {"quick": 2, "default": 4, "full": 4}
 
 MODES = ("unfused", "forward", "forward+overlap", "backward", "backward+overlap")
 COLUMNS = ["mode", "steps", "final_loss", "test_acc", "bitwise_equal", "forward_ms",

@@ -22,7 +22,7 @@ from paraprop_lab.training.networks import accuracy, image_data, split, train_ne
 ORDER = 70
 REQUIRES = ("torchvision",)  # the DenseNet class
 TITLE = "Network inference as a recurrence over layers: a DenseNet by Jacobi-GS"
-SECONDS = {"quick": 4, "default": 8, "full": 8}
+SECONDS = {"quick": 3, "default": 7, "full": 7}
 STEPS = 60
 
 
