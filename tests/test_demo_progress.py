@@ -133,6 +133,11 @@ def test_heartbeat_writes_after_silence_only():
     beat.tick()
     assert len(raw.getvalue().splitlines()) == 2
     assert out.isatty() is False
+    beat.start("bar")
+    out.write("\rlive bar 3/10")        # a terminal's live bar leaves the line open
+    clock.t += 11
+    beat.tick()
+    assert raw.getvalue().endswith("\rlive bar 3/10\nbar: still working, 11 s so far\n")
 
 
 def test_lines_to_sends_bars_to_the_stream_given(capsys):

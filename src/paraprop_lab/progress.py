@@ -223,6 +223,7 @@ class Heartbeat:
                  clock: Callable[[], float] = time.perf_counter, ticker: bool = True) -> None:
         self.file, self.interval, self.clock = file, interval, clock
         self.label = ""
+        self.at_line_start = True  # the last write ended a line (a live bar's does not)
         self.last_write = clock()
         self._since = clock()
         self._ticker = ticker
@@ -256,8 +257,10 @@ class Heartbeat:
             now = self.clock()
             if not self._on or now - self.last_write < self.interval:
                 return
-            self.file.write(f"{self.label + ': ' if self.label else ''}still working, "
+            self.file.write(("" if self.at_line_start else "\n")
+                            + f"{self.label + ': ' if self.label else ''}still working, "
                             f"{seconds(now - self._since)} so far\n")
+            self.at_line_start = True
             self.file.flush()
             self.last_write = now
 
@@ -273,6 +276,7 @@ class _Stamped:
             n = self._beat.file.write(s)
             if s:
                 self._beat.last_write = self._beat.clock()
+                self._beat.at_line_start = s.endswith("\n")
             return n
 
     def flush(self) -> None:
