@@ -513,17 +513,12 @@ class QuasiNewton(_NewtonFamily):
     its steps.
 
     Example:
-        >>> u, A = torch.randn(1, 64, 4), 0.3 * torch.randn(4, 4)
-        >>> def fn(h):                          # h_t = tanh(A h_{t-1} + u_t), h_{-1} = 0
-        ...     prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
-        ...     return torch.tanh(prev @ A.T + u)
-        >>> x0 = torch.zeros(1, 64, 4)                      # (batch, T, H): positions on dim -2
-        >>> ref = paraprop.solve(fn, x0, method="sequential", dim=-2)
-        >>> sol = paraprop.solve(fn, x0, method=paraprop.solvers.QuasiNewton(), dim=-2)
-        >>> sol.method, sol.converged, sol.iterations < 64
-        ('quasi_newton', True, True)
-        >>> bool((sol.value - ref.value).abs().max() < 1e-5)    # float32's default tol
-        True
+        >>> rec = paraprop.Recurrence(torch.nn.GRUCell(2, 4), torch.randn(3, 50, 2),
+        ...                           torch.zeros(3, 4))        # a GRU over 50 steps
+        >>> sol = paraprop.solve(rec, torch.zeros(3, 50, 4), dim=1,
+        ...                      method=paraprop.solvers.QuasiNewton())
+        >>> sol.method, sol.converged, sol.stats["jacobian"]
+        ('quasi_newton', True, 'diag')
     """
 
     name = "quasi_newton"
@@ -540,17 +535,12 @@ class ELK(_NewtonFamily):
         damping: lambda ``> 0`` (default ``1e-2``).
 
     Example:
-        >>> u, A = torch.randn(1, 64, 4), 0.3 * torch.randn(4, 4)
-        >>> def fn(h):                          # h_t = tanh(A h_{t-1} + u_t), h_{-1} = 0
-        ...     prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
-        ...     return torch.tanh(prev @ A.T + u)
-        >>> x0 = torch.zeros(1, 64, 4)                      # (batch, T, H): positions on dim -2
-        >>> ref = paraprop.solve(fn, x0, method="sequential", dim=-2)
-        >>> sol = paraprop.solve(fn, x0, method=paraprop.solvers.ELK(damping=1e-3), dim=-2)
-        >>> sol.method, sol.converged, sol.iterations < 64
-        ('elk', True, True)
-        >>> bool((sol.value - ref.value).abs().max() < 1e-5)    # float32's default tol
-        True
+        >>> rec = paraprop.Recurrence(torch.nn.RNNCell(1, 8), torch.randn(2, 40, 1),
+        ...                           torch.zeros(2, 8))        # an Elman RNN over 40 steps
+        >>> sol = paraprop.solve(rec, torch.zeros(2, 40, 8), dim=1,
+        ...                      method=paraprop.solvers.ELK(damping=1e-3))
+        >>> sol.method, sol.converged, sol.stats["damping"]
+        ('elk', True, 0.001)
     """
 
     name = "elk"
@@ -564,17 +554,13 @@ class QuasiELK(_NewtonFamily):
         damping: lambda ``> 0`` (default ``1e-2``).
 
     Example:
-        >>> u, A = torch.randn(1, 64, 4), 0.3 * torch.randn(4, 4)
-        >>> def fn(h):                          # h_t = tanh(A h_{t-1} + u_t), h_{-1} = 0
-        ...     prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
-        ...     return torch.tanh(prev @ A.T + u)
-        >>> x0 = torch.zeros(1, 64, 4)                      # (batch, T, H): positions on dim -2
-        >>> ref = paraprop.solve(fn, x0, method="sequential", dim=-2)
-        >>> sol = paraprop.solve(fn, x0, method=paraprop.solvers.QuasiELK(), dim=-2)
-        >>> sol.method, sol.converged, sol.iterations < 64
-        ('quasi_elk', True, True)
-        >>> bool((sol.value - ref.value).abs().max() < 1e-5)    # float32's default tol
-        True
+        >>> seq = torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Tanh())
+        >>> rec = paraprop.Recurrence(lambda u, h: seq(h + u), torch.randn(1, 30, 5),
+        ...                           torch.zeros(1, 5))        # any cell, plain Jacobians
+        >>> sol = paraprop.solve(rec, torch.zeros(1, 30, 5), dim=1,
+        ...                      method=paraprop.solvers.QuasiELK())
+        >>> sol.method, sol.converged
+        ('quasi_elk', True)
     """
 
     name = "quasi_elk"
