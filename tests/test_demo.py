@@ -186,8 +186,8 @@ def test_tarflow_diffusion_fusion_and_rnn_say_where_they_win():
     picard = {"method": "picard (window 128)", "iterations": 189, "model_evals": 24018,
               "time_ms": 900.0, "speedup": 1 / 3}
     why, _ = diffusion.explain([loop, picard], 1000)
-    assert "Parallel sampling wins where one batched call over a window of 127 steps costs " \
-           "about one loop step: on a GPU" in why
+    assert "Parallel sampling wins where one batched call over 127 steps costs about one loop " \
+           "step: on a GPU" in why
 
     plain = {"mode": "unfused", "optimizer_ms": 1.0, "forward_ms": 4.0, "backward_ms": 6.0,
              "step_ms": 11.0, "opt_share": 1 / 11, "speedup": 1.0, "bitwise_equal": True}

@@ -10,9 +10,9 @@ ORDER = 42
 TITLE = "Feedforward computation as a triangular system: every method, the sequential result"
 SECONDS = {"quick": 2, "default": 2, "full": 15}
 WHERE = ("Where the parallel methods win instead: where one sweep costs fewer loop steps than it "
-         "replaces, with more positions per sweep (the MNIST MADE of the sampling part: 784 "
-         "pixels in a few sweeps) or on a GPU, where a sweep over all positions costs about one "
-         "loop step.")
+         "replaces, with more positions per sweep (a MADE on 784 pixels, as in `paraprop bench "
+         "core` and `paraprop bench made`) or on a GPU, where a sweep over all positions costs "
+         "about one loop step.")
 
 
 def run(out_dir: Path, *, quick: bool = False, full: bool = False) -> dict:

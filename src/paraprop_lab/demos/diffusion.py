@@ -64,10 +64,10 @@ def explain(rows: list[dict], steps: int) -> tuple[str, str]:
         winner="the diffusers loop" if winner is base else winner["method"],
         winner_speedup=winner["speedup"])
     if winner is not m and m["speedup"] <= 1:
-        why += (f" Parallel sampling wins where one batched call over a window of "
+        why += (f" Parallel sampling wins where one batched call over "
                 f"{m['model_evals'] / m['iterations']:.0f} steps costs about one loop step: on a "
-                "GPU, or with a model whose batched calls are cheap (ParaDiGMS, Shih et al. 2023)"
-                "; this CPU runs the batch's arithmetic one row after another.")
+                "GPU (ParaDiGMS, Shih et al. 2023); this CPU computes the batch's rows at about "
+                "the cost of as many loop steps.")
     headline = (f"{m['method']} {m['iterations']} iterations vs {steps} steps, "
                 f"{m['speedup']:.2f}x the diffusers loop")
     if winner is not m:

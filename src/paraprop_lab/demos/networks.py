@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from paraprop.models import small_densenet
-from paraprop_lab.experiments.explain import fewer_passes, pass_cost
+from paraprop_lab.experiments.explain import fewer_passes, pass_cost, plural
 from paraprop_lab.experiments.harness import threads
 from paraprop_lab.experiments.networks import COLUMNS, MEASURE_COLUMNS, TOL, fig1d, network_rows
 from paraprop_lab.experiments.report import markdown_table, text_table
@@ -88,8 +88,10 @@ def explain(rows: list[dict], meas: dict) -> tuple[str, str]:
         pass_word="iteration", step_word="layer step",
         detail=f" ({meas['threaded_blocks']} blocks on {meas['workers']} threads)")
     why = why[:-1] + (f"; with a worker per block and no overhead it would run at "
-                      f"{best['est_speedup']:.2f}x ({best['iterations']} iterations of the "
-                      "slowest block).")
-    headline = (f"Jacobi-GS {meas['threaded_iters']} iterations over {states} layers; estimated "
+                      f"{best['est_speedup']:.2f}x ({best['iterations']} "
+                      f"{plural('iteration', best['iterations'])} of the slowest block): a "
+                      "machine with a core per block.")
+    headline = (f"Jacobi-GS {meas['threaded_iters']} "
+                f"{plural('iteration', meas['threaded_iters'])} over {states} layers; estimated "
                 f"{best['est_speedup']:.2f}x, measured {meas['measured_speedup']:.2f}x")
     return why, headline
