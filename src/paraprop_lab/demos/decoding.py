@@ -8,6 +8,7 @@ from pathlib import Path
 from paraprop_lab.demos import _weights
 from paraprop_lab.experiments.decoding import COLUMNS, case_rows, prompts
 from paraprop_lab.experiments.explain import fewer_passes, pass_cost
+from paraprop_lab.experiments.plots import time_bars
 from paraprop_lab.experiments.report import markdown_table, text_table
 
 ORDER = 20
@@ -22,7 +23,7 @@ CAVEAT = ("Caveat: the greedy speedup comes largely from repetitive text (the n-
 
 def run(out_dir: Path, *, quick: bool = False, full: bool = False) -> dict:
     from paraprop.decoding import generate
-    from paraprop_lab.training.charlm import corpus, trained_charlm
+    from paraprop_lab.training.charlm import trained_charlm
 
     out_dir.mkdir(parents=True, exist_ok=True)
     if not (quick or full) and _weights.path("charlm") is None:
@@ -39,7 +40,7 @@ def run(out_dir: Path, *, quick: bool = False, full: bool = False) -> dict:
                 "command": _weights.CHECKPOINTS["charlm"]["command"]}
         what = "2 layers, width 64, shipped checkpoint"
         print(_weights.describe("charlm"))
-    _, _, held = corpus(vocab)
+    held = _weights.held_out_text(vocab)  # corpus(vocab)'s held-out ids, without the rest
     new = 32 if quick else 256
     ids = prompts(vocab, held, 1)
     rows = case_rows(model, ids, new, sample=False, window=16, repeats=1 if quick else 3,
@@ -53,9 +54,18 @@ def run(out_dir: Path, *, quick: bool = False, full: bool = False) -> dict:
     why, headline = explain(rows, window=16)
     why += " " + CAVEAT
     print(why)
-    md = markdown_table(rows, COLUMNS) + "\n\n```\n" + text + "\n```\n\n" + why
+    plot = time_bars(
+        out_dir / "demo_decoding.png", f"Greedy decoding of {new} tokens by a char LM (GPT-2 "
+        f"shape, {what}), batch 1: the same tokens, fewer model passes",
+        [("", [(r["method"], 1e3 * r["time_s"],
+                f"{r['model_calls']} passes, {r['tokens_per_call']:.1f} tokens/pass"
+                + (", same tokens" if r["same_tokens"] is True else ""))
+               for r in rows])],
+        xlabel="wall time for the whole sequence (ms, log scale)")
+    md = (markdown_table(rows, COLUMNS) + "\n\n```\n" + text + "\n```\n\n" + why
+          + f"\n\n![]({plot.name})")
     return {"rows": rows, "sections": [(title, md)], "why": why, "headline": headline,
-            "plots": [], "model": {k: v for k, v in info.items() if k != "loss"}}
+            "plots": [plot], "model": {k: v for k, v in info.items() if k != "loss"}}
 
 
 def explain(rows: list[dict], *, window: int) -> tuple[str, str]:

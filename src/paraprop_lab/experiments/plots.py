@@ -132,7 +132,7 @@ def time_bars(path: Path, title: str, groups: list[tuple[str, list[tuple[str, fl
             shown = f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"
             ax.text(ms * 1.08, y, f"{shown} ms, {note}", va="center", fontsize=9)
             ticks.append(y)
-            names.append(f"{group}:\n{label}")
+            names.append(f"{group}:\n{label}" if group else textwrap.fill(label, 24))
             y += 1
         y += 0.6 if gi < len(groups) - 1 else 0
     ax.set_xscale("log")
