@@ -205,6 +205,21 @@ def test_tarflow_diffusion_fusion_and_rnn_say_where_they_win():
         in why
 
 
+def test_decoding_says_where_jacobi_decoding_wins_when_it_loses():
+    from paraprop_lab.demos.decoding import explain
+
+    def row(method, calls, per, t):
+        return {"method": method, "model_calls": calls, "tokens_per_call": per, "time_s": t,
+                "vs_sequential": 0.1 / t, "same_tokens": True}
+
+    rows = [row("transformers generate", 256, 1.0, 0.1), row("paraprop sequential", 256, 1.0, 0.1),
+            row("jacobi (window 16, n-gram guesses)", 200, 1.3, 0.2)]
+    why, _ = explain(rows, window=16)
+    assert "Jacobi decoding wins where a 16-token pass costs about a one-token pass" in why
+    rows[2] = row("jacobi (window 16, n-gram guesses)", 70, 3.7, 0.05)
+    assert "Jacobi decoding wins where" not in explain(rows, window=16)[0]
+
+
 def test_flows_headline_and_equality_in_the_sentence():
     from paraprop_lab.demos.flows import explain
 
