@@ -170,6 +170,7 @@ MIDS = ["gru", "rnn"]
 
 def pair(cls, tcls, **kw):
     torch.manual_seed(0)
+    kw = {"forward": "sequential", "backward": "scan", **kw}   # unless given (defaults: auto)
     ref = tcls(3, 4, num_layers=2, dtype=torch.float64)
     ours = cls(3, 4, num_layers=2, dtype=torch.float64, **kw)
     ours.load_state_dict(ref.state_dict())
@@ -326,7 +327,7 @@ def _call_paths(m, x):
 @pytest.mark.parametrize("attr,value,exc,match", LATER, ids=[c[0] for c in LATER])
 def test_settings_assigned_after_construction_are_refused_at_call_time(cls, tcls, attr, value,
                                                                         exc, match):
-    m = cls(3, 4, num_layers=2)
+    m = cls(3, 4, num_layers=2, forward="sequential")     # torch's kernel: bitwise at the end
     x = torch.randn(5, 2, 3)
     before = getattr(m, attr)
     setattr(m, attr, value)
@@ -462,7 +463,7 @@ def test_jit_trace_is_refused_by_name(cls):
 def test_autocast_runs_torch_or_is_refused_by_name(cls, tcls):
     torch.manual_seed(0)
     ref = tcls(3, 4, num_layers=2)
-    ours = cls(3, 4, num_layers=2)
+    ours = cls(3, 4, num_layers=2, backward="scan")
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(6, 2, 3)
     name = cls.__name__
@@ -642,7 +643,7 @@ def test_backward_stats_name_the_scan_kernel_that_ran(cls, tcls, device):
     algorithm runs, and backward_stats says which."""
     from paraprop.scan import native
 
-    ours = cls(3, 4, num_layers=2, dtype=torch.float64, device=device)
+    ours = cls(3, 4, num_layers=2, dtype=torch.float64, device=device, backward="scan")
     x = torch.randn(30, 2, 3, dtype=torch.float64).to(device).requires_grad_()
     ours(x)[0].sum().backward()
     ran = ours.backward_stats["algorithm"]
@@ -662,7 +663,7 @@ def test_gradient_penalty_wrt_the_weights_is_refused_not_silently_none(cls):
     # respect to the weights. The incoming gradient of out.sum() is a constant, so a refusing
     # node anchored on it alone is pruned and torch returns None for every weight (silently
     # wrong); anchored on the saved inputs too, the refusal is reached
-    m = cls(3, 4)
+    m = cls(3, 4, backward="scan")
     x = torch.randn(5, 2, 3, requires_grad=True)
     out, _ = m(x)
     g, = torch.autograd.grad(out.sum(), x, create_graph=True)

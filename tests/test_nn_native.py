@@ -190,8 +190,10 @@ def test_options_names_and_errors():
     assert forward_option("sequential") == SequentialForward()
     assert describe(SequentialForward("native")) == "'native'"
     assert describe(SequentialForward()) == "'sequential'"
-    assert "forward='auto'" in repr(GRU(2, 3, forward="auto"))
-    assert "forward" not in repr(GRU(2, 3))
+    assert "forward='native'" in repr(GRU(2, 3, forward="native"))
+    assert "forward='sequential'" in repr(GRU(2, 3, forward="sequential"))
+    assert "forward" not in repr(GRU(2, 3))       # the default, forward="auto"
+    assert "backward='auto'" in repr(GRU(2, 3))
     with pytest.raises(ValueError, match="kernel must be one of 'torch', 'native', 'auto', "
                                          "got 'fast'"):
         SequentialForward("fast")

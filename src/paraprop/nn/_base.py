@@ -18,6 +18,7 @@ from paraprop.nn.options import (
     check_pair,
     describe,
     forward_option,
+    resolve,
 )
 
 # bf16 / fp16 modules: the scan backward, the Jacobian factors and the parallel forward compute
@@ -148,6 +149,7 @@ def unpack_saved(ctx, lead: int = 0):
     nl, per = cfg["layers"], 4 if cfg["bias"] else 2
     saved = ctx.saved_tensors
     cfg["stats"].clear()
+    cfg["stats"]["backward"] = cfg["backward_name"].strip("'")
     lead_t, weights = saved[:lead], saved[lead:lead + nl * per]
     cdt = cfg.get("compute")
     if cdt is not None and weights and weights[0].dtype != cdt:
@@ -317,6 +319,8 @@ class ScanBackwardMixin:
                 f"paraprop.nn.{name} does not take a PackedSequence; pad the "
                 "batch to one length or use the torch module")
         fwd, bwd = self._forward_config, self._backward_config
+        kernel_shown = isinstance(fwd, SequentialForward) and fwd.kernel != "torch"
+        fwd, bwd = resolve(self.mode, input.device, fwd, bwd)
         parallel = isinstance(fwd, ParallelForward)
         if transforms_active():
             # torch.func runs its own differentiation and batching: torch's kernel with
@@ -349,10 +353,8 @@ class ScanBackwardMixin:
                 "(module.to(torch.bfloat16), where the scan backward runs in float32)")
         native = native_runs(fwd, input, *hxs, *weights)
         self.forward_stats.clear()
-        if isinstance(fwd, SequentialForward) and fwd.kernel != "torch":
+        if kernel_shown:
             self.forward_stats["kernel"] = ["native" if native else "torch"] * self.num_layers
-        if not parallel and not native and (isinstance(bwd, AutogradBackward) or not needs_grad):
-            return super().forward(input, hx)
         x, batched = time_major(name, input, self.input_size, self.batch_first)
         T, B = x.shape[:2]
         expect = (self.num_layers, B, self.hidden_size)
@@ -371,6 +373,11 @@ class ScanBackwardMixin:
         if any(w.dtype != x.dtype for w in weights):
             raise TypeError(f"input has dtype {x.dtype} but the parameters have "
                             f"{weights[0].dtype}")
+        if not parallel and not native and (isinstance(bwd, AutogradBackward) or not needs_grad):
+            if needs_grad:     # torch's own backward will run: nothing of ours to record
+                self.backward_stats.clear()
+                self.backward_stats["backward"] = "autograd"
+            return super().forward(input, hx)
         if B == 0:      # nothing to solve or to scan: torch's kernel (and autograd) as is
             return super().forward(input, hx)
         cdt = compute_dtype(x.dtype)
@@ -396,6 +403,6 @@ class ScanBackwardMixin:
     def extra_repr(self) -> str:
         s = super().extra_repr()
         fwd = self._forward_config
-        if isinstance(fwd, ParallelForward) or fwd != SequentialForward():
+        if isinstance(fwd, ParallelForward) or fwd != SequentialForward("auto"):
             s += f", forward={describe(fwd)}"
         return s + f", backward={describe(self._backward_config)}"

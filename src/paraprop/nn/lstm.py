@@ -237,7 +237,11 @@ class LSTM(ScanBackwardMixin, torch.nn.LSTM):
 
     Same constructor arguments, parameters (``weight_ih_l0``, ``weight_hh_l0``, ``bias_ih_l0``,
     ``bias_hh_l0``, ...), state dict and outputs ``output, (h_n, c_n)`` as
-    :class:`torch.nn.LSTM`. With the default ``forward="sequential"`` the forward pass is
+    :class:`torch.nn.LSTM`. The defaults ``forward="auto", backward="auto"`` run, on the CPU,
+    torch's own kernel and autograd: the module is then torch.nn.LSTM, bitwise (that training
+    step was measured faster than the native loop with the scan backward,
+    :data:`~paraprop.nn.options.TORCH_FASTEST`); elsewhere as ``forward="sequential"``
+    with the scan backward. With ``forward="sequential"`` the forward pass is
     torch's own kernel, one layer at a time (bitwise the outputs of torch.nn.LSTM without a
     graph; with a graph torch runs a float32 LSTM of several layers through another oneDNN path
     that rounds differently), followed by a batched recomputation of the gates and cells that
@@ -268,9 +272,16 @@ class LSTM(ScanBackwardMixin, torch.nn.LSTM):
         <All keys matched successfully>
         >>> x = torch.randn(4, 200, 12)
         >>> out, (h, c) = lstm(x)
-        >>> (h.sum() + c.sum()).backward()      # one linear_recurrence per layer
-        >>> torch.equal(out, ref(x)[0])          # the default forward is torch's own kernel
+        >>> (h.sum() + c.sum()).backward()
+        >>> lstm.forward_stats["kernel"], lstm.backward_stats["backward"]   # the CPU default
+        (['torch'], 'autograd')
+        >>> torch.equal(out, ref(x)[0])
         True
+        >>> lstm.backward_config = "scan"        # one linear_recurrence per layer
+        >>> out, (h, c) = lstm(x)
+        >>> (h.sum() + c.sum()).backward()
+        >>> lstm.forward_stats["kernel"], lstm.backward_stats["backward"]
+        (['native'], 'scan')
     """
 
     _function = LSTMScanFunction
@@ -278,8 +289,8 @@ class LSTM(ScanBackwardMixin, torch.nn.LSTM):
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
-                 proj_size: int = 0, device=None, dtype=None, *, forward="sequential",
-                 backward="scan"):
+                 proj_size: int = 0, device=None, dtype=None, *, forward="auto",
+                 backward="auto"):
         check_options("LSTM", dropout=dropout, bidirectional=bidirectional, proj_size=proj_size)
         options = self._init_options(forward, backward)
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout,

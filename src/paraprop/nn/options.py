@@ -21,6 +21,8 @@ a solver object        ``ParallelForward(method=obj)``, e.g. ``ELK(damping=1e-3)
                        layer (BPPSA)
 ``"jacobi"``           :class:`JacobiBackward`: the same recurrence by Jacobi sweeps
 ``"autograd"``         :class:`AutogradBackward`: torch's own backward (the torch module)
+``"auto"``             :class:`AutoBackward` (the default): the fastest measured exact pair,
+                       :func:`resolve` (torch's kernel with ``"autograd"``, or ``"scan"``)
 =====================  ======================================================================
 
 :func:`forward_option` and :func:`backward_option` turn what the user passed into one of these
@@ -36,9 +38,10 @@ import torch
 
 from paraprop.solvers import METHODS, is_solver, make_solver
 
-__all__ = ["FORWARD_TOL", "FORWARDS", "BACKWARDS", "KERNELS", "AutogradBackward", "JacobiBackward",
-           "ParallelForward", "ScanBackward", "SequentialForward", "backward_option",
-           "check_pair", "default_forward_tol", "describe", "forward_option"]
+__all__ = ["FORWARD_TOL", "FORWARDS", "BACKWARDS", "KERNELS", "TORCH_FASTEST", "AutoBackward",
+           "AutogradBackward", "JacobiBackward", "ParallelForward", "ScanBackward",
+           "SequentialForward", "backward_option", "check_pair", "default_forward_tol",
+           "describe", "forward_option", "resolve"]
 
 # The default stopping tolerance of a parallel forward, per dtype: the solver stops a sample once
 # its estimated distance to the sequential result is below this (max norm over the sample).
@@ -79,10 +82,12 @@ class SequentialForward:
               ``tanh``/``sigmoid`` are within 3 ulp). Where it cannot run (not on the CPU, not
               float32/float64, no C compiler, ``PARAPROP_NATIVE=0``, under :mod:`torch.func`)
               torch's kernel runs instead; ``forward_stats["kernel"]`` says which ran.
-            - ``"auto"`` (``forward="auto"``): the forward measured fastest for the device:
-              the native loop on the CPU (it beat torch's kernel and every parallel solver at
-              every size measured on a 2-core CPU, docs/recurrences.md), torch's fused kernel
-              elsewhere (no measurement on other devices decides otherwise yet).
+            - ``"auto"`` (``forward="auto"``, the modules' default): the forward measured
+              fastest for the device: the native loop on the CPU (it beat torch's kernel and
+              every parallel solver at every size measured on a 2-core CPU,
+              docs/recurrences.md), torch's fused kernel elsewhere (no measurement on other
+              devices decides otherwise yet), and torch's kernel wherever the backward is
+              torch's autograd (``backward="auto"`` may choose it, :func:`resolve`).
     """
 
     kernel: str = "torch"
@@ -199,11 +204,48 @@ class AutogradBackward:
     (with ``forward="sequential"``), double backward and :mod:`torch.func` included."""
 
 
+@dataclass(frozen=True)
+class AutoBackward:
+    """The default ``backward=``: per call, the fastest measured exact choice for the cell, the
+    device and the forward (:func:`resolve`): torch's own kernel and autograd (the module is then
+    exactly the torch module) where :data:`TORCH_FASTEST` says that training step is the
+    fastest, :class:`ScanBackward` otherwise. ``backward_stats["backward"]`` names the one
+    that ran (``forward_stats["kernel"]`` the forward kernel)."""
+
+
+# The (cell, device type) pairs whose training step (forward + backward) is fastest as torch's
+# own fused kernel with autograd. Measured on a 2-core CPU, float32, T=1000, batch 16, input 8,
+# hidden 32 and 64, one thread (docs/recurrences.md, "Which path the defaults run"): torch's
+# LSTM step 10-13 ms (hidden 32) and 39 ms (64), paraprop's native loop + scan 13-18 ms and
+# 35-47 ms, torch's kernel + scan 18-22 ms and 44-48 ms; for RNN and GRU the native loop + scan
+# ran 3-9x faster than torch's step at both sizes. Elsewhere the scan backward stays the
+# default (no measurement decides otherwise yet).
+TORCH_FASTEST = frozenset({("LSTM", "cpu")})
+
+
+def resolve(mode: str, device: torch.device, forward, backward):
+    """The pair that runs for a module of cell ``mode`` (``"LSTM"``, ``"GRU"``, ``"RNN_TANH"``,
+    ...) on ``device``: ``(forward, backward)`` with :class:`AutoBackward` replaced by
+    :class:`AutogradBackward` (only with a :class:`SequentialForward` whose kernel is ``"torch"``
+    or ``"auto"``, then run as torch's kernel) or :class:`ScanBackward`; ``forward="auto"`` with
+    ``backward="autograd"`` runs torch's kernel (the graph autograd needs). Other explicit
+    settings are returned as they are."""
+    if isinstance(backward, AutogradBackward) and forward == SequentialForward("auto"):
+        return SequentialForward("torch"), backward     # autograd needs torch's graph
+    if not isinstance(backward, AutoBackward):
+        return forward, backward
+    if (isinstance(forward, SequentialForward) and forward.kernel != "native"
+            and (mode, torch.device(device).type) in TORCH_FASTEST):
+        return SequentialForward("torch"), AutogradBackward()
+    return forward, ScanBackward()
+
+
 # the names forward= and backward= accept
 SEQUENTIAL_NAMES = ("sequential", "native", "auto")
 PARALLEL_FORWARDS = tuple(m for m in METHODS if m not in ("sequential", "anderson"))
 FORWARDS = (*SEQUENTIAL_NAMES, *PARALLEL_FORWARDS)
-BACKWARDS = {"scan": ScanBackward, "jacobi": JacobiBackward, "autograd": AutogradBackward}
+BACKWARDS = {"scan": ScanBackward, "jacobi": JacobiBackward, "autograd": AutogradBackward,
+             "auto": AutoBackward}
 
 
 def forward_option(value) -> SequentialForward | ParallelForward:
@@ -232,10 +274,11 @@ def forward_option(value) -> SequentialForward | ParallelForward:
                     f"{type(value).__name__}: {value!r}")
 
 
-def backward_option(value) -> ScanBackward | JacobiBackward | AutogradBackward:
+def backward_option(value) -> ScanBackward | JacobiBackward | AutogradBackward | AutoBackward:
     """``backward=`` as an object: a name of :data:`BACKWARDS` (its defaults apply) or one of
-    :class:`ScanBackward`, :class:`JacobiBackward`, :class:`AutogradBackward`."""
-    if isinstance(value, ScanBackward | JacobiBackward | AutogradBackward):
+    :class:`ScanBackward`, :class:`JacobiBackward`, :class:`AutogradBackward`,
+    :class:`AutoBackward`."""
+    if isinstance(value, ScanBackward | JacobiBackward | AutogradBackward | AutoBackward):
         return value
     if isinstance(value, str):
         if value not in BACKWARDS:
@@ -247,7 +290,8 @@ def backward_option(value) -> ScanBackward | JacobiBackward | AutogradBackward:
         raise TypeError(f"backward must be a name or an object, got the class "
                         f"{value.__name__}; pass an instance, e.g. {value.__name__}()")
     raise TypeError(f"backward must be one of {', '.join(map(repr, BACKWARDS))} or "
-                    f"paraprop.nn.ScanBackward(...) / JacobiBackward(...) / AutogradBackward(), "
+                    f"paraprop.nn.ScanBackward(...) / JacobiBackward(...) / AutogradBackward() / "
+                    f"AutoBackward(), "
                     f"got {type(value).__name__}: {value!r}")
 
 
@@ -272,7 +316,7 @@ def check_pair(forward, backward) -> None:
         raise ValueError(f"forward={describe(forward)} differentiates implicitly at the "
                          "solution, with backward='scan' or 'jacobi'; backward='autograd' needs "
                          "forward='sequential'")
-    if (isinstance(forward, SequentialForward) and forward.kernel != "torch"
+    if (isinstance(forward, SequentialForward) and forward.kernel == "native"
             and isinstance(backward, AutogradBackward)):
         raise ValueError(f"forward={describe(forward)} runs paraprop's native loop, which "
                          "records no autograd graph; backward='autograd' needs "

@@ -156,18 +156,24 @@ class RNN(ScanBackwardMixin, torch.nn.RNN):
 
     Same constructor arguments, parameters (``weight_ih_l0``, ``weight_hh_l0``, ``bias_ih_l0``,
     ``bias_hh_l0``, ...), state dict and outputs as :class:`torch.nn.RNN`, so ``load_state_dict``
-    from a torch module just works. With the default ``forward="sequential"`` the forward pass is
-    torch's own kernel (bitwise torch's outputs) and only the backward pass differs; in
-    ``torch.no_grad()`` or with nothing requiring grad the module *is* torch.nn.RNN.
+    from a torch module just works. The defaults ``forward="auto", backward="auto"`` run the pair
+    measured fastest for the cell and device (:func:`paraprop.nn.options.resolve`): on the CPU
+    (float32 / float64) paraprop's native loop and the scan backward, equal to torch's outputs
+    within rounding (a few units in the last place per step); elsewhere torch's own kernel
+    (bitwise torch's outputs) and the scan. ``forward="sequential"`` is always torch's kernel;
+    with it, in ``torch.no_grad()`` or with nothing requiring grad, the module *is*
+    torch.nn.RNN.
 
     Arguments:
         input_size, hidden_size, num_layers, nonlinearity, bias, batch_first, device, dtype: as
             :class:`torch.nn.RNN`.
         dropout, bidirectional, proj_size: only the defaults (0, False, 0) are supported.
         forward: how the states are computed, a name or an object
-            (:mod:`paraprop.nn.options`): ``"sequential"`` (torch's kernel, the default), a
-            method of :func:`paraprop.solve` (``"newton"`` (DEER), ``"quasi_newton"``,
-            ``"elk"``, ``"quasi_elk"``, ``"jacobi"``, ``"jacobi_gs"``, ``"gs_jacobi"``,
+            (:mod:`paraprop.nn.options`): ``"auto"`` (the default: the native loop where it
+            runs and the backward is not torch's), ``"sequential"`` (torch's kernel),
+            ``"native"`` (paraprop's C loop), a method of :func:`paraprop.solve`
+            (``"newton"`` (DEER), ``"quasi_newton"``, ``"elk"``, ``"quasi_elk"``, ``"jacobi"``,
+            ``"jacobi_gs"``, ``"gs_jacobi"``,
             ``"sliding_jacobi"``), a solver object (``ELK(damping=1e-3)``), or
             ``ParallelForward(method=..., tol=..., max_iters=..., throw=...)``. A parallel
             forward solves each layer's :class:`paraprop.Recurrence` (also under
@@ -177,8 +183,11 @@ class RNN(ScanBackwardMixin, torch.nn.RNN):
             torch's within ``5 * tol * max(1, max |out|)``: ``5e-10`` in float64 and ``5e-5``
             in float32 times ``max(1, max |out|)`` (measured for every method on ordinary and
             long-memory cells up to ``T = 5000``; docs/recurrences.md, "Accuracy").
-        backward: how gradients are computed, a name or an object: ``"scan"``
-            (:class:`~paraprop.nn.ScanBackward`, the default: the hidden-state gradients of every
+        backward: how gradients are computed, a name or an object: ``"auto"`` (the default:
+            torch's kernel and ``"autograd"`` where that training step was measured fastest,
+            :data:`~paraprop.nn.options.TORCH_FASTEST` (the LSTM on the CPU), ``"scan"``
+            otherwise), ``"scan"``
+            (:class:`~paraprop.nn.ScanBackward`: the hidden-state gradients of every
             step by :func:`paraprop.scan.linear_recurrence`, BPPSA), ``"jacobi"``
             (:class:`~paraprop.nn.JacobiBackward`: the same recurrence by Jacobi sweeps, Song et
             al. 2021 section 5.1: exact after ``T`` sweeps, truncated back-propagation when
@@ -192,9 +201,12 @@ class RNN(ScanBackwardMixin, torch.nn.RNN):
             ``"iterations"``, ``"residual"`` (the solver's last convergence measure),
             ``"resets"`` (diverging Newton steps replaced), ``"error_estimate"`` (the largest
             estimated distance of a sample to the sequential result; ``0`` at the exactness
-            bound), ``"converged"`` and ``"tol"`` (the tolerance used). Empty after torch's
-            kernel ran.
-        backward_stats: after a ``"scan"`` backward, ``"algorithm"``: the scan kernel that ran
+            bound), ``"converged"`` and ``"tol"`` (the tolerance used); with
+            ``forward="auto"`` or ``"native"``, ``"kernel"``: ``"native"`` or ``"torch"`` per
+            layer, the loop that ran. Empty after ``forward="sequential"``.
+        backward_stats: ``"backward"``: the backward that ran (``"scan"``, ``"jacobi"``,
+            ``"autograd"``; for ``"autograd"`` set by the forward, for the others by the
+            backward); after a ``"scan"`` backward, ``"algorithm"``: the scan kernel that ran
             per layer (top layer first): ``"native"`` (the C kernel, CPU only), ``"triton"``
             (CUDA), ``"chunked"``, ``"blelloch"``, ... (:func:`scan_kernel`); after a
             ``"jacobi"`` backward, ``"jacobi_iterations"``, ``"error_estimate"`` and
@@ -220,7 +232,12 @@ class RNN(ScanBackwardMixin, torch.nn.RNN):
         >>> x = torch.randn(1000, 16, 1)
         >>> out, h = rnn(x)
         >>> out[-1].sum().backward()      # one linear_recurrence per layer
-        >>> torch.equal(out, ref(x)[0])   # the default forward is torch's own kernel
+        >>> rnn.forward_stats["kernel"], rnn.backward_stats["backward"]   # what ran (CPU)
+        (['native', 'native'], 'scan')
+        >>> bool((out - ref(x)[0]).abs().max() < 1e-5)   # torch's outputs, within rounding
+        True
+        >>> rnn.forward_config = "sequential"            # torch's own kernel: bitwise
+        >>> torch.equal(rnn(x)[0], ref(x)[0])
         True
     """
 
@@ -229,7 +246,7 @@ class RNN(ScanBackwardMixin, torch.nn.RNN):
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1,
                  nonlinearity: str = "tanh", bias: bool = True, batch_first: bool = False,
                  dropout: float = 0.0, bidirectional: bool = False, device=None, dtype=None, *,
-                 proj_size: int = 0, forward="sequential", backward="scan"):
+                 proj_size: int = 0, forward="auto", backward="auto"):
         check_options("RNN", dropout=dropout, bidirectional=bidirectional, proj_size=proj_size)
         options = self._init_options(forward, backward)
         super().__init__(input_size, hidden_size, num_layers, nonlinearity, bias, batch_first,
