@@ -64,9 +64,25 @@ def test_train_with_missing_data_exits_2(tmp_path, capsys):
 
 
 def test_info(capsys):
+    from paraprop.scan import native
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "torch" in out and "paraprop" in out
+    # the native kernels' status and the threads, as the library reports them
+    assert f"native         {native.status()} (the C scan kernels" in out
+    assert f"torch_threads  {torch.get_num_threads()}" in out
+    assert "\ntriton         " in out
+
+
+def test_help_is_plain_text(capsys):
+    # the package docstring's reST roles and literals are shown without their markup
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "paraprop.solve" in out and ":func:" not in out and ":mod:" not in out
+    assert "``" not in out
+    from paraprop_lab.cli import plain
+    assert plain(":func:`~paraprop.solve` and ``x``, :class:`A`") == "paraprop.solve and x, A"
 
 
 def test_harness_interleaves_and_reports():

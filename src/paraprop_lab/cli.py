@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -176,8 +177,32 @@ def _cmd_info(args) -> int:
     for k, v in info.items():
         print(f"{k:14s} {v}")
     print(f"{'interop':14s} {torch.get_num_interop_threads()} threads")
+    from paraprop.scan import native
+    print(f"{'native':14s} {native.status()} (the C scan kernels; PARAPROP_NATIVE=0 "
+          "disables them)")
+    print(f"{'triton':14s} {_triton_status()}")
     print(f"{'suites':14s} {', '.join(bench.suites())}")
     return 0
+
+
+def _triton_status() -> str:
+    """Whether the Triton kernels can run: a CUDA device and triton, or why not."""
+    import importlib.metadata  # read, not imported: only the kernel modules import triton
+    try:
+        version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed (the GPU kernels fall back to the torch algorithms)"
+    where = ("a CUDA device" if torch.cuda.is_available() else
+             "no CUDA device: the torch algorithms run (TRITON_INTERPRET=1 runs the kernels "
+             "on the CPU, for tests)")
+    return f"{version}, {where}"
+
+
+def plain(text: str) -> str:
+    """A docstring as terminal text: reST roles and literals without their markup
+    (``:func:`paraprop.solve``` -> ``paraprop.solve``, ````x```` -> ``x``)."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    return re.sub(r"``([^`]+)``", r"\1", text)
 
 
 def _out_dir(out: str) -> Path:
@@ -200,7 +225,7 @@ _EPILOG = ("Errors: a user error (an unknown suite or job, a bad option value, a
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="paraprop", description=paraprop.__doc__, epilog=_EPILOG)
+    p = _Parser(prog="paraprop", description=plain(paraprop.__doc__), epilog=_EPILOG)
     p.add_argument("--version", action="version", version=f"paraprop {paraprop.__version__}")
     p.add_argument("--debug", action="store_true",
                    help="on a user error, show the traceback instead of one line")
