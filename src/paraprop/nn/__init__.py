@@ -10,9 +10,9 @@ outputs. Two extra keyword arguments, each a name or a configuration object of
   the CPU), ``"sequential"`` (torch's kernel, bitwise), ``"native"``, a method of
   :func:`paraprop.solve` such as ``"newton"``, a solver object, or
   :class:`ParallelForward` ``(method=..., tol=..., max_iters=..., throw=...)``;
-- ``backward``: ``"auto"`` (:class:`AutoBackward`, the default: the fastest measured exact
-  training step, :func:`paraprop.nn.options.resolve`: torch's own LSTM and autograd on the
-  CPU, the scan otherwise), ``"scan"`` (:class:`ScanBackward`: the gradients of all hidden
+- ``backward``: ``"auto"`` (:class:`paraprop.nn.options.AutoBackward`, the default: the
+  fastest measured exact training step, :func:`paraprop.nn.options.resolve`: torch's own LSTM
+  and autograd on the CPU, the scan otherwise), ``"scan"`` (:class:`ScanBackward`: the gradients of all hidden
   states from one :func:`paraprop.scan.linear_recurrence` per layer, all weight gradients from
   batched contractions), ``"jacobi"`` (:class:`JacobiBackward`) or ``"autograd"``
   (:class:`AutogradBackward`).
@@ -27,7 +27,6 @@ from paraprop.nn.options import (
     BACKWARDS,
     FORWARD_TOL,
     FORWARDS,
-    AutoBackward,
     AutogradBackward,
     JacobiBackward,
     ParallelForward,
@@ -37,7 +36,6 @@ from paraprop.nn.options import (
 from paraprop.nn.para import ParaGRU, ParaLSTM
 from paraprop.nn.rnn import RNN
 
-__all__ = ["BACKWARDS", "FORWARDS", "FORWARD_TOL", "GRU", "LSTM", "RNN", "AutoBackward",
-           "AutogradBackward",
+__all__ = ["BACKWARDS", "FORWARDS", "FORWARD_TOL", "GRU", "LSTM", "RNN", "AutogradBackward",
            "JacobiBackward", "ParaGRU", "ParaLSTM", "ParallelForward", "ScanBackward",
            "SequentialForward"]

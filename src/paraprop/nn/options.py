@@ -210,7 +210,14 @@ class AutoBackward:
     device and the forward (:func:`resolve`): torch's own kernel and autograd (the module is then
     exactly the torch module) where :data:`TORCH_FASTEST` says that training step is the
     fastest, :class:`ScanBackward` otherwise. ``backward_stats["backward"]`` names the one
-    that ran (``forward_stats["kernel"]`` the forward kernel)."""
+    that ran (``forward_stats["kernel"]`` the forward kernel).
+
+    Example:
+        >>> lstm = paraprop.nn.LSTM(3, 8)                 # backward="auto"
+        >>> lstm(torch.randn(50, 2, 3))[0].sum().backward()
+        >>> lstm.backward_stats["backward"]               # on the CPU: torch's own LSTM
+        'autograd'
+    """
 
 
 # The (cell, device type) pairs whose training step (forward + backward) is fastest as torch's
