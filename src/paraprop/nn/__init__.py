@@ -12,10 +12,10 @@ outputs. Two extra keyword arguments, each a name or a configuration object of
   :class:`ParallelForward` ``(method=..., tol=..., max_iters=..., throw=...)``;
 - ``backward``: ``"auto"`` (:class:`paraprop.nn.options.AutoBackward`, the default: the
   fastest measured exact training step, :func:`paraprop.nn.options.resolve`: torch's own LSTM
-  and autograd on the CPU, the scan otherwise), ``"scan"`` (:class:`ScanBackward`: the gradients of all hidden
-  states from one :func:`paraprop.scan.linear_recurrence` per layer, all weight gradients from
-  batched contractions), ``"jacobi"`` (:class:`JacobiBackward`) or ``"autograd"``
-  (:class:`AutogradBackward`).
+  and autograd on the CPU, the scan otherwise), ``"scan"`` (:class:`ScanBackward`: the
+  gradients of all hidden states from one :func:`paraprop.scan.linear_recurrence` per layer,
+  all weight gradients from batched contractions), ``"jacobi"`` (:class:`JacobiBackward`) or
+  ``"autograd"`` (:class:`AutogradBackward`).
 
 :class:`ParaGRU` and :class:`ParaLSTM` are ParaRNN's diagonal-recurrence cells (Danieli et al.
 2026): Newton forward by default (exact per iteration, ``O(T H)``), scan backward.
