@@ -11,6 +11,7 @@ def small_densenet(seed: int = 0, *, growth_rate: int = 8, block_config=(2, 3, 4
     weights (seeded), eval mode.
 
     Example:
+        >>> import torchvision                  # the vision extra: skipped without it
         >>> net = small_densenet()
         >>> net(torch.randn(1, 3, 32, 32)).shape, net.training
         (torch.Size([1, 10]), False)
