@@ -70,3 +70,19 @@ class FastTriangular(RandomTriangular):
         rows = (index[:, None] * self.F + torch.arange(self.F)).reshape(-1)
         y = torch.tanh(self.scale * (self._flat(x) @ self.W[rows].T) + self.c[rows])
         return y.reshape(*self.batch_shape, index.numel(), *self.feat_shape)
+
+
+class Windowed:
+    """``prob`` with a ``window`` hook (and, with ``update=True``, an ``update`` hook) that
+    compute ``prob``'s values bitwise: the honest hooks a solver may use."""
+
+    def __init__(self, prob, *, update: bool = False):
+        self.prob = prob
+        if update:
+            self.update = lambda x, index: self.prob(x).index_select(1, index)
+
+    def __call__(self, x):
+        return self.prob(x)
+
+    def window(self, x, start, stop, cache):
+        return self.prob(x)[:, start:stop], None

@@ -281,22 +281,6 @@ def test_newton_family_returns_fn_x_within_tol_on_an_accumulating_map(method, dt
 
 
 # -- the final check at tol > 0 raises no false alarm on honest maps -----------------------------
-class _Hooked:
-    """A map with ``window`` and ``update`` hooks that compute fn's values (bitwise)."""
-
-    def __init__(self, prob):
-        self.prob = prob
-
-    def __call__(self, x):
-        return self.prob(x)
-
-    def window(self, x, start, stop, cache):
-        return self.prob(x)[:, start:stop], None
-
-    def update(self, x, index):
-        return self.prob(x).index_select(1, index)
-
-
 class _Expanding:
     """``x_t = a x_{t-1} + 0.01``: errors grow by ``a`` per step (stated in ``growth`` or not)."""
 
@@ -325,12 +309,12 @@ def test_the_final_check_raises_no_false_alarm_on_honest_maps(dtype, gain):
     """The methods that certify by reasoning end with one evaluation of fn, compared with what
     a value within tol can have ((1 + L) tol plus rounding). On honest maps (contracting to
     strongly coupled, any dtype, hooks or none, both norms) it never fires."""
-    from problems import FastTriangular, RandomTriangular
+    from problems import FastTriangular, RandomTriangular, Windowed
 
     T = 12 if gain > 10 else 20
     prob = RandomTriangular((3,), (T,), (2,), dtype, seed=int(gain * 10), gain=gain,
                             scale=[0.1, 1.0, 3.0])
-    maps = [prob, _Hooked(prob)]
+    maps = [prob, Windowed(prob, update=True)]
     if dtype in (torch.float64, torch.float32):   # row-subset products: their own rounding
         maps.append(FastTriangular((3,), (T,), (2,), dtype, seed=int(gain * 10), gain=gain))
     x0 = torch.zeros(3, T, 2, dtype=dtype)

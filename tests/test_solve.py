@@ -20,7 +20,7 @@ from paraprop.solvers import (
     SlidingJacobi,
     TriangularAnderson,
 )
-from problems import TOLERANCES, FastTriangular, RandomTriangular
+from problems import TOLERANCES, FastTriangular, RandomTriangular, Windowed
 
 METHODS = ["sequential", "jacobi", "jacobi_gs", "gs_jacobi"]
 
@@ -684,19 +684,6 @@ def test_the_host_bookkeeping_agrees_with_the_tensor_path(monkeypatch, method, d
 
 
 # -- the budget: never more sequential steps than the sequential loop (issue 27 item 7) ---------
-class _Windowed:
-    """A map with a ``window`` hook computing fn's values (no update)."""
-
-    def __init__(self, prob):
-        self.prob = prob
-
-    def __call__(self, x):
-        return self.prob(x)
-
-    def window(self, x, start, stop, cache):
-        return self.prob(x)[:, start:stop], None
-
-
 class _Markov:
     """``x_t = tanh(W x_{t-1} + 0.5)`` (x_{-1} = 0.3): a plain fn for the Newton family too."""
 
@@ -722,7 +709,7 @@ def test_never_more_calls_than_the_sequential_loop(T, gain):
     at most T calls (the final check included), and the sequential result."""
     rand = RandomTriangular((3,), (T,), (2,), seed=T, gain=gain)
     maps = {"plain": rand, "update": FastTriangular((3,), (T,), (2,), seed=T, gain=gain),
-            "window": _Windowed(rand), "markov": _Markov(gain, seed=T)}
+            "window": Windowed(rand), "markov": _Markov(gain, seed=T)}
     x0 = torch.zeros(3, T, 2, dtype=torch.float64)
     for name, fn in maps.items():
         ref = paraprop.solve(fn, x0, method="sequential", dim=1)
