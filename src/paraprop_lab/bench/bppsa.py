@@ -35,7 +35,7 @@ from paraprop.data import bitstreams
 from paraprop.nn import JacobiBackward, ScanBackward
 from paraprop.scan import native
 from paraprop_lab.experiments import rows_recurrent as _rows
-from paraprop_lab.experiments.bppsa import CLASSES, LR, pair
+from paraprop_lab.experiments.bppsa import CLASSES, Stepper, pair
 from paraprop_lab.experiments.harness import interleaved, machine_info, matmul_rate, median
 from paraprop_lab.experiments.plots import plt, save_figure
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results
@@ -78,28 +78,6 @@ def grad_error(ref: nn.Module, mine: nn.Module, x, y) -> float:
         m.zero_grad()
     return max(float((grads[1][n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
                for n, g in grads[0].items())
-
-
-class Stepper:
-    """One training step, its forward / backward / optimizer parts timed separately."""
-
-    def __init__(self, model: nn.Module, x, y):
-        self.model, self.x, self.y = model, x, y
-        self.opt = torch.optim.Adam(model.parameters(), lr=LR)
-        self.fwd: list[float] = []
-        self.bwd: list[float] = []
-
-    def __call__(self):
-        self.opt.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        loss = nn.functional.cross_entropy(self.model(self.x), self.y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        self.opt.step()
-        self.fwd.append(t1 - t0)
-        self.bwd.append(t2 - t1)
-        return loss
 
 
 def measure(models: dict[str, nn.Module], x, y, repeats: int, desc: str) -> dict:

@@ -3,7 +3,6 @@ native forward, against torch.nn.RNN and autograd."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -13,7 +12,7 @@ from paraprop.data import bitstreams
 from paraprop.nn import JacobiBackward, ScanBackward
 from paraprop.scan import native
 from paraprop_lab.demos._common import speedup_part
-from paraprop_lab.experiments.bppsa import CLASSES, pair
+from paraprop_lab.experiments.bppsa import CLASSES, Stepper, pair
 from paraprop_lab.experiments.harness import interleaved, median
 
 ORDER = 15
@@ -21,27 +20,6 @@ TITLE = "Training an RNN at T = 1000: the backward pass as a scan (BPPSA), the f
 SECONDS = {"quick": 2, "default": 5, "full": 30}
 COLUMNS = ["method", "fwd_ms", "bwd_ms", "step_ms", "speedup", "bwd_speedup", "grad_rel_err",
            "note"]
-
-
-class _Step:
-    """One Adam training step of a model on one batch; forward and backward timed apart."""
-
-    def __init__(self, model: nn.Module, x, y):
-        self.model, self.x, self.y = model, x, y
-        self.opt = torch.optim.Adam(model.parameters(), lr=1e-5)
-        self.fwd: list[float] = []
-        self.bwd: list[float] = []
-
-    def __call__(self):
-        self.opt.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        loss = nn.functional.cross_entropy(self.model(self.x), self.y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        self.opt.step()
-        self.fwd.append(t1 - t0)
-        self.bwd.append(t2 - t1)
 
 
 def run(out_dir: Path, *, quick: bool = False, full: bool = False) -> dict:
@@ -80,7 +58,7 @@ def run(out_dir: Path, *, quick: bool = False, full: bool = False) -> dict:
         nn.functional.cross_entropy(model(x), y).backward()
         grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad()
-    steps = {k: _Step(m, x, y) for k, (m, _) in variants.items()}
+    steps = {k: Stepper(m, x, y) for k, (m, _) in variants.items()}
     repeats = 1 if quick else 5 if full else 3
     times = interleaved(steps, repeats=repeats, warmup=1, desc="demo rnn training")
     base = steps["torch.nn.RNN + autograd"]

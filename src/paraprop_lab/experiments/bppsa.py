@@ -4,6 +4,8 @@ identical weights; shared by ``paraprop bench bppsa`` and the BPPSA demo part.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -30,3 +32,24 @@ def pair(kind: str, inputs: int, classes: int, seed: int, hidden: int = HIDDEN, 
     mine.load_state_dict(ref.state_dict())
     return ref, mine
 
+
+class Stepper:
+    """One training step, its forward / backward / optimizer parts timed separately."""
+
+    def __init__(self, model: nn.Module, x, y):
+        self.model, self.x, self.y = model, x, y
+        self.opt = torch.optim.Adam(model.parameters(), lr=LR)
+        self.fwd: list[float] = []
+        self.bwd: list[float] = []
+
+    def __call__(self):
+        self.opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss = nn.functional.cross_entropy(self.model(self.x), self.y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        self.opt.step()
+        self.fwd.append(t1 - t0)
+        self.bwd.append(t2 - t1)
+        return loss
