@@ -125,9 +125,15 @@ def test_explicit_settings_are_honoured(cls, tcls, device):
     for a, b in zip((o2, *g2), (o1, *g1), strict=True):
         assert close(a, b, TOL[torch.float32])
     # forward="sequential": torch's kernel (bitwise), no kernel entry; the auto backward picks
+    # (autograd where the table says torch is fastest, else the scan), with torch's gradients
     ref, ours = pair(cls, tcls, 32, device=device, forward="sequential")
-    o2, _ = step(ours, x)
+    o2, g2 = step(ours, x)
     assert torch.equal(o2, o1) and ours.forward_stats == {}
+    picked = ours.backward_stats["backward"]
+    assert picked == ("autograd" if (cls.__name__, torch.device(device).type) in TORCH_FASTEST
+                      else "scan")
+    for a, b in zip(g2, g1, strict=True):
+        assert torch.equal(a, b) if picked == "autograd" else close(a, b, TOL[torch.float32])
     # backward="autograd" with the default forward: torch's kernel and autograd, bitwise
     ref, ours = pair(cls, tcls, 32, device=device, backward="autograd")
     o2, g2 = step(ours, x)
@@ -169,3 +175,14 @@ def test_auto_backward_names_and_refusals():
     # the native loop records no graph: autograd with it is still refused by name
     with pytest.raises(ValueError, match=r"forward='native' runs paraprop's native loop"):
         pnn.LSTM(2, 3, forward="native", backward="autograd")
+
+
+def test_backward_stats_name_the_kind_and_follow_the_last_call():
+    # an option object is reported by its kind's name; a call without a graph clears the entry
+    ref, ours = pair(pnn.GRU, torch.nn.GRU, 8, forward="sequential",
+                     backward=ScanBackward(algorithm="blelloch"))
+    step(ours, torch.randn(T, B, I))
+    assert ours.backward_stats["backward"] == "scan"
+    with torch.no_grad():
+        ours(torch.randn(T, B, I))
+    assert "backward" not in ours.backward_stats

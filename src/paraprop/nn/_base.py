@@ -11,6 +11,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from paraprop.first_order import refuse_second_order
 from paraprop.nn.options import (
+    BACKWARDS,
     AutogradBackward,
     ParallelForward,
     SequentialForward,
@@ -149,7 +150,9 @@ def unpack_saved(ctx, lead: int = 0):
     nl, per = cfg["layers"], 4 if cfg["bias"] else 2
     saved = ctx.saved_tensors
     cfg["stats"].clear()
-    cfg["stats"]["backward"] = cfg["backward_name"].strip("'")
+    # the kind's name ("scan", "jacobi"), whatever settings the option object carries
+    cfg["stats"]["backward"] = next(k for k, c in BACKWARDS.items()
+                                    if type(cfg["backward"]) is c)
     lead_t, weights = saved[:lead], saved[lead:lead + nl * per]
     cdt = cfg.get("compute")
     if cdt is not None and weights and weights[0].dtype != cdt:
@@ -353,6 +356,7 @@ class ScanBackwardMixin:
                 "(module.to(torch.bfloat16), where the scan backward runs in float32)")
         native = native_runs(fwd, input, *hxs, *weights)
         self.forward_stats.clear()
+        self.backward_stats.clear()   # this call's backward, when it runs, fills it again
         if kernel_shown:
             self.forward_stats["kernel"] = ["native" if native else "torch"] * self.num_layers
         x, batched = time_major(name, input, self.input_size, self.batch_first)
@@ -375,7 +379,6 @@ class ScanBackwardMixin:
                             f"{weights[0].dtype}")
         if not parallel and not native and (isinstance(bwd, AutogradBackward) or not needs_grad):
             if needs_grad:     # torch's own backward will run: nothing of ours to record
-                self.backward_stats.clear()
                 self.backward_stats["backward"] = "autograd"
             return super().forward(input, hx)
         if B == 0:      # nothing to solve or to scan: torch's kernel (and autograd) as is
