@@ -438,12 +438,10 @@ def _floor_arrays(values: torch.Tensor, norm: str) -> Floor:
         return Floor(z, z, finfo.eps / 2)
     if norm == "max":
         m = values.abs().amax(dim=tuple(range(1, values.dim())))
-        if m.device.type == "cpu" and m.dtype != torch.bfloat16:
-            # (B,) numbers: NumPy's calls cost less than tensor operators, same arithmetic
-            m = m.numpy().astype(np.float64)
-            unit = m * finfo.eps
-            return Floor(half_ulp_bound(m, values.dtype, unit), unit, finfo.eps / 2)
-        m = m.to(torch.float64)
+        # (B,) numbers: on the host NumPy's calls cost less than tensor operators, same
+        # arithmetic (bfloat16, which NumPy lacks, stays a tensor)
+        m = m.numpy().astype(np.float64) if m.device.type == "cpu" and \
+            m.dtype != torch.bfloat16 else m.to(torch.float64)
         unit = m * finfo.eps
         return Floor(half_ulp_bound(m, values.dtype, unit), unit, finfo.eps / 2)
     flat = values.reshape(B, -1)
