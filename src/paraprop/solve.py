@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TypedDict
 
 import torch
 
@@ -36,6 +37,17 @@ __all__ = [
 ]
 
 NORMS = ("max", "l2")
+
+
+class SolveOptions(TypedDict, total=False):
+    """The keyword options of :func:`solve` that an entry point built on it forwards unchanged
+    (``**options: Unpack[SolveOptions]``), so that their defaults are :func:`solve`'s alone."""
+
+    tol: float
+    norm: str
+    max_iters: int | None
+    throw: bool
+    callback: Callable[[int, torch.Tensor, float], None] | None
 
 
 def solve(

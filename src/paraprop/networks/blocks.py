@@ -17,14 +17,15 @@ previous values of the blocks before it (:class:`paraprop.solvers.JacobiGS` with
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Unpack
 
 import torch
 
 from paraprop import checks
 from paraprop.networks.layer_system import LayerSystem
 from paraprop.result import Solution
-from paraprop.solve import solve
+from paraprop.solve import SolveOptions, solve
 from paraprop.solvers import JacobiGS
 from paraprop.solvers.jacobi_gs import as_ranges
 
@@ -84,11 +85,7 @@ def jacobi_gs_blocks(
     *,
     workers: int = 1,
     costs: Sequence[float] | None = None,
-    tol: float = 1e-5,
-    norm: str = "max",
-    max_iters: int | None = None,
-    throw: bool = True,
-    callback: Callable[[int, torch.Tensor, float], None] | None = None,
+    **options: Unpack[SolveOptions],
 ) -> Solution:
     """Jacobi-GS (Algorithm 2) over any contiguous partition of the states of ``system``.
 
@@ -105,7 +102,8 @@ def jacobi_gs_blocks(
             of one thread; see :class:`~paraprop.solvers.JacobiGS`).
         costs: seconds per state (e.g. :func:`~paraprop.networks.profile`) to balance the
             blocks among the workers; default round-robin.
-        tol, norm, max_iters, throw, callback: as for :func:`paraprop.solve`.
+        options: ``tol``, ``norm``, ``max_iters``, ``throw``, ``callback``: passed to
+            :func:`paraprop.solve` (its defaults apply).
 
     Returns:
         A :class:`~paraprop.Solution` (``method="jacobi_gs"``; ``stats["blocks"]`` holds the
@@ -134,5 +132,4 @@ def jacobi_gs_blocks(
     blocks = check_blocks(blocks, x0.shape[1])
     method = JacobiGS(blocks=blocks, workers=workers,
                       costs=None if costs is None else [float(c) for c in costs])
-    return solve(system, x0, method=method, dim=1, tol=tol, norm=norm,
-                 max_iters=max_iters, throw=throw, callback=callback)
+    return solve(system, x0, method=method, dim=1, **options)

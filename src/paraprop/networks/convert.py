@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from paraprop import checks
@@ -192,32 +191,6 @@ def _sequential_steps(model: nn.Sequential, prefix: str = "") -> list[Step]:
 # -- torchvision DenseNet and ResNet ------------------------------------------------------------
 
 
-class _DenseNetHead(nn.Module):
-    """The tail of torchvision's ``DenseNet.forward``: final norm, ReLU, global pool, classifier."""
-
-    def __init__(self, tail: nn.Module, classifier: nn.Module):
-        super().__init__()
-        self.tail = tail
-        self.classifier = classifier
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = nn.functional.relu(self.tail(x), inplace=True)
-        out = nn.functional.adaptive_avg_pool2d(out, (1, 1))
-        return self.classifier(torch.flatten(out, 1))
-
-
-class _ResNetHead(nn.Module):
-    """The tail of torchvision's ``ResNet._forward_impl``: pool, flatten, fully connected."""
-
-    def __init__(self, avgpool: nn.Module, fc: nn.Module):
-        super().__init__()
-        self.avgpool = avgpool
-        self.fc = fc
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.flatten(self.avgpool(x), 1))
-
-
 def _require_own_forward(model: nn.Module, base: type, methods: tuple[str, ...]) -> None:
     for meth in methods:
         if getattr(type(model), meth) is not getattr(base, meth):
@@ -256,9 +229,10 @@ def _densenet_steps(model: nn.Module) -> list[Step]:
                                          "without forward() inside DenseNet.features")
         else:
             pending.append((full, m))
-    tail = pending[0][1] if len(pending) == 1 else nn.Sequential(*(m for _, m in pending))
     names = [n for n, _ in pending] + ["classifier"]
-    head = _DenseNetHead(tail if pending else nn.Identity(), model.classifier)
+    # the tail of torchvision's DenseNet.forward: final norm, ReLU, global pool, classifier
+    head = nn.Sequential(*(m for _, m in pending), nn.ReLU(inplace=True),
+                         nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(1), model.classifier)
     steps.append(Step(f"{names[0]}..classifier" if len(names) > 1 else "classifier", head,
                       current, "cat"))
     return steps
@@ -273,7 +247,9 @@ def _resnet_steps(model: nn.Module) -> list[Step]:
     for lname in ("layer1", "layer2", "layer3", "layer4"):
         for bname, block in getattr(model, lname).named_children():
             steps.append(Step(f"{lname}.{bname}", block, (len(steps) - 1,)))
-    steps.append(Step("avgpool..fc", _ResNetHead(model.avgpool, model.fc), (len(steps) - 1,)))
+    # the tail of torchvision's ResNet._forward_impl: pool, flatten, fully connected
+    head = nn.Sequential(model.avgpool, nn.Flatten(1), model.fc)
+    steps.append(Step("avgpool..fc", head, (len(steps) - 1,)))
     return steps
 
 
