@@ -12,7 +12,8 @@ import torch
 import paraprop
 from paraprop.jacobians.diagonal import gru_linearize, gru_step, lstm_linearize, lstm_step
 from paraprop.nn import ParaGRU, ParallelForward, ParaLSTM
-from paraprop.nn.para_layers import GRURecurrence, LSTMRecurrence
+from paraprop.nn.para_gru import GRURecurrence
+from paraprop.nn.para_lstm import LSTMRecurrence
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

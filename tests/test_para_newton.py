@@ -1,5 +1,5 @@
 """The fused Newton steps of ParaGRU and ParaLSTM (``newton_step`` of the recurrences in
-paraprop.nn.para_layers): the same values and iterations as the unfused step of
+paraprop.nn.para_gru, para_lstm): the same values and iterations as the unfused step of
 paraprop.solvers.newton, their buffers reused across many iterations, several blocks along time,
 and the input terms formed block by block."""
 
@@ -20,7 +20,8 @@ from paraprop.jacobians.diagonal import (
     lstm_step,
 )
 from paraprop.nn import ParaGRU, ParallelForward, ParaLSTM
-from paraprop.nn.para_layers import GRURecurrence, LSTMRecurrence
+from paraprop.nn.para_gru import GRURecurrence
+from paraprop.nn.para_lstm import LSTMRecurrence
 from paraprop.scan import linear_recurrence, native
 
 pytestmark = pytest.mark.usefixtures("one_thread")

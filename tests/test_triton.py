@@ -24,8 +24,9 @@ import torch
 pytest.importorskip("triton")
 
 import paraprop  # noqa: E402
-from paraprop.nn import ParaGRU, ParallelForward, ParaLSTM, para_layers, triton_cells  # noqa: E402
-from paraprop.nn.para_layers import GRURecurrence, LSTMRecurrence  # noqa: E402
+from paraprop.nn import ParaGRU, ParallelForward, ParaLSTM, para_solve, triton_cells  # noqa: E402
+from paraprop.nn.para_gru import GRURecurrence  # noqa: E402
+from paraprop.nn.para_lstm import LSTMRecurrence  # noqa: E402
 from paraprop.scan import Factored, LSTMFactored, linear_recurrence  # noqa: E402
 from paraprop.scan import recurrence as rec_module  # noqa: E402
 from paraprop.scan import triton_kernels as tk  # noqa: E402
@@ -355,7 +356,7 @@ def test_newton_with_the_fused_kernel_makes_the_same_decisions(dev, cell):
 @pytest.mark.parametrize("cls", [ParaGRU, ParaLSTM])
 def test_para_modules_run_the_fused_kernel_and_say_so(dev, cls, monkeypatch):
     if dev.type == "cpu":        # on the CPU only on request (interpreted)
-        monkeypatch.setattr(para_layers, "STEP_KERNEL", "triton")
+        monkeypatch.setattr(para_solve, "STEP_KERNEL", "triton")
     torch.manual_seed(12)
     m = cls(3, 4, num_layers=2, batch_first=True).to(dev)
     x = torch.randn(2, 16, 3, device=dev, requires_grad=True)
@@ -392,7 +393,7 @@ def test_the_triton_step_is_a_warm_start_certified_by_the_torch_cell(cls, dtype,
     (With the Triton step certifying, as before, tol=0 stopped at the Triton cell's fixed
     point, ulps away from the loop.)"""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(para_layers, "STEP_KERNEL", "triton")
+    monkeypatch.setattr(para_solve, "STEP_KERNEL", "triton")
     torch.manual_seed(13)
     x = torch.randn(2, 12, 3, dtype=dtype)
     for tol in (0.0, 1e-5 if dtype == torch.float32 else 1e-10):
@@ -418,7 +419,7 @@ def test_max_iters_bounds_the_warm_start_and_the_certifying_solve(monkeypatch):
     """``max_iters`` counts the Triton iterations too (plus the one certifying evaluation);
     not converged within it, the torch step says so (converged False, or ConvergenceError)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(para_layers, "STEP_KERNEL", "triton")
+    monkeypatch.setattr(para_solve, "STEP_KERNEL", "triton")
     torch.manual_seed(14)
     x = torch.randn(2, 12, 3)
     m = ParaGRU(3, 16, batch_first=True,
@@ -526,13 +527,13 @@ def test_cuda_tensors_are_refused_while_the_interpreter_is_on(monkeypatch):
     rec = types.SimpleNamespace(device=torch.device("cuda", 0), formed=True, _h0=FakeCuda(),
                                 fused_forms=("any", "diag"))
     newton = paraprop.solvers.Newton()
-    assert para_layers._triton_warm_start(newton, rec) == (False, tk.INTERPRETER_ON_CUDA)
+    assert para_solve.triton_warm_start(newton, rec) == (False, tk.INTERPRETER_ON_CUDA)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert tk.why_not(b=FakeCuda()) is None and "CUDA tensors compiled" in tk.status()
-    assert para_layers._triton_warm_start(newton, rec) == (True, None)
-    assert para_layers._triton_warm_start(paraprop.solvers.ELK(), rec)[0] is False
-    monkeypatch.setattr(para_layers, "STEP_KERNEL", "blocks")
-    assert para_layers._triton_warm_start(newton, rec) == (False, "STEP_KERNEL='blocks'")
+    assert para_solve.triton_warm_start(newton, rec) == (True, None)
+    assert para_solve.triton_warm_start(paraprop.solvers.ELK(), rec)[0] is False
+    monkeypatch.setattr(para_solve, "STEP_KERNEL", "blocks")
+    assert para_solve.triton_warm_start(newton, rec) == (False, "STEP_KERNEL='blocks'")
 
 
 def test_the_loader_runs_each_module_once_per_mode_under_a_lock(monkeypatch):
@@ -622,7 +623,7 @@ def test_a_failing_kernel_is_recorded_and_auto_falls_back(monkeypatch):
     # the layers' warm start (as picked by default on CUDA) is skipped: the torch step alone,
     # and the stats say why; asked for (STEP_KERNEL="triton"), the failure raises
     monkeypatch.setattr(tk, "_failed", [])
-    monkeypatch.setattr(para_layers, "_triton_warm_start", lambda solver, rec: (True, None))
+    monkeypatch.setattr(para_solve, "triton_warm_start", lambda solver, rec: (True, None))
     torch.manual_seed(15)
     m = ParaGRU(5, 4, forward=ParallelForward(tol=1e-12), dtype=f64)      # gi stored
     x = torch.randn(9, 2, 5, dtype=f64)
@@ -635,7 +636,7 @@ def test_a_failing_kernel_is_recorded_and_auto_falls_back(monkeypatch):
     with torch.no_grad():
         ref, _ = m(x)
     assert st["converged"] == [True] and float((out - ref).abs().max()) <= 1e-12
-    monkeypatch.setattr(para_layers, "STEP_KERNEL", "triton")
+    monkeypatch.setattr(para_solve, "STEP_KERNEL", "triton")
     m.forward_config = ParallelForward(tol=1e-12)
     with pytest.raises(tk.LaunchError, match="gru_step failed"), torch.no_grad():
         m(x)

@@ -1,5 +1,5 @@
 """The Triton kernels of :mod:`paraprop.nn.triton_cells`: ParaGRU's and ParaLSTM's Newton step
-fused (the GPU's counterpart of ``newton_step`` in :mod:`paraprop.nn.para_layers`). Loaded by
+fused (the GPU's counterpart of ``newton_step`` in :mod:`paraprop.nn.para_gru`). Loaded by
 :func:`paraprop.scan.triton_kernels.load`, once per mode; without triton the file imports and
 defines nothing that runs.
 

@@ -5,7 +5,8 @@ ParaRNN (Danieli et al., ICLR 2026) trains nonlinear RNNs in parallel over the s
 Newton's method, and adapts the GRU and the LSTM so that Newton is cheap: every hidden-to-hidden
 matrix ``W_hh`` becomes a diagonal, so the state Jacobians are diagonal (GRU) or ``2 x 2`` blocks
 per unit (LSTM). The cells are defined in :mod:`paraprop.jacobians.diagonal`; the layers (loop,
-Newton, scan backward) in :mod:`paraprop.nn.para_layers`.
+Newton, scan backward) in :mod:`paraprop.nn.para_gru` and :mod:`paraprop.nn.para_lstm`, what
+they share in :mod:`paraprop.nn.para_solve`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from torch.nn.utils.rnn import PackedSequence
 from paraprop import checks
 from paraprop.nn._base import ScanBackwardMixin, refuse_jit, time_major, transforms_active
 from paraprop.nn.options import AutogradBackward, ParallelForward, describe
-from paraprop.nn.para_layers import ParaGRUFunction, ParaLSTMFunction
+from paraprop.nn.para_gru import ParaGRUFunction
+from paraprop.nn.para_lstm import ParaLSTMFunction
 
 __all__ = ["ParaGRU", "ParaLSTM"]
 

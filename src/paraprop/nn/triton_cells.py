@@ -1,6 +1,6 @@
 """ParaGRU's and ParaLSTM's Newton step fused in one Triton kernel (the GPU's ``newton_step``).
 
-:class:`paraprop.nn.para_layers.GRURecurrence` and ``LSTMRecurrence`` run their fused step
+:class:`paraprop.nn.para_gru.GRURecurrence` and ``LSTMRecurrence`` run their fused step
 here with ``kernel="triton"``: per block of steps the cell, its Jacobian (diagonal, or ``2 x
 2`` per unit), the residual and the step's linear recurrence, in one pass over the iterate and
 the input terms (:mod:`paraprop.nn._triton_cells` says how). The results are those of the
@@ -8,7 +8,7 @@ torch cell's fused step up to rounding: ``y`` (the kernel cell's ``fn(x)``) and 
 delta`` at positions ``[lo, T)``. Because the kernel's cell rounds differently from the torch
 cell, a Newton solve with this step converges to the kernel cell's fixed point: ParaGRU and
 ParaLSTM use it as a warm start only, and certify with the torch cell's step
-(:func:`paraprop.nn.para_layers._solve`). triton is imported only when a step first runs
+(:func:`paraprop.nn.para_solve.solve_recurrence`). triton is imported only when a step first runs
 (through :func:`paraprop.scan.triton_kernels.load`).
 
 The two functions below are what the recurrences call, and what a benchmark can call directly.
