@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from paraprop_lab.demos import _weights
+from paraprop_lab.demos._common import part_model, part_result
 from paraprop_lab.experiments.decoding import COLUMNS, case_rows, prompts
 from paraprop_lab.experiments.explain import fewer_passes, pass_cost
 from paraprop_lab.experiments.plots import time_bars
-from paraprop_lab.experiments.report import markdown_table, text_table
 
 ORDER = 20
 REQUIRES = ("transformers",)
@@ -25,35 +25,22 @@ def run(out_dir: Path, *, quick: bool = False, full: bool = False) -> dict:
     from paraprop.decoding import generate
     from paraprop_lab.training.charlm import trained_charlm
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if not (quick or full) and _weights.path("charlm") is None:
-        print(f"{_weights.describe('charlm')}: missing here, so this part trains the --full "
-              "model instead")
-        full = True
-    if quick or full:
+    def train():
         model, vocab, info = trained_charlm(out_dir, **({"steps": 20} if quick else {}))
-        model.requires_grad_(False)
-        what = "1500 steps, trained here" if full else "20 steps"
-    else:
-        model, vocab = _weights.load("charlm")
-        info = {"checkpoint": str(_weights.path("charlm")), "trained_now": False,
-                "command": _weights.CHECKPOINTS["charlm"]["command"]}
-        what = "2 layers, width 64, shipped checkpoint"
-        print(_weights.describe("charlm"))
+        return (model.requires_grad_(False), vocab), info
+
+    (model, vocab), info, full = part_model("charlm", out_dir, quick=quick, full=full,
+                                            train=train)
+    what = ("1500 steps, trained here" if full else "20 steps" if quick
+            else "2 layers, width 64, shipped checkpoint")
     held = _weights.held_out_text(vocab)  # corpus(vocab)'s held-out ids, without the rest
     new = 32 if quick else 256
     ids = prompts(vocab, held, 1)
     rows = case_rows(model, ids, new, sample=False, window=16, repeats=1 if quick else 3,
                      desc="demo decoding")
     title = f"char LM (GPT-2 shape, {what}), greedy, batch 1, {new} new tokens"
-    print(f"{title}; same_tokens compares with paraprop's sequential KV-cached loop")
-    print(text_table(rows, COLUMNS))
     tokens, _ = generate(model, ids, max_new_tokens=new)
-    text = vocab.decode(tokens[0])
-    print("sample: " + repr(text))
     why, headline = explain(rows, window=16)
-    why += " " + CAVEAT
-    print(why)
     plot = time_bars(
         out_dir / "demo_decoding.png", f"Greedy decoding of {new} tokens by a char LM (GPT-2 "
         f"shape, {what}), batch 1: the same tokens, fewer model passes",
@@ -62,10 +49,10 @@ def run(out_dir: Path, *, quick: bool = False, full: bool = False) -> dict:
                 + (", same tokens" if r["same_tokens"] is True else ""))
                for r in rows])],
         xlabel="wall time for the whole sequence (ms, log scale)")
-    md = (markdown_table(rows, COLUMNS) + "\n\n```\n" + text + "\n```\n\n" + why
-          + f"\n\n![]({plot.name})")
-    return {"rows": rows, "sections": [(title, md)], "why": why, "headline": headline,
-            "plots": [plot], "model": {k: v for k, v in info.items() if k != "loss"}}
+    return part_result(
+        title, rows, COLUMNS, (why + " " + CAVEAT, headline), [plot],
+        heading=f"{title}; same_tokens compares with paraprop's sequential KV-cached loop",
+        sample=vocab.decode(tokens[0]), model={k: v for k, v in info.items() if k != "loss"})
 
 
 def explain(rows: list[dict], *, window: int) -> tuple[str, str]:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paraprop_lab.demos import _weights
+from paraprop_lab.demos._common import frozen, part_model, part_result
 from paraprop_lab.experiments.diffusion import COLUMNS, TOL, chain_rows, curves_plot
 from paraprop_lab.experiments.explain import fewer_passes, pass_cost
-from paraprop_lab.experiments.report import markdown_table, text_table
 
 ORDER = 40
 REQUIRES = ("diffusers",)
@@ -20,32 +19,19 @@ def run(out_dir: Path, *, quick: bool = False, full: bool = False) -> dict:
 
     from paraprop_lab.training.ddpm import trained_denoiser
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if not (quick or full) and _weights.path("ddpm") is None:
-        print(f"{_weights.describe('ddpm')}: missing here, so this part trains the --full "
-              "model instead")
-        full = True
-    if quick or full:
-        model, info = trained_denoiser(out_dir, "moons", **({"epochs": 2} if quick else {}))
-        model.requires_grad_(False)
-    else:
-        model = _weights.load("ddpm")
-        info = {"checkpoint": str(_weights.path("ddpm")), "trained_now": False,
-                "command": _weights.CHECKPOINTS["ddpm"]["command"]}
-        print(_weights.describe("ddpm"))
+    model, info, full = part_model(
+        "ddpm", out_dir, quick=quick, full=full,
+        train=lambda: frozen(trained_denoiser(out_dir, "moons",
+                                              **({"epochs": 2} if quick else {}))))
     steps = 100 if quick else 1000
     title = f"MLP denoiser on two moons, batch 16, DDPM {steps} steps"
     rows, curves = chain_rows(model, DDPMScheduler(clip_sample=False), (16, 2), steps,
                               eta=None, repeats=1 if quick else 3, window=None,
                               desc="demo diffusion")
-    print(f"{title}; tol={TOL:g}; speedup over the diffusers loop, same noise")
-    print(text_table(rows, COLUMNS))
-    why, headline = explain(rows, steps)
-    print(why)
     plot = curves_plot(out_dir / "demo_diffusion.png", title, curves, steps)
-    md = markdown_table(rows, COLUMNS) + "\n\n" + why + f"\n\n![]({plot.name})"
-    return {"rows": rows, "sections": [(title, md)], "model": info, "why": why,
-            "headline": headline, "plots": [plot]}
+    return part_result(title, rows, COLUMNS, explain(rows, steps), [plot],
+                       heading=f"{title}; tol={TOL:g}; speedup over the diffusers loop, same "
+                       "noise", model=info)
 
 
 def explain(rows: list[dict], steps: int) -> tuple[str, str]:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from paraprop_lab.demos import _weights
+from paraprop_lab.demos._common import part_model, part_result
 from paraprop_lab.experiments.explain import fewer_passes, pass_cost
 from paraprop_lab.experiments.made import COLUMNS, TOL, image_grid, sampling_rows
 from paraprop_lab.experiments.plots import convergence_plot
-from paraprop_lab.experiments.report import markdown_table, text_table
 from paraprop_lab.training.made import trained_made
 
 ORDER = 10
@@ -22,37 +21,26 @@ SECONDS = {"quick": 3, "default": 14, "full": 200}
 
 
 def run(out_dir: Path, *, quick: bool = False, full: bool = False) -> dict:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if not (quick or full) and _weights.path("made") is None:
-        print(f"{_weights.describe('made')}: missing here, so this part trains the --full "
-              "model instead")
-        full = True
+    hidden, epochs = ((64, 64), 3) if quick else ((512, 512), 30)
+    model, info, full = part_model(
+        "made", out_dir, quick=quick, full=full,
+        train=lambda: trained_made(out_dir, "digits", hidden=hidden, epochs=epochs))
     if quick or full:
-        hidden, epochs = ((64, 64), 3) if quick else ((512, 512), 30)
-        model, info = trained_made(out_dir, "digits", hidden=hidden, epochs=epochs)
         data, what = "digits", f"{epochs} epochs"
     else:
-        model, data = _weights.load("made"), "MNIST"
-        hidden, what = tuple(model.config["hidden"]), "20 epochs, the shipped checkpoint"
-        info = {"checkpoint": str(_weights.path("made")), "trained_now": False,
-                "command": _weights.CHECKPOINTS["made"]["command"]}
-        print(_weights.describe("made"))
+        data, what = "MNIST", "20 epochs, the shipped checkpoint"
+        hidden = tuple(model.config["hidden"])
     rows, extra = sampling_rows(model, 100, repeats=1 if quick else 3 if full else 2,
                                 hybrids=quick or full, desc="demo made")
     side = int(round(model.features ** 0.5))
     title = (f"MADE (hidden layers {' and '.join(map(str, hidden))}) on {data} "
              f"(D={model.features}), {what}, 100 samples")
-    print(f"{title}; tol={TOL:g}; speedup over ancestral sampling, same noise")
-    print(text_table(rows, COLUMNS))
-    why, headline = explain(rows)
-    print(why)
     conv = convergence_plot(out_dir / "demo_made_convergence.png", title, extra["curves"], tol=TOL)
     grid = image_grid(out_dir / "demo_made_samples.png", extra["ref"], extra["iterates"], side,
                       f"MADE on {data}: Jacobi iterates become the ancestral samples")
-    md = (markdown_table(rows, COLUMNS) + "\n\n" + why
-          + f"\n\n![]({conv.name})\n\n![]({grid.name})")
-    return {"rows": rows, "sections": [(title, md)], "model": info, "why": why,
-            "headline": headline, "plots": [conv, grid]}
+    return part_result(title, rows, COLUMNS, explain(rows), [conv, grid],
+                       heading=f"{title}; tol={TOL:g}; speedup over ancestral sampling, same "
+                       "noise", model=info)
 
 
 def explain(rows: list[dict]) -> tuple[str, str]:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
+from paraprop_lab.demos._common import frozen, part_model, part_result
 from paraprop_lab.experiments.explain import fewer_passes, pass_cost
 from paraprop_lab.experiments.plots import plt, save_figure
-from paraprop_lab.experiments.report import markdown_table, text_table
 from paraprop_lab.experiments.tarflow import COLUMNS, method_rows
 
 ORDER = 45
@@ -18,39 +18,24 @@ SECONDS = {"quick": 3, "default": 4, "full": 240}
 
 
 def run(out_dir: Path, *, quick: bool = False, full: bool = False) -> dict:
-    from paraprop_lab.demos import _weights
     from paraprop_lab.training.tarflow import tarflow_data, trained_tarflow
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if not (quick or full) and _weights.path("tarflow") is None:
-        print(f"{_weights.describe('tarflow')}: missing here, so this part trains the --full "
-              "model instead")
-        full = True
+    flow, info, full = part_model(
+        "tarflow", out_dir, quick=quick, full=full,
+        train=lambda: frozen(trained_tarflow("digits", out_dir=out_dir / "models",
+                                             **({"epochs": 1, "n": 64} if quick else {}),
+                                             progress=not quick)))
     if quick or full:
-        flow, info = trained_tarflow("digits", out_dir=out_dir / "models",
-                                     **({"epochs": 1, "n": 64} if quick else {}),
-                                     progress=not quick)
-        flow.requires_grad_(False)
         samples = Path(info["checkpoint"]).with_suffix(".png")  # the training job's figure
     else:
-        flow = _weights.load("tarflow")
-        info = {"checkpoint": str(_weights.path("tarflow")), "trained_now": False,
-                "command": _weights.CHECKPOINTS["tarflow"]["command"]}
-        print(_weights.describe("tarflow"))
         samples = samples_figure(out_dir / "demo_tarflow_samples.png", flow,
                                  tarflow_data("digits"))
     rows, _ = method_rows(flow, 1, repeats=1 if quick else 3, desc="demo tarflow")
     title = f"TarFlow on the digits ({flow.T} patches, {len(flow.blocks)} blocks), batch 1"
-    print(f"{title}; speedup against the KV-cached loop, max_abs_err against the exact solve")
-    print(text_table(rows, COLUMNS))
-    why, headline = explain(rows, flow.T)
-    print(why)
-    md = markdown_table(rows, COLUMNS) + "\n\n" + why
-    if samples.is_file():
-        md += f"\n\n![]({samples.name})"
-    return {"rows": rows, "sections": [(title, md)],
-            "why": why, "headline": headline, "plots": [samples] if samples.is_file() else [],
-            "model": {k: v for k, v in info.items() if k != "loss"}}
+    return part_result(
+        title, rows, COLUMNS, explain(rows, flow.T), [samples] if samples.is_file() else [],
+        heading=f"{title}; speedup against the KV-cached loop, max_abs_err against the exact "
+        "solve", model={k: v for k, v in info.items() if k != "loss"})
 
 
 def samples_figure(path: Path, flow, x: torch.Tensor, n: int = 16) -> Path:

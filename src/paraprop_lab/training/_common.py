@@ -225,3 +225,28 @@ def save_png(fig, path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def fit_options(args, **override) -> dict:
+    """The Adam loop's options of a job's command line (``--epochs``, ``--batch-size``,
+    ``--lr``, ``--seed``), as keywords of its ``train_*`` function; ``override`` replaces
+    some (e.g. the data's default epochs)."""
+    return {"epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
+            "seed": args.seed, **override}
+
+
+def n_parameters(model: torch.nn.Module) -> int:
+    """The number of parameters (entries) of ``model``."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def report_trained(what: str, history: list[float], saved: list, *, loss: str = "NLL",
+                   unit: str = "nats/dim", digits: int = 4, seconds: float | None = None) -> int:
+    """Print a job's closing line, ``trained WHAT: LOSS first -> last UNIT in N s; saved A and
+    B`` (``loss`` and ``unit`` left out where empty, the time where ``seconds`` is ``None``),
+    and return the job's exit status, 0."""
+    first, last = f"{history[0]:.{digits}f}", f"{history[-1]:.{digits}f}"
+    curve = " ".join(w for w in (loss, first, "->", last, unit) if w)
+    took = "" if seconds is None else f" in {seconds:.0f} s"
+    print(f"trained {what}: {curve}{took}; saved {' and '.join(map(str, saved))}")
+    return 0

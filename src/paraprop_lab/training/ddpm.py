@@ -25,7 +25,10 @@ from paraprop_lab.training._common import (
     check_out_file,
     default_path,
     fit,
+    fit_options,
     image_panel,
+    n_parameters,
+    report_trained,
     results_file,
     save_png,
     signed_images,
@@ -286,15 +289,12 @@ def run(args) -> int:
     checks.positive_int("steps", args.steps)
     model = make_denoiser(args.data, x, steps=args.steps, seed=args.seed)
     epochs = EPOCHS[args.data] if args.epochs is None else args.epochs
-    hist = train_ddpm(model, x, steps=args.steps, epochs=epochs, batch_size=args.batch_size,
-                      lr=args.lr, seed=args.seed)
+    hist = train_ddpm(model, x, steps=args.steps, **fit_options(args, epochs=epochs))
     save_denoiser(model, out)
     trained = time.perf_counter() - start
     png = samples_png(png, model.eval(), args.data, x, steps=args.steps, seed=args.seed,
                       progress=True)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"trained DDPM on {args.data} ({len(x)} x {'x'.join(map(str, x.shape[1:]))}), "
-          f"{type(model).__name__} {params} parameters, {epochs} epochs, {args.steps} "
-          f"timesteps: loss {hist[0]:.4f} -> {hist[-1]:.4f} in {trained:.0f} s; saved {out} "
-          f"and {png}")
-    return 0
+    return report_trained(
+        f"DDPM on {args.data} ({len(x)} x {'x'.join(map(str, x.shape[1:]))}), "
+        f"{type(model).__name__} {n_parameters(model)} parameters, {epochs} epochs, "
+        f"{args.steps} timesteps", hist, [out, png], loss="loss", unit="", seconds=trained)

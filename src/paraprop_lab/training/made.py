@@ -8,7 +8,14 @@ from pathlib import Path
 import torch
 
 from paraprop.models import MADE
-from paraprop_lab.training._common import add_data_arguments, fit, load_images, results_file
+from paraprop_lab.training._common import (
+    add_data_arguments,
+    fit,
+    fit_options,
+    load_images,
+    report_trained,
+    results_file,
+)
 
 NAME = "made"
 HELP = "train a MADE (Germain et al. 2015) on digits or MNIST"
@@ -70,9 +77,7 @@ def run(args) -> int:
     torch.manual_seed(args.seed)
     x = made_data(args.data, args.conditional, mnist_dir=args.mnist_dir, seed=args.seed)
     model = MADE(x.shape[1], tuple(args.hidden), args.conditional, seed=args.seed)
-    hist = train_made(model, x, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                      seed=args.seed)
+    hist = train_made(model, x, **fit_options(args))
     model.save(out)
-    print(f"trained MADE on {args.data} ({len(x)} x {x.shape[1]}), {args.epochs} epochs: "
-          f"NLL {hist[0]:.4f} -> {hist[-1]:.4f} nats/dim; saved {out}")
-    return 0
+    return report_trained(f"MADE on {args.data} ({len(x)} x {x.shape[1]}), {args.epochs} epochs",
+                          hist, [out])

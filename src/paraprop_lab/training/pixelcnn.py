@@ -8,7 +8,14 @@ import math
 import torch
 
 from paraprop.models import PixelCNN
-from paraprop_lab.training._common import add_data_arguments, fit, load_images, results_file
+from paraprop_lab.training._common import (
+    add_data_arguments,
+    fit,
+    fit_options,
+    load_images,
+    report_trained,
+    results_file,
+)
 
 NAME = "pixelcnn"
 HELP = "train a gated PixelCNN (discretized logistic mixture) on digits or MNIST"
@@ -51,9 +58,7 @@ def run(args) -> int:
     x, levels = pixel_data(args.data, mnist_dir=args.mnist_dir)
     model = PixelCNN(1, x.shape[-1], hidden=args.hidden, layers=args.layers,
                      mixtures=args.mixtures, levels=levels, seed=args.seed)
-    hist = train_pixelcnn(model, x, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                          seed=args.seed)
+    hist = train_pixelcnn(model, x, **fit_options(args))
     model.save(out)
-    print(f"trained PixelCNN on {args.data} ({len(x)} images), {args.epochs} epochs: "
-          f"{hist[0]:.3f} -> {hist[-1]:.3f} bits/dim; saved {out}")
-    return 0
+    return report_trained(f"PixelCNN on {args.data} ({len(x)} images), {args.epochs} epochs",
+                          hist, [out], loss="", unit="bits/dim", digits=3)

@@ -23,6 +23,8 @@ from paraprop_lab.training._common import (
     default_path,
     fit,
     image_panel,
+    n_parameters,
+    report_trained,
     save_png,
     signed_images,
     subplots,
@@ -187,10 +189,9 @@ def run(args) -> int:
     out = check_out_file(default_path(args.out, OUT_DIR / name), example=name)
     model, info = _train(args.data, out, epochs=epochs, seed=args.seed, n=args.n,
                          mnist_dir=args.mnist_dir, progress=True, settings=settings)
-    cfg, hist = model.config, info["loss"]
-    params = sum(p.numel() for p in model.parameters())
-    print(f"trained TarFlow on {args.data}: T={model.T} patches of {model.P} values, "
-          f"{cfg['blocks']} blocks x {cfg['layers']} layers, width {cfg['width']}, {params} "
-          f"parameters, {epochs} epochs: NLL {hist[0]:.4f} -> {hist[-1]:.4f} nats/dim in "
-          f"{time.perf_counter() - start:.0f} s; saved {out} and {info['png']}")
-    return 0
+    cfg = model.config
+    return report_trained(
+        f"TarFlow on {args.data}: T={model.T} patches of {model.P} values, {cfg['blocks']} "
+        f"blocks x {cfg['layers']} layers, width {cfg['width']}, {n_parameters(model)} "
+        f"parameters, {epochs} epochs", info["loss"], [out, info["png"]],
+        seconds=time.perf_counter() - start)
