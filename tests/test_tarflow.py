@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import paraprop
-from paraprop.models.tarflow import TarFlow, inverse_cached, patchify
+from paraprop.models.tarflow import TARFLOW_METHODS, TarFlow, patchify, sequential_cached
 from paraprop.solvers import GSJacobi, Jacobi, JacobiGS, SlidingJacobi
 from paraprop_lab.cli import main
 from paraprop_lab.training.tarflow import checkpoint_name, trained_tarflow
@@ -21,8 +21,8 @@ from paraprop_lab.training.tarflow import checkpoint_name, trained_tarflow
 CACHED_TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 0.25,
               torch.float16: 0.04}
 LOW = [torch.bfloat16, torch.float16]
-METHODS = ["jacobi", "sliding_jacobi", "gs_jacobi", "jacobi_gs", SlidingJacobi(3), GSJacobi(5),
-           GSJacobi(8), JacobiGS(3), ["jacobi", GSJacobi(4), "sliding_jacobi"], "auto"]
+METHODS = ["jacobi", "sliding_jacobi", "gs_jacobi", "jacobi_gs", "anderson", SlidingJacobi(3),
+           GSJacobi(5), GSJacobi(8), JacobiGS(3), ["jacobi", GSJacobi(4), "sliding_jacobi"], "auto"]
 
 
 def _flow(dtype=torch.float64, *, scale=0.3, alpha_bias=0.0, seed=0, blocks=3, device="cpu",
@@ -281,7 +281,7 @@ def test_sequential_cached_is_the_usual_loop():
     z = patchify(_z(flow), 2)
     blk = flow.blocks[0]
     with torch.no_grad():
-        x = inverse_cached(blk, z)
+        x = sequential_cached(blk, z)
         back, _ = blk(x)
     assert float((back - z).abs().max()) <= 1e-5
 
@@ -306,13 +306,39 @@ def test_constructor_errors(kwargs, message):
         TarFlow(**opts)
 
 
+def test_method_names_are_the_librarys():
+    """TarFlow's names are paraprop.solve's triangular methods (the set paraprop.flows takes),
+    the model's own cached loop and "auto"; the default is solve's "jacobi", and each solve
+    name runs the solver of that name on every block."""
+    from paraprop.flows.core import FLOW_METHODS
+    from paraprop.solvers import METHODS, NEWTON_METHODS
+
+    assert TARFLOW_METHODS == ("sequential_cached", *FLOW_METHODS, "auto")
+    assert set(FLOW_METHODS) == set(METHODS) - set(NEWTON_METHODS)
+    flow = _flow(blocks=2)
+    z = _z(flow, n=2)
+    x, sol = flow.inverse(z)
+    xj, solj = flow.inverse(z, method="jacobi")
+    assert torch.equal(x, xj) and sol.method == solj.method == "jacobi"
+    assert sol.stats["methods"] == ["jacobi", "jacobi"]
+    _, sol = flow.sample(2, noise=z)
+    assert sol.method == "jacobi"
+    for name in FLOW_METHODS:
+        _, sol = flow.inverse(z, method=name, tol=0)
+        assert sol.method == name and [b.method for b in sol.stats["blocks"]] == [name] * 2
+    _, sol = flow.inverse(z, method=["sequential_cached", "jacobi"])
+    assert sol.method == "per_block" and sol.stats["methods"] == ["sequential_cached", "jacobi"]
+
+
 def test_sampling_errors():
     flow = _flow(blocks=2)
     z = _z(flow, n=2)
     cases = [
         (lambda: flow.inverse(z, method="newton"), ValueError,
          r"unknown method='newton'; choose one of sequential_cached, sequential, jacobi, "
-         r"jacobi_gs, gs_jacobi, sliding_jacobi, auto"),
+         r"jacobi_gs, gs_jacobi, sliding_jacobi, anderson, auto"),
+        (lambda: flow.inverse(z, method=["newton", "jacobi"]), ValueError,
+         r"unknown method\[0\]='newton'"),
         (lambda: flow.inverse(z, method=["jacobi"]), ValueError,
          r"method must be one method per block \(2\), got a list of 1"),
         (lambda: flow.inverse(z, method=["jacobi", "auto"]), ValueError,

@@ -10,7 +10,7 @@ projections start at zero, so every block starts as the identity.
 
 The density is one parallel pass; sampling inverts the blocks last to first, and the inverse of
 one block is the triangular system ``x_t = z_t exp(alpha_t(x_<t)) + mu_t(x_<t)`` along the
-patches. Every method of :func:`paraprop.solve` solves it (Jacobi as in
+patches. Every triangular method of :func:`paraprop.solve` solves it (Jacobi as in
 Liu & Qin 2025, "Accelerate TarFlow Sampling with GS-Jacobi Iteration"); ``"sequential_cached"``
 is the usual loop, one patch per transformer call with keys and values cached.
 
@@ -34,28 +34,31 @@ from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
 from paraprop.determinism import require_deterministic
 from paraprop.driver import Outcome, build
+from paraprop.flows.core import FLOW_METHODS
 from paraprop.flows.tarflow_inverse import BlockInverse, default_chunk
 from paraprop.models.checkpoint import Checkpointed
 from paraprop.result import Result, Solution, ensure_converged
 from paraprop.solve import solve
 from paraprop.solvers import GSJacobi, Jacobi, is_solver, make_solver
 
-__all__ = ["METHODS", "TarFlow", "inverse_cached", "patchify", "unpatchify"]
+__all__ = ["TARFLOW_METHODS", "TarFlow", "patchify", "sequential_cached", "unpatchify"]
 
 # "auto" hands a block to the KV-cached loop (tol > 0) only if the loop's rounding deviation
 # from the exact inverse, measured at calibration, is at most this share of tol
 CACHED_SHARE = 0.25
-SOLVE_METHODS = ("sequential", "jacobi", "jacobi_gs", "gs_jacobi", "sliding_jacobi")
-METHODS = ("sequential_cached", *SOLVE_METHODS, "auto")
+# the names TarFlow.inverse takes: the model's own KV-cached loop (named as PixelCNN's cached
+# sampler), the triangular methods of paraprop.solve (the flows' set: Newton's family needs a
+# Markov system), and "auto", a measured choice per block (as nn's "auto")
+TARFLOW_METHODS = ("sequential_cached", *FLOW_METHODS, "auto")
 
 
 def _one(method, argument: str):
     """``"sequential_cached"`` or the solver object of a :func:`paraprop.solve` method."""
     if isinstance(method, str):
-        checks.one_of(argument, method, METHODS[:-1])
+        checks.one_of(argument, method, TARFLOW_METHODS[:-1])
         if method == "sequential_cached":
             return method
-    return make_solver(method, argument=argument, names=SOLVE_METHODS)
+    return make_solver(method, argument=argument, names=FLOW_METHODS)
 
 
 def _name(method) -> str:
@@ -229,7 +232,7 @@ class TarFlow(Checkpointed, nn.Module):
         ``dim=-2``."""
         return BlockInverse(self.blocks[block], z, chunk)
 
-    def sample(self, n: int, *, method="sequential", tol: float = 1e-5,
+    def sample(self, n: int, *, method="jacobi", tol: float = 1e-5,
                generator: torch.Generator | None = None, noise: torch.Tensor | None = None,
                max_iters: int | None = None, throw: bool = True, temperature: float = 1.0,
                chunk: int | None = None) -> tuple[torch.Tensor, Solution]:
@@ -269,7 +272,7 @@ class TarFlow(Checkpointed, nn.Module):
         return self.inverse(noise * temperature if temperature != 1 else noise, method=method,
                             tol=tol, max_iters=max_iters, throw=throw, chunk=chunk)
 
-    def inverse(self, z: torch.Tensor, *, method="sequential", tol: float = 1e-5,
+    def inverse(self, z: torch.Tensor, *, method="jacobi", tol: float = 1e-5,
                 max_iters: int | None = None, throw: bool = True, chunk: int | None = None
                 ) -> tuple[torch.Tensor, Solution]:
         """The images ``x`` with ``forward(x)[0] == z``: the blocks inverted last to first, each
@@ -280,12 +283,15 @@ class TarFlow(Checkpointed, nn.Module):
             method: how each block is inverted:
 
                 * ``"sequential_cached"``: the usual loop, one patch per transformer call with
-                  the keys and values cached (:func:`inverse_cached`; ``T - 1`` calls a block;
+                  the keys and values cached (:func:`sequential_cached`; ``T - 1`` calls a block;
                   exact up to rounding, ``tol`` unused);
-                * a :func:`paraprop.solve` method name, ``"sequential"`` (``T`` full passes a
-                  block, the reference), ``"jacobi"``, ``"jacobi_gs"``, ``"gs_jacobi"`` or
-                  ``"sliding_jacobi"``, or a solver object such as ``SlidingJacobi(16)`` or
-                  ``GSJacobi(7)``;
+                * a triangular method of :func:`paraprop.solve`, meaning what it means there:
+                  ``"sequential"`` (``T`` full passes a block, the reference), ``"jacobi"``
+                  (the default, as for :func:`paraprop.solve` and
+                  :func:`paraprop.sampling.sample`), ``"jacobi_gs"``, ``"gs_jacobi"``,
+                  ``"sliding_jacobi"`` or ``"anderson"``, or a solver object such as
+                  ``SlidingJacobi(16)`` or ``GSJacobi(7)`` (the Newton family is refused: a
+                  block is not a Markov system);
                 * a list with one of the above per block, **in block order** (``method[k]``
                   inverts ``self.blocks[k]``, the ``k``-th block of :meth:`forward`);
                 * ``"auto"``: the plan of :meth:`calibrate` with ``cost="time"`` for this
@@ -401,7 +407,7 @@ class TarFlow(Checkpointed, nn.Module):
                       chunk: int, measured: float | None = None):
         if method == "sequential_cached":
             start = time.perf_counter()
-            x = inverse_cached(self.blocks[k], z)
+            x = sequential_cached(self.blocks[k], z)
             T = self.T
             # asked for by name, the loop is its own reference (estimate 0: it is the result of
             # the KV-cached loop); handed a block by "auto", its deviation from the exact
@@ -430,7 +436,7 @@ class TarFlow(Checkpointed, nn.Module):
                                  f"{len(method)}")
             return [_one(m, f"method[{k}]") for k, m in enumerate(method)], none
         if isinstance(method, str):
-            checks.one_of("method", method, METHODS)
+            checks.one_of("method", method, TARFLOW_METHODS)
         if method == "auto":
             version = self._weights_version()
             samples = min(batch, 64)
@@ -553,7 +559,7 @@ class TarFlow(Checkpointed, nn.Module):
         return out
 
 
-def inverse_cached(block: _Block, z: torch.Tensor) -> torch.Tensor:
+def sequential_cached(block: _Block, z: torch.Tensor) -> torch.Tensor:
     """The usual sequential inverse of one block: patch ``t`` from one transformer call on patch
     ``t - 1`` with the keys and values of the earlier patches cached (``T - 1`` calls).
 
