@@ -324,7 +324,7 @@ def test_a_rounding_flip_below_tol_of_the_changes_is_not_certified(method):
 def test_the_floor_is_one_unit_in_the_last_place():
     """half_ulp_bound(m) = (ulp(m) + max(eps m, s)) / 2: one to one and a half units at m (not
     eps m, up to two), the subnormal spacing s below the normal numbers, in every dtype."""
-    from paraprop.solvers.base import half_ulp_bound
+    from paraprop.solvers.rounding import half_ulp_bound
 
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
         fi = torch.finfo(dtype)
@@ -368,6 +368,6 @@ def test_final_positions_add_no_rounding(method):
 
 
 def _system(fn, x0):
-    from paraprop.solvers.base import System
+    from paraprop.solvers.triangular import System
 
     return System(fn, x0.shape, x0.dtype, (1, 1))

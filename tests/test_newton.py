@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import paraprop
 from paraprop.scan import linear_recurrence
 from paraprop.solvers import ELK, GSJacobi, Jacobi, JacobiGS, Newton, QuasiELK, QuasiNewton
-from paraprop.solvers.newton import kalman_step
+from paraprop.solvers.kalman import kalman_step
 
 NEWTON = ["newton", "quasi_newton", "elk", "quasi_elk"]
 DAMPED = ["elk", "quasi_elk"]

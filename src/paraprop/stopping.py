@@ -25,7 +25,7 @@ the whole answer. paraprop's rules estimate the distance to the exact (sequentia
 
 All of them add the rounding floor of the dtype (one unit in the last place at the largest value
 that is not final: what rounding the iterate's value and the sequential one can add to their
-difference, :func:`paraprop.solvers.base.rounding_floor`) and ignore ratios over steps at the
+difference, :func:`paraprop.solvers.rounding.rounding_floor`) and ignore ratios over steps at the
 rounding level (:class:`ContractionRule`): in bf16 and fp16 a ``tol`` below the floor is certified
 only by a bitwise fixed point or the exactness bound.
 
@@ -51,7 +51,7 @@ NOISE = 4  # a step within this many rounding units is rounding noise (no ratio)
 
 class Floor(NamedTuple):
     """The rounding floor of each sample's values (``(B,)`` float64 tensors), as the stopping
-    rules use it (:func:`paraprop.solvers.base.rounding_floor` computes it):
+    rules use it (:func:`paraprop.solvers.rounding.rounding_floor` computes it):
 
     * ``bound``: the most that one more rounding can add to an error, what an estimate adds;
     * ``unit``: one unit of the dtype at the values' scale (``eps * scale``), the unit of
@@ -182,9 +182,9 @@ class ContractionRule:
 
         ``floor`` (a :class:`Floor` or a ``(B,)`` float64 tensor, or a callable returning one,
         called only when a sample may stop; on the host its fields may be NumPy arrays): the
-        rounding floor of the values
-        (:func:`paraprop.solvers.base.rounding_floor`; ``None``: exact arithmetic). A ratio whose
-        denominator is within :data:`NOISE` units is rounding noise and gives no estimate.
+        rounding floor of the values (:func:`paraprop.solvers.rounding.rounding_floor`;
+        ``None``: exact arithmetic). A ratio whose denominator is within :data:`NOISE` units
+        is rounding noise and gives no estimate.
 
         ``all_active``: the caller knows that every sample is active (saves the masking).
         """

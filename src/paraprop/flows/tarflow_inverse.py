@@ -39,7 +39,7 @@ class BlockInverse:
 
     ``fn(x)`` is one causal pass over all patches. ``window(x, start, stop, cache)`` computes the
     patches ``[start, stop)`` from the keys and values of the earlier positions held in
-    ``cache`` (the cached-prefix protocol of :meth:`paraprop.solvers.base.System.window`: the
+    ``cache`` (the cached-prefix protocol of :meth:`paraprop.solvers.triangular.System.window`: the
     driver promises the patches ``< start`` are final). The cache remembers how many chunks it
     holds; whatever it lacks (a fresh cache, a start that moved back, another batch shape) is
     recomputed, never trusted.

@@ -31,14 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from paraprop import checks
-from paraprop.solvers.base import (
-    State,
-    System,
-    check_final,
-    last_from_x0,
-    rounding_floor,
-    sync,
-)
+from paraprop.solvers.base import Solver, State, check_final, last_from_x0, sync
+from paraprop.solvers.rounding import rounding_floor
+from paraprop.solvers.triangular import System
 
 
 @dataclass(slots=True)
@@ -52,7 +47,7 @@ class _AndersonState:
     rs: list[torch.Tensor] = field(default_factory=list)
 
 
-class TriangularAnderson:
+class TriangularAnderson(Solver):
     """Triangular Anderson acceleration (see the module doc): one call of ``fn`` per iteration.
 
     Arguments:
@@ -93,9 +88,6 @@ class TriangularAnderson:
     @property
     def m(self) -> int:
         return self.memory or self.DEFAULT_MEMORY
-
-    def bound(self, system: System) -> int:
-        return system.T
 
     def init(self, system: System, state: State) -> None:
         B, dev = system.B, state.x.device

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from paraprop import checks
-from paraprop.solvers.base import State, System, accept, settle
+from paraprop.solvers.base import Solver, State, accept, settle
+from paraprop.solvers.triangular import System
 from paraprop.solvers.verify import final_step
 
 
@@ -23,7 +24,7 @@ class _GSJacobiState:
     estimates: list[torch.Tensor] = field(default_factory=list)
 
 
-class GSJacobi:
+class GSJacobi(Solver):
     """Blocks of ``block_size`` positions solved in order (Song et al. 2021, Algorithm 3).
 
     The current block is iterated by Jacobi (one call per sweep of ``fn.window`` on the block's
@@ -61,9 +62,6 @@ class GSJacobi:
     def size(self, system: System) -> int:
         bs = self.block_size or math.ceil(math.sqrt(system.T))
         return min(bs, system.T)
-
-    def bound(self, system: System) -> int:
-        return system.T
 
     def init(self, system: System, state: State) -> None:
         bs = self.size(system)

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from paraprop.solvers.base import State, System, accept, last_from_x0, settle
+from paraprop.solvers.base import Solver, State, accept, last_from_x0, settle
+from paraprop.solvers.triangular import System
 
 
 @dataclass(slots=True)
@@ -15,7 +16,7 @@ class _JacobiState:
     positions: torch.Tensor   # arange(T), for the non-finite checks
 
 
-class Jacobi:
+class Jacobi(Solver):
     """``x_k = fn(x_{k-1})``, one call of ``fn`` per sweep (Song et al. 2021, Algorithm 1).
 
     After sweep ``k`` the positions ``< k`` equal the sequential result exactly (Proposition 1),
@@ -36,12 +37,6 @@ class Jacobi:
     name = "jacobi"
     # the optional hooks of fn this solver calls (paraprop.solvers.protocols): fn only
     hooks: tuple[str, ...] = ()
-
-    def __repr__(self) -> str:
-        return "Jacobi()"
-
-    def bound(self, system: System) -> int:
-        return system.T
 
     def init(self, system: System, state: State) -> None:
         state.own = _JacobiState(0, torch.arange(system.T, device=state.x.device))

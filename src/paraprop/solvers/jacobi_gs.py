@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from paraprop import checks
-from paraprop.solvers.base import State, System, accept, settle
+from paraprop.solvers.base import Solver, State, accept, settle
+from paraprop.solvers.triangular import System
 from paraprop.solvers.verify import final_step
 
 
@@ -32,7 +33,7 @@ class _JacobiGSState:
     owned: list[torch.Tensor] | None = None
 
 
-class JacobiGS:
+class JacobiGS(Solver):
     """Positions split into contiguous blocks of ``block_size`` (Song et al. 2021, Algorithm 2).
 
     One iteration is a Gauss-Seidel sweep through the ``block_size`` offsets: step ``j`` updates

@@ -14,7 +14,8 @@ diagonal recurrence, cheaper per iteration, linear instead of quadratic converge
 parallelization of nonlinear RNNs"): the step is the Kalman-filtered mean of the linearised
 recurrence seen as a linear Gaussian model whose states are observed at zero with variance
 ``1 / lambda`` (the filter form of the authors' reference code), computed by the parallel Kalman
-filter of Sarkka and Garcia-Fernandez (2021), one associative scan. ``lambda -> 0`` is Newton;
+filter of Sarkka and Garcia-Fernandez (2021), one associative scan
+(:mod:`paraprop.solvers.kalman`). ``lambda -> 0`` is Newton;
 larger ``lambda`` damps each step by its accumulated uncertainty, most where products of
 Jacobians grow and Newton's linear recurrence overflows. ``"quasi_elk"`` runs the same filter on
 the diagonal Jacobians of ``"quasi_newton"`` (quasi-ELK: elementwise, as cheap as quasi-DEER).
@@ -32,7 +33,8 @@ A :class:`paraprop.Recurrence` may also offer ``newton_step(x, lo, form)``: the 
 values ``y = fn(x)`` and ``trial = x + delta`` at positions ``[lo, T)`` computed together (the
 cell, its Jacobians and the linear recurrence in one blocked pass, as ParaGRU's and ParaLSTM's
 recurrences do), or ``None`` for a form it does not fuse; the checks and the stopping rule that
-follow are the same either way.
+follow are the same either way. How ``fn``'s values and Jacobians are read (those hooks, or
+forward-mode products on a plain ``fn``) is :mod:`paraprop.solvers.linearize`.
 """
 
 from __future__ import annotations
@@ -42,18 +44,12 @@ from dataclasses import dataclass
 import torch
 
 from paraprop import checks
-from paraprop.errors import ConvergenceError, ProtocolError
 from paraprop.scan import linear_recurrence
-from paraprop.solvers.base import (
-    State,
-    System,
-    check_final,
-    half_ulp_bound,
-    last_from_x0,
-    rounding_floor,
-    sync,
-)
-from paraprop.solvers.protocols import HOOKS
+from paraprop.solvers.base import Solver, State, last_from_x0, sync
+from paraprop.solvers.kalman import kalman_step
+from paraprop.solvers.linearize import FullAccess, MarkovAccess, choose_access
+from paraprop.solvers.rounding import half_ulp_bound, rounding_floor
+from paraprop.solvers.triangular import System
 from paraprop.stopping import Floor
 
 FORMS = {"newton": "any", "quasi_newton": "diag", "elk": "dense", "quasi_elk": "diag"}
@@ -62,7 +58,7 @@ DEFAULT_DAMPING = 1e-2
 
 @dataclass(slots=True)
 class _NewtonState:
-    access: _MarkovAccess | _FullAccess   # how fn's values and Jacobians are had
+    access: MarkovAccess | FullAccess   # how fn's values and Jacobians are had (linearize)
     index: torch.Tensor       # arange(T)
     lo: int = 0               # positions < lo are exact for every active sample
     # the steps that took fn(x) instead (a Python int, then a device scalar once one did)
@@ -71,7 +67,7 @@ class _NewtonState:
     work: torch.Tensor | None = None
 
 
-class _NewtonFamily:
+class _NewtonFamily(Solver):
     """The shared implementation of :class:`Newton`, :class:`QuasiNewton`, :class:`ELK` and
     :class:`QuasiELK` (see the module doc).
 
@@ -98,11 +94,8 @@ class _NewtonFamily:
         extra = f"damping={self.damping!r}" if self.damped else ""
         return f"{type(self).__name__}({extra})"
 
-    def bound(self, system: System) -> int:
-        return system.T
-
     def init(self, system: System, state: State) -> None:
-        state.own = _NewtonState(_access(system, self.name),
+        state.own = _NewtonState(choose_access(system, self.name),
                                  torch.arange(system.T, device=state.x.device))
         state.stats = {"resets": 0, "jacobian": self.form}
         # it stops only where fn(x) == x bitwise (tol=0), or at the bound by the exact prefix
@@ -253,233 +246,6 @@ def _max_difference(a: torch.Tensor, b: torch.Tensor, *, scale: bool = False):
             big = m if big is None else torch.maximum(big, m)
     return (out, big) if scale else out
 
-
-def kalman_step(J: torch.Tensor, r: torch.Tensor, lam: float) -> torch.Tensor:
-    """ELK's damped Newton step (Gonzalez et al. 2024, in the filter form of their reference
-    code): ``delta_0 = r_0`` and, for ``t >= 1``, the Kalman-filtered means of the linear
-    Gaussian model ``delta_t = J_t delta_{t-1} + r_t + q_t``, ``0 = delta_t + v_t`` with
-    ``q ~ N(0, I)`` and ``v ~ N(0, I / lam)``, by the parallel filter of Sarkka and
-    Garcia-Fernandez (2021): one associative scan over the elements ``(A, b, C, eta, Jm)``.
-
-    ``lam -> 0`` gives Newton's step, ``lam -> inf`` no step; in between the gain damps each
-    step by the accumulated uncertainty, i.e. most where the Jacobian products grow.
-    ``J`` is dense ``(B, n, H, H)`` or diagonal ``(B, n, H)`` (quasi-ELK); ``r`` is ``(B, n, H)``.
-    """
-    from paraprop.scan import associative_scan
-
-    B, n, H = r.shape
-    if n == 1:
-        return r.clone()
-    k = _Dense if J.dim() == 4 else _Diag
-    c = 1.0 / (1.0 + lam)             # (I - K) for a unit prior: sigma^2 / (1 + sigma^2)
-    w = 1.0 - c                       # the gain K = 1 / (1 + sigma^2)
-    eye = k.eye(H, r)
-    Jn, rn = J[:, 1:], r[:, 1:]
-    A = c * Jn
-    b = c * rn
-    C = (c * eye).expand_as(Jn).clone()
-    eta = -w * k.mv(k.t(Jn), rn)
-    Jm = w * k.mm(k.t(Jn), Jn)
-    # the first free position: prior mean J_1 delta_0 + r_1 with delta_0 = r_0 exact, cov I
-    b[:, 0] = c * (k.mv(Jn[:, 0], r[:, 0]) + rn[:, 0])
-    A[:, 0] = 0
-    eta[:, 0] = 0
-    Jm[:, 0] = 0
-
-    def combine(x, y):
-        Ai, bi, Ci, ei, Ji = x
-        Aj, bj, Cj, ej, Jj = y
-        M = k.inv(eye + k.mm(Ci, Jj))     # C and Jm are symmetric: (I + Jj Ci)^-1 = M^T
-        AjM = k.mm(Aj, M)
-        AiN = k.mm(k.t(Ai), k.t(M))
-        return [k.mm(AjM, Ai), k.mv(AjM, bi + k.mv(Ci, ej)) + bj,
-                k.mm(k.mm(AjM, Ci), k.t(Aj)) + Cj, k.mv(AiN, ej - k.mv(Jj, bi)) + ei,
-                k.mm(k.mm(AiN, Jj), Ai) + Ji]
-
-    means = associative_scan([A, b, C, eta, Jm], combine, dim=1)[1]
-    return torch.cat([r[:, :1], means], 1)
-
-
-class _Dense:
-    @staticmethod
-    def eye(H, like):
-        return torch.eye(H, dtype=like.dtype, device=like.device)
-
-    @staticmethod
-    def t(a):
-        return a.transpose(-1, -2)
-
-    @staticmethod
-    def mm(a, b):
-        return a @ b
-
-    @staticmethod
-    def mv(a, v):
-        return (a @ v.unsqueeze(-1)).squeeze(-1)
-
-    @staticmethod
-    def inv(a):
-        return torch.linalg.inv(a)
-
-
-class _Diag:
-    @staticmethod
-    def eye(H, like):
-        return torch.ones(H, dtype=like.dtype, device=like.device)
-
-    @staticmethod
-    def t(a):
-        return a
-
-    @staticmethod
-    def mm(a, b):
-        return a * b
-
-    @staticmethod
-    def mv(a, v):
-        return a * v
-
-    @staticmethod
-    def inv(a):
-        return a.reciprocal()
-
-
-class _MarkovAccess:
-    """``fn`` is a :class:`paraprop.Recurrence` (or follows its ``linearize`` protocol):
-    values and Jacobians of the suffix only."""
-
-    markov = True
-
-    def __init__(self, system: System):
-        self.system = system
-
-    def linearize(self, x, lo, form, state, tol):
-        out = self.system.fn.linearize(x, lo, form)
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise ProtocolError(f"{HOOKS['linearize']} must return a tuple (values, "
-                                f"jacobians), got {type(out).__name__}")
-        y, J = out
-        _check_values(self.system, y, x, lo, "linearize")
-        self.system.evaluations += 1
-        self.system.positions += x.shape[1] - lo
-        return y, J
-
-    def newton_step(self, x, lo, form):
-        """``fn.newton_step(x, lo, form)`` where ``fn`` has it: the undamped step fused, ``(y,
-        trial)`` with ``y = fn(x)`` at ``[lo, T)`` and ``trial = x + delta`` there, ``delta``
-        the solution of ``delta_t = J_t delta_{t-1} + y_t - x_t`` (``delta_{lo-1} = 0``) for
-        ``form``'s Jacobians, as the driver computes them from :meth:`linearize`; ``None``
-        (and without it) for the unfused step."""
-        fused = getattr(self.system.fn, "newton_step", None)
-        out = None if fused is None else fused(x, lo, form)
-        if out is not None:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise ProtocolError(f"{HOOKS['newton_step']} must return None or a tuple "
-                                    f"(values, trial), got {type(out).__name__}")
-            for v in out:
-                _check_values(self.system, v, x, lo, "newton_step")
-            self.system.evaluations += 1
-            self.system.positions += x.shape[1] - lo
-        return out
-
-
-def _check_values(system: System, v, x: torch.Tensor, lo: int, hook: str) -> None:
-    """A hook's values at positions ``[lo, T)``: a tensor ``(B, T - lo, F)`` of ``x``'s dtype,
-    and not a view of ``x`` (the driver writes into ``x`` while it reads them)."""
-    want = (x.shape[0], x.shape[1] - lo, x.shape[2])
-    if not isinstance(v, torch.Tensor) or tuple(v.shape) != want or v.dtype != x.dtype:
-        got = (f"{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor)
-               else type(v).__name__)
-        raise ProtocolError(f"{HOOKS[hook]} must return values of shape {want} and dtype "
-                            f"{x.dtype} (positions lo..T-1), got {got}")
-    if v.device == x.device and v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        raise ProtocolError(f"{HOOKS[hook]} returned a view of its input x; return new values")
-
-
-class _FullAccess:
-    """Any triangular ``fn``: full evaluations, and the sub-diagonal Jacobian blocks by one
-    forward-mode product per feature with the tangent ``e_j`` at every position (exact for a
-    Markov ``fn``; for other triangular maps a row-sum approximation that keeps the exactness
-    bound, since the residual is always the true one)."""
-
-    markov = False
-
-    def __init__(self, system: System, name: str = "newton"):
-        self.system = system
-        self.name = name   # the method, for the messages
-        self.jvps = 0   # forward-mode products for the Jacobians, each about one evaluation
-
-    def newton_step(self, x, lo, form):
-        return None
-
-    def linearize(self, x, lo, form, state, tol):
-        system = self.system
-        y = system.evaluate(x)
-        if lo > 0:   # the exact prefix must not move: otherwise fn is not triangular
-            check_final(system, (y[:, :lo] - x[:, :lo]).abs().amax(dim=2), tol, state.active)
-        return y[:, lo:], self._jacobian(x, lo, form)
-
-    def _jacobian(self, x, lo, form):
-        system = self.system
-        Fn = system.F
-
-        def f(z):
-            return system.canon(system.fn(system.user(z)))
-
-        cols = []
-        for j in range(Fn):
-            v = torch.zeros_like(x)
-            v[..., j] = 1
-            try:
-                with torch.enable_grad():
-                    _, out = torch.func.jvp(f, (x,), (v,))
-            except (RuntimeError, NotImplementedError) as e:
-                if isinstance(e, ConvergenceError):   # a solve inside fn: not the AD's
-                    raise
-                # fn(x) itself was evaluated just before: what fails is forward-mode AD
-                raise ValueError(
-                    f"method={self.name!r} on a plain fn forms the Jacobians d fn_t / d x_(t-1) "
-                    "by forward-mode automatic differentiation (torch.func.jvp), and fn is not "
-                    f"differentiable that way: {type(e).__name__}: {e}. Make fn differentiable "
-                    "by torch.func.jvp (no out= arguments, no writes into preallocated "
-                    "tensors, no round trips through NumPy or Python numbers), or wrap the cell "
-                    "in paraprop.Recurrence (analytic Jacobians, or a linearize hook), or use a "
-                    "method that needs only fn(x): 'jacobi', 'jacobi_gs', 'gs_jacobi', "
-                    "'sliding_jacobi' or 'anderson'") from e
-            cols.append(out[:, lo:])
-        self.jvps += Fn
-        if form == "diag":
-            return torch.stack([c[..., j] for j, c in enumerate(cols)], -1)
-        return torch.stack(cols, -1)   # [b, t, i, j] = d fn_{t,i} / d x_{t-1,j}
-
-
-# A plain fn costs one forward-mode product per feature and iteration, and a (B, T, F, F)
-# Jacobian: beyond this many features that is never the better deal (use a Recurrence or Jacobi).
-MAX_PLAIN_FEATURES = 256
-
-
-def _access(system: System, name: str = "newton"):
-    fn = system.fn
-    if getattr(fn, "markov", False) and callable(getattr(fn, "linearize", None)):
-        shape = tuple(getattr(fn, "shape", ()))
-        layout = (tuple(system.batch_shape), tuple(system.pos_shape), tuple(system.feature_shape))
-        if tuple(system.shape) != shape or layout != (shape[:-2], shape[-2:-1], shape[-1:]):
-            raise ValueError(
-                f"the Recurrence's states have shape {shape} (*batch, T, H) but x0 has shape "
-                f"{tuple(system.shape)} with positions along dims of size "
-                f"{tuple(system.pos_shape)}; pass x0 of shape rec.shape and dim=-2")
-        dtype = getattr(fn, "dtype", system.dtype)
-        if dtype != system.dtype:
-            raise TypeError(f"x0 has dtype {system.dtype} but the Recurrence computes in {dtype}; "
-                            "use one dtype")
-        return _MarkovAccess(system)
-    if system.F > MAX_PLAIN_FEATURES:
-        raise ValueError(
-            f"the Newton-type methods on a plain fn form the Jacobian blocks from one "
-            f"forward-mode product per feature and a (batch, T, F, F) array; F={system.F} "
-            f"features per position is more than {MAX_PLAIN_FEATURES}: wrap a recurrent cell in "
-            "paraprop.Recurrence (analytic or per-row Jacobians), or use method='jacobi'")
-    return _FullAccess(system, name)
 
 
 class Newton(_NewtonFamily):

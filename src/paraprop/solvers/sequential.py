@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from paraprop.solvers.base import State, System
+from paraprop.solvers.base import Solver, State
+from paraprop.solvers.triangular import System
 
 
 @dataclass(slots=True)
@@ -15,7 +16,7 @@ class _SequentialState:
     index: torch.Tensor   # arange(T), sliced for fn.update's one-position index
 
 
-class Sequential:
+class Sequential(Solver):
     """Evaluate position ``t`` from the final positions ``< t``, for ``t = 0 .. T-1``.
 
     This is how a feedforward computation is normally run: ``T`` dependent steps, each one call of
@@ -34,12 +35,6 @@ class Sequential:
     # the optional hooks of fn it calls (solvers.protocols; the final check calls fn):
     # fn.update for one position per step (else fn)
     hooks: tuple[str, ...] = ("update",)
-
-    def __repr__(self) -> str:
-        return "Sequential()"
-
-    def bound(self, system: System) -> int:
-        return system.T
 
     def init(self, system: System, state: State) -> None:
         state.own = _SequentialState(0, torch.arange(system.T, device=state.x.device))

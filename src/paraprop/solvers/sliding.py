@@ -28,7 +28,7 @@ positions that are not final (``final`` ``(B,)``: positions below it are); the r
 depend on them (Jacobi decoding takes n-gram guesses this way).
 
 ``fn`` computes only the window through ``fn.window(x, start, stop, cache)`` (the cached-prefix
-protocol of :meth:`paraprop.solvers.base.System.window`) or ``fn.update(x, index)``; otherwise
+protocol of :meth:`paraprop.solvers.triangular.System.window`) or ``fn.update(x, index)``; otherwise
 each sweep evaluates every position and keeps the window's.
 """
 
@@ -40,8 +40,10 @@ import torch
 
 from paraprop import checks
 from paraprop.errors import ProtocolError
-from paraprop.solvers.base import State, System, half_ulp_bound
+from paraprop.solvers.base import State
 from paraprop.solvers.protocols import HOOKS
+from paraprop.solvers.rounding import half_ulp_bound
+from paraprop.solvers.triangular import System
 from paraprop.solvers.verify import final_step
 from paraprop.stopping import freeze_budget, freeze_thresholds
 
@@ -193,7 +195,7 @@ class SlidingJacobi:
         at = ar + shift[:, None]                 # the candidates, from the first one not final
         raw = est.gather(1, at.clamp(max=n - 1)).masked_fill_(at >= n, float("inf"))
         # a value computed from inputs within est of the sequential ones is within est plus
-        # the rounding of both (paraprop.solvers.base.rounding_floor), at the scale of that
+        # the rounding of both (paraprop.solvers.rounding.rounding_floor), at the scale of that
         # position's own values
         vals = state.x[:, start:stop]
         eps = torch.finfo(vals.dtype).eps

@@ -18,7 +18,7 @@ more; for the others the driver spends one evaluation ``y = fn(x)`` on the final
   differences; a stated ``fn.growth`` or ``fn.sensitivity`` may say more),
   ``|fn(x) - x| <= |fn(x) - fn(x*)| + |fn(x*) - x*| + |x* - x| <= L e + e`` in exact arithmetic;
   ``fl(fn(x))`` and ``x* = fl(fn(x*))`` each add half a unit in the last place (together the
-  rounding floor ``rho`` of :func:`~paraprop.solvers.base.half_ulp_bound` at the sample's
+  rounding floor ``rho`` of :func:`~paraprop.solvers.rounding.half_ulp_bound` at the sample's
   largest value), and hooks that round differently from ``fn`` up to :data:`ROUNDING_ULPS`
   units. So ``|fn(x) - x| <= (1 + L) tol + rho + a`` per position (``norm="max"``), or for the
   whole sample with ``norm="l2"`` (``rho`` and ``a`` of the sample's l2 norm). An honest map
@@ -61,8 +61,10 @@ import math
 import torch
 
 from paraprop.errors import NotTriangularError, ProtocolError
-from paraprop.solvers.base import NONDETERMINISTIC, State, System, half_ulp_bound, last_from_x0
+from paraprop.solvers.base import NONDETERMINISTIC, State, last_from_x0
 from paraprop.solvers.protocols import HOOKS
+from paraprop.solvers.rounding import half_ulp_bound
+from paraprop.solvers.triangular import System
 
 __all__ = ["ROUNDING_ULPS", "compare", "final_step", "loose_share", "verify_final"]
 
