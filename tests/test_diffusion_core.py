@@ -194,16 +194,16 @@ def test_the_picard_fixed_point_is_the_sequential_trajectory_bitwise(dtype, devi
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_gains_are_those_of_every_observation(dtype, device):
-    """The chain folds its gain observations many at a time (when read, or when its buffer is
+    """The gains record folds its observations many at a time (when read, or when its buffer is
     full): the gains are bitwise those of taking each observation's ratio as it comes, over
     full, partial and single-step windows, reads in between and more calls than the buffer."""
-    from paraprop.diffusion.chain import NOISE_ULPS, OBSERVATIONS_KEPT, observe_level
+    from paraprop.diffusion.gains import NOISE_ULPS, OBSERVATIONS_KEPT, StepGains, observe_level
 
     B, N, shape = 3, 12, (3, 2)
     table = step_table(DDPMScheduler(clip_sample=False), N)
     noise = draw_noise(table, shape, generator=gen(1), dtype=dtype, device=device)
     chain = DiffusionChain(Eps().to(device, dtype), table, noise[0], noise[1:])
-    chain.track_gains = True
+    gains = chain.observer = StepGains(B, N, 2, dtype, chain.work, device)
     f64 = torch.float64
     want = torch.full((B, N), math.nan, dtype=f64, device=device)
     last = torch.full((2, B, N, 2), math.nan, dtype=dtype, device=device)
@@ -223,9 +223,9 @@ def test_the_gains_are_those_of_every_observation(dtype, device):
         want[:, a:b] = torch.fmax(want[:, a:b], ratio)
         last[0, :, a:b], last[1, :, a:b] = xin, nxt
         if k in (3, 11):   # a read in between folds what is pending
-            assert torch.equal(chain.gain.view(torch.int64), want.view(torch.int64))
+            assert torch.equal(gains.gain.view(torch.int64), want.view(torch.int64))
     assert bool(want.isfinite().all())   # (every step observed, with inputs that moved)
-    assert torch.equal(chain.gain.view(torch.int64), want.view(torch.int64))
+    assert torch.equal(gains.gain.view(torch.int64), want.view(torch.int64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

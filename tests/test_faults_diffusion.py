@@ -356,7 +356,7 @@ def test_the_floor_decides_between_an_estimate_and_the_exact_result(dtype):
     """The floor: 4 units of the dtype at the scale the trajectory may reach (twice the initial
     noise's, at least 4). Just below it no estimate is taken (the loop's bits); just above, an
     estimate that includes the floor carried along the chain."""
-    floor = importlib.import_module("paraprop.diffusion.sample").rounding_floor
+    floor = importlib.import_module("paraprop.diffusion.certificate").rounding_floor
     noise = draw_noise(step_table(DDPMScheduler(clip_sample=False), 40), (8, 2),
                        generator=gen(), dtype=dtype)
     floor0 = floor(dtype, max(4.0, 2 * float(noise[0].abs().max())))
@@ -562,7 +562,7 @@ def test_a_correction_that_cancels_does_not_certify_a_non_finite_value(monkeypat
     assert int(chain.certified()[0]) == 2 and int(chain.nonfinite_step[0]) == -1
     # the final check sees the repaired value as a defect (its direct step is not finite):
     # no estimate rests on it
-    bounds = importlib.import_module("paraprop.diffusion.sample")._bounds
+    bounds = importlib.import_module("paraprop.diffusion.gains").bounds
     E, _, _ = bounds(vals, y, torch.tensor([2]), torch.ones(1, N, dtype=torch.float64),
                      torch.float32)
     assert math.isinf(float(E[0]))
@@ -715,6 +715,6 @@ def test_a_model_output_of_another_dtype_is_refused():
 
 
 def test_math_of_the_floor():
-    floor = importlib.import_module("paraprop.diffusion.sample").rounding_floor
+    floor = importlib.import_module("paraprop.diffusion.certificate").rounding_floor
     assert floor(torch.bfloat16, 0.5) == 4 * 2 ** -7
     assert math.isclose(floor(torch.float32, 8.0), 4 * 8 * 2 ** -23)

@@ -4,6 +4,8 @@ acceleration / ParaTAA) for diffusers' DDPM and DDIM schedulers.
 - :func:`sample`: the scheduler's sampling loop solved as a triangular system over the steps;
   every method returns the sequential sample for the same noise (within ``tol``).
 - :class:`DiffusionChain`: that system (the Picard map), for :func:`paraprop.solve`.
+- :class:`GainCertificate`: the stopping rule that certifies its trajectory (bitwise, or within
+  ``tol`` through the steps' observed gains).
 - :func:`step_table`, :func:`draw_noise`: the scheduler's update rule read into per-step
   coefficients, and the noise drawn as the diffusers loop draws it.
 
@@ -11,9 +13,10 @@ acceleration / ParaTAA) for diffusers' DDPM and DDIM schedulers.
 not import it, it reads the scheduler object it is given.
 """
 
+from paraprop.diffusion.certificate import BatchVarianceWarning, GainCertificate
 from paraprop.diffusion.chain import DiffusionChain, draw_noise
-from paraprop.diffusion.sample import METHODS, BatchVarianceWarning, sample
+from paraprop.diffusion.sample import METHODS, sample
 from paraprop.diffusion.schedulers import StepTable, step_table
 
-__all__ = ["METHODS", "BatchVarianceWarning", "DiffusionChain", "StepTable", "draw_noise",
-           "sample", "step_table"]
+__all__ = ["METHODS", "BatchVarianceWarning", "DiffusionChain", "GainCertificate", "StepTable",
+           "draw_noise", "sample", "step_table"]

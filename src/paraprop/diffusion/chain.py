@@ -38,23 +38,17 @@ import math
 
 import torch
 
+from paraprop.diffusion.gains import StepGains
 from paraprop.diffusion.schedulers import StepTable
 from paraprop.errors import NonFiniteError, StochasticModelError
 from paraprop.scan import linear_recurrence
 
-# units of the dtype's resolution an input change must exceed to measure a step's gain
-OBS_ULPS = 2
-# units of the dtype's resolution (at the outputs' scale) taken off an observed output change:
-# what the rounding of two evaluations may leave between them
-NOISE_ULPS = 1
 # batch variance explains differences of at most this many units of the dtype's resolution,
 # and of this share of the outputs' size (:func:`stochastic_level`)
 STOCHASTIC_ULPS = 64
 STOCHASTIC_REL = 1 / 64
 # a difference above this many units (relative) is checked by evaluating the same rows again
 AMBIGUOUS_ULPS = 16
-# observations of the steps' gains taken together, at most (DiffusionChain._observe, gain)
-OBSERVATIONS_KEPT = 16
 
 
 class DiffusionChain:
@@ -90,10 +84,10 @@ class DiffusionChain:
     computed again (in another batch of rows) gave other bits, ``loop_gap`` the largest
     difference of step 0's model output between the loop's ``B`` rows and the first batched
     call's; :meth:`diagnose` tells batch variance from a model that is not deterministic
-    (:class:`~paraprop.StochasticModelError`). With :attr:`track_gains`, every evaluation of a
-    step is compared with its previous one (``gain``, :meth:`_observe`), and the last input and
-    output of every step are kept: :meth:`stale_from`, :meth:`direct` and :meth:`learn_exact`
-    serve the final check of ``tol > 0`` (:func:`paraprop.diffusion.sample`).
+    (:class:`~paraprop.StochasticModelError`). Every evaluation of a step is reported to
+    :attr:`observer` where one is set (:class:`~paraprop.diffusion.gains.StepGains`, the gains
+    record of :class:`~paraprop.diffusion.certificate.GainCertificate`); :meth:`learn_exact`
+    serves its final check of ``tol > 0``.
     :meth:`sequential` is the diffusers loop itself, from a certified prefix.
     """
 
@@ -120,14 +114,8 @@ class DiffusionChain:
         self.model_calls = 0   # batched model calls
         self.model_rows = 0    # model evaluations (rows of x per call, in samples)
         self.max_rows = 0
-        self.track_gains = False
-        self._gain = None      # (B, N): largest observed |d step_s(x)| / |d x| (NaN: none yet)
-        self._seen = None      # (2, B, N, F): the last input and output of every step
-        # the observations not yet in _gain: (OBSERVATIONS_KEPT, 4, B, N) float64, each row's
-        # steps from column 0 on (NaN elsewhere), and the steps of each row held (see _observe,
-        # gain)
-        self._pending = None
-        self._records: list[tuple[int, int]] = []
+        # the gains record every evaluation of a step is reported to (None: none)
+        self.observer: StepGains | None = None
         # the steps [lo, N) are the system the solver sees; x_lo is the input of step lo
         self.lo = 0
         self.x_lo = self.x_init
@@ -161,7 +149,6 @@ class DiffusionChain:
         self.host = self.device.type == "cpu"
         self._aranges = {}     # n -> arange(n) (the positions of a window)
         self._samples = torch.arange(self.B, device=dev)
-        self._units = None     # (dtype, the factors of _observe)
 
     # -- the model -----------------------------------------------------------------------------
     def _kwargs(self, n: int) -> tuple[dict, set]:
@@ -213,8 +200,8 @@ class DiffusionChain:
             self._compare_step0(out.reshape(n * self.B, *self.sample_shape[1:])[: self.B], n)
         prev = self.table.apply(slice(start, stop), rows.reshape(shape), out.reshape(shape),
                                 self.z[start:stop]).transpose(0, 1)
-        if self.track_gains:
-            self._observe(xin, prev, start, stop)
+        if self.observer is not None:
+            self.observer.observe(xin, prev, start, stop)
         return prev
 
     def _compare_step0(self, out: torch.Tensor, n: int) -> None:
@@ -269,69 +256,6 @@ class DiffusionChain:
                               f"rows gave other values (largest difference {diff:.3g}, "
                               f"outputs of size {scale:.3g})")
 
-    def _observe(self, xin: torch.Tensor, nxt: torch.Tensor, start: int, stop: int) -> None:
-        """Record each step's gain ``max|step(x) - step(x')| / max|x - x'|`` (per sample, the
-        largest seen) between this evaluation and the step's previous one, less what the
-        rounding of the two outputs may leave between them (:data:`NOISE_ULPS`); input changes
-        within :func:`observe_level` of the rounding are skipped. Keeps each step's last input
-        and output (:meth:`stale_from`, :meth:`direct`)."""
-        if self._seen is None:
-            self._seen = torch.full((2, self.B, self.N, self.F), float("nan"), dtype=xin.dtype,
-                                    device=xin.device)
-            self._gain = torch.full((self.B, self.N), float("nan"), dtype=torch.float64,
-                                    device=xin.device)
-            # as many observations as fit in the memory the last values take (at least one,
-            # at most OBSERVATIONS_KEPT; 4 MB in any case)
-            record = 4 * self.B * self.N * 8
-            kept = max(self._seen.numel() * self._seen.element_size(), 1 << 22) // record
-            self._pending = torch.full((min(max(kept, 1), OBSERVATIONS_KEPT), 4, self.B, self.N),
-                                       float("nan"), dtype=torch.float64, device=xin.device)
-        elif len(self._records) == self._pending.shape[0]:
-            self._fold()
-        now = torch.stack([xin, nxt])
-        was = self._seen[:, :, start:stop]   # (the last input and output of each step)
-        a, b = (now, was) if self.work == xin.dtype else (now.to(self.work), was.to(self.work))
-        # |x - x'|, |y - y'|, |x|, |y| (largest per sample and step) in one reduction; the
-        # ratios are taken when the gains are read (gain), many observations at once
-        self._pending[len(self._records), :, :, : stop - start] = \
-            torch.cat([a - b, a]).abs().amax(3)
-        self._records.append((start, stop))
-        was.copy_(now)
-
-    @property
-    def gain(self) -> torch.Tensor | None:
-        """``(B, N)`` float64: each step's largest observed gain (NaN: never observed), or
-        ``None`` before the first observation (:meth:`_observe`)."""
-        if self._records:
-            self._fold()
-        return self._gain
-
-    def _fold(self) -> None:
-        """The ratios of the pending observations into :attr:`gain`: per observation and step,
-        ``(|y - y'| - noise)^+ / |x - x'|`` where ``|x - x'|`` exceeds the observation level,
-        ``noise`` being what the rounding of the two outputs may leave between them
-        (:data:`NOISE_ULPS`), and the level :func:`observe_level`, both at the values' scale
-        (``max(1, |x|)``, ``max(1, |y|)``); the largest ratio is kept (the same values, in any
-        order, as observation by observation)."""
-        records = self._records
-        width = max(stop - start for start, stop in records)
-        stats = self._pending[: len(records), :, :, :width]
-        din, dout = stats[:, 0], stats[:, 1]
-        level, noise = stats[:, 2:].clamp(min=1).mul_(self._obs_units(self.dtype)).unbind(1)
-        # (a non-finite difference, or no observation, gives a NaN ratio: skipped)
-        ratio = (dout - noise).clamp_(min=0).div_(din).masked_fill_(din <= level, math.nan)
-        if len(records) > 2 and all(r == records[0] for r in records):
-            # the same steps in every row (a full window): their largest, at once (ratios are
-            # >= 0: -1 marks NaN)
-            ratio = ratio.masked_fill(ratio.isnan(), -1.0).amax(0)
-            ratio = ratio.masked_fill_(ratio < 0, math.nan)[None]
-            records = records[:1]
-        for row, (start, stop) in enumerate(records):
-            gain = self._gain[:, start:stop]
-            torch.fmax(gain, ratio[row, :, : stop - start], out=gain)
-        stats.fill_(math.nan)
-        self._records = []
-
     @property
     def recompute_gap(self) -> torch.Tensor:
         """0-d float64: the largest difference of a certified step computed again (NaN
@@ -341,15 +265,6 @@ class DiffusionChain:
             self._recompute_gap = torch.maximum(self._recompute_gap, gaps)
             self._gaps = []
         return self._recompute_gap
-
-    def _obs_units(self, dtype: torch.dtype) -> torch.Tensor:
-        """``(2, 1, 1)`` float64: :func:`observe_level` and :data:`NOISE_ULPS` units of
-        ``dtype``, the factors of :meth:`_observe` (made once)."""
-        if self._units is None or self._units[0] != dtype:
-            v = torch.tensor([observe_level(dtype), NOISE_ULPS * torch.finfo(dtype).eps],
-                             dtype=torch.float64, device=self.device)
-            self._units = (dtype, v[:, None, None])
-        return self._units[1]
 
     def inputs(self, X: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """``x_s`` for the system's positions ``[start, stop)``: the input of step ``lo``, then
@@ -530,35 +445,8 @@ class DiffusionChain:
         if start < self.N:
             check_steps_finite(X, start)
 
-    # -- the final check of an estimate --------------------------------------------------------
-    def stale_from(self, X: torch.Tensor, rows: torch.Tensor) -> int:
-        """The first step whose last evaluation (kept while :attr:`track_gains`) was not at its
-        input in the trajectory ``X`` ``(B, N, F)``, over the samples ``rows`` and the positions
-        not certified; ``N`` where every such step is up to date (one host sync)."""
-        if self._seen is None:
-            return 0
-        xin = torch.cat([self.x_init[:, None], X[:, :-1]], dim=1)
-        last_in, last_out = self._seen
-        fresh = (last_in == xin).all(2) & torch.isfinite(last_out).all(2)
-        pos = torch.arange(self.N, device=X.device)[None, :]
-        stale = ~fresh & rows[:, None] & (pos >= self.exact[:, None])
-        first = torch.where(stale.any(0), pos[0], self.N).min()
-        return int(first)
-
-    def direct(self, X: torch.Tensor, start: int, window: int) -> torch.Tensor:
-        """``(B, N, F)``: the direct step of every position of ``X`` from its input in ``X``
-        (bitwise the loop's step from that input), evaluating the steps ``[start, N)`` again
-        in calls of at most ``window`` steps; the steps before ``start`` are the last
-        evaluations (:meth:`stale_from`). The new evaluations are observed as any
-        (:attr:`track_gains` must be on)."""
-        xin = torch.cat([self.x_init[:, None], X[:, :-1]], dim=1)
-        for a in range(start, self.N, window):
-            b = min(self.N, a + window)
-            self.steps(xin[:, a:b], a, b)
-        return self._seen[1]
-
     def learn_exact(self, X: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """From the direct steps ``y`` of every position of ``X`` (:meth:`direct`): the
+        """From the direct steps ``y`` of every position of ``X``: the
         leading positions whose value is their direct step from an exact input are exact, and
         the direct step after them is the next exact value. Advances :attr:`exact` for the
         samples ``rows``; returns ``(B,)``: the first position of each sample whose value is
@@ -623,13 +511,6 @@ def _stochastic(what: str) -> StochasticModelError:
         "model in eval mode are the other one (torch.use_deterministic_algorithms(True)). "
         "Two evaluations of the same input differ, so there is no sequential result to "
         "reproduce")
-
-
-def observe_level(dtype: torch.dtype) -> float:
-    """The least input change (per unit of ``|x| + 1``) whose effect on a step is read as the
-    step's gain: below it the ratio measures the dtype's rounding, not the map. :data:`OBS_ULPS`
-    units of ``dtype``'s resolution."""
-    return OBS_ULPS * torch.finfo(dtype).eps
 
 
 def _output(out, x: torch.Tensor) -> torch.Tensor:

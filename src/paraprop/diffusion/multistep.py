@@ -1,0 +1,211 @@
+"""Readers of the multistep solvers: ``DPMSolverMultistepScheduler`` (DPM-Solver++, orders 1-3,
+``dpmsolver++`` and ``sde-dpmsolver++``) and ``UniPCMultistepScheduler`` (UniP predictor and
+UniC corrector, ``bh1``/``bh2``), in the interface of :mod:`~paraprop.diffusion.readers`.
+
+Both convert the model output of step ``k`` (to a predicted ``x_0``, or a noise for UniPC's
+``predict_x0=False``) from ``(x_k, model output)``: that converted output is step ``k``'s record,
+and step ``k`` reads the records of the ``solver_order - 1`` steps before it (UniPC's corrector
+one more). The order of every step (the warm-up, ``lower_order_final``, ``euler_at_final``) is
+read from the scheduler's rules at construction: steps of one order are applied together.
+UniPC's corrector reads the corrected sample of the step before, so its states carry it
+(``parts = 2``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from paraprop.diffusion.readers import Reader, Records, Sel, div, mul, refuse
+
+PREDICTIONS = ("epsilon", "sample", "v_prediction", "flow_prediction")
+
+
+def _alpha_sigma(flow: bool, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_sigma_to_alpha_sigma_t`` of both schedulers."""
+    if flow:
+        return 1 - sigma, sigma
+    alpha_t = 1 / ((sigma**2 + 1) ** 0.5)
+    return alpha_t, sigma * alpha_t
+
+
+def _check_common(name: str, cfg) -> None:
+    if cfg.prediction_type not in PREDICTIONS:
+        raise refuse(name, "prediction_type", cfg.prediction_type, ", ".join(PREDICTIONS))
+    if cfg.thresholding:
+        raise refuse(name, "thresholding", True, "False (dynamic thresholding is not read)")
+    if cfg.solver_order not in (1, 2, 3):
+        raise refuse(name, "solver_order", cfg.solver_order, "1, 2, 3")
+
+
+class DPMSolverMultistepReader(Reader):
+    """``DPMSolverMultistepScheduler`` with ``algorithm_type`` ``dpmsolver++`` or
+    ``sde-dpmsolver++``, ``solver_order`` 1-3, ``solver_type`` ``midpoint`` or ``heun``, any
+    sigma schedule (Karras, exponential, beta, Lu lambdas, flow sigmas, ``final_sigmas_type``,
+    ``timestep_spacing``), ``lower_order_final`` and ``euler_at_final``; ``prediction_type``
+    ``epsilon``, ``sample``, ``v_prediction``, ``flow_prediction``. Refused: the deprecated
+    ``dpmsolver``/``sde-dpmsolver``, ``thresholding``, a learned ``variance_type``."""
+
+    classname = "DPMSolverMultistepScheduler"
+    ALGORITHMS = ("dpmsolver++", "sde-dpmsolver++")
+
+    def _check_config(self) -> None:
+        cfg = self.config
+        if cfg.algorithm_type not in self.ALGORITHMS:
+            raise refuse(self.classname, "algorithm_type", cfg.algorithm_type,
+                         ", ".join(self.ALGORITHMS))
+        _check_common(self.classname, cfg)
+        if cfg.variance_type is not None:
+            raise refuse(self.classname, "variance_type", cfg.variance_type,
+                         "None (a learned variance needs the model's extra channels)")
+        if cfg.solver_type not in ("midpoint", "heun"):
+            raise refuse(self.classname, "solver_type", cfg.solver_type, "midpoint, heun")
+        self.sde = cfg.algorithm_type == "sde-dpmsolver++"
+        self.history = cfg.solver_order - 1
+
+    def noise_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32   # step() draws its noise in float32
+
+    def _read(self) -> None:
+        cfg, K, s = self.config, self.K, self.sigmas
+        assert s is not None
+        flow = bool(cfg.use_flow_sigmas)
+        rows = []
+        for k in range(K):
+            lower_order_final = k == K - 1 and (
+                cfg.euler_at_final or (cfg.lower_order_final and K < 15)
+                or cfg.final_sigmas_type == "zero")
+            lower_order_second = k == K - 2 and cfg.lower_order_final and K < 15
+            lower_order_nums = min(k, cfg.solver_order)
+            if cfg.solver_order == 1 or lower_order_nums < 1 or lower_order_final:
+                order = 1
+            elif cfg.solver_order == 2 or lower_order_nums < 2 or lower_order_second:
+                order = 2
+            else:
+                order = 3
+            self.kinds.append(order)
+            c: dict[str, torch.Tensor] = {}
+            # convert_model_output
+            if cfg.prediction_type in ("epsilon", "v_prediction"):
+                c["cv_alpha"], c["cv_sigma"] = _alpha_sigma(flow, s[k])
+            elif cfg.prediction_type == "flow_prediction":
+                c["cv_sigma"] = s[k]
+            # the update (the scheduler's expressions, on its 0-d float32 sigmas)
+            sigma_t, sigma_s0 = s[k + 1], s[k]
+            alpha_t, sigma_t = _alpha_sigma(flow, sigma_t)
+            alpha_s0, sigma_s0 = _alpha_sigma(flow, sigma_s0)
+            lambda_t = torch.log(alpha_t) - torch.log(sigma_t)
+            lambda_s0 = torch.log(alpha_s0) - torch.log(sigma_s0)
+            h = lambda_t - lambda_s0
+            if self.sde:
+                c["noise"] = sigma_t * torch.sqrt(1.0 - torch.exp(-2 * h))
+            if order >= 2:
+                alpha_s1, sigma_s1 = _alpha_sigma(flow, s[k - 1])
+                lambda_s1 = torch.log(alpha_s1) - torch.log(sigma_s1)
+                h_0 = lambda_s0 - lambda_s1
+                r0 = h_0 / h
+                c["inv_r0"] = 1.0 / r0
+            if order == 1:
+                if self.sde:
+                    c["x"] = sigma_t / sigma_s0 * torch.exp(-h)
+                    c["d0"] = alpha_t * (1 - torch.exp(-2.0 * h))
+                else:
+                    c["x"] = sigma_t / sigma_s0
+                    c["d0"] = alpha_t * (torch.exp(-h) - 1.0)
+            elif order == 2:
+                if self.sde:
+                    c["x"] = sigma_t / sigma_s0 * torch.exp(-h)
+                    c["d0"] = alpha_t * (1 - torch.exp(-2.0 * h))
+                    if cfg.solver_type == "midpoint":
+                        c["d1"] = 0.5 * (alpha_t * (1 - torch.exp(-2.0 * h)))
+                    else:
+                        c["d1"] = alpha_t * ((1.0 - torch.exp(-2.0 * h)) / (-2.0 * h) + 1.0)
+                else:
+                    c["x"] = sigma_t / sigma_s0
+                    c["d0"] = alpha_t * (torch.exp(-h) - 1.0)
+                    if cfg.solver_type == "midpoint":
+                        c["d1"] = 0.5 * (alpha_t * (torch.exp(-h) - 1.0))
+                    else:
+                        c["d1"] = alpha_t * ((torch.exp(-h) - 1.0) / h + 1.0)
+            else:
+                alpha_s2, sigma_s2 = _alpha_sigma(flow, s[k - 2])
+                lambda_s2 = torch.log(alpha_s2) - torch.log(sigma_s2)
+                h_1 = lambda_s1 - lambda_s2
+                r1 = h_1 / h
+                c["inv_r1"] = 1.0 / r1
+                c["r0_r"] = r0 / (r0 + r1)
+                c["inv_rr"] = 1.0 / (r0 + r1)
+                if self.sde:
+                    c["x"] = sigma_t / sigma_s0 * torch.exp(-h)
+                    c["d0"] = alpha_t * (1.0 - torch.exp(-2.0 * h))
+                    c["d1"] = alpha_t * ((1.0 - torch.exp(-2.0 * h)) / (-2.0 * h) + 1.0)
+                    c["d2"] = alpha_t * ((1.0 - torch.exp(-2.0 * h) - 2.0 * h) / (2.0 * h) ** 2
+                                         - 0.5)
+                else:
+                    c["x"] = sigma_t / sigma_s0
+                    c["d0"] = alpha_t * (torch.exp(-h) - 1.0)
+                    c["d1"] = alpha_t * ((torch.exp(-h) - 1.0) / h + 1.0)
+                    c["d2"] = alpha_t * ((torch.exp(-h) - 1.0 + h) / h**2 - 0.5)
+            rows.append(c)
+        self._columns(rows)
+        self.noisy = (self.sde,) * K
+
+    def records_like(self, out: torch.Tensor) -> Records:
+        return (torch.empty_like(out),)
+
+    def _record(self, kind: Any, sel: Sel, x: torch.Tensor, out: torch.Tensor) -> Records:
+        # convert_model_output, on the step's input sample (before step() upcasts it)
+        sample, p = x[:, 0], self.config.prediction_type
+        if p == "epsilon":
+            x0 = div(sample - mul(self.col("cv_sigma", sel, out), out),
+                     self.col("cv_alpha", sel, out))
+        elif p == "sample":
+            x0 = out
+        elif p == "v_prediction":
+            x0 = mul(self.col("cv_alpha", sel, sample), sample) - \
+                mul(self.col("cv_sigma", sel, out), out)
+        else:
+            x0 = sample - mul(self.col("cv_sigma", sel, out), out)
+        return (x0,)
+
+    def _apply(self, kind: Any, sel: Sel, x: torch.Tensor, out: torch.Tensor, rec: Records,
+               z: torch.Tensor | None) -> torch.Tensor:
+        h = self.history
+        (conv,) = rec
+        m0 = sel.take(conv, h)
+        sample = x[:, 0].to(torch.float32)
+
+        def c(name: str) -> torch.Tensor:
+            return self.col(name, sel, sample)
+
+        if kind == 1:
+            if self.sde:
+                y = mul(c("x"), sample) + mul(c("d0"), m0)
+            else:
+                y = mul(c("x"), sample) - mul(c("d0"), m0)
+        elif kind == 2:
+            m1 = sel.take(conv, h - 1)
+            D0, D1 = m0, mul(c("inv_r0"), m0 - m1)
+            if self.sde:
+                y = mul(c("x"), sample) + mul(c("d0"), D0) + mul(c("d1"), D1)
+            elif self.config.solver_type == "midpoint":
+                y = mul(c("x"), sample) - mul(c("d0"), D0) - mul(c("d1"), D1)
+            else:
+                y = mul(c("x"), sample) - mul(c("d0"), D0) + mul(c("d1"), D1)
+        else:
+            m1, m2 = sel.take(conv, h - 1), sel.take(conv, h - 2)
+            D0 = m0
+            D1_0, D1_1 = mul(c("inv_r0"), m0 - m1), mul(c("inv_r1"), m1 - m2)
+            D1 = D1_0 + mul(c("r0_r"), D1_0 - D1_1)
+            D2 = mul(c("inv_rr"), D1_0 - D1_1)
+            if self.sde:
+                y = mul(c("x"), sample) + mul(c("d0"), D0) + mul(c("d1"), D1) + \
+                    mul(c("d2"), D2)
+            else:
+                y = mul(c("x"), sample) - mul(c("d0"), D0) + mul(c("d1"), D1) - \
+                    mul(c("d2"), D2)
+        if self.sde:
+            assert z is not None, "sde-dpmsolver++ steps read their noise"
+            y = y + mul(c("noise"), z)
+        return y.to(m0.dtype)[:, None]

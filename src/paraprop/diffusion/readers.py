@@ -1,0 +1,382 @@
+"""Readers of diffusers schedulers' update rules, beside :mod:`~paraprop.diffusion.schedulers`
+(DDPM/DDIM): one interface for every scheduler whose step reads more than ``(x_t, model(x_t))``
+(multistep history, Heun's second evaluation, ancestral noise, flow matching).
+
+A reader is made from a scheduler and ``num_inference_steps`` (it calls ``set_timesteps``, as a
+pipeline does) and reads the per-step coefficients from the scheduler's own state (``timesteps``,
+``sigmas``, its step index, the order it would use at every step). It then applies the steps
+with exactly ``scheduler.step``'s operations on the samples, so that the loop below
+(:func:`loop`) equals the diffusers loop bit for bit, and a window of steps can be applied at
+once from one batched model call (the same operations with per-step coefficient columns).
+
+**What the chain needs (design note for the parallel sampler).**
+
+* *Positions.* Position ``k = 0 .. K`` is the sample before the diffusers loop's ``k``-th
+  iteration; ``K = reader.K = len(scheduler.timesteps)`` is the number of model calls of the
+  loop. One position per model call: Heun's second evaluation is its own position (``K = 2N -
+  1`` for ``N`` Heun steps), so every step is one model evaluation, as for DDPM/DDIM.
+* *State.* A position's state is ``(P, *shape)`` with ``P = reader.parts``: ``1`` (the sample)
+  for every scheduler but UniPC, whose corrector reads the corrected sample of the previous
+  step (``P = 2``: ``[x_k, corrected x_{k-1}]``, a value computed by step ``k - 1``). The model
+  reads part ``0`` only. Windows are ``(n, P, *shape)``: one leading row per position.
+  :meth:`Reader.initial` makes position 0 from the latents (``init_noise_sigma`` applied as the
+  pipelines apply it).
+* *Model call.* Step ``k`` evaluates the model once, at ``reader.model_input(lo, hi, state)``
+  (``scale_model_input``, part of the step) and ``reader.timesteps[k]``; the ``n`` rows of a
+  window go in one batched call.
+* *History.* Step ``k`` reads the *records* of the ``reader.history`` positions before it:
+  values that step ``j`` computes from its own input and model output only (DPM-Solver's and
+  UniPC's converted model output, Heun's derivative and sample). :meth:`Reader.step` returns the
+  window's records; the chain keeps the last ``history`` records of the certified prefix and
+  passes them as ``past`` to the next window. So the system stays triangular in the states: a
+  position reads earlier positions only, through their records.
+* *Noise.* ``reader.noisy[k]`` says whether step ``k`` draws noise, ``reader.noise_dtype(dtype)``
+  in which dtype; :func:`draw_noise` draws the latents and every step's noise up front in the
+  loop's order (as ``randn_tensor`` does with one generator). Noise enters inside step ``k``
+  (``z`` of :meth:`Reader.step`), after the model call.
+* *Dtypes.* float32 and float64 samples (the model's dtype); bfloat16/float16 are refused by name
+  until verified (:func:`check_dtype`). Coefficients are the scheduler's float32 0-d tensors:
+  ``c * t`` reads them exactly in both dtypes; ``t / c`` with a CPU coefficient on CUDA/XPU is
+  PyTorch's ``t * (1 / c)`` (:func:`div`).
+
+Supported: ``DPMSolverMultistepScheduler``, ``UniPCMultistepScheduler``
+(:mod:`~paraprop.diffusion.multistep`), ``EulerDiscreteScheduler``,
+``EulerAncestralDiscreteScheduler``, ``HeunDiscreteScheduler``
+(:mod:`~paraprop.diffusion.karras`), ``FlowMatchEulerDiscreteScheduler`` and ``LCMScheduler``
+(:mod:`~paraprop.diffusion.flowmatch`); :func:`reader` picks one. Every setting a reader does not
+implement raises :class:`ValueError` naming it, its value and what is supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+SAMPLE_DTYPES = (torch.float32, torch.float64)
+# devices on which PyTorch divides by a CPU scalar through its reciprocal (BinaryDivTrueKernel)
+RECIPROCAL_DIVISION = ("cuda", "xpu")
+
+Records = tuple[torch.Tensor, ...]
+
+
+def refuse(scheduler: str, argument: str, value: Any, supported: str) -> ValueError:
+    """The error of a setting a reader does not implement."""
+    return ValueError(f"{scheduler}: {argument}={value!r} is not supported by "
+                      f"paraprop.diffusion; supported: {supported}")
+
+
+def check_dtype(dtype: torch.dtype, scheduler: str = "reader") -> None:
+    """Refuse a sample dtype whose bitwise equality with the diffusers loop is not verified."""
+    if dtype not in SAMPLE_DTYPES:
+        raise refuse(scheduler, "dtype", dtype, "torch.float32, torch.float64")
+
+
+class Sel:
+    """Positions of a window that share a formula: a slice (an arithmetic progression) or an
+    index tensor; ``rel`` relative to the window, which starts at step ``start``."""
+
+    def __init__(self, rel: list[int], start: int):
+        self.rel = rel
+        self.start = start
+        self.n = len(rel)
+        step = rel[1] - rel[0] if len(rel) > 1 else 1
+        self.sliced = step > 0 and all(b - a == step for a, b in zip(rel, rel[1:]))
+        self._step = step
+        self._index: dict[torch.device, torch.Tensor] = {}
+
+    def take(self, t: torch.Tensor, shift: int = 0) -> torch.Tensor:
+        """Rows ``rel + shift`` of ``t``."""
+        if self.sliced:
+            a = self.rel[0] + shift
+            return t[a: a + self._step * (self.n - 1) + 1: self._step]
+        key = t.device
+        if key not in self._index:
+            self._index[key] = torch.tensor(self.rel, dtype=torch.long, device=t.device)
+        return t.index_select(0, self._index[key] + shift)
+
+    def put(self, out: torch.Tensor, value: torch.Tensor) -> None:
+        """Write ``value`` into the rows ``rel`` of ``out``."""
+        if self.sliced:
+            a = self.rel[0]
+            out[a: a + self._step * (self.n - 1) + 1: self._step] = value
+        else:
+            out.index_copy_(0, self.take(torch.arange(out.shape[0], device=out.device)), value)
+
+    def steps(self) -> list[int]:
+        """The absolute steps."""
+        return [self.start + r for r in self.rel]
+
+
+def mul(c: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``c * t`` for a 0-d float32 coefficient ``c`` (here a column broadcasting over
+    ``t``): exact in float32 and float64."""
+    return c.to(t.dtype) * t
+
+
+def div(t: torch.Tensor, c: torch.Tensor, cpu_scalar: bool = True) -> torch.Tensor:
+    """diffusers' ``t / c``: where ``c`` is a CPU 0-d tensor and ``t`` is on CUDA/XPU, PyTorch
+    computes ``t * (1 / c)`` (in ``t``'s dtype); elsewhere the division."""
+    c = c.to(t.dtype)
+    if cpu_scalar and t.device.type in RECIPROCAL_DIVISION:
+        return t * (1 / c)
+    return t / c
+
+
+class Reader:
+    """A scheduler's update rule over the ``K`` iterations of its diffusers loop.
+
+    Subclasses set ``classname``, ``history``, ``parts``, and fill ``kinds`` (the formula each
+    step uses: steps of one kind in a window are applied together), the coefficient columns
+    (:meth:`_columns`) and :meth:`_apply`.
+    """
+
+    classname: ClassVar[str] = ""
+    history: int = 0
+    parts: int = 1
+
+    def __init__(self, scheduler, num_inference_steps: int, *, mu: float | None = None):
+        if type(scheduler).__name__ != self.classname or \
+                not type(scheduler).__module__.startswith("diffusers."):
+            raise ValueError(f"scheduler: expected diffusers' {self.classname}, got "
+                             f"{type(scheduler).__module__}.{type(scheduler).__name__} (a "
+                             "subclass may change step(); pass the diffusers class itself)")
+        self.scheduler = scheduler
+        self.config = scheduler.config
+        self._check_config()
+        kwargs = {} if mu is None else {"mu": mu}
+        scheduler.set_timesteps(num_inference_steps, **kwargs)
+        self.timesteps: torch.Tensor = scheduler.timesteps
+        self.K = int(self.timesteps.numel())
+        self.sigmas = scheduler.sigmas.detach().cpu() if hasattr(scheduler, "sigmas") else None
+        # the step index the scheduler starts from (its _init_step_index at the first step)
+        begin = scheduler.begin_index
+        if begin is None:
+            begin = scheduler.index_for_timestep(self.timesteps[0])
+        if begin != 0:
+            raise refuse(self.classname, "first step index", begin,
+                         "0 (a schedule whose first timestep repeats, or a begin_index set "
+                         "before sampling, starts the scheduler mid-schedule)")
+        init = getattr(scheduler, "init_noise_sigma", None)
+        self.init_noise_sigma = init
+        self.kinds: list[Any] = []
+        self.noisy: tuple[bool, ...] = (False,) * self.K
+        self._cols: dict[str, torch.Tensor] = {}
+        self._on: dict[tuple[torch.device, str], torch.Tensor] = {}
+        self._groups: dict[tuple[int, int], list[tuple[Any, Sel]]] = {}
+        self._read()
+        if len(self.kinds) != self.K:
+            raise AssertionError("reader: one kind per step")
+
+    # -- what subclasses define ----------------------------------------------------------------
+    def _check_config(self) -> None:
+        """Refuse the settings the reader does not implement (ValueError naming them)."""
+
+    def _read(self) -> None:
+        """Fill ``kinds``, ``noisy`` and the coefficient columns."""
+        raise NotImplementedError
+
+    def _record(self, kind: Any, sel: Sel, x: torch.Tensor, out: torch.Tensor) -> Records:
+        """The records of the steps ``sel`` (what later steps read) from their states ``x``
+        ``(m, P, *shape)`` and model outputs ``out`` ``(m, *shape)``."""
+        return ()
+
+    def _apply(self, kind: Any, sel: Sel, x: torch.Tensor, out: torch.Tensor, rec: Records,
+               z: torch.Tensor | None) -> torch.Tensor:
+        """The next states of the steps ``sel`` of one kind. ``rec``: the records of the
+        window's positions preceded by ``history`` rows of the past: the record of the step
+        ``i`` before a step is ``sel.take(r, shift=history - i)``, its own ``shift=history``.
+        ``z``: the noise rows of the steps."""
+        raise NotImplementedError
+
+    def noise_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype in which the diffusers loop draws a step's noise for samples of ``dtype``."""
+        return dtype
+
+    def scale(self, sel: Sel, x: torch.Tensor) -> torch.Tensor:
+        """``scale_model_input`` for the steps ``sel`` (``x``: ``(m, *shape)``)."""
+        return x
+
+    def records_like(self, out: torch.Tensor) -> Records:
+        """Empty records for the positions of the model outputs ``out`` ``(n, *shape)``."""
+        return ()
+
+    # -- columns -------------------------------------------------------------------------------
+    def _columns(self, rows: Sequence[dict[str, torch.Tensor]]) -> None:
+        """Stack per-step 0-d coefficients (one dict per step) into ``(K,)`` float32 columns
+        (NaN where a step has none)."""
+        names = sorted({k for r in rows for k in r})
+        nan = torch.tensor(float("nan"))
+        for name in names:
+            self._cols[name] = torch.stack(
+                [torch.as_tensor(r[name]).detach().reshape(()).cpu().float() if name in r
+                 else nan for r in rows])
+
+    def col(self, name: str, sel: Sel, like: torch.Tensor) -> torch.Tensor:
+        """The column ``name`` at the steps ``sel``, shaped to broadcast over ``like``
+        ``(m, ...)``, on its device (float32)."""
+        key = (like.device, name)
+        full = self._on.get(key)
+        if full is None:
+            full = self._on[key] = self._cols[name].to(like.device)
+        return sel.take(full, shift=sel.start).reshape((sel.n,) + (1,) * (like.dim() - 1))
+
+    # -- the interface -------------------------------------------------------------------------
+    def initial(self, latents: torch.Tensor) -> torch.Tensor:
+        """Position 0's state ``(P, *shape)`` from the drawn latents, scaled by
+        ``init_noise_sigma`` as the pipelines scale them."""
+        check_dtype(latents.dtype, self.classname)
+        init = self.init_noise_sigma
+        if init is None:
+            x = latents
+        elif isinstance(init, torch.Tensor):
+            x = mul(init.detach().cpu().float().to(latents.device), latents)
+        else:
+            x = latents * init
+        return torch.stack([x] * self.parts)
+
+    def model_input(self, lo: int, hi: int, state: torch.Tensor) -> torch.Tensor:
+        """The model's input rows ``(n, *shape)`` of the steps ``[lo, hi)`` from their states
+        ``(n, P, *shape)`` (``scale_model_input``)."""
+        x = state[:, 0]
+        groups = self.groups(lo, hi)
+        if len(groups) == 1:
+            return self.scale(groups[0][1], x)
+        new = torch.empty_like(x)
+        for _, sel in groups:
+            sel.put(new, self.scale(sel, sel.take(x)))
+        return new
+
+    def step(self, lo: int, hi: int, state: torch.Tensor, out: torch.Tensor,
+             past: Records = (), z: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, Records]:
+        """The states after the steps ``[lo, hi)`` (``(n, P, *shape)``) and the steps' records.
+
+        ``state``: their input states ``(n, P, *shape)``; ``out``: the model outputs at
+        :meth:`model_input` ``(n, *shape)``; ``past``: the records of the positions
+        ``[lo - h, lo)`` for ``h = min(history, lo)`` (rows an earlier call returned); ``z``:
+        the steps' noise ``(n, *shape)`` (rows of steps that draw none are not read).
+        """
+        n = hi - lo
+        if not (0 <= lo < hi <= self.K) or state.shape[0] != n or out.shape[0] != n:
+            raise ValueError(f"reader: steps [{lo}, {hi}) of {self.K} with {state.shape[0]} "
+                             f"states and {out.shape[0]} model outputs")
+        check_dtype(out.dtype, self.classname)
+        h = min(self.history, lo)
+        own = self.records_like(out)
+        if len(past) != len(own) or any(p.shape[0] != h for p in past):
+            raise ValueError(f"reader: past must hold the records of the {h} steps before step "
+                             f"{lo}, got {[tuple(p.shape) for p in past]}")
+        groups = self.groups(lo, hi)
+        # every step's records first: they read the step's own input and output only
+        for kind, sel in groups:
+            for r, v in zip(own, self._record(kind, sel, sel.take(state), sel.take(out))):
+                sel.put(r, v)
+        pad = self.history - h
+        rec = tuple(torch.cat([p.new_zeros((pad,) + p.shape[1:]), p, r]) if self.history
+                    else r for p, r in zip(past, own))
+        if len(groups) == 1:
+            sel = groups[0][1]
+            return self._apply(groups[0][0], sel, state, out, rec, z), own
+        new: torch.Tensor | None = None
+        for kind, sel in groups:
+            y = self._apply(kind, sel, sel.take(state), sel.take(out), rec,
+                            None if z is None else sel.take(z))
+            if new is None:
+                new = y.new_empty((n,) + tuple(y.shape[1:]))
+            sel.put(new, y)
+        assert new is not None  # (a window has at least one group)
+        return new, own
+
+    def groups(self, lo: int, hi: int) -> list[tuple[Any, Sel]]:
+        """The window's steps grouped by kind (kept per window)."""
+        key = (lo, hi)
+        if key not in self._groups:
+            by_kind: dict[Any, list[int]] = {}
+            for k in range(lo, hi):
+                by_kind.setdefault(self.kinds[k], []).append(k - lo)
+            self._groups[key] = [(kind, Sel(rel, lo)) for kind, rel in by_kind.items()]
+        return self._groups[key]
+
+
+def draw_noise(reader: Reader, shape: Sequence[int], *, generator: torch.Generator | None,
+               dtype: torch.dtype, device: torch.device | str = "cpu"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latents ``shape`` and every step's noise ``(K, *shape)`` (zeros where a step draws
+    none), drawn in the diffusers loop's order with ``generator`` as ``randn_tensor`` draws
+    them: on a CPU generator's device, then moved to ``device``."""
+    device = torch.device(device)
+    gen_device = device
+    if generator is not None and generator.device.type != device.type:
+        if generator.device.type != "cpu":
+            raise ValueError(f"generator: a {generator.device.type} generator cannot draw "
+                             f"noise for {device} (as in diffusers)")
+        gen_device = torch.device("cpu")
+
+    def randn(dt: torch.dtype) -> torch.Tensor:
+        return torch.randn(tuple(shape), generator=generator, device=gen_device,
+                           dtype=dt).to(device)
+
+    latents = randn(dtype)
+    zdt = reader.noise_dtype(dtype)
+    z = torch.zeros((reader.K, *shape), dtype=zdt, device=device)
+    for k, noisy in enumerate(reader.noisy):
+        if noisy:
+            z[k] = randn(zdt)
+    return latents, z
+
+
+def loop(reader: Reader, model: Callable[..., Any], latents: torch.Tensor,
+         z: torch.Tensor | None = None, **model_kwargs) -> torch.Tensor:
+    """The diffusers loop through ``reader``, one step at a time: the sequential reference.
+    Returns the final sample ``(*shape)``."""
+    state = reader.initial(latents)[None]
+    past: Records = tuple(r[:0] for r in reader.records_like(latents[None]))
+    for k in range(reader.K):
+        x_in = reader.model_input(k, k + 1, state)
+        out = _output(model(x_in[0], reader.timesteps[k], **model_kwargs))[None]
+        zk = None if z is None else z[k: k + 1]
+        state, rec = reader.step(k, k + 1, state, out, past, zk)
+        if reader.history:
+            past = tuple(torch.cat([p, r])[-reader.history:] for p, r in zip(past, rec))
+    return state[0, 0]
+
+
+def _output(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "sample"):
+        return out.sample
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(f"model must return a tensor, got {type(out).__name__}")
+
+
+READERS = {
+    "DPMSolverMultistepScheduler": "paraprop.diffusion.multistep",
+    "UniPCMultistepScheduler": "paraprop.diffusion.multistep",
+    "EulerDiscreteScheduler": "paraprop.diffusion.karras",
+    "EulerAncestralDiscreteScheduler": "paraprop.diffusion.karras",
+    "HeunDiscreteScheduler": "paraprop.diffusion.karras",
+    "FlowMatchEulerDiscreteScheduler": "paraprop.diffusion.flowmatch",
+    "LCMScheduler": "paraprop.diffusion.flowmatch",
+}
+
+
+def reader(scheduler, num_inference_steps: int, *, mu: float | None = None) -> Reader:
+    """The reader of ``scheduler`` (``set_timesteps(num_inference_steps, mu=mu)`` is called).
+
+    Raises:
+        ValueError: a scheduler without a reader, or a setting its reader does not implement.
+    """
+    import importlib
+
+    name = type(scheduler).__name__
+    where = READERS.get(name)
+    if where is None:
+        raise ValueError(f"scheduler: {name} has no reader in paraprop.diffusion; supported: "
+                         f"{', '.join(READERS)} (DDPMScheduler and DDIMScheduler: "
+                         "paraprop.diffusion.schedulers)")
+    cls = getattr(importlib.import_module(where), name.replace("Scheduler", "Reader"))
+    return cls(scheduler, num_inference_steps, mu=mu)
