@@ -393,7 +393,7 @@ def test_the_packed_transfer_gives_the_same_result(monkeypatch):
     fingerprints to the host in one float64 copy (on the CPU: views). Forced on the CPU, the
     copy gives the same tokens, margins, causes and repeat-check figures, bitwise (greedy and
     sampled, a padded batch with EOS, float32 and bfloat16)."""
-    from paraprop.decoding.decode import _TokenMap
+    from paraprop.decoding.token_map import TokenMap
 
     ids, mask = prompts(3, 5)
     keys = ("model_calls", "margin_ratio", "uncertified", "repeat_checks", "repeat_ratio",
@@ -403,7 +403,7 @@ def test_the_packed_transfer_gives_the_same_result(monkeypatch):
         for kw in ({}, {"do_sample": True, "top_p": 0.9, "eos_token_id": [3]}):
             runs = []
             for packed in (False, True):
-                monkeypatch.setattr(_TokenMap, "PACKED", packed)
+                monkeypatch.setattr(TokenMap, "PACKED", packed)
                 out, sol = generate(model, ids, attention_mask=mask, max_new_tokens=12,
                                     window=6, throw=False,
                                     generator=torch.Generator().manual_seed(1), **kw)
@@ -443,9 +443,9 @@ def test_sampling_with_given_noise_and_adversarial_guesses(device, name, monkeyp
                    dtype=torch.float64).to(device)
     ref, _ = generate(model, ids, attention_mask=mask, max_new_tokens=20, do_sample=True,
                       noise=u, method="sequential")
-    from paraprop.decoding import decode
+    from paraprop.decoding import token_map
 
-    monkeypatch.setattr(decode._TokenMap, "propose",
+    monkeypatch.setattr(token_map.TokenMap, "propose",
                         lambda self, x, final: torch.full_like(x, float(V - 1)))
     out, sol = generate(model, ids, attention_mask=mask, max_new_tokens=20, do_sample=True,
                         noise=u)
@@ -644,10 +644,10 @@ def test_the_map_is_a_function_of_the_prefix():
     """A full evaluation of the token map after the solve agrees with the window passes (it
     reuses their decisions, so a solver's verification pass cannot see a rounding flip), and
     costs no model call."""
-    from paraprop.decoding import decode
+    from paraprop.decoding import token_map
 
     seen = {}
-    orig = decode._TokenMap.check_final
+    orig = token_map.TokenMap.check_final
 
     def spy(self, x):
         calls = self.lm.calls
@@ -659,10 +659,10 @@ def test_the_map_is_a_function_of_the_prefix():
     model = make("llama", "cpu")
     ids, mask = prompts(3, 5)
     try:
-        decode._TokenMap.check_final = spy
+        token_map.TokenMap.check_final = spy
         generate(model, ids, attention_mask=mask, max_new_tokens=20)
     finally:
-        decode._TokenMap.check_final = orig
+        token_map.TokenMap.check_final = orig
     assert seen["calls"] == 0 and torch.equal(seen["full"], seen["x"])
 
 

@@ -274,10 +274,10 @@ def test_a_cache_that_cannot_be_cut_back(monkeypatch):
     that names the model, the cache and the way out."""
     from transformers import DynamicCache
 
-    from paraprop.decoding import decode
+    from paraprop.decoding import token_map
 
     # wrong guesses, so that a pass accepts part of its window and the cache is cut back
-    monkeypatch.setattr(decode._TokenMap, "propose",
+    monkeypatch.setattr(token_map.TokenMap, "propose",
                         lambda self, x, final: torch.full_like(x, float(V - 1)))
 
     model = make("gpt2", "cpu", fresh=True)
@@ -407,9 +407,9 @@ def test_tiny_randomness(packed, monkeypatch):
     bound (1e-13 in float64) cannot change a certified token: the tokens are the sequential
     loop's, and the repeat check reports it under its bound. ``packed``: each pass's results
     reach the host in one float64 copy, as off the CPU."""
-    from paraprop.decoding.decode import _TokenMap
+    from paraprop.decoding.token_map import TokenMap
 
-    monkeypatch.setattr(_TokenMap, "PACKED", packed)
+    monkeypatch.setattr(TokenMap, "PACKED", packed)
     ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     model = _NoisyLM(1e-4).double().train()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from typing import Any
 
 import torch
 
@@ -103,11 +104,11 @@ class CachedLM:
                 "zeros) but its forward takes no attention_mask keyword, so it would attend to "
                 "the padding; pass prompts without padding (the unpadded prompts one at a time, "
                 "or a batch of prompts of equal length) and no attention_mask")
-        if self.pass_pos:       # otherwise the model derives positions from the mask (Bloom)
+        if attention_mask is not None and self.pass_pos:   # else positions from the mask (Bloom)
             pos = attention_mask.long().cumsum(-1) - 1
             self.position_ids = pos.masked_fill(attention_mask == 0, 0)
         self.keep_logits = "logits_to_keep" in params
-        self.past = None
+        self.past: Any = None     # the model's cache: a transformers Cache, or legacy tuples
         self.track = track
         self.cached = tokens[:, :0]      # the tokens the cache entries were computed from
         self.length = 0
@@ -164,8 +165,8 @@ class CachedLM:
             self.cached = self.cached[:, :length]
 
     def _forward(self, a: int, b: int, keep: int = 0) -> torch.Tensor:
-        kw = {self.key: self.past, "use_cache": True}
-        if self.pass_mask:
+        kw: dict[str, Any] = {self.key: self.past, "use_cache": True}
+        if self.pass_mask and self.mask is not None:
             kw["attention_mask"] = self.mask[:, :b]
         if self.pass_pos:
             kw["position_ids"] = self.position_ids[:, a:b]

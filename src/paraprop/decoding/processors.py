@@ -14,7 +14,7 @@ its prefix and its variate.
 
 Each decision also gets a **margin ratio**: how far the decision is from flipping, relative to a
 bound ``delta`` on the rounding difference of the logits between two ways of computing them (see
-:func:`paraprop.decoding.settings.rounding_factor`); a ratio above 1 means that no change of the
+:func:`paraprop.decoding.model_checks.rounding_factor`); a ratio above 1 means that no change of the
 logits within ``delta`` changes the token. Greedy: the gap between the best and the second best
 processed score against ``2 * gain * delta``, where ``gain`` is how much the processors scale a
 score (``1 / temperature`` and the repetition penalty). Sampling: the distance of the variate
@@ -188,7 +188,8 @@ class Pipeline:
 
     def decide(self, logits: torch.Tensor, tokens: torch.Tensor, first: int,
                u: torch.Tensor | None, *, scale: torch.Tensor | None = None,
-               margins: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               margins: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Tokens, margin ratios and causes ``(B, n)`` for the logits of the positions
         ``first .. first + n - 1`` (see :meth:`process`), with the variates ``u`` ``(B, n)`` when
         sampling. ``cause`` is the index in :meth:`criteria` of the smallest margin, or ``-1``
@@ -354,7 +355,7 @@ def _processors(s, P: int, attention_mask, device) -> list:
         raise ImportError("decoding.generate: the logits processors (repetition_penalty, "
                           "no_repeat_ngram_size, ...) need transformers installed") from e
     eos = torch.tensor(s.eos, dtype=torch.long, device=device) if s.eos else None
-    out = []
+    out: list[lp.LogitsProcessor] = []
     if s.sequence_bias is not None:
         out.append(lp.SequenceBiasLogitsProcessor(sequence_bias=s.sequence_bias))
     if s.repetition_penalty is not None:
@@ -402,7 +403,7 @@ def _post_warpers(s) -> list:
     if s.min_p is None and s.epsilon_cutoff is None:
         return []
     from transformers.generation import logits_process as lp
-    out = []
+    out: list[lp.LogitsProcessor] = []
     if s.min_p is not None:
         out.append(lp.MinPLogitsWarper(min_p=s.min_p))
     if s.epsilon_cutoff is not None:

@@ -1,5 +1,5 @@
 """The generation settings of :func:`paraprop.decoding.generate`, resolved as ``transformers``'
-``generate`` resolves them, and the checks of the model and the prompt.
+``generate`` resolves them (the model's own checks: :mod:`paraprop.decoding.model_checks`).
 
 ``generate`` reads its settings from, in order of priority: the arguments of the call, a
 ``generation_config`` passed to it, ``model.generation_config`` (a pretrained model's own
@@ -19,12 +19,12 @@ settings), then its global defaults (``GenerationConfig._get_default_generation_
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from paraprop import checks
+from paraprop.decoding.model_checks import max_positions
 
 # generate's global defaults (transformers 5: GenerationConfig._get_default_generation_params;
 # transformers 4 has them as the GenerationConfig() defaults), for the fields read here
@@ -296,146 +296,3 @@ def _token_list(name: str, value) -> list[int]:
     for v in items:
         checks.nonneg_int(name, v)
     return items
-
-
-# -- the model and the prompt ------------------------------------------------------------------
-
-def _text_config(model):
-    cfg = getattr(model, "config", None)
-    get_text = getattr(cfg, "get_text_config", None)
-    if callable(get_text):
-        try:
-            return get_text()
-        except TypeError:
-            return cfg
-    return cfg
-
-
-def max_positions(model, cfg=None) -> int | None:
-    """``config.max_position_embeddings`` (``n_positions`` for GPT-2), or ``None``
-    (``cfg``: the model's text configuration, where the caller has it)."""
-    cfg = _text_config(model) if cfg is None else cfg
-    for name in ("max_position_embeddings", "n_positions"):
-        v = getattr(cfg, name, None)
-        if checks.is_int(v) and v > 0:
-            return v
-    return None
-
-
-def vocab_size(model, cfg=None) -> int | None:
-    """The token ids the model embeds: its input embedding's rows (``get_input_embeddings``),
-    else ``config.vocab_size``, else ``None`` (``cfg``: as for :func:`max_positions`)."""
-    get = getattr(model, "get_input_embeddings", None)
-    if callable(get):
-        try:
-            emb = get()
-        except (AttributeError, NotImplementedError):
-            emb = None
-        rows = getattr(emb, "num_embeddings", None)
-        if checks.is_int(rows) and rows > 0:
-            return rows
-    v = getattr(_text_config(model) if cfg is None else cfg, "vocab_size", None)
-    return v if checks.is_int(v) and v > 0 else None
-
-
-def num_layers(model) -> int:
-    """``config.num_hidden_layers`` (``n_layer`` for GPT-2), or 1 when the model does not say."""
-    cfg = _text_config(model)
-    for name in ("num_hidden_layers", "n_layer", "num_layers"):
-        v = getattr(cfg, name, None)
-        if checks.is_int(v) and v > 0:
-            return v
-    return 1
-
-
-def check_causal(model) -> None:
-    """Refuse an encoder-decoder model (T5, BART, ...): it is not a causal LM."""
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True:
-        raise TypeError(f"decoding.generate: model {type(model).__name__} is an encoder-decoder "
-                        "model (config.is_encoder_decoder=True), not a causal LM; decoding "
-                        "needs a decoder-only causal LM (e.g. GPT-2, Llama, Mistral)")
-
-
-def check_model(model, input_ids: torch.Tensor, s: Settings) -> None:
-    """Refuse, with a clear message, what the cache-cropping token system cannot run: a sliding
-    or chunked attention window that would bind, more positions than the model has, token ids
-    outside the vocabulary, or a prompt on another device than the model."""
-    name = type(model).__name__
-    P, T = input_ids.shape[1], s.max_new_tokens
-    total = P + T
-    tcfg = _text_config(model)
-    sw = sliding_window(tcfg)
-    if sw is not None and total > sw:
-        raise ValueError(
-            f"decoding.generate: model {name} has sliding-window attention (sliding_window={sw}), "
-            f"and the prompt ({P} positions) plus max_new_tokens={T} make {total} > {sw} "
-            "positions: its cache drops positions that the cropping of Jacobi decoding needs. "
-            f"Keep prompt length + max_new_tokens <= {sw} (where the window never binds and "
-            "the tokens are generate's), or use model.generate")
-    chunk = getattr(tcfg, "attention_chunk_size", None)
-    if checks.is_int(chunk) and chunk > 0 and total > chunk:
-        raise ValueError(f"decoding.generate: model {name} has chunked attention "
-                         f"(attention_chunk_size={chunk}) and the prompt ({P}) plus "
-                         f"max_new_tokens={T} make {total} > {chunk} positions; keep them "
-                         f"within {chunk}")
-    limit = max_positions(model, tcfg)
-    if limit is not None and total > limit:
-        raise ValueError(f"decoding.generate: the prompt ({P} positions) plus max_new_tokens={T} "
-                         f"make {total} positions, more than the model's "
-                         f"max_position_embeddings={limit}; shorten the prompt or generate at "
-                         f"most {max(limit - P, 0)} new tokens")
-    V = vocab_size(model, tcfg)
-    lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()       # one sync
-    if lo < 0:
-        raise ValueError(f"input_ids holds the negative token id {lo}; token ids must be in "
-                         f"[0, {V if V is not None else 'vocab_size'})")
-    if V is not None:
-        if hi >= V:
-            raise ValueError(f"input_ids holds the token id {hi}, outside the model's vocabulary "
-                             f"of vocab_size={V} (ids must be in [0, {V}))")
-        if s.pad >= V:
-            raise ValueError(f"pad_token_id={s.pad} is outside the model's vocabulary of "
-                             f"vocab_size={V}; it is fed to the model after EOS and as the "
-                             "first guess, so it must be in [0, vocab_size)")
-    params = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
-    if params is not None and params.device != input_ids.device:
-        raise ValueError(f"input_ids is on {input_ids.device} but model {name} is on "
-                         f"{params.device}; move them to the same device")
-
-
-def sliding_window(cfg) -> int | None:
-    """The attention window of a sliding-window model, or ``None`` when none applies:
-    Mistral-style ``sliding_window``; Qwen2-style ``use_sliding_window``; and ``layer_types``
-    with ``"sliding_attention"`` layers (Gemma, Qwen2 with ``max_window_layers``)."""
-    sw = getattr(cfg, "sliding_window", None)
-    if not checks.is_int(sw) or sw <= 0:
-        return None
-    types = getattr(cfg, "layer_types", None)
-    if types is not None:
-        return sw if "sliding_attention" in types else None
-    if getattr(cfg, "use_sliding_window", True) is False:
-        return None
-    return sw
-
-
-def rounding_factor(model, logits: torch.Tensor) -> tuple[float, torch.dtype]:
-    """The factor ``c`` of the low-precision certificate's bound ``c * max|logits|`` on the
-    difference between the logits of a window pass and of the sequential loop's one-token pass,
-    and the dtype it was taken for: the coarsest of the logits' dtype, the model's floating
-    parameter dtypes, an enabled autocast dtype, and float32 (the scores are processed in
-    float32, as ``generate`` processes them). ``c = k * eps * sqrt(layers)`` with ``k = 2`` for
-    16-bit types and ``8`` otherwise (see decoding.md: the differences measured on the test
-    models stayed below half of it)."""
-    dtypes = {logits.dtype, torch.float32}
-    if isinstance(model, torch.nn.Module):     # each module's own parameters: one walk
-        dtypes |= {p.dtype for m in model.modules() for p in m._parameters.values()
-                   if p is not None and p.is_floating_point()}
-    elif hasattr(model, "parameters"):
-        dtypes |= {p.dtype for p in model.parameters() if p.is_floating_point()}
-    kind = logits.device.type
-    if torch.is_autocast_enabled(kind):
-        dtypes.add(torch.get_autocast_dtype(kind))
-    coarse = max(dtypes, key=lambda d: torch.finfo(d).eps)
-    eps = torch.finfo(coarse).eps
-    k = 2.0 if torch.finfo(coarse).bits <= 16 else 8.0
-    return k * eps * math.sqrt(num_layers(model)), coarse
