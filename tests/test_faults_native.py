@@ -51,16 +51,17 @@ g = torch.Generator().manual_seed(0)
 A = 0.5 * torch.randn(2, 40, 4, 4, generator=g, dtype=torch.float64)
 a = torch.rand(2, 40, 4, generator=g, dtype=torch.float64)
 b = torch.randn(2, 40, 4, generator=g, dtype=torch.float64)
-dense = linear_recurrence(A, b, algorithm="sequential")
-diag = linear_recurrence(a, b, algorithm="sequential")
+method = "native" if native_build.available() else "sequential"
+dense = linear_recurrence(A, b, method=method)
+diag = linear_recurrence(a, b, method=method)
 torch.save({"A": A, "a": a, "b": b, "dense": dense, "diag": diag}, sys.argv[1])
 print(json.dumps({"status": status, "available": native_build.available()}))
 """
 
 
 def check_scans(A, a, b, dense, diag) -> None:
-    ref_dense = linear_recurrence(A, b, algorithm="sequential", native=False)
-    ref_diag = linear_recurrence(a, b, algorithm="sequential", native=False)
+    ref_dense = linear_recurrence(A, b, method="sequential")
+    ref_diag = linear_recurrence(a, b, method="sequential")
     torch.testing.assert_close(dense, ref_dense, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(diag, ref_diag, rtol=1e-10, atol=1e-12)
 
@@ -140,9 +141,9 @@ class Fresh:
         A = 0.5 * torch.randn(2, 40, 4, 4, generator=g, dtype=torch.float64)
         a = torch.rand(2, 40, 4, generator=g, dtype=torch.float64)
         b = torch.randn(2, 40, 4, generator=g, dtype=torch.float64)
-        use = native_build.available() or None
-        check_scans(A, a, b, linear_recurrence(A, b, algorithm="sequential", native=use),
-                    linear_recurrence(a, b, algorithm="sequential", native=use))
+        method = "native" if native_build.available() else "sequential"
+        check_scans(A, a, b, linear_recurrence(A, b, method=method),
+                    linear_recurrence(a, b, method=method))
         assert not self.refused, f"a file other than a fresh build reached the loader: " \
                                  f"{self.refused}"
         return {"status": status, "available": native_build.available()}

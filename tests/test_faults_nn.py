@@ -652,7 +652,7 @@ def test_backward_stats_name_the_scan_kernel_that_ran(cls, tcls, device):
         assert ran == ["native", "native"]
     else:
         assert "native" not in ran
-    ours.backward_config = ScanBackward(algorithm="blelloch")
+    ours.backward_config = ScanBackward(method="blelloch")
     ours(x)[0].sum().backward()
     assert ours.backward_stats["algorithm"] == ["blelloch", "blelloch"]
 

@@ -70,8 +70,8 @@ status = native_build.status()
 g = torch.Generator().manual_seed(0)
 A = 0.5 * torch.randn(2, 30, 3, 3, generator=g, dtype=torch.float64)
 b = torch.randn(2, 30, 3, generator=g, dtype=torch.float64)
-got = linear_recurrence(A, b, algorithm="sequential")
-ref = linear_recurrence(A, b, algorithm="sequential", native=False)
+got = linear_recurrence(A, b, method="native" if native_build.available() else "sequential")
+ref = linear_recurrence(A, b, method="sequential")
 torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 print(json.dumps({"status": status, "available": native_build.available(),
                   "where": None if native_build._where is None else str(native_build._where)}))
@@ -130,8 +130,8 @@ def scan_check() -> None:
     g = torch.Generator().manual_seed(0)
     A = 0.5 * torch.randn(2, 30, 3, 3, generator=g, dtype=torch.float64)
     b = torch.randn(2, 30, 3, generator=g, dtype=torch.float64)
-    got = linear_recurrence(A, b, algorithm="sequential", native=native_build.available() or None)
-    ref = linear_recurrence(A, b, algorithm="sequential", native=False)
+    got = linear_recurrence(A, b, method="native" if native_build.available() else "sequential")
+    ref = linear_recurrence(A, b, method="sequential")
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 
@@ -600,5 +600,5 @@ def test_this_process_loads_only_checked_libraries():
         assert st.st_uid in (os.geteuid(), 0) and not st.st_mode & 0o022
     g = torch.Generator().manual_seed(1)
     a, b = torch.rand(1, 20, 2, generator=g), torch.randn(1, 20, 2, generator=g)
-    torch.testing.assert_close(linear_recurrence(a, b, algorithm="sequential", native=True),
-                               linear_recurrence(a, b, algorithm="sequential", native=False))
+    torch.testing.assert_close(linear_recurrence(a, b, method="native"),
+                               linear_recurrence(a, b, method="sequential"))

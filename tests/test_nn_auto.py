@@ -1,6 +1,6 @@
 """The defaults ``forward="auto", backward="auto"`` of paraprop.nn.RNN / GRU / LSTM: which pair
 they choose (:func:`paraprop.nn.options.resolve`), that the chosen pair gives torch's outputs and
-autograd's gradients, that ``forward_stats`` / ``backward_stats`` say which path ran, and that
+autograd's gradients, that ``last_forward`` / ``last_backward`` say which path ran, and that
 an explicit setting is honoured. No timings here (the choice is a table of measurements,
 docs/recurrences.md)."""
 
@@ -25,6 +25,13 @@ T, B, I = 40, 16, 8
 CELLS = [(pnn.RNN, torch.nn.RNN), (pnn.GRU, torch.nn.GRU), (pnn.LSTM, torch.nn.LSTM)]
 IDS = ["rnn", "gru", "lstm"]
 TOL = {torch.float32: 2e-5, torch.float64: 1e-12}   # as tests/test_nn_native.py
+
+
+def kernels(mod):
+    """The sequential kernel that ran per layer: ``last_forward`` holds one record of the loop
+    per layer (the sequential result itself)."""
+    assert all(s.method == "sequential" and s.converged for s in mod.last_forward)
+    return [s.stats["kernel"] for s in mod.last_forward]
 
 
 def pair(cls, tcls, hidden, dtype=torch.float32, device="cpu", **kw):
@@ -75,8 +82,8 @@ def test_defaults_choose_and_match_torch(cls, tcls, hidden, device):
     o1, g1 = step(ref, x)
     o2, g2 = step(ours, x)
     kernel, backward = expected(cls, device, torch.float32)
-    assert ours.forward_stats["kernel"] == [kernel]
-    assert ours.backward_stats["backward"] == backward
+    assert kernels(ours) == [kernel]
+    assert ours.last_backward.kind == backward
     if backward == "autograd":    # torch's module itself: bitwise, gradients included
         assert torch.equal(o2, o1)
         assert all(torch.equal(a, b) for a, b in zip(g2, g1, strict=True))
@@ -95,7 +102,7 @@ def test_defaults_in_float64_match_torch(cls, tcls, device):
     o1, g1 = step(ref, x)
     o2, g2 = step(ours, x)
     kernel, backward = expected(cls, device, torch.float64)
-    assert (ours.forward_stats["kernel"], ours.backward_stats["backward"]) == ([kernel], backward)
+    assert (kernels(ours), ours.last_backward.kind) == ([kernel], backward)
     assert close(o2, o1, TOL[torch.float64])
     for a, b in zip(g2, g1, strict=True):
         assert close(a, b, TOL[torch.float64])
@@ -109,7 +116,7 @@ def test_without_a_graph_the_kernel_is_the_one_training_would_use(cls, tcls, dev
         out = ours(x)[0]
         want = ref(x)[0]
     kernel, _ = expected(cls, device, torch.float32)
-    assert ours.forward_stats["kernel"] == [kernel]
+    assert kernels(ours) == [kernel]
     assert torch.equal(out, want) if kernel == "torch" else close(out, want, TOL[torch.float32])
 
 
@@ -120,16 +127,16 @@ def test_explicit_settings_are_honoured(cls, tcls, device):
     ref, ours = pair(cls, tcls, 32, device=device, backward="scan")
     o1, g1 = step(ref, x)
     o2, g2 = step(ours, x)
-    assert ours.backward_stats["backward"] == "scan"
-    assert ours.forward_stats["kernel"] == [expected(pnn.GRU, device, torch.float32)[0]]
+    assert ours.last_backward.kind == "scan"
+    assert kernels(ours) == [expected(pnn.GRU, device, torch.float32)[0]]
     for a, b in zip((o2, *g2), (o1, *g1), strict=True):
         assert close(a, b, TOL[torch.float32])
     # forward="sequential": torch's kernel (bitwise), no kernel entry; the auto backward picks
     # (autograd where the table says torch is fastest, else the scan), with torch's gradients
     ref, ours = pair(cls, tcls, 32, device=device, forward="sequential")
     o2, g2 = step(ours, x)
-    assert torch.equal(o2, o1) and ours.forward_stats == {}
-    picked = ours.backward_stats["backward"]
+    assert torch.equal(o2, o1) and ours.last_forward == ()
+    picked = ours.last_backward.kind
     assert picked == ("autograd" if (cls.__name__, torch.device(device).type) in TORCH_FASTEST
                       else "scan")
     for a, b in zip(g2, g1, strict=True):
@@ -137,14 +144,14 @@ def test_explicit_settings_are_honoured(cls, tcls, device):
     # backward="autograd" with the default forward: torch's kernel and autograd, bitwise
     ref, ours = pair(cls, tcls, 32, device=device, backward="autograd")
     o2, g2 = step(ours, x)
-    assert ours.forward_stats["kernel"] == ["torch"]
-    assert ours.backward_stats["backward"] == "autograd"
+    assert kernels(ours) == ["torch"]
+    assert ours.last_backward.kind == "autograd"
     assert torch.equal(o2, o1)
     assert all(torch.equal(a, b) for a, b in zip(g2, g1, strict=True))
     # forward="native" with the default backward: the native loop needs the scan
     ref, ours = pair(cls, tcls, 32, device=device, forward="native")
     step(ours, x)
-    assert ours.backward_stats["backward"] == "scan"
+    assert ours.last_backward.kind == "scan"
 
 
 def test_resolve():
@@ -177,12 +184,12 @@ def test_auto_backward_names_and_refusals():
         pnn.LSTM(2, 3, forward="native", backward="autograd")
 
 
-def test_backward_stats_name_the_kind_and_follow_the_last_call():
+def test_last_backward_names_the_kind_and_follows_the_last_call():
     # an option object is reported by its kind's name; a call without a graph clears the entry
     ref, ours = pair(pnn.GRU, torch.nn.GRU, 8, forward="sequential",
-                     backward=ScanBackward(algorithm="blelloch"))
+                     backward=ScanBackward(method="blelloch"))
     step(ours, torch.randn(T, B, I))
-    assert ours.backward_stats["backward"] == "scan"
+    assert ours.last_backward.kind == "scan"
     with torch.no_grad():
         ours(torch.randn(T, B, I))
-    assert "backward" not in ours.backward_stats
+    assert ours.last_backward is None

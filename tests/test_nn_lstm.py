@@ -104,7 +104,7 @@ def test_float32_long_sequence(device):
 
 @pytest.mark.parametrize("algorithm", ["sequential", "chunked", "blelloch"])
 def test_every_scan_algorithm(algorithm):
-    ref, ours = pair(num_layers=2, batch_first=True, backward=ScanBackward(algorithm=algorithm))
+    ref, ours = pair(num_layers=2, batch_first=True, backward=ScanBackward(method=algorithm))
     x, hx = inputs(40, 3, True, 2)
     assert_same(run_both(ref, ours, x, hx), TOL[torch.float64])
 
@@ -170,9 +170,10 @@ def test_parallel_forward_equals_torch(method, num_layers, device):
                      forward=ParallelForward(method=method, tol=1e-13), device=device)
     x, hx = inputs(11, 3, False, num_layers, device=device)
     assert_same(run_both(ref, ours, x, hx), TOL[torch.float64])
-    st = ours.forward_stats
-    assert len(st["iterations"]) == num_layers and all(st["converged"])
-    assert all(1 <= it <= 11 for it in st["iterations"])
+    sols = ours.last_forward
+    assert len(sols) == num_layers and all(s.converged for s in sols)
+    assert all(1 <= s.iterations <= 11 for s in sols)
+    assert all(s.value.shape == (3, 2 * 5) for s in sols)     # the last [h, c] only
 
 
 def test_newton_default_tol_float32():

@@ -85,7 +85,7 @@ def test_float32_long_sequence_without_h0(cls, tcls, extra, device):
 @pytest.mark.parametrize("algorithm", ["sequential", "chunked", "blelloch"])
 def test_every_scan_algorithm(cls, tcls, extra, algorithm, device):
     ref, ours = pair(cls, tcls, extra, num_layers=2, batch_first=True, device=device)
-    ours.backward_config = ScanBackward(algorithm=algorithm)
+    ours.backward_config = ScanBackward(method=algorithm)
     x = torch.randn(3, 40, 3, dtype=torch.float64).to(device)
     assert_same(run_both(ref, ours, x, torch.randn(2, 3, 5, dtype=torch.float64).to(device)),
                 TOL[torch.float64])
@@ -106,17 +106,18 @@ def test_jacobi_truncation_is_truncated_backprop():
     xs = [x.clone().requires_grad_() for _ in range(2)]
     ref(xs[0])[1].sum().backward()
     ours(xs[1])[1].sum().backward()
-    assert ours.backward_stats["jacobi_iterations"] == [4]
-    assert ours.backward_stats["converged"] == [False]          # truncated: not the exact gradient
+    (sweeps,) = ours.last_backward.layers
+    assert sweeps.method == "jacobi" and sweeps.iterations == 4
+    assert not sweeps.converged and not ours.last_backward.converged   # truncated: not exact
     assert rel(xs[1].grad[-4:], xs[0].grad[-4:]) <= TOL[torch.float64]
     assert torch.count_nonzero(xs[1].grad[:-4]) == 0 and torch.count_nonzero(xs[0].grad[:-4])
     ours.backward_config = JacobiBackward(tol=1e-300)   # until exact: at most T sweeps
     xs[1].grad = None
     ours(xs[1])[1].sum().backward()
     assert rel(xs[1].grad, xs[0].grad) <= TOL[torch.float64]
-    assert ours.backward_stats["jacobi_iterations"][0] <= 12
-    assert ours.backward_stats["converged"] == [True]
-    assert ours.backward_stats["error_estimate"][0] <= 1e-300
+    (sweeps,) = ours.last_backward.layers
+    assert sweeps.iterations <= 12 and sweeps.converged
+    assert sweeps.stats["error_estimate"] <= 1e-300
 
 
 def test_state_dict_round_trip_and_isinstance():
@@ -158,8 +159,8 @@ ERRORS = [
      r"JacobiBackward: max_iters must be a positive int or None, got 0"),
     (lambda: pnn.RNN(3, 5, backward=JacobiBackward(tol=-1.0)), ValueError,
      r"JacobiBackward: tol must be a number >= 0, got -1.0"),
-    (lambda: pnn.GRU(3, 5, backward=ScanBackward(algorithm="fast")), ValueError,
-     r"ScanBackward: unknown algorithm='fast'"),
+    (lambda: pnn.GRU(3, 5, backward=ScanBackward(method="fast")), ValueError,
+     r"ScanBackward: unknown method='fast'"),
     (lambda: pnn.GRU(3, 5, backward=ScanBackward), TypeError,
      r"backward must be a name or an object, got the class ScanBackward"),
     (lambda: pnn.GRU(3, 5, backward=None), TypeError, r"backward must be one of .* got NoneType"),

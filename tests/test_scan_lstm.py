@@ -8,7 +8,7 @@ from paraprop.jacobians.cells import dense_jacobian
 from paraprop.scan import LSTMFactored, jacobi_recurrence, linear_recurrence, native
 
 LENGTHS = [1, 2, 3, 7, 31, 33]
-ALGORITHMS = ["sequential", "blelloch", "hillis_steele", "chunked", "auto"]
+TORCH_METHODS = ["sequential", "blelloch", "hillis_steele", "chunked", "auto"]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 HAVE_NATIVE = native.available()
 
@@ -68,24 +68,24 @@ def on(A, device):
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("T", LENGTHS)
 @pytest.mark.parametrize("reverse", [False, True])
-def test_every_algorithm_equals_the_dense_loop(transposed, T, reverse, device):
+def test_every_method_equals_the_dense_loop(transposed, T, reverse, device):
     A, b, h0 = make(3, T, 4, transposed=transposed)
     J = dense(A).expand(3, T, 8, 8)
     refs = {start is None: loop(J, b, start, reverse) for start in (h0, None)}
     A, b, h0 = on(A, device), b.to(device), h0.to(device)
-    # on CUDA the Triton kernels too (on the CPU: interpreted, tests/test_triton.py)
-    extra = ["triton"] if device.type == "cuda" else []
+    # the C kernels on the CPU, the Triton kernels on CUDA (on the CPU: interpreted,
+    # tests/test_triton.py)
+    extra = (["native"] if device.type == "cpu" and HAVE_NATIVE else []) + (
+        ["triton"] if device.type == "cuda" else [])
     for start in (h0, None):
         ref = refs[start is None]
-        for algorithm in ALGORITHMS + extra:
-            for use_native in ([None, False] if algorithm in ("sequential", "auto") else [None]):
-                h = linear_recurrence(A, b, start, reverse=reverse, algorithm=algorithm,
-                                      native=use_native)
-                assert rel_err(h, ref) <= TOL[torch.float64], (algorithm, use_native)
+        for method in TORCH_METHODS + extra:
+            h = linear_recurrence(A, b, start, reverse=reverse, method=method)
+            assert rel_err(h, ref) <= TOL[torch.float64], method
     for chunk in (1, 2, 5, T):
-        h = linear_recurrence(A, b, h0, reverse=reverse, algorithm="chunked", chunk_size=chunk)
+        h = linear_recurrence(A, b, h0, reverse=reverse, method="chunked", chunk_size=chunk)
         assert rel_err(h, refs[False]) <= TOL[torch.float64], chunk
-    h = linear_recurrence(A, b, h0, reverse=reverse, algorithm="blelloch", levels=1)
+    h = linear_recurrence(A, b, h0, reverse=reverse, method="blelloch", levels=1)
     assert rel_err(h, refs[False]) <= TOL[torch.float64]
 
 
@@ -99,8 +99,8 @@ def test_dense_jacobian_and_the_transpose():
 def test_broadcast_per_step_tensors_and_batch_dims():
     A, b, h0 = make(3, 20, 4, batch_one=("scale", "output"), transposed=True)
     ref = loop(dense(A).expand(3, 20, 8, 8), b, h0, True)
-    for use_native in (None, False):
-        assert rel_err(linear_recurrence(A, b, h0, reverse=True, native=use_native),
+    for method in ("auto", "sequential"):
+        assert rel_err(linear_recurrence(A, b, h0, reverse=True, method=method),
                        ref) <= TOL[torch.float64]
     # extra batch dims, written out
     A2 = LSTMFactored(A.scale[None].expand(2, 1, 20, 16), A.forget[None].expand(2, 3, 20, 4),
@@ -117,9 +117,9 @@ def test_float32_and_float64(dtype, device):
     ref = loop(dense(A).expand(4, 200, 12, 12), b, h0, True)
     low = LSTMFactored(*(t.to(dtype).to(device) for t in (A.scale, A.forget, A.output,
                                                          A.weight)), transposed=True)
-    for algorithm in ("auto", "chunked"):
+    for method in ("auto", "chunked"):
         h = linear_recurrence(low, b.to(dtype).to(device), h0.to(dtype).to(device),
-                              reverse=True, algorithm=algorithm)
+                              reverse=True, method=method)
         assert h.dtype == dtype and rel_err(h.double(), ref) <= TOL[dtype]
 
 
@@ -135,9 +135,9 @@ def test_native_kernel_equals_torch_loop_on_strided_layouts(transposed, dtype, H
                         for t in (A.scale, A.forget, A.output)), A.weight, transposed)
     b_tm = b.transpose(0, 1).contiguous().transpose(0, 1)
     for reverse in (False, True):
-        ref = linear_recurrence(A, b, h0, reverse=reverse, algorithm="sequential", native=False)
+        ref = linear_recurrence(A, b, h0, reverse=reverse, method="sequential")
         for AA, bb in ((A, b), (tm, b_tm)):
-            h = linear_recurrence(AA, bb, h0, reverse=reverse, native=True)
+            h = linear_recurrence(AA, bb, h0, reverse=reverse, method="native")
             assert rel_err(h.double(), ref.double()) <= TOL[dtype]
             assert h.stride() == bb.stride()
 

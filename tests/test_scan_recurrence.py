@@ -1,13 +1,22 @@
-"""linear_recurrence: every algorithm equals the plain loop; gradients equal finite differences."""
+"""linear_recurrence: every method equals the plain loop; gradients equal finite differences."""
 
 import pytest
 import torch
 
 import paraprop
-from paraprop.scan import Factored, jacobi_recurrence, linear_recurrence, native
+from paraprop.scan import (
+    METHODS,
+    Factored,
+    associative_scan,
+    jacobi_recurrence,
+    linear_recurrence,
+    native,
+    native_build,
+)
+from paraprop.scan.recurrence import method_for
 
 LENGTHS = [1, 2, 3, 7, 31, 32, 33, 97]
-ALGORITHMS = ["sequential", "blelloch", "hillis_steele", "chunked", "auto"]
+TORCH_METHODS = ["sequential", "blelloch", "hillis_steele", "chunked", "auto"]
 # max relative error against the float64 loop, per dtype
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 HAVE_NATIVE = native.available()
@@ -65,10 +74,13 @@ def on(A, device):
     return A.to(device)
 
 
-def algorithms(device):
-    """The algorithms to check on ``device``: the Triton kernels too on CUDA (on the CPU they
-    run only in Triton's interpreter, tests/test_triton.py)."""
-    return ALGORITHMS + (["triton"] if device.type == "cuda" else [])
+def methods(device):
+    """The methods to check on ``device``: the native kernels on the CPU (where they build), the
+    Triton kernels on CUDA (on the CPU they run only in Triton's interpreter,
+    tests/test_triton.py)."""
+    kernels = (["native"] if device.type == "cpu" and HAVE_NATIVE else []) + (
+        ["triton"] if device.type == "cuda" else [])
+    return TORCH_METHODS + kernels
 
 
 def rel_err(x, ref):
@@ -79,33 +91,31 @@ def rel_err(x, ref):
 @pytest.mark.parametrize("kind", ["dense", "diag", "factored", "factored_gru", "factored_lr"])
 @pytest.mark.parametrize("T", LENGTHS)
 @pytest.mark.parametrize("reverse", [False, True])
-def test_every_algorithm_equals_the_loop(kind, T, reverse, device):
+def test_every_method_equals_the_loop(kind, T, reverse, device):
     A, b, h0 = make(kind, 3, T, 4)
     ref = loop(as_dense(A, 4), b, h0, reverse)
     ref_free = loop(as_dense(A, 4), b, None, reverse)
     A, b, h0 = on(A, device), b.to(device), h0.to(device)
-    for algorithm in algorithms(device):
-        for use_native in ([None, False] if algorithm in ("sequential", "auto") else [None]):
-            h = linear_recurrence(A, b, h0, reverse=reverse, algorithm=algorithm,
-                                  native=use_native)
-            assert rel_err(h, ref) <= TOL[torch.float64], (algorithm, use_native)
+    for method in methods(device):
+        h = linear_recurrence(A, b, h0, reverse=reverse, method=method)
+        assert rel_err(h, ref) <= TOL[torch.float64], method
     for levels in (0, 1, 3):
-        h = linear_recurrence(A, b, h0, reverse=reverse, algorithm="blelloch", levels=levels)
+        h = linear_recurrence(A, b, h0, reverse=reverse, method="blelloch", levels=levels)
         assert rel_err(h, ref) <= TOL[torch.float64], levels
     for chunk in (1, 2, 5, T):
-        h = linear_recurrence(A, b, None, reverse=reverse, algorithm="chunked", chunk_size=chunk)
+        h = linear_recurrence(A, b, None, reverse=reverse, method="chunked", chunk_size=chunk)
         assert rel_err(h, ref_free) <= TOL[torch.float64], chunk
 
 
 @pytest.mark.parametrize("kind", ["dense", "diag", "factored_gru"])
-@pytest.mark.parametrize("algorithm", ["auto", "chunked", "blelloch"])
-def test_float32_relative_error(kind, algorithm, device):
+@pytest.mark.parametrize("method", ["auto", "chunked", "blelloch"])
+def test_float32_relative_error(kind, method, device):
     A, b, h0 = make(kind, 4, 200, 6)
     ref = loop(as_dense(A, 6), b, h0)
     A32 = (A.to(torch.float32) if isinstance(A, torch.Tensor) else Factored(
         *(None if x is None else x.float() for x in (A.scale, A.left, A.right, A.diag))))
     h = linear_recurrence(on(A32, device), b.float().to(device), h0.float().to(device),
-                          algorithm=algorithm)
+                          method=method)
     assert h.dtype == torch.float32
     assert rel_err(h.double(), ref) <= TOL[torch.float32]
 
@@ -136,15 +146,15 @@ def test_gradcheck_factored(kind, reverse):
     assert torch.autograd.gradcheck(f, inputs)
 
 
-@pytest.mark.parametrize("algorithm", ["sequential", "blelloch", "hillis_steele", "chunked",
-                                       "triton"])
-def test_gradients_of_every_algorithm_equal_autograd_of_the_loop(algorithm, device):
-    if algorithm == "triton" and device.type != "cuda":
-        pytest.skip("the Triton kernels run on CUDA here (interpreted: tests/test_triton.py)")
+@pytest.mark.parametrize("method", ["sequential", "native", "blelloch", "hillis_steele",
+                                    "chunked", "triton"])
+def test_gradients_of_every_method_equal_autograd_of_the_loop(method, device):
+    if method in ("native", "triton") and method not in methods(device):
+        pytest.skip(f"method={method!r} does not run on {device.type} here")
     A, b, h0 = make("dense", 2, 33, 3, seed=3)
     w = torch.randn(2, 33, 3, dtype=torch.float64)
     xs = [x.clone().to(device).requires_grad_() for x in (A, b, h0)]
-    (linear_recurrence(*xs, reverse=True, algorithm=algorithm) * w.to(device)).sum().backward()
+    (linear_recurrence(*xs, reverse=True, method=method) * w.to(device)).sum().backward()
     ys = [x.clone().requires_grad_() for x in (A, b, h0)]
     (loop(*ys, reverse=True) * w).sum().backward()
     for x, y in zip(xs, ys, strict=True):
@@ -172,9 +182,9 @@ def test_native_kernel_equals_torch_loop_on_strided_layouts(kind, dtype):
     A, b, h0 = make(kind, 5, 40, 6, dtype=dtype)
     b_tm = b.transpose(0, 1).contiguous().transpose(0, 1)      # time-major memory
     for reverse in (False, True):
-        ref = linear_recurrence(A, b, h0, reverse=reverse, algorithm="sequential", native=False)
+        ref = linear_recurrence(A, b, h0, reverse=reverse, method="sequential")
         for bb in (b, b_tm):
-            h = linear_recurrence(A, bb, h0, reverse=reverse, native=True)
+            h = linear_recurrence(A, bb, h0, reverse=reverse, method="native")
             assert rel_err(h.double(), ref.double()) <= TOL[dtype]
             assert h.stride() == bb.stride()   # the output follows b's layout
 
@@ -210,14 +220,19 @@ ERRORS = [
     (lambda: linear_recurrence([1.0], torch.zeros(2, 5, 3)), TypeError, r"A must be a torch"),
     (lambda: linear_recurrence(torch.zeros(2, 0, 3), torch.zeros(2, 0, 3)),
      ValueError, r"T, H >= 1"),
-    (lambda: linear_recurrence(torch.zeros(2, 5, 3), torch.zeros(2, 5, 3), algorithm="fast"),
-     ValueError, r"unknown algorithm='fast'"),
+    (lambda: linear_recurrence(torch.zeros(2, 5, 3), torch.zeros(2, 5, 3), method="fast"),
+     ValueError, r"unknown method='fast'; choose one of auto, sequential, native, blelloch"),
     (lambda: linear_recurrence(torch.zeros(2, 5, 3), torch.zeros(2, 5, 3), levels=2),
-     ValueError, r"levels is only used by algorithm='blelloch'"),
-    (lambda: linear_recurrence(torch.zeros(2, 5, 3), torch.zeros(2, 5, 3), algorithm="chunked",
+     ValueError, r"levels is only used by method='blelloch', not method='auto'"),
+    (lambda: linear_recurrence(torch.zeros(2, 5, 3), torch.zeros(2, 5, 3), method="native",
+                               chunk_size=4),
+     ValueError, r"chunk_size is only used by method='chunked', not method='native'"),
+    (lambda: linear_recurrence(torch.zeros(2, 5, 3), torch.zeros(2, 5, 3), method="chunked",
                                chunk_size=0), ValueError, r"chunk_size must be a positive int"),
-    (lambda: linear_recurrence(torch.zeros(2, 5, 3), torch.zeros(2, 5, 3), algorithm="blelloch",
-                               native=True), ValueError, r"native=True needs algorithm"),
+    (lambda: linear_recurrence(torch.zeros(2, 5, 3), torch.zeros(2, 5, 3), algorithm="auto"),
+     TypeError, r"unexpected keyword argument 'algorithm'"),
+    (lambda: linear_recurrence(torch.zeros(2, 5, 3), torch.zeros(2, 5, 3), native=True),
+     TypeError, r"unexpected keyword argument 'native'"),
     (lambda: linear_recurrence(Factored(scale=torch.zeros(2, 5, 4)), torch.zeros(2, 5, 3)),
      ValueError, r"need K a multiple of H; got K=4, H=3"),
     (lambda: linear_recurrence(Factored(scale=torch.zeros(2, 5, 3), left=torch.zeros(3, 2)),
@@ -237,10 +252,55 @@ def test_errors(call, exc, match):
         call()
 
 
-def test_native_required_but_unusable_is_an_error():
+def test_native_on_tensors_it_cannot_run_on_is_an_error_naming_them():
     b = torch.zeros(2, 5, 3, dtype=torch.float16)
-    with pytest.raises(RuntimeError, match=r"native=True but the native scan kernels cannot run"):
-        linear_recurrence(torch.zeros(2, 5, 3, dtype=torch.float16), b, native=True)
+    with pytest.raises(RuntimeError, match=r"method='native' cannot run here: the native scan "
+                       r"kernels need CPU float32/float64 tensors of one dtype, got cpu "
+                       r"torch\.float16"):
+        linear_recurrence(torch.zeros(2, 5, 3, dtype=torch.float16), b, method="native")
+
+
+def test_native_on_cuda_is_an_error(device):
+    if device.type != "cuda":
+        pytest.skip("needs a CUDA tensor")
+    b = torch.zeros(2, 5, 3, device=device)
+    with pytest.raises(RuntimeError, match=r"method='native' cannot run here: .* got cuda "
+                       r"torch\.float32"):
+        linear_recurrence(torch.zeros(2, 5, 3, device=device), b, method="native")
+
+
+def test_native_disabled_is_refused_by_name_and_auto_falls_back(monkeypatch):
+    """With the kernels off (PARAPROP_NATIVE=0 as a fresh import sees it), ``method="native"``
+    raises with the reason and ``"auto"`` runs the torch methods, with the loop's result."""
+    monkeypatch.setattr(native_build, "_lib", None)
+    monkeypatch.setattr(native_build, "_status", "disabled by PARAPROP_NATIVE=0")
+    A, b, h0 = make("dense", 2, 20, 3)
+    with pytest.raises(RuntimeError, match=r"method='native' cannot run here: the native scan "
+                       r"kernels are disabled by PARAPROP_NATIVE=0"):
+        linear_recurrence(A, b, h0, method="native")
+    assert method_for(A, b, h0) == "chunked"
+    assert rel_err(linear_recurrence(A, b, h0), loop(A, b, h0)) <= TOL[torch.float64]
+
+
+def test_auto_picks_native_where_it_runs_and_names_it():
+    A, b, h0 = make("diag", 2, 40, 3)
+    assert method_for(A, b, h0) == ("native" if HAVE_NATIVE else "blelloch")
+    assert method_for(A.half(), b.half(), h0.half()) == "blelloch"
+    assert method_for(A, b, h0, method="sequential") == "sequential"
+
+
+def test_methods_are_defined_once():
+    """One tuple names every method; associative_scan takes those that are not kernels of the
+    linear recurrence, and refuses the kernels by name."""
+    from paraprop.scan.associative import ASSOCIATIVE_METHODS
+    from paraprop.scan.recurrence import KERNELS
+
+    assert METHODS[0] == "auto" and set(KERNELS) == {"native", "triton"} <= set(METHODS)
+    assert ASSOCIATIVE_METHODS == tuple(m for m in METHODS if m not in KERNELS)
+    for method in KERNELS:
+        with pytest.raises(ValueError, match=rf"associative_scan has no method '{method}': the "
+                           r"native and Triton kernels run linear recurrences only"):
+            associative_scan(torch.zeros(3), torch.add, method=method)
 
 
 @pytest.mark.skipif(not HAVE_NATIVE, reason=f"native kernels unavailable: {native.status()}")
@@ -252,9 +312,8 @@ def test_native_kernel_split_across_threads():
         for kind in ("dense", "factored_gru"):
             A64, b64, h64 = make(kind, 7, 300, 16)
             A, b, h0 = make(kind, 7, 300, 16, dtype=torch.float32)
-            got = linear_recurrence(A, b, h0, reverse=True, native=True)
-            ref = linear_recurrence(A64, b64, h64, reverse=True, algorithm="sequential",
-                                    native=False)
+            got = linear_recurrence(A, b, h0, reverse=True, method="native")
+            ref = linear_recurrence(A64, b64, h64, reverse=True, method="sequential")
             assert rel_err(got.double(), ref) <= TOL[torch.float32]
     finally:
         torch.set_num_threads(threads)

@@ -164,7 +164,7 @@ def test_more_rows_than_a_grid_holds_run_in_slices(dev, monkeypatch):
         assert torch.equal(p, q)
 
 
-# -- linear_recurrence(algorithm="triton"): every form --------------------------------------------
+# -- linear_recurrence(method="triton"): every form -----------------------------------------------
 def forms(T, device):
     g = torch.Generator().manual_seed(3)
 
@@ -193,8 +193,8 @@ def test_every_form_equals_the_sequential_loop_in_float64(dev, form):
     b = torch.randn(2, T, H, generator=g, dtype=f64).to(dev)
     h0 = torch.randn(2, H, generator=g, dtype=f64).to(dev)
     for reverse in (False, True):
-        ref = linear_recurrence(A, b, h0, reverse=reverse, algorithm="sequential", native=False)
-        h = linear_recurrence(A, b, h0, reverse=reverse, algorithm="triton")
+        ref = linear_recurrence(A, b, h0, reverse=reverse, method="sequential")
+        h = linear_recurrence(A, b, h0, reverse=reverse, method="triton")
         scale = float(ref.abs().max())
         assert float((h - ref).abs().max()) <= 1e-13 * max(1.0, scale), (form, reverse)
 
@@ -206,10 +206,10 @@ def test_gradients_through_the_triton_scan_equal_the_loop(dev):
            torch.randn(2, T, 3, generator=g, dtype=f64), torch.randn(2, 3, generator=g,
                                                                      dtype=f64)]
     grads = {}
-    for algorithm in ("triton", "sequential"):
+    for method in ("triton", "sequential"):
         leaves = [x.to(dev).requires_grad_() for x in ins]
-        out = linear_recurrence(*leaves, reverse=True, algorithm=algorithm)
-        grads[algorithm] = torch.autograd.grad(out.sin().sum(), leaves)
+        out = linear_recurrence(*leaves, reverse=True, method=method)
+        grads[method] = torch.autograd.grad(out.sin().sum(), leaves)
     for x, y in zip(grads["triton"], grads["sequential"], strict=True):
         assert float((x - y).abs().max()) <= 1e-13
 
@@ -265,10 +265,10 @@ def test_auto_picks_the_kernels_on_cuda_only(dev):
     assert (rec_module.choose(diag.op, diag.b, None) == "triton") == cuda
     assert rec_module.choose(wide.op, wide.b, None) != "triton"   # H > 64: the torch tree
     if not cuda:   # the interpreter is for tests: never chosen on its own
-        assert rec_module.choose(diag.op, diag.b, None) in ("sequential", "blelloch")
+        assert rec_module.choose(diag.op, diag.b, None) in ("native", "sequential", "blelloch")
     A = torch.rand(2, 40, 3, device=dev)
-    assert (rec_module.algorithm_for(A, b) == "triton") == cuda
-    assert rec_module.algorithm_for(A, b, algorithm="chunked") == "chunked"
+    assert (rec_module.method_for(A, b) == "triton") == cuda
+    assert rec_module.method_for(A, b, method="chunked") == "chunked"
 
 
 # -- the fused Newton steps -----------------------------------------------------------------------
@@ -459,8 +459,8 @@ def test_errors_name_the_argument(monkeypatch):
         (lambda: tk.dense_scan(torch.zeros(2, 3, 4, 4), torch.zeros(2, 3, 4), chunks=0),
          ValueError, r"chunks must be a positive int"),
         (lambda: linear_recurrence(torch.zeros(2, 3, 65, 65), torch.zeros(2, 3, 65),
-                                   algorithm="triton"), ValueError,
-         r"algorithm='triton' runs dense transitions with a state of at most 64"),
+                                   method="triton"), ValueError,
+         r"method='triton' runs dense transitions with a state of at most 64"),
         (lambda: GRURecurrence(torch.zeros(1, 3, 6), torch.zeros(1, 2), torch.zeros(3, 2), None,
                                kernel="cuda"), ValueError, r"unknown kernel='cuda'"),
         (lambda: GRURecurrence(None, torch.zeros(1, 2), torch.zeros(3, 2), None,
@@ -512,7 +512,7 @@ class FakeCuda:
 
 def test_cuda_tensors_are_refused_while_the_interpreter_is_on(monkeypatch):
     """With TRITON_INTERPRET set the kernels would run on the host: CUDA tensors are refused,
-    auto runs the torch algorithms, ParaGRU/ParaLSTM skip the warm start, and both say why."""
+    auto runs the torch methods, ParaGRU/ParaLSTM skip the warm start, and both say why."""
     for value in ("1", "true", "ON"):                       # as triton reads the variable
         monkeypatch.setenv("TRITON_INTERPRET", value)
         assert tk.interpreting()
@@ -521,7 +521,7 @@ def test_cuda_tensors_are_refused_while_the_interpreter_is_on(monkeypatch):
         assert "CUDA tensors refused (TRITON_INTERPRET is set" in tk.status()
     op = types.SimpleNamespace(kind="diag", a=FakeCuda(), H=3)
     assert not tk.applies(op, FakeCuda())
-    with pytest.raises(RuntimeError, match=r"linear_recurrence\(algorithm='triton'\) cannot run "
+    with pytest.raises(RuntimeError, match=r"linear_recurrence\(method='triton'\) cannot run "
                                            r"here: TRITON_INTERPRET is set"):
         tk.recurrence(op, FakeCuda(), None, False)
     rec = types.SimpleNamespace(device=torch.device("cuda", 0), formed=True, _h0=FakeCuda(),
@@ -569,8 +569,8 @@ def test_cpu_tensors_need_the_interpreter_switch(monkeypatch):
     z = torch.zeros(2, 3, 5)
     with pytest.raises(RuntimeError, match=r"diagonal_scan cannot run here: .*TRITON_INTERPRET=1"):
         tk.diagonal_scan(z, z)
-    with pytest.raises(RuntimeError, match=r"linear_recurrence\(algorithm='triton'\) cannot run"):
-        linear_recurrence(z, z, algorithm="triton")
+    with pytest.raises(RuntimeError, match=r"linear_recurrence\(method='triton'\) cannot run"):
+        linear_recurrence(z, z, method="triton")
     rec = GRURecurrence(torch.zeros(1, 3, 6), torch.zeros(1, 2), torch.zeros(3, 2), None,
                         kernel="triton")
     with pytest.raises(RuntimeError, match=r"GRURecurrence\(kernel='triton'\) cannot run here"):
@@ -584,7 +584,7 @@ def test_without_triton_everything_says_why(monkeypatch):
     z = torch.zeros(2, 3, 5)
     assert not tk.available() and tk.status().startswith("unavailable: triton is not installed")
     with pytest.raises(RuntimeError, match=r"cannot run here: triton is not installed"):
-        linear_recurrence(z, z, algorithm="triton")
+        linear_recurrence(z, z, method="triton")
     assert linear_recurrence(z, z).shape == z.shape                  # auto: unaffected
 
 
@@ -611,14 +611,16 @@ def test_a_failing_kernel_is_recorded_and_auto_falls_back(monkeypatch):
     a, b = data((2, 20, 3), torch.float64, "cpu")
     with pytest.warns(RuntimeWarning, match=r"diag_scan failed: RuntimeError: PTX assembly"):
         with pytest.raises(tk.LaunchError, match=r"diag_scan failed"):
-            linear_recurrence(a, b, algorithm="triton")      # asked for: raises
+            linear_recurrence(a, b, method="triton")      # asked for: raises
     assert "auto avoids them: diag_scan failed" in tk.status()
-    # auto would pick the kernels (as on CUDA) but they failed: it runs another algorithm
+    # auto would pick the kernels (as on CUDA, where the C kernels never run) but they failed:
+    # it runs another method
     monkeypatch.setattr(tk, "_failed", [])
     monkeypatch.setattr(tk, "applies", lambda op, b: not tk.failed())
-    with pytest.warns(RuntimeWarning, match="uses the torch algorithms from now on"):
-        h = linear_recurrence(a, b, native=False)
-    ref = linear_recurrence(a, b, algorithm="sequential", native=False)
+    monkeypatch.setattr(rec_module.native, "supports", lambda *tensors: False)
+    with pytest.warns(RuntimeWarning, match="uses the torch methods from now on"):
+        h = linear_recurrence(a, b)
+    ref = linear_recurrence(a, b, method="sequential")
     assert float((h - ref).abs().max()) <= 1e-13
     # the layers' warm start (as picked by default on CUDA) is skipped: the torch step alone,
     # and the stats say why; asked for (STEP_KERNEL="triton"), the failure raises

@@ -81,7 +81,7 @@ class SequentialForward:
               outputs within rounding (float32: a few units in the last place per step; its
               ``tanh``/``sigmoid`` are within 3 ulp). Where it cannot run (not on the CPU, not
               float32/float64, no C compiler, ``PARAPROP_NATIVE=0``, under :mod:`torch.func`)
-              torch's kernel runs instead; ``forward_stats["kernel"]`` says which ran.
+              torch's kernel runs instead; ``last_forward`` says which ran (``"kernel"``).
             - ``"auto"`` (``forward="auto"``, the modules' default): the forward measured
               fastest for the device: the native loop on the CPU (it beat torch's kernel and
               every parallel solver at every size measured on a 2-core CPU,
@@ -117,7 +117,7 @@ class ParallelForward:
             bound (``T``), where every method returns the sequential result.
         throw: with ``max_iters`` reached before convergence, raise
             :class:`paraprop.ConvergenceError` (``True``, the default) or return the unconverged
-            states (``False``; ``forward_stats["converged"]`` then says so).
+            states (``False``; the layers' ``last_forward`` Solutions then say so).
 
     Attributes:
         solver: the solver object ``method`` names.
@@ -159,18 +159,19 @@ class ScanBackward:
     batched contractions. Exact (to rounding).
 
     Arguments:
-        algorithm: the ``algorithm`` of :func:`paraprop.scan.linear_recurrence` (``"auto"``,
-            ``"sequential"``, ``"blelloch"``, ``"hillis_steele"``, ``"chunked"``).
+        method: the ``method`` of :func:`paraprop.scan.linear_recurrence`, one of
+            :data:`paraprop.scan.METHODS` (``"auto"``, ``"sequential"``, ``"native"``,
+            ``"blelloch"``, ``"hillis_steele"``, ``"chunked"``, ``"triton"``).
     """
 
-    algorithm: str = "auto"
+    method: str = "auto"
 
     def __post_init__(self):
-        from paraprop.scan import ALGORITHMS
+        from paraprop.scan import METHODS
 
-        if not isinstance(self.algorithm, str) or self.algorithm not in ALGORITHMS:
-            raise ValueError(f"ScanBackward: unknown algorithm={self.algorithm!r}; choose one "
-                             f"of {', '.join(ALGORITHMS)}")
+        if not isinstance(self.method, str) or self.method not in METHODS:
+            raise ValueError(f"ScanBackward: unknown method={self.method!r}; choose one "
+                             f"of {', '.join(METHODS)}")
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ class JacobiBackward:
 
     Exact after ``T`` sweeps. Stopped earlier by ``max_iters`` it is truncated back-propagation
     through time (the gradients reach ``max_iters`` steps back), a deliberate approximation;
-    ``backward_stats`` records the sweeps, the error estimate and whether it converged.
+    ``last_backward`` records the sweeps, the error estimate and whether it converged.
 
     Arguments:
         tol: stop once the estimated error of the hidden-state gradients is ``<= tol``
@@ -209,13 +210,13 @@ class AutoBackward:
     """The default ``backward=``: per call, the fastest measured exact choice for the cell, the
     device and the forward (:func:`resolve`): torch's own kernel and autograd (the module is then
     exactly the torch module) where :data:`TORCH_FASTEST` says that training step is the
-    fastest, :class:`ScanBackward` otherwise. ``backward_stats["backward"]`` names the one
-    that ran (``forward_stats["kernel"]`` the forward kernel).
+    fastest, :class:`ScanBackward` otherwise. ``last_backward.kind`` names the one that ran
+    (``last_forward``'s ``stats["kernel"]`` the forward kernel).
 
     Example:
         >>> lstm = paraprop.nn.LSTM(3, 8)                 # backward="auto"
         >>> lstm(torch.randn(50, 2, 3))[0].sum().backward()
-        >>> lstm.backward_stats["backward"]               # on the CPU: torch's own LSTM
+        >>> lstm.last_backward.kind                       # on the CPU: torch's own LSTM
         'autograd'
     """
 
@@ -290,7 +291,7 @@ def backward_option(value) -> ScanBackward | JacobiBackward | AutogradBackward |
     if isinstance(value, str):
         if value not in BACKWARDS:
             raise ValueError(f"unknown backward={value!r}; choose one of "
-                             f"{', '.join(BACKWARDS)}, or paraprop.nn.ScanBackward(algorithm=...)"
+                             f"{', '.join(BACKWARDS)}, or paraprop.nn.ScanBackward(method=...)"
                              f" / JacobiBackward(tol=..., max_iters=...)")
         return BACKWARDS[value]()
     if isinstance(value, type):

@@ -29,37 +29,34 @@ from paraprop.nn._base import (
     unpack_saved,
 )
 from paraprop.nn.options import JacobiBackward
+from paraprop.nn.runs import jacobi_run, scan_run
 from paraprop.scan import Factored, jacobi_recurrence, linear_recurrence, native
-from paraprop.scan.recurrence import canonicalise, choose
+from paraprop.scan.recurrence import method_for
 
 
 def solve_hidden(cfg: dict, A: Factored, b: torch.Tensor, h0: torch.Tensor | None):
     """The hidden-state gradient recurrence (reverse in time) by scan or by Jacobi sweeps.
 
-    ``A``'s per-step tensors and ``b`` are batch-major views ``(B, T, .)``.
+    ``A``'s per-step tensors and ``b`` are batch-major views ``(B, T, .)``. Its Solution
+    (:mod:`paraprop.nn.runs`) goes to ``cfg["backward_layers"]``, for ``last_backward``.
     """
     bwd = cfg["backward"]
     if isinstance(bwd, JacobiBackward):
         res = jacobi_recurrence(A, b, h0, reverse=True, max_iters=bwd.max_iters, tol=bwd.tol)
-        st = cfg["stats"]
-        st.setdefault("jacobi_iterations", []).append(res.iterations)
-        st.setdefault("error_estimate", []).append(res.stats["error_estimate"])
-        st.setdefault("converged", []).append(res.converged)
+        cfg["backward_layers"].append(jacobi_run(res))
         return res.value
-    cfg["stats"].setdefault("algorithm", []).append(scan_kernel(A, b, h0, bwd.algorithm))
-    return linear_recurrence(A, b, h0, reverse=True, algorithm=bwd.algorithm)
+    kernel = scan_kernel(A, b, h0, bwd.method)
+    lam = linear_recurrence(A, b, h0, reverse=True, method=bwd.method)
+    cfg["backward_layers"].append(scan_run(kernel, lam, b.shape[-2]))
+    return lam
 
 
-def scan_kernel(A, b: torch.Tensor, h0: torch.Tensor | None, algorithm: str) -> str:
+def scan_kernel(A, b: torch.Tensor, h0: torch.Tensor | None, method: str) -> str:
     """Which kernel :func:`paraprop.scan.linear_recurrence` runs for these arguments, for
-    ``backward_stats``: ``"native"`` (the C kernel: CPU, float32/float64), or the algorithm
-    ``"auto"`` resolves to (``"triton"`` on CUDA where it applies, ``"sequential"``,
-    ``"chunked"``, ``"blelloch"``), or the one asked for."""
-    c = canonicalise(A, b, h0)
-    alg = choose(c.op, c.b, c.h0) if algorithm == "auto" else algorithm
-    if alg == "sequential" and native.supports(c.b, c.h0, *c.op.tensors()):
-        return "native"
-    return alg
+    ``last_backward``: the method ``"auto"`` resolves to (``"native"``: the C kernel, CPU
+    float32/float64; ``"triton"`` on CUDA where it applies, ``"sequential"``, ``"chunked"``,
+    ``"blelloch"``), or the one asked for (:func:`paraprop.scan.recurrence.method_for`)."""
+    return method_for(A, b, h0, method=method)
 
 
 def native_layer(cfg: dict, x: torch.Tensor, h0: torch.Tensor, w: list) -> torch.Tensor:
@@ -197,21 +194,25 @@ class RNN(ScanBackwardMixin, torch.nn.RNN):
     Attributes:
         forward_config, backward_config: the two options as objects; assigning a name or an
             object validates it as the constructor does.
-        forward_stats: after a parallel forward, one entry per layer (bottom layer first) in
-            ``"iterations"``, ``"residual"`` (the solver's last convergence measure),
-            ``"resets"`` (diverging Newton steps replaced), ``"error_estimate"`` (the largest
-            estimated distance of a sample to the sequential result; ``0`` at the exactness
-            bound), ``"converged"`` and ``"tol"`` (the tolerance used); with
-            ``forward="auto"`` or ``"native"``, ``"kernel"``: ``"native"`` or ``"torch"`` per
-            layer, the loop that ran. Empty after ``forward="sequential"``.
-        backward_stats: ``"backward"``: the backward that ran (``"scan"``, ``"jacobi"``,
-            ``"autograd"``; for ``"autograd"`` set by the forward, for the others by the
-            backward); after a ``"scan"`` backward, ``"algorithm"``: the scan kernel that ran
-            per layer (top layer first): ``"native"`` (the C kernel, CPU only), ``"triton"``
-            (CUDA), ``"chunked"``, ``"blelloch"``, ... (:func:`scan_kernel`); after a
-            ``"jacobi"`` backward, ``"jacobi_iterations"``, ``"error_estimate"`` and
-            ``"converged"``, one entry per layer; ``"compute_dtype"`` when a bf16 / fp16 module
-            computed its backward in float32.
+        last_forward: the last forward's :class:`paraprop.Solution` per layer (bottom layer
+            first). After a parallel forward, the layer's solve: ``iterations``,
+            ``residuals`` (the solver's convergence measure per iteration), ``converged`` /
+            ``result``, ``stats["error_estimate"]`` (the largest estimated distance of a
+            sample to the sequential result; ``0`` at the exactness bound),
+            ``stats["resets"]`` (Newton: diverging steps replaced), ``stats["tol"]`` (the
+            tolerance used) and ``stats["compute_dtype"]`` (float32 for a bf16 / fp16
+            module). With ``forward="auto"`` or ``"native"``, the loop that ran
+            (``method="sequential"``, ``stats["kernel"]``: ``"native"`` or ``"torch"``).
+            ``()`` after ``forward="sequential"``. Each ``value`` is the layer's last state
+            only (:mod:`paraprop.nn.runs`).
+        last_backward: the last call's backward, a :class:`paraprop.nn.BackwardRun`:
+            ``kind`` (``"scan"``, ``"jacobi"``, ``"autograd"``; for ``"autograd"`` set by the
+            forward, for the others by the backward; ``None`` until then), ``compute_dtype``
+            and one Solution per layer (bottom layer first): for ``"scan"`` its ``method`` is
+            the scan kernel that ran (``"native"``: the C kernel, CPU only; ``"triton"``
+            (CUDA), ``"chunked"``, ``"blelloch"``, ...: :func:`scan_kernel`), for
+            ``"jacobi"`` the sweeps' Solution (``iterations``, ``stats["error_estimate"]``,
+            ``converged``).
 
     Raises:
         NotImplementedError: ``bidirectional=True``, ``dropout > 0``, ``proj_size > 0``,
@@ -232,7 +233,7 @@ class RNN(ScanBackwardMixin, torch.nn.RNN):
         >>> x = torch.randn(1000, 16, 1)
         >>> out, h = rnn(x)
         >>> out[-1].sum().backward()      # one linear_recurrence per layer
-        >>> rnn.forward_stats["kernel"], rnn.backward_stats["backward"]   # what ran (CPU)
+        >>> [s.stats["kernel"] for s in rnn.last_forward], rnn.last_backward.kind  # (CPU)
         (['native', 'native'], 'scan')
         >>> bool((out - ref(x)[0]).abs().max() < 1e-5)   # torch's outputs, within rounding
         True

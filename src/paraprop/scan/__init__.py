@@ -1,25 +1,26 @@
 """Scans and linear recurrences: back-propagation as a parallel scan (BPPSA).
 
 - :func:`linear_recurrence`: all states of ``h_t = A_t h_{t-1} + b_t`` (dense, diagonal,
-  :class:`Factored` or :class:`LSTMFactored` ``A``), forward or reverse, differentiable;
-  algorithms ``sequential``, ``blelloch``, ``hillis_steele``, ``chunked``, ``auto``.
+  :class:`Factored` or :class:`LSTMFactored` ``A``), forward or reverse, differentiable; the
+  methods of :data:`METHODS` (``auto``, ``sequential``, ``native``, ``blelloch``,
+  ``hillis_steele``, ``chunked``, ``triton``).
 - :func:`associative_scan`: prefix combinations under any associative operator, including the
   modified Blelloch scan of BPPSA (operands reversed in the down-sweep, level cap).
 - :func:`jacobi_recurrence`: the same recurrence by Jacobi sweeps (Song et al. 2021, §5.1).
 - :func:`ragged_scan`: Blelloch's scan over a list of elements that cannot be stacked (sparse
   and dense matrices of different shapes: BPPSA over a chain of layers), with a per-step record.
-- :mod:`paraprop.scan.native`: the C kernels behind ``sequential`` on the CPU.
+- :mod:`paraprop.scan.native`: the C kernels of ``method="native"`` (the CPU);
+  :mod:`paraprop.scan.triton_kernels`: those of ``method="triton"`` (the GPU).
 """
 
-from paraprop.scan.associative import SCAN_ALGORITHMS, associative_scan
+from paraprop.scan.associative import associative_scan
 from paraprop.scan.jacobi import jacobi_recurrence
 from paraprop.scan.operators import Factored, LSTMFactored
 from paraprop.scan.ragged import ragged_scan
-from paraprop.scan.recurrence import ALGORITHMS, linear_recurrence
+from paraprop.scan.recurrence import METHODS, linear_recurrence
 
 __all__ = [
-    "ALGORITHMS",
-    "SCAN_ALGORITHMS",
+    "METHODS",
     "Factored",
     "LSTMFactored",
     "associative_scan",

@@ -8,18 +8,20 @@ import torch
 
 from paraprop import checks
 from paraprop.scan import blelloch, chunked, hillis_steele, sequential
+from paraprop.scan.recurrence import KERNELS, METHODS
 
-SCAN_ALGORITHMS = ("auto", "sequential", "blelloch", "hillis_steele", "chunked")
+# The methods of paraprop.scan.METHODS that take any operator (not the recurrence kernels).
+ASSOCIATIVE_METHODS = tuple(m for m in METHODS if m not in KERNELS)
 
 
 def associative_scan(elems, combine: Callable, *, dim: int = 0, exclusive: bool = False,
-                     reverse: bool = False, identity=None, algorithm: str = "auto",
+                     reverse: bool = False, identity=None, method: str = "auto",
                      levels: int | None = None, chunk_size: int | None = None):
     """Prefix combinations ``y_i = x_0 ⊕ x_1 ⊕ ... ⊕ x_i`` along ``dim``.
 
     ``⊕`` must be associative; it need not be commutative (matrix products are the typical
     case: back-propagation is the exclusive scan of the transposed Jacobians under
-    ``A ⋄ B = B A``, BPPSA). Every algorithm returns the sequential result up to
+    ``A ⋄ B = B A``, BPPSA). Every method returns the sequential result up to
     floating-point reassociation.
 
     Arguments:
@@ -34,11 +36,12 @@ def associative_scan(elems, combine: Callable, *, dim: int = 0, exclusive: bool 
         reverse: scan from the end: ``y_i = x_{T-1} ⊕ ... ⊕ x_i`` (flip, scan, flip).
         identity: one element (``elems``' structure without ``dim``, broadcastable); required
             for ``exclusive=True`` and used only there.
-        algorithm: ``"sequential"`` (``T - 1`` calls of ``combine``), ``"blelloch"`` (BPPSA's
+        method: ``"sequential"`` (``T - 1`` calls of ``combine``), ``"blelloch"`` (BPPSA's
             modified Blelloch scan: ``2 log2 T`` calls, ``2 T`` combines, operands reversed in
             the down-sweep), ``"hillis_steele"`` (``log2 T`` calls, ``T log2 T`` combines),
             ``"chunked"`` (about ``3 sqrt(T)`` calls, ``2 T`` combines) or ``"auto"``
-            (``sequential`` for ``T <= 16``, else ``blelloch``).
+            (``sequential`` for ``T <= 16``, else ``blelloch``): :data:`ASSOCIATIVE_METHODS`.
+            ``"native"`` and ``"triton"`` are kernels of :func:`linear_recurrence` only.
         levels: ``"blelloch"`` only: tree levels run in parallel (BPPSA's cap); the
             ``ceil(T / 2^levels)`` block results at the top are scanned sequentially.
         chunk_size: ``"chunked"`` only: chunk length (default ``ceil(sqrt(T / 2))``).
@@ -49,13 +52,14 @@ def associative_scan(elems, combine: Callable, *, dim: int = 0, exclusive: bool 
     Raises:
         TypeError: ``elems`` not a tensor or a tuple/list of tensors, ``combine`` not callable
             or returning the wrong structure.
-        ValueError: mismatched lengths along ``dim``, empty input, unknown ``algorithm``,
-            ``exclusive`` without ``identity``, options an algorithm does not use, ``combine``
+        ValueError: mismatched lengths along ``dim``, empty input, unknown ``method``
+            or a kernel method (``"native"``, ``"triton"``), ``exclusive`` without
+            ``identity``, options a method does not use, ``combine``
             returning wrong shapes.
 
     Example:
         >>> M = torch.randn(50, 3, 3)                       # running matrix products
-        >>> P = associative_scan(M, lambda a, b: b @ a, algorithm="blelloch")
+        >>> P = associative_scan(M, lambda a, b: b @ a, method="blelloch")
         >>> torch.allclose(P[2], M[2] @ M[1] @ M[0], atol=1e-5)
         True
     """
@@ -69,12 +73,16 @@ def associative_scan(elems, combine: Callable, *, dim: int = 0, exclusive: bool 
         raise TypeError("elems must be a tensor or a non-empty tuple/list of tensors, got "
                         f"{type(elems).__name__}")
     checks.callable_arg("combine", combine)
-    checks.one_of("algorithm", algorithm, SCAN_ALGORITHMS)
-    if levels is not None and algorithm != "blelloch":
-        raise ValueError(f"levels is only used by algorithm='blelloch', not {algorithm!r}")
+    checks.one_of("method", method, METHODS)
+    if method in KERNELS:
+        raise ValueError(f"associative_scan has no method {method!r}: the native and Triton "
+                         "kernels run linear recurrences only (paraprop.scan.linear_recurrence); "
+                         f"choose one of {', '.join(ASSOCIATIVE_METHODS)}")
+    if levels is not None and method != "blelloch":
+        raise ValueError(f"levels is only used by method='blelloch', not {method!r}")
     checks.nonneg_int("levels", levels, allow_none=True)
-    if chunk_size is not None and algorithm != "chunked":
-        raise ValueError(f"chunk_size is only used by algorithm='chunked', not {algorithm!r}")
+    if chunk_size is not None and method != "chunked":
+        raise ValueError(f"chunk_size is only used by method='chunked', not {method!r}")
     checks.positive_int("chunk_size", chunk_size, allow_none=True)
     if exclusive and identity is None:
         raise ValueError("exclusive=True needs identity= (one element, e.g. torch.eye(H) for "
@@ -106,13 +114,13 @@ def associative_scan(elems, combine: Callable, *, dim: int = 0, exclusive: bool 
 
     if reverse:
         leaves = [x.flip(dim) for x in leaves]
-    if algorithm == "auto":
-        algorithm = "sequential" if n <= 16 else "blelloch"
+    if method == "auto":
+        method = "sequential" if n <= 16 else "blelloch"
     if exclusive:
-        if algorithm == "blelloch":
+        if method == "blelloch":
             body = blelloch.exclusive(leaves, inner, dim, levels)
         else:
-            body = _inclusive(leaves, inner, dim, algorithm, chunk_size)
+            body = _inclusive(leaves, inner, dim, method, chunk_size)
             body = [torch.cat([y.narrow(dim, 0, 1), y.narrow(dim, 0, n - 1)], dim) for y in body]
         ident = [identity] if single else list(identity)
         if len(ident) != len(leaves):
@@ -125,17 +133,17 @@ def associative_scan(elems, combine: Callable, *, dim: int = 0, exclusive: bool 
             first = first.expand_as(y.narrow(dim, 0, 1))
             out.append(torch.cat([first, y.narrow(dim, 1, n - 1)], dim))
     else:
-        out = _inclusive(leaves, inner, dim, algorithm, chunk_size, levels)
+        out = _inclusive(leaves, inner, dim, method, chunk_size, levels)
     if reverse:
         out = [y.flip(dim) for y in out]
     return out[0] if single else type(elems)(out)
 
 
-def _inclusive(leaves, combine, dim, algorithm, chunk_size, levels=None):
-    if algorithm == "sequential":
+def _inclusive(leaves, combine, dim, method, chunk_size, levels=None):
+    if method == "sequential":
         return sequential.scan(leaves, combine, dim)
-    if algorithm == "hillis_steele":
+    if method == "hillis_steele":
         return hillis_steele.scan(leaves, combine, dim)
-    if algorithm == "chunked":
+    if method == "chunked":
         return chunked.scan(leaves, combine, dim, chunk_size)
     return blelloch.scan(leaves, combine, dim, levels)

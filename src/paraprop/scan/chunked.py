@@ -91,7 +91,7 @@ def recurrence(op: Op, b: torch.Tensor, h0: torch.Tensor | None,
     L = min(chunk or default_chunk(T), T)
     C, r = divmod(T, L)
     if C <= 1:
-        return sequential.recurrence(op, b, h0, False, use_native=False)
+        return sequential.recurrence(op, b, h0, False)
     body = op.map_steps(lambda x: x.narrow(1, 0, C * L).unflatten(1, (C, L)))
     body_b = b.narrow(1, 0, C * L).unflatten(1, (C, L))            # (N, C, L, H)
 

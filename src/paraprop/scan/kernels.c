@@ -416,6 +416,29 @@ void SFX(pp_lstm)(i64 N, i64 T, i64 H, int transposed, int reverse,
     for (i64 s = 0; s < T; ++s)                                                                 \
         for (i64 n0 = 0, t = s, tp = s - 1; n0 < N; n0 += 4)
 
+/* Their working memory: W = W_hh^T (H x G) as rows of Gp (pp_pad; own: the padded copy, or
+   NULL), the hidden products of four rows (acc, 4 x Gp) and a zero state (zero, H), the last
+   two in one allocation. */
+typedef struct {
+    const T_ *W;
+    T_ *own, *acc, *zero;
+    i64 Gp;
+} SFX(pp_work);
+
+static SFX(pp_work) SFX(pp_work_begin)(const T_ *WT, i64 H, i64 G) {
+    SFX(pp_work) w;
+    w.W = SFX(pp_pad)(WT, H, G, &w.Gp, &w.own);
+    w.acc = (T_ *)malloc(sizeof(T_) * (size_t)(4 * w.Gp + H));
+    w.zero = w.acc + 4 * w.Gp;
+    memset(w.zero, 0, sizeof(T_) * (size_t)H);
+    return w;
+}
+
+static void SFX(pp_work_end)(SFX(pp_work) *w) {
+    free(w->acc);
+    free(w->own);
+}
+
 /* Elman RNN: out_t = act(p_t + W_hh h_{t-1}), p (N, T, H) = W_ih x_t + b_ih + b_hh. */
 void SFX(pp_rnn_fwd)(i64 N, i64 T, i64 H, int relu,
                      const T_ *restrict p, i64 p_sn, i64 p_st,
@@ -423,12 +446,10 @@ void SFX(pp_rnn_fwd)(i64 N, i64 T, i64 H, int relu,
                      const T_ *restrict h0, i64 h0_sn,
                      T_ *restrict out, i64 o_sn, i64 o_st) {
     const unsigned csr = pp_ftz_begin();
-    i64 Gp;
-    T_ *ownW = NULL;
-    const T_ *Wp = SFX(pp_pad)(WT, HH, HH, &Gp, &ownW);
-    T_ *restrict a = (T_ *)malloc(sizeof(T_) * (size_t)(4 * Gp + HH));
-    T_ *restrict zero = a + 4 * Gp;
-    memset(zero, 0, sizeof(T_) * (size_t)HH);
+    SFX(pp_work) work = SFX(pp_work_begin)(WT, HH, HH);
+    const i64 Gp = work.Gp;
+    const T_ *Wp = work.W;
+    T_ *restrict a = work.acc, *restrict zero = work.zero;
     PP_FORWARD_ROWS {
         PP_PREV_ROWS(zero)
         const T_ *init[4] = {NULL, NULL, NULL, NULL};
@@ -445,8 +466,7 @@ void SFX(pp_rnn_fwd)(i64 N, i64 T, i64 H, int relu,
             }
         }
     }
-    free(a);
-    free(ownW);
+    SFX(pp_work_end)(&work);
     pp_ftz_end(csr);
 }
 
@@ -463,12 +483,10 @@ void SFX(pp_gru_fwd)(i64 N, i64 T, i64 H,
                      T_ *restrict ss, i64 s_sn, i64 s_st,
                      T_ *restrict dd, i64 d_sn, i64 d_st) {
     const unsigned csr = pp_ftz_begin();
-    i64 Gp;
-    T_ *ownW = NULL;
-    const T_ *Wp = SFX(pp_pad)(WT, HH, 3 * HH, &Gp, &ownW);
-    T_ *restrict gh_all = (T_ *)malloc(sizeof(T_) * (size_t)(4 * Gp + HH));
-    T_ *restrict zero = gh_all + 4 * Gp;
-    memset(zero, 0, sizeof(T_) * (size_t)HH);
+    SFX(pp_work) work = SFX(pp_work_begin)(WT, HH, 3 * HH);
+    const i64 Gp = work.Gp;
+    const T_ *Wp = work.W;
+    T_ *restrict gh_all = work.acc, *restrict zero = work.zero;
     const T_ *bias[4] = {bh, bh, bh, bh};
     PP_FORWARD_ROWS {
         PP_PREV_ROWS(zero)
@@ -498,8 +516,7 @@ void SFX(pp_gru_fwd)(i64 N, i64 T, i64 H,
             }
         }
     }
-    free(gh_all);
-    free(ownW);
+    SFX(pp_work_end)(&work);
     pp_ftz_end(csr);
 }
 
@@ -518,12 +535,10 @@ void SFX(pp_lstm_fwd)(i64 N, i64 T, i64 H,
                       T_ *restrict ff, i64 f_sn, i64 f_st,
                       T_ *restrict kk, i64 k_sn, i64 k_st) {
     const unsigned csr = pp_ftz_begin();
-    i64 Gp;
-    T_ *ownW = NULL;
-    const T_ *Wp = SFX(pp_pad)(WT, HH, 4 * HH, &Gp, &ownW);
-    T_ *restrict a_all = (T_ *)malloc(sizeof(T_) * (size_t)(4 * Gp + HH));
-    T_ *restrict zero = a_all + 4 * Gp;
-    memset(zero, 0, sizeof(T_) * (size_t)HH);
+    SFX(pp_work) work = SFX(pp_work_begin)(WT, HH, 4 * HH);
+    const i64 Gp = work.Gp;
+    const T_ *Wp = work.W;
+    T_ *restrict a_all = work.acc, *restrict zero = work.zero;
     PP_FORWARD_ROWS {
         PP_PREV_ROWS(zero)
         const T_ *init[4] = {NULL, NULL, NULL, NULL};
@@ -556,7 +571,6 @@ void SFX(pp_lstm_fwd)(i64 N, i64 T, i64 H,
             }
         }
     }
-    free(a_all);
-    free(ownW);
+    SFX(pp_work_end)(&work);
     pp_ftz_end(csr);
 }

@@ -10,9 +10,10 @@ rows split across threads.
 The C source is ``kernels.c`` beside this module (package data). :mod:`paraprop.scan.native_build`
 compiles it on first use with the system C compiler into a per-user cache directory, checks
 what it loads the way ssh checks its files, and says why when the kernels cannot be used
-(:func:`status`); every caller then falls back to the pure-PyTorch algorithms.
-``PARAPROP_NATIVE=0`` disables the kernels. This module holds what calls them: the ctypes
-bindings, one per kernel, and the split of the batch rows across threads.
+(:func:`status`); ``method="auto"`` then runs the pure-PyTorch methods, and
+``method="native"`` raises saying why. ``PARAPROP_NATIVE=0`` disables the kernels. This module
+holds what calls them: :func:`recurrence` (``method="native"``), the ctypes bindings, one per
+kernel, and the split of the batch rows across threads.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from paraprop.scan.native_build import _DTYPES, _library, available, status
+from paraprop.scan.operators import Op
 
-__all__ = ["available", "status", "supports"]
+__all__ = ["available", "recurrence", "status", "supports", "why_not"]
 
 # Below this many multiply-adds a call runs on one thread (thread hand-off costs ~20 us).
 _MIN_WORK_PER_THREAD = 200_000
@@ -34,9 +36,71 @@ _pool_size = 0
 
 def supports(*tensors: torch.Tensor | None) -> bool:
     """Whether the kernels can run on these tensors: CPU, all float32 or all float64."""
+    return why_not(*tensors) is None
+
+
+def why_not(*tensors: torch.Tensor | None) -> str | None:
+    """``None`` when the kernels can run on ``tensors`` (``None`` values skipped), else why not:
+    the tensors are not all CPU float32 or all CPU float64 (the message names the devices and
+    dtypes found), or the kernels are disabled or not built (:func:`status`)."""
     ts = [t for t in tensors if t is not None]
-    return (bool(ts) and all(t.device.type == "cpu" and t.dtype in _DTYPES for t in ts)
-            and len({t.dtype for t in ts}) == 1 and available())
+    kinds = {(t.device.type, t.dtype) for t in ts}
+    if len(kinds) != 1 or not all(d == "cpu" and dt in _DTYPES for d, dt in kinds):
+        found = ", ".join(sorted(f"{d} {dt}" for d, dt in kinds))
+        return (f"the native scan kernels need CPU float32/float64 tensors of one dtype, got "
+                f"{found or 'none'}")
+    if not available():
+        return f"the native scan kernels are {status()}"
+    return None
+
+
+def recurrence(op: Op, b: torch.Tensor, h0: torch.Tensor | None, reverse: bool) -> torch.Tensor:
+    """All states of ``h_t = A_t h_prev + b_t`` of a canonical recurrence (``b`` ``(N, T, H)``,
+    ``h0`` ``(N, H)`` or None; :class:`paraprop.scan.operators.Op`) in one native call
+    (``method="native"``).
+
+    Raises:
+        RuntimeError: the kernels cannot run on these tensors (:func:`why_not` says why).
+    """
+    reason = why_not(b, h0, *op.tensors())
+    if reason is not None:
+        raise RuntimeError(f"method='native' cannot run here: {reason}")
+    b = _rows_contiguous(b, 1)
+    h0 = _rows_contiguous(h0, 1)
+    out = torch.empty_like(b)
+    if out.stride(-1) != 1:
+        out = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    if op.kind == "dense":
+        return dense(_rows_contiguous(op.a, 2), b, h0, out, reverse)
+    if op.kind == "diag":
+        return diag(_rows_contiguous(op.a, 1), b, h0, out, reverse)
+    if op.kind == "lstm":   # the kernel takes W_hh (transposed steps) or W_hh^T (forward)
+        W = (op.W if op.tr else op.W.t()).contiguous()
+        return lstm(_rows_contiguous(op.s, 1), _rows_contiguous(op.f, 1),
+                    _rows_contiguous(op.k, 1), W, op.tr, b, h0, out, reverse)
+    LT = op.L.t().contiguous() if op.L is not None else None   # the kernel takes L^T and R^T
+    RT = op.R.t().contiguous() if op.R is not None else None
+    return factored(_rows_contiguous(op.d, 1), _rows_contiguous(op.s, 1), LT, RT, b, h0, out,
+                    reverse)
+
+
+def _rows_contiguous(x: torch.Tensor | None, feature_dims: int) -> torch.Tensor | None:
+    """``x`` with its trailing ``feature_dims`` dims contiguous (batch/time strides are free)."""
+    if x is None:
+        return None
+    shape, strides = x.shape[-feature_dims:], x.stride()[-feature_dims:]
+    expect, ok = 1, True
+    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
+        if size > 1 and stride != expect:
+            ok = False
+        expect *= size
+    return x if ok else x.contiguous()
+
+
+def _kernel(name: str, H: int, K: int, rows_steps: int, dtype: torch.dtype):
+    """The kernel ``pp_<name>`` for ``dtype`` from the library for state size ``H`` (and ``K``)
+    and ``rows_steps`` (row, step) pairs (:func:`paraprop.scan.native_build._library`)."""
+    return getattr(_library(H, K, rows_steps), f"pp_{name}_{_DTYPES[dtype][0]}")
 
 
 def _threads(N: int, work_per_row: int) -> int:
@@ -87,32 +151,11 @@ def _bt_strides(t: torch.Tensor | None) -> tuple[int, int]:
     return (t.stride(0) if t.shape[0] > 1 else 0), t.stride(1)
 
 
-def dense(A: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None, out: torch.Tensor,
-          reverse: bool) -> torch.Tensor:
-    """``out[n, t] = A[n, t] @ h_prev + b[n, t]``; A (N|1, T, H, H), b/out (N, T, H), h0 (N, H)."""
+def _plain(kind: str, a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None,
+           out: torch.Tensor, reverse: bool, work_per_row: int) -> torch.Tensor:
+    """The kernels whose steps are one tensor ``a`` (``pp_dense``, ``pp_diag``)."""
     N, T, H = b.shape
-    lib = _library(H, 0, N * T)
-    suffix = _DTYPES[b.dtype][0]
-    fn = getattr(lib, f"pp_dense_{suffix}")
-    A_sn, A_st = _bt_strides(A)
-    b_sn, b_st = _bt_strides(b)
-    o_sn, o_st = _bt_strides(out)
-    h_sn = h0.stride(0) if h0 is not None else 0
-
-    def call(n0: int, n1: int) -> None:
-        fn(n1 - n0, T, H, int(reverse), _ptr(A, n0, A_sn), A_sn, A_st, _ptr(b, n0, b_sn), b_sn,
-           b_st, _ptr(h0, n0, h_sn), h_sn, _ptr(out, n0, o_sn), o_sn, o_st)
-
-    _run_split(N, T * H * H, call)
-    return out
-
-
-def diag(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None, out: torch.Tensor,
-         reverse: bool) -> torch.Tensor:
-    """``out[n, t] = a[n, t] * h_prev + b[n, t]``; a (N|1, T, H), b/out (N, T, H), h0 (N, H)."""
-    N, T, H = b.shape
-    lib = _library(H, 0, N * T)
-    fn = getattr(lib, f"pp_diag_{_DTYPES[b.dtype][0]}")
+    fn = _kernel(kind, H, 0, N * T, b.dtype)
     a_sn, a_st = _bt_strides(a)
     b_sn, b_st = _bt_strides(b)
     o_sn, o_st = _bt_strides(out)
@@ -122,8 +165,22 @@ def diag(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None, out: torch.T
         fn(n1 - n0, T, H, int(reverse), _ptr(a, n0, a_sn), a_sn, a_st, _ptr(b, n0, b_sn), b_sn,
            b_st, _ptr(h0, n0, h_sn), h_sn, _ptr(out, n0, o_sn), o_sn, o_st)
 
-    _run_split(N, T * H, call)
+    _run_split(N, work_per_row, call)
     return out
+
+
+def dense(A: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None, out: torch.Tensor,
+          reverse: bool) -> torch.Tensor:
+    """``out[n, t] = A[n, t] @ h_prev + b[n, t]``; A (N|1, T, H, H), b/out (N, T, H), h0 (N, H)."""
+    N, T, H = b.shape
+    return _plain("dense", A, b, h0, out, reverse, T * H * H)
+
+
+def diag(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None, out: torch.Tensor,
+         reverse: bool) -> torch.Tensor:
+    """``out[n, t] = a[n, t] * h_prev + b[n, t]``; a (N|1, T, H), b/out (N, T, H), h0 (N, H)."""
+    N, T, H = b.shape
+    return _plain("diag", a, b, h0, out, reverse, T * H)
 
 
 def factored(d: torch.Tensor | None, s: torch.Tensor, LT: torch.Tensor | None,
@@ -133,8 +190,7 @@ def factored(d: torch.Tensor | None, s: torch.Tensor, LT: torch.Tensor | None,
     contiguous transposes ``LT = L^T`` ``(K, H)`` and ``RT = R^T`` ``(H, K)`` (or None)."""
     N, T, H = b.shape
     K = s.shape[-1]
-    lib = _library(H, K, N * T)
-    fn = getattr(lib, f"pp_factored_{_DTYPES[b.dtype][0]}")
+    fn = _kernel("factored", H, K, N * T, b.dtype)
     d_sn, d_st = _bt_strides(d)
     s_sn, s_st = _bt_strides(s)
     b_sn, b_st = _bt_strides(b)
@@ -160,8 +216,7 @@ def lstm(s: torch.Tensor, f: torch.Tensor, k: torch.Tensor, W: torch.Tensor, tra
     contiguous."""
     N, T, H2 = b.shape
     Hc = H2 // 2
-    lib = _library(Hc, 0, N * T)
-    fn = getattr(lib, f"pp_lstm_{_DTYPES[b.dtype][0]}")
+    fn = _kernel("lstm", Hc, 0, N * T, b.dtype)
     s_sn, s_st = _bt_strides(s)
     f_sn, f_st = _bt_strides(f)
     k_sn, k_st = _bt_strides(k)
@@ -205,7 +260,7 @@ def rnn_forward(p: torch.Tensor, WT: torch.Tensor, h0: torch.Tensor | None, out:
     ``W_ih x_t`` and both biases), ``WT = W_hh^T`` contiguous, ``h0`` ``(B, H)`` or None
     (zeros); ``act`` is tanh, or ReLU with ``relu``."""
     T, N, H = p.shape
-    fn = getattr(_library(H, 0, N * T), f"pp_rnn_fwd_{_DTYPES[p.dtype][0]}")
+    fn = _kernel("rnn_fwd", H, 0, N * T, p.dtype)
     p_sn, p_st = _tb(p)
     o_sn, o_st = _tb(out)
     h_sn = h0.stride(0) if h0 is not None else 0
@@ -230,7 +285,7 @@ def gru_forward(gi: torch.Tensor, WT: torch.Tensor, b_hh: torch.Tensor | None,
     (:func:`paraprop.jacobians.cells.gru_scale`)."""
     T, N, G = gi.shape
     H = G // 3
-    fn = getattr(_library(H, 0, N * T), f"pp_gru_fwd_{_DTYPES[gi.dtype][0]}")
+    fn = _kernel("gru_fwd", H, 0, N * T, gi.dtype)
     z, s, dn = factors if factors is not None else (None, None, None)
     g_sn, g_st = _tb(gi)
     o_sn, o_st = _tb(out)
@@ -258,7 +313,7 @@ def lstm_forward(gi: torch.Tensor, WT: torch.Tensor, h0: torch.Tensor | None,
     :func:`paraprop.jacobians.cells.lstm_scale`."""
     T, N, G = gi.shape
     H = G // 4
-    fn = getattr(_library(H, 0, N * T), f"pp_lstm_fwd_{_DTYPES[gi.dtype][0]}")
+    fn = _kernel("lstm_fwd", H, 0, N * T, gi.dtype)
     s, f, k = factors if factors is not None else (None, None, None)
     g_sn, g_st = _tb(gi)
     strides = [_tb(t) for t in (out, cell, s, f, k)]

@@ -10,8 +10,8 @@ The kernels are plain C (no PyTorch or Python headers), compiled on first use wi
 compiler (``$CC``, else ``cc``/``gcc``) into a per-user cache directory (``$PARAPROP_CACHE_DIR``,
 else ``$XDG_CACHE_HOME/paraprop``, else ``~/.cache/paraprop``) and loaded with :mod:`ctypes`.
 Nothing needs to be installed: when no compiler is found or the build fails, :func:`available`
-is ``False`` (``status()`` says why) and every caller falls back to the pure-PyTorch
-algorithms. ``PARAPROP_NATIVE=0`` disables the kernels.
+is ``False`` (``status()`` says why), ``method="auto"`` runs the pure-PyTorch methods and
+``method="native"`` raises with that reason. ``PARAPROP_NATIVE=0`` disables the kernels.
 
 Every cached library ``scan_kernels_<key>.so`` has a manifest ``scan_kernels_<key>.json``
 written at build time with its size and sha256. A library is loaded only when it matches its

@@ -88,7 +88,7 @@ class LSTMFactored:
         >>> g.shape
         torch.Size([2, 10, 16])
         >>> torch.allclose(g, paraprop.scan.linear_recurrence(A, x, reverse=True,
-        ...                                                   algorithm="blelloch"), atol=1e-5)
+        ...                                                   method="blelloch"), atol=1e-5)
         True
     """
 

@@ -17,8 +17,12 @@ from paraprop import checks
 from paraprop.scan import blelloch, chunked, hillis_steele, native, sequential, triton_kernels
 from paraprop.scan.operators import Factored, LSTMFactored, Op
 
-ALGORITHMS = ("auto", "sequential", "blelloch", "hillis_steele", "chunked", "triton")
-# Below this length the tree and chunked algorithms cannot beat T small steps.
+# The methods of the scans, defined once: ``"auto"`` picks one of the others. ``"native"`` and
+# ``"triton"`` are kernels for linear recurrences only (:data:`KERNELS`);
+# :func:`paraprop.scan.associative_scan` takes the others.
+METHODS = ("auto", "sequential", "native", "blelloch", "hillis_steele", "chunked", "triton")
+KERNELS = ("native", "triton")
+# Below this length the tree and chunked methods cannot beat T small steps.
 _SHORT = 16
 
 
@@ -162,14 +166,14 @@ def _broadcast(shapes) -> torch.Size | None:
     return torch.Size(reversed(out))
 
 
-def choose(op: Op, b: torch.Tensor, h0: torch.Tensor | None,
-           use_native: bool | None = None) -> str:
-    """The algorithm ``"auto"`` runs on canonical inputs: the native sequential kernel where it
-    runs (CPU), the Triton kernels on CUDA tensors where they apply (diagonal ``A``, or a state
-    of at most :data:`~paraprop.scan.triton_kernels.MAX_DENSE`), else ``sequential`` for
-    ``T <= 16``, ``blelloch`` for diagonal ``A`` and ``chunked`` otherwise."""
-    if use_native or (use_native is None and native.supports(b, h0, *op.tensors())):
-        return "sequential"
+def choose(op: Op, b: torch.Tensor, h0: torch.Tensor | None) -> str:
+    """The method ``"auto"`` runs on canonical inputs: ``"native"`` where the C kernel runs
+    (CPU float32/float64), ``"triton"`` on CUDA tensors where those kernels apply (diagonal
+    ``A``, or a state of at most :data:`~paraprop.scan.triton_kernels.MAX_DENSE`), else
+    ``"sequential"`` for ``T <= 16``, ``"blelloch"`` for diagonal ``A`` and ``"chunked"``
+    otherwise."""
+    if native.supports(b, h0, *op.tensors()):
+        return "native"
     if triton_kernels.applies(op, b):
         return "triton"
     if b.shape[1] <= _SHORT:
@@ -177,28 +181,29 @@ def choose(op: Op, b: torch.Tensor, h0: torch.Tensor | None,
     return "blelloch" if op.kind == "diag" else "chunked"
 
 
-def solve(op: Op, b: torch.Tensor, h0: torch.Tensor | None, *, reverse: bool, algorithm: str,
-          chunk_size: int | None = None, levels: int | None = None,
-          use_native: bool | None = None) -> torch.Tensor:
+def solve(op: Op, b: torch.Tensor, h0: torch.Tensor | None, *, reverse: bool, method: str,
+          chunk_size: int | None = None, levels: int | None = None) -> torch.Tensor:
     """The states ``(N, T, H)`` on canonical inputs (no autograd of its own)."""
-    if algorithm == "auto":
-        algorithm = choose(op, b, h0, use_native)
-        if algorithm == "triton":
+    if method == "auto":
+        method = choose(op, b, h0)
+        if method == "triton":
             try:
                 return triton_kernels.recurrence(op, b, h0, reverse)
             except triton_kernels.LaunchError:      # recorded and warned: choose again
-                algorithm = choose(op, b, h0, use_native)
-    if algorithm == "triton":
+                method = choose(op, b, h0)
+    if method == "native":
+        return native.recurrence(op, b, h0, reverse)
+    if method == "triton":
         return triton_kernels.recurrence(op, b, h0, reverse)
-    if algorithm == "sequential":
-        return sequential.recurrence(op, b, h0, reverse, use_native)
+    if method == "sequential":
+        return sequential.recurrence(op, b, h0, reverse)
     if reverse:  # run forward in time on flipped inputs
         flipped = op.map_steps(lambda x: x.flip(1))
-        return solve(flipped, b.flip(1), h0, reverse=False, algorithm=algorithm,
+        return solve(flipped, b.flip(1), h0, reverse=False, method=method,
                      chunk_size=chunk_size, levels=levels).flip(1)
-    if algorithm == "chunked":
+    if method == "chunked":
         return chunked.recurrence(op, b, h0, chunk_size)
-    # tree algorithms: scan the affine pairs (A_t, b_t), h0 folded into b_0
+    # tree methods: scan the affine pairs (A_t, b_t), h0 folded into b_0
     if h0 is not None:
         b = b.clone()
         b[:, 0] += op.at(0).apply(h0)
@@ -210,7 +215,7 @@ def solve(op: Op, b: torch.Tensor, h0: torch.Tensor | None, *, reverse: bool, al
         def combine(x, y):
             return [y[0] @ x[0], (y[0] @ x[1].unsqueeze(-1)).squeeze(-1) + y[1]]
         a = op.dense()
-    if algorithm == "hillis_steele":
+    if method == "hillis_steele":
         return hillis_steele.scan([a, b], combine, 1)[1]
     # blelloch: exclusive prefix e_t = h_{t-1}, then h_t = A_t e_t + b_t in one batched call
     ex = blelloch.exclusive([a, b], combine, 1, levels)[1]
@@ -232,10 +237,10 @@ class _LinearRecurrence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, meta, b, h0, *tensors):
-        kind, H, tr, reverse, algorithm, chunk_size, levels, use_native = meta
+        kind, H, tr, reverse, method, chunk_size, levels = meta
         op = Op.build(kind, H, tensors, tr)
-        h = solve(op, b, h0, reverse=reverse, algorithm=algorithm, chunk_size=chunk_size,
-                  levels=levels, use_native=use_native)
+        h = solve(op, b, h0, reverse=reverse, method=method, chunk_size=chunk_size,
+                  levels=levels)
         ctx.meta = meta
         ctx.save_for_backward(h, h0, *tensors)
         return h
@@ -243,12 +248,12 @@ class _LinearRecurrence(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, G):
-        kind, H, tr, reverse, algorithm, chunk_size, levels, use_native = ctx.meta
+        kind, H, tr, reverse, method, chunk_size, levels = ctx.meta
         h, h0, *tensors = ctx.saved_tensors
         op = Op.build(kind, H, tensors, tr)
         opT = op.transpose()
-        mu = solve(opT, opT.apply(G), None, reverse=not reverse, algorithm=algorithm,
-                   chunk_size=chunk_size, levels=levels, use_native=use_native)
+        mu = solve(opT, opT.apply(G), None, reverse=not reverse, method=method,
+                   chunk_size=chunk_size, levels=levels)
         zero = torch.zeros_like(G[:, :1])
         start = h0.unsqueeze(1) if h0 is not None else zero
         if reverse:
@@ -309,15 +314,15 @@ def _step_gradients(op: Op, tensors, need, hprev, lam) -> list:
 
 
 def linear_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
-                      reverse: bool = False, algorithm: str = "auto",
-                      chunk_size: int | None = None, levels: int | None = None,
-                      native: bool | None = None) -> torch.Tensor:
+                      reverse: bool = False, method: str = "auto",
+                      chunk_size: int | None = None, levels: int | None = None) -> torch.Tensor:
     """All states of the linear recurrence ``h_t = A_t h_{t-1} + b_t``.
 
     Forward (``reverse=False``): ``h_t = A_t h_{t-1} + b_t`` for ``t = 0 .. T-1`` with
     ``h_{-1} = h0``. Reverse: ``h_t = A_t h_{t+1} + b_t`` for ``t = T-1 .. 0`` with ``h_T = h0``
     (the form of back-propagation through time). Differentiable in ``A``, ``b`` and ``h0``; the
-    backward pass is this same function run in the other direction with ``A_t^T``.
+    backward pass is this same function run in the other direction with ``A_t^T`` (by the same
+    method).
 
     Arguments:
         A: the transitions: a dense tensor ``(..., T, H, H)``, a diagonal ``(..., T, H)``, a
@@ -327,87 +332,80 @@ def linear_recurrence(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
         b: ``(..., T, H)``, any ``T >= 1`` (no padding to a power of two).
         h0: ``(..., H)`` initial state (batch dims broadcast), or ``None`` for zero.
         reverse: run from ``t = T-1`` down to 0.
-        algorithm: ``"sequential"`` (``T`` steps; one native call on the CPU when available),
-            ``"blelloch"`` (BPPSA's modified Blelloch scan, ``2 log2 T`` batched steps),
-            ``"hillis_steele"`` (``log2 T`` steps, ``T log T`` work), ``"chunked"`` (sequential
-            inside ``chunk_size`` chunks, batched across chunks, then the carries),
-            ``"triton"`` (the Triton kernels of :mod:`paraprop.scan.triton_kernels`: CUDA
-            tensors, or CPU tensors in Triton's interpreter under ``TRITON_INTERPRET=1``,
-            which refuses CUDA tensors while it is set; diagonal ``A`` of any size, other
-            forms with ``H <= 64``), or ``"auto"``: the native sequential kernel where it runs
-            (CPU, float32/float64), the Triton kernels on CUDA tensors where they apply (not
-            under ``TRITON_INTERPRET``), otherwise ``sequential`` for ``T <= 16``,
-            ``blelloch`` for diagonal ``A`` and ``chunked`` for dense and factored ``A``. The
-            tree algorithms (and ``"triton"`` for non-diagonal ``A``) materialise factored (and
-            LSTM) ``A`` densely.
+        method: one of :data:`METHODS`: ``"sequential"`` (``T`` PyTorch steps),
+            ``"native"`` (the same steps in one C call: CPU float32/float64 tensors, the
+            kernels of :mod:`paraprop.scan.native`), ``"blelloch"`` (BPPSA's modified Blelloch
+            scan, ``2 log2 T`` batched steps), ``"hillis_steele"`` (``log2 T`` steps,
+            ``T log T`` work), ``"chunked"`` (sequential inside ``chunk_size`` chunks, batched
+            across chunks, then the carries), ``"triton"`` (the Triton kernels of
+            :mod:`paraprop.scan.triton_kernels`: CUDA tensors, or CPU tensors in Triton's
+            interpreter under ``TRITON_INTERPRET=1``, which refuses CUDA tensors while it is
+            set; diagonal ``A`` of any size, other forms with ``H <= 64``), or ``"auto"``:
+            ``"native"`` where it runs, ``"triton"`` on CUDA tensors where it applies (not
+            under ``TRITON_INTERPRET``), otherwise ``"sequential"`` for ``T <= 16``,
+            ``"blelloch"`` for diagonal ``A`` and ``"chunked"`` for dense and factored ``A``.
+            The tree methods (and ``"triton"`` for non-diagonal ``A``) materialise factored
+            (and LSTM) ``A`` densely.
         chunk_size: chunk length for ``"chunked"`` (default ``ceil(sqrt(T / 2))``).
         levels: tree levels run in parallel by ``"blelloch"`` (BPPSA's level cap; the rest of
             the tree is scanned sequentially); ``None`` for all.
-        native: ``None`` uses the native kernel when it can run, ``False`` never, ``True``
-            requires it (``RuntimeError`` if it cannot run). Only ``"sequential"`` and
-            ``"auto"`` use it.
 
     Returns:
         ``(*batch, T, H)``, the broadcast batch of ``A``, ``b`` and ``h0``.
 
     Raises:
         TypeError: non-tensor arguments, integer dtypes, mixed dtypes.
-        ValueError: shapes that do not fit (the message prints them), unknown ``algorithm``,
-            options given to an algorithm that does not use them, ``algorithm="triton"`` for
+        ValueError: shapes that do not fit (the message prints them), unknown ``method``,
+            options given to a method that does not use them, ``method="triton"`` for
             non-diagonal ``A`` with ``H > 64``.
-        RuntimeError: ``native=True`` or ``algorithm="triton"`` where those kernels cannot
+        RuntimeError: ``method="native"`` or ``method="triton"`` where those kernels cannot
             run (the message says why).
 
     Example:
         >>> A = 0.2 * torch.randn(4, 100, 8, 8); b = torch.randn(4, 100, 8)   # stable: |A| < 1
-        >>> h = linear_recurrence(A, b, algorithm="blelloch")
-        >>> torch.allclose(h, linear_recurrence(A, b, algorithm="sequential"), atol=1e-5)
+        >>> h = linear_recurrence(A, b, method="blelloch")
+        >>> torch.allclose(h, linear_recurrence(A, b, method="sequential"), atol=1e-5)
         True
     """
-    _check_options(algorithm, chunk_size, levels, native)
+    _check_options(method, chunk_size, levels)
     checks.boolean("reverse", reverse)
     c = canonicalise(A, b, h0)
     op = c.op
-    meta = (op.kind, op.H, op.tr, reverse, algorithm, chunk_size, levels, native)
+    meta = (op.kind, op.H, op.tr, reverse, method, chunk_size, levels)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (c.b, c.h0, *op.tensors())):
         h = _LinearRecurrence.apply(meta, c.b, c.h0, *op.tensors())
     else:
-        h = solve(op, c.b, c.h0, reverse=reverse, algorithm=algorithm, chunk_size=chunk_size,
-                  levels=levels, use_native=native)
+        h = solve(op, c.b, c.h0, reverse=reverse, method=method, chunk_size=chunk_size,
+                  levels=levels)
     return c.user(h)
 
 
-def algorithm_for(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
-                  algorithm: str = "auto", native: bool | None = None) -> str:
-    """The algorithm :func:`linear_recurrence` runs for these arguments (``"auto"`` resolved:
-    ``"sequential"`` for the native kernel, ``"triton"``, ``"blelloch"``, ...), for stats.
+def method_for(A, b: torch.Tensor, h0: torch.Tensor | None = None, *,
+               method: str = "auto") -> str:
+    """The method :func:`linear_recurrence` runs for these arguments (``"auto"`` resolved to
+    ``"native"``, ``"triton"``, ``"blelloch"``, ...), for stats.
 
     Example:
-        >>> algorithm_for(torch.rand(2, 10, 4), torch.randn(2, 10, 4))   # CPU: native or T <= 16
-        'sequential'
+        >>> method_for(torch.rand(2, 10, 4), torch.randn(2, 10, 4)) in ("native", "sequential")
+        True
     """
-    _check_options(algorithm, None, None, native)
-    if algorithm != "auto":
-        return algorithm
+    _check_options(method, None, None)
+    if method != "auto":
+        return method
     c = canonicalise(A, b, h0)
-    return choose(c.op, c.b, c.h0, native)
+    return choose(c.op, c.b, c.h0)
 
 
-def _check_options(algorithm, chunk_size, levels, use_native) -> None:
-    checks.one_of("algorithm", algorithm, ALGORITHMS)
+def _check_options(method, chunk_size, levels) -> None:
+    checks.one_of("method", method, METHODS)
     if chunk_size is not None:
-        if algorithm != "chunked":
-            raise ValueError(f"chunk_size is only used by algorithm='chunked', "
-                             f"not algorithm={algorithm!r}")
+        if method != "chunked":
+            raise ValueError(f"chunk_size is only used by method='chunked', "
+                             f"not method={method!r}")
         checks.positive_int("chunk_size", chunk_size)
     if levels is not None:
-        if algorithm != "blelloch":
-            raise ValueError(f"levels is only used by algorithm='blelloch', "
-                             f"not algorithm={algorithm!r}")
+        if method != "blelloch":
+            raise ValueError(f"levels is only used by method='blelloch', "
+                             f"not method={method!r}")
         checks.nonneg_int("levels", levels)
-    if use_native is not None:
-        checks.boolean("native", use_native, allow_none=True)
-        if use_native and algorithm not in ("auto", "sequential"):
-            raise ValueError(f"native=True needs algorithm='sequential' or 'auto', "
-                             f"not {algorithm!r}")

@@ -1,4 +1,4 @@
-"""Triton kernels for :func:`paraprop.scan.linear_recurrence` on the GPU (``algorithm="triton"``).
+"""Triton kernels for :func:`paraprop.scan.linear_recurrence` on the GPU (``method="triton"``).
 
 The GPU's counterpart of :mod:`paraprop.scan.native`: where the CPU runs one native C call, a
 CUDA tensor runs one (or three) Triton kernels (:mod:`paraprop.scan._triton_scan` says how they
@@ -16,7 +16,7 @@ missing :func:`available` is ``False`` and :func:`status` says why. CUDA tensors
 compiled kernels; CPU tensors run them in Triton's interpreter, and only when the environment
 says ``TRITON_INTERPRET=1`` (the tests do; it is far too slow for real work). While it says so,
 CUDA tensors are refused (the interpreter would run them on the host): ``auto`` then runs the
-torch algorithms and :func:`status` says why. The kernels are loaded once per mode, each mode a
+torch methods and :func:`status` says why. The kernels are loaded once per mode, each mode a
 module of its own (under a lock: the switch is process-wide), so the two can be used in one
 process in any order.
 
@@ -108,7 +108,7 @@ def loading_mode() -> bool:
 
 # Why CUDA tensors are refused while the interpreter is switched on.
 INTERPRETER_ON_CUDA = ("TRITON_INTERPRET is set: Triton's interpreter would run the kernels on "
-                       "the host, so CUDA tensors are refused (the torch algorithms run "
+                       "the host, so CUDA tensors are refused (the torch methods run "
                        "instead); unset TRITON_INTERPRET to compile them")
 
 
@@ -243,7 +243,7 @@ def on(device: torch.device, what: str):
     """Launch ``what`` on ``device`` (Triton launches on the current CUDA device). A kernel
     that fails (one this triton cannot compile, say) raises :class:`LaunchError` and is
     recorded, with a warning the first time: from then on ``auto`` (and ParaGRU's and
-    ParaLSTM's step on CUDA) use the torch algorithms, so that one broken kernel does not stop
+    ParaLSTM's step on CUDA) use the torch methods, so that one broken kernel does not stop
     everything else on the device."""
     context = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with context:
@@ -254,8 +254,8 @@ def on(device: torch.device, what: str):
         except Exception as e:
             reason = f"{what} failed: {type(e).__name__}: {str(e)[:500]}"
             if not _failed:
-                warnings.warn(f"the Triton kernel {reason}; algorithm='auto' uses the torch "
-                              "algorithms from now on (paraprop.scan.triton_kernels.status())",
+                warnings.warn(f"the Triton kernel {reason}; method='auto' uses the torch "
+                              "methods from now on (paraprop.scan.triton_kernels.status())",
                               RuntimeWarning, stacklevel=3)
             _failed.append(reason)
             raise LaunchError(reason) from e
@@ -577,14 +577,14 @@ def dense_scan(A: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None,
     return out
 
 
-# -- linear_recurrence(algorithm="triton") --------------------------------------------------------
-# Largest dense copy of factored or LSTM steps that ``algorithm="auto"`` makes to run them by
-# the dense kernel (bytes); beyond it auto keeps the torch algorithms, which never form it.
+# -- linear_recurrence(method="triton") -----------------------------------------------------------
+# Largest dense copy of factored or LSTM steps that ``method="auto"`` makes to run them by
+# the dense kernel (bytes); beyond it auto keeps the torch methods, which never form it.
 DENSE_BUDGET = 1 << 30
 
 
 def applies(op, b: torch.Tensor) -> bool:
-    """Whether ``algorithm="auto"`` picks the kernels for this canonical recurrence: CUDA
+    """Whether ``method="auto"`` picks the kernels for this canonical recurrence: CUDA
     tensors, triton, a supported dtype, and a diagonal ``A``, a dense one with a state of at
     most :data:`MAX_DENSE`, or factored / LSTM steps of that size whose dense copy fits in
     :data:`DENSE_BUDGET`."""
@@ -610,12 +610,12 @@ def recurrence(op, b: torch.Tensor, h0: torch.Tensor | None, reverse: bool) -> t
     by the kernels: diagonal ``A`` by the diagonal scan, ``2 x 2`` steps by the pair scan;
     dense, factored and LSTM ``A`` with ``H <= MAX_DENSE`` by the dense scan (factored and LSTM
     steps materialised densely)."""
-    require("linear_recurrence(algorithm='triton')", b=b, h0=h0, **_named(op))
+    require("linear_recurrence(method='triton')", b=b, h0=h0, **_named(op))
     N, T, H = b.shape
     if op.kind != "diag" and H > MAX_DENSE:
-        raise ValueError(f"algorithm='triton' runs {op.kind} transitions with a state of at "
+        raise ValueError(f"method='triton' runs {op.kind} transitions with a state of at "
                          f"most {MAX_DENSE} (one H x H step per program); got H={H}: use "
-                         "algorithm='chunked' or 'blelloch'")
+                         "method='chunked' or 'blelloch'")
     out = torch.empty(N, T, H, dtype=b.dtype, device=b.device)
     if op.kind == "diag":
         diag_launch(op.a.expand(N, T, H), b, out, h0, reverse)

@@ -114,7 +114,7 @@ def rnn_row(T: int, batch: int, repeats: int | None, seed: int, chunked: bool) -
     ref, mine, fast = models.values()
     if chunked:
         models["chunked"] = pair("rnn", 1, CLASSES, seed,
-                                 backward=ScanBackward(algorithm="chunked"))[1]
+                                 backward=ScanBackward(method="chunked"))[1]
     err = max(grad_error(ref, mine, x, y), grad_error(ref, fast, x, y))
     reps = repeats_for(T, batch, repeats)
     m = measure(models, x, y, reps, f"rnn T={T} B={batch}")

@@ -347,14 +347,14 @@ def env_report(args) -> int:
     import torch
 
     import paraprop
-    from paraprop.scan.recurrence import ALGORITHMS
+    from paraprop.scan import METHODS
     from paraprop_lab.experiments.device import record, resolve, version
 
     lines = [f"paraprop gpu-check environment, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
              f"python {sys.version.split()[0]} ({sys.executable})",
              f"paraprop {paraprop.__version__} from {Path(paraprop.__file__).parent}; "
              f"{source_id()}",
-             f"scan algorithms: {', '.join(ALGORITHMS)}"]
+             f"scan methods: {', '.join(METHODS)}"]
     info = {"steps": json.loads(args.steps), "source": source_id()}
     try:
         dev = resolve(args.device)

@@ -46,7 +46,7 @@ def run(out_dir: Path, *, quick: bool = False, full: bool = False) -> dict:
         "scan backward (native)": (pair("rnn", 1, CLASSES, 0)[1],
                                    "torch's forward kernel; " + kn),
         "scan backward (PyTorch chunked)": (
-            pair("rnn", 1, CLASSES, 0, backward=ScanBackward(algorithm="chunked"))[1],
+            pair("rnn", 1, CLASSES, 0, backward=ScanBackward(method="chunked"))[1],
             "torch's forward kernel; no native code"),
         "jacobi backward K=30": (
             pair("rnn", 1, CLASSES, 0, backward=JacobiBackward(max_iters=30))[1],

@@ -15,8 +15,7 @@ from torch.nn import functional as F
 
 from paraprop.data import bitstreams
 from paraprop.nn import GRU, ParaGRU, ParallelForward, ParaLSTM, ScanBackward
-from paraprop.scan import linear_recurrence
-from paraprop.scan.recurrence import ALGORITHMS
+from paraprop.scan import METHODS, linear_recurrence, native
 from paraprop_lab.experiments.bppsa import CLASSES, pair
 from paraprop_lab.experiments.device import synchronize
 from paraprop_lab.experiments.harness import median
@@ -29,17 +28,19 @@ NEWTON_TARGET, NEWTON_FORWARD_TOL, NEWTON_STATE_TOL = 50.0, 1e-6, 1e-5
 
 
 def triton_available() -> str | None:
-    """``None`` where ``algorithm="triton"`` is one of the scan's algorithms, else why not."""
-    if "triton" in ALGORITHMS:
+    """``None`` where ``method="triton"`` is one of the scan's methods, else why not."""
+    if "triton" in METHODS:
         return None
-    return ("algorithm='triton' is not among paraprop.scan's algorithms yet (the Triton "
+    return ("method='triton' is not among paraprop.scan's methods yet (the Triton "
             "kernels are not in this tree)")
 
 
 def _algorithms(device: torch.device) -> list[str]:
-    names = [a for a in ALGORITHMS if a not in ("auto", "sequential")]
+    names = [a for a in METHODS if a not in ("auto", "sequential")]
     if device.type != "cuda":        # Triton kernels run on CUDA tensors only
         names = [a for a in names if a != "triton"]
+    if device.type != "cpu" or not native.available():   # the C kernels: CPU tensors only
+        names = [a for a in names if a != "native"]
     return names
 
 
@@ -53,7 +54,7 @@ def _scan_inputs(ctx: Context, B: int, D: int, T: int):
 
 def scan_bandwidth(ctx: Context) -> list[dict]:
     """``h_t = a_t * h_{t-1} + b_t`` over ``(B, D, T)`` in float32 (the library's layout
-    ``(B, T, D)``) by every algorithm, as a fraction of the device-to-device copy bandwidth
+    ``(B, T, D)``) by every method, as a fraction of the device-to-device copy bandwidth
     measured in the same run (the scan reads ``a`` and ``b`` and writes ``h``: three arrays;
     the copy reads one and writes one)."""
     B, D, T = ctx.pick((2, 16, 300), (8, 1536, 65536) if ctx.device.type == "cuda"
@@ -61,25 +62,25 @@ def scan_bandwidth(ctx: Context) -> list[dict]:
     a, b = _scan_inputs(ctx, B, D, T)
     shape = f"(B, D, T) = ({B}, {D}, {T}), float32"
     t0 = time.perf_counter()
-    ref = linear_recurrence(a, b, algorithm="sequential")
+    ref = linear_recurrence(a, b, method="sequential")
     synchronize(ctx.device)
     seq_s = time.perf_counter() - t0
     out = torch.empty_like(b)
     algs = _algorithms(ctx.device)
     cases = {"copy": lambda: out.copy_(b)}
-    cases.update({alg: (lambda alg=alg: linear_recurrence(a, b, algorithm=alg)) for alg in algs})
+    cases.update({alg: (lambda alg=alg: linear_recurrence(a, b, method=alg)) for alg in algs})
     times = ctx.time(cases, repeats=ctx.rounds(5), desc="scan bandwidth")
     nbytes = b.numel() * b.element_size()
     copy_bw = 2 * nbytes / times["copy"]
     rows = []
     for alg in [*algs, "sequential"]:
         t = seq_s if alg == "sequential" else times[alg]
-        dev = 0.0 if alg == "sequential" else max_abs(linear_recurrence(a, b, algorithm=alg),
+        dev = 0.0 if alg == "sequential" else max_abs(linear_recurrence(a, b, method=alg),
                                                       ref)
         rows.append(row(
             "scan", f"bandwidth.{alg}", what="diagonal linear scan, forward: bandwidth as a "
             "fraction of the device-to-device copy's", shape=shape, baseline="copy",
-            baseline_s=times["copy"], method=f"algorithm={alg!r}", method_s=t,
+            baseline_s=times["copy"], method=f"method={alg!r}", method_s=t,
             ratio=(3 * nbytes / t) / copy_bw, unit="of copy bandwidth", target=None,
             max_dev=dev, bound=None,
             note=("one untimed run (T dependent steps)" if alg == "sequential" else "")
@@ -112,19 +113,16 @@ def scan_bandwidth(ctx: Context) -> list[dict]:
 
 
 def _auto_pick(a: torch.Tensor, b: torch.Tensor) -> str | None:
-    """The algorithm ``linear_recurrence(a, b, algorithm="auto")`` runs (``None`` where the
-    scan has no function that says)."""
+    """The method ``linear_recurrence(a, b, method="auto")`` runs (``None`` where the scan has
+    no function that says)."""
     from paraprop.scan import recurrence
 
-    choose = getattr(recurrence, "choose", None)
-    if choose is None:
-        return None
-    c = recurrence.canonicalise(a, b, None)
-    return choose(c.op, c.b, c.h0, None)
+    method_for = getattr(recurrence, "method_for", None)
+    return None if method_for is None else method_for(a, b)
 
 
 def scan_choice(ctx: Context) -> list[dict]:
-    """What ``linear_recurrence(algorithm="auto")`` should pick on this device: every algorithm
+    """What ``linear_recurrence(method="auto")`` should pick on this device: every method
     on the diagonal scans the recurrent modules run (Newton GRU, ParaGRU, BPPSA sizes)."""
     shapes = ctx.pick([(2, 4, 64), (2, 16, 300)],
                       [(16, 8, 100000), (8, 256, 65536), (16, 20, 1000), (32, 64, 1000)])
@@ -134,11 +132,11 @@ def scan_choice(ctx: Context) -> list[dict]:
     for B, D, T in shapes:
         a, b = _scan_inputs(ctx, B, D, T)
         names = ["sequential", *_algorithms(ctx.device), "auto"]
-        cases = {n: (lambda n=n, a=a, b=b: linear_recurrence(a, b, algorithm=n)) for n in names}
+        cases = {n: (lambda n=n, a=a, b=b: linear_recurrence(a, b, method=n)) for n in names}
         times = ctx.time(cases, repeats=ctx.rounds(3), desc=f"scan choice T={T}")
         auto_s = times.pop("auto")
         out.append(choice("scan", f"algorithm.B{B}_D{D}_T{T}", what="linear_recurrence "
-                          "algorithm='auto' (diagonal A, forward)",
+                          "method='auto' (diagonal A, forward)",
                           shape=f"(B, D, T) = ({B}, {D}, {T}), float32", times=times,
                           auto=_auto_pick(a, b), auto_s=auto_s))
     return out
@@ -285,14 +283,14 @@ def _grad_dev(ref: nn.Module, mine: nn.Module, x, y) -> float:
 
 def _triton_backward() -> ScanBackward | None:
     try:
-        return ScanBackward(algorithm="triton")
+        return ScanBackward(method="triton")
     except ValueError:
         return None
 
 
 def bppsa_rows(kind: str):
     """BPPSA's training step, the backward timed: torch's module with autograd (cuDNN on a GPU)
-    against :mod:`paraprop.nn` with the scan backward (``algorithm="auto"``, and ``"triton"``
+    against :mod:`paraprop.nn` with the scan backward (``method="auto"``, and ``"triton"``
     where it exists). ``kind="rnn"``: the bitstream task (hidden 20, batch 16, input 1), T 1000
     and 30000, target 16x; ``"gru"`` / ``"lstm"``: hidden 64, T 1000, batch 32, input 16."""
     def run(ctx: Context) -> list[dict]:
@@ -332,7 +330,7 @@ def bppsa_rows(kind: str):
                     step_ratio=step["autograd"] / step[name]))
             if tb is None or dev.type != "cuda":
                 out.append(skipped("bppsa", f"{kind}.backward.T{T}.triton",
-                                   "ScanBackward(algorithm='triton') is not available" if tb
+                                   "ScanBackward(method='triton') is not available" if tb
                                    is None else "Triton kernels run on CUDA only"))
         return out
     return run
