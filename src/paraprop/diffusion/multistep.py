@@ -209,3 +209,182 @@ class DPMSolverMultistepReader(Reader):
             assert z is not None, "sde-dpmsolver++ steps read their noise"
             y = y + mul(c("noise"), z)
         return y.to(m0.dtype)[:, None]
+
+
+class UniPCMultistepReader(Reader):
+    """``UniPCMultistepScheduler``: the UniP-B(h) predictor and the UniC corrector, orders 1-3,
+    ``solver_type`` ``bh1``/``bh2``, ``predict_x0`` either way, ``disable_corrector``,
+    ``lower_order_final``, any sigma schedule; ``prediction_type`` ``epsilon``, ``sample``,
+    ``v_prediction`` (and ``flow_prediction`` with ``predict_x0``). Refused: ``solver_p``,
+    ``thresholding``.
+
+    UniPC moves its sigmas to the sample's device before its coefficient arithmetic (logs,
+    ``expm1``, a small ``linalg.solve``), so the reader computes them on ``device``, the device
+    the samples will be on, and refuses samples elsewhere. Its ``einsum`` over the history is
+    applied per step, with the scheduler's own shapes (a batched one may sum in another order).
+    """
+
+    classname = "UniPCMultistepScheduler"
+
+    parts = 2
+
+    def _check_config(self) -> None:
+        cfg = self.config
+        _check_common(self.classname, cfg)
+        if cfg.solver_p is not None:
+            raise refuse(self.classname, "solver_p", type(cfg.solver_p).__name__,
+                         "None (UniC around another scheduler's predictor is not read)")
+        if cfg.solver_type not in ("bh1", "bh2"):
+            raise refuse(self.classname, "solver_type", cfg.solver_type, "bh1, bh2")
+        if cfg.prediction_type == "flow_prediction" and not cfg.predict_x0:
+            raise refuse(self.classname, "prediction_type", cfg.prediction_type,
+                         "epsilon, sample, v_prediction with predict_x0=False")
+        self.history = cfg.solver_order
+        self.predict_x0 = bool(self.scheduler.predict_x0)
+
+    def _bh(self, t_idx: int, s0_idx: int, past: list[int], order: int) -> dict[str, Any]:
+        """The B(h) coefficients of ``multistep_uni_p_bh_update``/``..._c_bh_update``, on
+        ``device`` (the scheduler's expressions)."""
+        s, dev, flow = self.sigmas, self.device, bool(self.config.use_flow_sigmas)
+        assert s is not None
+        alpha_t, sigma_t = _alpha_sigma(flow, s[t_idx].to(dev))
+        alpha_s0, sigma_s0 = _alpha_sigma(flow, s[s0_idx].to(dev))
+        lambda_t = torch.log(alpha_t) - torch.log(sigma_t)
+        lambda_s0 = torch.log(alpha_s0) - torch.log(sigma_s0)
+        h = lambda_t - lambda_s0
+        rks = []
+        for si in past:
+            alpha_si, sigma_si = _alpha_sigma(flow, s[si].to(dev))
+            lambda_si = torch.log(alpha_si) - torch.log(sigma_si)
+            rks.append((lambda_si - lambda_s0) / h)
+        c: dict[str, Any] = {f"rk{i + 1}": rk for i, rk in enumerate(rks)}
+        rks.append(torch.ones((), device=dev))
+        rks_t = torch.stack(rks)
+        hh = -h if self.predict_x0 else h
+        h_phi_1 = torch.expm1(hh)
+        h_phi_k = h_phi_1 / hh - 1
+        factorial_i = 1
+        B_h = hh if self.config.solver_type == "bh1" else torch.expm1(hh)
+        R, b = [], []
+        for i in range(1, order + 1):
+            R.append(torch.pow(rks_t, i - 1))
+            b.append(h_phi_k * factorial_i / B_h)
+            factorial_i *= i + 1
+            h_phi_k = h_phi_k / hh - 1 / factorial_i
+        c["R"], c["b"] = torch.stack(R), torch.stack(b)
+        if self.predict_x0:
+            c["x"], c["m"], c["res"] = sigma_t / sigma_s0, alpha_t * h_phi_1, alpha_t * B_h
+        else:
+            c["x"], c["m"], c["res"] = alpha_t / alpha_s0, sigma_t * h_phi_1, sigma_t * B_h
+        return c
+
+    def _read(self) -> None:
+        cfg, K, s = self.config, self.K, self.sigmas
+        assert s is not None
+        dev = self.device
+        rows: list[dict[str, torch.Tensor]] = []
+        prev_order = 0
+        for k in range(K):
+            row: dict[str, torch.Tensor] = {}
+            alpha, sigma = _alpha_sigma(bool(cfg.use_flow_sigmas), s[k])   # convert (CPU)
+            row["cv_alpha"], row["cv_sigma"] = alpha, sigma
+            row["cv_flow"] = s[k]
+            corrector = k > 0 and (k - 1) not in cfg.disable_corrector
+            o = prev_order if corrector else 0
+            if o:
+                c = self._bh(k, k - 1, [k - (i + 1) for i in range(1, o)], o)
+                rhos = torch.ones(1, device=dev) * 0.5 if o == 1 else \
+                    torch.linalg.solve(c["R"], c["b"]).to(dev)
+                row.update({f"c_{n}": v for n, v in c.items() if n not in ("R", "b")})
+                row.update({f"c_rho{j}": rhos[j] for j in range(o)})
+            order = min(cfg.solver_order, K - k) if cfg.lower_order_final else cfg.solver_order
+            p = min(order, min(k, cfg.solver_order) + 1)
+            c = self._bh(k + 1, k, [k - i for i in range(1, p)], p)
+            row.update({f"p_{n}": v for n, v in c.items() if n not in ("R", "b")})
+            if p >= 2:
+                rhos = torch.ones(1, device=dev) * 0.5 if p == 2 else \
+                    torch.linalg.solve(c["R"][:-1, :-1], c["b"][:-1]).to(dev)
+                row.update({f"p_rho{j}": rhos[j] for j in range(p - 1)})
+            else:
+                row["p_zero"] = c["res"] * 0
+            rows.append(row)
+            self.kinds.append((p, o))
+            prev_order = p
+        self._columns(rows)
+
+    def records_like(self, out: torch.Tensor) -> Records:
+        return (torch.empty_like(out),)
+
+    def _record(self, kind: Any, sel: Sel, x: torch.Tensor, out: torch.Tensor) -> Records:
+        sample, p = x[:, 0], self.config.prediction_type
+
+        def c(name: str) -> torch.Tensor:
+            return self.col(name, sel, out)
+
+        if self.predict_x0:
+            if p == "epsilon":
+                return (div(sample - mul(c("cv_sigma"), out), c("cv_alpha")),)
+            if p == "sample":
+                return (out,)
+            if p == "v_prediction":
+                return (mul(c("cv_alpha"), sample) - mul(c("cv_sigma"), out),)
+            return (sample - mul(c("cv_flow"), out),)
+        if p == "epsilon":
+            return (out,)
+        if p == "sample":
+            return (div(sample - mul(c("cv_alpha"), out), c("cv_sigma")),)
+        return (mul(c("cv_alpha"), out) + mul(c("cv_sigma"), sample),)
+
+    def _einsum(self, sel: Sel, pre: str, order: int, D1s: list[torch.Tensor],
+                dtype: torch.dtype) -> torch.Tensor:
+        """``einsum("k,bkc...->bc...", rhos, stack(D1s, dim=1))`` step by step."""
+        rhos = torch.stack([self.col(f"{pre}_rho{j}", sel, D1s[0]).reshape(-1)
+                            for j in range(order)], dim=1).to(dtype)
+        return torch.stack([torch.einsum("k,bkc...->bc...", rhos[j],
+                                         torch.stack([d[j] for d in D1s], dim=1))
+                            for j in range(sel.n)])
+
+    def _apply(self, kind: Any, sel: Sel, x: torch.Tensor, out: torch.Tensor, rec: Records,
+               z: torch.Tensor | None) -> torch.Tensor:
+        if x.device != self.device:
+            raise ValueError(f"UniPCMultistepScheduler: samples on {x.device}, but the reader "
+                             f"computed its coefficients on {self.device} (pass "
+                             f"device={x.device} to the reader, as the scheduler does its "
+                             "arithmetic on the sample's device)")
+        p, o = kind
+        H = self.history
+        (conv,) = rec
+        ck = sel.take(conv, H)
+        sample = x[:, 0]
+        if o:   # the corrector (UniC), from the corrected sample before
+            last = x[:, 1]
+
+            def cc(name: str) -> torch.Tensor:
+                return self.col(name, sel, last)
+
+            m0 = sel.take(conv, H - 1)
+            D1s = [div(sel.take(conv, H - 1 - i) - m0, cc(f"c_rk{i}"), cpu_scalar=False)
+                   for i in range(1, o)]
+            x_t_ = mul(cc("c_x"), last) - mul(cc("c_m"), m0)
+            D1_t = ck - m0
+            rho_last = cc(f"c_rho{o - 1}").to(last.dtype)
+            if D1s:
+                corr_res = self._einsum(sel, "c", o - 1, D1s, last.dtype)
+                sample = x_t_ - mul(cc("c_res"), corr_res + rho_last * D1_t)
+            else:
+                sample = x_t_ - mul(cc("c_res"), 0 + rho_last * D1_t)
+            sample = sample.to(last.dtype)
+
+        def pc(name: str) -> torch.Tensor:
+            return self.col(name, sel, sample)
+
+        # the predictor (UniP), from the (corrected) sample
+        D1s = [div(sel.take(conv, H - i) - ck, pc(f"p_rk{i}"), cpu_scalar=False)
+               for i in range(1, p)]
+        x_t_ = mul(pc("p_x"), sample) - mul(pc("p_m"), ck)
+        if D1s:
+            pred_res = self._einsum(sel, "p", p - 1, D1s, sample.dtype)
+            x_t = x_t_ - mul(pc("p_res"), pred_res)
+        else:
+            x_t = x_t_ - pc("p_zero").to(x_t_.dtype)
+        return torch.stack([x_t.to(sample.dtype), sample], dim=1)

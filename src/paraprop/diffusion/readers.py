@@ -136,7 +136,10 @@ class Reader:
     history: int = 0
     parts: int = 1
 
-    def __init__(self, scheduler, num_inference_steps: int, *, mu: float | None = None):
+    def __init__(self, scheduler, num_inference_steps: int, *, mu: float | None = None,
+                 device: torch.device | str = "cpu"):
+        # where the samples will be: UniPC does its coefficient arithmetic there
+        self.device = torch.device(device)
         if type(scheduler).__name__ != self.classname or \
                 not type(scheduler).__module__.startswith("diffusers."):
             raise ValueError(f"scheduler: expected diffusers' {self.classname}, got "
@@ -364,8 +367,10 @@ READERS = {
 }
 
 
-def reader(scheduler, num_inference_steps: int, *, mu: float | None = None) -> Reader:
-    """The reader of ``scheduler`` (``set_timesteps(num_inference_steps, mu=mu)`` is called).
+def reader(scheduler, num_inference_steps: int, *, mu: float | None = None,
+           device: torch.device | str = "cpu", **options: Any) -> Reader:
+    """The reader of ``scheduler`` (``set_timesteps(num_inference_steps, mu=mu)`` is called)
+    for samples on ``device``; ``options``: the reader's own (EulerDiscrete: ``s_churn``).
 
     Raises:
         ValueError: a scheduler without a reader, or a setting its reader does not implement.
@@ -379,4 +384,4 @@ def reader(scheduler, num_inference_steps: int, *, mu: float | None = None) -> R
                          f"{', '.join(READERS)} (DDPMScheduler and DDIMScheduler: "
                          "paraprop.diffusion.schedulers)")
     cls = getattr(importlib.import_module(where), name.replace("Scheduler", "Reader"))
-    return cls(scheduler, num_inference_steps, mu=mu)
+    return cls(scheduler, num_inference_steps, mu=mu, device=device, **options)
