@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 
@@ -47,7 +47,7 @@ class SolveOptions(TypedDict, total=False):
     norm: str
     max_iters: int | None
     throw: bool
-    callback: Callable[[int, torch.Tensor, float], None] | None
+    callback: Callable[[int, torch.Tensor, float | None], None] | None
 
 
 def solve(
@@ -60,7 +60,7 @@ def solve(
     norm: str = "max",
     max_iters: int | None = None,
     throw: bool = True,
-    callback: Callable[[int, torch.Tensor, float], None] | None = None,
+    callback: Callable[[int, torch.Tensor, float | None], None] | None = None,
 ) -> Solution:
     """Solve the triangular system ``x = fn(x)`` along ``dim``.
 
@@ -106,7 +106,8 @@ def solve(
         throw: raise :class:`ConvergenceError` if ``max_iters`` ends the solve before
             convergence; with ``False`` the unconverged :class:`Solution` is returned.
         callback: called as ``callback(iteration, value, residual)`` after each iteration;
-            ``value`` is the current iterate (do not modify it).
+            ``value`` is the current iterate (do not modify it); ``residual`` is ``None``
+            where the iteration has no forward difference (``"sequential"``).
 
     Returns:
         A :class:`Solution`; ``stats["error_estimate"]`` is the largest estimated error of a
@@ -148,8 +149,9 @@ def solve(
         report = None if callback is None else \
             lambda k, r: callback(k, system.user(run_.state.x), None if r is None else float(r))
         sol = run(run_, max_iters=cap, entry="solve", throw=False, tol=tol, callback=report)
-    if getattr(fn, "markov", False) and callable(getattr(fn, "attach", None)):
-        sol = dataclasses.replace(sol, value=fn.attach(sol.value))
+    attach = getattr(fn, "attach", None)
+    if getattr(fn, "markov", False) and callable(attach):
+        sol = dataclasses.replace(sol, value=attach(sol.value))
     return ensure_converged(sol, throw, entry="solve", max_iters=max_iters, tol=tol,
                             last=float(sol.residuals[-1]) if len(sol.residuals) else None,
                             measure="convergence measure", reason=sol.stats.get("not_converged"))
@@ -160,12 +162,14 @@ class _Solve:
     on the system's state, and its final check (:mod:`paraprop.solvers.verify`) at the end."""
 
     def __init__(self, solver, system: System, tol: float, norm: str, max_iters: int | None):
-        device = system.initial.device
+        initial = system.initial
+        assert initial is not None   # set by solve() before the driver runs
+        device = initial.device
         self.solver, self.system, self.tol, self.norm = solver, system, tol, norm
         self.max_iters = max_iters
         self.name = solver.name
         self.state = State(
-            x=system.initial.clone(),
+            x=initial.clone(),
             active=torch.ones(system.B, dtype=torch.bool, device=device),
             sample_iterations=torch.zeros(system.B, dtype=torch.long, device=device),
         )
@@ -208,8 +212,9 @@ class _Solve:
                       f"({floor:.3g} at their scale), so only a bitwise fixed point or the "
                       "exactness bound certifies it; pass max_iters=None (the bound) or a "
                       "larger tol")
-        own = {k: (v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v)
-               for k, v in state.stats.items()}
+        own: dict[str, Any] = {
+            k: (v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v)
+            for k, v in state.stats.items()}
         steps = own.pop("sequential_steps", system.evaluations)
         return Outcome(
             system.user(state.x), result, evaluations=system.evaluations,

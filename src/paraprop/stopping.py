@@ -38,7 +38,8 @@ when the map does not amplify errors along the sequence.
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -288,9 +289,10 @@ _FMAX = float(np.finfo(np.float64).max)
 class _TorchOps:
     """The array operations of :class:`ContractionRule`, on tensors (any device)."""
 
-    where = staticmethod(torch.where)
-    maximum = staticmethod(torch.maximum)
-    zeros_like = staticmethod(torch.zeros_like)
+    # (typed as plain callables: mypy cannot bind staticmethod() of an overloaded function)
+    where: Callable[..., Any] = staticmethod(torch.where)
+    maximum: Callable[..., Any] = staticmethod(torch.maximum)
+    zeros_like: Callable[..., Any] = staticmethod(torch.zeros_like)
 
     @staticmethod
     def array(t):
@@ -328,9 +330,10 @@ class _NumPyOps:
     a fraction of a tensor operator's dispatch). The elementwise IEEE operations round alike,
     and ``np.nan_to_num`` maps NaN and infinities as ``torch.nan_to_num`` does."""
 
-    where = staticmethod(np.where)
-    maximum = staticmethod(np.maximum)
-    zeros_like = staticmethod(np.zeros_like)
+    # (typed as plain callables: mypy cannot bind staticmethod() of an overloaded function)
+    where: Callable[..., Any] = staticmethod(np.where)
+    maximum: Callable[..., Any] = staticmethod(np.maximum)
+    zeros_like: Callable[..., Any] = staticmethod(np.zeros_like)
 
     @staticmethod
     def array(t):

@@ -43,7 +43,7 @@ class State:
     all_active: bool = True
     n_active: int | None = None
     # the solver's own counters and settings, reported in Solution.stats
-    stats: dict[str, object] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
     # (B,) long: the first position each sample froze on an error estimate (T: none; None: the
     # solver freezes nothing on an estimate), read by the final check
     # (paraprop.solvers.verify) to tell a broken map from a failed estimate
@@ -55,8 +55,10 @@ class State:
     premise: str | Callable[[], str] | None = None
     # the solver's private state (a dataclass of its own, made by its init)
     own: Any = None
-    rule: ContractionRule | None = None  # the per-sample contraction estimate
-    estimate: torch.Tensor | None = None  # (B,) float64: error estimate where a sample stopped
+    # the per-sample contraction estimate, and the (B,) float64 error estimate where a sample
+    # stopped (0 elsewhere), made by __post_init__
+    rule: ContractionRule = field(init=False)
+    estimate: torch.Tensor = field(init=False)
     # the final value was already checked against fn by the solver's own evaluations (its
     # certificate comes from fn's values); otherwise the driver spends one evaluation on it
     # (paraprop.solvers.verify)
@@ -66,12 +68,10 @@ class State:
     check: str | None = None
     reason: str | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         B, device = self.active.shape[0], self.active.device
-        if self.rule is None:
-            self.rule = ContractionRule(B, device)
-        if self.estimate is None:
-            self.estimate = torch.zeros(B, dtype=torch.float64, device=device)
+        self.rule = ContractionRule(B, device)
+        self.estimate = torch.zeros(B, dtype=torch.float64, device=device)
 
 
 class Solver:
@@ -187,6 +187,7 @@ def accept(system: System, state: State, lo: int, hi: int, new: torch.Tensor, to
         stop, est = out
         np.copyto(state.estimate.numpy(), est, where=stop)
         state.active = torch.from_numpy(active.numpy() & ~stop)
+        assert rule.n_stopped is not None   # the rule counts the stops on the host
         state.n_active = _n_active(state, active) - rule.n_stopped
         return
     if all_active:

@@ -98,6 +98,7 @@ class GSJacobi(Solver):
             # from final inputs on were not (paraprop.solvers.verify tells the two apart)
             frozen = was & ~state.active & (state.estimate > 0)
             frm = state.estimated_from
+            assert frm is not None   # set by init
             state.estimated_from = torch.where(
                 frozen, torch.minimum(frm, torch.full_like(frm, lo + e.sweep)), frm)
         at_bound = e.sweep >= hi - lo

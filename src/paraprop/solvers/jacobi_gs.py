@@ -166,7 +166,8 @@ class JacobiGS(Solver):
         own.offsets = [torch.arange(j, system.T, bs, device=device) for j in range(bs)]
         state.stats = {"block_size": bs}
 
-    def _sweep(self, system: System, state: State, first: int) -> tuple[torch.Tensor, object]:
+    def _sweep(self, system: System, state: State, first: int
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One iteration on a copy of the iterate; ``first``: the first position that is not
         final (the positions up to the end of its block are computed from final inputs).
         Returns the new values and the samples that kept a non-finite value's old one."""
@@ -256,6 +257,7 @@ class JacobiGS(Solver):
             # inputs were not certified by reasoning (paraprop.solvers.verify tells them apart)
             stopped = was & ~state.active & (state.estimate > 0)
             frm = state.estimated_from
+            assert frm is not None   # set by init
             certified = torch.full_like(frm, e.ranges[k - 1].stop)
             state.estimated_from = torch.where(stopped, torch.minimum(frm, certified), frm)
         settle(state, False)
@@ -296,7 +298,7 @@ class JacobiGS(Solver):
         if self.blocks is not None:
             state.stats["sequential_steps"] = e.steps
 
-def _merge(kept, k):
+def _merge(kept: torch.Tensor | None, k: torch.Tensor | None) -> torch.Tensor | None:
     """The samples that kept a non-finite value's old one, as ``(B, 1)`` (``None``: none)."""
     if k is None:
         return kept

@@ -118,7 +118,7 @@ class _NewtonFamily(Solver):
             y, J = access.linearize(x, lo, self.form, state, tol)
         else:
             y, trial = fused
-        if not access.markov:
+        if isinstance(access, FullAccess):   # (not access.markov)
             state.stats["jvps"] = access.jvps
         state.sample_iterations += act.long()
         seg = x[:, lo:]

@@ -7,6 +7,8 @@ compares; :func:`rounding_floor` says how much, per sample, so that the stopping
 
 from __future__ import annotations
 
+from typing import Any, cast, overload
+
 import numpy as np
 import torch
 
@@ -46,11 +48,12 @@ def rounding_floor_arrays(values: torch.Tensor, norm: str) -> Floor:
         z = torch.zeros(B, dtype=torch.float64, device=values.device)
         return Floor(z, z, finfo.eps / 2)
     if norm == "max":
-        m = values.abs().amax(dim=tuple(range(1, values.dim())))
+        peak = values.abs().amax(dim=tuple(range(1, values.dim())))
         # (B,) numbers: on the host NumPy's calls cost less than tensor operators, same
-        # arithmetic (bfloat16, which NumPy lacks, stays a tensor)
-        m = m.numpy().astype(np.float64) if m.device.type == "cpu" and \
-            m.dtype != torch.bfloat16 else m.to(torch.float64)
+        # arithmetic (bfloat16, which NumPy lacks, stays a tensor); the Floor then holds NumPy
+        # arrays, which the stopping rule's host arithmetic reads as they are (hence Any)
+        m: Any = peak.numpy().astype(np.float64) if peak.device.type == "cpu" and \
+            peak.dtype != torch.bfloat16 else peak.to(torch.float64)
         unit = m * finfo.eps
         return Floor(half_ulp_bound(m, values.dtype, unit), unit, finfo.eps / 2)
     flat = values.reshape(B, -1)
@@ -58,8 +61,14 @@ def rounding_floor_arrays(values: torch.Tensor, norm: str) -> Floor:
     return Floor(unit, unit, finfo.eps / 2)
 
 
+@overload
 def half_ulp_bound(m: torch.Tensor, dtype: torch.dtype, unit: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+                   ) -> torch.Tensor: ...
+@overload
+def half_ulp_bound(m: np.ndarray, dtype: torch.dtype, unit: np.ndarray | None = None
+                   ) -> np.ndarray: ...
+def half_ulp_bound(m: torch.Tensor | np.ndarray, dtype: torch.dtype,
+                   unit: torch.Tensor | np.ndarray | None = None) -> torch.Tensor | np.ndarray:
     """``(ulp(m) + max(eps m, s)) / 2`` for magnitudes ``m`` (float64, values of ``dtype``):
     the most that rounding a value of size ``m`` and the sequential value near it can add to
     their difference (:func:`rounding_floor`). ``unit``: ``eps * m`` when the caller has it."""
@@ -70,10 +79,11 @@ def half_ulp_bound(m: torch.Tensor, dtype: torch.dtype, unit: torch.Tensor | Non
     # every value of dtype exactly); below the normal numbers the spacing is s, and the clamp
     # makes the bound s there (where eps m < s and 2^e eps < s)
     if isinstance(m, np.ndarray):   # the same on a NumPy array
-        ulp = (m.view(np.int64) & _EXPONENT).view(np.float64) * finfo.eps
-        return np.maximum((ulp + unit) * 0.5, sub)
+        ulp_a = (m.view(np.int64) & _EXPONENT).view(np.float64) * finfo.eps
+        return np.maximum((ulp_a + unit) * 0.5, sub)
     ulp = (m.view(torch.int64) & _EXPONENT).view(torch.float64) * finfo.eps
-    return ((ulp + unit) * 0.5).clamp_(min=sub)
+    # (a tensor m comes with a tensor unit: the overloads pair them)
+    return ((ulp + cast(torch.Tensor, unit)) * 0.5).clamp_(min=sub)
 
 
 _EXPONENT = 0x7FF0000000000000   # the exponent bits of a float64

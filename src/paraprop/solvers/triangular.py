@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -59,12 +60,13 @@ class System:
         self.used: set[str] = set()  # the hooks whose values entered the iterate
         self.kept = 0  # non-finite values of non-final positions replaced by the old ones
         self._local = threading.local()  # per thread: whether its last call saw NaN or inf
-        self._prefix = (0, None)  # (lo, checksum of the final positions < lo), see _call
+        # (lo, checksum of the final positions < lo), see _call
+        self._prefix: tuple[int, int | torch.Tensor | None] = (0, None)
         # the checksums' words (see _words) and whether the iterate is on the host
         size = dtype.itemsize
         self._word = torch.int64 if size < 8 and (self.F * size) % 8 == 0 else _INT[size]
         self._device = None if device is None else torch.device(device)
-        self._host = None if device is None else self._device.type == "cpu"
+        self._host = None if self._device is None else self._device.type == "cpu"
 
     @property
     def nonfinite(self) -> bool:
@@ -314,7 +316,8 @@ class System:
                      "(NaN or inf; 0 * inf is NaN in masked networks)")
         self._non_finite(b, t, extra, hook=hook)
 
-    def keep_finite(self, new: torch.Tensor, old: torch.Tensor, first, positions: torch.Tensor,
+    def keep_finite(self, new: torch.Tensor, old: torch.Tensor | Callable[..., torch.Tensor],
+                    first, positions: torch.Tensor,
                     active: torch.Tensor | None = None, *, x: torch.Tensor | None = None,
                     hook: str | None = None):
         """Deal with NaN/inf in freshly computed values ``new`` ``(B, n, F)`` of the flat
