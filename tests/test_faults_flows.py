@@ -30,7 +30,7 @@ import zuko
 
 import paraprop
 from paraprop.flows import accelerate, parallel_inverse
-from paraprop.flows.core import is_patched
+from paraprop.flows.patches import is_patched
 from paraprop.solvers import GSJacobi, JacobiGS, SlidingJacobi
 
 nflows = pytest.importorskip("nflows")
@@ -682,11 +682,11 @@ def _triangular(order: torch.Tensor, dtype, kind: str, seed: int = 0):
 
 
 def _tracked_outcome(h, y, order, method, passes):
-    from paraprop.flows import core
+    from paraprop.flows import part_solve
 
-    cfg = core.settings(method, 0.0, None, False)
+    cfg = part_solve.settings(method, 0.0, None, False)
     try:
-        r = core.tracked_solve(h, y, order, cfg, passes=passes, where="part")
+        r = part_solve.tracked_solve(h, y, order, cfg, passes=passes, where="part")
     except paraprop.NonFiniteError as e:
         return ("NonFiniteError", str(e))
     return (r.x, r.evaluations, r.why, r.exact, r.complete, r.fallback, r.groups)
@@ -705,16 +705,16 @@ def test_the_pass_bookkeeping_is_the_same_on_every_path(monkeypatch, dtype):
     Jacobi (whose iterate is the last pass's output), methods whose iterate is not, tied
     groups, a budget below D, the library's own NaN, an overflow in a non-final iterate, and an
     array large enough for the host's NumPy comparison of iterates."""
-    from paraprop.flows import core
+    from paraprop.flows import passes as proofs
 
     calls = {"numpy": 0}
-    learn_numpy = core.Passes._learn_numpy
+    learn_numpy = proofs.Passes._learn_numpy
 
     def counted(self, *a):
         calls["numpy"] += 1
         return learn_numpy(self, *a)
 
-    init = core.Passes.__init__
+    init = proofs.Passes.__init__
 
     def on_device(self, *a, **k):   # the accelerators' form of the bookkeeping, on the host
         init(self, *a, **k)
@@ -735,12 +735,12 @@ def test_the_pass_bookkeeping_is_the_same_on_every_path(monkeypatch, dtype):
                     for passes in {D, max(G, D - 2)}:
                         cases.append((make(y), y, order, method, passes))
     with torch.no_grad():
-        monkeypatch.setattr(core.Passes, "_learn_numpy", counted)
+        monkeypatch.setattr(proofs.Passes, "_learn_numpy", counted)
         host = [_tracked_outcome(*c) for c in cases]
         assert (calls["numpy"] > 0) == (dtype != torch.bfloat16)
-        monkeypatch.setattr(core, "_NUMPY_DTYPES", ())
+        monkeypatch.setattr(proofs, "_NUMPY_DTYPES", ())
         torch_host = [_tracked_outcome(*c) for c in cases]
-        monkeypatch.setattr(core.Passes, "__init__", on_device)
+        monkeypatch.setattr(proofs.Passes, "__init__", on_device)
         device = [_tracked_outcome(*c) for c in cases]
     kinds_seen = {type(o[0]) for o in host}
     assert kinds_seen == {str, torch.Tensor}   # errors and values both exercised

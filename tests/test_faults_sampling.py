@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 import paraprop
+from paraprop.flows.tarflow_sampling import CACHED_SHARE
 from paraprop.models import MADE, PixelCNN, TarFlow
-from paraprop.models.tarflow import CACHED_SHARE, patchify
+from paraprop.models.tarflow import patchify
 from paraprop.sampling import sample
 from paraprop.sampling.pixelcnn import CachedPixels
 from paraprop.solvers import GSJacobi, Jacobi, JacobiGS

@@ -141,7 +141,7 @@ def test_accelerate_is_bitwise_the_library(name, device):
         again = [_tensors(_seeded(lambda c=c: c(flow))) for c in calls]
     assert all(torch.equal(a, b) for exp, out in zip(expected, again, strict=True)
                for a, b in zip(exp, out, strict=True))
-    assert all(paraprop.flows.core.PATCH not in p.__dict__ for p in handle.parts)
+    assert all(paraprop.flows.patches.PATCH not in p.__dict__ for p in handle.parts)
 
 
 def test_accelerate_takes_fewer_passes_on_a_deep_flow():
@@ -221,8 +221,8 @@ def test_a_deep_copy_is_the_plain_flow():
     flow = _seeded(_nflows_maf)
     with accelerate(flow) as handle:
         twin = copy.deepcopy(flow)
-        assert all(paraprop.flows.core.is_patched(p) for p in handle.parts)
-    assert not any(paraprop.flows.core.is_patched(m) for m in twin.modules())
+        assert all(paraprop.flows.patches.is_patched(p) for p in handle.parts)
+    assert not any(paraprop.flows.patches.is_patched(m) for m in twin.modules())
     with torch.no_grad():
         for p in twin.parameters():
             p.add_(0.01)

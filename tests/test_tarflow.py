@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import paraprop
-from paraprop.models.tarflow import TARFLOW_METHODS, TarFlow, patchify, sequential_cached
+from paraprop.flows.tarflow_inverse import sequential_cached
+from paraprop.flows.tarflow_sampling import TARFLOW_METHODS
+from paraprop.models.tarflow import TarFlow, patchify
 from paraprop.solvers import GSJacobi, Jacobi, JacobiGS, SlidingJacobi
 from paraprop_lab.cli import main
 from paraprop_lab.training.tarflow import checkpoint_name, trained_tarflow
@@ -310,7 +312,7 @@ def test_method_names_are_the_librarys():
     """TarFlow's names are paraprop.solve's triangular methods (the set paraprop.flows takes),
     the model's own cached loop and "auto"; the default is solve's "jacobi", and each solve
     name runs the solver of that name on every block."""
-    from paraprop.flows.core import FLOW_METHODS
+    from paraprop.flows.part_solve import FLOW_METHODS
     from paraprop.solvers import METHODS, NEWTON_METHODS
 
     assert TARFLOW_METHODS == ("sequential_cached", *FLOW_METHODS, "auto")

@@ -2,14 +2,18 @@
 parallel passes, bitwise their own result.
 
 - :func:`parallel_inverse`: invert a transform or flow at given points, with a
-  :class:`paraprop.Solution` (``inverse.py``; one adapter per library in ``zuko_parts.py``,
-  ``nflows_parts.py``, ``normflows_parts.py``; the shared solve and its gradient in
-  ``core.py``).
+  :class:`paraprop.Solution`; one adapter per library (:mod:`.zuko_parts`, :mod:`.nflows_parts`,
+  :mod:`.normflows_parts`). Shared by the three: the solve of one autoregressive part
+  (:mod:`.part_solve`), the feature order it solves in (:mod:`.order`), the passes that prove
+  which features are exact (:mod:`.passes`), the implicit gradient (:mod:`.gradient`), nflows'
+  and normflows' masked-MADE transforms (:mod:`.made`), the argument checks (:mod:`.arguments`).
 - :func:`accelerate`: make the library's own ``sample`` / ``rsample`` / ``inverse`` /
-  ``log_prob`` use it, on one flow instance, until ``undo()`` (``accelerate.py``).
-- The inverse of one block of paraprop's own :class:`paraprop.models.TarFlow` as a triangular
-  system with the cached-prefix protocol (``tarflow_inverse.py``: ``BlockInverse``, what
-  ``TarFlow.sampling_map`` returns).
+  ``log_prob`` use it, on one flow instance, until ``undo()`` (the patches on instances:
+  :mod:`.patches`).
+- paraprop's own :class:`paraprop.models.TarFlow`: the inverse of one block as a triangular
+  system with the cached-prefix protocol, or by the KV-cached loop (:mod:`.tarflow_inverse`:
+  ``BlockInverse``, what ``TarFlow.sampling_map`` returns), and the inverse of the stack of
+  blocks with its per-block plan (:mod:`.tarflow_sampling`).
 
 The libraries are imported only when a flow of theirs is used.
 """

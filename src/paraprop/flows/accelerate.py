@@ -7,7 +7,7 @@ their fixed-pass inverse loop, on those instances only, by the solve of
 ``sample_and_log_prob`` / ``transform.inverse``, normflows' ``NormalizingFlow.sample`` /
 ``inverse`` / ``log_prob`` / ``forward_kld``) then run unchanged around it, and return bitwise
 what they returned before at ``tol=0``, with the same gradients (implicit differentiation at the
-fixed point, see :mod:`paraprop.flows.core`). The class is never modified.
+fixed point, see :mod:`paraprop.flows.gradient`). The class is never modified.
 
 What is checked when: the arguments of :func:`accelerate` at once; the flow's state (train mode
 with dropout or another stochastic layer in an autoregressive network) at every accelerated
@@ -29,7 +29,7 @@ import sys
 
 from torch import nn
 
-from paraprop.flows import core
+from paraprop.flows import part_solve, patches
 from paraprop.flows.inverse import LIBRARIES
 
 # what each library's autoregressive parts are, for the error message
@@ -59,16 +59,16 @@ class Accelerated:
     SETTINGS = ("method", "tol", "max_iters", "throw")
 
     def __init__(self, flow: nn.Module, parts: list[tuple[object, nn.Module]],
-                 cfg: core.Settings, names: dict[int, str] | None = None):
+                 cfg: part_solve.Settings, names: dict[int, str] | None = None):
         d = self.__dict__
         d["flow"], d["parts"] = flow, tuple(p for _, p in parts)
-        d["_cfg"], d["_counters"] = cfg, core.Counters()
+        d["_cfg"], d["_counters"] = cfg, patches.Counters()
         if names is None:
             names = {id(m): name for name, m in flow.named_modules()}
         for adapter, part in parts:
-            core.install(part, adapter.ATTRIBUTE, adapter.accelerated,
-                         core.Patch(cfg, self._counters, adapter.ATTRIBUTE,
-                                    where=names.get(id(part), "")))
+            patches.install(part, adapter.ATTRIBUTE, adapter.accelerated,
+                            patches.Patch(cfg, self._counters, adapter.ATTRIBUTE,
+                                          where=names.get(id(part), "")))
         d["active"] = True
 
     # -- the settings: one Settings object shared by every part's patch ----------------------
@@ -98,10 +98,10 @@ class Accelerated:
                 "next accelerated call on); for anything else call undo() and accelerate the "
                 "flow again")
         cfg = self._cfg
-        new = core.settings(value if name == "method" else cfg.solver,
-                            value if name == "tol" else cfg.tol,
-                            value if name == "max_iters" else cfg.max_iters,
-                            value if name == "throw" else cfg.throw)
+        new = part_solve.settings(value if name == "method" else cfg.solver,
+                                  value if name == "tol" else cfg.tol,
+                                  value if name == "max_iters" else cfg.max_iters,
+                                  value if name == "throw" else cfg.throw)
         cfg.solver, cfg.tol, cfg.max_iters, cfg.throw = (new.solver, new.tol, new.max_iters,
                                                          new.throw)
 
@@ -123,7 +123,7 @@ class Accelerated:
     def undo(self) -> None:
         """Restore the library's own methods on every patched part (again: nothing)."""
         for part in self.parts:
-            core.remove(part)
+            patches.remove(part)
         self.__dict__["active"] = False
 
     def __reduce__(self):
@@ -208,7 +208,7 @@ def accelerate(flow: nn.Module, *, method="jacobi", tol: float = 0.0,
         >>> torch.equal(x, expected), handle.passes < handle.library_passes, handle.active
         (True, True, False)
     """
-    cfg = core.settings(method, tol, max_iters, throw)
+    cfg = part_solve.settings(method, tol, max_iters, throw)
     if not isinstance(flow, nn.Module):
         raise TypeError(f"flow must be a zuko, nflows or normflows flow (an nn.Module), got "
                         f"{type(flow).__name__}")
@@ -222,7 +222,7 @@ def accelerate(flow: nn.Module, *, method="jacobi", tol: float = 0.0,
         raise ValueError(f"flow has no autoregressive part to accelerate (looked for "
                          f"{'; '.join(_PARTS)}), "
                          f"got {type(flow).__name__}")
-    done = [p for _, p in found if core.is_patched(p)]
+    done = [p for _, p in found if patches.is_patched(p)]
     if done:
         raise ValueError(f"flow is already accelerated ({len(done)} of its {len(found)} "
                          "autoregressive parts are patched): call undo() on the earlier "

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from paraprop.flows import core, nflows_parts, normflows_parts, zuko_parts
+from paraprop.flows import arguments, nflows_parts, normflows_parts, part_solve, zuko_parts
 from paraprop.result import Solution
 
 # the adapter of each library, by the top-level package of the object's class
@@ -60,7 +60,7 @@ def parallel_inverse(transform, y: torch.Tensor, *, context: torch.Tensor | None
     graph. Each autoregressive transform takes at most the passes of the library's own loop
     (its ``D``, or zuko's ``passes``), the final and the differentiable pass included: a
     method whose next pass could exceed them is stopped, and the library's loop finishes from
-    the features proven exact (see :class:`paraprop.flows.core.Passes`).
+    the features proven exact (see :class:`paraprop.flows.passes.Passes`).
 
     Arguments:
         transform: the forward transform ``y = f(x)``, or a flow (see above).
@@ -116,8 +116,8 @@ def parallel_inverse(transform, y: torch.Tensor, *, context: torch.Tensor | None
         raise TypeError(f"y must have a floating-point dtype, got {y.dtype}")
     if context is not None and not isinstance(context, torch.Tensor):
         raise TypeError(f"context must be a torch.Tensor or None, got {type(context).__name__}")
-    cfg = core.settings(method, tol, max_iters, throw)
-    core.refuse_functorch()
+    cfg = part_solve.settings(method, tol, max_iters, throw)
+    arguments.refuse_functorch()
     lib = library_of(transform)
     if lib is None:
         raise TypeError(f"transform must be a zuko, nflows or normflows transform or flow, got "
@@ -125,4 +125,4 @@ def parallel_inverse(transform, y: torch.Tensor, *, context: torch.Tensor | None
     sols: list[Solution] = []
     start = time.perf_counter()
     x = LIBRARIES[lib].inverse(transform, y, context, cfg, sols.append)
-    return x, core.combine(sols, cfg.solver.name, x, time.perf_counter() - start)
+    return x, part_solve.combine(sols, cfg.solver.name, x, time.perf_counter() - start)

@@ -14,7 +14,7 @@ import math
 
 from torch import nn
 
-from paraprop.flows import core
+from paraprop.flows import arguments, made, part_solve
 
 LIBRARY = "nflows"
 
@@ -26,8 +26,8 @@ def inverse(t, y, context, cfg, record):
     root = t
     t, context = _bind(t, context)
     _check(t, y, context)
-    core.check_parts(root, _solved(t))
-    return _walk(t, y, context, cfg, record, core.part_names(root))
+    arguments.check_parts(root, _solved(t))
+    return _walk(t, y, context, cfg, record, arguments.part_names(root))
 
 
 def _bind(t, context):
@@ -36,7 +36,7 @@ def _bind(t, context):
     inner = getattr(t, "_transform", None)
     if not isinstance(t, Transform) and isinstance(inner, Transform):  # an nflows Flow
         if context is not None:
-            core.check_like("context", context, core.reference(t), "flow")
+            arguments.check_like("context", context, arguments.reference(t), "flow")
             embed = getattr(t, "_embedding_net", None)
             if embed is not None:
                 context = embed(context)
@@ -48,16 +48,16 @@ def _bind(t, context):
 
 
 def _check(t, y, context):
-    ref = core.reference(t)
-    core.check_like("y", y, ref, "transform")
+    ref = arguments.reference(t)
+    arguments.check_like("y", y, ref, "transform")
     if context is not None:
-        core.check_like("context", context, ref, "transform")
+        arguments.check_like("context", context, ref, "transform")
     for part in parts(t):
         net = part.autoregressive_net
-        core.check_features(y, getattr(getattr(net, "initial_layer", None), "in_features", None),
-                            "transform")
+        arguments.check_features(
+            y, getattr(getattr(net, "initial_layer", None), "in_features", None), "transform")
         n_ctx = getattr(getattr(net, "context_layer", None), "in_features", None)
-        core.check_context_rows(y, context, n_ctx, type(part).__name__)
+        arguments.check_context_rows(y, context, n_ctx, type(part).__name__)
 
 
 def _solved(t):
@@ -65,11 +65,9 @@ def _solved(t):
     from nflows.transforms import CompositeTransform
     from nflows.transforms.autoregressive import AutoregressiveTransform
 
-    if isinstance(t, CompositeTransform):
-        for part in t._transforms:
-            yield from _solved(part)
-    elif isinstance(t, AutoregressiveTransform):
-        yield t
+    return arguments.composed_parts(
+        t, lambda m: m._transforms if isinstance(m, CompositeTransform) else None,
+        lambda m: isinstance(m, AutoregressiveTransform))
 
 
 def _walk(t, y, context, cfg, record, names):
@@ -82,8 +80,9 @@ def _walk(t, y, context, cfg, record, names):
         return y
     if not isinstance(t, AutoregressiveTransform):
         return t.inverse(y, context)[0]
-    return core.invert_part(core.made_step(t, y, context), y, None, cfg, record,
-                            passes=math.prod(y.shape[1:]), where=core.part_name(names, t))
+    return part_solve.invert_part(made.made_step(t, y, context), y, None, cfg, record,
+                                  passes=math.prod(y.shape[1:]),
+                                  where=arguments.part_name(names, t))
 
 
 # -- accelerate -----------------------------------------------------------------------------------
@@ -100,11 +99,6 @@ ATTRIBUTE = "inverse"   # patched on each part's instance
 
 
 def accelerated(self, inputs, context=None):
-    """``AutoregressiveTransform.inverse`` by the early-stopping solve (bound to the instance)."""
-    patch = core.patch_of(self)
-    if core.functorch_active():   # torch.func: the library's own loop
-        return patch.original(self)(inputs, context)
-    core.check_accelerated(self)
-    record = patch.recorder(math.prod(inputs.shape[1:]))
-    return core.made_inverse(self, inputs, context, None, patch.cfg, record,
-                             where=core.patch_name(self))
+    """``AutoregressiveTransform.inverse`` by the early-stopping solve (bound to the instance;
+    nflows' MADE orders the features naturally)."""
+    return made.accelerated_inverse(self, inputs, context, None)

@@ -26,7 +26,7 @@ import math
 import torch
 from torch import nn
 
-from paraprop.flows import core
+from paraprop.flows import arguments, made, part_solve
 
 LIBRARY = "normflows"
 
@@ -64,23 +64,23 @@ def inverse(t, y, context, cfg, record):
         _check(t, y, None, contexts=False)
     else:
         _check(t, y, context, contexts=True)
-    core.check_parts(t, _solved(t))
-    return _walk(t, y, context, cfg, record, core.part_names(t))
+    arguments.check_parts(t, _solved(t))
+    return _walk(t, y, context, cfg, record, arguments.part_names(t))
 
 
 def _check(t, y, context, *, contexts: bool):
-    ref = core.reference(t)
-    core.check_like("y", y, ref, "flow")
+    ref = arguments.reference(t)
+    arguments.check_like("y", y, ref, "flow")
     if context is not None:
-        core.check_like("context", context, ref, "flow")
+        arguments.check_like("context", context, ref, "flow")
     for part in t.modules():
         if not isinstance(part, _autoregressive()):
             continue
         net = part.autoregressive_net
-        core.check_features(y, net.initial_layer.in_features, "flow")
+        arguments.check_features(y, net.initial_layer.in_features, "flow")
         if contexts:
             n_ctx = getattr(getattr(net, "context_layer", None), "in_features", None)
-            core.check_context_rows(y, context, n_ctx, type(part).__name__)
+            arguments.check_context_rows(y, context, n_ctx, type(part).__name__)
 
 
 def _solved(t):
@@ -88,11 +88,12 @@ def _solved(t):
     from normflows.core import NormalizingFlow
     from normflows.flows import Composite
 
-    if isinstance(t, NormalizingFlow | Composite):
-        for layer in (t.flows if isinstance(t, NormalizingFlow) else t._flows):
-            yield from _solved(layer)
-    elif isinstance(t, _autoregressive()):
-        yield t
+    def members(m):
+        return m.flows if isinstance(m, NormalizingFlow) else \
+            m._flows if isinstance(m, Composite) else None
+
+    kind = _autoregressive()
+    return arguments.composed_parts(t, members, lambda m: isinstance(m, kind))
 
 
 def _walk(t, y, context, cfg, record, names):
@@ -108,9 +109,9 @@ def _walk(t, y, context, cfg, record, names):
             y = _walk(layer, y, None, cfg, record, names)
         return y
     if isinstance(t, _autoregressive()):
-        return core.invert_part(core.made_step(t, y, context), y, order(t).to(y.device), cfg,
-                                record, passes=math.prod(y.shape[1:]),
-                                where=core.part_name(names, t))
+        return part_solve.invert_part(made.made_step(t, y, context), y, order(t).to(y.device),
+                                      cfg, record, passes=math.prod(y.shape[1:]),
+                                      where=arguments.part_name(names, t))
     return (t.inverse(y) if context is None else t.inverse(y, context=context))[0]
 
 
@@ -127,10 +128,4 @@ ATTRIBUTE = "inverse"   # patched on each part's instance
 
 def accelerated(self, inputs, context=None):
     """``Autoregressive.inverse`` by the early-stopping solve (bound to the instance)."""
-    patch = core.patch_of(self)
-    if core.functorch_active():   # torch.func: the library's own loop
-        return patch.original(self)(inputs, context)
-    core.check_accelerated(self)
-    record = patch.recorder(math.prod(inputs.shape[1:]))
-    return core.made_inverse(self, inputs, context, order(self).to(inputs.device), patch.cfg,
-                             record, where=core.patch_name(self))
+    return made.accelerated_inverse(self, inputs, context, order)

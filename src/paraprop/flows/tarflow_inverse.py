@@ -7,8 +7,10 @@ is its map ``fn`` with the cached-prefix protocol (``window``): it runs the bloc
 one chunk of about :data:`CHUNK` positions after the other from cached keys and values, with the
 same operations on tensors of the same shapes for a chunk whether the call is a full pass or a
 window; so a window is bitwise the full pass's values, and ``tol=0`` gives the same bits with
-every method. The flow libraries' autoregressive inverses (zuko, nflows, normflows) are in
-:mod:`paraprop.flows.inverse`; this is the one for the library's own TarFlow.
+every method. :func:`sequential_cached` is the usual loop instead, one patch per transformer
+call with keys and values cached. The flow libraries' autoregressive inverses (zuko, nflows,
+normflows) are in :mod:`paraprop.flows.inverse`; these are the ones of the library's own TarFlow
+(the stack of blocks: :mod:`paraprop.flows.tarflow_sampling`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch.nn import functional as F
 
 from paraprop import checks
 
-__all__ = ["CHUNK", "BlockInverse", "default_chunk"]
+__all__ = ["CHUNK", "BlockInverse", "default_chunk", "sequential_cached"]
 
 CHUNK = 8  # about this many positions per batched product of the sampling maps
 
@@ -39,8 +41,9 @@ class BlockInverse:
 
     ``fn(x)`` is one causal pass over all patches. ``window(x, start, stop, cache)`` computes the
     patches ``[start, stop)`` from the keys and values of the earlier positions held in
-    ``cache`` (the cached-prefix protocol of :meth:`paraprop.solvers.triangular.System.window`: the
-    driver promises the patches ``< start`` are final). The cache remembers how many chunks it
+    ``cache`` (the cached-prefix protocol of
+    :meth:`paraprop.solvers.triangular.System.window`: the driver promises the patches
+    ``< start`` are final). The cache remembers how many chunks it
     holds; whatever it lacks (a fresh cache, a start that moved back, another batch shape) is
     recomputed, never trusted.
 
@@ -126,3 +129,37 @@ class BlockInverse:
         if j == 0:
             raw[:, 0] = 0  # patch 0: mu = alpha = 0
         return self.z[:, u0:hi] * torch.exp(raw[..., P:]) + raw[..., :P]
+
+
+def sequential_cached(block: nn.Module, z: torch.Tensor) -> torch.Tensor:
+    """The usual sequential inverse of one block, what ``method="sequential_cached"`` runs: patch
+    ``t`` from one transformer call on patch ``t - 1`` with the keys and values of the earlier
+    patches cached (``T - 1`` calls). Exact up to rounding, not bitwise :class:`BlockInverse`'s
+    fixed point: its one-patch products round differently from a chunk's.
+
+    Arguments:
+        block: one flow block of a :class:`paraprop.models.TarFlow` (``model.blocks[k]``).
+        z: its output ``(N, T, P)`` in the block's order.
+
+    Returns:
+        ``x`` ``(N, T, P)`` with ``block(x)[0] == z`` up to rounding.
+    """
+    B, T, P = z.shape
+    d, H = block.inp.out_features, block.heads
+    dh = d // H
+    x = torch.empty_like(z)
+    x[:, 0] = z[:, 0]
+    keys = [z.new_empty(B, H, T - 1, dh) for _ in block.layers]
+    values = [z.new_empty(B, H, T - 1, dh) for _ in block.layers]
+    for t in range(T - 1):
+        h = block.inp(x[:, t]) + block.pos[t]                         # (B, d)
+        for layer, K, V in zip(block.layers, keys, values, strict=True):
+            q, k, v = layer.qkv(layer.ln1(h)).view(B, 3, H, dh).unbind(1)
+            K[:, :, t], V[:, :, t] = k, v
+            a = F.scaled_dot_product_attention(q[:, :, None], K[:, :, : t + 1],
+                                               V[:, :, : t + 1])
+            h = h + layer.proj(a.reshape(B, d))
+            h = h + layer.mlp(h)
+        mu, alpha = block.out(block.norm(h)).chunk(2, dim=-1)
+        x[:, t + 1] = z[:, t + 1] * torch.exp(alpha) + mu
+    return x

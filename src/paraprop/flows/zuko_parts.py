@@ -15,7 +15,7 @@ import functools
 import torch
 from torch import nn
 
-from paraprop.flows import core
+from paraprop.flows import arguments, part_solve, patches
 
 LIBRARY = "zuko"
 
@@ -35,8 +35,8 @@ def inverse(t, y, context, cfg, record):
     root = t
     t = _bind(t, context)
     _check(t, y)
-    core.check_parts(root, [m for m in map(_module, _parts(t)) if m is not None])
-    names = core.part_names(root)
+    arguments.check_parts(root, [m for m in map(_module, _parts(t)) if m is not None])
+    names = arguments.part_names(root)
     return _walk(t, y, cfg, record, names)
 
 
@@ -48,7 +48,7 @@ def _bind(t, context):
     Flow, LazyDistribution, LazyTransform = _lazy_classes()
     if isinstance(t, Flow | LazyTransform):
         if context is not None:
-            core.check_like("context", context, core.reference(t), "flow")
+            arguments.check_like("context", context, arguments.reference(t), "flow")
         return t.transform(context) if isinstance(t, Flow) else t(context)
     if isinstance(t, LazyDistribution):
         raise TypeError(f"transform must be a zuko Flow, lazy transform or transform, got the "
@@ -69,11 +69,9 @@ def _bind(t, context):
 def _parts(t):
     from zuko.transforms import AutoregressiveTransform, ComposedTransform
 
-    if isinstance(t, ComposedTransform):
-        for part in t.transforms:
-            yield from _parts(part)
-    elif isinstance(t, AutoregressiveTransform):
-        yield t
+    return arguments.composed_parts(
+        t, lambda m: m.transforms if isinstance(m, ComposedTransform) else None,
+        lambda m: isinstance(m, AutoregressiveTransform))
 
 
 def _module(t) -> nn.Module | None:
@@ -90,9 +88,9 @@ def _check(t, y):
             continue
         order = getattr(lazy, "order", None)
         features = len(order) if isinstance(order, torch.Tensor) else None
-        core.check_features(y, features, "flow")
-        ref = core.reference(lazy)
-        core.check_like("y", y, ref, "flow")
+        arguments.check_features(y, features, "flow")
+        ref = arguments.reference(lazy)
+        arguments.check_like("y", y, ref, "flow")
         meta = part.meta
         c = meta.args[0] if isinstance(meta, functools.partial) and meta.args else None
         first = next((m for m in getattr(lazy, "hyper", nn.Sequential()).modules()
@@ -112,7 +110,7 @@ def _check(t, y):
             got = tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__
             raise ValueError(f"context must have shape (N, {n_ctx}) ({n_ctx} context features "
                              f"of the flow), got {got}")
-        core.check_like("context", c, ref, "flow")
+        arguments.check_like("context", c, ref, "flow")
         try:
             ok = torch.broadcast_shapes(c.shape[:-1], y.shape[:-1]) == y.shape[:-1]
         except RuntimeError:
@@ -133,7 +131,7 @@ def _walk(t, y, cfg, record, names):
         return t.inv(y)
     lazy = _module(t)
     return _solve(t.meta, _order(lazy), y, cfg, record, passes=t.passes,
-                  where=core.part_name(names, lazy))
+                  where=arguments.part_name(names, lazy))
 
 
 def _order(lazy) -> torch.Tensor:
@@ -145,8 +143,8 @@ def _order(lazy) -> torch.Tensor:
 
 
 def _solve(meta, order, y, cfg, record, *, passes, where):
-    return core.invert_part(lambda x: meta(x).inv(y), y, order.to(y.device), cfg, record,
-                            passes=passes, where=where)
+    return part_solve.invert_part(lambda x: meta(x).inv(y), y, order.to(y.device), cfg,
+                                  record, passes=passes, where=where)
 
 
 # -- accelerate -----------------------------------------------------------------------------------
@@ -169,22 +167,22 @@ ATTRIBUTE = "forward"   # patched on each part's instance
 
 def accelerated(self, c=None):
     """``MaskedAutoregressiveTransform.forward`` with the early-stopping ``_inverse``: bound to
-    the instance in place of the library's (:class:`paraprop.flows.core.Bound`, so that a deep
+    the instance in place of the library's (:class:`paraprop.flows.patches.Bound`, so that a deep
     copy of the flow stays bound to its own modules). The network is checked for train-mode
     stochastic layers when the transform is inverted (the mode may change after
     ``accelerate``)."""
-    patch = core.patch_of(self)
+    patch = patches.patch_of(self)
     t = patch.original(self)(c)
     meta, passes, order = t.meta, t.passes, self.order
 
     def _inverse(y: torch.Tensor) -> torch.Tensor:
-        if core.functorch_active():   # torch.func: the library's own loop
+        if arguments.functorch_active():   # torch.func: the library's own loop
             return type(t)._inverse(t, y)
-        core.check_accelerated(self)
+        patches.check_accelerated(self)
         if y.numel() == 0:   # nothing to solve: one pass gives the (empty) result
             return meta(torch.zeros_like(y)).inv(y)
         return _solve(meta, order, y, patch.cfg, patch.recorder(passes), passes=passes,
-                      where=core.patch_name(self))
+                      where=patches.patch_name(self))
 
     t._inverse = _inverse    # this transform only: zuko builds a fresh one per call
     return t

@@ -18,7 +18,9 @@ The sampling map of a block (:class:`~paraprop.flows.tarflow_inverse.BlockInvers
 other flow inverses in :mod:`paraprop.flows`) runs the transformer one chunk of about ``CHUNK``
 positions after the other from cached keys and values, with the same operations on tensors of
 the same shapes for a chunk whether the call is a full pass or a window; so a window is bitwise
-the full pass's values, and ``tol=0`` gives the same bits with every method.
+the full pass's values, and ``tol=0`` gives the same bits with every method. The inversion of
+the stack, block by block, and the per-block plan of ``method="auto"`` are in
+:mod:`paraprop.flows.tarflow_sampling`; this module is the model and its documented API.
 """
 
 from __future__ import annotations
@@ -33,36 +35,12 @@ from torch.nn import functional as F
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
 from paraprop.determinism import require_deterministic
-from paraprop.driver import Outcome, build
-from paraprop.flows.core import FLOW_METHODS
+from paraprop.flows import tarflow_sampling
 from paraprop.flows.tarflow_inverse import BlockInverse, default_chunk
 from paraprop.models.checkpoint import Checkpointed
-from paraprop.result import Result, Solution, ensure_converged
-from paraprop.solve import solve
-from paraprop.solvers import GSJacobi, Jacobi, is_solver, make_solver
+from paraprop.result import Solution
 
-__all__ = ["TARFLOW_METHODS", "TarFlow", "patchify", "sequential_cached", "unpatchify"]
-
-# "auto" hands a block to the KV-cached loop (tol > 0) only if the loop's rounding deviation
-# from the exact inverse, measured at calibration, is at most this share of tol
-CACHED_SHARE = 0.25
-# the names TarFlow.inverse takes: the model's own KV-cached loop (named as PixelCNN's cached
-# sampler), the triangular methods of paraprop.solve (the flows' set: Newton's family needs a
-# Markov system), and "auto", a measured choice per block (as nn's "auto")
-TARFLOW_METHODS = ("sequential_cached", *FLOW_METHODS, "auto")
-
-
-def _one(method, argument: str):
-    """``"sequential_cached"`` or the solver object of a :func:`paraprop.solve` method."""
-    if isinstance(method, str):
-        checks.one_of(argument, method, TARFLOW_METHODS[:-1])
-        if method == "sequential_cached":
-            return method
-    return make_solver(method, argument=argument, names=FLOW_METHODS)
-
-
-def _name(method) -> str:
-    return method if isinstance(method, str) else method.name
+__all__ = ["TarFlow", "patchify", "unpatchify"]
 
 
 def patchify(x: torch.Tensor, p: int) -> torch.Tensor:
@@ -283,8 +261,9 @@ class TarFlow(Checkpointed, nn.Module):
             method: how each block is inverted:
 
                 * ``"sequential_cached"``: the usual loop, one patch per transformer call with
-                  the keys and values cached (:func:`sequential_cached`; ``T - 1`` calls a block;
-                  exact up to rounding, ``tol`` unused);
+                  the keys and values cached
+                  (:func:`~paraprop.flows.tarflow_inverse.sequential_cached`; ``T - 1`` calls a
+                  block; exact up to rounding, ``tol`` unused);
                 * a triangular method of :func:`paraprop.solve`, meaning what it means there:
                   ``"sequential"`` (``T`` full passes a block, the reference), ``"jacobi"``
                   (the default, as for :func:`paraprop.solve` and
@@ -366,63 +345,11 @@ class TarFlow(Checkpointed, nn.Module):
             raise ValueError("max_iters is not used by method='sequential_cached' (always T - 1 "
                              f"transformer calls a block), got max_iters={max_iters!r}")
         start = time.perf_counter()
-        sols: list = [None] * len(self.blocks)
-        h = patchify(z, self.patch_size)
-        with torch.no_grad():
-            for k in reversed(range(len(self.blocks))):
-                hk = h.flip(1) if k % 2 else h
-                sols[k] = self._invert_block(k, hk, plan[k], tol, max_iters, chunk,
-                                             measured[k])
-                h = sols[k].value.flip(1) if k % 2 else sols[k].value
+        h, sols = tarflow_sampling.invert(self.blocks, patchify(z, self.patch_size), plan,
+                                          measured, tol=tol, max_iters=max_iters, chunk=chunk)
         images = unpatchify(h, self.patch_size, self.channels)
-        name = method if isinstance(method, str) else \
-            method.name if is_solver(method) else "per_block"
-        evaluations = sum(s.evaluations for s in sols)
-        out = Outcome(
-            images, next((s.result for s in sols if not s.converged), Result.successful),
-            evaluations=evaluations,
-            positions=sum(s.stats.get("positions") or 0 for s in sols),
-            sequential_steps=sum(s.stats.get("sequential_steps") or 0 for s in sols),
-            error_estimate=sum(s.stats.get("error_estimate") or 0.0 for s in sols),
-            stats={"blocks": sols, "methods": [_name(m) for m in plan],
-                   "model_calls": evaluations,
-                   "chunks": sum(s.stats.get("chunks", 0) for s in sols),
-                   "error_estimates": [s.stats.get("error_estimate", 0.0) for s in sols]},
-            residuals=torch.cat([s.residuals for s in sols]))
-        sol = build(name, out, iterations=sum(s.iterations for s in sols),
-                    residuals=out.residuals, time_s=time.perf_counter() - start)
-        # the first block (in inversion order) that could not certify for another reason than
-        # max_iters (e.g. a tol=0 value that fn(x) reproduces only to rounding) says why
-        why = next((f"block {k}: {sols[k].stats['not_converged']}"
-                    for k in reversed(range(len(sols)))
-                    if not sols[k].converged and sols[k].stats.get("not_converged")), None)
-        if why is not None:
-            sol.stats["not_converged"] = why
-        return images, ensure_converged(sol, throw, entry="TarFlow.inverse", max_iters=max_iters,
-                                        tol=tol, measure="error estimate of a block",
-                                        hint="a block's solve stopped at max_iters"
-                                        if why is None else "", reason=why)
-
-    def _invert_block(self, k: int, z: torch.Tensor, method, tol: float, max_iters,
-                      chunk: int, measured: float | None = None):
-        if method == "sequential_cached":
-            start = time.perf_counter()
-            x = sequential_cached(self.blocks[k], z)
-            T = self.T
-            # asked for by name, the loop is its own reference (estimate 0: it is the result of
-            # the KV-cached loop); handed a block by "auto", its deviation from the exact
-            # inverse measured at calibration (at most CACHED_SHARE * tol)
-            est = 0.0 if measured is None else measured
-            out = Outcome(x, Result.successful, evaluations=T - 1, positions=T - 1,
-                          sequential_steps=T - 1, bound=T - 1, error_estimate=est,
-                          stats={"T": T, "error_estimate_source": "the loop itself"
-                                 if measured is None else "calibration"})
-            return build("sequential_cached", out, iterations=T - 1,
-                         time_s=time.perf_counter() - start)
-        f = self.sampling_map(z, k, chunk)
-        sol = solve(f, f.x0, method=method, dim=-2, tol=tol, max_iters=max_iters, throw=False)
-        sol.stats["chunks"] = f.chunks
-        return sol
+        return images, tarflow_sampling.solution(images, sols, plan, method, start, throw=throw,
+                                                 tol=tol, max_iters=max_iters)
 
     def _plan(self, method, tol: float, chunk: int, batch: int) -> tuple[list, list]:
         """One method per block (block order): ``"sequential_cached"`` or a solver object; and
@@ -434,9 +361,10 @@ class TarFlow(Checkpointed, nn.Module):
             if len(method) != K:
                 raise ValueError(f"method must be one method per block ({K}), got a list of "
                                  f"{len(method)}")
-            return [_one(m, f"method[{k}]") for k, m in enumerate(method)], none
+            return [tarflow_sampling.block_method(m, f"method[{k}]")
+                    for k, m in enumerate(method)], none
         if isinstance(method, str):
-            checks.one_of("method", method, TARFLOW_METHODS)
+            checks.one_of("method", method, tarflow_sampling.TARFLOW_METHODS)
         if method == "auto":
             version = self._weights_version()
             samples = min(batch, 64)
@@ -447,7 +375,7 @@ class TarFlow(Checkpointed, nn.Module):
             plan, deviation = self._plans[key]
             return plan, [d if m == "sequential_cached" else None
                           for m, d in zip(plan, deviation, strict=True)]
-        return [_one(method, "method")] * K, none
+        return [tarflow_sampling.block_method(method, "method")] * K, none
 
     def _weights_version(self) -> int:
         """Changes whenever a parameter is modified in place (an optimizer step, a load)."""
@@ -474,10 +402,10 @@ class TarFlow(Checkpointed, nn.Module):
         is not the solve's (a one-patch product is another kernel), it is a candidate for a
         block only where its deviation from the exact inverse of that block, measured on the
         calibration latents (the exact inverse by ``GSJacobi(chunk)`` at ``tol=0``), is at most
-        :data:`CACHED_SHARE` ``* tol``. That measurement is what a cached block of an
-        ``"auto"`` plan reports as its ``error_estimate``: an estimate from other latents, not
-        a proof; in bf16 and fp16 the loop's rounding is far above any useful ``tol``
-        (``docs/sampling.md``), so it is left out there.
+        :data:`~paraprop.flows.tarflow_sampling.CACHED_SHARE` ``* tol``. That measurement is
+        what a cached block of an ``"auto"`` plan reports as its ``error_estimate``: an estimate
+        from other latents, not a proof; in bf16 and fp16 the loop's rounding is far above any
+        useful ``tol`` (``docs/sampling.md``), so it is left out there.
 
         With ``cost="time"`` (what ``method="auto"`` uses, with as many calibration latents as
         the batch it inverts, up to 64) the candidates are compared by their measured wall time
@@ -509,83 +437,12 @@ class TarFlow(Checkpointed, nn.Module):
         return self._calibrate(tol, samples, seed, chunk, cost)[0]
 
     def _calibrate(self, tol: float, samples: int, seed: int, chunk: int, cost: str
-                   ) -> tuple[list, list]:
+                   ) -> tuple[list, list[float]]:
         """:meth:`calibrate`'s plan, and per block the cached loop's measured deviation from
         the exact inverse (``inf`` where it was not measured: ``tol=0``)."""
         ref = self.blocks[0].out.weight
         g = torch.Generator().manual_seed(seed)
         shape = (samples, self.channels, self.image_size, self.image_size)
         z = torch.randn(shape, generator=g, dtype=ref.dtype).to(ref.device)
-        K = len(self.blocks)
-        candidates = [Jacobi(), GSJacobi(chunk)]
-        if tol > 0:   # not at tol=0, whose promise is the bits of "sequential"
-            candidates.append("sequential_cached")
-        costs = []    # per candidate, per block
-        deviation = [math.inf] * K
-        for m in candidates:
-            runs = [self.inverse(z, method=m, tol=tol, throw=False, chunk=chunk)[1]
-                    for _ in range(2 if cost == "time" else 1)]
-            if cost == "time":
-                costs.append([min(r.stats["blocks"][k].stats["time_s"] for r in runs)
-                              for k in range(K)])
-            elif m == "sequential_cached":   # T - 1 calls of one position: a call and a chunk
-                costs.append([2 * (self.T - 1)] * K)
-            else:
-                costs.append([b.stats["chunks"] + b.evaluations
-                              for b in runs[0].stats["blocks"]])
-            if m == "sequential_cached":   # only where its rounding is well within tol
-                deviation = self._cached_deviation(z, runs[0], chunk)
-                costs[-1] = [c if d <= CACHED_SHARE * tol else math.inf
-                             for c, d in zip(costs[-1], deviation, strict=True)]
-        plan = [candidates[min(range(len(candidates)), key=lambda i: (c[i], i))]
-                for c in zip(*costs, strict=True)]
-        return plan, deviation
-
-    def _cached_deviation(self, z: torch.Tensor, run: Solution, chunk: int) -> list[float]:
-        """Per block (block order): ``max |x - x*|`` of the KV-cached loop's inverse ``x`` in
-        ``run`` against the exact inverse ``x*`` of the same input (``GSJacobi(chunk)`` at
-        ``tol=0``, bitwise the sequential solve)."""
-        out = [math.inf] * len(self.blocks)
-        h = patchify(z, self.patch_size)
-        with torch.no_grad():
-            for k in reversed(range(len(self.blocks))):
-                hk = h.flip(1) if k % 2 else h
-                f = self.sampling_map(hk, k, chunk)
-                exact = solve(f, f.x0, method=GSJacobi(chunk), dim=-2, tol=0.0,
-                              throw=False).value
-                got = run.stats["blocks"][k].value
-                out[k] = float((got - exact).abs().max())
-                h = got.flip(1) if k % 2 else got
-        return out
-
-
-def sequential_cached(block: _Block, z: torch.Tensor) -> torch.Tensor:
-    """The usual sequential inverse of one block: patch ``t`` from one transformer call on patch
-    ``t - 1`` with the keys and values of the earlier patches cached (``T - 1`` calls).
-
-    Arguments:
-        block: the flow block.
-        z: its output ``(N, T, P)`` in the block's order.
-
-    Returns:
-        ``x`` ``(N, T, P)`` with ``block(x)[0] == z`` up to rounding.
-    """
-    B, T, P = z.shape
-    d, H = block.inp.out_features, block.heads
-    dh = d // H
-    x = torch.empty_like(z)
-    x[:, 0] = z[:, 0]
-    keys = [z.new_empty(B, H, T - 1, dh) for _ in block.layers]
-    values = [z.new_empty(B, H, T - 1, dh) for _ in block.layers]
-    for t in range(T - 1):
-        h = block.inp(x[:, t]) + block.pos[t]                         # (B, d)
-        for layer, K, V in zip(block.layers, keys, values, strict=True):
-            q, k, v = layer.qkv(layer.ln1(h)).view(B, 3, H, dh).unbind(1)
-            K[:, :, t], V[:, :, t] = k, v
-            a = F.scaled_dot_product_attention(q[:, :, None], K[:, :, : t + 1],
-                                               V[:, :, : t + 1])
-            h = h + layer.proj(a.reshape(B, d))
-            h = h + layer.mlp(h)
-        mu, alpha = block.out(block.norm(h)).chunk(2, dim=-1)
-        x[:, t + 1] = z[:, t + 1] * torch.exp(alpha) + mu
-    return x
+        return tarflow_sampling.calibrate(self.blocks, patchify(z, self.patch_size), tol=tol,
+                                          chunk=chunk, cost=cost)
