@@ -67,9 +67,9 @@ def _compare(rank, configs):
             "grads": max(_rel(g, r) for g, r in zip(mine, ref, strict=True)),
             "gx": _rel(xin.grad, xr.grad) if rank == 0 else 0.0,
             "partitioned": _rel(part, one.serial_forward(x)) if stack.is_last else 0.0,
-            "residuals": stack.last_stats["forward"].residuals.tolist(),
-            "ref_residuals": one.last_stats["forward"].residuals.tolist(),
-            "messages": stack.last_stats["forward"].stats["messages"],
+            "residuals": stack.last_forward.residuals.tolist(),
+            "ref_residuals": one.last_forward.residuals.tolist(),
+            "messages": stack.last_forward.stats["messages"],
         })
     try:
         LayerParallelStack(mlp_blocks(3, 5), 0.1, depth=16)
@@ -248,7 +248,7 @@ def test_settings_and_block_modes_are_checked_at_every_forward(tmp_path):
             u = x
             for b in blocks:
                 u = u + 0.1 * b(u)
-        assert torch.equal(y, u) and stack.last_stats["forward"].converged
+        assert torch.equal(y, u) and stack.last_forward.converged
         stack.relax = "C"
         with pytest.raises(ValueError, match="unknown relax='C'; choose one of F, FCF"):
             stack(x)

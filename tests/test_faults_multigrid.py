@@ -153,7 +153,7 @@ def test_old_defaults_converge_or_raise():
     net = ParallelResidualStack(blocks, h)
     with torch.no_grad():
         y = net(x)
-    fwd = net.last_stats["forward"]
+    fwd = net.last_forward
     assert fwd.converged and fwd.stats["checked"] and fwd.stats["tol"] == 1e-5
     assert max_err(y, ref) <= 1e-4
     capped = ParallelResidualStack(blocks, h, max_iters=2)
@@ -167,7 +167,7 @@ def test_old_defaults_converge_or_raise():
         unchecked = ParallelResidualStack(blocks, h, max_iters=2, tol=None)
     with torch.no_grad():
         y2 = unchecked(x)
-    st = unchecked.last_stats["forward"]
+    st = unchecked.last_forward
     assert st.converged is False and st.stats["checked"] is False
     assert max_err(y2, ref) > 1e-3  # indeed not the serial output
     # a cap that reaches the exactness bound converges, tol or not
@@ -176,7 +176,7 @@ def test_old_defaults_converge_or_raise():
         net = ParallelResidualStack(short, h, max_iters=2, tol=tol)
         with torch.no_grad():
             y3 = net(x)
-        assert net.last_stats["forward"].converged
+        assert net.last_forward.converged
         assert max_err(y3, serial_states(short, x, h)[-1]) <= 1e-10
 
 
@@ -185,8 +185,7 @@ def test_throw_false_returns_the_unconverged_solution():
     x = inputs().requires_grad_(True)
     net = ParallelResidualStack(blocks, 1 / 64, max_iters=1, throw=False)
     net(x).sum().backward()
-    for key in ("forward", "backward"):
-        sol = net.last_stats[key]
+    for sol in (net.last_forward, net.last_backward):
         assert sol.converged is False and sol.stats["checked"] is True
         assert sol.iterations == 1 and sol.method == "mgrit"
         assert sol.residuals.dtype == torch.float64 and sol.residuals.dim() == 1
@@ -207,7 +206,7 @@ def test_backward_converges_to_the_serial_gradients():
         u = u + h * blk(u)
     g_ref = torch.autograd.grad(u.square().sum(), [x, *net.parameters()])
     assert all(max_err(a, b) <= 1e-7 for a, b in zip(g, g_ref, strict=True))
-    assert net.last_stats["backward"].converged and net.last_stats["forward"].converged
+    assert net.last_backward.converged and net.last_forward.converged
 
 
 # -- blocks MGRIT cannot reproduce: refused at forward time --------------------------------------
@@ -374,9 +373,9 @@ def test_settings_assigned_after_construction_are_honoured():
     x = inputs(width=4).requires_grad_()
     net.tol, net.backward_mode = 1e-12, "serial"
     net(x).square().sum().backward()
-    st = net.last_stats
-    assert st["forward"].stats["tol"] == 1e-12 and st["forward"].stats["error_estimate"] <= 1e-12
-    assert st["backward"].iterations == 0 and st["backward"].method == "sequential"
+    fwd, bwd = net.last_forward, net.last_backward
+    assert fwd.stats["tol"] == 1e-12 and fwd.stats["error_estimate"] <= 1e-12
+    assert bwd.iterations == 0 and bwd.method == "sequential"
     mixed = accumulating(7, width=4) + [nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double()]
     net = ParallelResidualStack(mixed, 0.1)
     assert net.batched is False
@@ -400,7 +399,7 @@ def test_blocks_changed_after_construction_are_honoured():
         net.blocks.append(extra[0])
         y = net(x)
     assert torch.equal(y, serial_states([*blocks, extra[0]], x, 1 / 16)[-1])
-    st = net.last_stats["forward"]
+    st = net.last_forward
     assert st.converged and st.stats["bound"] == 4 and len(net.blocks) == 17
     with torch.no_grad():
         net.blocks[3] = extra[1]
@@ -427,7 +426,7 @@ def test_levels_and_coarsening_assigned_later_are_honoured_or_refused():
         net(x)
         net.levels, net.coarsening = 2, 8
         y = net(x)
-    st = net.last_stats["forward"].stats
+    st = net.last_forward.stats
     assert (st["levels"], st["coarsening"], st["bound"]) == (2, [8], 4)
     assert net.hierarchy.coarsening == (8,) and net.levels == 2
     assert torch.equal(y, net.serial_forward(x))
@@ -435,7 +434,7 @@ def test_levels_and_coarsening_assigned_later_are_honoured_or_refused():
         net.coarsening = [2, 4]
         net.levels = 3
         net(x)
-    assert net.last_stats["forward"].stats["coarsening"] == [2, 4]
+    assert net.last_forward.stats["coarsening"] == [2, 4]
     net.levels = 4   # three coarsenings but two factors: refused at the forward, by name
     with pytest.raises(ValueError, match=r"coarsening=\(2, 4\) must have levels - 1 = 3 "
                                          r"entries"):
@@ -481,7 +480,7 @@ def test_a_random_operation_in_a_block_is_named(tol):
     net.eval()
     with torch.no_grad():
         assert torch.equal(net(x), net.serial_forward(x)) or tol > 0
-    assert net.last_stats["forward"].converged
+    assert net.last_forward.converged
 
 
 @pytest.mark.parametrize("relax,w", [("F", 1.0), ("FCF", 0.7), ("FCF", 1.5)])
@@ -497,7 +496,7 @@ def test_tol_zero_with_large_steps_is_bitwise_after_the_bound(relax, w, dtype):
                                 tol=0.0)
     with torch.no_grad():
         y = net(x)
-    st = net.last_stats["forward"]
+    st = net.last_forward
     assert st.converged and torch.equal(y, net.serial_forward(x))
     assert st.stats["bound"] <= st.iterations <= 2 * st.stats["bound"]
     assert float(st.residuals[-1]) == 0.0
@@ -531,7 +530,7 @@ def test_low_precision_stack_is_the_serial_loop(dtype, device):
         net = ParallelResidualStack(blocks, 1 / 32, coarsening=4, levels=2, tol=tol)
         with torch.no_grad():
             y, ref = net(x), net.serial_forward(x)
-        st = net.last_stats["forward"]
+        st = net.last_forward
         assert st.converged and st.stats["batched"] is False
         assert torch.equal(y, ref) if tol == 0 else max_err(y.float(), ref.float()) <= tol
     blocks64 = [b.to(device, torch.float64) for b in _mlp(32, dtype)]    # the same weights
@@ -574,14 +573,14 @@ def test_batched_true_is_refused_where_it_cannot_be_exact(dtype, tol):
     net.batched = None                   # the stack's choice: block by block for this solve
     with torch.no_grad():
         y = net(x)
-    assert net.last_stats["forward"].stats["batched"] is False
+    assert net.last_forward.stats["batched"] is False
     if tol == 0:
         assert torch.equal(y, net.serial_forward(x))
     net.tol = 1e-3 if dtype in (torch.float32, torch.float64) else tol
     if dtype in (torch.float32, torch.float64):   # batched again where it is exact enough
         with torch.no_grad():
             net(x)
-        assert net.last_stats["forward"].stats["batched"] is True
+        assert net.last_forward.stats["batched"] is True
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
@@ -597,7 +596,7 @@ def test_tol_zero_is_bitwise_the_serial_loop(depth, levels, c, relax, w, dtype, 
                                 c_weight=w, tol=0)
     with torch.no_grad():
         y = net(x)
-    st = net.last_stats["forward"]
+    st = net.last_forward
     assert st.converged and st.stats["batched"] is False
     assert torch.equal(y, net.serial_forward(x))
     hier = Hierarchy.build(depth, levels=levels, coarsening=c)

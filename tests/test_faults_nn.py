@@ -70,6 +70,12 @@ LENGTHS = {"newton": 2000, "quasi_newton": 1000, "jacobi_gs": 1000, "jacobi": 40
 DTYPES = {"f64": torch.float64, "f32": torch.float32}
 
 
+def kernels(mod):
+    """The sequential kernel that ran per layer (``last_forward``'s records of the loop)."""
+    assert all(s.method == "sequential" and s.converged for s in mod.last_forward)
+    return [s.stats["kernel"] for s in mod.last_forward]
+
+
 def inputs(T: int, dtype, seed: int = 1):
     return torch.randn(T, B, I, generator=torch.Generator().manual_seed(seed),
                        dtype=torch.float64).to(dtype)
@@ -96,10 +102,10 @@ def test_default_tol_matches_torch_within_the_stated_bound(kind, method, dtype):
     with torch.no_grad():
         want, h_want = ref(x)
         got, h_got = ours(x)
-    st = ours.forward_stats
-    assert st["tol"] == [FORWARD_TOL[dtype]]
-    assert st["converged"] == [True]
-    assert st["error_estimate"][0] <= FORWARD_TOL[dtype]
+    (sol,) = ours.last_forward
+    assert sol.stats["tol"] == FORWARD_TOL[dtype]
+    assert sol.converged
+    assert sol.stats["error_estimate"] <= FORWARD_TOL[dtype]
     bound = BOUND[dtype] * max(1.0, float(want.abs().max()))
     assert float((got - want).abs().max()) <= bound
     assert float((h_got - h_want).abs().max()) <= bound
@@ -116,7 +122,7 @@ def test_default_tol_is_above_the_rounding_floor_of_newton(kind, dtype):
     with torch.no_grad():
         want = ref(x)[0]
         got = ours(x)[0]
-    assert ours.forward_stats["iterations"][0] <= 20
+    assert ours.last_forward[0].iterations <= 20
     assert float((got - want).abs().max()) <= BOUND[dtype] * max(1.0, float(want.abs().max()))
 
 
@@ -134,7 +140,7 @@ def test_issue_long_memory_gru_newton_float32():
     with torch.no_grad():
         err = float((ours(x)[0] - ref(x)[0]).abs().max())
     assert err <= BOUND[torch.float32]
-    assert ours.forward_stats["iterations"][0] <= 20
+    assert ours.last_forward[0].iterations <= 20
 
 
 def test_gradients_of_a_long_memory_gru_newton_forward():
@@ -154,9 +160,10 @@ def test_unconverged_forward_with_throw_false_is_reported():
     ours.forward_config = ParallelForward(method="jacobi", max_iters=3, throw=False)
     with torch.no_grad():
         ours(inputs(50, torch.float64))
-    st = ours.forward_stats
-    assert st["converged"] == [False] and st["iterations"] == [3]
-    assert st["error_estimate"] == [float("inf")]
+    (sol,) = ours.last_forward
+    assert not sol.converged and sol.iterations == 3
+    assert sol.result is paraprop.Result.max_iters_reached
+    assert sol.stats["error_estimate"] == float("inf")
     ours.forward_config = ParallelForward(method="jacobi", max_iters=3)
     with pytest.raises(paraprop.ConvergenceError, match="max_iters=3"):
         with torch.no_grad():
@@ -486,8 +493,7 @@ def test_autocast_runs_torch_or_is_refused_by_name(cls, tcls):
             with torch.no_grad():
                 got, want = ours(x)[0], ref(x)[0]
             assert got.dtype == want.dtype and torch.equal(got, want)
-            assert ours.forward_stats == ({} if kernel == "sequential"
-                                          else {"kernel": ["torch", "torch"]})
+            assert kernels(ours) == ([] if kernel == "sequential" else ["torch", "torch"])
         # backward='autograd': torch's module and torch's backward under autocast, bitwise
         ours.forward_config = "sequential"
         ours.backward_config = "autograd"
@@ -550,18 +556,18 @@ def test_low_precision_within_the_stated_bound_of_torch(cls, tcls, path, dtype, 
     if fwd == "sequential":
         if device.type == "cpu":                       # torch's own kernel in this dtype
             assert torch.equal(o_out, t_out)
-        assert ours.forward_stats == {}
+        assert ours.last_forward == ()
     else:                                              # solved in float32, said so
-        assert ours.forward_stats["compute_dtype"] == [torch.float32] * 2
-        assert ours.forward_stats["converged"] == [True, True]
-    assert ours.backward_stats["compute_dtype"] == torch.float32
+        assert [s.stats["compute_dtype"] for s in ours.last_forward] == [torch.float32] * 2
+        assert [s.converged for s in ours.last_forward] == [True, True]
+    assert ours.last_backward.compute_dtype == torch.float32
 
 
 @pytest.mark.parametrize("dtype", list(LOW.values()), ids=list(LOW))
 @pytest.mark.parametrize("cls,tcls", ALL, ids=ALL_IDS)
 def test_low_precision_native_forward_falls_back_to_torch_and_says_so(cls, tcls, dtype):
     """The native loop is float32/float64 only: a bf16/fp16 module runs torch's kernel in its
-    own dtype (no silent upcast), and forward_stats names the kernel that ran."""
+    own dtype (no silent upcast), and last_forward names the kernel that ran."""
     torch.manual_seed(0)
     ref = tcls(3, 4, num_layers=2).to(dtype)
     ours = cls(3, 4, num_layers=2, forward="native").to(dtype)
@@ -571,12 +577,13 @@ def test_low_precision_native_forward_falls_back_to_torch_and_says_so(cls, tcls,
         with torch.set_grad_enabled(grad):
             got, want = ours(x)[0], ref(x)[0]
         assert got.dtype == dtype and torch.equal(got, want)
-        assert ours.forward_stats == {"kernel": ["torch", "torch"]}
+        assert kernels(ours) == ["torch", "torch"]
+        assert all(s.stats["compute_dtype"] == dtype for s in ours.last_forward)
 
 
 @pytest.mark.parametrize("kernel", ["native", "auto"])
 def test_native_kernel_runs_on_the_cpu_only_and_the_stats_say_which_ran(kernel, device):
-    """The native C loops are CPU-only: elsewhere torch's kernel runs, and forward_stats says
+    """The native C loops are CPU-only: elsewhere torch's kernel runs, and last_forward says
     so; the outputs are torch's either way (within the native loop's rounding)."""
     from paraprop.scan import native
 
@@ -588,7 +595,7 @@ def test_native_kernel_runs_on_the_cpu_only_and_the_stats_say_which_ran(kernel, 
     with torch.no_grad():
         got, want = ours(x)[0], ref(x)[0]
     ran = "native" if device.type == "cpu" and native.available() else "torch"
-    assert ours.forward_stats == {"kernel": [ran, ran]}
+    assert kernels(ours) == [ran, ran]
     assert err(got, want) <= 1e-12
 
 
@@ -597,8 +604,9 @@ def test_low_precision_parallel_forward_honours_an_explicit_tol():
     ours = pnn.GRU(3, 4, forward=ParallelForward(method="jacobi", tol=1e-2)).to(torch.bfloat16)
     with torch.no_grad():
         ours(torch.randn(30, 2, 3).to(torch.bfloat16))
-    assert ours.forward_stats["tol"] == [1e-2]
-    assert ours.forward_stats["error_estimate"][0] <= 1e-2
+    (sol,) = ours.last_forward
+    assert sol.stats["tol"] == 1e-2 and sol.stats["compute_dtype"] == torch.float32
+    assert sol.stats["error_estimate"] <= 1e-2
 
 
 # -- 7. the one-block path of other devices, run with CPU tensors (issue 28) ----------------------
@@ -638,23 +646,24 @@ def test_steps_per_block_per_device():
 
 
 @pytest.mark.parametrize("cls,tcls", ALL, ids=ALL_IDS)
-def test_backward_stats_name_the_scan_kernel_that_ran(cls, tcls, device):
+def test_last_backward_names_the_scan_kernel_that_ran(cls, tcls, device):
     """The native C scan runs on the CPU only (float32/float64); elsewhere a torch or Triton
-    algorithm runs, and backward_stats says which."""
+    method runs, and last_backward says which."""
     from paraprop.scan import native
 
     ours = cls(3, 4, num_layers=2, dtype=torch.float64, device=device, backward="scan")
     x = torch.randn(30, 2, 3, dtype=torch.float64).to(device).requires_grad_()
     ours(x)[0].sum().backward()
-    ran = ours.backward_stats["algorithm"]
-    assert len(ran) == 2
+    assert ours.last_backward.kind == "scan"
+    ran = [s.method for s in ours.last_backward.layers]
+    assert len(ran) == 2 and ours.last_backward.converged
     if device.type == "cpu" and native.available():
         assert ran == ["native", "native"]
     else:
         assert "native" not in ran
     ours.backward_config = ScanBackward(method="blelloch")
     ours(x)[0].sum().backward()
-    assert ours.backward_stats["algorithm"] == ["blelloch", "blelloch"]
+    assert [s.method for s in ours.last_backward.layers] == ["blelloch", "blelloch"]
 
 
 @pytest.mark.parametrize("cls", [paraprop.nn.RNN, paraprop.nn.GRU, paraprop.nn.LSTM])

@@ -45,12 +45,12 @@ def test_converged_gradients_equal_autograd(depth, levels, c, relax, backward, b
     g_ref = grads_of(lambda: loss_of(serial_net(blocks, x, h)), params)
     for a, b in zip(g_mg, g_ref, strict=True):
         assert float((a - b).norm() / b.norm()) <= 1e-10
-    st = net.last_stats
-    assert st["forward"].converged and st["forward"].residuals[-1] <= 1e-14
+    fwd, bwd = net.last_forward, net.last_backward
+    assert fwd.converged and fwd.residuals[-1] <= 1e-14
     if backward == "adjoint":
-        assert st["backward"].converged and st["backward"].iterations >= 1
+        assert bwd.converged and bwd.iterations >= 1
     else:
-        assert st["backward"].iterations == 0
+        assert bwd.iterations == 0
 
 
 def test_gradcheck_float64():
@@ -80,7 +80,7 @@ def test_eval_with_enough_cycles_equals_serial_network():
     with torch.no_grad():
         y = net(x)
     assert float((y - net.serial_forward(x)).abs().max()) <= 1e-13
-    assert net.last_stats["forward"].iterations == 37 // 3
+    assert net.last_forward.iterations == 37 // 3
 
 
 def test_one_level_is_the_serial_network():
@@ -94,7 +94,7 @@ def test_one_level_is_the_serial_network():
     # absolute 1e-15 failed for about 1% of unseeded inputs, whose outputs exceed 4 in size)
     ulp = torch.finfo(torch.float64).eps * max(1.0, float(ref.abs().max()))
     assert float((y.detach() - ref).abs().max()) <= 4 * ulp
-    assert net.last_stats["forward"].residuals.tolist() == []
+    assert net.last_forward.residuals.tolist() == []
 
 
 def test_two_cycles_are_approximate_and_recorded():
@@ -103,7 +103,7 @@ def test_two_cycles_are_approximate_and_recorded():
     net = ParallelResidualStack(blocks, 1 / 64, max_iters=2, tol=None)
     x = torch.randn(5, 8)
     y = net(x)
-    st = net.last_stats["forward"]
+    st = net.last_forward
     assert st.iterations == 2 and len(st.residuals) == 3
     assert st.residuals[2] < st.residuals[1] < st.residuals[0]
     assert st.evaluations > 64 and st.stats["time_s"] >= 0
@@ -116,12 +116,12 @@ def test_warm_start_reuses_the_previous_solution():
     net = ParallelResidualStack(blocks, 1 / 32, max_iters=6, tol=None, warm_start=True)
     x = torch.randn(3, 4, dtype=torch.float64)
     net(x)
-    first = net.last_stats["forward"].residuals.tolist()
+    first = net.last_forward.residuals.tolist()
     net(x)
-    second = net.last_stats["forward"].residuals.tolist()
+    second = net.last_forward.residuals.tolist()
     assert second[0] <= first[-1] * 1.0001 < first[0]
     net(torch.randn(7, 4, dtype=torch.float64))  # another shape: a cold start
-    assert net.last_stats["forward"].residuals[0] > second[0]
+    assert net.last_forward.residuals[0] > second[0]
 
 
 def test_training_step_changes_parameters_like_serial():
@@ -230,10 +230,10 @@ def test_converged_is_not_checked_without_tol():
         net = ParallelResidualStack(mlp_blocks(16, 3), 0.1, max_iters=1, tol=None)
     with torch.no_grad():
         net(torch.randn(2, 3))
-    assert net.last_stats["forward"].converged is False
-    assert net.last_stats["forward"].stats["checked"] is False
+    assert net.last_forward.converged is False
+    assert net.last_forward.stats["checked"] is False
     net = ParallelResidualStack(mlp_blocks(16, 3), 0.1, max_iters=1, tol=1e-30, throw=False)
     with torch.no_grad():
         net(torch.randn(2, 3))
-    assert net.last_stats["forward"].converged is False
-    assert net.last_stats["forward"].stats["checked"] is True
+    assert net.last_forward.converged is False
+    assert net.last_forward.stats["checked"] is True

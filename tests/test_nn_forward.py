@@ -80,14 +80,17 @@ def assert_same(results, tol):
 
 
 def assert_stats(mod, layers, T):
-    st = mod.forward_stats
-    assert set(st) == {"iterations", "residual", "resets", "error_estimate", "converged", "tol"}
-    assert len(st["iterations"]) == len(st["residual"]) == len(st["resets"]) == layers
-    assert len(st["error_estimate"]) == len(st["converged"]) == len(st["tol"]) == layers
-    assert all(1 <= it <= T for it in st["iterations"])
-    assert all(r >= 0 for r in st["residual"])
-    assert all(st["converged"])
-    assert all(0 <= e <= tol for e, tol in zip(st["error_estimate"], st["tol"], strict=True))
+    """``last_forward``: one converged Solution per layer, within its tol, with its last state
+    only as value (no sequence kept alive)."""
+    sols = mod.last_forward
+    assert len(sols) == layers
+    for s in sols:
+        assert isinstance(s, paraprop.Solution) and s.converged
+        assert 1 <= s.iterations <= T and len(s.residuals) == s.iterations
+        assert all(r >= 0 for r in s.residuals.tolist())
+        assert 0 <= s.stats["error_estimate"] <= s.stats["tol"]
+        assert s.stats["compute_dtype"] == mod.weight_ih_l0.dtype
+        assert s.value.dim() == 2                       # (B, state): the last state only
 
 
 def test_every_forward_is_covered():
@@ -129,7 +132,6 @@ def test_no_grad_forward_is_parallel(cls, tcls, extra, forward):
     assert err(o2, o1) <= 1e-10 and err(h2, h1) <= 1e-10
     for p in ours.parameters():       # nothing requires grad: the same path outside no_grad
         p.requires_grad_(False)
-    ours.forward_stats.clear()
     o3, h3 = ours(x)
     assert_stats(ours, 2, 11)
     assert err(o3, o1) <= 1e-10 and err(h3, h1) <= 1e-10
@@ -172,14 +174,16 @@ def test_parallel_forward_with_jacobi_backward(cls, tcls, extra):
     x = torch.randn(8, 3, 3, dtype=torch.float64)
     h0 = torch.randn(2, 3, 5, dtype=torch.float64)
     assert_same(run_both(ref, ours, x, h0), 1e-10)
-    assert len(ours.backward_stats["jacobi_iterations"]) == 2
+    run = ours.last_backward
+    assert run.kind == "jacobi" and len(run.layers) == 2 and run.converged
+    assert all(s.method == "jacobi" for s in run.layers)
 
 
-def test_sequential_forward_leaves_forward_stats_empty():
+def test_sequential_forward_leaves_last_forward_empty():
     ref, ours = pair(pnn.GRU, torch.nn.GRU, {}, forward="sequential")
     x = torch.randn(6, 2, 3, dtype=torch.float64)
     assert_same(run_both(ref, ours, x, None), 1e-10)
-    assert ours.forward_stats == {}
+    assert ours.last_forward == ()
 
 
 def test_damping_reaches_the_solver():
@@ -188,10 +192,10 @@ def test_damping_reaches_the_solver():
     with torch.no_grad():
         o_ref, _ = ref(x)
         ours(x)
-        light = ours.forward_stats["iterations"][0]
+        light = ours.last_forward[0].iterations
         ours.forward_config = ParallelForward(method=ELK(damping=1e4), tol=1e-13)
         o, _ = ours(x)
-        heavy = ours.forward_stats["iterations"][0]
+        heavy = ours.last_forward[0].iterations
     assert heavy > light
     assert err(o, o_ref) <= 1e-10
 
@@ -209,7 +213,7 @@ def test_diverging_newton_forward_is_reset_and_still_equals_torch():
     with torch.no_grad():
         o_ref, h_ref = ref(x)
         o, h = ours(x)
-    assert ours.forward_stats["resets"][0] > 0
+    assert ours.last_forward[0].stats["resets"] > 0
     assert err(o, o_ref) <= 1e-5 and err(h, h_ref) <= 1e-5
 
 

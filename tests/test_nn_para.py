@@ -142,20 +142,22 @@ def test_newton_equals_sequential(kind, dtype, device):
     hx = on(states(kind, m, 3, dtype), device)
     with torch.no_grad():
         out, hn = m(x, hx)
-        st = dict(m.forward_stats)
+        sols = m.last_forward
         m.forward_config = "sequential"
         ref, r_hn = m(x, hx)
     assert out.shape == (3, 300, 6) and out.is_contiguous()
     assert err(out, ref) <= bound
     for a, b in zip(flat(hn), flat(r_hn), strict=True):
         assert err(a, b) <= bound
-    assert st["converged"] == [True, True] and max(st["iterations"]) <= 10
+    assert [s.converged for s in sols] == [True, True]
+    assert max(s.iterations for s in sols) <= 10
     # the fused Newton step: on CUDA the Triton kernel's warm start, then the torch cell's
     # blocked step certifies; on the CPU the blocked step alone
     want = ("triton+torch",) if device.type == "cuda" else ("native", "torch")
-    assert all(k in want for k in st["newton_step"]), st["newton_step"]
-    assert (min(st["triton_iterations"]) > 0) == (device.type == "cuda")
-    assert m.forward_stats == {}                                        # the loop ran
+    steps = [s.stats["newton_step"] for s in sols]
+    assert all(k in want for k in steps), steps
+    assert (min(s.stats["triton_iterations"] for s in sols) > 0) == (device.type == "cuda")
+    assert m.last_forward == ()                                         # the loop ran
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
@@ -172,10 +174,11 @@ def test_newton_at_tol_0_is_the_loop_bitwise(kind, dtype, device):
     x = torch.randn(30, 2, 3, dtype=dtype).to(device)
     with torch.no_grad():
         out, hn = m(x)
-        st = dict(m.forward_stats)
+        sols = m.last_forward
         m.forward_config = "sequential"
         ref, r_hn = m(x)
-    assert st["converged"] == [True, True] and st["error_estimate"] == [0.0, 0.0]
+    assert [s.converged for s in sols] == [True, True]
+    assert [s.stats["error_estimate"] for s in sols] == [0.0, 0.0]
     assert torch.equal(out, ref)
     for a, b in zip(flat(hn), flat(r_hn), strict=True):
         assert torch.equal(a, b)
@@ -244,7 +247,8 @@ def test_unconverged_solve():
         m(x)
     m.forward_config = ParallelForward(max_iters=1, throw=False)
     m(x)
-    assert m.forward_stats["converged"] == [False]
+    (sol,) = m.last_forward
+    assert not sol.converged and sol.result is paraprop.Result.max_iters_reached
 
 
 # -- backward: the scan gives autograd's gradients through the loop -------------------------------
@@ -274,8 +278,10 @@ def test_gradients_match_autograd_through_the_loop(kind, bias, forward, backward
         grads.append(torch.autograd.grad(loss, [*m.parameters(), xi, *hi]))
     for a, b in zip(*grads, strict=True):
         assert rel(a, b) <= bound
+    run = ours.last_backward
+    assert run.kind == backward and len(run.layers) == 2 and run.converged
     if backward == "jacobi":
-        assert ours.backward_stats["converged"] == [True, True]
+        assert [s.method for s in run.layers] == ["jacobi", "jacobi"]
 
 
 @pytest.mark.parametrize("kind", MODULES)

@@ -230,10 +230,10 @@ def test_newton_within_1e10_of_the_loop_in_float64(small_blocks, cls, inputs, de
     hx = hx if cls is ParaGRU else (hx, torch.randn(2, 3, 6, dtype=f64).to(device))
     with torch.no_grad():
         out, hn = m(x, hx)
-        st = dict(m.forward_stats)
+        sols = m.last_forward
         m.forward_config = "sequential"
         ref, r_hn = m(x, hx)
-    assert st["converged"] == [True, True]
+    assert [s.converged for s in sols] == [True, True]
     bound = 5 * 1e-12       # the modules' stated bound: 5 tol (max |out| <= 1 here)
     assert err(out, ref) <= bound
     for a, b in zip(hn if isinstance(hn, tuple) else (hn,),
@@ -267,7 +267,7 @@ def test_newton_at_tol0_is_bitwise_the_loop_at_any_row_width(cls, dtype, B, H):
     x = torch.randn(40, B, 3, dtype=dtype)
     m.forward_config = paraprop.nn.ParallelForward("newton", tol=0)
     y, _ = m(x)
-    assert m.forward_stats["converged"]
+    assert all(s.converged for s in m.last_forward)
     m.forward_config = "sequential"
     ref, _ = m(x)
     assert torch.equal(y, ref)

@@ -362,11 +362,13 @@ def test_para_modules_run_the_fused_kernel_and_say_so(dev, cls, monkeypatch):
     x = torch.randn(2, 16, 3, device=dev, requires_grad=True)
     out, _ = m(x)
     (g,) = torch.autograd.grad(out.square().sum(), x)
-    st = m.forward_stats
+    sols = m.last_forward
     certify = ("torch",) if dev.type == "cuda" else ("native", "torch")
-    assert all(k.startswith("triton+") and k[7:] in certify for k in st["newton_step"])
-    assert all(0 < k < n for k, n in zip(st["triton_iterations"], st["iterations"], strict=True))
-    assert all(st["converged"]) and st["triton_skipped"] == [None, None]
+    assert all(s.stats["newton_step"].startswith("triton+")
+               and s.stats["newton_step"][7:] in certify for s in sols)
+    assert all(0 < s.stats["triton_iterations"] < s.iterations for s in sols)
+    assert all(s.converged and s.stats["triton_skipped"] is None for s in sols)
+    assert len(sols) == 2
     m.forward_config = "sequential"
     ref, _ = m(x)
     (g_ref,) = torch.autograd.grad(ref.square().sum(), x)
@@ -378,9 +380,10 @@ def test_para_modules_on_the_cpu_keep_the_blocked_step(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")     # even then: never picked on its own
     m = ParaGRU(3, 4)
     m(torch.randn(10, 2, 3))
-    assert m.forward_stats["newton_step"][0] in ("native", "torch")
-    assert m.forward_stats["triton_iterations"] == [0]
-    assert m.forward_stats["triton_skipped"] == [None]
+    (sol,) = m.last_forward
+    assert sol.stats["newton_step"] in ("native", "torch")
+    assert sol.stats["triton_iterations"] == 0
+    assert sol.stats["triton_skipped"] is None
 
 
 @pytest.mark.parametrize("cls, dtype", [(ParaGRU, torch.float32), (ParaGRU, torch.float64),
@@ -400,12 +403,13 @@ def test_the_triton_step_is_a_warm_start_certified_by_the_torch_cell(cls, dtype,
         m = cls(3, 16, batch_first=True, dtype=dtype, forward=ParallelForward(tol=tol))
         with torch.no_grad():
             out, hn = m(x)
-            st = dict(m.forward_stats)
+            (sol,) = m.last_forward
             m.forward_config = "sequential"
             ref, r_hn = m(x)
-        assert st["converged"] == [True] and st["error_estimate"][0] <= tol
-        assert st["newton_step"][0] in ("triton+native", "triton+torch")
-        assert 0 < st["triton_iterations"][0] < st["iterations"][0]
+        assert sol.converged and sol.stats["error_estimate"] <= tol
+        assert sol.stats["newton_step"] in ("triton+native", "triton+torch")
+        assert 0 < sol.stats["triton_iterations"] < sol.iterations
+        assert len(sol.residuals) == sol.iterations       # both solves' measures
         if tol == 0:
             assert torch.equal(out, ref)
             for a, b in zip(hn if isinstance(hn, tuple) else (hn,),
@@ -426,9 +430,9 @@ def test_max_iters_bounds_the_warm_start_and_the_certifying_solve(monkeypatch):
                 forward=ParallelForward(tol=0.0, max_iters=3, throw=False))
     with torch.no_grad():
         m(x)
-    st = m.forward_stats
-    assert st["triton_iterations"] == [3] and st["iterations"] == [4]
-    assert st["converged"] == [False]
+    (sol,) = m.last_forward
+    assert sol.stats["triton_iterations"] == 3 and sol.iterations == 4
+    assert not sol.converged
     m.forward_config = ParallelForward(tol=0.0, max_iters=3)
     with pytest.raises(paraprop.ConvergenceError), torch.no_grad():
         m(x)
@@ -603,6 +607,24 @@ class Broken:
         return Grid()
 
 
+def test_the_newton_steps_refuse_outputs_of_different_strides():
+    """One set of strides addresses ``y`` and ``trial``: the fused steps refuse two layouts
+    (before any kernel is loaded), and return at once when there is nothing to compute."""
+    y, trial = torch.zeros(2, 6, 3), torch.zeros(2, 3, 6).transpose(1, 2)
+    with pytest.raises(ValueError, match=r"gru_newton_step: y and trial must have the same "
+                       r"strides, got y \(18, 3, 1\) and trial \(18, 1, 6\)"):
+        triton_cells.gru_newton_step(torch.zeros(2, 6, 3, 3), y, torch.zeros(2, 3),
+                                     torch.zeros(3, 3), None, 0, y, trial)
+    y, trial = torch.zeros(6, 4, 2), torch.zeros(6, 2, 4).transpose(1, 2)
+    with pytest.raises(ValueError, match=r"lstm_newton_step: y and trial must have the same "
+                       r"strides"):
+        triton_cells.lstm_newton_step(torch.zeros(4, 2, 3, 4), y, torch.zeros(6, 2),
+                                      torch.zeros(4, 3), 0, y, trial)
+    # lo == T: no position left, nothing is checked or launched
+    triton_cells.gru_newton_step(torch.zeros(2, 6, 3, 3), y, torch.zeros(2, 3),
+                                 torch.zeros(3, 3), None, 4, y, trial)
+
+
 def test_a_failing_kernel_is_recorded_and_auto_falls_back(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(tk, "_failed", [])
@@ -631,13 +653,14 @@ def test_a_failing_kernel_is_recorded_and_auto_falls_back(monkeypatch):
     x = torch.randn(9, 2, 5, dtype=f64)
     with pytest.warns(RuntimeWarning, match="gru_step failed"), torch.no_grad():
         out, _ = m(x)
-    st = dict(m.forward_stats)
-    assert st["triton_skipped"][0].startswith("gru_step failed: RuntimeError: PTX assembly")
-    assert st["newton_step"][0] in ("native", "torch") and st["triton_iterations"] == [0]
+    (sol,) = m.last_forward
+    assert sol.stats["triton_skipped"].startswith("gru_step failed: RuntimeError: PTX assembly")
+    assert sol.stats["newton_step"] in ("native", "torch")
+    assert sol.stats["triton_iterations"] == 0
     m.forward_config = "sequential"
     with torch.no_grad():
         ref, _ = m(x)
-    assert st["converged"] == [True] and float((out - ref).abs().max()) <= 1e-12
+    assert sol.converged and float((out - ref).abs().max()) <= 1e-12
     monkeypatch.setattr(para_solve, "STEP_KERNEL", "triton")
     m.forward_config = ParallelForward(tol=1e-12)
     with pytest.raises(tk.LaunchError, match="gru_step failed"), torch.no_grad():

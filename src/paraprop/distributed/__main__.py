@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                 / max(large / 2 - latency, 1e-12), "state_bytes": state_bytes}
     if rank == world - 1 and args.save_output:
         torch.save(y, args.save_output)
-    fwd = stack.last_stats["forward"]
+    fwd = stack.last_forward
+    assert fwd is not None      # the forward above ran
     record = {"world": world, "threads": threads, "config": vars(args), "times": times,
               "median_s": {k: statistics.median(v) for k, v in times.items()},
               "residuals": fwd.residuals.tolist(), "messages_rank0": fwd.stats["messages"],

@@ -22,7 +22,6 @@ activation through them serially: rank ``r`` waits for rank ``r - 1``.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import time
 from collections.abc import Sequence
@@ -36,8 +35,10 @@ from paraprop.distributed.comm import DEFAULT_TIMEOUT_S, DistLink, PeerError, ch
 from paraprop.multigrid import common
 from paraprop.multigrid.hierarchy import Hierarchy, split_layers
 from paraprop.multigrid.mgrit import run_mgrit
+from paraprop.multigrid.module import kept
 from paraprop.multigrid.params import BlockParams
 from paraprop.multigrid.steps import AdjointStepper, ForwardStepper
+from paraprop.result import Solution
 
 __all__ = ["LayerParallelStack", "layer_range", "partitioned_forward"]
 
@@ -98,8 +99,8 @@ class LayerParallelStack(nn.Module):
         group: the process group (``None``: the default group).
 
     Attributes:
-        last_stats: ``{"forward": Solution, "backward": Solution}``: this rank's
-            :class:`paraprop.Solution` of the latest solves (``value``: this rank's last
+        last_forward, last_backward: this rank's :class:`paraprop.Solution` of the latest
+            forward and backward solve (``None`` before the first; ``value``: this rank's last
             point; ``iterations``, ``converged``, ``residuals`` are the same on every rank);
             ``stats`` adds ``messages`` and ``bytes`` sent by this rank, ``wait_s`` (time
             blocked waiting for peers) and ``time_s``.
@@ -132,7 +133,7 @@ class LayerParallelStack(nn.Module):
         >>> with torch.no_grad():                               # the serial loop
         ...     for block in blocks:
         ...         u = u + block(u) / 16
-        >>> stack.last_stats["forward"].converged, bool((y - u).abs().max() < 1e-5)
+        >>> stack.last_forward.converged, bool((y - u).abs().max() < 1e-5)
         (True, True)
         >>> y.sum().backward()                                  # collective, as forward
         >>> blocks[0][0].weight.grad.shape
@@ -174,7 +175,8 @@ class LayerParallelStack(nn.Module):
         self.relax, self.max_iters, self.tol, self.throw = relax, max_iters, tol, bool(throw)
         self.c_weight, self.backward_mode = float(c_weight), backward
         self.timeout = float(timeout)
-        self.last_stats: dict = {}
+        self.last_forward: Solution | None = None
+        self.last_backward: Solution | None = None
         self._params = BlockParams(self.blocks)
         bound = self.hierarchy.exact_cycles()
         if tol is None and levels > 1 and max_iters is not None and max_iters < bound:
@@ -206,14 +208,6 @@ class LayerParallelStack(nn.Module):
 
     def _stacked(self, batched: bool):
         return self._params.stack() if batched else None
-
-    def _record(self, key, sol, link, t0, evaluations=None):
-        stats = {k: v for k, v in sol.stats.items() if k != "parameter_grads"}
-        stats.update(messages=link.messages, bytes=link.bytes, wait_s=link.wait_s,
-                     time_s=time.perf_counter() - t0)
-        self.last_stats[key] = dataclasses.replace(
-            sol, value=sol.value[-1].clone(), stats=stats,
-            evaluations=sol.evaluations if evaluations is None else evaluations)
 
     def _mgrit(self, stepper, x, hier, link, parts, me, what, **kw):
         return run_mgrit(stepper, x, hier, self.step_size, relax=self.relax,
@@ -272,7 +266,8 @@ class LayerParallelStack(nn.Module):
         stepper = ForwardStepper(self.blocks, a, batched=batched, stacked=stacked)
         link = DistLink(self.ranks, timeout=self.timeout, group=self.group, what="forward")
         sol = self._mgrit(stepper, x, self.hierarchy, link, self.parts, self.rank, "forward")
-        self._record("forward", sol, link, t0)
+        self.last_forward = kept(sol, t0, messages=link.messages, bytes=link.bytes,
+                                 wait_s=link.wait_s)
         return sol.value, stacked
 
     def _solve_backward(self, states, stacked, grad_out, params):
@@ -294,7 +289,8 @@ class LayerParallelStack(nn.Module):
         if per_block is None:
             per_block = stepper.parameter_grads(lam[:-1].flip(0), self.step_size)
         grads = self._params.order(per_block, params)
-        self._record("backward", sol, link, t0, evaluations=stepper.counts.evaluations)
+        self.last_backward = kept(sol, t0, stepper.counts.evaluations, messages=link.messages,
+                                  bytes=link.bytes, wait_s=link.wait_s)
         gx = lam[-1] if self.rank == 0 else torch.zeros_like(lam[-1])
         return gx, grads
 

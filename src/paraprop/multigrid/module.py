@@ -46,6 +46,18 @@ from paraprop.result import Solution
 __all__ = ["BACKWARD", "ParallelResidualStack"]
 
 
+def kept(sol: Solution, t0: float, evaluations: int | None = None, **stats) -> Solution:
+    """``sol`` as a stack keeps it (``last_forward`` / ``last_backward``): its last point as
+    ``value`` (so that the states are not kept alive), its ``stats`` without
+    ``parameter_grads``, with ``time_s`` since ``t0`` and ``stats``; ``evaluations`` replaced
+    where given (a backward counts its parameter-gradient sweep)."""
+    kept_stats = {k: v for k, v in sol.stats.items() if k != "parameter_grads"}
+    kept_stats.update(time_s=time.perf_counter() - t0, **stats)
+    return dataclasses.replace(sol, value=sol.value[-1].clone(), stats=kept_stats,
+                               evaluations=sol.evaluations if evaluations is None
+                               else evaluations)
+
+
 class ParallelResidualStack(nn.Module):
     """``u_N`` of ``u_{n+1} = u_n + h F_n(u_n)``, ``u_0 = x``, computed by FAS/MGRIT.
 
@@ -71,7 +83,7 @@ class ParallelResidualStack(nn.Module):
             cycles, not checked (``converged=False``, ``stats["checked"] = False``).
         throw: raise :class:`paraprop.ConvergenceError` when a solve with a ``tol`` ends at
             ``max_iters`` unconverged (``False``: go on with the unconverged states; see
-            ``last_stats``).
+            ``last_forward`` / ``last_backward``).
         backward: ``"adjoint"`` (MGRIT on the adjoint system) or ``"serial"`` (exact serial
             back-propagation through the forward states MGRIT produced).
         warm_start: start each solve from the previous solve's C-point values when the input
@@ -84,10 +96,10 @@ class ParallelResidualStack(nn.Module):
             refused there).
 
     Attributes:
-        last_stats: ``{"forward": Solution, "backward": Solution}`` of the latest solves
-            (:class:`paraprop.Solution` as :func:`~paraprop.multigrid.mgrit` returns it, with
-            ``value`` the solve's last point only, ``u_N`` forward and ``dL/dx`` backward, so
-            that the states are not kept alive; ``stats["time_s"]`` and, backward,
+        last_forward, last_backward: the :class:`paraprop.Solution` of the latest forward
+            and backward solve (``None`` before the first; as :func:`~paraprop.multigrid.mgrit`
+            returns it, with ``value`` the solve's last point only, ``u_N`` forward and
+            ``dL/dx`` backward, so that the states are not kept alive; ``stats["time_s"]`` and, backward,
             ``evaluations`` include the parameter-gradient sweep; ``stats`` has no
             ``parameter_grads``; ``stats["batched"]``: whether the solve evaluated the blocks
             batched).
@@ -108,7 +120,7 @@ class ParallelResidualStack(nn.Module):
         >>> blocks = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(64)]
         >>> net = ParallelResidualStack(blocks, 1 / 64, coarsening=4, levels=2)
         >>> y = net(torch.randn(5, 8))
-        >>> y.shape, net.last_stats["forward"].converged
+        >>> y.shape, net.last_forward.converged
         (torch.Size([5, 8]), True)
     """
 
@@ -147,7 +159,8 @@ class ParallelResidualStack(nn.Module):
         self.coarsening = as_coarsening(coarsening)
         self.levels = levels
         self.batched = batched
-        self.last_stats: dict[str, Solution] = {}
+        self.last_forward: Solution | None = None
+        self.last_backward: Solution | None = None
         self._warm: dict[str, torch.Tensor] = {}
         self._sync()
         bound = hierarchy.exact_cycles()
@@ -234,15 +247,6 @@ class ParallelResidualStack(nn.Module):
         return self._params.stack() if batched else None
 
     # -- solves -------------------------------------------------------------------------------
-    def _record(self, key: str, sol: Solution, t0: float, batched: bool,
-                evaluations: int | None = None) -> None:
-        stats = {k: v for k, v in sol.stats.items() if k != "parameter_grads"}
-        stats["time_s"] = time.perf_counter() - t0
-        stats["batched"] = batched
-        self.last_stats[key] = dataclasses.replace(
-            sol, value=sol.value[-1].clone(), stats=stats,
-            evaluations=sol.evaluations if evaluations is None else evaluations)
-
     def _mgrit(self, stepper, x, hierarchy, key: str, **kw) -> Solution:
         with refuse_random_blocks(f"ParallelResidualStack ({key})", x.device):
             return run_mgrit(stepper, x, hierarchy, self.step_size, relax=self.relax,
@@ -273,7 +277,7 @@ class ParallelResidualStack(nn.Module):
                           init=self._init_for("forward", x))
         self._check_buffers(stacked, versions)
         self._keep("forward", sol.value, self.hierarchy)
-        self._record("forward", sol, t0, batched)
+        self.last_forward = kept(sol, t0, batched=batched)
         return sol.value, stacked
 
     def _check_buffers(self, stacked, versions) -> None:
@@ -309,7 +313,7 @@ class ParallelResidualStack(nn.Module):
         if per_block is None:
             per_block = stepper.parameter_grads(lam[:-1].flip(0), self.step_size)
         grads = self._params.order(per_block, params)
-        self._record("backward", sol, t0, batched, evaluations=stepper.counts.evaluations)
+        self.last_backward = kept(sol, t0, stepper.counts.evaluations, batched=batched)
         return lam[-1], grads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,9 @@ outputs. Two extra keyword arguments, each a name or a configuration object of
 
 :class:`ParaGRU` and :class:`ParaLSTM` are ParaRNN's diagonal-recurrence cells (Danieli et al.
 2026): Newton forward by default (exact per iteration, ``O(T H)``), scan backward.
+
+After each call a module says what ran: ``last_forward``, one :class:`paraprop.Solution` per
+layer, and ``last_backward``, a :class:`BackwardRun` (:mod:`paraprop.nn.runs`).
 """
 
 from paraprop.nn.gru import GRU
@@ -35,7 +38,8 @@ from paraprop.nn.options import (
 )
 from paraprop.nn.para import ParaGRU, ParaLSTM
 from paraprop.nn.rnn import RNN
+from paraprop.nn.runs import BackwardRun
 
 __all__ = ["BACKWARDS", "FORWARDS", "FORWARD_TOL", "GRU", "LSTM", "RNN", "AutogradBackward",
-           "JacobiBackward", "ParaGRU", "ParaLSTM", "ParallelForward", "ScanBackward",
-           "SequentialForward"]
+           "BackwardRun", "JacobiBackward", "ParaGRU", "ParaLSTM", "ParallelForward",
+           "ScanBackward", "SequentialForward"]

@@ -21,6 +21,8 @@ from paraprop.nn.options import (
     forward_option,
     resolve,
 )
+from paraprop.nn.runs import BackwardRun, RunLog, loop_run, record_solve
+from paraprop.result import Solution
 
 # bf16 / fp16 modules: the scan backward, the Jacobian factors and the parallel forward compute
 # in float32 (the sequential forward stays torch's kernel in the module's dtype)
@@ -75,8 +77,8 @@ def solve_layer(cfg: dict, adapter, x: torch.Tensor, h0: torch.Tensor) -> torch.
     """One layer's outputs ``(T, B, H)`` for time-major inputs ``x`` by ``cfg["forward"]`` (a
     :class:`ParallelForward`): :func:`paraprop.solve` on the layer's
     :class:`paraprop.Recurrence` (no graph), in ``cfg["compute"]`` (``adapter`` holds weights of
-    that dtype; float32 for a bf16 / fp16 module: the result is rounded to ``x``'s dtype and
-    ``forward_stats["compute_dtype"]`` says so)."""
+    that dtype; float32 for a bf16 / fp16 module: the result is rounded to ``x``'s dtype), its
+    Solution appended to ``cfg["log"]`` (:func:`paraprop.nn.runs.record_solve`)."""
     from paraprop.recurrence import Recurrence
     from paraprop.solve import solve
 
@@ -86,17 +88,7 @@ def solve_layer(cfg: dict, adapter, x: torch.Tensor, h0: torch.Tensor) -> torch.
     rec = Recurrence(adapter, x.transpose(0, 1), h0)
     sol = solve(rec, rec.zeros(), method=fwd.solver, dim=-2, tol=cfg["forward_tol"],
                 max_iters=fwd.max_iters, throw=fwd.throw)
-    st = sol.stats
-    record = cfg["forward_stats"]
-    for key, value in (("iterations", sol.iterations),
-                       ("residual", float(sol.residuals[-1]) if len(sol.residuals) else 0.0),
-                       ("resets", st.get("resets", 0)),
-                       ("error_estimate", st["error_estimate"]),
-                       ("converged", sol.converged),
-                       ("tol", cfg["forward_tol"])):
-        record.setdefault(key, []).append(value)
-    if cdt != dtype:     # bf16 / fp16: solved in float32, rounded to the module's dtype
-        record.setdefault("compute_dtype", []).append(cdt)
+    record_solve(cfg["log"], sol, tol=cfg["forward_tol"], compute_dtype=cdt)
     return sol.value.transpose(0, 1).to(dtype)
 
 
@@ -143,22 +135,16 @@ def unpack_saved(ctx, lead: int = 0):
     """What a layer stack's scan Function saved, for its ``backward``: ``(cfg, layers,
     per_layer_weights, leading, weights, rest)``, where ``leading`` are the first ``lead`` saved
     tensors (e.g. ``h0``), ``weights`` the parameters of every layer in torch's order and
-    ``rest`` what the layers saved. Clears the run's backward stats. ``leading`` and
-    ``weights`` come in ``cfg["compute"]`` (float32 for a bf16 / fp16 module; then
-    ``backward_stats["compute_dtype"]`` says so); the layers save the rest in it."""
+    ``rest`` what the layers saved. ``leading`` and ``weights`` come in ``cfg["compute"]``
+    (float32 for a bf16 / fp16 module); the layers save the rest in it."""
     cfg = ctx.cfg
     nl, per = cfg["layers"], 4 if cfg["bias"] else 2
     saved = ctx.saved_tensors
-    cfg["stats"].clear()
-    # the kind's name ("scan", "jacobi"), whatever settings the option object carries
-    cfg["stats"]["backward"] = next(k for k, c in BACKWARDS.items()
-                                    if type(cfg["backward"]) is c)
     lead_t, weights = saved[:lead], saved[lead:lead + nl * per]
     cdt = cfg.get("compute")
     if cdt is not None and weights and weights[0].dtype != cdt:
         lead_t = tuple(t.to(cdt) for t in lead_t)
         weights = tuple(w.to(cdt) for w in weights)
-        cfg["stats"]["compute_dtype"] = cdt
     return cfg, nl, per, lead_t, weights, saved[lead + nl * per:]
 
 
@@ -166,11 +152,17 @@ def first_order_only(backward):
     """Decorate the ``backward`` of the scan Functions: gradients are computed without a graph,
     in ``cfg["compute"]`` and returned in the dtypes of the inputs, and when a graph is wanted
     (``create_graph=True``) they carry a node that refuses the second differentiation with a
-    message naming the alternative, instead of torch's generic error."""
+    message naming the alternative, instead of torch's generic error. The layers' reverse
+    recurrences (:func:`paraprop.nn.rnn.solve_hidden`) append their Solutions to
+    ``cfg["backward_layers"]``, top layer first; the run becomes the module's
+    ``last_backward``."""
 
     @functools.wraps(backward)
     def wrapper(ctx, *grad_outputs):
-        cdt, dtypes = ctx.cfg.get("compute"), ctx.cfg.get("input_dtypes")
+        cfg = ctx.cfg
+        cdt, dtypes = cfg.get("compute"), cfg.get("input_dtypes")
+        layers: list = []
+        cfg["backward_layers"] = layers
         with torch.no_grad():
             if cdt is not None:
                 grad_outputs = tuple(g.to(cdt) for g in grad_outputs)
@@ -178,9 +170,12 @@ def first_order_only(backward):
             if dtypes is not None:   # computed in cdt: each gradient in its input's dtype
                 grads = tuple(g.to(dt) if isinstance(g, torch.Tensor) and dt is not None else g
                               for g, dt in zip(grads, dtypes, strict=True))
+        # the kind's name ("scan", "jacobi"), whatever settings the option object carries
+        kind = next(k for k, c in BACKWARDS.items() if type(cfg["backward"]) is c)
+        cfg["runs"].backward = BackwardRun(kind, tuple(reversed(layers)),
+                                           grad_outputs[0].dtype)
         if not torch.is_grad_enabled():
             return grads
-        cfg = ctx.cfg
         message = (f"paraprop.nn.{cfg['name']}(backward={cfg['backward_name']}) computes "
                    "first-order gradients only (its backward pass is not itself "
                    "differentiable), so double backward / create_graph=True / hessians are not "
@@ -246,6 +241,27 @@ class ScanBackwardMixin:
         check_pair(getattr(self, "_forward_config", None), bwd)
         object.__setattr__(self, "_backward_config", bwd)
 
+    # -- what the last call ran ------------------------------------------------------------------
+    def _run_log(self) -> RunLog:
+        runs = self.__dict__.get("_runs")
+        if runs is None:        # a module pickled before the log existed: from now on
+            runs = self._runs = RunLog()
+        return runs
+
+    @property
+    def last_forward(self) -> tuple[Solution, ...]:
+        """The last forward's :class:`paraprop.Solution` per layer, bottom layer first: a
+        parallel forward's solves, or the loop that ran for ``forward="native"`` / ``"auto"``;
+        ``()`` after ``forward="sequential"`` (:mod:`paraprop.nn.runs`)."""
+        return tuple(self._run_log().forward)
+
+    @property
+    def last_backward(self) -> BackwardRun | None:
+        """The last call's backward (:class:`paraprop.nn.BackwardRun`): its kind and one
+        :class:`paraprop.Solution` per layer; ``None`` until a backward of the last call
+        runs (set by the forward already where torch's autograd will run)."""
+        return self._run_log().backward
+
     # the SequentialForward kernels a module runs (ParaGRU / ParaLSTM: only their own loop)
     _sequential_kernels = ("torch", "native", "auto")
 
@@ -266,8 +282,7 @@ class ScanBackwardMixin:
     def _set_options(self, fwd, bwd) -> None:
         object.__setattr__(self, "_forward_config", fwd)
         object.__setattr__(self, "_backward_config", bwd)
-        self.forward_stats: dict = {}
-        self.backward_stats: dict = {}
+        self._runs = RunLog()
         self._structure = structure(self)
 
     # -- the settings at call time ---------------------------------------------------------------
@@ -355,10 +370,10 @@ class ScanBackwardMixin:
                 "backward) under autocast, or convert the module and its inputs instead "
                 "(module.to(torch.bfloat16), where the scan backward runs in float32)")
         native = native_runs(fwd, input, *hxs, *weights)
-        self.forward_stats.clear()
-        self.backward_stats.clear()   # this call's backward, when it runs, fills it again
-        if kernel_shown:
-            self.forward_stats["kernel"] = ["native" if native else "torch"] * self.num_layers
+        runs = self._run_log()
+        log = runs.begin()    # this call's backward, when it runs, records itself
+        # forward="native" / "auto": the loop that ran, one record per layer
+        loop = ("native" if native else "torch") if kernel_shown else None
         x, batched = time_major(name, input, self.input_size, self.batch_first)
         T, B = x.shape[:2]
         expect = (self.num_layers, B, self.hidden_size)
@@ -379,19 +394,17 @@ class ScanBackwardMixin:
                             f"{weights[0].dtype}")
         if not parallel and not native and (isinstance(bwd, AutogradBackward) or not needs_grad):
             if needs_grad:     # torch's own backward will run: nothing of ours to record
-                self.backward_stats["backward"] = "autograd"
-            return super().forward(input, hx)
+                runs.backward = BackwardRun("autograd")
+            return self._loops_ran(log, loop, super().forward(input, hx), T)
         if B == 0:      # nothing to solve or to scan: torch's kernel (and autograd) as is
-            return super().forward(input, hx)
+            return self._loops_ran(log, loop, super().forward(input, hx), T)
         cdt = compute_dtype(x.dtype)
         cfg = {"name": name, "mode": self.mode, "layers": self.num_layers, "bias": self.bias,
                "forward": fwd if parallel else None, "native": native, "compute": cdt,
                "input_dtypes": (None, x.dtype, *(s.dtype for s in states),
                                 *(w.dtype for w in weights)),
                "forward_tol": fwd.tol_for(cdt) if parallel else None,
-               "forward_stats": self.forward_stats,
-               "backward": bwd, "backward_name": describe(bwd),
-               "stats": self.backward_stats}
+               "log": log, "backward": bwd, "backward_name": describe(bwd), "runs": runs}
         if needs_grad:
             out, *finals = self._function.apply(cfg, x, *states, *weights)
         else:
@@ -401,7 +414,18 @@ class ScanBackwardMixin:
             out, finals = out.squeeze(1), [h.squeeze(1) for h in finals]
         elif self.batch_first:
             out = out.transpose(0, 1)
-        return out, self._hidden(finals)
+        return self._loops_ran(log, loop, (out, self._hidden(finals)), T)
+
+    def _loops_ran(self, log: list, loop: str | None, result: tuple, steps: int) -> tuple:
+        """``result`` (what ``forward`` returns), after recording in ``log`` one
+        :func:`~paraprop.nn.runs.loop_run` per layer where ``loop`` names the sequential
+        kernel that ran (``forward="native"`` / ``"auto"``)."""
+        if loop is not None:
+            hidden = result[1]
+            parts = hidden if isinstance(hidden, tuple) else (hidden,)
+            for k in range(self.num_layers):
+                log.append(loop_run(loop, torch.cat([p[k] for p in parts], -1), steps))
+        return result
 
     def extra_repr(self) -> str:
         s = super().extra_repr()

@@ -185,7 +185,7 @@ class GRU(ScanBackwardMixin, torch.nn.GRU):
             included (docs/recurrences.md, "Accuracy").
 
     Attributes:
-        forward_config, backward_config, forward_stats, backward_stats: as
+        forward_config, backward_config, last_forward, last_backward: as
             :class:`paraprop.nn.RNN`.
 
     Raises:
@@ -200,7 +200,7 @@ class GRU(ScanBackwardMixin, torch.nn.GRU):
         >>> x = torch.randn(4, 200, 12)
         >>> out, h = gru(x)
         >>> h.sum().backward()
-        >>> gru.forward_stats["kernel"], gru.backward_stats["backward"]   # what ran (CPU)
+        >>> [s.stats["kernel"] for s in gru.last_forward], gru.last_backward.kind  # (CPU)
         (['native'], 'scan')
         >>> bool((out - ref(x)[0]).abs().max() < 1e-5)   # torch's outputs, within rounding
         True

@@ -257,7 +257,7 @@ class LSTM(ScanBackwardMixin, torch.nn.LSTM):
             hidden_size``; Newton with its :class:`paraprop.scan.LSTMFactored` Jacobians).
 
     Attributes:
-        forward_config, backward_config, forward_stats, backward_stats: as
+        forward_config, backward_config, last_forward, last_backward: as
             :class:`paraprop.nn.RNN`.
 
     Raises:
@@ -273,14 +273,14 @@ class LSTM(ScanBackwardMixin, torch.nn.LSTM):
         >>> x = torch.randn(4, 200, 12)
         >>> out, (h, c) = lstm(x)
         >>> (h.sum() + c.sum()).backward()
-        >>> lstm.forward_stats["kernel"], lstm.backward_stats["backward"]   # the CPU default
+        >>> [s.stats["kernel"] for s in lstm.last_forward], lstm.last_backward.kind  # CPU
         (['torch'], 'autograd')
         >>> torch.equal(out, ref(x)[0])
         True
         >>> lstm.backward_config = "scan"        # one linear_recurrence per layer
         >>> out, (h, c) = lstm(x)
         >>> (h.sum() + c.sum()).backward()
-        >>> lstm.forward_stats["kernel"], lstm.backward_stats["backward"]
+        >>> [s.stats["kernel"] for s in lstm.last_forward], lstm.last_backward.kind
         (['native'], 'scan')
     """
 

@@ -22,6 +22,7 @@ from paraprop.nn._base import ScanBackwardMixin, refuse_jit, time_major, transfo
 from paraprop.nn.options import AutogradBackward, ParallelForward, describe
 from paraprop.nn.para_gru import ParaGRUFunction
 from paraprop.nn.para_lstm import ParaLSTMFunction
+from paraprop.nn.runs import BackwardRun
 
 __all__ = ["ParaGRU", "ParaLSTM"]
 
@@ -130,12 +131,12 @@ class _ParaRNN(ScanBackwardMixin, nn.Module):
                 f"paraprop.nn.{name}(forward={describe(fwd)}) cannot run under torch.func "
                 "transforms (grad, jacrev, vmap, ...): the solver's stopping depends on the "
                 "values; use forward='sequential' there")
-        self.forward_stats.clear()
+        runs = self._run_log()
         cfg = {"name": name, "layers": self.num_layers, "bias": self.bias,
                "forward": fwd if parallel and B > 0 else None,
                "forward_tol": fwd.tol_for(x.dtype) if parallel else None,
-               "forward_stats": self.forward_stats, "backward": bwd,
-               "backward_name": describe(bwd), "stats": self.backward_stats}
+               "log": runs.begin(), "backward": bwd,
+               "backward_name": describe(bwd), "runs": runs}
         fn = self._function
         needs_grad = torch.is_grad_enabled() and (
             x.requires_grad or any(s.requires_grad for s in states)
@@ -144,6 +145,7 @@ class _ParaRNN(ScanBackwardMixin, nn.Module):
             with torch.no_grad():
                 res = fn.layers(cfg, x, *states, weights)[:1 + self._parts]
         elif isinstance(bwd, AutogradBackward) or transforms_active() or B == 0:
+            runs.backward = BackwardRun("autograd")
             res = fn.layers(cfg, x, *states, weights)[:1 + self._parts]   # autograd, loop
         else:
             res = fn.apply(cfg, x, *states, *weights)
@@ -186,8 +188,9 @@ class ParaGRU(_ParaRNN):
             stopping rule.) On CUDA, Newton's first iterations run a fused Triton step whose
             cell rounds differently; it is only a warm start: the torch cell's step
             certifies, so ``converged`` is about this module's loop (``tol=0``: its bits).
-            ``forward_stats`` says per layer which steps ran (``"newton_step"``,
-            ``"triton_iterations"``, ``"triton_skipped"``; docs/recurrences.md, "On the GPU").
+            ``last_forward`` says per layer which steps ran (``stats["newton_step"]``,
+            ``["triton_iterations"]``, ``["triton_skipped"]``; docs/recurrences.md, "On the
+            GPU").
         backward: ``"scan"`` (the default: the hidden-state gradients by one reverse diagonal
             :func:`paraprop.scan.linear_recurrence` per layer at the computed states, then the
             weight gradients in batched sums), ``"jacobi"`` (the same recurrence by Jacobi
@@ -195,8 +198,9 @@ class ParaGRU(_ParaRNN):
             ``forward="sequential"``).
 
     Attributes:
-        forward_config, backward_config, forward_stats, backward_stats: as
-            :class:`paraprop.nn.GRU`.
+        forward_config, backward_config, last_forward, last_backward: as
+            :class:`paraprop.nn.GRU` (``last_forward`` is ``()`` after ``forward="sequential"``,
+            the module's own loop).
 
     Raises:
         ValueError / TypeError: bad sizes or options (the message names the argument), inputs
@@ -246,7 +250,7 @@ class ParaLSTM(_ParaRNN):
         forward, backward: as :class:`ParaGRU`.
 
     Attributes:
-        forward_config, backward_config, forward_stats, backward_stats: as :class:`ParaGRU`
+        forward_config, backward_config, last_forward, last_backward: as :class:`ParaGRU`
             (with ``forward="newton"`` every unit of a sample stops on its own).
 
     Raises:

@@ -29,8 +29,11 @@ module says which).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from paraprop.nn.runs import record_solve
 from paraprop.recurrence import Recurrence
 from paraprop.scan import native, triton_kernels
 
@@ -38,8 +41,9 @@ from paraprop.scan import native, triton_kernels
 # it on CUDA tensors where the kernels run (:mod:`paraprop.nn.triton_cells`), ``"triton"`` always
 # (on a CPU only in Triton's interpreter, under ``TRITON_INTERPRET=1``: for tests; a kernel
 # that cannot run raises), ``"blocks"`` never. The certifying solve after it always runs the
-# torch cell (the blocked native/PyTorch step). ``forward_stats["newton_step"]``,
-# ``["triton_iterations"]`` and ``["triton_skipped"]`` record what ran.
+# torch cell (the blocked native/PyTorch step). The stats ``"newton_step"``,
+# ``"triton_iterations"`` and ``"triton_skipped"`` of the layers' ``last_forward`` record what
+# ran.
 STEP_KERNEL: str | None = None
 STEP_KERNELS = (None, "triton", "blocks")
 
@@ -113,7 +117,7 @@ class DiagonalRecurrence(Recurrence):
 def triton_warm_start(solver, rec: DiagonalRecurrence) -> tuple[bool, str | None]:
     """Whether :func:`solve_recurrence` runs the Triton warm start for ``rec`` with
     ``solver``, and, on a CUDA tensor where it does not, why (for
-    ``forward_stats["triton_skipped"]``)."""
+    ``stats["triton_skipped"]`` of the layer's record)."""
     cuda = rec.device.type == "cuda"
     if STEP_KERNEL == "blocks":
         return False, "STEP_KERNEL='blocks'" if cuda else None
@@ -139,7 +143,11 @@ def warm_tol(tol: float, dtype: torch.dtype) -> float:
 
 def solve_recurrence(cfg: dict, rec: DiagonalRecurrence) -> torch.Tensor:
     """``rec``'s states by ``cfg["forward"]`` (a :class:`~paraprop.nn.ParallelForward`),
-    recording the solve in ``cfg["forward_stats"]`` (one entry per layer).
+    recording the solve in ``cfg["log"]`` (:func:`paraprop.nn.runs.record_solve`, with the
+    stats ``"newton_step"``: the fused steps that ran, e.g. ``"triton+native"``, or ``None``;
+    ``"triton_iterations"``: the warm start's; ``"triton_skipped"``: on a CUDA tensor, why it
+    did not run). With a warm start the record counts both solves (``iterations``,
+    ``evaluations``, ``residuals``); its ``result`` is the certifying solve's.
 
     Where the Triton step runs (:func:`triton_warm_start`), a first solve with it (to
     :func:`warm_tol`, never raising on ``max_iters``) gives the start of the certifying solve,
@@ -153,7 +161,7 @@ def solve_recurrence(cfg: dict, rec: DiagonalRecurrence) -> torch.Tensor:
     fwd, tol = cfg["forward"], cfg["forward_tol"]
     x0 = torch.zeros((), dtype=rec.dtype, device=rec.device).expand(rec.shape)  # (copied)
     run, skipped = triton_warm_start(fwd.solver, rec)
-    warm_iterations, steps = 0, []
+    warm, warm_iterations, steps = None, 0, []
     if run:
         rec._kernel = "triton"
         try:
@@ -178,18 +186,15 @@ def solve_recurrence(cfg: dict, rec: DiagonalRecurrence) -> torch.Tensor:
                 throw=fwd.throw)
     if rec.step_kernel is not None:
         steps.append(rec.step_kernel)
-    record = cfg["forward_stats"]
-    for key, value in (("iterations", warm_iterations + sol.iterations),
-                       ("residual", float(sol.residuals[-1]) if len(sol.residuals) else 0.0),
-                       ("resets", sol.stats.get("resets", 0)),
-                       ("error_estimate", sol.stats["error_estimate"]),
-                       ("converged", sol.converged),
-                       ("tol", tol),
-                       ("newton_step", "+".join(steps) or None),
-                       ("triton_iterations", warm_iterations),
-                       ("triton_skipped", skipped)):
-        record.setdefault(key, []).append(value)
-    return sol.value
+    value = sol.value
+    if warm is not None and warm_iterations:     # the record counts both solves
+        sol = dataclasses.replace(sol, iterations=warm_iterations + sol.iterations,
+                                  evaluations=warm.evaluations + sol.evaluations,
+                                  residuals=torch.cat([warm.residuals, sol.residuals]))
+    record_solve(cfg["log"], sol, tol=tol, compute_dtype=rec.dtype,
+                 newton_step="+".join(steps) or None, triton_iterations=warm_iterations,
+                 triton_skipped=skipped)
+    return value
 
 
 def per_block(cfg: dict, x: torch.Tensor) -> bool:
