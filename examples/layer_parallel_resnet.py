@@ -126,7 +126,7 @@ def main():
             err = max(((q.grad - e).norm() / e.norm()).item()
                       for q, e in zip(mine, expected, strict=True))
             assert err < 1e-4, f"rank {rank}: gradients differ from serial by {err:.1e}"
-        cycles.append(stack.last_stats["forward"].iterations)
+        cycles.append(stack.last_forward.iterations)
         opt.step()
         opt.zero_grad()
     t_parallel = time.perf_counter() - t0

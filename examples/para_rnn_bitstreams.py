@@ -74,7 +74,7 @@ def train(cls, args):
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
-        iters.append(model.rnn.forward_stats["iterations"][0])
+        iters.append(model.rnn.last_forward[0].iterations)
         every = max(1, args.steps // 5)
         if (step + 1) % every == 0:
             print(f"  {cls.__name__} steps {step + 1 - every:4d}-{step:4d}: mean loss "

@@ -161,7 +161,7 @@ def forward_study(out_dir: Path, quick: bool, repeats: int) -> dict:
                    "speedup": base / median(ts)}
             if name in nets:
                 y = cases[name]()
-                st = nets[name].last_stats["forward"]
+                st = nets[name].last_forward
                 row.update(cycles=st.iterations, residual=float(st.residuals[-1]),
                            max_abs_err=float((y - y_ref).abs().max()))
             rows.append(row)

@@ -210,7 +210,7 @@ def backward_cell(H: int, T: int, x: torch.Tensor, warm: int, reps: dict):
         row[f"{m}_grad_err"] = max(
             float((p.grad - want[n].grad).abs().max() / want[n].grad.abs().max().clamp_min(1e-30))
             for n, p in g.named_parameters())
-        row[f"{m}_iters"] = g.forward_stats["iterations"][0]
+        row[f"{m}_iters"] = g.last_forward[0].iterations
     return row, times
 
 
@@ -369,7 +369,7 @@ def para_section(cfg: Config, quick: bool, repeats: int | None) -> dict:
                 with torch.no_grad():
                     outs[name] = model(x)[0]
                 if name == "newton":
-                    iters.append(model.forward_stats["iterations"][0])
+                    iters.append(model.last_forward[0].iterations)
             return go
 
         cases = {"sequential": case("sequential"), "newton": case("newton")}

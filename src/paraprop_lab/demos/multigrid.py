@@ -94,12 +94,12 @@ def _run(out_dir: Path, *, quick: bool) -> dict:
             grads = torch.autograd.grad(y.square().sum(), [xg, *net.blocks[0].parameters()])
         gerr = max(float((a - b).norm() / b.norm()) for a, b in zip(grads, ref_grads,
                                                                     strict=True))
-        st = net.last_stats
+        fwd, bwd = net.last_forward, net.last_backward
         rows.append({"case": f"ParallelResidualStack, {label}",
-                     "cycles": st["forward"].iterations,
-                     "residual": float(st["forward"].residuals[-1]),
+                     "cycles": fwd.iterations,
+                     "residual": float(fwd.residuals[-1]),
                      "max_abs_err": float((y.detach() - ref).abs().max()),
-                     "note": f"adjoint: {st['backward'].iterations} cycles; gradients rel. err "
+                     "note": f"adjoint: {bwd.iterations} cycles; gradients rel. err "
                              f"{gerr:.1e}"})
     # 3. three ranks (threads), uneven split, against one process
     hier = Hierarchy.build(depth, levels=3, coarsening=4)

@@ -44,7 +44,8 @@ def run(out_dir: Path, *, quick: bool = False, full: bool = False) -> dict:
             with torch.no_grad():
                 out, _ = model(x)
             outs[name] = out
-            iters[name] = getattr(model, "forward_stats", {}).get("iterations", [T])[0]
+            sols = getattr(model, "last_forward", ())       # () for torch's own modules
+            iters[name] = sols[0].iterations if sols else T
         return go
 
     repeats = 1 if quick else 3

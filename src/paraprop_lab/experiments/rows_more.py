@@ -161,7 +161,7 @@ def multigrid_rows(ctx: Context) -> list[dict]:
                               "mgrit": lambda net=net, x=x: net(x)}, repeats=ctx.rounds(3),
                              desc=f"multigrid l={depth}")
             ref, got = net.serial_forward(x), net(x)
-        st = net.last_stats["forward"]
+        st = net.last_forward
         out.append(row("multigrid", f"mgrit_forward.l{depth}", what="a residual network's "
                        "forward by MGRIT vs the serial forward", shape=f"depth {depth}, width "
                        f"16, batch {x.shape[0]}", baseline="serial forward",

@@ -217,21 +217,21 @@ def para_rows(kind: str):
         ref_out, ref_grads = runs["loop"]()
         out, grads = runs["newton"]()
         c_out, c_grads = runs["compiled"]()
-        stats = newton.forward_stats
+        sols = newton.last_forward
         dev_out = max_rel(out, ref_out)
         dev_grad = max(max_rel(a, b) for a, b in zip(grads, ref_grads, strict=True))
         c_dev = max(max_rel(c_out, ref_out),
                     *(max_rel(a, b) for a, b in zip(c_grads, ref_grads, strict=True)))
         shape = f"T={T}, B={B}, H={H}, input {H}, float32"
-        extra = {"iterations": stats.get("iterations"), "converged": stats.get("converged"),
-                 "newton_step": stats.get("newton_step"),
-                 "triton_iterations": stats.get("triton_iterations"),
-                 "triton_skipped": stats.get("triton_skipped"), "grad_rel_dev": dev_grad,
-                 "compiled_rel_dev": c_dev}
+        extra = {"iterations": [s.iterations for s in sols],
+                 "converged": [s.converged for s in sols],
+                 **{k: [s.stats[k] for s in sols]
+                    for k in ("newton_step", "triton_iterations", "triton_skipped")},
+                 "grad_rel_dev": dev_grad, "compiled_rel_dev": c_dev}
         note = (f"forward + backward of sum(out * G); loops one timed round after an untimed "
                 f"T=64 call, newton the median of {ctx.rounds(3)}; deviation: the larger of the "
                 f"outputs' ({dev_out:.1e}) and the gradients' ({dev_grad:.1e}), relative to the "
-                f"loop's scale; Newton step {stats.get('newton_step')}; compile backend "
+                f"loop's scale; Newton step {extra['newton_step']}; compile backend "
                 f"{backend}")
         label = f"{cls.__name__} newton forward + scan backward"
         return [row("pararnn", f"{kind}.vs_loop", what=f"{cls.__name__} vs the plain cell loop",
@@ -348,8 +348,9 @@ def _gru_pair(H: int, method: str, tol: float | None):
 def forward_cases(models: dict[str, nn.Module], x: torch.Tensor) -> tuple[dict, dict, dict]:
     """Timing cases of recurrent modules' forwards on ``x``, without a graph: ``name -> call``
     (:func:`paraprop_lab.experiments.harness.interleaved`), and the two dicts the calls fill:
-    ``outs`` (name -> the output sequence, ``model(x)[0]``) and ``stats`` (name -> a copy of the
-    module's ``forward_stats``; every model but ``"torch"``, whose module keeps none)."""
+    ``outs`` (name -> the output sequence, ``model(x)[0]``) and ``stats`` (name -> the module's
+    ``last_forward``, one Solution per layer; every model but ``"torch"``, whose module keeps
+    none)."""
     outs, stats = {}, {}
 
     def case(name, model):
@@ -357,7 +358,7 @@ def forward_cases(models: dict[str, nn.Module], x: torch.Tensor) -> tuple[dict, 
             with torch.no_grad():
                 outs[name] = model(x)[0]
             if name != "torch":
-                stats[name] = dict(model.forward_stats)
+                stats[name] = model.last_forward
         return run
 
     return {name: case(name, model) for name, model in models.items()}, outs, stats
@@ -381,8 +382,8 @@ def newton_rows(ctx: Context) -> list[dict]:
                 method=f"paraprop.nn.GRU forward={m!r}, tol {NEWTON_FORWARD_TOL:g}",
                 method_s=times[m], target=NEWTON_TARGET,
                 max_dev=max_abs(outs[m], outs["torch"]), bound=NEWTON_STATE_TOL,
-                note="no graph (torch.no_grad)", iterations=stats[m].get("iterations"),
-                resets=stats[m].get("resets"))
+                note="no graph (torch.no_grad)", iterations=[s.iterations for s in stats[m]],
+                resets=[s.stats.get("resets", 0) for s in stats[m]])
             for m in models]
 
 

@@ -158,7 +158,7 @@ def train(*, data: str = "digits", depth: int = 32, cycles: int = 2, levels: int
             opt.step()
             total += float(loss.detach()) * len(idx)
             count += len(idx)
-            fwd = model.stack.last_stats.get("forward")
+            fwd = model.stack.last_forward
             if fwd is not None and fwd.residuals.numel():
                 residuals.append(float(fwd.residuals[-1]))
             bar.set_postfix(loss=f"{total / count:.3f}")
