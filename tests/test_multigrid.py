@@ -324,3 +324,27 @@ def test_a_failing_thread_releases_the_others(wait):
         assert all(m.endswith("rank 1 failed (waiting for rank 1, tag 0)") for m in stopped)
     else:
         assert all("the all-reduce was abandoned" in m for m in stopped)
+
+
+def test_coarsest_level_has_no_c_points():
+    """The coarsest level is solved serially: asking it for C-points is an error that says so."""
+    from paraprop.multigrid.hierarchy import local_levels
+
+    levels = local_levels(Hierarchy.build(16, levels=2, coarsening=4), [(0, 16)], 0)
+    assert levels[0].factor == 4 and list(levels[0].owned_c_points()) == [4, 8, 12, 16]
+    with pytest.raises(ValueError, match=r"level 1 is the coarsest: it has no coarsening "
+                                         r"factor and no C-points"):
+        levels[1].owned_c_points()
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_end_collect_without_begin_collect_is_refused(batched):
+    blocks = mlp_blocks(3, 4, seed=0)
+    states = torch.randn(4, 2, 4)
+    adjoint = AdjointStepper(blocks, 0, 3, states, batched=batched)
+    with pytest.raises(RuntimeError, match=r"end_collect: nothing is being collected; call "
+                                           r"begin_collect\(\) before the final relaxation"):
+        adjoint.end_collect()
+    adjoint.begin_collect()
+    adjoint.step(0, 1, 3, torch.randn(3, 2, 4), 0.5)
+    assert len(adjoint.end_collect()) == 3

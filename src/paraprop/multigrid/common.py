@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from itertools import chain
 
 import torch
 from torch import nn
@@ -252,10 +253,7 @@ def check_block_modes(stateful: list[tuple[int, str, nn.Module]], offset: int = 
 def floating_tensors(blocks: Sequence[nn.Module]):
     """``(block index, name, tensor)`` of every floating-point parameter and buffer."""
     for i, b in enumerate(blocks):
-        for name, t in b.named_parameters():
-            if t.is_floating_point():
-                yield i, name, t
-        for name, t in b.named_buffers():
+        for name, t in chain(b.named_parameters(), b.named_buffers()):
             if t.is_floating_point():
                 yield i, name, t
 

@@ -134,17 +134,26 @@ class LocalLevel:
         """The fine step whose parameters level step ``n`` uses."""
         return (n + 1) * self.stride - 1
 
+    @property
+    def factor(self) -> int:
+        """``c``, on a level that has a coarser one (the coarsest has no C-points)."""
+        if self.c is None:
+            raise ValueError(f"level {self.level} is the coarsest: it has no coarsening factor "
+                             "and no C-points")
+        return self.c
+
     # C-points (multiples of c) in the owned range (lo, hi], and segment starts in [lo, hi).
     def first_c_after(self, p: int) -> int:
-        return (p // self.c + 1) * self.c
+        return (p // self.factor + 1) * self.factor
 
     def owned_c_points(self) -> range:
-        return range(self.first_c_after(self.lo), self.hi + 1, self.c)
+        return range(self.first_c_after(self.lo), self.hi + 1, self.factor)
 
     def local_starts(self) -> range:
         """C-points in ``[lo, hi)``: the starts of the segments relaxed without waiting."""
-        first = self.lo if self.lo % self.c == 0 else self.first_c_after(self.lo)
-        return range(first, self.hi, self.c)
+        c = self.factor
+        first = self.lo if self.lo % c == 0 else self.first_c_after(self.lo)
+        return range(first, self.hi, c)
 
 
 def local_levels(h: Hierarchy, parts: list[tuple[int, int]], me: int) -> list[LocalLevel]:

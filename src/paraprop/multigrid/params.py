@@ -36,7 +36,8 @@ def stateful_modules(blocks: Sequence[nn.Module]) -> list[tuple[int, str, nn.Mod
     (:data:`paraprop.determinism.DROPOUT_ATTRIBUTES`); a block used at several depths is listed
     at its first. Listed once (a walk over every module); whether each one is active is decided
     at every forward (:func:`paraprop.multigrid.common.check_block_modes`)."""
-    out, seen = [], set()
+    out: list[tuple[int, str, nn.Module]] = []
+    seen: set[int] = set()
     for i, b in enumerate(blocks):
         if id(b) in seen:
             continue
@@ -64,10 +65,13 @@ class BlockParams:
         self._stateful: list | None = None
         self._kinds: dict | None = None
 
-    def _build(self) -> None:
-        if self._named is None:
+    def _lists(self) -> tuple[list[list[tuple[str, torch.Tensor]]],
+                              list[list[tuple[str, torch.Tensor]]]]:
+        """Each block's named parameters and named buffers (listed at the first call)."""
+        if self._named is None or self._bufs is None:
             self._named = [list(b.named_parameters()) for b in self.blocks]
             self._bufs = [list(b.named_buffers()) for b in self.blocks]
+        return self._named, self._bufs
 
     def stateful(self) -> list[tuple[int, str, nn.Module]]:
         """The submodules whose training mode MGRIT cannot reproduce (listed once; see
@@ -83,9 +87,8 @@ class BlockParams:
         (``.data`` assignments); ``.to(...)`` and the like reset it."""
         kinds = self._kinds
         if kinds is None or any((t.dtype, t.device) != k for k, (_, _, t) in kinds.items()):
-            self._build()
             kinds = {}
-            for i, (named, bufs) in enumerate(zip(self._named, self._bufs, strict=True)):
+            for i, (named, bufs) in enumerate(zip(*self._lists(), strict=True)):
                 for name, t in (*named, *bufs):
                     if t.is_floating_point():
                         kinds.setdefault((t.dtype, t.device), (i, name, t))
@@ -94,16 +97,14 @@ class BlockParams:
 
     def buffer_versions(self) -> list[int]:
         """The version counters of every block's buffers (in-place updates bump them)."""
-        self._build()
-        return [t._version for bufs in self._bufs for _, t in bufs]
+        return [t._version for bufs in self._lists()[1] for _, t in bufs]
 
     def trainable(self) -> list[torch.Tensor]:
         """Every distinct parameter that requires a gradient, in order of first use (a block,
         or a parameter, used at several depths is listed once)."""
-        self._build()
         seen: set[int] = set()
         out = []
-        for blk in self._named:
+        for blk in self._lists()[0]:
             for _, p in blk:
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
@@ -112,8 +113,7 @@ class BlockParams:
 
     def stack(self) -> tuple[dict, dict]:
         """Detached stacked copies ``name -> (n_blocks, ...)`` of parameters and buffers."""
-        self._build()
-        named, bufs = self._named, self._bufs
+        named, bufs = self._lists()
         with torch.no_grad():
             params = {n: torch.stack([blk[i][1] for blk in named])
                       for i, (n, _) in enumerate(named[0])}
@@ -125,9 +125,8 @@ class BlockParams:
               ) -> list[torch.Tensor]:
         """The gradient of each of ``params`` from ``per_block`` (one dict per block): the sum
         over every depth (and name) at which the parameter occurs."""
-        self._build()
         uses: dict[int, list[tuple[int, str]]] = {}
-        for i, blk in enumerate(self._named):
+        for i, blk in enumerate(self._lists()[0]):
             for n, p in blk:
                 uses.setdefault(id(p), []).append((i, n))
         out = []

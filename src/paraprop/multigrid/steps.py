@@ -21,7 +21,7 @@ linearised step ``lam + s J_n(u_n)^T lam`` (a vector-Jacobian product at the sto
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -76,6 +76,10 @@ class _Stepper:
 
     offset: int
     counts: _Counts
+    batched: bool
+    params: dict
+    buffers: dict
+    _hook: Callable | None = None   # batched only: the block class's batched_forward, if any
 
     def step(self, first: int, stride: int, count: int, u: torch.Tensor, scale: float
              ) -> torch.Tensor:
@@ -99,12 +103,37 @@ class _Stepper:
         the state after the last step (into the next C-point) to ``out_w`` ``(count, *S)``;
         without ``out_w`` the last step is skipped.
         """
+        if self.batched and count > 1 and self._hook is None:   # one vmap over the intervals
+            steps = length - 1 + (out_w is not None)
+            self.counts.add(count * steps, steps)
+            i0 = first - self.offset
+            p = _intervals(self.params, i0, stride, count, length, steps)
+            b = _intervals(self.buffers, i0, stride, count, length, steps)
+            self._batched_sweep(first, i0, stride, count, length, steps, p, b, u0, scale, g,
+                                out_f, out_w)
+            return
         x = u0
         for j in range(length - 1 + (out_w is not None)):
             x = self.step(first + j * stride, length * stride, count, x, scale)
             if g is not None:
                 x = x + g[:, j]
-            (out_f[:, j] if j < length - 1 else out_w).copy_(x)
+            if j < length - 1:
+                out_f[:, j].copy_(x)
+            elif out_w is not None:
+                out_w.copy_(x)
+
+    def _step(self, i0: int, stride: int, count: int, u: torch.Tensor, scale: float
+              ) -> torch.Tensor:
+        """:meth:`step` with the local index ``i0`` of its first layer."""
+        raise NotImplementedError
+
+    def _batched_sweep(self, first: int, i0: int, stride: int, count: int, length: int,
+                       steps: int, p: dict, b: dict, u0: torch.Tensor, scale: float,
+                       g: torch.Tensor | None, out_f: torch.Tensor,
+                       out_w: torch.Tensor | None) -> None:
+        """:meth:`sweep` by one ``vmap`` over the intervals (``p``, ``b``: their parameters and
+        buffers, ``(count, steps, ...)``; ``i0``: the local index of layer ``first``)."""
+        raise NotImplementedError
 
 
 def _fresh(u: torch.Tensor) -> torch.Tensor:
@@ -207,10 +236,8 @@ class ForwardStepper(_Stepper):
                                                    0 if with_w else None, None))
         return self._sweeps[key]
 
-    def sweep(self, first, stride, count, length, u0, scale, g, out_f, out_w):
-        if not self.batched or count == 1 or self._hook is not None:
-            return super().sweep(first, stride, count, length, u0, scale, g, out_f, out_w)
-        steps, i0, p, b = _sweep_intervals(self, first, stride, count, length, out_w)
+    def _batched_sweep(self, first, i0, stride, count, length, steps, p, b, u0, scale, g,
+                       out_f, out_w):
         try:
             self._sweep_fn(length, g is not None, out_w is not None)(p, b, u0, g, out_f, out_w,
                                                                      scale)
@@ -218,17 +245,6 @@ class ForwardStepper(_Stepper):
             j, shape_in, shape_out = e.args
             raise ValueError(f"block {first + j * stride} maps a state of shape {shape_in} to "
                              f"{shape_out}; residual blocks must keep the shape") from None
-
-
-def _sweep_intervals(stepper, first, stride, count, length, out_w):
-    """A batched sweep's step count (counted on ``stepper``), its first local layer, and the
-    parameters and buffers of its ``count`` intervals."""
-    steps = length - 1 + (out_w is not None)
-    stepper.counts.add(count * steps, steps)
-    i0 = first - stepper.offset
-    p = _intervals(stepper.params, i0, stride, count, length, steps)
-    b = _intervals(stepper.buffers, i0, stride, count, length, steps)
-    return steps, i0, p, b
 
 
 class _ShapeError(Exception):
@@ -333,6 +349,9 @@ class AdjointStepper(_Stepper):
     def end_collect(self) -> list[dict[str, torch.Tensor]]:
         """The collected gradients, one dict per local block in depth order."""
         got, self._collect = self._collect, None
+        if got is None:
+            raise RuntimeError("AdjointStepper.end_collect: nothing is being collected; call "
+                               "begin_collect() before the final relaxation")
         n = len(self.blocks)
         if isinstance(got, dict):
             fwd = {k: v.flip(0) for k, v in got.items()}
@@ -342,12 +361,13 @@ class AdjointStepper(_Stepper):
         return list(reversed(got))
 
     def _store(self, i0: int, stride: int, count: int, grads, scale: float) -> None:
-        if isinstance(self._collect, dict):
+        collect = self._collect
+        if isinstance(collect, dict):
             for k, v in grads.items():
-                _progression({k: self._collect[k]}, i0, stride, count)[k].copy_(v).mul_(scale)
-        else:
+                _progression({k: collect[k]}, i0, stride, count)[k].copy_(v).mul_(scale)
+        elif collect is not None:
             for j in range(count):
-                self._collect[i0 + j * stride] = {k: v[j] * scale for k, v in grads.items()}
+                collect[i0 + j * stride] = {k: v[j] * scale for k, v in grads.items()}
 
     def _block_vjp(self, i: int, x: torch.Tensor, lam: torch.Tensor):
         """``(J^T lam, (dF/dtheta)^T lam or None)`` of local solve index ``i`` at ``x``."""
@@ -415,10 +435,8 @@ class AdjointStepper(_Stepper):
                                                    0 if collect else None, None))
         return self._sweeps[key]
 
-    def sweep(self, first, stride, count, length, u0, scale, g, out_f, out_w):
-        if not self.batched or count == 1 or self._hook is not None:
-            return super().sweep(first, stride, count, length, u0, scale, g, out_f, out_w)
-        steps, i0, p, b = _sweep_intervals(self, first, stride, count, length, out_w)
+    def _batched_sweep(self, first, i0, stride, count, length, steps, p, b, u0, scale, g,
+                       out_f, out_w):
         xs = _intervals({"x": self.inputs}, i0, stride, count, length, steps)["x"]
         out_p = None if self._collect is None else \
             _intervals(self._collect, i0, stride, count, length, steps)
@@ -445,7 +463,7 @@ class AdjointStepper(_Stepper):
             for i, blk in enumerate(self.blocks):
                 names = [k for k, _ in blk.named_parameters()]
                 p = {k: v.detach() for k, v in blk.named_parameters()}
-                _, pull = vjp(lambda q, blk=blk, i=i: functional_call(blk, q, (states[i],)), p)
+                pull = vjp(lambda q, blk=blk, i=i: functional_call(blk, q, (states[i],)), p)[1]
                 g = pull(lam_next[i])[0]
                 out.append({k: g[k] * scale for k in names})
                 self.counts.add(1)

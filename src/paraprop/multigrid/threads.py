@@ -1,6 +1,6 @@
 """Run a multi-rank solve inside one process, one thread per rank (no torch.distributed).
 
-:class:`QueueLink` implements the :class:`paraprop.multigrid.mgrit.Link` protocol with queues
+:class:`QueueLink` implements the :class:`paraprop.multigrid.vcycle.Link` protocol with queues
 and a barrier. It runs the exact code path of a layer-parallel solve across ranks (ghost
 exchange, uneven splits, ranks without coarse points) in a test or a demo without starting
 processes, and it drives the cost model's event clock (:mod:`paraprop.multigrid.cost`).
@@ -86,7 +86,8 @@ def run_threads(world: int, fn: Callable[[int, QueueLink], object], *, timeout: 
         The exception of the rank that failed first (the others are stopped by a poison
         message on every queue and a broken barrier, not by the timeout).
     """
-    queues = {(i, j): queue.Queue() for i in range(world) for j in range(world)}
+    queues: dict[tuple[int, int], queue.Queue] = {(i, j): queue.Queue() for i in range(world)
+                                                  for j in range(world)}
     barrier = threading.Barrier(world)
     board = [0.0] * world
     results: list = [None] * world
