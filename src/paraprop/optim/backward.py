@@ -50,6 +50,8 @@ class ConsumedGrad(torch.Tensor):
     :class:`~paraprop.optim.FusionError`.
     """
 
+    param_name: str
+
     @staticmethod
     def __new__(cls, param: torch.Tensor, name: str):
         t = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype,
@@ -65,7 +67,8 @@ class ConsumedGrad(torch.Tensor):
             f"{func.__name__} read the gradient of parameter {name!r}, which the optimizer "
             f"update fused into backward (mode='backward') has already consumed. {_HINT}")
 
-    def __repr__(self) -> str:  # printing must not dispatch
+    # (printing must not dispatch; torch's __repr__ takes a keyword that mypy cannot match)
+    def __repr__(self) -> str:  # type: ignore[override]
         return f"ConsumedGrad(param={self.param_name!r}, shape={tuple(self.shape)})"
 
 

@@ -17,12 +17,25 @@ over all of them, for the for-loop, ``foreach`` and ``fused`` implementations al
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 ROOT = "<root>"
+
+
+class PendingUpdate:
+    """A recorded update (forward mode): hyperparameters, gradients and their versions at
+    ``step()``."""
+
+    __slots__ = ("hparams", "grads", "versions")
+
+    def __init__(self, hparams: list[dict], grads: list[torch.Tensor | None]):
+        self.hparams = hparams
+        self.grads = grads
+        self.versions = [-1 if g is None else g._version for g in grads]
 
 
 @dataclass(eq=False)
@@ -44,9 +57,9 @@ class Bucket:
     modules: list[nn.Module] = field(default_factory=list)
     # forward mode: the recorded update, or None; who applies it ("queued": the background
     # thread will, "running": it is, "main": the forward is); zero_grad() asked meanwhile
-    pending: object | None = None
+    pending: PendingUpdate | None = None
     state: str | None = None
-    event: object | None = None
+    event: threading.Event | None = None
     zero_request: str | None = None
     # backward mode: gradients accumulated in this backward, expected count, stepped already
     ready: int = 0
@@ -175,7 +188,8 @@ class Stepper:
     def __init__(self, optimizer: torch.optim.Optimizer, device_types: set[str]):
         self.optimizer = optimizer
         f = type(optimizer).step
-        self._impl = f.__wrapped__ if getattr(f, "hooked", False) else f
+        # (torch's step hook wrapper marks itself hooked and keeps the step in __wrapped__)
+        self._impl = f.__wrapped__ if getattr(f, "hooked", False) else f  # type: ignore[attr-defined]
         self._device_types = sorted(device_types)
 
     def step(self, groups: list[tuple[int, list[torch.Tensor]]], hparams: list[dict]) -> None:

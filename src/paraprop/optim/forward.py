@@ -40,21 +40,17 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from paraprop.optim.buckets import Bucket, Stepper, param_index, snapshot, zero_grads
+from paraprop.optim.buckets import (
+    Bucket,
+    PendingUpdate,
+    Stepper,
+    param_index,
+    snapshot,
+    zero_grads,
+)
 from paraprop.optim.errors import FusionError
 from paraprop.optim.overlap import Worker
 from paraprop.optim.reads import Hook, install, uninstall
-
-
-class _Pending:
-    """A recorded update: hyperparameters, gradients and their versions at ``step()``."""
-
-    __slots__ = ("hparams", "grads", "versions")
-
-    def __init__(self, hparams, grads):
-        self.hparams = hparams
-        self.grads = grads
-        self.versions = [-1 if g is None else g._version for g in grads]
 
 
 class ForwardEngine:
@@ -103,7 +99,7 @@ class ForwardEngine:
             grads = [p.grad for p in b.params]
             if all(g is None for g in grads):
                 continue
-            b.pending = _Pending(hparams, grads)
+            b.pending = PendingUpdate(hparams, grads)
             self.n_pending += 1
         if self.worker is not None and not self.trace_next:  # the trace runs synchronously
             for b in self.buckets:
@@ -150,12 +146,15 @@ class ForwardEngine:
             state = b.state
             if state == "queued":
                 b.state = "main"
+        # (a bucket gets a state only with overlap=True: a worker, and an event per step)
         if state == "queued":
+            assert b.event is not None
             try:
                 self.apply(b)
             finally:
                 b.event.set()
         elif state is not None:
+            assert b.event is not None and self.worker is not None
             b.event.wait()
             self.worker.raise_error()
 
@@ -164,6 +163,7 @@ class ForwardEngine:
             if b.state != "queued":
                 return  # the forward got there first
             b.state = "running"
+        assert b.event is not None      # (set with the state, by step)
         try:
             self.apply(b)
         finally:

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from itertools import chain
+from types import FrameType
+from typing import NoReturn, overload
 
 import torch
 from torch import nn
@@ -126,6 +129,27 @@ def _validate(optimizer, model, mode, accumulation_steps, bucket_numel, overlap)
                 "Use mode='forward'")
 
 
+def _fixed(name: str, doc: str) -> property:
+    """A setting of :class:`FusedOptimizer` fixed when fused: read from its settings; an
+    assignment is refused, naming the way to change it."""
+    def get(self):
+        return self._settings[name]
+
+    def refuse(self, value):
+        def show(v):
+            return f"a {type(v).__name__}" if isinstance(v, nn.Module) else repr(v)
+
+        again = ("paraprop.optim.fuse(optimizer, new_model, ...)" if name == "model" else
+                 f"paraprop.optim.fuse(optimizer, model, {name}={value!r}, ...)")
+        raise AttributeError(
+            f"FusedOptimizer.{name} is fixed when the optimizer is fused (the hooks and "
+            f"buckets are built for {name}={show(self._settings[name])}); assigning "
+            f"{name}={show(value)} would be ignored. Call opt.unfuse() and fuse it again: "
+            f"{again}")
+
+    return property(get, refuse, doc=doc)
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """A ``torch.optim`` optimizer whose step is fused into the forward or backward pass.
 
@@ -179,34 +203,16 @@ class FusedOptimizer(torch.optim.Optimizer):
                           "overlap": overlap}
         self.accumulation_steps = accumulation_steps
         self._build()
-        optimizer._paraprop_fused = True
+        optimizer._paraprop_fused = True  # type: ignore[attr-defined]  # our mark on theirs
 
     # -- the settings: fixed when fused, or checked when assigned --------------------------
-    def _fixed(name: str, doc: str):  # a property factory, used in the class body only
-        def get(self):
-            return self._settings[name]
-
-        def refuse(self, value):
-            def show(v):
-                return f"a {type(v).__name__}" if isinstance(v, nn.Module) else repr(v)
-
-            again = ("paraprop.optim.fuse(optimizer, new_model, ...)" if name == "model" else
-                     f"paraprop.optim.fuse(optimizer, model, {name}={value!r}, ...)")
-            raise AttributeError(
-                f"FusedOptimizer.{name} is fixed when the optimizer is fused (the hooks and "
-                f"buckets are built for {name}={show(self._settings[name])}); assigning "
-                f"{name}={show(value)} would be ignored. Call opt.unfuse() and fuse it again: "
-                f"{again}")
-
-        return property(get, refuse, doc=doc)
-
+    _accumulation_steps: int
     model = _fixed("model", "The fused module (fixed when fused).")
     mode = _fixed("mode", "``\"forward\"`` or ``\"backward\"`` (fixed when fused).")
     bucket_numel = _fixed("bucket_numel", "The smallest bucket before merging with the next "
                                           "module (fixed when fused).")
     overlap = _fixed("overlap", "Whether the updates run on a background thread (fixed when "
                                 "fused).")
-    del _fixed
 
     @property
     def accumulation_steps(self) -> int:
@@ -231,6 +237,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.buckets = build_buckets(opt, self.model, self.bucket_numel)
         devices = {p.device.type for g in opt.param_groups for p in g["params"]}
         stepper = Stepper(opt, devices)
+        self._engine: ForwardEngine | BackwardEngine
         if self.mode == "forward":
             self._engine = ForwardEngine(opt, self.model, self.buckets, stepper, self.overlap)
         else:
@@ -241,8 +248,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         return self._calls == self.accumulation_steps - 1
 
     # -- the wrapped optimizer's attributes -------------------------------------------------
+    # (read-only views of the wrapped optimizer's, where torch.optim declares attributes)
     @property
-    def param_groups(self) -> list[dict]:
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
         return self.optimizer.param_groups
 
     @property
@@ -250,11 +258,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         return self.optimizer.state
 
     @property
-    def defaults(self) -> dict:
+    def defaults(self) -> dict:  # type: ignore[override]
         return self.optimizer.defaults
 
     # -- the training loop ------------------------------------------------------------------
-    def step(self, closure=None) -> None:
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> NoReturn: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         """Perform (backward mode: complete) or record (forward mode) one optimizer step.
 
         Raises:
@@ -274,7 +288,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._calls = 0
             self._engine.step()
             self._opt_called = True  # what LR schedulers check
-            self.optimizer._opt_called = True
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]  # set as torch does
         else:
             self._calls += 1
         for hook in chain(self._optimizer_step_post_hooks.values(),
@@ -320,7 +334,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Apply pending updates, remove every hook (and, forward mode, the read guards of
         :mod:`paraprop.optim.reads`), and return the wrapped optimizer."""
         self._engine.remove()
-        self.optimizer._paraprop_fused = False
+        self.optimizer._paraprop_fused = False  # type: ignore[attr-defined]  # (see __init__)
         return self.optimizer
 
     # state_dict hooks belong to the wrapped optimizer, whose state_dict() runs them
@@ -348,7 +362,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
 def _refuse_grad_scaler(mode: str) -> None:
     """Raise if the caller is ``GradScaler.step`` in a setting it cannot be exact in."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(3):  # GradScaler.step -> _maybe_opt_step -> [scheduler wrapper] -> step
         if frame is None:
             return

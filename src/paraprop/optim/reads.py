@@ -38,6 +38,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
+from types import FrameType
 
 from torch import nn
 
@@ -177,7 +178,7 @@ def _copy_hook_dicts_without(module: nn.Module, ours: set[int], memo: dict) -> N
 
 def _in_zero_grad_set_to_none() -> bool:
     """Whether an ``nn.Module.zero_grad(set_to_none=True)`` call is enumerating parameters."""
-    f = sys._getframe(2)
+    f: FrameType | None = sys._getframe(2)
     for _ in range(8):  # items <- lambda <- _named_members <- named_parameters <- parameters
         if f is None:
             return False
