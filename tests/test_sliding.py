@@ -246,3 +246,71 @@ def test_bad_guess_is_refused():
                              r"sample \(0,\), position \(\d+,\): guesses must be finite"):
         paraprop.solve(nan, torch.zeros(nan.shape, dtype=torch.float64),
                        method=SlidingJacobi(8), dim=-2, tol=0)
+
+
+# -- the freeze rule: the error growth stated to the solver or by the map -------------------------
+class _Grows:
+    """``x_t = 0.5 tanh(x_{t-1}) + c_t``, with ``growth`` (when stated) an upper bound of how much
+    an error at each position grows by the end, deliberately loose: ``2 ** (T - 1 - t)``."""
+
+    def __init__(self, T, B, stated):
+        self.T = T
+        self.c = torch.randn(T, 1, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        if stated:
+            self.growth = self.stated(B)
+
+    def stated(self, B):
+        return (2.0 ** torch.arange(self.T - 1, -1, -1, dtype=torch.float64)).repeat(B)
+
+    def __call__(self, x):
+        prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)
+        return 0.5 * torch.tanh(prev) + self.c
+
+    def window(self, x, start, stop, cache):
+        return self(x)[:, start:stop], None
+
+
+@pytest.mark.parametrize("window", [3, 8])
+@pytest.mark.parametrize("tol", [1e-3, 1e-6])
+def test_a_growth_stated_to_the_rule_is_the_growth_stated_by_the_map(window, tol):
+    """``SlidingJacobi(w, freeze=FreezeRule(growth=g))`` on a map without hooks solves exactly
+    as the same map stating ``fn.growth = g``: the same iterate, counters and estimate, within
+    tol of the sequential result; and a stated growth does change the freezes (the same map
+    stating none computes no more positions, and freezes otherwise)."""
+    B, T = 2, 24
+    x0 = torch.zeros(B, T, 1, dtype=torch.float64)
+    hooked = _Grows(T, B, stated=True)
+    plain = _Grows(T, B, stated=False)
+    ref = paraprop.solve(plain, x0, method="sequential", dim=1).value
+    a = paraprop.solve(hooked, x0, method=SlidingJacobi(window), dim=1, tol=tol)
+    rule = paraprop.solvers.FreezeRule(growth=plain.stated(B))
+    b = paraprop.solve(plain, x0, method=SlidingJacobi(window, freeze=rule), dim=1, tol=tol)
+    assert a.converged and b.converged
+    assert torch.equal(a.value, b.value)
+    assert (a.iterations, a.evaluations, a.stats["error_estimate"]) == \
+        (b.iterations, b.evaluations, b.stats["error_estimate"])
+    assert float((b.value - ref).abs().max()) <= tol
+    free = paraprop.solve(plain, x0, method=SlidingJacobi(window), dim=1, tol=tol)
+    assert free.stats["positions"] <= b.stats["positions"]
+    assert (free.stats["positions"], free.stats["error_estimate"]) != \
+        (b.stats["positions"], b.stats["error_estimate"])
+
+
+def test_the_freeze_rule_refuses_what_is_no_growth():
+    """A growth that is not a float tensor is refused at once, one of the wrong size or a
+    negative one when the solve reads it, each naming ``FreezeRule(growth=...)``."""
+    with pytest.raises(TypeError, match="growth must be None or a floating-point tensor"):
+        paraprop.solvers.FreezeRule(growth=[1.0, 2.0])
+    with pytest.raises(TypeError, match="freeze must be a paraprop.solvers.FreezeRule"):
+        SlidingJacobi(4, freeze="growth")
+    B, T = 2, 10
+    fn = _Grows(T, B, stated=False)
+    x0 = torch.zeros(B, T, 1, dtype=torch.float64)
+    short = paraprop.solvers.FreezeRule(growth=torch.ones(T))
+    with pytest.raises(ValueError, match=r"FreezeRule\(growth=\.\.\.\) must be None or .* "
+                                         r"2 x 10 values, got .* shape \(10,\)"):
+        paraprop.solve(fn, x0, method=SlidingJacobi(4, freeze=short), dim=1, tol=1e-3)
+    negative = paraprop.solvers.FreezeRule(growth=-torch.ones(B * T, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"FreezeRule\(growth=\.\.\.\) must state upper bounds"):
+        paraprop.solve(fn, x0, method=SlidingJacobi(4, freeze=negative), dim=1, tol=1e-3)
+    assert "freeze=FreezeRule(growth=...)" in repr(SlidingJacobi(4, freeze=short))

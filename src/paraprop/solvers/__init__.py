@@ -12,6 +12,7 @@ Each class has ``bound(system)`` (iterations that guarantee the exact result), `
 """
 
 from paraprop.solvers.anderson import TriangularAnderson
+from paraprop.solvers.freezing import FreezeRule
 from paraprop.solvers.gs_jacobi import GSJacobi
 from paraprop.solvers.jacobi import Jacobi
 from paraprop.solvers.jacobi_gs import JacobiGS
@@ -66,6 +67,7 @@ def make_solver(method, *, argument: str = "method", names=METHODS):
                     f" got {type(method).__name__}")
 
 
-__all__ = ["ELK", "METHODS", "NEWTON_METHODS", "SOLVERS", "GSJacobi", "Jacobi", "JacobiGS",
+__all__ = ["ELK", "METHODS", "NEWTON_METHODS", "SOLVERS", "FreezeRule", "GSJacobi", "Jacobi",
+           "JacobiGS",
            "Newton", "QuasiELK", "QuasiNewton", "Sequential", "SlidingJacobi",
            "TriangularAnderson", "is_solver", "make_solver"]
