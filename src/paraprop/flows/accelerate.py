@@ -26,6 +26,9 @@ once and honoured from the next call on; other attributes of the handle are read
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Literal
 
 from torch import nn
 
@@ -57,8 +60,14 @@ class Accelerated:
     """
 
     SETTINGS = ("method", "tol", "max_iters", "throw")
+    # the instance's attributes, set through __dict__ (__setattr__ takes the settings only)
+    flow: nn.Module
+    parts: tuple[nn.Module, ...]
+    active: bool
+    _cfg: part_solve.Settings
+    _counters: patches.Counters
 
-    def __init__(self, flow: nn.Module, parts: list[tuple[object, nn.Module]],
+    def __init__(self, flow: nn.Module, parts: Sequence[tuple[ModuleType, nn.Module]],
                  cfg: part_solve.Settings, names: dict[int, str] | None = None):
         d = self.__dict__
         d["flow"], d["parts"] = flow, tuple(p for _, p in parts)
@@ -137,7 +146,7 @@ class Accelerated:
     def __enter__(self) -> Accelerated:
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> Literal[False]:
         self.undo()
         return False
 

@@ -30,8 +30,9 @@ class Order:
     gid_row: torch.Tensor       # (1, D): gid, and gid + 1, as rows against (N, D) passes
     next_row: torch.Tensor
     k_G: torch.Tensor           # 0-d G
-    host_rows: tuple | None     # on the host, NumPy: gid as a (1, D) row of the narrowest
-    #                             integer type that holds it, and gid + 1 (D,) int64
+    # on the host, NumPy: gid as a (1, D) row of the narrowest integer type that holds it, and
+    # gid + 1 (D,) int64
+    host_rows: tuple[np.ndarray, np.ndarray] | None
 
 
 _ORDERS: dict[tuple, Order] = {}

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -48,7 +49,7 @@ FLOW_METHODS = tuple(m for m in METHODS if m not in NEWTON_METHODS)
 class Settings:
     """How each autoregressive transform is inverted (validated by :func:`settings`)."""
 
-    solver: object
+    solver: Any   # a solver object (paraprop.solvers.make_solver: the solver protocol)
     tol: float
     max_iters: int | None
     throw: bool

@@ -74,7 +74,13 @@ class Passes:
         self.stopped = "exact"   # why the solver was stopped: "exact" or "budget"
         self.fallback = 0        # passes of the library's loop after it (:meth:`finish`)
         self.p_min = 0           # host copy of P.min()
-        self.E = self.P = self.chain = self.last = self.shape = None
+        # set by the first pass: the proven values, the groups proven per sample, whether each
+        # sample's iterate has been the library's own so far, the last pass's output, x's shape
+        self.E: torch.Tensor | None = None
+        self.P: torch.Tensor | None = None
+        self.chain: torch.Tensor | None = None
+        self.last: torch.Tensor | None = None
+        self.shape: torch.Size | None = None
         # built once per order, not per pass: the (1, D) rows of each position's group and of
         # the group after it, and the 0-d constants of the passes' operators (a Python number
         # there costs a tensor of its own at every operator)
@@ -86,7 +92,8 @@ class Passes:
         # arrays this small); elsewhere the pass's facts travel in one transfer
         self.host = plan.gid.device.type == "cpu"
         self.rows_np = plan.host_rows
-        self.E_np = self.P_np = None
+        self.E_np: np.ndarray | None = None   # NumPy views of E and P (host bookkeeping)
+        self.P_np: np.ndarray | None = None
         # on the host, what the last pass proved about its own output y (see :meth:`_learn`):
         # y is finite, and the least proven prefix after a pass at x == y
         self.last_finite = False
@@ -101,6 +108,7 @@ class Passes:
         proven values on groups ``< P`` gets groups ``<= P`` exact (``min(P + 1, G)``); one
         whose input differs there gains nothing (a difference at group ``k < P`` proves groups
         ``<= k``, which it has)."""
+        assert self.P is not None and self.E is not None   # set by the first pass
         known = self.gid_row < self.P[:, None]
         off = ((xf != self.E) & known).any(1)
         return min(int(torch.where(off, self.P, self.P + 1).amin()), self.G)
@@ -126,6 +134,7 @@ class Passes:
                 same = self.host and torch.equal(xf, self.last)
             known = same
             if not same:
+                assert self.chain is not None   # set with last, by the first pass
                 self.chain = self.chain & (xf == self.last).all(1)
         if self.budgeted and self.evals + 1 + self._need(self.p_min) > self.budget:
             # the budget is tight: the pass must add a group for every sample; at x == y of
@@ -153,6 +162,7 @@ class Passes:
         # at NaN/inf, so one sum per row tells whether the row is finite. On the host: x equal
         # to the last output, which was finite, or one sum of x read as a number, clears every
         # row at once (an overflow of that sum only sends it to the per-row test)
+        assert self.E is not None and self.P is not None   # set by the first pass
         if self.host and ((same and self.last_finite) or math.isfinite(float(xf.sum()))):
             fin = None
         else:
@@ -192,6 +202,8 @@ class Passes:
         same values. The first differing position of each row by one ``argmax`` of the
         comparison (NumPy stops at the first ``True``), the mask of the proven groups in the
         narrowest integer type; the finiteness sums by torch (vectorised)."""
+        # set by the first pass (rows_np, with the order's plan, on the host)
+        assert self.E_np is not None and self.P_np is not None and self.rows_np is not None
         xn, yn = _host(xf), _host(yf)
         gid_row, next_flat = self.rows_np
         if (same and self.last_finite) or math.isfinite(float(xf.sum())):
@@ -219,6 +231,7 @@ class Passes:
         """A NaN/inf in ``h(x)`` from a finite ``x`` (``fin``: its finite rows, ``None``: all):
         :class:`NonFiniteError` where the library's loop computes it too; nothing where only
         another method's iterate led to it (the solver keeps its old values there)."""
+        assert self.chain is not None and self.shape is not None   # set by the first pass
         bad = ~torch.isfinite(yf)
         if fin is not None:
             bad &= fin[:, None]
@@ -240,8 +253,8 @@ class Passes:
         for its last group, within the budget and ``cap`` (total passes); ``False`` if ``cap``
         ended them first."""
         self.budgeted = False
-        if self.E is None:   # stopped before any pass (one group: the final pass is all)
-            return True
+        if self.E is None or self.shape is None:   # stopped before any pass (one group: the
+            return True                            # final pass is all; both set by the first)
         while self.p_min < self.G - 1 and self.evals + 1 < self.budget:
             if cap is not None and self.evals >= cap:
                 return False

@@ -16,6 +16,8 @@ normflows) are in :mod:`paraprop.flows.inverse`; these are the ones of the libra
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -26,6 +28,34 @@ from paraprop import checks
 __all__ = ["CHUNK", "BlockInverse", "default_chunk", "sequential_cached"]
 
 CHUNK = 8  # about this many positions per batched product of the sampling maps
+
+
+class TarFlowLayer(Protocol):
+    """What the inverses read of one transformer layer of a TarFlow block (pre-norm causal
+    self-attention, then an MLP)."""
+
+    ln1: nn.LayerNorm
+    qkv: nn.Linear
+    proj: nn.Linear
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor: ...
+
+
+class TarFlowBlock(Protocol):
+    """What the inverses read of one flow block of :class:`paraprop.models.TarFlow`: ``T``
+    patches of ``P`` values, the input projection and positions, the layers, the final norm and
+    the output projection to ``(mu, alpha)``. (Typed here, not imported: :mod:`paraprop.flows`
+    does not import the models; a block arrives as the ``nn.Module`` that
+    ``TarFlow.blocks[k]`` is, and is read through this protocol.)"""
+
+    T: int
+    P: int
+    heads: int
+    inp: nn.Linear
+    pos: torch.Tensor
+    layers: Sequence[TarFlowLayer]
+    norm: nn.LayerNorm
+    out: nn.Linear
 
 
 def default_chunk(T: int) -> int:
@@ -64,29 +94,31 @@ class BlockInverse:
     """
 
     def __init__(self, block: nn.Module, z: torch.Tensor, chunk: int | None = None):
-        self.T, self.P = block.T, block.P
+        blk = cast(TarFlowBlock, block)   # nn.Module's attributes are untyped: see the protocol
+        self.T, self.P = blk.T, blk.P
         chunk = default_chunk(self.T) if chunk is None else checks.positive_int("chunk", chunk)
-        self.block, self.z, self.c = block, z, chunk
+        self.block, self.z, self.c = blk, z, chunk
         self.L = -(-self.T // chunk) * chunk      # positions padded to whole chunks
         self.x0 = torch.zeros_like(z)
         self.dim = -2
         self.calls = self.chunks = 0
         with torch.no_grad():
-            self.pos = F.pad(block.pos.detach(), (0, 0, 1, self.L - self.T))
+            self.pos = F.pad(blk.pos.detach(), (0, 0, 1, self.L - self.T))
         # within a chunk, key r' > query r is masked
         self.future = torch.ones(chunk, chunk, dtype=torch.bool, device=z.device).triu(1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.window(x, 0, self.T, None)[0]
 
-    def _fresh(self, x: torch.Tensor) -> dict:
+    def _fresh(self, x: torch.Tensor) -> dict[str, Any]:
         B, d, H = x.shape[0], self.block.inp.out_features, self.block.heads
         n = len(self.block.layers)
         return {"chunks": 0, "shape": tuple(x.shape), "dtype": x.dtype, "device": x.device,
                 "k": [x.new_zeros(B * H, d // H, self.L) for _ in range(n)],   # keys, transposed
                 "v": [x.new_zeros(B * H, self.L, d // H) for _ in range(n)]}
 
-    def window(self, x: torch.Tensor, start: int, stop: int, cache: dict | None):
+    def window(self, x: torch.Tensor, start: int, stop: int, cache: dict[str, Any] | None
+               ) -> tuple[torch.Tensor, dict[str, Any]]:
         """``(values, cache)``: ``fn(x)`` at the patches ``[start, stop)`` ``(N, stop - start,
         P)``, given that the patches ``< start`` are final."""
         if not (isinstance(cache, dict) and cache.get("shape") == tuple(x.shape)
@@ -102,7 +134,7 @@ class BlockInverse:
         out = torch.cat(vals[first - min(have, first):], dim=1)
         return out[:, start - first * c : stop - first * c], cache
 
-    def _chunk(self, x: torch.Tensor, j: int, cache: dict) -> torch.Tensor:
+    def _chunk(self, x: torch.Tensor, j: int, cache: dict[str, Any]) -> torch.Tensor:
         """``fn(x)`` at the patches of chunk ``j`` (those below ``T``), from the keys and values
         of the chunks ``< j`` in ``cache``; its own keys and values go to ``cache``."""
         blk, c, P, T = self.block, self.c, self.P, self.T
@@ -144,22 +176,23 @@ def sequential_cached(block: nn.Module, z: torch.Tensor) -> torch.Tensor:
     Returns:
         ``x`` ``(N, T, P)`` with ``block(x)[0] == z`` up to rounding.
     """
+    blk = cast(TarFlowBlock, block)   # nn.Module's attributes are untyped: see the protocol
     B, T, P = z.shape
-    d, H = block.inp.out_features, block.heads
+    d, H = blk.inp.out_features, blk.heads
     dh = d // H
     x = torch.empty_like(z)
     x[:, 0] = z[:, 0]
-    keys = [z.new_empty(B, H, T - 1, dh) for _ in block.layers]
-    values = [z.new_empty(B, H, T - 1, dh) for _ in block.layers]
+    keys = [z.new_empty(B, H, T - 1, dh) for _ in blk.layers]
+    values = [z.new_empty(B, H, T - 1, dh) for _ in blk.layers]
     for t in range(T - 1):
-        h = block.inp(x[:, t]) + block.pos[t]                         # (B, d)
-        for layer, K, V in zip(block.layers, keys, values, strict=True):
+        h = blk.inp(x[:, t]) + blk.pos[t]                         # (B, d)
+        for layer, K, V in zip(blk.layers, keys, values, strict=True):
             q, k, v = layer.qkv(layer.ln1(h)).view(B, 3, H, dh).unbind(1)
             K[:, :, t], V[:, :, t] = k, v
             a = F.scaled_dot_product_attention(q[:, :, None], K[:, :, : t + 1],
                                                V[:, :, : t + 1])
             h = h + layer.proj(a.reshape(B, d))
             h = h + layer.mlp(h)
-        mu, alpha = block.out(block.norm(h)).chunk(2, dim=-1)
+        mu, alpha = blk.out(blk.norm(h)).chunk(2, dim=-1)
         x[:, t + 1] = z[:, t + 1] * torch.exp(alpha) + mu
     return x

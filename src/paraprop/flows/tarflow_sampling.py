@@ -39,6 +39,8 @@ CACHED_SHARE = 0.25
 # Markov system), and "auto", a measured choice per block (as nn's "auto")
 TARFLOW_METHODS = ("sequential_cached", *FLOW_METHODS, "auto")
 
+# a flow's blocks (TarFlow.blocks, an nn.ModuleList), last inverted first
+Blocks = nn.ModuleList | Sequence[nn.Module]
 # what inverts one block: "sequential_cached" or a solver object (any object with the solver
 # protocol, paraprop.solvers.is_solver: a structural check, hence Any)
 BlockMethod = Any
@@ -85,7 +87,7 @@ def invert_block(block: nn.Module, z: torch.Tensor, method: BlockMethod, tol: fl
     return sol
 
 
-def invert(blocks: Sequence[nn.Module], h: torch.Tensor, plan: Sequence[BlockMethod],
+def invert(blocks: Blocks, h: torch.Tensor, plan: Sequence[BlockMethod],
            measured: Sequence[float | None], *, tol: float, max_iters: int | None,
            chunk: int) -> tuple[torch.Tensor, list[Solution]]:
     """``(x, solutions)``: the patches ``x`` whose image through the blocks is ``h``
@@ -135,7 +137,7 @@ def solution(images: torch.Tensor, sols: list[Solution], plan: Sequence[BlockMet
                             if why is None else "", reason=why)
 
 
-def calibrate(blocks: Sequence[nn.Module], h: torch.Tensor, *, tol: float, chunk: int,
+def calibrate(blocks: Blocks, h: torch.Tensor, *, tol: float, chunk: int,
               cost: str) -> tuple[list[BlockMethod], list[float]]:
     """The plan of ``TarFlow.calibrate`` (which documents it) from the calibration latents
     ``h`` (patches), and per block the cached loop's measured deviation from the exact inverse
@@ -164,7 +166,7 @@ def calibrate(blocks: Sequence[nn.Module], h: torch.Tensor, *, tol: float, chunk
     return plan, deviation
 
 
-def cached_deviation(blocks: Sequence[nn.Module], h: torch.Tensor, run: list[Solution],
+def cached_deviation(blocks: Blocks, h: torch.Tensor, run: list[Solution],
                      chunk: int) -> list[float]:
     """Per block (block order): ``max |x - x*|`` of the KV-cached loop's inverse ``x`` in
     ``run`` (its blocks' Solutions) against the exact inverse ``x*`` of the same input

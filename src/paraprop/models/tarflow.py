@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import cast
 
 import torch
 from torch import nn
@@ -169,6 +170,12 @@ class TarFlow(Checkpointed, nn.Module):
                                         for _ in range(blocks))
         self._plans: dict = {}  # the plan of method="auto" (see calibrate)
 
+    @property
+    def _weight(self) -> torch.Tensor:
+        """A parameter of the model (the first block's output projection): its dtype and
+        device are the model's."""
+        return cast(_Block, self.blocks[0]).out.weight
+
     # -- density ------------------------------------------------------------------------------
     def _check_images(self, x, name: str = "x") -> None:
         shape = (self.channels, self.image_size, self.image_size)
@@ -176,7 +183,7 @@ class TarFlow(Checkpointed, nn.Module):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name} must have shape (N, {', '.join(map(str, shape))}), "
                              f"got {got}")
-        ref = self.blocks[0].out.weight
+        ref = self._weight
         if x.dtype != ref.dtype:
             raise TypeError(f"{name} must have the model's dtype {ref.dtype}, got {x.dtype}")
 
@@ -237,7 +244,7 @@ class TarFlow(Checkpointed, nn.Module):
         checks.positive_int("n", n)
         checks.positive_number("temperature", temperature, finite=True)
         require_deterministic(self, argument="flow", entry="TarFlow.sample")
-        ref = self.blocks[0].out.weight
+        ref = self._weight
         if noise is None:
             where = generator.device if generator is not None else torch.device("cpu")
             shape = (n, self.channels, self.image_size, self.image_size)
@@ -368,7 +375,7 @@ class TarFlow(Checkpointed, nn.Module):
         if method == "auto":
             version = self._weights_version()
             samples = min(batch, 64)
-            key = (float(tol), chunk, samples, self.blocks[0].out.weight.dtype, version)
+            key = (float(tol), chunk, samples, self._weight.dtype, version)
             if key not in self._plans:   # plans of older weights go; other settings stay
                 self._plans = {k: v for k, v in self._plans.items() if k[-1] == version}
                 self._plans[key] = self._calibrate(tol, samples, 0, chunk, "time")
@@ -440,7 +447,7 @@ class TarFlow(Checkpointed, nn.Module):
                    ) -> tuple[list, list[float]]:
         """:meth:`calibrate`'s plan, and per block the cached loop's measured deviation from
         the exact inverse (``inf`` where it was not measured: ``tol=0``)."""
-        ref = self.blocks[0].out.weight
+        ref = self._weight
         g = torch.Generator().manual_seed(seed)
         shape = (samples, self.channels, self.image_size, self.image_size)
         z = torch.randn(shape, generator=g, dtype=ref.dtype).to(ref.device)
