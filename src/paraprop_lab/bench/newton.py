@@ -177,8 +177,8 @@ def forward_cell(H: int, T: int, x: torch.Tensor, warm: int, reps: dict):
         row[f"{m}_ms"] = 1e3 * median(times[m])
         row[f"{m}_speedup"] = row["torch_ms"] / row[f"{m}_ms"]
     for m in METHODS:
-        row[f"{m}_iters"] = stats[m]["iterations"][0]
-        row[f"{m}_resets"] = stats[m]["resets"][0]
+        row[f"{m}_iters"] = stats[m][0].iterations
+        row[f"{m}_resets"] = stats[m][0].stats.get("resets", 0)
         row[f"{m}_err"] = float((outs[m] - outs["torch"]).abs().max())
     return row, times
 
