@@ -556,7 +556,7 @@ def test_the_loader_runs_each_module_once_per_mode_under_a_lock(monkeypatch):
         t.join()
     assert len(got) == 4 and all(m is got[0] for m in got) and got[0].INTERPRETED
     cells = tk.load_mode("paraprop.nn._triton_cells", True)
-    assert cells._scan is got[0] and cells._affine is got[0]._affine       # shared helpers
+    assert cells._scan is got[0] and cells._diag_block is got[0]._diag_block   # shared helpers
     compiled = tk.load_mode("paraprop.nn._triton_cells", False)
     assert not compiled.INTERPRETED and compiled._scan is tk.load_mode(
         "paraprop.scan._triton_scan", False)

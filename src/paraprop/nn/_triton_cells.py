@@ -12,8 +12,9 @@ Jacobian ``J_t = d y_t / d x_{t-1}`` (a diagonal, or a ``2 x 2`` block per unit)
 ``tl.associative_scan`` with a carry from block to block (``delta = 0`` before position ``lo``);
 written out are ``y`` and ``trial = x + delta``. As in :mod:`paraprop.scan._triton_scan`, few
 rows split time into chunks: pass 1 keeps each chunk's transfer and end, the carries kernel of
-the scans gives each chunk's start, pass 2 writes. The combine functions and sums are
-:mod:`paraprop.scan._triton_scan`'s, from its copy in this module's mode.
+the scans gives each chunk's start, pass 2 writes. The combine functions, the blocks' times and
+the carry code (the ``2 x 2`` one included) are :mod:`paraprop.scan._triton_scan`'s, from its copy
+in this module's mode.
 
 The cell's ``exp`` and ``tanh`` are libdevice's (CUDA's ``expf`` / ``tanhf``, what torch's CUDA
 kernels call) and its divisions round to nearest; in the interpreter they are computed in
@@ -38,7 +39,10 @@ if triton is not None:
     from paraprop.scan import triton_kernels as _loader
 
     _scan = _loader.load_mode("paraprop.scan._triton_scan", _loader.loading_mode())
-    _jit, _SUM, _affine, _affine2 = _scan._jit, _scan._SUM, _scan._affine, _scan._affine2
+    _jit, _affine2, _at = _scan._jit, _scan._affine2, _scan._at
+    _block, _diag_block, _diag_total = _scan._block, _scan._diag_block, _scan._diag_total
+    _pair_identity, _pair_apply = _scan._pair_identity, _scan._pair_apply
+    _pair_then, _pair_total = _scan._pair_then, _scan._pair_total
     INTERPRETED = _scan.INTERPRETED
 else:
     _scan, INTERPRETED = None, False
@@ -117,12 +121,10 @@ def gru_step(gi_ptr, x_ptr, h0_ptr, w_ptr, bh_ptr, y_ptr, trial_ptr, start_ptr, 
     s_lo = lo + c * L
     s_hi = tl.minimum(T, s_lo + L)
     for blk in range(0, (s_hi - s_lo + BLOCK_T - 1) // BLOCK_T):
-        t = s_lo + blk * BLOCK_T + i
-        m = um[:, None] & (t < s_hi)[None, :]
-        t64 = t.to(tl.int64)
+        t64, m = _block(T, s_lo + blk * BLOCK_T, s_hi, i, um, BLOCK_T, False)
         px = x_ptr + n * sx_n + u64[:, None] * sx_h + t64[None, :] * sx_t
         x = tl.load(px, mask=m, other=0.0).to(ACC)
-        first = (t == 0)[None, :]
+        first = (t64 == 0)[None, :]
         hp = tl.load(px - sx_t, mask=m & ~first, other=0.0).to(ACC)
         hp = tl.where(first, h0[:, None], hp)
         pg = gi_ptr + n * sg_n + u64[:, None] * sg_h + t64[None, :] * sg_t
@@ -147,20 +149,14 @@ def gru_step(gi_ptr, x_ptr, h0_ptr, w_ptr, bh_ptr, y_ptr, trial_ptr, start_ptr, 
         q = q + (y - nv) * wz
         a = tl.where(m, _lerp(q, 1.0, z), 1.0)
         res = tl.where(m, y - x, 0.0)
-        A, R = tl.associative_scan((a, res), 1, _affine)
-        delta = A * carry[:, None] + R
+        delta, carry, prod = _diag_block(a, res, carry, prod, (i == BLOCK_T - 1)[None, :], PASS,
+                                         False)
         if PASS != 1:
             po = n * sy_n + u64[:, None] * sy_h + t64[None, :] * sy_t
             tl.store(y_ptr + po, y.to(y_ptr.dtype.element_ty), mask=m)
             tl.store(trial_ptr + po, (x + delta).to(trial_ptr.dtype.element_ty), mask=m)
-        last = (i == BLOCK_T - 1)[None, :]
-        carry = tl.reduce(tl.where(last, delta, 0.0), 1, _SUM)
-        if PASS == 1:
-            prod = prod * tl.reduce(tl.where(last, A, 0.0), 1, _SUM)
     if PASS == 1:
-        base = (n * C + c) * 2 * H
-        tl.store(tot_ptr + base + u64, prod, mask=um)
-        tl.store(tot_ptr + base + H + u64, carry, mask=um)
+        _diag_total(tot_ptr + (n * C + c) * 2 * H, H, u64, prod, carry, um)
 
 
 @_jit
@@ -193,20 +189,15 @@ def lstm_step(gi_ptr, x_ptr, h0_ptr, w_ptr, y_ptr, trial_ptr, start_ptr, tot_ptr
     else:
         k0 = tl.full([BLOCK_U], 0.0, dtype=ACC)
         k1 = tl.full([BLOCK_U], 0.0, dtype=ACC)
-    p00 = tl.full([BLOCK_U], 1.0, dtype=ACC)
-    p01 = tl.full([BLOCK_U], 0.0, dtype=ACC)
-    p10 = tl.full([BLOCK_U], 0.0, dtype=ACC)
-    p11 = tl.full([BLOCK_U], 1.0, dtype=ACC)
+    p00, p01, p10, p11 = _pair_identity(BLOCK_U, ACC)
     s_lo = lo + c * L
     s_hi = tl.minimum(T, s_lo + L)
     for blk in range(0, (s_hi - s_lo + BLOCK_T - 1) // BLOCK_T):
-        t = s_lo + blk * BLOCK_T + steps
-        m = um[:, None] & (t < s_hi)[None, :]
-        t64 = t.to(tl.int64)
+        t64, m = _block(T, s_lo + blk * BLOCK_T, s_hi, steps, um, BLOCK_T, False)
         px = x_ptr + u64[:, None] * sx_u + t64[None, :] * sx_t
         xh = tl.load(px, mask=m, other=0.0).to(ACC)
         xc = tl.load(px + sx_c, mask=m, other=0.0).to(ACC)
-        first = (t == 0)[None, :]
+        first = (t64 == 0)[None, :]
         hp = tl.where(first, h0[:, None], tl.load(px - sx_t, mask=m & ~first, other=0.0).to(ACC))
         cp = tl.where(first, c0[:, None],
                       tl.load(px - sx_t + sx_c, mask=m & ~first, other=0.0).to(ACC))
@@ -231,8 +222,7 @@ def lstm_step(gi_ptr, x_ptr, h0_ptr, w_ptr, y_ptr, trial_ptr, start_ptr, tot_ptr
         r1 = tl.where(m, cy - xc, 0.0)
         M00, M01, M10, M11, V0, V1 = tl.associative_scan((j00, j01, j10, j11, r0, r1), 1,
                                                          _affine2)
-        d0 = M00 * k0[:, None] + M01 * k1[:, None] + V0
-        d1 = M10 * k0[:, None] + M11 * k1[:, None] + V1
+        d0, d1 = _pair_apply(M00, M01, M10, M11, V0, V1, k0, k1)
         if PASS != 1:
             po = u64[:, None] * sy_u + t64[None, :] * sy_t
             tl.store(y_ptr + po, hy.to(y_ptr.dtype.element_ty), mask=m)
@@ -240,20 +230,9 @@ def lstm_step(gi_ptr, x_ptr, h0_ptr, w_ptr, y_ptr, trial_ptr, start_ptr, tot_ptr
             tl.store(trial_ptr + po, (xh + d0).to(trial_ptr.dtype.element_ty), mask=m)
             tl.store(trial_ptr + po + sy_c, (xc + d1).to(trial_ptr.dtype.element_ty), mask=m)
         last = (steps == BLOCK_T - 1)[None, :]
-        k0 = tl.reduce(tl.where(last, d0, 0.0), 1, _SUM)
-        k1 = tl.reduce(tl.where(last, d1, 0.0), 1, _SUM)
+        k0 = _at(last, d0)
+        k1 = _at(last, d1)
         if PASS == 1:
-            q00 = tl.reduce(tl.where(last, M00, 0.0), 1, _SUM)
-            q01 = tl.reduce(tl.where(last, M01, 0.0), 1, _SUM)
-            q10 = tl.reduce(tl.where(last, M10, 0.0), 1, _SUM)
-            q11 = tl.reduce(tl.where(last, M11, 0.0), 1, _SUM)
-            p00, p01, p10, p11 = (q00 * p00 + q01 * p10, q00 * p01 + q01 * p11,
-                                  q10 * p00 + q11 * p10, q10 * p01 + q11 * p11)
+            p00, p01, p10, p11 = _pair_then(last, M00, M01, M10, M11, p00, p01, p10, p11)
     if PASS == 1:
-        base = (u64 * C + c) * 6
-        tl.store(tot_ptr + base, p00, mask=um)
-        tl.store(tot_ptr + base + 1, p01, mask=um)
-        tl.store(tot_ptr + base + 2, p10, mask=um)
-        tl.store(tot_ptr + base + 3, p11, mask=um)
-        tl.store(tot_ptr + base + 4, k0, mask=um)
-        tl.store(tot_ptr + base + 5, k1, mask=um)
+        _pair_total(tot_ptr + (u64 * C + c) * 6, p00, p01, p10, p11, k0, k1, um)

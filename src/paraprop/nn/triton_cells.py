@@ -36,6 +36,18 @@ def _chunks(x: torch.Tensor, programs: int, blocks: int, BT: int, n: int,
     return math.ceil(n / L), L
 
 
+def _nothing_to_do(entry: str, n: int, rows: int, y: torch.Tensor,
+                   trial: torch.Tensor) -> bool:
+    """Whether a step has no position (``n``) or no row to compute; ``ValueError`` when ``y``
+    and ``trial`` differ in strides (the kernels address both with one set)."""
+    if n <= 0 or rows == 0:
+        return True
+    if y.stride() != trial.stride():
+        raise ValueError(f"{entry}: y and trial must have the same strides, got y "
+                         f"{tuple(y.stride())} and trial {tuple(trial.stride())}")
+    return False
+
+
 def gru_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: torch.Tensor,
                     b: torch.Tensor | None, lo: int, y: torch.Tensor, trial: torch.Tensor, *,
                     block_t: int | None = None, chunks: int | None = None) -> None:
@@ -54,11 +66,8 @@ def gru_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: torc
     """
     B, T, H = x.shape
     n = T - lo
-    if n <= 0 or B == 0:
+    if _nothing_to_do("gru_newton_step", n, B, y, trial):
         return
-    if y.stride() != trial.stride():
-        raise ValueError(f"gru_newton_step: y and trial must have the same strides, got y "
-                         f"{tuple(y.stride())} and trial {tuple(trial.stride())}")
     if block_t is not None:
         BT = max(2, tk._pow2(block_t))
         BH = min(tk._pow2(H), max(1, TILE // BT))
@@ -78,18 +87,16 @@ def gru_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: torc
     meta = {"HAS_B": b is not None, "ACC": acc, "BLOCK_H": BH, "BLOCK_T": BT, "num_warps": 4}
     args = (gi, x, h0, w, b, y, trial)
     grid = (tiles * B, C)                   # program (tile of units, sample), chunk
-    with tk.on(x.device, "gru_step"):
-        if C == 1:
-            mod.gru_step[grid](*args, None, None, T, H, lo, L, *strides, PASS=0, **meta)
-            return
-        wide = tk._wide(x.dtype)
-        tot = torch.empty(B, C, 2, H, dtype=wide, device=x.device)
-        start = torch.empty(B, C, H, dtype=wide, device=x.device)
-        mod.gru_step[grid](*args, None, tot, T, H, lo, L, *strides, PASS=1, **meta)
+
+    def launch(start, tot, PASS):
+        mod.gru_step[grid](*args, start, tot, T, H, lo, L, *strides, PASS=PASS, **meta)
+
+    def carries(tot, start):
         scan = tk.load("paraprop.scan._triton_scan", x.device)
         scan.diag_carries[(tiles * B,)](tot, None, start, C, H, 0, 0, HAS_H0=False, ACC=acc,
                                         BLOCK_D=BH)
-        mod.gru_step[grid](*args, start, None, T, H, lo, L, *strides, PASS=2, **meta)
+
+    tk.passes(x.device, "gru_step", C, launch, carries, (B, C, 2, H), (B, C, H), x.dtype)
 
 
 def lstm_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: torch.Tensor,
@@ -108,11 +115,8 @@ def lstm_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: tor
     U, T, _ = x.shape
     H = w.shape[1]
     n = T - lo
-    if n <= 0 or U == 0:
+    if _nothing_to_do("lstm_newton_step", n, U, y, trial):
         return
-    if y.stride() != trial.stride():
-        raise ValueError(f"lstm_newton_step: y and trial must have the same strides, got y "
-                         f"{tuple(y.stride())} and trial {tuple(trial.stride())}")
     mod = tk.load("paraprop.nn._triton_cells", x.device)
     BT = max(2, tk._pow2(block_t) if block_t is not None else min(tk._pow2(n), TILE // 4))
     BU = min(tk._pow2(U), max(1, TILE // 2 // BT))
@@ -123,18 +127,14 @@ def lstm_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: tor
                *y.stride(), *h0.stride())
     meta = {"ACC": acc, "BLOCK_U": BU, "BLOCK_T": BT, "num_warps": 4}
     args = (gi, x, h0, w, y, trial)
-    with tk.on(x.device, "lstm_step"):
-        if C == 1:
-            mod.lstm_step[(tiles, 1)](*args, None, None, T, U, H, lo, L, *strides, PASS=0,
-                                      **meta)
-            return
-        wide = tk._wide(x.dtype)
-        tot = torch.empty(U, C, 6, dtype=wide, device=x.device)
-        start = torch.empty(U, C, 2, dtype=wide, device=x.device)
-        mod.lstm_step[(tiles, C)](*args, None, tot, T, U, H, lo, L, *strides, PASS=1,
+
+    def launch(start, tot, PASS):
+        mod.lstm_step[(tiles, C)](*args, start, tot, T, U, H, lo, L, *strides, PASS=PASS,
                                   **meta)
+
+    def carries(tot, start):
         scan = tk.load("paraprop.scan._triton_scan", x.device)
         scan.pair_carries[(tiles,)](tot, None, start, C, U, 0, 0, HAS_H0=False, ACC=acc,
                                     BLOCK_N=BU)
-        mod.lstm_step[(tiles, C)](*args, start, None, T, U, H, lo, L, *strides, PASS=2,
-                                  **meta)
+
+    tk.passes(x.device, "lstm_step", C, launch, carries, (U, C, 6), (U, C, 2), x.dtype)

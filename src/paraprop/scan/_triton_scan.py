@@ -27,9 +27,10 @@ alone (one read of the inputs, one write of the states). Accumulation is float32
 float64 inputs); inputs and outputs may be float16 or bfloat16. Grids: rows (and tiles of
 channels) on axis 0, chunks on axis 1 (CUDA allows 65535 there, ``2^31 - 1`` on axis 0).
 
-The helpers at the top (:func:`_jit`, :data:`_SUM`, :func:`_affine`, :func:`_affine2`) are
-shared: :mod:`paraprop.nn._triton_cells` takes them from the copy of this module loaded in its
-own mode (:func:`paraprop.scan.triton_kernels.load_mode`).
+The helpers (:func:`_jit`, :data:`_SUM`, :func:`_affine`, :func:`_block`, :func:`_at`, the
+``_diag_*`` functions of the diagonal carry, :func:`_affine2` and the ``_pair_*`` functions of the
+``2 x 2`` one) are shared: :mod:`paraprop.nn._triton_cells` takes them from the copy of this
+module loaded in its own mode (:func:`paraprop.scan.triton_kernels.load_mode`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,47 @@ def _affine(a1, b1, a2, b2):
 
 
 @_jit
+def _block(T, s0, s_hi, i, rows, BLOCK_T: tl.constexpr, REVERSE: tl.constexpr):
+    """The times (int64) of the block of steps ``[s0, s0 + BLOCK_T)`` in scan order (``i`` is
+    ``arange(BLOCK_T)``; ``REVERSE``: step ``s`` is time ``T - 1 - s``), in increasing order
+    (the loads stay vectorised), and the mask (``rows`` by times) of the valid rows' steps
+    before step ``s_hi``."""
+    if REVERSE:     # the block's times, increasing: [T - s0 - BLOCK_T, T - s0)
+        t = T - s0 - BLOCK_T + i
+        tm = t >= T - s_hi
+    else:
+        t = s0 + i
+        tm = t < s_hi
+    return t.to(tl.int64), rows[:, None] & tm[None, :]
+
+
+@_jit
+def _diag_block(a, b, carry, prod, last, PASS: tl.constexpr, REVERSE: tl.constexpr):
+    """One block of the diagonal scan (rows by steps): the states ``h`` from each row's
+    ``carry``, the carry for the next block (``h`` at the step ``last`` marks) and, in pass 1,
+    the chunk's transfer ``prod`` extended by the block's."""
+    A, B = tl.associative_scan((a, b), 1, _affine, reverse=REVERSE)
+    h = A * carry[:, None] + B
+    if PASS == 1:
+        prod = prod * _at(last, A)
+    return h, _at(last, h), prod
+
+
+@_jit
+def _diag_total(ptr, D, d, prod, end, mask):
+    """A chunk's transfer ``prod`` and end state ``end`` for channels ``d``: ``2 D`` values
+    per row from ``ptr``."""
+    tl.store(ptr + d, prod, mask=mask)
+    tl.store(ptr + D + d, end, mask=mask)
+
+
+@_jit
+def _at(last, x):
+    """``x`` at the one step of each row that ``last`` marks (the block's last in scan order)."""
+    return tl.reduce(tl.where(last, x, 0.0), 1, _SUM)
+
+
+@_jit
 def diag_scan(a_ptr, b_ptr, out_ptr, h0_ptr, start_ptr, tot_ptr,
               T, D, L,
               sa_n, sa_t, sa_d, sb_n, sb_t, sb_d, so_n, so_t, so_d, sh_n, sh_d,
@@ -109,34 +151,20 @@ def diag_scan(a_ptr, b_ptr, out_ptr, h0_ptr, start_ptr, tot_ptr,
     s_lo = c * L
     s_hi = tl.minimum(T, s_lo + L)
     for blk in range(0, (s_hi - s_lo + BLOCK_T - 1) // BLOCK_T):
-        s0 = s_lo + blk * BLOCK_T
-        if REVERSE:     # the block's times, increasing: [T - s0 - BLOCK_T, T - s0)
-            t = T - s0 - BLOCK_T + i
-            tm = t >= T - s_hi
-        else:
-            t = s0 + i
-            tm = t < s_hi
-        m = dm[:, None] & tm[None, :]
-        t64 = t.to(tl.int64)
+        t64, m = _block(T, s_lo + blk * BLOCK_T, s_hi, i, dm, BLOCK_T, REVERSE)
         a = tl.load(a_ptr + n * sa_n + d64[:, None] * sa_d + t64[None, :] * sa_t, mask=m,
                     other=1.0).to(ACC)
         b = tl.load(b_ptr + n * sb_n + d64[:, None] * sb_d + t64[None, :] * sb_t, mask=m,
                     other=0.0).to(ACC)
         a = tl.where(m, a, 1.0)
         b = tl.where(m, b, 0.0)
-        A, B = tl.associative_scan((a, b), 1, _affine, reverse=REVERSE)
-        h = A * carry[:, None] + B
+        last = ((i == 0) if REVERSE else (i == BLOCK_T - 1))[None, :]
+        h, carry, prod = _diag_block(a, b, carry, prod, last, PASS, REVERSE)
         if PASS != 1:
             tl.store(out_ptr + n * so_n + d64[:, None] * so_d + t64[None, :] * so_t,
                      h.to(out_ptr.dtype.element_ty), mask=m)
-        last = (i == 0) if REVERSE else (i == BLOCK_T - 1)
-        carry = tl.reduce(tl.where(last[None, :], h, 0.0), 1, _SUM)
-        if PASS == 1:
-            prod = prod * tl.reduce(tl.where(last[None, :], A, 0.0), 1, _SUM)
     if PASS == 1:
-        base = (n * C + c) * 2 * D
-        tl.store(tot_ptr + base + d64, prod, mask=dm)
-        tl.store(tot_ptr + base + D + d64, carry, mask=dm)
+        _diag_total(tot_ptr + (n * C + c) * 2 * D, D, d64, prod, carry, dm)
 
 
 @_jit
@@ -171,6 +199,44 @@ def _affine2(a00, a01, a10, a11, u0, u1, b00, b01, b10, b11, v0, v1):
 
 
 @_jit
+def _pair_identity(BLOCK: tl.constexpr, ACC: tl.constexpr):
+    """The entries of the ``2 x 2`` identity, ``BLOCK`` rows of them."""
+    one = tl.full([BLOCK], 1.0, dtype=ACC)
+    zero = tl.full([BLOCK], 0.0, dtype=ACC)
+    return one, zero, zero, one
+
+
+@_jit
+def _pair_apply(M00, M01, M10, M11, V0, V1, c0, c1):
+    """The scanned maps ``(M, V)`` (rows by steps) applied to each row's carry ``(c0, c1)``."""
+    return (M00 * c0[:, None] + M01 * c1[:, None] + V0,
+            M10 * c0[:, None] + M11 * c1[:, None] + V1)
+
+
+@_jit
+def _pair_then(last, M00, M01, M10, M11, p00, p01, p10, p11):
+    """``Q P`` with ``Q`` the scanned ``2 x 2`` map at the step ``last`` marks: the transfer of
+    a chunk so far, ``P``, extended by one block."""
+    q00 = _at(last, M00)
+    q01 = _at(last, M01)
+    q10 = _at(last, M10)
+    q11 = _at(last, M11)
+    return (q00 * p00 + q01 * p10, q00 * p01 + q01 * p11, q10 * p00 + q11 * p10,
+            q10 * p01 + q11 * p11)
+
+
+@_jit
+def _pair_total(ptr, p00, p01, p10, p11, e0, e1, mask):
+    """A chunk's transfer ``P`` and end state ``e``: six values per row from ``ptr``."""
+    tl.store(ptr, p00, mask=mask)
+    tl.store(ptr + 1, p01, mask=mask)
+    tl.store(ptr + 2, p10, mask=mask)
+    tl.store(ptr + 3, p11, mask=mask)
+    tl.store(ptr + 4, e0, mask=mask)
+    tl.store(ptr + 5, e1, mask=mask)
+
+
+@_jit
 def pair_scan(A_ptr, b_ptr, out_ptr, h0_ptr, start_ptr, tot_ptr,
               T, N, L,
               sA_n, sA_t, sA_i, sA_j, sb_n, sb_t, sb_h, so_n, so_t, so_h, sh_n, sh_h,
@@ -195,22 +261,11 @@ def pair_scan(A_ptr, b_ptr, out_ptr, h0_ptr, start_ptr, tot_ptr,
     else:
         c0 = tl.full([BLOCK_N], 0.0, dtype=ACC)
         c1 = tl.full([BLOCK_N], 0.0, dtype=ACC)
-    p00 = tl.full([BLOCK_N], 1.0, dtype=ACC)
-    p01 = tl.full([BLOCK_N], 0.0, dtype=ACC)
-    p10 = tl.full([BLOCK_N], 0.0, dtype=ACC)
-    p11 = tl.full([BLOCK_N], 1.0, dtype=ACC)
+    p00, p01, p10, p11 = _pair_identity(BLOCK_N, ACC)
     s_lo = c * L
     s_hi = tl.minimum(T, s_lo + L)
     for blk in range(0, (s_hi - s_lo + BLOCK_T - 1) // BLOCK_T):
-        s0 = s_lo + blk * BLOCK_T
-        if REVERSE:
-            t = T - s0 - BLOCK_T + i
-            tm = t >= T - s_hi
-        else:
-            t = s0 + i
-            tm = t < s_hi
-        m = nm[:, None] & tm[None, :]
-        t64 = t.to(tl.int64)
+        t64, m = _block(T, s_lo + blk * BLOCK_T, s_hi, i, nm, BLOCK_T, REVERSE)
         pa = A_ptr + r64[:, None] * sA_n + t64[None, :] * sA_t
         m00 = tl.where(m, tl.load(pa, mask=m, other=1.0).to(ACC), 1.0)
         m01 = tl.where(m, tl.load(pa + sA_j, mask=m, other=0.0).to(ACC), 0.0)
@@ -221,30 +276,18 @@ def pair_scan(A_ptr, b_ptr, out_ptr, h0_ptr, start_ptr, tot_ptr,
         v1 = tl.where(m, tl.load(pb + sb_h, mask=m, other=0.0).to(ACC), 0.0)
         M00, M01, M10, M11, V0, V1 = tl.associative_scan(
             (m00, m01, m10, m11, v0, v1), 1, _affine2, reverse=REVERSE)
-        h0 = M00 * c0[:, None] + M01 * c1[:, None] + V0
-        h1 = M10 * c0[:, None] + M11 * c1[:, None] + V1
+        h0, h1 = _pair_apply(M00, M01, M10, M11, V0, V1, c0, c1)
         if PASS != 1:
             po = out_ptr + r64[:, None] * so_n + t64[None, :] * so_t
             tl.store(po, h0.to(out_ptr.dtype.element_ty), mask=m)
             tl.store(po + so_h, h1.to(out_ptr.dtype.element_ty), mask=m)
         last = ((i == 0) if REVERSE else (i == BLOCK_T - 1))[None, :]
-        c0 = tl.reduce(tl.where(last, h0, 0.0), 1, _SUM)
-        c1 = tl.reduce(tl.where(last, h1, 0.0), 1, _SUM)
+        c0 = _at(last, h0)
+        c1 = _at(last, h1)
         if PASS == 1:       # P <- (the block's map) P
-            q00 = tl.reduce(tl.where(last, M00, 0.0), 1, _SUM)
-            q01 = tl.reduce(tl.where(last, M01, 0.0), 1, _SUM)
-            q10 = tl.reduce(tl.where(last, M10, 0.0), 1, _SUM)
-            q11 = tl.reduce(tl.where(last, M11, 0.0), 1, _SUM)
-            p00, p01, p10, p11 = (q00 * p00 + q01 * p10, q00 * p01 + q01 * p11,
-                                  q10 * p00 + q11 * p10, q10 * p01 + q11 * p11)
+            p00, p01, p10, p11 = _pair_then(last, M00, M01, M10, M11, p00, p01, p10, p11)
     if PASS == 1:
-        base = (r64 * C + c) * 6
-        tl.store(tot_ptr + base, p00, mask=nm)
-        tl.store(tot_ptr + base + 1, p01, mask=nm)
-        tl.store(tot_ptr + base + 2, p10, mask=nm)
-        tl.store(tot_ptr + base + 3, p11, mask=nm)
-        tl.store(tot_ptr + base + 4, c0, mask=nm)
-        tl.store(tot_ptr + base + 5, c1, mask=nm)
+        _pair_total(tot_ptr + (r64 * C + c) * 6, p00, p01, p10, p11, c0, c1, nm)
 
 
 @_jit

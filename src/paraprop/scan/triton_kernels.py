@@ -280,6 +280,26 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def passes(device: torch.device, what: str, C: int, launch, carries, tot_shape: tuple,
+           start_shape: tuple, dtype: torch.dtype) -> None:
+    """Run a scan kernel over ``C`` chunks of time, under :func:`on` (``what`` names it in a
+    failure). One chunk: pass 0 alone, ``launch(None, None, 0)``. Several: pass 1 keeps every
+    chunk's totals in ``tot`` (``launch(None, tot, 1)``), ``carries(tot, start)`` walks the
+    chunks for their true starts, pass 2 re-runs them from there (``launch(start, None, 2)``);
+    ``tot`` and ``start`` are allocated with the shapes given, in the accumulation dtype of
+    ``dtype``."""
+    with on(device, what):
+        if C == 1:
+            launch(None, None, 0)
+            return
+        wide = _wide(dtype)
+        tot = torch.empty(tot_shape, dtype=wide, device=device)
+        start = torch.empty(start_shape, dtype=wide, device=device)
+        launch(None, tot, 1)
+        carries(tot, start)
+        launch(start, None, 2)
+
+
 def _check_tensors(entry: str, **tensors: torch.Tensor | None) -> None:
     """Tensors (``h0`` may be ``None``) of one supported dtype."""
     for name, t in tensors.items():
@@ -341,17 +361,15 @@ def diag_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.T
     meta = {"HAS_H0": h0 is not None, "REVERSE": bool(reverse), "ACC": acc, "BLOCK_D": BD,
             "BLOCK_T": BT, "num_warps": 4}
     grid = (tiles * N, C)                   # program (tile of channels, row), chunk
-    with on(b.device, "diag_scan"):
-        if C == 1:
-            mod.diag_scan[grid](a, b, out, h0, None, None, T, D, L, *strides, PASS=0, **meta)
-            return
-        wide = _wide(b.dtype)
-        tot = torch.empty(N, C, 2, D, dtype=wide, device=b.device)
-        start = torch.empty(N, C, D, dtype=wide, device=b.device)
-        mod.diag_scan[grid](a, b, out, h0, None, tot, T, D, L, *strides, PASS=1, **meta)
+
+    def launch(start, tot, PASS):
+        mod.diag_scan[grid](a, b, out, h0, start, tot, T, D, L, *strides, PASS=PASS, **meta)
+
+    def carries(tot, start):
         mod.diag_carries[(tiles * N,)](tot, h0, start, C, D, *hs, HAS_H0=h0 is not None,
                                        ACC=acc, BLOCK_D=BD)
-        mod.diag_scan[grid](a, b, out, h0, start, None, T, D, L, *strides, PASS=2, **meta)
+
+    passes(b.device, "diag_scan", C, launch, carries, (N, C, 2, D), (N, C, D), b.dtype)
 
 
 def _slices(n: int, step: int) -> list[slice]:
@@ -465,19 +483,16 @@ def pair_launch(A: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.T
     strides = (*A.stride(), *b.stride(), *out.stride(), *hs)
     meta = {"HAS_H0": h0 is not None, "REVERSE": bool(reverse), "ACC": acc, "BLOCK_N": BN,
             "BLOCK_T": BT, "num_warps": 4}
-    with on(b.device, "pair_scan"):
-        if C == 1:
-            mod.pair_scan[(tiles, 1)](A, b, out, h0, None, None, T, N, L, *strides, PASS=0,
-                                      **meta)
-            return
-        wide = _wide(b.dtype)
-        tot = torch.empty(N, C, 6, dtype=wide, device=b.device)
-        start = torch.empty(N, C, 2, dtype=wide, device=b.device)
-        mod.pair_scan[(tiles, C)](A, b, out, h0, None, tot, T, N, L, *strides, PASS=1, **meta)
+
+    def launch(start, tot, PASS):
+        mod.pair_scan[(tiles, C)](A, b, out, h0, start, tot, T, N, L, *strides, PASS=PASS,
+                                  **meta)
+
+    def carries(tot, start):
         mod.pair_carries[(tiles,)](tot, h0, start, C, N, *hs, HAS_H0=h0 is not None, ACC=acc,
                                    BLOCK_N=BN)
-        mod.pair_scan[(tiles, C)](A, b, out, h0, start, None, T, N, L, *strides, PASS=2,
-                                  **meta)
+
+    passes(b.device, "pair_scan", C, launch, carries, (N, C, 6), (N, C, 2), b.dtype)
 
 
 def _time_chunks(device: torch.device, programs: int, blocks: int, chunks: int | None) -> int:
@@ -522,18 +537,16 @@ def dense_launch(A: torch.Tensor, b: torch.Tensor, out: torch.Tensor, h0: torch.
     strides = (*A.stride(), *b.stride(), *out.stride(), *hs)
     meta = {"HAS_H0": h0 is not None, "REVERSE": bool(reverse), "ACC": acc, "HP": HP,
             "num_warps": 4}
-    with on(b.device, "dense_scan"):
-        if C == 1:
-            mod.dense_scan[(N, 1)](A, b, out, h0, None, None, T, H, L, *strides, PASS=0,
-                                   **meta)
-            return
-        wide = _wide(b.dtype)
-        tot = torch.empty(N, C, HP + 1, HP, dtype=wide, device=b.device)
-        start = torch.empty(N, C, HP, dtype=wide, device=b.device)
-        mod.dense_scan[(N, C)](A, b, out, h0, None, tot, T, H, L, *strides, PASS=1, **meta)
+
+    def launch(start, tot, PASS):
+        mod.dense_scan[(N, C)](A, b, out, h0, start, tot, T, H, L, *strides, PASS=PASS,
+                               **meta)
+
+    def carries(tot, start):
         mod.dense_carries[(N,)](tot, h0, start, C, H, *hs, HAS_H0=h0 is not None, ACC=acc,
                                 HP=HP)
-        mod.dense_scan[(N, C)](A, b, out, h0, start, None, T, H, L, *strides, PASS=2, **meta)
+
+    passes(b.device, "dense_scan", C, launch, carries, (N, C, HP + 1, HP), (N, C, HP), b.dtype)
 
 
 def dense_scan(A: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None, *,
