@@ -17,6 +17,7 @@ number checks raise ``ValueError`` for a value of the wrong type as well as for 
 from __future__ import annotations
 
 import math
+from typing import TypeGuard
 
 import torch
 
@@ -37,7 +38,7 @@ __all__ = [
 ]
 
 
-def is_int(value) -> bool:
+def is_int(value) -> TypeGuard[int]:
     """Whether ``value`` is an int (a ``bool`` is not)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -144,6 +145,37 @@ def method_name(value, names, name: str = "method") -> str:
         raise TypeError(f"{name} must be one of {', '.join(names)} or a solver object from "
                         f"paraprop.solvers, got {type(value).__name__}")
     return one_of(name, value, names)
+
+
+def window_option(window, method, takes):
+    """``window`` (``None`` or a positive int) of an entry point whose named methods ``takes``
+    slide a window over the positions; one rule for every such entry point (decoding,
+    diffusion). A window of at least all the positions is Jacobi on all of them. ``method``: the
+    method's name, or ``None`` for a solver object.
+
+    Raises:
+        ValueError: a window with a solver object (it carries its own) or with a named method
+            that slides none, e.g. ``window is an option of 'jacobi', 'gs_jacobi', not of
+            method='sequential', got window=4``.
+
+    Example:
+        >>> window_option(None, "sequential", ("jacobi",)) is None
+        True
+        >>> window_option(8, None, ("jacobi",))
+        Traceback (most recent call last):
+        ValueError: window configures the named methods ('jacobi'); a solver object ...
+    """
+    window = positive_int("window", window, allow_none=True)
+    if window is None:
+        return None
+    names = ", ".join(repr(m) for m in takes)
+    if method is None:
+        raise ValueError(f"window configures the named methods ({names}); a solver object "
+                         f"carries its own settings, got window={window!r}")
+    if method not in takes:
+        raise ValueError(f"window is an option of {names}, not of method={method!r}, got "
+                         f"window={window!r}")
+    return window
 
 
 def one_of(name: str, value, choices):

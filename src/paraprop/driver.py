@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -107,7 +107,7 @@ def build(method: str, out: Outcome, *, iterations: int, residuals: torch.Tensor
           time_s: float | None = None) -> Solution:
     """The :class:`Solution` of ``out``: the common counters (:data:`COUNTERS`) under their
     names, then the method's own stats."""
-    stats = {"positions": out.positions, "sequential_steps": out.sequential_steps,
+    stats: dict[str, Any] = {"positions": out.positions, "sequential_steps": out.sequential_steps,
              "bound": out.bound, "error_estimate": out.error_estimate, "time_s": time_s}
     for k, v in out.stats.items():
         if k in COUNTERS and v is not None and stats[k] is not None and k != "time_s":

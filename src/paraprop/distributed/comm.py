@@ -109,9 +109,10 @@ class DistLink:
         """The sum over the ranks of ``value``: a float, or elementwise a list of floats (one
         all-reduce either way)."""
         many = isinstance(value, list | tuple)
+        values = list(value) if isinstance(value, list | tuple) else [value]
         if len(self.ranks) == 1:
-            return list(value) if many else value
-        t = torch.tensor(list(value) if many else [value], dtype=torch.float64)
+            return values if many else value
+        t = torch.tensor(values, dtype=torch.float64)
         if not self._cpu:
             t = t.to(torch.device("cuda", torch.cuda.current_device()))
         self._timed(lambda: dist.all_reduce(t, group=self.group, async_op=True), "all-reduce")

@@ -117,6 +117,7 @@ def transposed_jacobian(layer: nn.Module, x, *, drop_zero_weights: bool = False
     elif isinstance(layer, nn.Linear):
         values = layer.weight.detach().t().flatten().index_select(0, source)
     else:  # max-pooling: 1 where the input is its window's argmax
+        assert isinstance(layer, nn.MaxPool2d)   # pattern_of refused every other layer
         _, idx = F.max_pool2d(x.detach()[None], layer.kernel_size, layer.stride,
                               layer.padding, layer.dilation, layer.ceil_mode,
                               return_indices=True)

@@ -242,6 +242,12 @@ def autograd_jacobian(f, h, u):
 class AnalyticCell:
     """Cells with analytic Jacobians; callable like a torch cell."""
 
+    # the torch cell's weights and biases (set by each subclass)
+    w_ih: torch.Tensor
+    w_hh: torch.Tensor
+    b_ih: torch.Tensor | None
+    b_hh: torch.Tensor | None
+
     def __call__(self, u, h):
         return self.rows(u, h, None)
 
@@ -397,6 +403,7 @@ def dense_jacobian(J: Factored | LSTMFactored) -> torch.Tensor:
     if isinstance(J, LSTMFactored):
         return _dense_lstm(J)
     s, R = J.scale, J.right
+    assert R is not None   # the cells' Jacobians have a right matrix (W_hh)
     K, H = R.shape
     if J.left is None:
         out = (s.unflatten(-1, (K // H, H)).unsqueeze(-1) * R.reshape(K // H, H, H)).sum(-3)

@@ -49,7 +49,7 @@ def _solve(system: BlockBidiagonal, R: torch.Tensor, method: str):
 def substitution(system: BlockBidiagonal, R: torch.Tensor):
     """Solve by block substitution; ``R`` is ``(G, Q, N)``. Returns ``(X, stats)``."""
     rs = system.split(R)
-    xs: list[torch.Tensor | None] = [None] * system.l
+    xs: dict[int, torch.Tensor] = {}   # the blocks solved so far
     order = range(system.l) if system.lower else range(system.l - 1, -1, -1)
     levels = flops = mem = 0
     Gq = R.shape[0] * R.shape[1]
@@ -65,7 +65,7 @@ def substitution(system: BlockBidiagonal, R: torch.Tensor):
         levels += st["levels"]
         flops += st["flops"]
         mem = max(mem, st["memory_bytes"] + 2 * rhs.numel() * rhs.element_size())
-    X = torch.cat(xs, dim=-1)
+    X = torch.cat([xs[k] for k in range(system.l)], dim=-1)
     return X, {"levels": levels, "flops": flops,
                "memory_bytes": mem + X.numel() * X.element_size()}
 
@@ -82,7 +82,7 @@ def cyclic_reduction(system: BlockBidiagonal, R: torch.Tensor):
     S = StackedSystem(system, G, like=R)
     C = S.to_blocks(R)
     T, C, st = _normalise(S, C)
-    S.Mt = None  # T owns (or replaced) the stacked blocks from here on
+    del S.Mt  # T owns (or replaced) the stacked blocks from here on
     C, st2 = _doubling(T, C, system.lower)
     X = S.from_blocks(C)
     return X, {"levels": 1 + st2["levels"], "flops": st["flops"] + st2["flops"],
@@ -127,8 +127,8 @@ def _doubling(T: torch.Tensor, C: torch.Tensor, lower: bool):
     esize = C.element_size()
     levels = flops = 0
     h = math.ceil((l - 1) / 2)  # chunk length: half the largest update
-    tmp = T.new_empty(h, G, p, p) if l > 1 else None
-    peak = 0 if tmp is None else tmp.numel()
+    tmp = T.new_empty(h, G, p, p)   # (h = 0 for a single block)
+    peak = tmp.numel()
     s = 1
     while s < l:
         m = l - s

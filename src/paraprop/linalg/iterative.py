@@ -33,7 +33,7 @@ class Layout:
         if system.nested:
             self.S = None
             self.b = R.clone()
-            self.d = system.point_diagonal().unsqueeze(1)  # (G', 1, N)
+            self.d: torch.Tensor | None = system.point_diagonal().unsqueeze(1)  # (G', 1, N)
             self._sum_dims: tuple[int, ...] = (-1,)
             self.flops_matvec = _nested_flops(system, G * Q)
         else:

@@ -6,6 +6,7 @@ activation points, and the parameter gradients read from the backward solution. 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -116,7 +117,7 @@ class NegOnes(dict):
 
     def __init__(self, x: torch.Tensor):
         super().__init__()
-        self.kw = {"dtype": x.dtype, "device": x.device}
+        self.kw: dict[str, Any] = {"dtype": x.dtype, "device": x.device}
 
     def __missing__(self, n: int) -> torch.Tensor:
         t = self[n] = -torch.ones(n, **self.kw)
@@ -192,13 +193,13 @@ def gradients(parsed: ParsedMLP, points: ActivationPoints, value: torch.Tensor,
     all layers' weight gradients in one batched product per group of equal shapes."""
     lins, l = parsed.linears, len(parsed.linears)
     B = value.shape[0]
-    gW: list = [None] * l
-    gb: list = [None] * l
+    gW: dict[int, torch.Tensor] = {}   # layer -> its weight's gradient
+    gb: dict[int, torch.Tensor] = {}   # layer -> its bias's gradient
     if parsed.uniform:
         Us = value.reshape(B, l, sizes[0]).transpose(0, 1)  # (l, B, n), a view
         Xs = torch.stack(points.inputs)
-        gW = torch.bmm(Us.transpose(1, 2), Xs).unbind(0)
-        gb = Us.sum(1).unbind(0)
+        gW = dict(enumerate(torch.bmm(Us.transpose(1, 2), Xs).unbind(0)))
+        gb = dict(enumerate(Us.sum(1).unbind(0)))
         u0 = Us[0]
     else:
         U = list(torch.split(value, sizes, dim=-1))

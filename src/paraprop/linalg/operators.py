@@ -73,12 +73,14 @@ class MatrixOperator(LinearOperator):
         r, c = matrix.shape
         self.shape = (c, r) if transposed else (r, c)
 
+    # read-only, the matrix's own (the base declares plain attributes, which operators of
+    # users set)
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self) -> torch.dtype:  # type: ignore[override]
         return self.matrix.dtype
 
     @property
-    def device(self) -> torch.device:
+    def device(self) -> torch.device:  # type: ignore[override]
         return self.matrix.device
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +126,7 @@ class BlockDiagonalOperator(LinearOperator):
         self._stacked = torch.stack(self.blocks) if self._uniform else None
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
-        if self._uniform:
+        if self._stacked is not None:   # (uniform blocks)
             m, r, c = len(self.blocks), self.rows[0], self.cols[0]
             xs = x.reshape(*x.shape[:-1], m, c).unsqueeze(-2)  # (..., m, 1, c)
             y = (xs @ self._stacked.transpose(-1, -2)).squeeze(-2)  # (..., m, r)

@@ -21,6 +21,7 @@ the sequential BPTT and the paper's ``O(log K log tau)`` bound; the price is den
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -98,7 +99,8 @@ def _validate(rnn, x, h0, grad_output, grad_hn, entry: str):
         raise ValueError(f"x must have shape (tau, B, {rnn.input_size}) "
                          f"({'(B, tau, ...)' if rnn.batch_first else 'batch_first=False'}), "
                          f"got {tuple(getattr(x, 'shape', ()))}")
-    w = rnn.weight_ih_l0
+    # (nn.Module.__getattr__ is typed Tensor | Module; a torch RNN's weight is a Parameter)
+    w = cast(torch.Tensor, rnn.weight_ih_l0)
     checks.same_kind("x", x, w, "the rnn")
     xs = x.detach().transpose(0, 1) if rnn.batch_first else x.detach()
     tau, B, _ = xs.shape
@@ -106,7 +108,7 @@ def _validate(rnn, x, h0, grad_output, grad_hn, entry: str):
         raise ValueError(f"x must have at least one time step, got shape {tuple(x.shape)}")
     K, n = rnn.num_layers, rnn.hidden_size
     out_shape = (B, tau, n) if rnn.batch_first else (tau, B, n)
-    checked = [_check_tensor("x", x, tuple(x.shape), w)]
+    checked: list[torch.Tensor | None] = [_check_tensor("x", x, tuple(x.shape), w)]
     for name, t, shape in (("h0", h0, (K, B, n)), ("grad_output", grad_output, out_shape),
                            ("grad_hn", grad_hn, (K, B, n))):
         checked.append(None if t is None else _check_tensor(name, t, shape, w))

@@ -9,6 +9,8 @@ out as ``(l, G, Q, p)``: ``Q`` row vectors per group (all samples for a shared s
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from paraprop.linalg.system import BlockBidiagonal
@@ -49,7 +51,7 @@ class StackedSystem:
         self.uniform = len(set(self.sizes)) == 1
         self.dtype = system.dtype or (like.dtype if like is not None else torch.get_default_dtype())
         self.device = system.device or (like.device if like is not None else torch.device("cpu"))
-        kw = {"dtype": self.dtype, "device": self.device}
+        kw: dict[str, Any] = {"dtype": self.dtype, "device": self.device}
         p, l = self.p, self.l
         # flat position of every unknown in the padded (l * p) layout
         self.idx = None

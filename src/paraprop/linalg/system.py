@@ -135,6 +135,7 @@ class BlockBidiagonal:
     def off(self) -> tuple[LinearOperator, ...]:
         """The off-diagonal blocks ``M_j`` as operators."""
         if self._off is None:
+            assert self._transposed_weights is not None   # the lazy form keeps the weights
             self._off = tuple(MatrixOperator(w, transposed=True)
                               for w in self._transposed_weights)
         return self._off
@@ -143,6 +144,7 @@ class BlockBidiagonal:
     def off_scale(self) -> tuple:
         """The row scalings ``s_j`` of the off-diagonal blocks (``None`` entries: none)."""
         if self._off_scale is None:
+            assert self._stacked_scale is not None   # the lazy form keeps the stacked scalings
             self._off_scale = tuple(self._stacked_scale.unbind(0))
         return self._off_scale
 
@@ -380,18 +382,23 @@ def _infer_sizes(ops, diag, scale, sizes, lower) -> list[int]:
         if n is not None and n != rows:
             raise ValueError(f"mismatched block shapes: off_scale[{j}] has shape "
                              f"{tuple(scale[j].shape)} but off[{j}] has {rows} rows")
-    if any(n is None for n in known):
-        k = known.index(None)
-        raise ValueError(f"cannot infer the width of block {k}; pass sizes=[...]")
-    return [int(n) for n in known]
+    out: list[int] = []
+    for k, n in enumerate(known):
+        if n is None:
+            raise ValueError(f"cannot infer the width of block {k}; pass sizes=[...]")
+        out.append(int(n))
+    return out
 
 
 def _shape(d) -> str:
     return f"(size {d.N})" if isinstance(d, BlockBidiagonal) else str(tuple(d.shape))
 
 
-def _check_tensors(ops, diag, scale):
-    tensors: list[tuple[str, torch.Tensor]] = []
+def _check_tensors(ops: list[LinearOperator], diag: list, scale: list
+                   ) -> tuple[torch.dtype | None, torch.device | None, int | None]:
+    """The common dtype, device and per-sample batch of the blocks, checked (``None``s: the
+    identity system, made of no tensor)."""
+    tensors: list[tuple[str, torch.Tensor | LinearOperator | BlockBidiagonal]] = []
     batch: int | None = None
     batch_src = ""
     for j, op in enumerate(ops):

@@ -136,7 +136,7 @@ def _find_converter(cls: type):
 # -- nn.Sequential ----------------------------------------------------------------------------
 
 
-def _leaves(seq: nn.Sequential, prefix: str) -> list[tuple[str, nn.Module]]:
+def _leaves(seq: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
     out = []
     for name, m in seq.named_children():
         full = f"{prefix}{name}"
@@ -181,7 +181,8 @@ def _unit_step(unit: list[tuple[str, nn.Module]], inputs: tuple[int, ...], combi
                                                                         False)))
 
 
-def _sequential_steps(model: nn.Sequential, prefix: str = "") -> list[Step]:
+def _sequential_steps(model: nn.Module, prefix: str = "") -> list[Step]:
+    # (the converter of nn.Sequential and its subclasses: model is one)
     leaves = _leaves(model, prefix)
     if not leaves:
         raise ValueError(f"nn.Sequential {prefix.rstrip('.') or '(the model)'!r} is empty")
@@ -203,6 +204,7 @@ def _require_own_forward(model: nn.Module, base: type, methods: tuple[str, ...])
 def _densenet_steps(model: nn.Module) -> list[Step]:
     from torchvision.models.densenet import DenseNet, _DenseBlock
 
+    assert isinstance(model, DenseNet)   # as_recurrence dispatches on the class
     _require_own_forward(model, DenseNet, ("forward",))
     if not isinstance(getattr(model, "features", None), nn.Sequential):
         raise UnsupportedModuleError(f"the model ({type(model).__name__}) has no nn.Sequential "
@@ -241,6 +243,7 @@ def _densenet_steps(model: nn.Module) -> list[Step]:
 def _resnet_steps(model: nn.Module) -> list[Step]:
     from torchvision.models.resnet import ResNet
 
+    assert isinstance(model, ResNet)   # as_recurrence dispatches on the class
     _require_own_forward(model, ResNet, ("forward", "_forward_impl"))
     stem = nn.Sequential(model.conv1, model.bn1, model.relu, model.maxpool)
     steps = [Step("conv1..maxpool", stem, (-1,))]
