@@ -309,7 +309,9 @@ def test_lengths_from_the_config(device):
     ids, mask = prompts(2, 5, device=device)
     out, _ = generate(model, ids, attention_mask=mask, eos_token_id=[])   # generate: 20 new
     assert out.shape[1] == 25
-    assert torch.equal(out, model.generate(ids, attention_mask=mask, eos_token_id=None))
+    with pytest.warns(UserWarning, match="model-agnostic default `max_length`"):  # on purpose
+        ref = model.generate(ids, attention_mask=mask, eos_token_id=None)
+    assert torch.equal(out, ref)
     model.generation_config.max_new_tokens = 7
     out, _ = generate(model, ids, attention_mask=mask, eos_token_id=[])
     assert out.shape[1] == 12
@@ -584,8 +586,17 @@ def test_errors(name):
         generate(torch.nn.Linear(3, 3), ids, max_new_tokens=4)
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int, got 0"):
         generate(model, ids, max_new_tokens=0)
-    with pytest.raises(ValueError, match="window must be at most max_new_tokens=4, got window=9"):
-        generate(model, ids, max_new_tokens=4, window=9)
+    # the one window rule of decoding and diffusion (checks.window_option): a window larger
+    # than max_new_tokens is Jacobi on all of them; a method that slides none refuses one
+    ref, _ = generate(model, ids, attention_mask=mask, max_new_tokens=4, method="sequential")
+    out, sol = generate(model, ids, attention_mask=mask, max_new_tokens=4, window=9)
+    assert torch.equal(out, ref) and sol.converged and sol.stats["window"] == 4
+    with pytest.raises(ValueError, match=r"window is an option of 'jacobi', 'gs_jacobi', not of "
+                                         r"method='sequential', got window=4"):
+        generate(model, ids, max_new_tokens=4, method="sequential", window=4)
+    with pytest.raises(ValueError, match=r"window configures the named methods .* a solver "
+                                         r"object carries its own settings"):
+        generate(model, ids, max_new_tokens=4, method=solvers.SlidingJacobi(2), window=2)
     with pytest.raises(ValueError, match=r"attention_mask must have the shape of input_ids"):
         generate(model, ids, max_new_tokens=4, attention_mask=mask[:, :4])
     with pytest.raises(ValueError, match="pad prompts on the left"):

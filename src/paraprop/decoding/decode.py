@@ -38,6 +38,7 @@ from paraprop.solvers import GSJacobi, Sequential, SlidingJacobi, is_solver
 
 METHODS = ("sequential", "jacobi", "gs_jacobi")
 DEFAULT_WINDOW = 16
+WINDOWED = ("jacobi", "gs_jacobi")   # the named methods that take a window (checks.window_option)
 
 
 def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = None,
@@ -77,7 +78,8 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
             tokens), ``"gs_jacobi"`` (blocks of ``window`` tokens, Jacobi inside each),
             ``"sequential"`` (one token per pass, the reference: ``generate``'s own loop), or a
             ``SlidingJacobi`` / ``GSJacobi`` / ``Sequential`` object.
-        window: tokens per pass (default 16, at most ``max_new_tokens``).
+        window: tokens per pass of ``"jacobi"`` and ``"gs_jacobi"`` (default 16; a window of
+            at least ``max_new_tokens`` is Jacobi on all of them).
         do_sample: sample instead of greedy; the tokens are then a function of the noise.
         temperature, top_k, top_p, min_p: the sampling warpers of ``generate`` (``top_k=0``:
             no top-k; ``top_p=1.0``: no top-p); passing one without sampling is an error.
@@ -289,11 +291,10 @@ def _solver(method, window, T):
             raise ValueError(f"method={method!r} is not supported by decoding; use "
                              "SlidingJacobi, GSJacobi or Sequential (or a name in "
                              f"{', '.join(METHODS)})")
-        if window is not None:
-            raise ValueError("window is set by the solver object here; pass window=None, got "
-                             f"window={window!r}")
+        checks.window_option(window, None, WINDOWED)
         return method
     checks.method_name(method, METHODS)
+    window = checks.window_option(window, method, WINDOWED)
     w = min(DEFAULT_WINDOW, T) if window is None else window
     if method == "sequential":
         return Sequential()
@@ -314,10 +315,6 @@ def _check_ids(input_ids) -> tuple[int, int]:
 
 
 def _check_run(B, T, window, noise, do_sample, ngram) -> None:
-    if window is not None:
-        checks.positive_int("window", window)
-        if window > T:
-            raise ValueError(f"window must be at most max_new_tokens={T}, got window={window}")
     if noise is not None:
         if not do_sample:
             raise ValueError("noise is used only with do_sample=True")

@@ -21,6 +21,7 @@ METHODS = ("sequential", "picard", "anderson")
 # solver objects whose every iteration is one model call that certifies at least one position
 SOLVERS = (Jacobi, SlidingJacobi, TriangularAnderson, Sequential)
 DEFAULT_WINDOW = 128
+WINDOWED = ("picard",)   # the named methods that take a window (checks.window_option)
 SPLITS = ("identity", "eps")
 
 
@@ -141,7 +142,6 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
     check_max_iters(max_iters)
     checks.one_of("split", split, SPLITS)
     checks.boolean("use_clipped_model_output", use_clipped_model_output)
-    window = checks.positive_int("window", window, allow_none=True)
     checks.callable_arg("callback", callback, allow_none=True)
     table = step_table(scheduler, N, eta=_eta(scheduler, eta),
                        use_clipped_model_output=use_clipped_model_output)
@@ -249,9 +249,10 @@ def wrapped_modules(model, name: str = "model", entry: str = "diffusion.sample",
 
 def _solver(method, window, memory, N):
     if is_solver(method):
-        if window is not None or memory is not None:
-            raise ValueError("window and memory configure the named methods; a solver object "
+        if memory is not None:
+            raise ValueError("memory configures the named method 'anderson'; a solver object "
                              f"carries its own settings, got method={method!r}")
+        checks.window_option(window, None, WINDOWED)
         if not isinstance(method, SOLVERS):
             raise ValueError(
                 f"method={method!r} is not supported by diffusion.sample: its iterations make "
@@ -262,18 +263,14 @@ def _solver(method, window, memory, N):
     checks.method_name(method, METHODS)
     if method != "anderson" and memory is not None:
         raise ValueError(f"memory is an option of method='anderson', not of method={method!r}")
+    window = checks.window_option(window, method, WINDOWED)
     if method == "sequential":
-        if window is not None:
-            raise ValueError("window is an option of 'picard' and 'anderson', not 'sequential'")
         return Sequential()
     if method == "picard":
         w = window or DEFAULT_WINDOW
         # a window that holds every step is Jacobi on the whole trajectory: its contraction
         # rule needs no freezes (and no growth check), and it stops sooner
         return Jacobi() if w >= N else SlidingJacobi(w)
-    if window is not None:
-        raise ValueError("window is an option of 'picard'; 'anderson' iterates on all "
-                         f"num_inference_steps={N} steps at once, got window={window!r}")
     return TriangularAnderson(memory=memory)
 
 
