@@ -15,6 +15,7 @@ models and settings than the issue's.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -22,6 +23,7 @@ import torch
 
 from paraprop import ConvergenceError, StochasticModelError
 from paraprop.decoding import generate
+from paraprop.decoding.lm import cache_keyword
 
 transformers = pytest.importorskip("transformers")
 
@@ -235,6 +237,17 @@ def test_sliding_window_models():
                                            do_sample=False))
 
 
+def test_chunked_attention_that_would_bind_is_refused():
+    model = _qwen2()
+    model.config.attention_chunk_size = 10     # as Llama 4's text configuration sets it
+    ids, mask = prompts(2, 5)
+    with pytest.raises(ValueError, match=r"model Qwen2ForCausalLM has chunked attention "
+                                         r"\(attention_chunk_size=10\) and the prompt \(5 "
+                                         r"positions\) plus max_new_tokens=20 make 25 > 10 "
+                                         r"positions; keep them within 10"):
+        generate(model, ids, attention_mask=mask, max_new_tokens=20)
+
+
 def test_encoder_decoder_models_are_not_causal_lms():
     cfg = transformers.T5Config(vocab_size=V, d_model=16, d_ff=32, num_layers=1, num_heads=2,
                                 d_kv=8, decoder_start_token_id=0)
@@ -289,6 +302,7 @@ def test_a_cache_that_cannot_be_cut_back(monkeypatch):
 
     forward = model.forward
 
+    @functools.wraps(forward)   # forward's signature: generate passes the cache by its name
     def fwd(*a, **kw):
         out = forward(*a, **kw)
         cache = out.get("cache", None) or out.get("past_key_values", None)
@@ -359,7 +373,8 @@ class _DroppedLogits(torch.nn.Module):
 
     def forward(self, input_ids, past_key_values=None, use_cache=True, attention_mask=None,
                 position_ids=None):
-        out = self.inner(input_ids, past_key_values=past_key_values, use_cache=use_cache,
+        cache = {cache_keyword(self.inner): past_key_values}   # transformers 5 renamed it
+        out = self.inner(input_ids, **cache, use_cache=use_cache,
                          attention_mask=attention_mask, position_ids=position_ids)
         out.logits = torch.nn.functional.dropout(out.logits, self.noise_p, self.training)
         return out

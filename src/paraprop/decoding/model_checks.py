@@ -78,25 +78,24 @@ def check_model(model, input_ids: torch.Tensor, max_new_tokens: int, pad: int) -
     name = type(model).__name__
     P, T = input_ids.shape[1], max_new_tokens
     total = P + T
+    # the three limits on the positions, each refused with its own remedy
+    span = f"the prompt ({P} positions) plus max_new_tokens={T} make {total}"
     tcfg = _text_config(model)
     sw = sliding_window(tcfg)
     if sw is not None and total > sw:
         raise ValueError(
             f"decoding.generate: model {name} has sliding-window attention (sliding_window={sw}), "
-            f"and the prompt ({P} positions) plus max_new_tokens={T} make {total} > {sw} "
-            "positions: its cache drops positions that the cropping of Jacobi decoding needs. "
-            f"Keep prompt length + max_new_tokens <= {sw} (where the window never binds and "
-            "the tokens are generate's), or use model.generate")
+            f"and {span} > {sw} positions: its cache drops positions that the cropping of "
+            f"Jacobi decoding needs. Keep prompt length + max_new_tokens <= {sw} (where the "
+            "window never binds and the tokens are generate's), or use model.generate")
     chunk = _positive_int(tcfg, "attention_chunk_size")
     if chunk is not None and total > chunk:
         raise ValueError(f"decoding.generate: model {name} has chunked attention "
-                         f"(attention_chunk_size={chunk}) and the prompt ({P}) plus "
-                         f"max_new_tokens={T} make {total} > {chunk} positions; keep them "
-                         f"within {chunk}")
+                         f"(attention_chunk_size={chunk}) and {span} > {chunk} positions; keep "
+                         f"them within {chunk}")
     limit = max_positions(model, tcfg)
     if limit is not None and total > limit:
-        raise ValueError(f"decoding.generate: the prompt ({P} positions) plus max_new_tokens={T} "
-                         f"make {total} positions, more than the model's "
+        raise ValueError(f"decoding.generate: {span} positions, more than the model's "
                          f"max_position_embeddings={limit}; shorten the prompt or generate at "
                          f"most {max(limit - P, 0)} new tokens")
     V = vocab_size(model, tcfg)
