@@ -82,7 +82,7 @@ class Sel:
         self.start = start
         self.n = len(rel)
         step = rel[1] - rel[0] if len(rel) > 1 else 1
-        self.sliced = step > 0 and all(b - a == step for a, b in zip(rel, rel[1:]))
+        self.sliced = step > 0 and all(b - a == step for a, b in zip(rel, rel[1:], strict=False))
         self._step = step
         self._index: dict[torch.device, torch.Tensor] = {}
 
@@ -274,11 +274,12 @@ class Reader:
         groups = self.groups(lo, hi)
         # every step's records first: they read the step's own input and output only
         for kind, sel in groups:
-            for r, v in zip(own, self._record(kind, sel, sel.take(state), sel.take(out))):
+            for r, v in zip(own, self._record(kind, sel, sel.take(state), sel.take(out)),
+                            strict=True):
                 sel.put(r, v)
         pad = self.history - h
         rec = tuple(torch.cat([p.new_zeros((pad,) + p.shape[1:]), p, r]) if self.history
-                    else r for p, r in zip(past, own))
+                    else r for p, r in zip(past, own, strict=True))
         if len(groups) == 1:
             sel = groups[0][1]
             return self._apply(groups[0][0], sel, state, out, rec, z), own
@@ -342,7 +343,8 @@ def loop(reader: Reader, model: Callable[..., Any], latents: torch.Tensor,
         zk = None if z is None else z[k: k + 1]
         state, rec = reader.step(k, k + 1, state, out, past, zk)
         if reader.history:
-            past = tuple(torch.cat([p, r])[-reader.history:] for p, r in zip(past, rec))
+            past = tuple(torch.cat([p, r])[-reader.history:]
+                         for p, r in zip(past, rec, strict=True))
     return state[0, 0]
 
 
