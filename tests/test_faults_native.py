@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paraprop.scan import linear_recurrence, native_build
+from paraprop.scan import linear_recurrence, native_build, native_cache
 
 # Run in the subprocess: argv = [output file, barrier directory, number of processes]. Every
 # "compilation" copies $PARAPROP_TEST_PREBUILT, once all the processes have reached it (each
@@ -84,7 +84,7 @@ def assert_healthy(cache: Path) -> None:
     lib, manifest = entry(cache)
     rec = json.loads(manifest.read_text())
     assert rec["size"] == lib.stat().st_size
-    assert native_build._verify(lib, manifest) is None
+    assert native_cache.verify(lib, manifest) is None
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_control_the_guard_refuses_other_bytes(fresh, built_cache, tmp_path):
     build (here: its manifest rewritten to match damaged bytes) is caught at the loader."""
     cache = damaged_copy(built_cache, tmp_path, "same-size-corrupt")
     lib, manifest = entry(cache)
-    size, sha = native_build._digest(lib)
+    size, sha = native_cache.digest(lib)
     manifest.write_text(json.dumps({"version": 1, "library": lib.name, "size": size,
                                     "sha256": sha}))
     with pytest.raises(AssertionError, match="a file other than a fresh build reached the "
@@ -297,26 +297,26 @@ def test_concurrent_builders(built_cache, tmp_path):
 def test_verify_never_raises(tmp_path):
     """The check itself copes with anything in place of the files."""
     lib, manifest = tmp_path / "scan_kernels_x.so", tmp_path / "scan_kernels_x.json"
-    assert native_build._verify(lib, manifest) == "its manifest is missing"
+    assert native_cache.verify(lib, manifest) == "its manifest is missing"
     manifest.mkdir()
-    assert native_build._verify(lib, manifest) == "its manifest is not a regular file"
+    assert native_cache.verify(lib, manifest) == "its manifest is not a regular file"
     manifest.rmdir()
     os.mkfifo(manifest)  # opening a FIFO would block: refused without opening it
-    assert native_build._verify(lib, manifest) == "its manifest is not a regular file"
+    assert native_cache.verify(lib, manifest) == "its manifest is not a regular file"
     manifest.unlink()
     manifest.write_bytes(b"\xff\xfe")
-    assert native_build._verify(lib, manifest) == "its manifest is not valid JSON"
+    assert native_cache.verify(lib, manifest) == "its manifest is not valid JSON"
     manifest.write_text("[" * 100_000)
-    assert "its manifest is malformed (over" in native_build._verify(lib, manifest)
+    assert "its manifest is malformed (over" in native_cache.verify(lib, manifest)
     manifest.write_text("[" * 60_000)
-    assert native_build._verify(lib, manifest) in ("its manifest is not valid JSON",
+    assert native_cache.verify(lib, manifest) in ("its manifest is not valid JSON",
                                              "its manifest is malformed (not a version-1 "
                                              "record of this library)")
     manifest.write_text(json.dumps({"version": 1, "library": "other.so", "size": 3,
                                     "sha256": "00"}))
-    assert "its manifest is malformed" in native_build._verify(lib, manifest)
+    assert "its manifest is malformed" in native_cache.verify(lib, manifest)
     manifest.write_text(json.dumps({"version": 1, "library": lib.name, "size": 3,
                                     "sha256": "00"}))
-    assert native_build._verify(lib, manifest) == "the library is missing (its manifest is there)"
+    assert native_cache.verify(lib, manifest) == "the library is missing (its manifest is there)"
     lib.mkdir()
-    assert native_build._verify(lib, manifest) == "the library is not a regular file"
+    assert native_cache.verify(lib, manifest) == "the library is not a regular file"

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paraprop.scan import linear_recurrence, native_build
+from paraprop.scan import linear_recurrence, native_build, native_cache
 
 FOREIGN = 12345  # a uid that no account on the test machine uses
 ROOT = os.geteuid() == 0
@@ -190,7 +190,7 @@ def plant(cache: Path, planted: Path, *, uid: int | None = None, mode: int = 0o7
     else:
         shutil.copyfile(planted, target)
         os.chmod(target, mode)
-    size, sha = native_build._digest(planted)
+    size, sha = native_cache.digest(planted)
     manifest = target.with_suffix(".json")
     manifest.write_text(json.dumps({"version": 1, "library": target.name, "size": size,
                                     "sha256": sha}) + "\n")
@@ -223,7 +223,7 @@ def test_control_the_stand_in_compiler_gives_working_kernels(fresh, tmp_path, mo
     cache = tmp_path / "cache"
     rec = run_here(monkeypatch, cache, tmp_path / "marker")
     assert rec == {"status": "ok", "available": True, "where": str(cache)}
-    assert native_build._verify(cache / library_name(),
+    assert native_cache.verify(cache / library_name(),
                           (cache / library_name()).with_suffix(".json")) is None
 
 
@@ -333,7 +333,7 @@ def test_untrusted_file_in_a_safe_cache_is_rebuilt(fresh, planted, tmp_path, mon
     assert rec["status"] == f"ok (rebuilt the untrusted cached {lib.name}: {reason})", rec
     st = os.lstat(lib)  # replaced by a library of this user, which the next process loads
     assert not os.path.islink(lib) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
-    assert native_build._verify(lib, lib.with_suffix(".json")) is None
+    assert native_cache.verify(lib, lib.with_suffix(".json")) is None
     assert lib.read_bytes() != planted.read_bytes()
     reset(monkeypatch)  # the next process uses the repaired cache as is
     assert run_here(monkeypatch, cache, tmp_path / "marker")["status"] == "ok"
@@ -392,8 +392,8 @@ def built_privately(rec: dict, cache: Path, extra: str = "") -> None:
 
 
 def verified(where: Path) -> str | None:
-    """What :func:`native_build._verify` says of the generic library in ``where``."""
-    return native_build._verify(where / library_name(),
+    """What :func:`native_cache.verify` says of the generic library in ``where``."""
+    return native_cache.verify(where / library_name(),
                                 where / Path(library_name()).with_suffix(".json"))
 
 
@@ -408,7 +408,7 @@ def test_cache_of_root_that_this_user_cannot_write(fresh, tmp_path, monkeypatch)
         tmp = directory(base / "tmp", 0o1777)
         monkeypatch.setattr(tempfile, "tempdir", str(tmp))
         monkeypatch.setenv("PARAPROP_CACHE_DIR", str(cache))
-        if native_build._dir_problem(cache) is not None:
+        if native_cache.dir_problem(cache) is not None:
             pytest.skip(f"{SYSTEM_TMP} is not a safe place for this case")
         os.seteuid(FOREIGN)
         try:
@@ -491,45 +491,45 @@ def test_unwritable_cache_and_a_failing_compiler(fresh, tmp_path, monkeypatch):
 
 # -- the checks themselves, in process ------------------------------------------------------------
 def test_dir_problem_accepts_private_and_sticky_directories(tmp_path):
-    assert native_build._dir_problem(directory(tmp_path / "mine", 0o700)) is None
-    assert native_build._dir_problem(directory(tmp_path / "readable", 0o755)) is None
+    assert native_cache.dir_problem(directory(tmp_path / "mine", 0o700)) is None
+    assert native_cache.dir_problem(directory(tmp_path / "readable", 0o755)) is None
     sticky = directory(tmp_path / "sticky", 0o1777)
-    assert native_build._dir_problem(directory(sticky / "c", 0o700)) is None
-    assert native_build._dir_problem(sticky / "not" / "there" / "yet") is None  # made 0700 later
+    assert native_cache.dir_problem(directory(sticky / "c", 0o700)) is None
+    assert native_cache.dir_problem(sticky / "not" / "there" / "yet") is None  # made 0700 later
     (tmp_path / "link").symlink_to(tmp_path / "mine")
-    assert native_build._dir_problem(tmp_path / "link") is None
+    assert native_cache.dir_problem(tmp_path / "link") is None
 
 
 def test_dir_problem_refuses_writable_directories(tmp_path):
-    assert native_build._dir_problem(directory(tmp_path / "a", 0o777)) == \
+    assert native_cache.dir_problem(directory(tmp_path / "a", 0o777)) == \
         f"{tmp_path / 'a'}: it is writable by its group or others (mode 0o777)"
-    assert native_build._dir_problem(directory(tmp_path / "b", 0o770)) == \
+    assert native_cache.dir_problem(directory(tmp_path / "b", 0o770)) == \
         f"{tmp_path / 'b'}: it is writable by its group or others (mode 0o770)"
-    assert native_build._dir_problem(directory(tmp_path / "s", 0o1777)) == \
+    assert native_cache.dir_problem(directory(tmp_path / "s", 0o1777)) == \
         f"{tmp_path / 's'}: it is writable by its group or others (mode 0o1777)"  # itself
     above = directory(tmp_path / "open", 0o777)
     for below in (directory(above / "c", 0o700), above / "missing" / "c"):
-        assert native_build._dir_problem(below) == (f"{above} is writable by its group or others "
+        assert native_cache.dir_problem(below) == (f"{above} is writable by its group or others "
                                               "without the sticky bit (mode 0o777)")
     (tmp_path / "file").write_text("x")
-    assert native_build._dir_problem(tmp_path / "file") == f"{tmp_path / 'file'} is not a directory"
+    assert native_cache.dir_problem(tmp_path / "file") == f"{tmp_path / 'file'} is not a directory"
     # a link into a writable directory is judged where it points
     (tmp_path / "to-open").symlink_to(above / "c")
-    assert "without the sticky bit" in native_build._dir_problem(tmp_path / "to-open")
+    assert "without the sticky bit" in native_cache.dir_problem(tmp_path / "to-open")
 
 
 @as_root
 def test_dir_problem_refuses_directories_of_another_user(tmp_path):
     theirs = directory(tmp_path / "theirs", 0o755, uid=FOREIGN)
-    assert native_build._dir_problem(theirs) == (f"{theirs}: it is owned by uid {FOREIGN}, not by "
+    assert native_cache.dir_problem(theirs) == (f"{theirs}: it is owned by uid {FOREIGN}, not by "
                                            "this user (uid 0) or root")
     mine = directory(theirs / "mine", 0o700, uid=0)  # theirs can swap it: refused
-    assert native_build._dir_problem(mine) == (f"{theirs} is owned by uid {FOREIGN}, not by this "
+    assert native_cache.dir_problem(mine) == (f"{theirs} is owned by uid {FOREIGN}, not by this "
                                          "user (uid 0) or root")
     link = tmp_path / "link"
     link.symlink_to(tmp_path)
     os.lchown(link, FOREIGN, FOREIGN)  # a link of theirs on the way is refused too
-    assert native_build._dir_problem(link / "mine2") == (
+    assert native_cache.dir_problem(link / "mine2") == (
         f"{link} is owned by uid {FOREIGN}, not by this user (uid 0) or root")
 
 
@@ -537,7 +537,7 @@ def built_pair(tmp_path: Path) -> tuple[Path, Path]:
     """A library and manifest that pass the check (any file: only bytes are compared)."""
     lib, manifest = tmp_path / "scan_kernels_x.so", tmp_path / "scan_kernels_x.json"
     lib.write_bytes(b"\x7fELF not really")
-    size, sha = native_build._digest(lib)
+    size, sha = native_cache.digest(lib)
     manifest.write_text(json.dumps({"version": 1, "library": lib.name, "size": size,
                                     "sha256": sha}))
     return lib, manifest
@@ -545,25 +545,25 @@ def built_pair(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_checked_file_modes_and_links(tmp_path):
     lib, manifest = built_pair(tmp_path)
-    fd, problem = native_build._checked(lib, manifest)
+    fd, problem = native_cache.checked(lib, manifest)
     assert problem is None and fd is not None
     os.close(fd)
     os.chmod(lib, 0o666)
-    assert native_build._verify(lib, manifest) == ("the library is writable by its group or others "
+    assert native_cache.verify(lib, manifest) == ("the library is writable by its group or others "
                                              "(mode 0o666)")
     os.chmod(lib, 0o644)
     os.chmod(manifest, 0o620)
-    assert native_build._verify(lib, manifest) == (
+    assert native_cache.verify(lib, manifest) == (
         "its manifest is writable by its group or others (mode 0o620)")
     os.chmod(manifest, 0o644)
     real = tmp_path / "real.so"
     lib.rename(real)
     lib.symlink_to(real)
-    assert native_build._verify(lib, manifest) == "the library is a symbolic link"
+    assert native_cache.verify(lib, manifest) == "the library is a symbolic link"
     real_manifest = tmp_path / "real.json"
     manifest.rename(real_manifest)
     manifest.symlink_to(real_manifest)
-    assert native_build._verify(lib, manifest) == "its manifest is a symbolic link"
+    assert native_cache.verify(lib, manifest) == "its manifest is a symbolic link"
 
 
 def test_a_fresh_build_that_fails_the_check_is_not_loaded(tmp_path):
@@ -579,11 +579,11 @@ def test_a_fresh_build_that_fails_the_check_is_not_loaded(tmp_path):
 def test_checked_foreign_files(tmp_path):
     lib, manifest = built_pair(tmp_path)
     os.chown(lib, FOREIGN, FOREIGN)
-    assert native_build._verify(lib, manifest) == (f"the library is owned by uid {FOREIGN}, not by "
+    assert native_cache.verify(lib, manifest) == (f"the library is owned by uid {FOREIGN}, not by "
                                              "this user (uid 0) or root")
     os.chown(lib, 0, 0)
     os.chown(manifest, FOREIGN, 0)
-    assert native_build._verify(lib, manifest) == (
+    assert native_cache.verify(lib, manifest) == (
         f"its manifest is owned by uid {FOREIGN}, not by this user (uid 0) or root")
 
 
@@ -593,7 +593,7 @@ def test_this_process_loads_only_checked_libraries():
     if not native_build.available():
         pytest.skip(native_build.status())
     assert native_build._where is not None
-    assert native_build._dir_problem(native_build._where) is None
+    assert native_cache.dir_problem(native_build._where) is None
     assert native_build._fds, "no descriptor kept for the loaded library"
     for fd in native_build._fds:
         st = os.fstat(fd)

@@ -21,30 +21,25 @@ rebuilt, and if the rebuild fails it is ignored; ``status()`` says which. Builde
 temporary directory in the cache and rename into place, so concurrent processes never see a
 partial file.
 
-Loading a library runs its code, so the cache is trusted only the way ssh trusts its files: the
-cache directory and every file loaded from it must be owned by this user (or by root, who can
-change this user's files anyway) and writable by no one else (no group or other write bit),
-every directory above the cache must be owned by this user or root and not writable by others
-unless it is sticky (like ``/tmp``), and symbolic links are checked where they point (the library
-and its manifest must not be links at all). A library or manifest that fails the check in a safe
-cache directory is rebuilt in place; a cache directory that fails it is not used at all: the
+Loading a library runs its code, so the cache is trusted only the way ssh trusts its files
+(:mod:`paraprop.scan.native_cache` holds those checks and the manifests; this module decides what
+to do with their answers). A library or manifest that fails the check in a safe cache directory
+is rebuilt in place; a cache directory that fails it is not used at all: the
 kernels are built into a private directory (``tempfile.mkdtemp``, mode 0700, removed at exit)
 for this process, and if that directory is not safe either the kernels are unavailable. A
 safe cache directory that this user cannot write (say root's, mode 0755) still serves the
 libraries in it that pass the check; a library that has to be built goes to the private
-directory instead. ``status()`` gives the reason in every case. The library is checked and
-hashed through one open file descriptor and loaded through that descriptor
-(``/proc/self/fd/N`` where it exists), so the bytes loaded are the bytes checked.
+directory instead. ``status()`` gives the reason in every case. The library is loaded through the
+descriptor it was checked through (``/proc/self/fd/N`` where it exists), so the bytes loaded
+are the bytes checked.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
-import errno
 import functools
 import hashlib
-import json
 import os
 import platform
 import shutil
@@ -56,6 +51,8 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+
+from paraprop.scan import native_cache as trust
 
 __all__ = ["available", "status"]
 
@@ -103,85 +100,9 @@ def _compiler() -> str | None:
     return None
 
 
-_MANIFEST_VERSION = 1
-_MANIFEST_MAX_BYTES = 1 << 16
-_GROUP_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
-
 _where: Path | None = None  # the checked cache directory of this process (see _cache)
 _private: Path | None = None  # the private fallback directory, once made
 _fds: list[int] = []  # descriptors of the loaded libraries, kept open (see _open)
-
-
-def _uid() -> int:
-    geteuid = getattr(os, "geteuid", None)
-    if geteuid is None:
-        raise RuntimeError("file ownership cannot be checked on this platform (no os.geteuid), "
-                           "so no cached library is loaded")
-    return geteuid()
-
-
-def _owner_problem(st: os.stat_result, uid: int) -> str | None:
-    """Why a file or directory with status ``st`` may not be trusted by ``uid`` (owner, write
-    bits), or ``None``."""
-    if st.st_uid not in (uid, 0):
-        return f"it is owned by uid {st.st_uid}, not by this user (uid {uid}) or root"
-    if st.st_mode & _GROUP_OTHER_WRITE:
-        return (f"it is writable by its group or others (mode "
-                f"{oct(stat.S_IMODE(st.st_mode))})")
-    return None
-
-
-def _ancestor_problem(path: str, uid: int) -> str | None:
-    """Why the existing directory (or link) ``path`` above the cache lets someone else swap
-    what lies below it: owned by another user, or writable by others without the sticky bit."""
-    st = os.lstat(path)
-    if st.st_uid not in (uid, 0):
-        return f"{path} is owned by uid {st.st_uid}, not by this user (uid {uid}) or root"
-    if (not stat.S_ISLNK(st.st_mode) and st.st_mode & _GROUP_OTHER_WRITE
-            and not st.st_mode & stat.S_ISVTX):
-        return (f"{path} is writable by its group or others without the sticky bit (mode "
-                f"{oct(stat.S_IMODE(st.st_mode))})")
-    return None
-
-
-def _dir_problem(root: Path) -> str | None:
-    """Why the directory ``root`` is not a safe place to load libraries from, or ``None``.
-
-    Safe means: ``root`` (symbolic links resolved) is a directory owned by this user or root and
-    not writable by its group or others, and every directory above it, on the path as written
-    and on the resolved path, is owned by this user or root and not writable by others unless
-    it is sticky. Components that do not exist yet are skipped (they are created with mode
-    0700). Never raises.
-    """
-    try:
-        uid = _uid()
-        written = os.path.abspath(root)
-        real = os.path.realpath(root)
-        for path in (written, real):
-            for part in reversed(Path(path).parents):
-                try:
-                    problem = _ancestor_problem(str(part), uid)
-                except FileNotFoundError:
-                    break
-                if problem:
-                    return problem
-        try:  # the cache itself as written, when it is a link: whose link
-            if os.path.islink(written):
-                problem = _ancestor_problem(written, uid)
-                if problem:
-                    return problem
-        except FileNotFoundError:
-            pass
-        try:
-            st = os.lstat(real)
-        except FileNotFoundError:
-            return None
-        if not stat.S_ISDIR(st.st_mode):
-            return f"{real} is not a directory"
-        problem = _owner_problem(st, uid)
-        return None if problem is None else f"{real}: {problem}"
-    except (OSError, RuntimeError) as e:
-        return f"it cannot be examined ({getattr(e, 'strerror', None) or e})"
 
 
 def _private_dir() -> Path:
@@ -195,8 +116,8 @@ def _private_dir() -> Path:
 
 def _cache() -> Path:
     """The directory this process builds and loads kernels in: the cache directory when it is
-    safe (:func:`_dir_problem`; created with mode 0700 if missing), else a private directory
-    (the reason is noted for :func:`status`). Call with ``_lock`` held.
+    safe (``native_cache.dir_problem``; created with mode 0700 if missing), else a private
+    directory (the reason is noted for :func:`status`). Call with ``_lock`` held.
 
     Raises:
         RuntimeError: neither the cache directory nor a private directory is safe.
@@ -205,14 +126,14 @@ def _cache() -> Path:
     if _where is not None:
         return _where
     root = _cache_dir()
-    problem = _dir_problem(root)
+    problem = trust.dir_problem(root)
     if problem is None:
         try:
             os.makedirs(root, mode=0o700, exist_ok=True)
         except OSError as e:
             problem = f"it cannot be created ({e.strerror or e})"
         else:
-            problem = _dir_problem(root)
+            problem = trust.dir_problem(root)
     if problem is None:  # from now on the resolved path: a link swapped later is not followed
         _where = Path(os.path.realpath(root))
         return _where
@@ -238,7 +159,7 @@ def _go_private(reason: str, neither: str) -> Path:
     global _where
     try:
         private = _private_dir()
-        fallback = _dir_problem(private)
+        fallback = trust.dir_problem(private)
     except OSError as e:
         private, fallback = None, f"it cannot be created ({e.strerror or e})"
     if fallback is not None:
@@ -248,121 +169,6 @@ def _go_private(reason: str, neither: str) -> Path:
     _notes.append(f"{reason}; built into the private directory {private} instead")
     _where = private
     return private
-
-
-def _open_checked(path: Path) -> tuple[int | None, str | None]:
-    """Open ``path`` for reading without following a symbolic link or blocking on a FIFO, and
-    check the opened file: a regular file owned by this user (or root), writable by no one else.
-
-    Returns:
-        ``(fd, None)``, or ``(None, problem)``; ``FileNotFoundError`` propagates.
-    """
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) \
-        | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            return None, "is a symbolic link"
-        return None, f"cannot be read ({e.strerror or e})"
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            problem = "is not a regular file"
-        else:
-            owner = _owner_problem(st, _uid())
-            problem = None if owner is None else owner.replace("it is ", "is ", 1)
-    except (OSError, RuntimeError) as e:
-        problem = f"cannot be examined ({getattr(e, 'strerror', None) or e})"
-    if problem is not None:
-        os.close(fd)
-        return None, problem
-    return fd, None
-
-
-def _digest_fd(fd: int) -> tuple[int, str]:
-    """Size in bytes and sha256 (hex) of the open file ``fd``, read from its start."""
-    h = hashlib.sha256()
-    size = 0
-    os.lseek(fd, 0, os.SEEK_SET)
-    while chunk := os.read(fd, 1 << 20):
-        h.update(chunk)
-        size += len(chunk)
-    return size, h.hexdigest()
-
-
-def _digest(path: Path) -> tuple[int, str]:
-    """Size in bytes and sha256 (hex) of the file at ``path``; ``OSError`` if it cannot be read."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        return _digest_fd(fd)
-    finally:
-        os.close(fd)
-
-
-# What a problem of _checked() is: "untrusted" (ownership, links, write bits) or "damaged".
-_UNTRUSTED = ("is owned by", "is writable by", "is a symbolic link")
-
-
-def _checked(target: Path, manifest: Path) -> tuple[int | None, str | None]:
-    """Check a cached library against the manifest written when it was built, and both files'
-    ownership and modes (:func:`_open_checked`).
-
-    Returns:
-        ``(fd, None)`` with ``fd`` an open descriptor of the library whose size and sha256 are
-        those its manifest records, or ``(None, problem)`` saying what is wrong (a missing,
-        unreadable, garbage or foreign manifest counts as wrong). Never raises.
-    """
-    try:
-        mfd, problem = _open_checked(manifest)
-    except FileNotFoundError:
-        return None, "its manifest is missing"
-    if problem is not None:
-        return None, f"its manifest {problem}"
-    try:
-        raw = os.read(mfd, _MANIFEST_MAX_BYTES + 1)
-    except OSError as e:
-        return None, f"its manifest cannot be read ({e.strerror or e})"
-    finally:
-        os.close(mfd)
-    if len(raw) > _MANIFEST_MAX_BYTES:
-        return None, f"its manifest is malformed (over {_MANIFEST_MAX_BYTES} bytes)"
-    try:
-        rec = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-        return None, "its manifest is not valid JSON"
-    if not (isinstance(rec, dict) and rec.get("version") == _MANIFEST_VERSION
-            and rec.get("library") == target.name and type(rec.get("size")) is int
-            and isinstance(rec.get("sha256"), str)):
-        return None, "its manifest is malformed (not a version-1 record of this library)"
-    try:
-        fd, problem = _open_checked(target)
-    except FileNotFoundError:
-        return None, "the library is missing (its manifest is there)"
-    if problem is not None:
-        return None, f"the library {problem}"
-    try:
-        size, sha = _digest_fd(fd)
-    except OSError as e:
-        os.close(fd)
-        return None, f"the library cannot be read ({e.strerror or e})"
-    if size != rec["size"] or sha != rec["sha256"]:
-        os.close(fd)
-        if size != rec["size"]:
-            return None, f"its size is {size} bytes, its manifest says {rec['size']}"
-        return None, "its sha256 does not match its manifest (same size, other bytes)"
-    return fd, None
-
-
-def _verify(target: Path, manifest: Path) -> str | None:
-    """``None`` when the cached library ``target`` may be loaded (:func:`_checked`), else what
-    is wrong with it or its ``manifest``. Never raises."""
-    fd, problem = _checked(target, manifest)
-    if fd is not None:
-        os.close(fd)
-    return problem
 
 
 def _compile(cc: str, args: list[str]) -> None:
@@ -400,19 +206,16 @@ def _compile_into(cc: str, flags: list[str], target: Path, manifest: Path) -> No
         out = tmpd / "lib.so"
         _compile(cc, [*flags, "-o", str(out), *sources, *_LIBS])
         # writable by no one else whatever the umask, or the check before loading refuses it
-        os.chmod(out, stat.S_IMODE(os.stat(out).st_mode) & ~_GROUP_OTHER_WRITE)
-        size, sha = _digest(out)
+        os.chmod(out, stat.S_IMODE(os.stat(out).st_mode) & ~trust.GROUP_OTHER_WRITE)
         man = tmpd / "manifest.json"
-        man.write_text(json.dumps({"version": _MANIFEST_VERSION, "library": target.name,
-                                   "size": size, "sha256": sha}) + "\n")
-        os.chmod(man, 0o644)
+        trust.write_manifest(man, out, target.name)
         os.replace(out, target)
         os.replace(man, manifest)
 
 
 def _open(target: Path, fd: int) -> ctypes.CDLL:
-    """Load the library checked through the open descriptor ``fd`` (:func:`_checked`) and
-    declare its kernels' signatures.
+    """Load the library checked through the open descriptor ``fd`` (``native_cache.checked``)
+    and declare its kernels' signatures.
 
     The loader opens ``/proc/self/fd/<fd>`` where it exists, i.e. the very file that was checked
     and hashed, even if the name ``target`` was replaced since; elsewhere it opens ``target``
@@ -471,9 +274,9 @@ def _build(defines: tuple[tuple[str, int], ...] = ()) -> ctypes.CDLL:
     """Compile (once per source, compiler, CPU and ``defines``) and load a kernel library.
 
     The library lives in the directory :func:`_cache` picks (the cache when it is safe, else a
-    private one). A cached library is loaded only after :func:`_checked` accepts it (its owner,
-    its mode, its manifest's size and sha256). One that fails (or that the dynamic loader
-    refuses) is rebuilt, and the rebuild is noted for :func:`status` ("untrusted" or
+    private one). A cached library is loaded only after ``native_cache.checked`` accepts it
+    (its owner, its mode, its manifest's size and sha256). One that fails (or that the dynamic
+    loader refuses) is rebuilt, and the rebuild is noted for :func:`status` ("untrusted" or
     "damaged"); when the rebuild fails the cached file is left alone and never loaded. A build
     that cannot be written into the cache directory (``OSError``) is made in the private
     directory instead (:func:`_compile_into_or_private`). Call with ``_lock`` held.
@@ -500,13 +303,13 @@ def _build(defines: tuple[tuple[str, int], ...] = ()) -> ctypes.CDLL:
     manifest = target.with_suffix(".json")
     problem = None  # what is wrong with the cached library, if there is one
     if os.path.lexists(target) or os.path.lexists(manifest):
-        fd, problem = _checked(target, manifest)
+        fd, problem = trust.checked(target, manifest)
         if fd is not None:
             try:
                 return _open(target, fd)
             except OSError as e:  # verified bytes the loader refuses: try a fresh build once
                 problem = f"the dynamic loader refuses it ({e})"
-    what = problem and ("untrusted" if any(w in problem for w in _UNTRUSTED) else "damaged")
+    what = problem and ("untrusted" if any(w in problem for w in trust.UNTRUSTED) else "damaged")
     try:
         built = _compile_into_or_private(cc, flags, target, manifest)
     except Exception as e:
@@ -559,7 +362,7 @@ def _open_built(target: Path, manifest: Path) -> ctypes.CDLL:
     Raises:
         RuntimeError: it fails the check (e.g. replaced meanwhile by a file of someone else).
     """
-    fd, problem = _checked(target, manifest)
+    fd, problem = trust.checked(target, manifest)
     if fd is None:
         raise RuntimeError(f"the kernel library {target} just built fails its check "
                            f"({problem}); it is not loaded")
