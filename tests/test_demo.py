@@ -285,5 +285,6 @@ def test_a_long_title_is_not_clipped(tmp_path):
         fig, ax = plt.subplots(figsize=(4, 3))
         ax.plot([1, 2])
         ax.set_title(title)
-        sizes.append(Image.open(save_figure(fig, tmp_path / f"{len(title)}.png", dpi=50)).size)
+        with Image.open(save_figure(fig, tmp_path / f"{len(title)}.png", dpi=50)) as image:
+            sizes.append(image.size)
     assert sizes[1][0] > sizes[0][0]   # the saved area grew to hold the title

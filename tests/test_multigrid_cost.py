@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from paraprop.models.blocks import mlp_blocks
-from paraprop.multigrid import CostModel, ForwardStepper, Hierarchy, mgrit, simulate
+from paraprop.multigrid import (
+    CostModel,
+    ForwardStepper,
+    Hierarchy,
+    UncheckedResultWarning,
+    mgrit,
+    simulate,
+)
 
 MODEL = CostModel(forward_s=1e-3, adjoint_s=2e-3, param_grad_s=2e-3, backprop_s=2e-3,
                   latency_s=1e-5, bandwidth_Bps=1e9, message_bytes=4096)
@@ -26,7 +33,8 @@ def test_one_worker_costs_the_solvers_work(concurrency):
     when every batched call costs one layer)."""
     depth, hier = 96, Hierarchy.build(96, levels=3, coarsening=4)
     st = ForwardStepper(mlp_blocks(depth, 3))
-    mgrit(st, torch.randn(2, 3), hier, 0.01, max_iters=2, tol=None)
+    with pytest.warns(UncheckedResultWarning, match="max_iters=2 runs a fixed number"):
+        mgrit(st, torch.randn(2, 3), hier, 0.01, max_iters=2, tol=None)
     model = dataclasses.replace(MODEL, concurrency=concurrency)
     r = simulate(depth, 1, model, levels=3, coarsening=4, cycles=2, training=False)
     work = st.counts.evaluations if concurrency == 1 else st.counts.calls

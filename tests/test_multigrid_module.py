@@ -100,7 +100,8 @@ def test_one_level_is_the_serial_network():
 def test_two_cycles_are_approximate_and_recorded():
     blocks = mlp_blocks(64, 8, seed=5)
     # the old defaults (c=4, 2 levels, FCF, 2 cycles), now explicit: 2 cycles, not checked
-    net = ParallelResidualStack(blocks, 1 / 64, max_iters=2, tol=None)
+    with pytest.warns(UncheckedResultWarning, match="max_iters=2 runs a fixed number"):
+        net = ParallelResidualStack(blocks, 1 / 64, max_iters=2, tol=None)
     x = torch.randn(5, 8)
     y = net(x)
     st = net.last_forward
@@ -113,7 +114,8 @@ def test_two_cycles_are_approximate_and_recorded():
 
 def test_warm_start_reuses_the_previous_solution():
     blocks = mlp_blocks(32, 4, seed=6, dtype=torch.float64)
-    net = ParallelResidualStack(blocks, 1 / 32, max_iters=6, tol=None, warm_start=True)
+    with pytest.warns(UncheckedResultWarning, match="max_iters=6 runs a fixed number"):
+        net = ParallelResidualStack(blocks, 1 / 32, max_iters=6, tol=None, warm_start=True)
     x = torch.randn(3, 4, dtype=torch.float64)
     net(x)
     first = net.last_forward.residuals.tolist()

@@ -380,6 +380,8 @@ def test_para_settings_assigned_after_construction_are_refused(cls, attr, value)
         m(x)
 
 
+# torch deprecates torch.jit; this test calls it on purpose, to see the modules refuse it
+@pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:FutureWarning")
 @pytest.mark.parametrize("cls", [paraprop.nn.ParaGRU, paraprop.nn.ParaLSTM])
 def test_para_jit_is_refused_by_name(cls):
     m = cls(3, 4)

@@ -84,6 +84,9 @@ class Log:
         sys.stdout.flush()
         self.file.write(text)
 
+    def close(self) -> None:
+        self.file.close()
+
 
 def _run(cmd: list[str], *, env: dict, log: Log, timeout: float, out: Path | None = None,
          cwd: Path = ROOT) -> tuple[int | None, str]:
@@ -292,6 +295,7 @@ def check(args) -> int:
     shutil.rmtree(work, ignore_errors=True)
     tests_ok = pytest.get("exit") == 0 or pytest["summary"] == "not run"
     good = ok and reported and not problems and not failed and tests_ok
+    log.close()
     return 0 if good else 1
 
 
