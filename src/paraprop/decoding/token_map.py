@@ -11,6 +11,8 @@ what to do.
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import torch
 
@@ -172,7 +174,7 @@ class TokenMap:
             # (host-to-device copies before the model call, not after it: from pageable
             # memory such a copy waits for the device's queue)
             ended = torch.from_numpy(ended_h).to(self.device) if ended_h.any() else None
-        need = todo.any(0)
+        need = cast(np.ndarray, todo.any(0))      # (B, n) -> (n,): an array, not a scalar
         if need.any():
             a = start + int(need.argmax())
             b = stop - int(need[::-1].argmax())
