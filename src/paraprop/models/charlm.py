@@ -87,7 +87,7 @@ def _check_sizes(path: Path, cfg: dict, shapes: dict, vocab: CharVocab) -> None:
     conf = path / "config.json"
     for k in _SIZES:
         v = cfg.get(k)
-        if not checks.is_int(v) or v < 1:
+        if v is None or not checks.is_int(v) or v < 1:
             raise ValueError(f"{conf}: {k} must be a positive int, got {v!r}")
     inner = cfg.get("n_inner")
     if inner is not None and (not checks.is_int(inner) or inner < 1):
@@ -143,9 +143,9 @@ def _compare_with_meta(path: Path, cfg: dict, shapes: dict) -> None:
         state = _meta_state(cfg)
     except Exception as e:  # an unknown activation, a field of the wrong type, ...
         first = (str(e).strip().splitlines() or [""])[0][:200]
-        named = [f"{k}={json.dumps(v)}" for k, v in cfg.items() if isinstance(e, KeyError)
-                 and e.args and isinstance(v, str) and v == e.args[0]]
-        which = f" ({', '.join(named)} is not known to it)" if named else ""
+        unknown = [f"{k}={json.dumps(v)}" for k, v in cfg.items() if isinstance(e, KeyError)
+                   and e.args and isinstance(v, str) and v == e.args[0]]
+        which = f" ({', '.join(unknown)} is not known to it)" if unknown else ""
         raise ValueError(f"{conf}: transformers cannot build a GPT-2 from it{which} "
                          f"({type(e).__name__}: {first})") from None
     for name, t in state.items():

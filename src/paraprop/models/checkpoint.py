@@ -24,6 +24,7 @@ import stat
 import threading
 import zipfile
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.utils._python_dispatch
@@ -214,7 +215,7 @@ def _size_argument(func, args, kwargs) -> list[int] | None:
     return None
 
 
-def _human(n: int) -> str:
+def _human(n: float) -> str:
     for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if n < 1024 or unit == "PiB":
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
@@ -384,13 +385,22 @@ def load_checkpoint(cls, kind: str, path, map_location):
     return model
 
 
+class _Saveable(Protocol):
+    """What :meth:`Checkpointed.save` reads from the module it is mixed into."""
+
+    @property
+    def config(self) -> dict[str, Any]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+
 class Checkpointed:
     """``save`` / ``load`` for a model class with a ``config`` dict of its constructor's
     arguments; the checkpoint's kind is the class name."""
 
     load_in_eval: bool = False  # load() returns the model in eval mode
 
-    def save(self, path: str | Path) -> None:
+    def save(self: _Saveable, path: str | Path) -> None:
         """Save the config and state dict (``load`` of the same class rebuilds the model)."""
         save_checkpoint(type(self).__name__, self.config, self.state_dict(), path)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 
 
@@ -17,7 +19,8 @@ class RecurrentClassifier(nn.Module):
     def __init__(self, rnn: nn.Module, classes: int):
         super().__init__()
         self.rnn = rnn
-        self.head = nn.Linear(rnn.hidden_size, classes)
+        # torch's and paraprop's recurrent layers hold their width as an int attribute
+        self.head = nn.Linear(cast(int, rnn.hidden_size), classes)
 
     def forward(self, x):
         out, _ = self.rnn(x)

@@ -241,7 +241,8 @@ def save_unet(model, path: str | Path) -> None:
     Raises:
         TypeError: ``model`` is not a ``diffusers.UNet2DModel``.
     """
-    from diffusers import UNet2DModel
+    # diffusers.models, not diffusers: the package's __init__ gives type checkers a dummy class
+    from diffusers.models import UNet2DModel
 
     if not isinstance(model, UNet2DModel):
         raise TypeError(f"model must be a diffusers UNet2DModel, got {type(model).__name__}")

@@ -19,6 +19,7 @@ dtype and on every device.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,6 +64,9 @@ class MADE(Checkpointed, nn.Module):
         torch.Size([5])
     """
 
+    order: torch.Tensor  # registered buffers
+    perm: torch.Tensor
+
     def __init__(self, features: int, hidden: tuple[int, ...] = (512, 512),
                  conditional: str = "logistic", order=None, seed: int = 0):
         super().__init__()
@@ -77,7 +81,7 @@ class MADE(Checkpointed, nn.Module):
             order_t = torch.arange(features)
         else:
             order_t = _as_order(order, features)
-        self.config = {"features": features, "hidden": list(hidden),
+        self.config: dict[str, Any] = {"features": features, "hidden": list(hidden),
                        "conditional": conditional, "order": order_t.tolist(), "seed": seed}
         self.features, self.conditional = features, conditional
         self.k = CONDITIONALS[conditional]

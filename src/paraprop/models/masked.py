@@ -69,6 +69,8 @@ class MaskedLinear(nn.Linear):
         True
     """
 
+    mask: torch.Tensor  # a registered buffer
+
     def __init__(self, in_features: int, out_features: int, mask: torch.Tensor):
         super().__init__(in_features, out_features)
         if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (out_features, in_features):

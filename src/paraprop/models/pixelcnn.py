@@ -16,6 +16,8 @@ one horizontal layer at one column given a window of the previous layer.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -111,6 +113,10 @@ class PixelCNN(Checkpointed, nn.Module):
                 for i in range(layers))
             self.out = nn.Conv2d(hidden, in_channels * 3 * mixtures, 1)
 
+    def _gated(self) -> Sequence[_GatedLayer]:
+        """The gated layers (``nn.ModuleList`` types its items as plain modules)."""
+        return cast("Sequence[_GatedLayer]", self.layers)
+
     # -- full forward -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Mixture parameters for every pixel: ``(B, C, 3M, H, W)`` from images ``(B, C, H, W)``
@@ -126,7 +132,7 @@ class PixelCNN(Checkpointed, nn.Module):
         B, _, R, W = x.shape
         if ctx is None:
             ctx = self.empty_context(B, W, like=x)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self._gated()):
             v_pre, v = layer.vertical(v_in, ctx["v_in"][i])
             top = ctx["v_pre_last"][i]
             v_above = torch.cat([top, v_pre[:, :, :-1]], dim=2)  # the row above each row
@@ -149,7 +155,7 @@ class PixelCNN(Checkpointed, nn.Module):
         B, _, R, W = x_rows.shape
         v_in_rows, v_pre_last = [], []
         v_in = x_rows
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self._gated()):
             above = None if ctx is None else ctx["v_in"][i]
             if above is None:
                 above = v_in.new_zeros(B, v_in.shape[1], p, W)
@@ -164,10 +170,10 @@ class PixelCNN(Checkpointed, nn.Module):
         w = self.size if width is None else width
         ref = self.out.weight if like is None else like
         p = self.k // 2
-        chans = [self.C] + [layer.h_out.out_channels for layer in self.layers[:-1]]
+        chans = [self.C] + [layer.h_out.out_channels for layer in self._gated()[:-1]]
         return {"v_in": [ref.new_zeros(batch, c, p, w) for c in chans],
                 "v_pre_last": [ref.new_zeros(batch, layer.link.in_channels, 1, w)
-                               for layer in self.layers]}
+                               for layer in self._gated()]}
 
     # -- likelihood ---------------------------------------------------------------------------
     def split(self, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -96,8 +96,9 @@ class _Cache:
             pre = F.linear(window, wh, bh) + F.linear(self.v_pre[i][:, :, 0, c], wl, bl)
             a, b = pre.chunk(2, dim=1)
             h = F.linear(torch.tanh(a) * torch.sigmoid(b), wo, bo)
-            stream = h if layer.first else stream + h
+            stream = h if stream is None else stream + h  # the first layer starts it
             self.h[i + 1][:, :, c + P] = stream
+        assert stream is not None  # a PixelCNN has at least one layer
         return F.linear(torch.relu(stream), *self.w_out)
 
     def set_input(self, c: int, value: torch.Tensor) -> None:
