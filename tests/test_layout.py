@@ -91,6 +91,91 @@ def test_the_lab_import_check_sees_every_form():
     assert _lab_imports("import paraprop\nfrom paraprop.models import MADE\n") == set()
 
 
+def _module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(SRC).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def _library_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """``module -> the library modules it imports`` (anywhere in it, functions too), for the
+    modules ``sources`` (name -> source): ``from P import x`` is an import of ``P.x`` where that
+    is a module of ``sources``, else of ``P`` (a name of its ``__init__``)."""
+    graph = {}
+    for name, source in sources.items():
+        out = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom):
+                # (the library imports absolutely: a relative import fails the test below)
+                module = "." * node.level + (node.module or "")
+                for a in node.names:
+                    full = f"{module}.{a.name}"
+                    out.add(full if full in sources else module)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+        graph[name] = {m for m in out if m in sources and m != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (its modules in order), or ``[]``."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(v: str) -> list[str]:
+        state[v] = 1
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if state.get(w) == 1:
+                return stack[stack.index(w):] + [w]
+            if w not in state:
+                found = visit(w)
+                if found:
+                    return found
+        stack.pop()
+        state[v] = 2
+        return []
+
+    for v in sorted(graph):
+        if v not in state:
+            found = visit(v)
+            if found:
+                return found
+    return []
+
+
+def _library_sources() -> dict[str, str]:
+    return {_module_name(p): p.read_text() for p in (SRC / "paraprop").rglob("*.py")}
+
+
+def test_the_library_imports_run_one_way():
+    """No import cycle among the library's modules, counting the imports inside functions (a
+    cycle dodged by a late import is still one), and no core module imports an adapter (the map's
+    rows; a package's ``__init__`` re-exports its modules and is exempt)."""
+    sources = _library_sources()
+    graph = _library_graph(sources)
+    assert _cycle(graph) == [], "an import cycle in the library"
+    relative = sorted(name for name, source in sources.items()
+                      if any(isinstance(n, ast.ImportFrom) and n.level
+                             for n in ast.walk(ast.parse(source))))
+    assert relative == [], "relative imports (the library imports absolutely)"
+    roles = {_module_name(SRC / f): rc[0] for f, rc in _map().items()}
+    upward = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
+                    if roles.get(a) == "core" and roles.get(b) == "adapter"
+                    and not (SRC / a.replace(".", "/") / "__init__.py").exists())
+    assert upward == [], "core modules import adapters"
+
+
+def test_the_import_direction_check_can_fail():
+    # the checks above must be able to fail: a cycle through a late import is found, and a
+    # from-import of a package's module counts as an import of that module
+    sources = {"p": "", "p.a": "from p import b\n",
+               "p.b": "def f():\n    from p.a import g\n", "p.c": "import p.a\n"}
+    graph = _library_graph(sources)
+    assert graph["p.a"] == {"p.b"} and graph["p.b"] == {"p.a"} and graph["p.c"] == {"p.a"}
+    assert _cycle(graph) in (["p.a", "p.b", "p.a"], ["p.b", "p.a", "p.b"])
+    assert _cycle({"p.a": {"p.b"}, "p.b": set()}) == []
+
+
 def test_bench_is_a_leaf_of_the_lab():
     offenders = []
     for path in (SRC / "paraprop_lab").rglob("*.py"):
