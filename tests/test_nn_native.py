@@ -201,9 +201,11 @@ def test_options_names_and_errors():
     assert "forward='sequential'" in repr(GRU(2, 3, forward="sequential"))
     assert "forward" not in repr(GRU(2, 3))       # the default, forward="auto"
     assert "backward='auto'" in repr(GRU(2, 3))
-    with pytest.raises(ValueError, match="kernel must be one of 'torch', 'native', 'auto', "
-                                         "got 'fast'"):
+    with pytest.raises(ValueError, match="SequentialForward: unknown kernel='fast'; choose one "
+                                         "of torch, native, auto$"):
         SequentialForward("fast")
+    with pytest.raises(ValueError, match="SequentialForward: unknown kernel=3; choose one of"):
+        SequentialForward(3)
     with pytest.raises(ValueError, match="native loop.*backward='autograd'"):
         RNN(2, 3, forward="native", backward="autograd")
     with pytest.raises(ValueError, match="sequential loop"):

@@ -1,17 +1,14 @@
 """What the drop-in recurrent modules share: option checks (at construction and at every call),
-input plumbing, the backward switch, the compute dtype of low-precision modules and the refusals
-of torch.jit and torch.autocast."""
+input plumbing, the backward switch, the compute dtype of low-precision modules, the refusals
+of torch.jit and torch.autocast, and the records of what the last call ran. What their autograd
+Functions share is :mod:`paraprop.nn.stack`."""
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from paraprop.first_order import refuse_second_order
 from paraprop.nn.options import (
-    BACKWARDS,
     AutogradBackward,
     ParallelForward,
     SequentialForward,
@@ -21,7 +18,7 @@ from paraprop.nn.options import (
     forward_option,
     resolve,
 )
-from paraprop.nn.runs import BackwardRun, RunLog, loop_run, record_solve
+from paraprop.nn.runs import BackwardRun, RunLog, loop_run
 from paraprop.result import Solution
 
 # bf16 / fp16 modules: the scan backward, the Jacobian factors and the parallel forward compute
@@ -73,25 +70,6 @@ def refuse_jit(name: str) -> None:
         f"module, load the state dict into torch.nn.{name}")
 
 
-def solve_layer(cfg: dict, adapter, x: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
-    """One layer's outputs ``(T, B, H)`` for time-major inputs ``x`` by ``cfg["forward"]`` (a
-    :class:`ParallelForward`): :func:`paraprop.solve` on the layer's
-    :class:`paraprop.Recurrence` (no graph), in ``cfg["compute"]`` (``adapter`` holds weights of
-    that dtype; float32 for a bf16 / fp16 module: the result is rounded to ``x``'s dtype), its
-    Solution appended to ``cfg["log"]`` (:func:`paraprop.nn.runs.record_solve`)."""
-    from paraprop.recurrence import Recurrence
-    from paraprop.solve import solve
-
-    fwd: ParallelForward = cfg["forward"]
-    dtype, cdt = x.dtype, cfg["compute"]
-    x, h0 = x.to(cdt), h0.to(cdt)
-    rec = Recurrence(adapter, x.transpose(0, 1), h0)
-    sol = solve(rec, rec.zeros(), method=fwd.solver, dim=-2, tol=cfg["forward_tol"],
-                max_iters=fwd.max_iters, throw=fwd.throw)
-    record_solve(cfg["log"], sol, tol=cfg["forward_tol"], compute_dtype=cdt)
-    return sol.value.transpose(0, 1).to(dtype)
-
-
 def native_runs(fwd, *tensors: torch.Tensor) -> bool:
     """Whether a ``forward=`` of ``fwd`` runs paraprop's native loop on these tensors: a
     :class:`SequentialForward` with ``kernel="native"`` or ``"auto"``, CPU tensors of one dtype
@@ -129,69 +107,6 @@ def time_major(name: str, input: torch.Tensor, input_size: int, batch_first: boo
     if x.shape[0] < 1:
         raise ValueError(f"{name}: the sequence is empty (input shape {tuple(input.shape)})")
     return x, batched
-
-
-def unpack_saved(ctx, lead: int = 0):
-    """What a layer stack's scan Function saved, for its ``backward``: ``(cfg, layers,
-    per_layer_weights, leading, weights, rest)``, where ``leading`` are the first ``lead`` saved
-    tensors (e.g. ``h0``), ``weights`` the parameters of every layer in torch's order and
-    ``rest`` what the layers saved. ``leading`` and ``weights`` come in ``cfg["compute"]``
-    (float32 for a bf16 / fp16 module); the layers save the rest in it."""
-    cfg = ctx.cfg
-    nl, per = cfg["layers"], 4 if cfg["bias"] else 2
-    saved = ctx.saved_tensors
-    lead_t, weights = saved[:lead], saved[lead:lead + nl * per]
-    cdt = cfg.get("compute")
-    if cdt is not None and weights and weights[0].dtype != cdt:
-        lead_t = tuple(t.to(cdt) for t in lead_t)
-        weights = tuple(w.to(cdt) for w in weights)
-    return cfg, nl, per, lead_t, weights, saved[lead + nl * per:]
-
-
-def first_order_only(backward):
-    """Decorate the ``backward`` of the scan Functions: gradients are computed without a graph,
-    in ``cfg["compute"]`` and returned in the dtypes of the inputs, and when a graph is wanted
-    (``create_graph=True``) they carry a node that refuses the second differentiation with a
-    message naming the alternative, instead of torch's generic error. The layers' reverse
-    recurrences (:func:`paraprop.nn.rnn.solve_hidden`) append their Solutions to
-    ``cfg["backward_layers"]``, top layer first; the run becomes the module's
-    ``last_backward``."""
-
-    @functools.wraps(backward)
-    def wrapper(ctx, *grad_outputs):
-        cfg = ctx.cfg
-        cdt, dtypes = cfg.get("compute"), cfg.get("input_dtypes")
-        layers: list = []
-        cfg["backward_layers"] = layers
-        with torch.no_grad():
-            if cdt is not None:
-                grad_outputs = tuple(g.to(cdt) for g in grad_outputs)
-            grads = backward(ctx, *grad_outputs)
-            if dtypes is not None:   # computed in cdt: each gradient in its input's dtype
-                grads = tuple(g.to(dt) if isinstance(g, torch.Tensor) and dt is not None else g
-                              for g, dt in zip(grads, dtypes, strict=True))
-        # the kind's name ("scan", "jacobi"), whatever settings the option object carries
-        kind = next(k for k, c in BACKWARDS.items() if type(cfg["backward"]) is c)
-        cfg["runs"].backward = BackwardRun(kind, tuple(reversed(layers)),
-                                           grad_outputs[0].dtype)
-        if not torch.is_grad_enabled():
-            return grads
-        message = (f"paraprop.nn.{cfg['name']}(backward={cfg['backward_name']}) computes "
-                   "first-order gradients only (its backward pass is not itself "
-                   "differentiable), so double backward / create_graph=True / hessians are not "
-                   "supported; use backward='autograd' (with forward='sequential') for them")
-        idx = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
-        # the node hangs from the saved inputs and the incoming gradients, so that a second
-        # differentiation with respect to the weights reaches it (not a silent None)
-        anchors = tuple(t for t in (*ctx.saved_tensors, *grad_outputs)
-                        if isinstance(t, torch.Tensor))
-        carried = refuse_second_order(message, *(grads[i] for i in idx), anchors=anchors)
-        out = list(grads)
-        for i, g in zip(idx, carried, strict=True):
-            out[i] = g
-        return tuple(out)
-
-    return wrapper
 
 
 class ScanBackwardMixin:

@@ -27,14 +27,10 @@ import torch.nn.functional as F
 from torch import _VF
 
 from paraprop.jacobians import cells
-from paraprop.jacobians.cells import BLOCK_ROWS, GRUCellJacobian, gru_gates, gru_scale
-from paraprop.nn._base import (
-    ScanBackwardMixin,
-    check_options,
-    first_order_only,
-    solve_layer,
-    unpack_saved,
-)
+from paraprop.jacobians.cells import BLOCK_ROWS, gru_gates, gru_scale
+from paraprop.jacobians.linearized import GRUCellJacobian
+from paraprop.nn import stack
+from paraprop.nn._base import ScanBackwardMixin, check_options
 from paraprop.nn.rnn import solve_hidden
 from paraprop.scan import Factored, native
 
@@ -80,18 +76,16 @@ class GRUScanFunction(torch.autograd.Function):
     def layers(cfg, x, h0, weights, save: bool):
         """Every layer's outputs (torch's fused kernel, or ``cfg["forward"]`` by
         :func:`paraprop.solve`), the last states and, with ``save``, what backward needs."""
-        per = 4 if cfg["bias"] else 2
         cdt = cfg["compute"]
         saved, last = [], []
         layer_in = x
         for k in range(cfg["layers"]):
-            w = list(weights[k * per:(k + 1) * per])
-            b_ih, b_hh = (w[2], w[3]) if cfg["bias"] else (None, None)
+            w = stack.layer_weights(weights, k, cfg["bias"])
+            b_ih, b_hh = stack.biases(w)
             if cfg["native"]:
                 out, factors = native_layer(layer_in, h0[k], w[0], w[1], b_ih, b_hh, save)
                 if save:
-                    hprev = torch.cat([h0[k:k + 1], out[:-1]], 0)
-                    saved += [layer_in, hprev, *factors]
+                    saved += [layer_in, stack.shifted(h0[k], out), *factors]
                 last.append(out[-1:])
                 layer_in = out
                 continue
@@ -99,15 +93,14 @@ class GRUScanFunction(torch.autograd.Function):
                 out, hn = _VF.gru(layer_in, h0[k:k + 1], w, cfg["bias"], 1, 0.0, False, False,
                                   False)
             else:
-                wc = [None if t is None else t.to(cdt) for t in (w[0], w[1], b_ih, b_hh)]
-                out = solve_layer(cfg, GRUCellJacobian(*wc), layer_in, h0[k])
+                cell = GRUCellJacobian(*stack.cast((w[0], w[1], b_ih, b_hh), cdt))
+                out = stack.solve_layer(cfg, cell, layer_in, h0[k])
                 hn = out[-1:]
             if save:   # the factors in cfg["compute"] (float32 for bf16 / fp16 modules)
                 inp = layer_in.to(cdt)
-                hprev = torch.cat([h0[k:k + 1], out[:-1]], 0).to(cdt)
-                z, s, dn = jacobian_factors(inp, hprev, *(None if t is None else t.to(cdt)
-                                                          for t in (w[0], w[1], b_ih, b_hh)))
-                saved += [inp, hprev, z, s, dn]
+                hprev = stack.shifted(h0[k], out).to(cdt)
+                factors = jacobian_factors(inp, hprev, *stack.cast((w[0], w[1], b_ih, b_hh), cdt))
+                saved += [inp, hprev, *factors]
             last.append(hn)
             layer_in = out
         return layer_in, torch.cat(last, 0), saved
@@ -120,16 +113,16 @@ class GRUScanFunction(torch.autograd.Function):
         return out, hn
 
     @staticmethod
-    @first_order_only
+    @stack.first_order_only
     def backward(ctx, g_out, g_hn):
-        cfg, nl, per, _, weights, per_layer = unpack_saved(ctx)
+        cfg, nl, _, weights, per_layer = stack.unpack_saved(ctx)
         T, B, H = g_out.shape
         grads_w: list = [None] * len(weights)
         g_h0 = g_out.new_empty(nl, B, H)
         e = g_out
         g_x = None
         for k in range(nl - 1, -1, -1):
-            w_ih, w_hh = weights[k * per], weights[k * per + 1]
+            w_ih, w_hh = stack.layer_weights(weights, k, cfg["bias"])[:2]
             inp, hprev, z, s, dn = per_layer[5 * k:5 * k + 5]
             # g_t = J_{t+1}^T g_{t+1} + e_t: steps 0..T-2 use the factors of step t+1,
             # and g_{T-1} = e_{T-1} (+ the gradient of h_n) starts the reverse recurrence
@@ -147,13 +140,13 @@ class GRUScanFunction(torch.autograd.Function):
             g_wih = torch.empty_like(w_ih)
             torch.mm(dgi_rz.t(), x2, out=g_wih[:2 * H])
             torch.mm(dN.t(), x2, out=g_wih[2 * H:])
-            grads_w[k * per] = g_wih
-            grads_w[k * per + 1] = dgh.t() @ hprev.reshape(T * B, H)
+            g_bih = g_bhh = None
             if cfg["bias"]:  # column sums as matrix-vector products (faster than sum(0))
                 ones = dgh.new_ones(T * B)
                 g_bhh = torch.mv(dgh.t(), ones)
-                grads_w[k * per + 2] = torch.cat([g_bhh[:2 * H], torch.mv(dN.t(), ones)])
-                grads_w[k * per + 3] = g_bhh
+                g_bih = torch.cat([g_bhh[:2 * H], torch.mv(dN.t(), ones)])
+            stack.store_grads(grads_w, k, cfg["bias"], g_wih, dgh.t() @ hprev.reshape(T * B, H),
+                              g_bih, g_bhh)
             g_h0[k] = z[0] * g[0] + dgh[:B] @ w_hh
             if k > 0 or ctx.needs_input_grad[1]:
                 e = torch.addmm(dN @ w_ih[2 * H:], dgi_rz, w_ih[:2 * H]).reshape(T, B, -1)

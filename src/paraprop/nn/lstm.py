@@ -50,18 +50,13 @@ from torch import _VF
 from paraprop.jacobians import cells
 from paraprop.jacobians.cells import (
     LSTM_BLOCK_ROWS,
-    LSTMCellJacobian,
     fast_tanh,
     lstm_gates,
     lstm_scale,
 )
-from paraprop.nn._base import (
-    ScanBackwardMixin,
-    check_options,
-    first_order_only,
-    solve_layer,
-    unpack_saved,
-)
+from paraprop.jacobians.linearized import LSTMCellJacobian
+from paraprop.nn import stack
+from paraprop.nn._base import ScanBackwardMixin, check_options
 from paraprop.nn.rnn import solve_hidden
 from paraprop.scan import LSTMFactored, linear_recurrence, native
 
@@ -127,20 +122,18 @@ class LSTMScanFunction(torch.autograd.Function):
         """Every layer's outputs (torch's kernel, or ``cfg["forward"]`` by
         :func:`paraprop.solve` on the state ``[h, c]``), the last hidden states and cells and,
         with ``save``, what backward needs."""
-        per = 4 if cfg["bias"] else 2
         cdt = cfg["compute"]
         saved, last_h, last_c = [], [], []
         layer_in = x
         for k in range(cfg["layers"]):
-            w = list(weights[k * per:(k + 1) * per])
-            b_ih, b_hh = (w[2], w[3]) if cfg["bias"] else (None, None)
+            w = stack.layer_weights(weights, k, cfg["bias"])
+            b_ih, b_hh = stack.biases(w)
             c = None
             if cfg["native"]:
                 out, cell, factors = native_layer(layer_in, h0[k], c0[k], w[0], w[1], b_ih, b_hh,
                                                   save)
                 if save:
-                    hprev = torch.cat([h0[k:k + 1], out[:-1]], 0)
-                    saved += [layer_in, hprev, *factors]
+                    saved += [layer_in, stack.shifted(h0[k], out), *factors]
                 last_h.append(out[-1:])
                 last_c.append(cell[-1:])
                 layer_in = out
@@ -150,19 +143,16 @@ class LSTMScanFunction(torch.autograd.Function):
                                        0.0, False, False, False)
             else:
                 H = h0.shape[-1]
-                wc = [None if t is None else t.to(cdt) for t in (w[0], w[1], b_ih, b_hh)]
-                states = solve_layer(cfg, LSTMCellJacobian(*wc), layer_in,
-                                     torch.cat([h0[k], c0[k]], -1))
+                cell = LSTMCellJacobian(*stack.cast((w[0], w[1], b_ih, b_hh), cdt))
+                states = stack.solve_layer(cfg, cell, layer_in, torch.cat([h0[k], c0[k]], -1))
                 out, c = states[..., :H].contiguous(), states[..., H:]
                 hn, cn = out[-1:], c[-1:].contiguous()
             if save:   # the factors in cfg["compute"] (float32 for bf16 / fp16 modules)
                 inp = layer_in.to(cdt)
-                hprev = torch.cat([h0[k:k + 1], out[:-1]], 0).to(cdt)
-                s, f, kk = jacobian_factors(
-                    inp, hprev, c0[k].to(cdt),
-                    *(None if t is None else t.to(cdt) for t in (w[0], w[1], b_ih, b_hh)),
-                    None if c is None else c.to(cdt))
-                saved += [inp, hprev, s, f, kk]
+                hprev = stack.shifted(h0[k], out).to(cdt)
+                factors = jacobian_factors(inp, hprev, c0[k].to(cdt),
+                                           *stack.cast((w[0], w[1], b_ih, b_hh, c), cdt))
+                saved += [inp, hprev, *factors]
             last_h.append(hn)
             last_c.append(cn)
             layer_in = out
@@ -176,9 +166,9 @@ class LSTMScanFunction(torch.autograd.Function):
         return out, hn, cn
 
     @staticmethod
-    @first_order_only
+    @stack.first_order_only
     def backward(ctx, g_out, g_hn, g_cn):
-        cfg, nl, per, _, weights, per_layer = unpack_saved(ctx)
+        cfg, nl, _, weights, per_layer = stack.unpack_saved(ctx)
         T, B, H = g_out.shape
         grads_w: list = [None] * len(weights)
         g_h0 = g_out.new_empty(nl, B, H)
@@ -186,7 +176,7 @@ class LSTMScanFunction(torch.autograd.Function):
         e = g_out
         g_x = None
         for layer in range(nl - 1, -1, -1):
-            w_ih, w_hh = weights[layer * per], weights[layer * per + 1]
+            w_ih, w_hh = stack.layer_weights(weights, layer, cfg["bias"])[:2]
             inp, hprev, s, f, k = per_layer[5 * layer:5 * layer + 5]
             # x_t = [dL/dh_t; dL/dc_t] = J_{t+1}^T x_{t+1} + [e_t; 0]: steps 0..T-2 use the
             # factors of step t+1, x_{T-1} (with the gradients of h_n, c_n) starts it
@@ -222,9 +212,8 @@ class LSTMScanFunction(torch.autograd.Function):
                     g_b += da.sum(0)
                 if want_e:
                     torch.mm(da, w_ih, out=e.view(T * B, -1)[rows])
-            grads_w[layer * per], grads_w[layer * per + 1] = g_wih, g_whh
-            if g_b is not None:
-                grads_w[layer * per + 2], grads_w[layer * per + 3] = g_b, g_b.clone()
+            stack.store_grads(grads_w, layer, cfg["bias"], g_wih, g_whh, g_b,
+                              None if g_b is None else g_b.clone())
             if layer == 0:
                 g_x = e
         need = ctx.needs_input_grad

@@ -65,6 +65,14 @@ def default_forward_tol(dtype: torch.dtype) -> float:
 KERNELS = ("torch", "native", "auto")
 
 
+def check_choice(owner: str, field: str, value, choices, hint: str = "") -> None:
+    """Refuse ``owner``'s ``field`` unless ``value`` is one of the names ``choices``: a
+    ``ValueError`` naming the owner, the field, the value and the choices (then ``hint``)."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{owner}: unknown {field}={value!r}; choose one of "
+                         f"{', '.join(choices)}{hint}")
+
+
 @dataclass(frozen=True)
 class SequentialForward:
     """The ``T`` dependent steps one after another.
@@ -93,9 +101,7 @@ class SequentialForward:
     kernel: str = "torch"
 
     def __post_init__(self):
-        if not isinstance(self.kernel, str) or self.kernel not in KERNELS:
-            raise ValueError(f"SequentialForward: kernel must be one of "
-                             f"{', '.join(map(repr, KERNELS))}, got {self.kernel!r}")
+        check_choice("SequentialForward", "kernel", self.kernel, KERNELS)
 
 
 @dataclass(frozen=True)
@@ -134,10 +140,9 @@ class ParallelForward:
         if self.method in SEQUENTIAL_NAMES or getattr(self.method, "name", None) == "sequential":
             raise ValueError(f"ParallelForward: method={self.method!r} is a sequential loop; "
                              f"pass forward={self.method!r} to the module instead")
-        if isinstance(self.method, str) and self.method not in PARALLEL_FORWARDS:
-            raise ValueError(f"ParallelForward: unknown method={self.method!r}; choose one of "
-                             f"{', '.join(PARALLEL_FORWARDS)}, or a solver object from "
-                             "paraprop.solvers")
+        if isinstance(self.method, str):
+            check_choice("ParallelForward", "method", self.method, PARALLEL_FORWARDS,
+                         ", or a solver object from paraprop.solvers")
         solver = make_solver(self.method, argument="ParallelForward: method",
                              names=PARALLEL_FORWARDS)
         object.__setattr__(self, "solver", solver)
@@ -169,9 +174,7 @@ class ScanBackward:
     def __post_init__(self):
         from paraprop.scan import METHODS
 
-        if not isinstance(self.method, str) or self.method not in METHODS:
-            raise ValueError(f"ScanBackward: unknown method={self.method!r}; choose one "
-                             f"of {', '.join(METHODS)}")
+        check_choice("ScanBackward", "method", self.method, METHODS)
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,7 @@ from paraprop.jacobians.diagonal import (
     gru_newton_block,
     gru_step,
 )
-from paraprop.nn import triton_cells
-from paraprop.nn._base import first_order_only, unpack_saved
+from paraprop.nn import stack, triton_cells
 from paraprop.nn.para_solve import DiagonalRecurrence, per_block, scratch, solve_recurrence
 from paraprop.nn.rnn import solve_hidden
 from paraprop.scan import linear_recurrence, native
@@ -197,12 +196,10 @@ class ParaGRUFunction(torch.autograd.Function):
 
     @staticmethod
     def layers(cfg, x, h0, weights):
-        per = 4 if cfg["bias"] else 2
         inputs, outs, layer_in = [], [], x
         for k in range(cfg["layers"]):
-            w = weights[k * per:(k + 1) * per]
-            b_ih, b_hh = (w[2], w[3]) if cfg["bias"] else (None, None)
-            out = gru_layer(cfg, layer_in, h0[k], w[0], w[1], b_ih, b_hh)
+            w = stack.layer_weights(weights, k, cfg["bias"])
+            out = gru_layer(cfg, layer_in, h0[k], w[0], w[1], *stack.biases(w))
             inputs.append(layer_in)
             outs.append(out)
             layer_in = out
@@ -216,20 +213,19 @@ class ParaGRUFunction(torch.autograd.Function):
         return out, hn
 
     @staticmethod
-    @first_order_only
+    @stack.first_order_only
     def backward(ctx, g_out, g_hn):
-        cfg, nl, per, (h0,), weights, rest = unpack_saved(ctx, lead=1)
+        cfg, nl, (h0,), weights, rest = stack.unpack_saved(ctx, lead=1)
         inputs, outs = rest[:nl], rest[nl:]
         T, B, H = g_out.shape
         grads: list = [None] * len(weights)
         g_h0 = torch.empty_like(h0)
         e, g_x = g_out, None
         for k in range(nl - 1, -1, -1):
-            w_ih, w_hh = weights[k * per], weights[k * per + 1]
-            b_ih, b_hh = (weights[k * per + 2], weights[k * per + 3]) if cfg["bias"] else (None,
-                                                                                       None)
+            lw = stack.layer_weights(weights, k, cfg["bias"])
+            (w_ih, w_hh), (b_ih, b_hh) = lw[:2], stack.biases(lw)
             x = inputs[k]
-            prev = torch.cat([h0[k][None], outs[k][:-1]])
+            prev = stack.shifted(h0[k], outs[k])
             w, b = w_hh.view(3, H), None if b_hh is None else b_hh.view(3, H)
             gi = F.linear(x, w_ih, b_ih).view(T, B, 3, H)
             a, coef = prev.new_empty(T, B, H), prev.new_empty(T, B, 4, H)
@@ -241,13 +237,13 @@ class ParaGRUFunction(torch.autograd.Function):
             dghn = coef[:, :, 3].mul_(lam)
             g_w = torch.cat([(dgi[:, :, :2] * prev.unsqueeze(2)).sum((0, 1)),
                              (dghn * prev).sum((0, 1))[None]])
-            grads[k * per + 1] = g_w.reshape(3 * H)
             d2 = dgi.reshape(T * B, 3 * H)
-            grads[k * per] = d2.t() @ x.reshape(T * B, -1)
+            g_bi = g_bh = None
             if cfg["bias"]:
                 g_bi = d2.sum(0)
-                grads[k * per + 2] = g_bi
-                grads[k * per + 3] = torch.cat([g_bi[:2 * H], dghn.sum((0, 1))])
+                g_bh = torch.cat([g_bi[:2 * H], dghn.sum((0, 1))])
+            stack.store_grads(grads, k, cfg["bias"], d2.t() @ x.reshape(T * B, -1),
+                              g_w.reshape(3 * H), g_bi, g_bh)
             g_h0[k] = a[0] * lam[0]
             if k > 0 or ctx.needs_input_grad[1]:
                 e = (d2 @ w_ih).reshape(T, B, -1)

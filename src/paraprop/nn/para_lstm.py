@@ -24,8 +24,7 @@ from paraprop.jacobians.diagonal import (
     lstm_newton_block,
     lstm_step,
 )
-from paraprop.nn import triton_cells
-from paraprop.nn._base import first_order_only, unpack_saved
+from paraprop.nn import stack, triton_cells
 from paraprop.nn.para_solve import DiagonalRecurrence, per_block, scratch, solve_recurrence
 from paraprop.nn.rnn import solve_hidden
 from paraprop.scan import linear_recurrence, native
@@ -210,12 +209,10 @@ class ParaLSTMFunction(torch.autograd.Function):
 
     @staticmethod
     def layers(cfg, x, h0, c0, weights):
-        per = 4 if cfg["bias"] else 2
         inputs, hs, cs, layer_in = [], [], [], x
         for k in range(cfg["layers"]):
-            w = weights[k * per:(k + 1) * per]
-            h, c = lstm_layer(cfg, layer_in, h0[k], c0[k], w[0], w[1],
-                              w[2] + w[3] if cfg["bias"] else None)
+            w = stack.layer_weights(weights, k, cfg["bias"])
+            h, c = lstm_layer(cfg, layer_in, h0[k], c0[k], w[0], w[1], _bias(w))
             inputs.append(layer_in)
             hs.append(h)
             cs.append(c)
@@ -231,20 +228,19 @@ class ParaLSTMFunction(torch.autograd.Function):
         return out, hn, cn
 
     @staticmethod
-    @first_order_only
+    @stack.first_order_only
     def backward(ctx, g_out, g_hn, g_cn):
-        cfg, nl, per, (h0, c0), weights, rest = unpack_saved(ctx, lead=2)
+        cfg, nl, (h0, c0), weights, rest = stack.unpack_saved(ctx, lead=2)
         inputs, hs, cs = rest[:nl], rest[nl:2 * nl], rest[2 * nl:]
         T, B, H = g_out.shape
         grads: list = [None] * len(weights)
         g_h0, g_c0 = torch.empty_like(h0), torch.empty_like(c0)
         e, g_x = g_out, None
         for k in range(nl - 1, -1, -1):
-            w_ih, w_hh = weights[k * per], weights[k * per + 1]
-            b = weights[k * per + 2] + weights[k * per + 3] if cfg["bias"] else None
+            lw = stack.layer_weights(weights, k, cfg["bias"])
+            w_ih, w_hh, b = lw[0], lw[1], _bias(lw)
             x, w = inputs[k], w_hh.view(4, H)
-            hp = torch.cat([h0[k][None], hs[k][:-1]])
-            cp = torch.cat([c0[k][None], cs[k][:-1]])
+            hp, cp = stack.shifted(h0[k], hs[k]), stack.shifted(c0[k], cs[k])
             gi = F.linear(x, w_ih, b).view(T, B, 4, H)
             J, coef = hp.new_empty(T, B, H, 2, 2), hp.new_empty(T, B, 5, H)
             for blk in blocks(T, B * H, hp.device):
@@ -256,12 +252,11 @@ class ParaLSTMFunction(torch.autograd.Function):
             dp = coef[:, :, :4]
             dp[:, :, :3].mul_(dc.unsqueeze(2))
             dp[:, :, 3].mul_(lh)                                        # (T, B, 4, H)
-            grads[k * per + 1] = (dp * hp.unsqueeze(2)).sum((0, 1)).reshape(4 * H)
             d2 = dp.reshape(T * B, 4 * H)
-            grads[k * per] = d2.t() @ x.reshape(T * B, -1)
-            if cfg["bias"]:
-                g_b = d2.sum(0)
-                grads[k * per + 2], grads[k * per + 3] = g_b, g_b.clone()
+            g_b = d2.sum(0) if cfg["bias"] else None
+            stack.store_grads(grads, k, cfg["bias"], d2.t() @ x.reshape(T * B, -1),
+                              (dp * hp.unsqueeze(2)).sum((0, 1)).reshape(4 * H), g_b,
+                              None if g_b is None else g_b.clone())
             J0 = J[0]                                  # (dL/dh0, dL/dc0) = J_0^T (lh_0, lc_0)
             g_h0[k] = J0[..., 0, 0] * lh[0] + J0[..., 1, 0] * lc[0]
             g_c0[k] = J0[..., 0, 1] * lh[0] + J0[..., 1, 1] * lc[0]
@@ -270,6 +265,12 @@ class ParaLSTMFunction(torch.autograd.Function):
                 g_x = e if k == 0 else None
         return (None, g_x, g_h0 if ctx.needs_input_grad[2] else None,
                 g_c0 if ctx.needs_input_grad[3] else None, *grads)
+
+
+def _bias(w: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one bias of a ParaLSTM layer's cell, ``b_ih + b_hh`` (``None`` without bias)."""
+    b_ih, b_hh = stack.biases(w)
+    return None if b_ih is None or b_hh is None else b_ih + b_hh
 
 
 def _reverse_blocks(cfg, J, e, g_h, g_c):

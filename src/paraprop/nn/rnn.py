@@ -20,14 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import _VF
 
-from paraprop.jacobians.cells import RNNCellJacobian
-from paraprop.nn._base import (
-    ScanBackwardMixin,
-    check_options,
-    first_order_only,
-    solve_layer,
-    unpack_saved,
-)
+from paraprop.jacobians.linearized import RNNCellJacobian
+from paraprop.nn import stack
+from paraprop.nn._base import ScanBackwardMixin, check_options
 from paraprop.nn.options import JacobiBackward
 from paraprop.nn.runs import jacobi_run, scan_run
 from paraprop.scan import Factored, jacobi_recurrence, linear_recurrence, native
@@ -76,13 +71,12 @@ class RNNScanFunction(torch.autograd.Function):
         """Every layer's outputs (torch's fused loop, or ``cfg["forward"]`` by
         :func:`paraprop.solve`), the last states and, with ``save``, what backward needs (in
         ``cfg["compute"]``)."""
-        per = 4 if cfg["bias"] else 2
         cdt = cfg["compute"]
         run = _VF.rnn_tanh if cfg["mode"] == "RNN_TANH" else _VF.rnn_relu
         inputs, outs, slopes, last = [], [], [], []
         layer_in = x
         for k in range(cfg["layers"]):
-            w = list(weights[k * per:(k + 1) * per])
+            w = stack.layer_weights(weights, k, cfg["bias"])
             if cfg["native"]:
                 out = native_layer(cfg, layer_in, h0[k], w)
                 hn = out[-1:]
@@ -90,10 +84,10 @@ class RNNScanFunction(torch.autograd.Function):
                 out, hn = run(layer_in, h0[k:k + 1], w, cfg["bias"], 1, 0.0, False, False, False)
             else:
                 wc = [t.to(cdt) for t in w]
-                b_ih, b_hh = (wc[2], wc[3]) if cfg["bias"] else (None, None)
+                b_ih, b_hh = stack.biases(wc)
                 cell = RNNCellJacobian(wc[0], wc[1], b_ih, b_hh,
                                        "tanh" if cfg["mode"] == "RNN_TANH" else "relu")
-                out = solve_layer(cfg, cell, layer_in, h0[k])
+                out = stack.solve_layer(cfg, cell, layer_in, h0[k])
                 hn = out[-1:]
             if save:
                 # the analytic transposed Jacobian J_t^T = W_hh^T diag(slope_t), slope = f'(z_t)
@@ -114,9 +108,9 @@ class RNNScanFunction(torch.autograd.Function):
         return out, hn
 
     @staticmethod
-    @first_order_only
+    @stack.first_order_only
     def backward(ctx, g_out, g_hn):
-        cfg, nl, per, (h0,), weights, rest = unpack_saved(ctx, lead=1)
+        cfg, nl, (h0,), weights, rest = stack.unpack_saved(ctx, lead=1)
         inputs, outs, slopes = rest[:nl], rest[nl:2 * nl], rest[2 * nl:]
         T, B, H = g_out.shape
         grads_w: list = [None] * len(weights)
@@ -124,7 +118,7 @@ class RNNScanFunction(torch.autograd.Function):
         e = g_out
         g_x = None
         for k in range(nl - 1, -1, -1):
-            w_ih, w_hh = weights[k * per], weights[k * per + 1]
+            w_ih, w_hh = stack.layer_weights(weights, k, cfg["bias"])[:2]
             slope = slopes[k]
             b = slope * e                                            # (T, B, H)
             b[-1] += slope[-1] * g_hn[k]                             # dL/dh_n enters at T-1
@@ -134,11 +128,11 @@ class RNNScanFunction(torch.autograd.Function):
             out, inp = outs[k], inputs[k]
             g_whh = d2[B:].t() @ out[:-1].reshape(-1, H) if T > 1 else 0
             g_whh = g_whh + delta[0].t() @ h0[k]
-            grads_w[k * per] = d2.t() @ inp.reshape(T * B, -1)
-            grads_w[k * per + 1] = g_whh
+            g_b = None
             if cfg["bias"]:  # column sums as a matrix-vector product (faster than sum(0))
                 g_b = torch.mv(d2.t(), d2.new_ones(T * B))
-                grads_w[k * per + 2], grads_w[k * per + 3] = g_b, g_b.clone()
+            stack.store_grads(grads_w, k, cfg["bias"], d2.t() @ inp.reshape(T * B, -1), g_whh, g_b,
+                              None if g_b is None else g_b.clone())
             g_h0[k] = delta[0] @ w_hh
             if k > 0 or ctx.needs_input_grad[1]:
                 e = (d2 @ w_ih).reshape(T, B, -1)
