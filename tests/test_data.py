@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from paraprop.data import IDXError, find_mnist_dir, load_digits, load_mnist, read_idx
+from paraprop.data import IDXError, find_mnist_dir, load_digits, load_mnist, read_idx, write_idx
 
 
 def _write_idx(path, arr, code=0x08, gz=False):
@@ -33,6 +33,37 @@ def test_read_idx_round_trip_and_loader(tmp_path, gz):
     x, y = load_mnist(tmp_path)
     assert x.shape == (5, 28, 28) and y.tolist() == [0, 1, 2, 3, 4]
     assert torch.allclose(x * 255, torch.tensor(imgs, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("gz", [False, True])
+@pytest.mark.parametrize(("dtype", "code"), [(np.uint8, 0x08), (np.int8, 0x09), (np.int16, 0x0B),
+                                             (np.int32, 0x0C), (np.float32, 0x0D),
+                                             (np.float64, 0x0E)])
+def test_write_idx_round_trips_every_idx_type(tmp_path, dtype, code, gz):
+    array = (np.arange(-12, 12) * 3).reshape(2, 3, 4).astype(dtype)
+    path = tmp_path / ("x-idx3" + (".gz" if gz else ""))
+    assert write_idx(path, array) == path
+    back = read_idx(path)
+    assert back.dtype.kind == array.dtype.kind and back.dtype.itemsize == array.dtype.itemsize
+    assert back.shape == array.shape and np.array_equal(back, array)
+    raw = gzip.decompress(path.read_bytes()) if gz else path.read_bytes()
+    assert raw[:4] == bytes([0, 0, code, 3]) and raw[4:16] == b"".join(
+        n.to_bytes(4, "big") for n in (2, 3, 4))
+    assert raw[16:] == array.astype(array.dtype.newbyteorder(">")).tobytes()  # big-endian
+
+
+def test_write_idx_refusals(tmp_path):
+    with pytest.raises(TypeError, match="array must be a numpy array, got list"):
+        write_idx(tmp_path / "a", [1, 2])
+    for dtype in (np.int64, np.float16, np.bool_):
+        with pytest.raises(ValueError, match=f"dtype {np.dtype(dtype)}, which IDX has no type"):
+            write_idx(tmp_path / "a", np.zeros(3, dtype))
+    with pytest.raises(ValueError, match=r"shape \(\); IDX holds one or more dimensions"):
+        write_idx(tmp_path / "a", np.array(3, np.uint8))
+    huge = np.broadcast_to(np.zeros(1, np.uint8), (2, 2**32))   # no memory behind it
+    with pytest.raises(ValueError, match=r"shape \(2, 4294967296\); .*each below 2\*\*32"):
+        write_idx(tmp_path / "a", huge)
+    assert not (tmp_path / "a").exists()
 
 
 def test_truncated_bad_magic_and_corrupt_gzip(tmp_path):

@@ -15,7 +15,9 @@ import numpy as np
 import torch
 
 ENV = "PARAPROP_MNIST_DIR"
-_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+# the IDX type codes (big-endian where it matters)
+_DTYPES: dict[int, np.dtype] = {code: np.dtype(t) for code, t in (
+    (0x08, np.uint8), (0x09, np.int8), (0x0B, ">i2"), (0x0C, ">i4"), (0x0D, ">f4"), (0x0E, ">f8"))}
 _FILES = {
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -52,7 +54,7 @@ def _gunzip_bounded(path: Path) -> bytes:
         if len(dims) < 4 * head[3]:
             return head + dims  # read_idx reports the truncated header
         shape = [int.from_bytes(dims[4 * i : 4 * i + 4], "big") for i in range(head[3])]
-        body = int(np.prod(shape, dtype=object)) * np.dtype(_DTYPES[head[2]]).itemsize
+        body = int(np.prod(shape, dtype=object)) * _DTYPES[head[2]].itemsize
         limit = _GZIP_MAX_RATIO * path.stat().st_size
         if body > limit:
             raise IDXError(f"{path}: the header announces shape {tuple(shape)} ({body} bytes), "
@@ -69,12 +71,9 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
 
     Example:
         >>> import pathlib, tempfile
-        >>> folder = pathlib.Path(tempfile.mkdtemp())
-        >>> def idx(dims, body):                 # magic (uint8, len(dims) dims), dims, data
-        ...     return bytes([0, 0, 8, len(dims)]) + b"".join(
-        ...         d.to_bytes(4, "big") for d in dims) + body
-        >>> _ = (folder / "labels-idx1-ubyte").write_bytes(idx([3], bytes([7, 2, 1])))
-        >>> read_idx(folder / "labels-idx1-ubyte")
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "labels-idx1-ubyte"
+        >>> _ = path.write_bytes(bytes([0, 0, 8, 1]) + (3).to_bytes(4, "big") + bytes([7, 2, 1]))
+        >>> read_idx(path)                       # magic (uint8, 1 dim), 3, the data
         array([7, 2, 1], dtype=uint8)
     """
     path = Path(path)
@@ -92,7 +91,7 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     if ndim == 0 or len(raw) < header:
         raise IDXError(f"{path}: truncated header ({len(raw)} bytes, {ndim} dims)")
     shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
-    dtype = np.dtype(_DTYPES[raw[2]])
+    dtype = _DTYPES[raw[2]]
     expected = header + int(np.prod(shape, dtype=object)) * dtype.itemsize
     if len(raw) > expected:
         raise IDXError(f"{path}: more than the {expected} bytes expected for shape {shape} "
@@ -101,6 +100,40 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         raise IDXError(f"{path}: {len(raw)} bytes, expected {expected} for shape {shape} "
                        f"(truncated or corrupt)")
     return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape)
+
+
+def write_idx(path: str | os.PathLike, array: np.ndarray) -> Path:
+    """Write ``array`` as an IDX file (gzip-compressed if the name ends in ``.gz``) that
+    :func:`read_idx` reads back equal, in the IDX type of its dtype (uint8, int8, int16, int32,
+    float32, float64; stored big-endian). Returns the path.
+
+    Raises:
+        TypeError: ``array`` is not a numpy array.
+        ValueError: a dtype IDX has no type for, no dimensions, or a dimension of ``2**32`` or
+            more (a numpy array has at most 64 dimensions, within IDX's 255).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "images-idx3-ubyte.gz"
+        >>> images = np.arange(8, dtype=np.uint8).reshape(2, 2, 2)
+        >>> np.array_equal(read_idx(write_idx(path, images)), images)
+        True
+    """
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"array must be a numpy array, got {type(array).__name__}")
+    code = next((c for c, t in _DTYPES.items()
+                 if (t.kind, t.itemsize) == (array.dtype.kind, array.dtype.itemsize)), None)
+    if code is None:
+        raise ValueError(f"array has dtype {array.dtype}, which IDX has no type for; expected "
+                         "uint8, int8, int16, int32, float32 or float64")
+    if array.ndim == 0 or any(n >= 2**32 for n in array.shape):
+        raise ValueError(f"array has shape {array.shape}; IDX holds one or more dimensions, "
+                         "each below 2**32")
+    raw = (bytes([0, 0, code, array.ndim]) + b"".join(n.to_bytes(4, "big") for n in array.shape)
+           + array.astype(_DTYPES[code], copy=False).tobytes())
+    path = Path(path)
+    path.write_bytes(gzip.compress(raw) if path.suffix == ".gz" else raw)
+    return path
 
 
 def find_mnist_dir(mnist_dir: str | os.PathLike | None = None) -> Path | None:
@@ -151,11 +184,8 @@ def load_mnist(mnist_dir: str | os.PathLike | None = None, *, split: str = "test
     Example:
         >>> import pathlib, tempfile
         >>> folder = pathlib.Path(tempfile.mkdtemp())
-        >>> def idx(dims, body):                 # magic (uint8, len(dims) dims), dims, data
-        ...     return bytes([0, 0, 8, len(dims)]) + b"".join(
-        ...         d.to_bytes(4, "big") for d in dims) + body
-        >>> _ = (folder / "t10k-images-idx3-ubyte").write_bytes(idx([2, 28, 28], bytes(2 * 784)))
-        >>> _ = (folder / "t10k-labels-idx1-ubyte").write_bytes(idx([2], bytes([7, 2])))
+        >>> _ = write_idx(folder / "t10k-images-idx3-ubyte", np.zeros((2, 28, 28), np.uint8))
+        >>> _ = write_idx(folder / "t10k-labels-idx1-ubyte", np.array([7, 2], np.uint8))
         >>> images, labels = load_mnist(folder)          # split="test": the t10k files
         >>> images.shape, images.dtype, labels.tolist()
         (torch.Size([2, 28, 28]), torch.float32, [7, 2])
