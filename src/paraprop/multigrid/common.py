@@ -12,7 +12,7 @@ construction, with the same messages), check the input and the blocks' modes at 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain
 
 import torch
@@ -146,7 +146,7 @@ def check_blocks(blocks) -> list[nn.Module]:
     return blocks
 
 
-def resolve_batched(blocks: Sequence[nn.Module], batched: bool | None) -> bool:
+def resolve_batched(blocks: Sequence[nn.Module] | nn.ModuleList, batched: bool | None) -> bool:
     """``batched=None``: batch when the blocks share an architecture; ``True`` requires it."""
     shared = shares_architecture(blocks)
     if batched is None:
@@ -250,7 +250,7 @@ def check_block_modes(stateful: list[tuple[int, str, nn.Module]], offset: int = 
             "with a plain nn.Sequential of the residual blocks instead")
 
 
-def floating_tensors(blocks: Sequence[nn.Module]):
+def floating_tensors(blocks: Iterable[nn.Module]):
     """``(block index, name, tensor)`` of every floating-point parameter and buffer."""
     for i, b in enumerate(blocks):
         for name, t in chain(b.named_parameters(), b.named_buffers()):

@@ -8,7 +8,7 @@ versions would miss updates made through ``.data``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ def _may_be_stochastic(m: nn.Module) -> bool:
         getattr(m, a, None) is not None for a in DROPOUT_ATTRIBUTES)
 
 
-def stateful_modules(blocks: Sequence[nn.Module]) -> list[tuple[int, str, nn.Module]]:
+def stateful_modules(blocks: Iterable[nn.Module]) -> list[tuple[int, str, nn.Module]]:
     """``(block index, qualified name, module)`` of every submodule of ``blocks`` that may make
     a block's training-mode output not a fixed function of its input: the types of
     :data:`paraprop.determinism.RANDOM_MODULES` and :data:`~paraprop.determinism.NORM_MODULES`,
@@ -55,7 +55,7 @@ class BlockParams:
             parameter, may occur at several depths: its gradient is the sum over its uses.
     """
 
-    def __init__(self, blocks: Sequence[nn.Module]):
+    def __init__(self, blocks: Sequence[nn.Module] | nn.ModuleList):
         self.blocks = blocks
         self.reset()
 

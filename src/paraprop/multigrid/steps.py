@@ -21,7 +21,7 @@ linearised step ``lam + s J_n(u_n)^T lam`` (a vector-Jacobian product at the sto
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ def block_signature(block: nn.Module) -> tuple:
             tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()))
 
 
-def shares_architecture(blocks: Sequence[nn.Module]) -> bool:
+def shares_architecture(blocks: Sequence[nn.Module] | nn.ModuleList) -> bool:
     """Whether ``blocks`` agree in class, structure and parameter and buffer shapes and dtypes,
     so that one ``vmap`` over their stacked parameters evaluates them all (``batched=True`` of
     the steppers).
@@ -166,7 +166,7 @@ class ForwardStepper(_Stepper):
         True
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], offset: int = 0, *, batched: bool = True,
+    def __init__(self, blocks: Iterable[nn.Module], offset: int = 0, *, batched: bool = True,
                  stacked: tuple[dict, dict] | None = None):
         self.blocks = list(blocks)
         self.offset = offset
@@ -286,7 +286,7 @@ class AdjointStepper(_Stepper):
         True
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], a: int, n_total: int, states: torch.Tensor,
+    def __init__(self, blocks: Iterable[nn.Module], a: int, n_total: int, states: torch.Tensor,
                  *, batched: bool = True, stacked: tuple[dict, dict] | None = None):
         self.blocks = list(blocks)
         n = len(self.blocks)
