@@ -30,6 +30,7 @@ from paraprop.nn.para_lstm import LSTMRecurrence  # noqa: E402
 from paraprop.scan import Factored, LSTMFactored, linear_recurrence  # noqa: E402
 from paraprop.scan import recurrence as rec_module  # noqa: E402
 from paraprop.scan import triton_kernels as tk  # noqa: E402
+from paraprop.scan import triton_runtime as rt  # noqa: E402
 
 f64 = torch.float64
 # unit roundoff of the accumulation (float32 for half-precision inputs) and of the outputs
@@ -159,7 +160,7 @@ def test_more_rows_than_a_grid_holds_run_in_slices(dev, monkeypatch):
                 *(o[:, 2:] for o in outs)]
 
     whole = run()
-    monkeypatch.setattr(tk, "MAX_GRID0", 2)
+    monkeypatch.setattr(rt, "MAX_GRID0", 2)
     for p, q in zip(run(), whole, strict=True):
         assert torch.equal(p, q)
 
@@ -490,7 +491,7 @@ def test_errors_name_the_tensor_on_the_wrong_device_and_the_strides(monkeypatch)
         tk.diagonal_scan(m, m)
     with pytest.raises(RuntimeError, match=r"dense_scan cannot run here: A is on meta but b"):
         tk.dense_scan(torch.zeros(1, 3, 5, 5, device="meta"), z)
-    assert tk.why_not(x=z, y=z.long()) == ("the Triton kernels take float16, bfloat16, float32 "
+    assert rt.why_not(x=z, y=z.long()) == ("the Triton kernels take float16, bfloat16, float32 "
                                            "or float64; y has dtype torch.int64")
     # the fused steps: y and trial must share strides, both shown
     gru, lstm = gru_rec(torch.float32, "cpu", "triton"), lstm_rec(torch.float32, "cpu", "triton")
@@ -519,10 +520,10 @@ def test_cuda_tensors_are_refused_while_the_interpreter_is_on(monkeypatch):
     auto runs the torch methods, ParaGRU/ParaLSTM skip the warm start, and both say why."""
     for value in ("1", "true", "ON"):                       # as triton reads the variable
         monkeypatch.setenv("TRITON_INTERPRET", value)
-        assert tk.interpreting()
-        reason = tk.why_not(b=FakeCuda())
-        assert reason == tk.INTERPRETER_ON_CUDA and "unset TRITON_INTERPRET" in reason
-        assert "CUDA tensors refused (TRITON_INTERPRET is set" in tk.status()
+        assert rt.interpreting()
+        reason = rt.why_not(b=FakeCuda())
+        assert reason == rt.INTERPRETER_ON_CUDA and "unset TRITON_INTERPRET" in reason
+        assert "CUDA tensors refused (TRITON_INTERPRET is set" in rt.status()
     op = types.SimpleNamespace(kind="diag", a=FakeCuda(), H=3)
     assert not tk.applies(op, FakeCuda())
     with pytest.raises(RuntimeError, match=r"linear_recurrence\(method='triton'\) cannot run "
@@ -531,9 +532,9 @@ def test_cuda_tensors_are_refused_while_the_interpreter_is_on(monkeypatch):
     rec = types.SimpleNamespace(device=torch.device("cuda", 0), formed=True, _h0=FakeCuda(),
                                 fused_forms=("any", "diag"))
     newton = paraprop.solvers.Newton()
-    assert para_solve.triton_warm_start(newton, rec) == (False, tk.INTERPRETER_ON_CUDA)
+    assert para_solve.triton_warm_start(newton, rec) == (False, rt.INTERPRETER_ON_CUDA)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert tk.why_not(b=FakeCuda()) is None and "CUDA tensors compiled" in tk.status()
+    assert rt.why_not(b=FakeCuda()) is None and "CUDA tensors compiled" in rt.status()
     assert para_solve.triton_warm_start(newton, rec) == (True, None)
     assert para_solve.triton_warm_start(paraprop.solvers.ELK(), rec)[0] is False
     monkeypatch.setattr(para_solve, "STEP_KERNEL", "blocks")
@@ -542,12 +543,12 @@ def test_cuda_tensors_are_refused_while_the_interpreter_is_on(monkeypatch):
 
 def test_the_loader_runs_each_module_once_per_mode_under_a_lock(monkeypatch):
     """Threads loading at once get one module per mode (the mode switch is process-wide)."""
-    monkeypatch.setattr(tk, "_loaded", {})
+    monkeypatch.setattr(rt, "_loaded", {})
     got, start = [], threading.Barrier(4)
 
     def load():
         start.wait()
-        got.append(tk.load_mode("paraprop.scan._triton_scan", True))
+        got.append(rt.load_mode("paraprop.scan._triton_scan", True))
 
     threads = [threading.Thread(target=load) for _ in range(4)]
     for t in threads:
@@ -555,17 +556,17 @@ def test_the_loader_runs_each_module_once_per_mode_under_a_lock(monkeypatch):
     for t in threads:
         t.join()
     assert len(got) == 4 and all(m is got[0] for m in got) and got[0].INTERPRETED
-    cells = tk.load_mode("paraprop.nn._triton_cells", True)
+    cells = rt.load_mode("paraprop.nn._triton_cells", True)
     assert cells._scan is got[0] and cells._diag_block is got[0]._diag_block   # shared helpers
-    compiled = tk.load_mode("paraprop.nn._triton_cells", False)
-    assert not compiled.INTERPRETED and compiled._scan is tk.load_mode(
+    compiled = rt.load_mode("paraprop.nn._triton_cells", False)
+    assert not compiled.INTERPRETED and compiled._scan is rt.load_mode(
         "paraprop.scan._triton_scan", False)
     # while a load forces the switch, the user's setting is what the checks see
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with tk._lock, tk._mode(True):
-        assert os.environ["TRITON_INTERPRET"] == "1" and tk.loading_mode()
-        assert not tk.interpreting()
-    assert "TRITON_INTERPRET" not in os.environ and not tk.loading_mode()
+    with rt._lock, rt._mode(True):
+        assert os.environ["TRITON_INTERPRET"] == "1" and rt.loading_mode()
+        assert not rt.interpreting()
+    assert "TRITON_INTERPRET" not in os.environ and not rt.loading_mode()
 
 
 def test_cpu_tensors_need_the_interpreter_switch(monkeypatch):
@@ -579,14 +580,14 @@ def test_cpu_tensors_need_the_interpreter_switch(monkeypatch):
                         kernel="triton")
     with pytest.raises(RuntimeError, match=r"GRURecurrence\(kernel='triton'\) cannot run here"):
         rec.newton_step(torch.zeros(1, 3, 2), 0, "any")
-    assert "refused" in tk.status()
+    assert "refused" in rt.status()
 
 
 def test_without_triton_everything_says_why(monkeypatch):
-    monkeypatch.setattr(tk, "_missing", ["triton is not installed (no module named 'triton')"])
+    monkeypatch.setattr(rt, "_missing", ["triton is not installed (no module named 'triton')"])
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     z = torch.zeros(2, 3, 5)
-    assert not tk.available() and tk.status().startswith("unavailable: triton is not installed")
+    assert not rt.available() and rt.status().startswith("unavailable: triton is not installed")
     with pytest.raises(RuntimeError, match=r"cannot run here: triton is not installed"):
         linear_recurrence(z, z, method="triton")
     assert linear_recurrence(z, z).shape == z.shape                  # auto: unaffected
@@ -627,18 +628,18 @@ def test_the_newton_steps_refuse_outputs_of_different_strides():
 
 def test_a_failing_kernel_is_recorded_and_auto_falls_back(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(tk, "_failed", [])
-    real = tk.load
-    monkeypatch.setattr(tk, "load", lambda source, device: Broken(real(source, device)))
+    monkeypatch.setattr(rt, "_failed", [])
+    real = rt.load
+    monkeypatch.setattr(rt, "load", lambda source, device: Broken(real(source, device)))
     a, b = data((2, 20, 3), torch.float64, "cpu")
     with pytest.warns(RuntimeWarning, match=r"diag_scan failed: RuntimeError: PTX assembly"):
-        with pytest.raises(tk.LaunchError, match=r"diag_scan failed"):
+        with pytest.raises(rt.LaunchError, match=r"diag_scan failed"):
             linear_recurrence(a, b, method="triton")      # asked for: raises
-    assert "auto avoids them: diag_scan failed" in tk.status()
+    assert "auto avoids them: diag_scan failed" in rt.status()
     # auto would pick the kernels (as on CUDA, where the C kernels never run) but they failed:
     # it runs another method
-    monkeypatch.setattr(tk, "_failed", [])
-    monkeypatch.setattr(tk, "applies", lambda op, b: not tk.failed())
+    monkeypatch.setattr(rt, "_failed", [])
+    monkeypatch.setattr(tk, "applies", lambda op, b: not rt.failed())
     monkeypatch.setattr(rec_module.native, "supports", lambda *tensors: False)
     with pytest.warns(RuntimeWarning, match="uses the torch methods from now on"):
         h = linear_recurrence(a, b)
@@ -646,7 +647,7 @@ def test_a_failing_kernel_is_recorded_and_auto_falls_back(monkeypatch):
     assert float((h - ref).abs().max()) <= 1e-13
     # the layers' warm start (as picked by default on CUDA) is skipped: the torch step alone,
     # and the stats say why; asked for (STEP_KERNEL="triton"), the failure raises
-    monkeypatch.setattr(tk, "_failed", [])
+    monkeypatch.setattr(rt, "_failed", [])
     monkeypatch.setattr(para_solve, "triton_warm_start", lambda solver, rec: (True, None))
     torch.manual_seed(15)
     m = ParaGRU(5, 4, forward=ParallelForward(tol=1e-12), dtype=f64)      # gi stored
@@ -663,9 +664,9 @@ def test_a_failing_kernel_is_recorded_and_auto_falls_back(monkeypatch):
     assert sol.converged and float((out - ref).abs().max()) <= 1e-12
     monkeypatch.setattr(para_solve, "STEP_KERNEL", "triton")
     m.forward_config = ParallelForward(tol=1e-12)
-    with pytest.raises(tk.LaunchError, match="gru_step failed"), torch.no_grad():
+    with pytest.raises(rt.LaunchError, match="gru_step failed"), torch.no_grad():
         m(x)
-    with pytest.raises(tk.LaunchError, match="gru_step failed"):
+    with pytest.raises(rt.LaunchError, match="gru_step failed"):
         rec = gru_rec(f64, torch.device("cpu"), "triton")
         rec.newton_step(torch.zeros(rec.B, rec.T, rec.H, dtype=f64), 0, "any")
 

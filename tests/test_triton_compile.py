@@ -16,6 +16,7 @@ compiler = pytest.importorskip("triton.compiler")
 backends = pytest.importorskip("triton.backends.compiler")
 
 from paraprop.scan import triton_kernels as tk  # noqa: E402
+from paraprop.scan import triton_runtime as rt  # noqa: E402
 
 if "nvidia" not in getattr(triton.backends, "backends", {}):
     pytest.skip("triton has no NVIDIA backend here", allow_module_level=True)
@@ -71,8 +72,8 @@ def recorded(monkeypatch):
     compiled-mode kernels: ``(calls, grids)``."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     calls, grids = [], []
-    real = tk.load
-    monkeypatch.setattr(tk, "load", lambda source, device: Recorder(
+    real = rt.load
+    monkeypatch.setattr(rt, "load", lambda source, device: Recorder(
         real(source, torch.device("cuda")), calls, grids))
     return calls, grids
 
@@ -155,8 +156,8 @@ def test_no_grid_axis_past_cudas_limits(recorded):
     assert {"diag_scan", "diag_carries", "pair_scan", "dense_scan", "gru_step",
             "lstm_step"} <= names
     for name, grid in grids:
-        assert grid[0] <= tk.MAX_GRID0, (name, grid)
-        assert all(n <= tk.MAX_GRID12 for n in grid[1:]), (name, grid)
+        assert grid[0] <= rt.MAX_GRID0, (name, grid)
+        assert all(n <= rt.MAX_GRID12 for n in grid[1:]), (name, grid)
     assert max(grid[0] for _, grid in grids) >= N                        # rows on axis 0
     assert max(len(grid) > 1 and grid[1] for _, grid in grids) >= 1 << 15    # many chunks
 

@@ -1,6 +1,6 @@
 """The Triton kernels of :mod:`paraprop.nn.triton_cells`: ParaGRU's and ParaLSTM's Newton step
 fused (the GPU's counterpart of ``newton_step`` in :mod:`paraprop.nn.para_gru`). Loaded by
-:func:`paraprop.scan.triton_kernels.load`, once per mode; without triton the file imports and
+:func:`paraprop.scan.triton_runtime.load`, once per mode; without triton the file imports and
 defines nothing that runs.
 
 One program owns a tile of units and walks its span of time in blocks of ``BLOCK_T`` steps. Per
@@ -36,7 +36,7 @@ except ImportError:     # no triton: the module imports, and nothing here is eve
 if triton is not None:
     # The shared helpers, from the copy of the scan kernels in this module's mode (the loader
     # forces the mode while it runs this file; imported on its own, the environment's).
-    from paraprop.scan import triton_kernels as _loader
+    from paraprop.scan import triton_runtime as _loader
 
     _scan = _loader.load_mode("paraprop.scan._triton_scan", _loader.loading_mode())
     _jit, _affine2, _at = _scan._jit, _scan._affine2, _scan._at

@@ -35,7 +35,7 @@ import torch
 
 from paraprop.nn.runs import record_solve
 from paraprop.recurrence import Recurrence
-from paraprop.scan import native, triton_kernels
+from paraprop.scan import native, triton_runtime
 
 # The Triton warm start of the layers' Newton forward (:func:`solve_recurrence`): ``None`` runs
 # it on CUDA tensors where the kernels run (:mod:`paraprop.nn.triton_cells`), ``"triton"`` always
@@ -102,7 +102,7 @@ class DiagonalRecurrence(Recurrence):
             if not self.formed:
                 raise ValueError(f"{type(self).__name__}(kernel='triton') needs the input terms "
                                  "gi, not inputs=(x, ...)")
-            triton_kernels.require(f"{type(self).__name__}(kernel='triton')", x=xc)
+            triton_runtime.require(f"{type(self).__name__}(kernel='triton')", x=xc)
             return "triton"
         return "native" if native.supports(xc) else "torch"
 
@@ -130,7 +130,7 @@ def triton_warm_start(solver, rec: DiagonalRecurrence) -> tuple[bool, str | None
         return False, None
     if not rec.formed:
         return False, "the input terms are formed block by block"
-    reason = triton_kernels.why_not(x=rec._h0) or triton_kernels.failed()
+    reason = triton_runtime.why_not(x=rec._h0) or triton_runtime.failed()
     return reason is None, reason
 
 
@@ -167,7 +167,7 @@ def solve_recurrence(cfg: dict, rec: DiagonalRecurrence) -> torch.Tensor:
         try:
             warm = solve(rec, x0, method=fwd.solver, dim=-2, tol=warm_tol(tol, rec.dtype),
                          max_iters=fwd.max_iters, throw=False)
-        except triton_kernels.LaunchError as e:   # warned and recorded: the torch step only
+        except triton_runtime.LaunchError as e:   # warned and recorded: the torch step only
             if STEP_KERNEL == "triton":
                 raise
             skipped = str(e)

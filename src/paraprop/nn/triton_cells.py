@@ -9,7 +9,7 @@ delta`` at positions ``[lo, T)``. Because the kernel's cell rounds differently f
 cell, a Newton solve with this step converges to the kernel cell's fixed point: ParaGRU and
 ParaLSTM use it as a warm start only, and certify with the torch cell's step
 (:func:`paraprop.nn.para_solve.solve_recurrence`). triton is imported only when a step first runs
-(through :func:`paraprop.scan.triton_kernels.load`).
+(through :func:`paraprop.scan.triton_runtime.load`).
 
 The two functions below are what the recurrences call, and what a benchmark can call directly.
 """
@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from paraprop.scan import triton_kernels as tk
+from paraprop.scan import triton_runtime as rt
 
 __all__ = ["gru_newton_step", "lstm_newton_step"]
 
@@ -31,7 +31,7 @@ TILE = 1024
 
 def _chunks(x: torch.Tensor, programs: int, blocks: int, BT: int, n: int,
             chunks: int | None) -> tuple[int, int]:
-    C = tk._time_chunks(x.device, programs, blocks, chunks)
+    C = rt.time_chunks(x.device, programs, blocks, chunks)
     L = math.ceil(blocks / C) * BT
     return math.ceil(n / L), L
 
@@ -69,20 +69,20 @@ def gru_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: torc
     if _nothing_to_do("gru_newton_step", n, B, y, trial):
         return
     if block_t is not None:
-        BT = max(2, tk._pow2(block_t))
-        BH = min(tk._pow2(H), max(1, TILE // BT))
+        BT = max(2, rt.pow2(block_t))
+        BH = min(rt.pow2(H), max(1, TILE // BT))
     else:
-        BH = min(tk._pow2(H), 32)
-        BT = max(2, min(tk._pow2(n), TILE // BH))
+        BH = min(rt.pow2(H), 32)
+        BT = max(2, min(rt.pow2(n), TILE // BH))
     tiles, blocks = math.ceil(H / BH), math.ceil(n / BT)
-    if B * tiles > tk.MAX_GRID0:            # more programs than axis 0 holds: slices of samples
-        for rows in tk._slices(B, tk.MAX_GRID0 // tiles):
+    if B * tiles > rt.MAX_GRID0:            # more programs than axis 0 holds: slices of samples
+        for rows in rt.slices(B, rt.MAX_GRID0 // tiles):
             gru_newton_step(gi[rows], x[rows], h0[rows], w, b, lo, y[rows], trial[rows],
                             block_t=block_t, chunks=chunks)
         return
-    mod = tk.load("paraprop.nn._triton_cells", x.device)
+    mod = rt.load("paraprop.nn._triton_cells", x.device)
     C, L = _chunks(x, B * tiles, blocks, BT, n, chunks)
-    acc = tk._acc(mod, x.dtype)
+    acc = rt.acc_type(mod, x.dtype)
     strides = (*gi.stride(), *x.stride(), *y.stride(), *h0.stride())
     meta = {"HAS_B": b is not None, "ACC": acc, "BLOCK_H": BH, "BLOCK_T": BT, "num_warps": 4}
     args = (gi, x, h0, w, b, y, trial)
@@ -92,11 +92,11 @@ def gru_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: torc
         mod.gru_step[grid](*args, start, tot, T, H, lo, L, *strides, PASS=PASS, **meta)
 
     def carries(tot, start):
-        scan = tk.load("paraprop.scan._triton_scan", x.device)
+        scan = rt.load("paraprop.scan._triton_scan", x.device)
         scan.diag_carries[(tiles * B,)](tot, None, start, C, H, 0, 0, HAS_H0=False, ACC=acc,
                                         BLOCK_D=BH)
 
-    tk.passes(x.device, "gru_step", C, launch, carries, (B, C, 2, H), (B, C, H), x.dtype)
+    rt.passes(x.device, "gru_step", C, launch, carries, (B, C, 2, H), (B, C, H), x.dtype)
 
 
 def lstm_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: torch.Tensor,
@@ -117,12 +117,12 @@ def lstm_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: tor
     n = T - lo
     if _nothing_to_do("lstm_newton_step", n, U, y, trial):
         return
-    mod = tk.load("paraprop.nn._triton_cells", x.device)
-    BT = max(2, tk._pow2(block_t) if block_t is not None else min(tk._pow2(n), TILE // 4))
-    BU = min(tk._pow2(U), max(1, TILE // 2 // BT))
+    mod = rt.load("paraprop.nn._triton_cells", x.device)
+    BT = max(2, rt.pow2(block_t) if block_t is not None else min(rt.pow2(n), TILE // 4))
+    BU = min(rt.pow2(U), max(1, TILE // 2 // BT))
     tiles, blocks = math.ceil(U / BU), math.ceil(n / BT)
     C, L = _chunks(x, tiles, blocks, BT, n, chunks)
-    acc = tk._acc(mod, x.dtype)
+    acc = rt.acc_type(mod, x.dtype)
     strides = (gi.stride(0), gi.stride(1), gi.stride(2), gi.stride(3), *x.stride(),
                *y.stride(), *h0.stride())
     meta = {"ACC": acc, "BLOCK_U": BU, "BLOCK_T": BT, "num_warps": 4}
@@ -133,8 +133,8 @@ def lstm_newton_step(gi: torch.Tensor, x: torch.Tensor, h0: torch.Tensor, w: tor
                                   **meta)
 
     def carries(tot, start):
-        scan = tk.load("paraprop.scan._triton_scan", x.device)
+        scan = rt.load("paraprop.scan._triton_scan", x.device)
         scan.pair_carries[(tiles,)](tot, None, start, C, U, 0, 0, HAS_H0=False, ACC=acc,
                                     BLOCK_N=BU)
 
-    tk.passes(x.device, "lstm_step", C, launch, carries, (U, C, 6), (U, C, 2), x.dtype)
+    rt.passes(x.device, "lstm_step", C, launch, carries, (U, C, 6), (U, C, 2), x.dtype)

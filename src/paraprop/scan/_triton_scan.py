@@ -1,5 +1,5 @@
 """The Triton kernels of :mod:`paraprop.scan.triton_kernels` (the GPU's counterpart of the native
-C kernels). Only :mod:`paraprop.scan.triton_kernels` loads this file, once per mode (compiled for
+C kernels). Only :mod:`paraprop.scan.triton_runtime` loads this file, once per mode (compiled for
 CUDA tensors, interpreted for CPU tensors under ``TRITON_INTERPRET=1``), as a module of its own;
 without triton the file still imports (pytest collects it) and defines nothing that runs.
 
@@ -30,7 +30,7 @@ channels) on axis 0, chunks on axis 1 (CUDA allows 65535 there, ``2^31 - 1`` on 
 The helpers (:func:`_jit`, :data:`_SUM`, :func:`_affine`, :func:`_block`, :func:`_at`, the
 ``_diag_*`` functions of the diagonal carry, :func:`_affine2` and the ``_pair_*`` functions of the
 ``2 x 2`` one) are shared: :mod:`paraprop.nn._triton_cells` takes them from the copy of this
-module loaded in its own mode (:func:`paraprop.scan.triton_kernels.load_mode`).
+module loaded in its own mode (:func:`paraprop.scan.triton_runtime.load_mode`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,15 @@ import math
 import torch
 
 from paraprop import checks
-from paraprop.scan import blelloch, chunked, hillis_steele, native, sequential, triton_kernels
+from paraprop.scan import (
+    blelloch,
+    chunked,
+    hillis_steele,
+    native,
+    sequential,
+    triton_kernels,
+    triton_runtime,
+)
 from paraprop.scan.operators import Factored, LSTMFactored, Op
 
 # The methods of the scans, defined once: ``"auto"`` picks one of the others. ``"native"`` and
@@ -189,7 +197,7 @@ def solve(op: Op, b: torch.Tensor, h0: torch.Tensor | None, *, reverse: bool, me
         if method == "triton":
             try:
                 return triton_kernels.recurrence(op, b, h0, reverse)
-            except triton_kernels.LaunchError:      # recorded and warned: choose again
+            except triton_runtime.LaunchError:      # recorded and warned: choose again
                 method = choose(op, b, h0)
     if method == "native":
         return native.recurrence(op, b, h0, reverse)
