@@ -214,7 +214,7 @@ def test_recurrence_refuses(make, exc, match):
 
 
 def test_recurrence_paraprop_nn_cells_are_checked_too():
-    from paraprop.jacobians.cells import GRUCellJacobian
+    from paraprop.jacobians.linearized import GRUCellJacobian
 
     gru = torch.nn.GRUCell(3, 4)
     cell = GRUCellJacobian(gru.weight_ih, gru.weight_hh, gru.bias_ih, gru.bias_hh)

@@ -30,7 +30,7 @@ from torch import nn
 
 from paraprop import checks
 from paraprop.determinism import require_deterministic
-from paraprop.jacobians.cells import AnalyticCell, cell_adapter
+from paraprop.jacobians.linearized import AnalyticCell, cell_adapter
 from paraprop.scan import Factored, LSTMFactored, linear_recurrence
 
 __all__ = ["Recurrence"]
