@@ -33,6 +33,7 @@ try:
 except ImportError:     # no triton: the module imports, and nothing here is ever launched
     triton, tl, libdevice = None, types.SimpleNamespace(constexpr=None), None
 
+_scan: types.ModuleType | None      # the scan kernels in this module's mode (None: no triton)
 if triton is not None:
     # The shared helpers, from the copy of the scan kernels in this module's mode (the loader
     # forces the mode while it runs this file; imported on its own, the environment's).

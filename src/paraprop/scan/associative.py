@@ -91,8 +91,8 @@ def associative_scan(elems, combine: Callable, *, dim: int = 0, exclusive: bool 
     if ndim == 0 or not -ndim <= dim < ndim:
         raise ValueError(f"dim={dim} is out of range for elems of shape {tuple(leaves[0].shape)}")
     dim = dim % ndim
-    lengths = {x.shape[dim] if x.dim() > dim else None for x in leaves}
-    if len(lengths) != 1 or None in lengths:
+    lengths = {x.shape[dim] for x in leaves if x.dim() > dim}
+    if len(lengths) != 1 or any(x.dim() <= dim for x in leaves):
         raise ValueError(f"every tensor of elems needs the same length along dim={dim}; got "
                          f"shapes {[tuple(x.shape) for x in leaves]}")
     n = lengths.pop()

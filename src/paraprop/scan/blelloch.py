@@ -89,7 +89,7 @@ def exclusive(leaves: Leaves, combine: Callable[[Leaves, Leaves], Leaves], dim: 
         running = get(S - 1, 1, 1)
         for k in range(1, m):
             slot = k * S + S - 1
-            nxt = fresh(combine(running, get(slot, 1, 1))) if k + 1 < m else None
+            nxt = fresh(combine(running, get(slot, 1, 1))) if k + 1 < m else running
             _assign(buf, dim, slot, 1, 1, running)
             running = nxt
 

@@ -44,8 +44,8 @@ def scan(leaves: Leaves, combine: Callable[[Leaves, Leaves], Leaves], dim: int,
 
     # 1. local inclusive scans: position j of every chunk in one call (the tail alongside)
     acc = [b.select(dim + 1, 0) for b in body]
-    acc_t = [t.narrow(dim, 0, 1) for t in tail] if r else None
-    cols, cols_t = [[a] for a in acc], [[a] for a in acc_t] if r else None
+    acc_t = [t.narrow(dim, 0, 1) for t in tail] if r else []
+    cols, cols_t = [[a] for a in acc], [[a] for a in acc_t]
     for j in range(1, L):
         acc = combine(acc, [b.select(dim + 1, j) for b in body])
         for c, a in zip(cols, acc, strict=True):
@@ -55,7 +55,7 @@ def scan(leaves: Leaves, combine: Callable[[Leaves, Leaves], Leaves], dim: int,
             for c, a in zip(cols_t, acc_t, strict=True):
                 c.append(a)
     local = [torch.stack(c, dim + 1) for c in cols]            # (.., C, L, ..)
-    local_t = [torch.cat(c, dim) for c in cols_t] if r else None
+    local_t = [torch.cat(c, dim) for c in cols_t]
 
     # 2. carries: inclusive scan of the chunk totals (sequential: C small calls)
     totals = sequential.scan([x.select(dim + 1, L - 1) for x in local], combine, dim)
@@ -119,7 +119,7 @@ def recurrence(op: Op, b: torch.Tensor, h0: torch.Tensor | None,
     #    the tail (r < L positions) starts from e_{C-1} and rides along.
     out = torch.empty_like(b)
     body_out = out.narrow(1, 0, C * L).unflatten(1, (C, L))
-    tail = op.map_steps(lambda x: x.narrow(1, C * L, r)) if r else None
+    tail = op.map_steps(lambda x: x.narrow(1, C * L, r))          # (empty when r == 0)
     ht = starts[C]
     for j in range(L):
         h = step(j).apply(h) + body_b[:, :, j]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from concurrent.futures import ThreadPoolExecutor
+from typing import overload
 
 import torch
 
@@ -84,6 +85,10 @@ def recurrence(op: Op, b: torch.Tensor, h0: torch.Tensor | None, reverse: bool) 
                     reverse)
 
 
+@overload
+def _rows_contiguous(x: torch.Tensor, feature_dims: int) -> torch.Tensor: ...
+@overload
+def _rows_contiguous(x: None, feature_dims: int) -> None: ...
 def _rows_contiguous(x: torch.Tensor | None, feature_dims: int) -> torch.Tensor | None:
     """``x`` with its trailing ``feature_dims`` dims contiguous (batch/time strides are free)."""
     if x is None:

@@ -166,6 +166,7 @@ def _go_private(reason: str, neither: str) -> Path:
         raise RuntimeError(f"{reason}, " + neither.format(
             private=private or "(tempfile.mkdtemp)", fallback=fallback) + "; no library is "
             "loaded")
+    assert private is not None      # made: fallback is None
     _notes.append(f"{reason}; built into the private directory {private} instead")
     _where = private
     return private

@@ -118,6 +118,7 @@ def open_checked(path: Path) -> tuple[int | None, str | None]:
         if e.errno == errno.ELOOP:
             return None, "is a symbolic link"
         return None, f"cannot be read ({e.strerror or e})"
+    problem: str | None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

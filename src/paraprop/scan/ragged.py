@@ -18,6 +18,7 @@ analysed without timing it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from paraprop import checks
 
@@ -77,7 +78,7 @@ def _record(steps: list[dict], level: int, phase: str, measures: list[dict | Non
     step = {"level": level, "phase": phase, "combines": len(measures)}
     if measures[0] is not None:
         for key in measures[0]:
-            values = [m[key] for m in measures]
+            values = [cast(dict, m)[key] for m in measures]     # cost given: all dicts
             step[key] = sum(values)
             step["max_" + key] = max(values)
     steps.append(step)
@@ -95,7 +96,8 @@ def _scan(xs: list, combine: Callable, levels: int | None, level: int, cost: Cal
         return out
 
     if levels is not None and level >= levels:  # the capped top: a linear scan
-        out, measures = [xs[0]], []
+        out = [xs[0]]
+        measures: list[dict | None] = []
         for x in xs[1:]:
             out.append(measured(out[-1], x, measures))
         _record(steps, level, "linear", measures)

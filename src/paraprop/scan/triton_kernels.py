@@ -56,6 +56,7 @@ def _check_tensors(entry: str, **tensors: torch.Tensor | None) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     b = tensors["b"]
+    assert b is not None        # a tensor: checked above
     if b.dtype not in rt.DTYPES:
         raise TypeError(f"{entry}: b must be float16, bfloat16, float32 or float64, got b of "
                         f"dtype {b.dtype}")

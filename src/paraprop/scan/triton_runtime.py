@@ -185,9 +185,12 @@ def load_mode(source: str, interpret: bool) -> types.ModuleType:
         key = (source, bool(interpret))
         module = _loaded.get(key)
         if module is None:
-            origin = importlib.util.find_spec(source).origin
+            found = importlib.util.find_spec(source)
             name = f"{source}__{'interpreted' if interpret else 'compiled'}"
-            spec = importlib.util.spec_from_file_location(name, origin)
+            spec = (importlib.util.spec_from_file_location(name, found.origin)
+                    if found is not None and found.origin is not None else None)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"the kernel module {source!r} has no source file to load")
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module
             try:
