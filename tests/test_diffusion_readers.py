@@ -101,7 +101,8 @@ CONFIGS = [
 ]
 IDS = [c[0] for c in CONFIGS]
 STEPS = (1, 7, 25, 50)
-DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")]
+DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64"),
+          pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="f16")]
 SHAPE = (3, 2, 2)   # (batch, channels, features): UniPC's einsum reads (b, k, c...)
 
 
@@ -139,12 +140,17 @@ class Elementwise(torch.nn.Module):
 
 
 def same(a, b):
-    """Bit for bit (NaN where the other has the same NaN: diffusers gives NaN for some
-    schedules, e.g. UniPC's bh1 at one step, and the reader must reproduce it too)."""
+    """Bit for bit where the values are numbers (the sign of a zero included), and NaN at the
+    same places: diffusers gives NaN for some schedules (e.g. UniPC's bh1 at one step), and the
+    reader must give it too (a NaN's payload is not compared)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    bits = {torch.float32: torch.int32, torch.float64: torch.int64}[a.dtype]
-    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+    nan = a.isnan()
+    if not torch.equal(nan, b.isnan()):
+        return False
+    bits = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+            torch.float16: torch.int16}[a.dtype]
+    return torch.equal(a.contiguous().view(bits)[~nan], b.contiguous().view(bits)[~nan])
 
 
 def make(cls, config):
@@ -156,7 +162,7 @@ def diffusers_loop(model, scheduler, steps, dtype, device, seed=0, mu=None):
     generator (scaled by init_noise_sigma where the scheduler has one), then every step with
     the same generator. Returns every state (and UniPC's corrected samples)."""
     g = torch.Generator().manual_seed(seed)
-    scheduler.set_timesteps(steps, **({} if mu is None else {"mu": mu}))
+    scheduler.set_timesteps(steps, device=device, **({} if mu is None else {"mu": mu}))
     x = randn_tensor(SHAPE, generator=g, device=torch.device(device), dtype=dtype)
     init = getattr(scheduler, "init_noise_sigma", None)
     if init is not None:
@@ -206,7 +212,7 @@ def run_reader(cls, config, mu, model, steps, dtype, device, seed=0):
 def test_loop_is_the_diffusers_loop_bitwise(case, dtype, device):
     _, cls, config, mu = case
     model = Mix().to(device)
-    for steps in STEPS:
+    for steps in STEPS if dtype in (torch.float32, torch.float64) else STEPS[:3]:
         ref, corrected = diffusers_loop(model, make(cls, config), steps, dtype, device, mu=mu)
         r, latents, z = run_reader(cls, config, mu, model, steps, dtype, device)
         states = trajectory(r, model, latents, z)[0]
@@ -221,7 +227,7 @@ def test_loop_is_the_diffusers_loop_bitwise(case, dtype, device):
         assert same(readers.loop(r, model, latents, z), ref[-1])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES[:3])   # (float16 takes bfloat16's code path)
 @pytest.mark.parametrize("case", CONFIGS, ids=IDS)
 def test_window_from_one_batched_call_is_the_loop(case, dtype, device):
     _, cls, config, mu = case
@@ -330,12 +336,12 @@ def test_refused_options_and_inputs():
     with pytest.raises(ValueError, match="first step index=2 is not supported"):
         readers.reader(s, 7)
     r = readers.reader(DPM(), 7)
-    latents = torch.zeros(SHAPE, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"dtype=torch.bfloat16 is not supported.*float32"):
+    latents = torch.zeros(SHAPE, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"dtype=torch.int32 is not supported.*float32"):
         r.initial(latents)
     x = torch.zeros((2, 1, *SHAPE))
-    with pytest.raises(ValueError, match=r"dtype=torch.float16 is not supported"):
-        r.step(0, 2, x, x[:, 0].half())
+    with pytest.raises(ValueError, match=r"dtype=torch.int64 is not supported"):
+        r.step(0, 2, x, x[:, 0].long())
     with pytest.raises(ValueError, match=r"past must hold the records of the 1 steps before "
                                          r"step 3"):
         r.step(3, 5, x, x[:, 0])

@@ -36,6 +36,8 @@ class FlowMatchEulerDiscreteReader(Reader):
                          "keep": 1.0 - sigma_next, "next": sigma_next})
             self.kinds.append(0)
         self._columns(rows)
+        # set_timesteps(device=...) leaves the sigmas on the device: not CPU scalars
+        self.on_device = self.scheduler.sigmas.device.type != "cpu"
         self.stochastic = bool(self.config.stochastic_sampling)
         self.noisy = (self.stochastic,) * self.K
 
@@ -47,10 +49,11 @@ class FlowMatchEulerDiscreteReader(Reader):
         sample = x[:, 0].to(torch.float32)
         if self.stochastic:
             assert z is not None, "stochastic_sampling steps read their noise"
-            x0 = sample - mul(self.col("sigma", sel, out), out)
-            prev = mul(self.col("keep", sel, x0), x0) + mul(self.col("next", sel, z), z)
+            x0 = sample - mul(self.col("sigma", sel, out), out, self.on_device)
+            prev = mul(self.col("keep", sel, x0), x0, self.on_device) + \
+                mul(self.col("next", sel, z), z, self.on_device)
         else:
-            prev = sample + mul(self.col("dt", sel, out), out)
+            prev = sample + mul(self.col("dt", sel, out), out, self.on_device)
         return prev.to(out.dtype)[:, None]
 
 
@@ -92,6 +95,8 @@ class LCMReader(Reader):
             self.kinds.append(noisy[-1])
         self._columns(rows)
         self.noisy = tuple(noisy)
+        # c_skip and c_out are computed from the timestep, on the timesteps' device
+        self.on_device = self.scheduler.timesteps.device.type != "cpu"
 
     def _apply(self, kind: Any, sel: Sel, x: torch.Tensor, out: torch.Tensor, rec: Records,
                z: torch.Tensor | None) -> torch.Tensor:
@@ -109,7 +114,7 @@ class LCMReader(Reader):
             pred = mul(c("sa"), sample) - mul(c("sb"), out)
         if cfg.clip_sample:
             pred = pred.clamp(-cfg.clip_sample_range, cfg.clip_sample_range)
-        denoised = mul(c("out"), pred) + mul(c("skip"), sample)
+        denoised = mul(c("out"), pred, self.on_device) + mul(c("skip"), sample, self.on_device)
         if not kind:   # the last step adds no noise
             return denoised[:, None]
         assert z is not None, "LCM steps but the last read their noise"

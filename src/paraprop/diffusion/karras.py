@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from paraprop.diffusion.readers import Reader, Records, Sel, div, mul, refuse
+from paraprop.diffusion.readers import Reader, Records, Sel, div, mul, refuse, tmul
 
 
 class _Scaled(Reader):
@@ -75,9 +75,9 @@ class EulerDiscreteReader(_Scaled):
         elif p == "epsilon":
             pred = sample - mul(self.col("sigma_hat", sel, out), out)
         else:
-            pred = mul(self.col("v_out", sel, out), out) + div(sample, self.col("v_x", sel, out))
+            pred = tmul(out, self.col("v_out", sel, out)) + div(sample, self.col("v_x", sel, out))
         derivative = div(sample - pred, self.col("sigma_hat", sel, sample))
-        prev = sample + mul(self.col("dt", sel, sample), derivative)
+        prev = sample + tmul(derivative, self.col("dt", sel, sample))
         return prev.to(out.dtype)[:, None]
 
 
@@ -115,10 +115,10 @@ class EulerAncestralDiscreteReader(_Scaled):
         if self.config.prediction_type == "epsilon":
             pred = sample - mul(self.col("sigma", sel, out), out)
         else:
-            pred = mul(self.col("v_out", sel, out), out) + div(sample, self.col("v_x", sel, out))
+            pred = tmul(out, self.col("v_out", sel, out)) + div(sample, self.col("v_x", sel, out))
         derivative = div(sample - pred, self.col("sigma", sel, sample))
-        prev = sample + mul(self.col("dt", sel, sample), derivative)
-        prev = prev + mul(self.col("up", sel, z), z)
+        prev = sample + tmul(derivative, self.col("dt", sel, sample))
+        prev = prev + tmul(z, self.col("up", sel, z))
         return prev.to(out.dtype)[:, None]
 
 
@@ -169,7 +169,7 @@ class HeunDiscreteReader(_Scaled):
         if cfg.prediction_type == "epsilon":
             pred = sample - mul(self.col("sigma_input", sel, out), out)
         elif cfg.prediction_type == "v_prediction":
-            pred = mul(self.col("v_out", sel, out), out) + div(sample, self.col("v_x", sel, out))
+            pred = tmul(out, self.col("v_out", sel, out)) + div(sample, self.col("v_x", sel, out))
         else:
             pred = out
         if cfg.clip_sample:
@@ -192,5 +192,5 @@ class HeunDiscreteReader(_Scaled):
             derivative = self._derivative(sel, x[:, 0], out)
             derivative = (sel.take(deriv, 0) + derivative) / 2
             sample = sel.take(first_sample, 0)
-        prev = sample + mul(self.col("dt", sel, sample), derivative)
+        prev = sample + tmul(derivative, self.col("dt", sel, sample))
         return prev[:, None]

@@ -363,28 +363,28 @@ class UniPCMultistepReader(Reader):
                 return self.col(name, sel, last)
 
             m0 = sel.take(conv, H - 1)
-            D1s = [div(sel.take(conv, H - 1 - i) - m0, cc(f"c_rk{i}"), cpu_scalar=False)
+            D1s = [div(sel.take(conv, H - 1 - i) - m0, cc(f"c_rk{i}"), on_device=True)
                    for i in range(1, o)]
-            x_t_ = mul(cc("c_x"), last) - mul(cc("c_m"), m0)
+            x_t_ = mul(cc("c_x"), last, True) - mul(cc("c_m"), m0, True)
             D1_t = ck - m0
             rho_last = cc(f"c_rho{o - 1}").to(last.dtype)
             if D1s:
                 corr_res = self._einsum(sel, "c", o - 1, D1s, last.dtype)
-                sample = x_t_ - mul(cc("c_res"), corr_res + rho_last * D1_t)
+                sample = x_t_ - mul(cc("c_res"), corr_res + rho_last * D1_t, True)
             else:
-                sample = x_t_ - mul(cc("c_res"), 0 + rho_last * D1_t)
+                sample = x_t_ - mul(cc("c_res"), 0 + rho_last * D1_t, True)
             sample = sample.to(last.dtype)
 
         def pc(name: str) -> torch.Tensor:
             return self.col(name, sel, sample)
 
         # the predictor (UniP), from the (corrected) sample
-        D1s = [div(sel.take(conv, H - i) - ck, pc(f"p_rk{i}"), cpu_scalar=False)
+        D1s = [div(sel.take(conv, H - i) - ck, pc(f"p_rk{i}"), on_device=True)
                for i in range(1, p)]
-        x_t_ = mul(pc("p_x"), sample) - mul(pc("p_m"), ck)
+        x_t_ = mul(pc("p_x"), sample, True) - mul(pc("p_m"), ck, True)
         if D1s:
             pred_res = self._einsum(sel, "p", p - 1, D1s, sample.dtype)
-            x_t = x_t_ - mul(pc("p_res"), pred_res)
+            x_t = x_t_ - mul(pc("p_res"), pred_res, True)
         else:
             x_t = x_t_ - pc("p_zero").to(x_t_.dtype)
         return torch.stack([x_t.to(sample.dtype), sample], dim=1)

@@ -34,10 +34,19 @@ once from one batched model call (the same operations with per-step coefficient 
   in which dtype; :func:`draw_noise` draws the latents and every step's noise up front in the
   loop's order (as ``randn_tensor`` does with one generator). Noise enters inside step ``k``
   (``z`` of :meth:`Reader.step`), after the model call.
-* *Dtypes.* float32 and float64 samples (the model's dtype); bfloat16/float16 are refused by name
-  until verified (:func:`check_dtype`). Coefficients are the scheduler's float32 0-d tensors:
-  ``c * t`` reads them exactly in both dtypes; ``t / c`` with a CPU coefficient on CUDA/XPU is
-  PyTorch's ``t * (1 / c)`` (:func:`div`).
+* *Dtypes.* float64, float32, bfloat16 and float16 samples (the model's dtype; the tests check
+  all four on the CPU). Coefficients are the scheduler's float32 0-d tensors, and PyTorch reads
+  them in a way that depends on the operation, the operand order, the dtype and where the
+  coefficient lives (:func:`mul`, :func:`tmul`, :func:`div`): on the CPU a bfloat16/float16
+  ``c * t`` rounds ``c`` to the dtype first, ``t * c`` and ``t / c`` read it at full
+  precision; on CUDA/XPU a CPU scalar is read at full precision and ``t / c`` is
+  ``t * (1 / c)``, while a coefficient on the device (UniPC's, and flow matching's and LCM's
+  after ``set_timesteps(device=...)``) is rounded to the dtype first. The readers write every
+  product in diffusers' operand order. The CUDA rules are read from PyTorch's kernels (as in
+  :mod:`~paraprop.diffusion.schedulers`); no GPU has run these readers' tests yet.
+* *Cost.* A window's steps of one kind (order, Heun's first or second evaluation, UniPC's
+  predictor/corrector orders) are applied together, a few elementwise operations each; only
+  UniPC's history sum (an ``einsum`` of diffusers' shapes) runs once per step.
 
 Supported: ``DPMSolverMultistepScheduler``, ``UniPCMultistepScheduler``
 (:mod:`~paraprop.diffusion.multistep`), ``EulerDiscreteScheduler``,
@@ -54,7 +63,7 @@ from typing import Any, ClassVar
 
 import torch
 
-SAMPLE_DTYPES = (torch.float32, torch.float64)
+SAMPLE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # devices on which PyTorch divides by a CPU scalar through its reciprocal (BinaryDivTrueKernel)
 RECIPROCAL_DIVISION = ("cuda", "xpu")
 
@@ -68,9 +77,10 @@ def refuse(scheduler: str, argument: str, value: Any, supported: str) -> ValueEr
 
 
 def check_dtype(dtype: torch.dtype, scheduler: str = "reader") -> None:
-    """Refuse a sample dtype whose bitwise equality with the diffusers loop is not verified."""
+    """Refuse a sample dtype the readers do not compute in."""
     if dtype not in SAMPLE_DTYPES:
-        raise refuse(scheduler, "dtype", dtype, "torch.float32, torch.float64")
+        raise refuse(scheduler, "dtype", dtype,
+                     "torch.float32, torch.float64, torch.bfloat16, torch.float16")
 
 
 class Sel:
@@ -109,19 +119,50 @@ class Sel:
         return [self.start + r for r in self.rel]
 
 
-def mul(c: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def _narrow(dtype: torch.dtype) -> bool:
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def mul(c: torch.Tensor, t: torch.Tensor, on_device: bool = False) -> torch.Tensor:
     """diffusers' ``c * t`` for a 0-d float32 coefficient ``c`` (here a column broadcasting over
-    ``t``): exact in float32 and float64."""
-    return c.to(t.dtype) * t
+    ``t``), written coefficient first: PyTorch rounds ``c`` to a bfloat16/float16 ``t``'s dtype
+    first (as the common dtype), except a CPU scalar on CUDA/XPU, which it reads at full
+    precision; the product is computed in float32 and rounded. ``on_device``: ``c`` lives on
+    ``t``'s device (not a CPU scalar)."""
+    dt = t.dtype
+    if not _narrow(dt):
+        return c.to(dt) * t
+    if t.device.type == "cpu" or on_device:
+        c = c.to(dt)
+    return (c.float() * t.float()).to(dt)
 
 
-def div(t: torch.Tensor, c: torch.Tensor, cpu_scalar: bool = True) -> torch.Tensor:
-    """diffusers' ``t / c``: where ``c`` is a CPU 0-d tensor and ``t`` is on CUDA/XPU, PyTorch
-    computes ``t * (1 / c)`` (in ``t``'s dtype); elsewhere the division."""
-    c = c.to(t.dtype)
-    if cpu_scalar and t.device.type in RECIPROCAL_DIVISION:
-        return t * (1 / c)
-    return t / c
+def tmul(t: torch.Tensor, c: torch.Tensor, on_device: bool = False) -> torch.Tensor:
+    """diffusers' ``t * c`` (the coefficient second): the CPU kernel of a bfloat16/float16
+    product reads a scalar second operand at full precision (as CUDA reads a CPU scalar); a
+    coefficient on ``t``'s CUDA device is rounded to the dtype first."""
+    dt = t.dtype
+    if not _narrow(dt):
+        return t * c.to(dt)
+    if on_device and t.device.type != "cpu":
+        c = c.to(dt)
+    return (t.float() * c.float()).to(dt)
+
+
+def div(t: torch.Tensor, c: torch.Tensor, on_device: bool = False) -> torch.Tensor:
+    """diffusers' ``t / c``: the CPU kernel reads a scalar divisor at full precision; on
+    CUDA/XPU a CPU scalar divides as ``t * (1 / c)`` (``1 / c`` in the operation's precision),
+    a divisor on the device is rounded to a bfloat16/float16 dtype first."""
+    dt = t.dtype
+    reciprocal = not on_device and t.device.type in RECIPROCAL_DIVISION
+    if not _narrow(dt):
+        c = c.to(dt)
+        return t * (1 / c) if reciprocal else t / c
+    if reciprocal:
+        return (t.float() * (1 / c.float())).to(dt)
+    if on_device and t.device.type != "cpu":
+        c = c.to(dt)
+    return (t.float() / c.float()).to(dt)
 
 
 class Reader:
@@ -149,7 +190,8 @@ class Reader:
         self.config = scheduler.config
         self._check_config()
         kwargs = {} if mu is None else {"mu": mu}
-        scheduler.set_timesteps(num_inference_steps, **kwargs)
+        # as the pipelines call it: the scheduler keeps some of its state on the device
+        scheduler.set_timesteps(num_inference_steps, device=self.device, **kwargs)
         self.timesteps: torch.Tensor = scheduler.timesteps
         self.K = int(self.timesteps.numel())
         self.sigmas = scheduler.sigmas.detach().cpu() if hasattr(scheduler, "sigmas") else None
@@ -233,8 +275,8 @@ class Reader:
         init = self.init_noise_sigma
         if init is None:
             x = latents
-        elif isinstance(init, torch.Tensor):
-            x = mul(init.detach().cpu().float().to(latents.device), latents)
+        elif isinstance(init, torch.Tensor):   # latents * init_noise_sigma, a CPU scalar
+            x = tmul(latents, init.detach().cpu().float().to(latents.device))
         else:
             x = latents * init
         return torch.stack([x] * self.parts)
