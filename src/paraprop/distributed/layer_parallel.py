@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -354,7 +354,7 @@ def _show(d: torch.Tensor) -> str:
     return f"{shape}, {dtype}"
 
 
-def partitioned_forward(blocks: Sequence[nn.Module], x: torch.Tensor, step_size: float, *,
+def partitioned_forward(blocks: Iterable[nn.Module], x: torch.Tensor, step_size: float, *,
                         timeout: float = DEFAULT_TIMEOUT_S, group=None) -> torch.Tensor:
     """Model partitioning: receive the activation, apply this rank's blocks, pass it on.
 

@@ -99,10 +99,10 @@ class ParallelResidualStack(nn.Module):
         last_forward, last_backward: the :class:`paraprop.Solution` of the latest forward
             and backward solve (``None`` before the first; as :func:`~paraprop.multigrid.mgrit`
             returns it, with ``value`` the solve's last point only, ``u_N`` forward and
-            ``dL/dx`` backward, so that the states are not kept alive; ``stats["time_s"]`` and, backward,
-            ``evaluations`` include the parameter-gradient sweep; ``stats`` has no
-            ``parameter_grads``; ``stats["batched"]``: whether the solve evaluated the blocks
-            batched).
+            ``dL/dx`` backward, so that the states are not kept alive; ``stats["time_s"]``
+            and, backward, ``evaluations`` include the parameter-gradient sweep; ``stats`` has
+            no ``parameter_grads``; ``stats["batched"]``: whether the solve evaluated the
+            blocks batched).
 
     Raises:
         ValueError / TypeError: bad arguments (named, with the value), too few layers for the
@@ -123,6 +123,10 @@ class ParallelResidualStack(nn.Module):
         >>> y.shape, net.last_forward.converged
         (torch.Size([5, 8]), True)
     """
+
+    # kept in the instance's __dict__ by _sync (rebuilt when the blocks or the levels change)
+    _hierarchy: Hierarchy
+    _params: BlockParams
 
     def __init__(
         self,

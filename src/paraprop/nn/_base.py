@@ -9,8 +9,11 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from paraprop.nn.options import (
+    AutoBackward,
     AutogradBackward,
+    JacobiBackward,
     ParallelForward,
+    ScanBackward,
     SequentialForward,
     backward_option,
     check_pair,
@@ -121,6 +124,11 @@ class ScanBackwardMixin:
 
     _function: type[torch.autograd.Function]
     _state_parts = 1
+    # what the module classes this plumbing is mixed into have (torch's, or _ParaRNN's)
+    num_layers: int
+    bias: bool
+    _forward_config: SequentialForward | ParallelForward
+    _backward_config: ScanBackward | JacobiBackward | AutogradBackward | AutoBackward
 
     def _state_tensors(self, hx) -> tuple:
         """The tensors of ``hx`` (``()`` for ``None``)."""
@@ -178,7 +186,7 @@ class ScanBackwardMixin:
         return self._run_log().backward
 
     # the SequentialForward kernels a module runs (ParaGRU / ParaLSTM: only their own loop)
-    _sequential_kernels = ("torch", "native", "auto")
+    _sequential_kernels: tuple[str, ...] = ("torch", "native", "auto")
 
     def _check_kernel(self, fwd) -> None:
         if isinstance(fwd, SequentialForward) and fwd.kernel not in self._sequential_kernels:
@@ -343,7 +351,7 @@ class ScanBackwardMixin:
         return result
 
     def extra_repr(self) -> str:
-        s = super().extra_repr()
+        s = super().extra_repr()  # type: ignore[misc]  # a mixin: torch's module is next in the MRO
         fwd = self._forward_config
         if isinstance(fwd, ParallelForward) or fwd != SequentialForward("auto"):
             s += f", forward={describe(fwd)}"

@@ -68,6 +68,7 @@ class GRURecurrence(DiagonalRecurrence):
             super().__init__(None, h0, length=x.shape[1], kernel=kernel)
         else:
             super().__init__(gi, h0, kernel=kernel)
+            assert self._u is not None      # the input terms gi, as given
             self._gi = self._u.view(self.B, self.T, 3, self.H)
         self._scratch: torch.Tensor | None = None      # one block's temporaries
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None   # newton_step's y, trial
@@ -90,7 +91,7 @@ class GRURecurrence(DiagonalRecurrence):
             gru_newton_block(gi, self._prev(xc, p0, p1), self._w, self._b,
                              y[:, p0 - lo:p1 - lo], None if a is None else a[:, p0 - lo:p1 - lo],
                              sc)
-        if form == "dense":
+        if form == "dense" and a is not None:
             a = torch.diag_embed(a)
         return y, a
 

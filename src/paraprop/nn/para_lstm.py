@@ -60,13 +60,15 @@ class LSTMRecurrence(DiagonalRecurrence):
                  inputs: tuple | None = None, kernel: str | None = None):
         if (gi is None) == (inputs is None):
             raise ValueError("LSTMRecurrence: pass either gi or inputs=(x, w_ih, b)")
-        self._gi4 = self._x = None
+        self._gi4: torch.Tensor | None = None
+        self._x = None
         if inputs is not None:
             x, w_ih, b = inputs
             self._x, self._w_ih = x.detach(), w_ih.detach()
             self._b_ih = None if b is None else b.detach().view(-1, 1)
             T = x.shape[1]
         else:
+            assert gi is not None           # exactly one of gi, inputs (checked above)
             self._gi4, T = gi.detach(), gi.shape[-1]
         self._w = w.detach().reshape(4, 1, -1, 1)                # broadcasts on (4, B, H, steps)
         super().__init__(None, h0, length=T, kernel=kernel)
@@ -75,7 +77,7 @@ class LSTMRecurrence(DiagonalRecurrence):
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None   # newton_step's y, trial
 
     def _inputs_at(self, idx):                                  # (4, B, H, k), for _cell
-        if self._x is None:
+        if self._gi4 is not None:
             return self._gi4.index_select(-1, idx)
         return self._input_terms(self._x.index_select(1, idx), None)
 
@@ -123,6 +125,7 @@ class LSTMRecurrence(DiagonalRecurrence):
             self._out = (torch.empty_like(xc), torch.empty_like(xc))
         kernel = self.step_kernel = self._step_kernel(xc)
         if kernel == "triton":
+            assert self._gi4 is not None    # the Triton step needs them stored (_step_kernel)
             triton_cells.lstm_newton_step(self._gi4, xc, self._h0, self._w.view(4, H), lo,
                                           *self._out)
             return tuple(t[:, lo:] for t in self._out)
@@ -158,13 +161,15 @@ class LSTMRecurrence(DiagonalRecurrence):
         units = LSTM_SCRATCH + 6 + (4 if self._x is not None else 0)
         need = units * N * max(p1 - p0 for p0, p1 in spans)
         buf = scratch(self, keep, need, xc)
+        x, gi4 = self._x, self._gi4
         for p0, p1 in spans:
-            if self._x is None:
-                gi = self._gi4[..., p0:p1]
-            else:
+            if gi4 is not None:
+                gi = gi4[..., p0:p1]
+            else:                                   # the inputs: exactly one of the two is kept
+                assert x is not None
                 m = N * (p1 - p0)
                 out = buf[(LSTM_SCRATCH + 6) * m:units * m].view(self._units[0], -1, p1 - p0)
-                gi = self._input_terms(self._x[:, p0:p1], out)
+                gi = self._input_terms(x[:, p0:p1], out)
             yield p0, p1, gi, buf
 
     def _prev(self, xc: torch.Tensor, p0: int, p1: int) -> torch.Tensor:

@@ -79,6 +79,8 @@ class DiagonalRecurrence(Recurrence):
 
     # the solvers' Jacobian forms the fused step takes
     fused_forms: tuple[str, ...] = ()
+    # the inputs, where the input terms are formed block by block (``None``: stored)
+    _x: torch.Tensor | None
 
     def __init__(self, gi: torch.Tensor | None, h0: torch.Tensor, length: int | None = None,
                  kernel: str | None = None):
@@ -89,6 +91,10 @@ class DiagonalRecurrence(Recurrence):
         self._adapter = self
         self._kernel = kernel
         self.step_kernel: str | None = None    # the fused step's kernel that ran last
+
+    def _cell(self, u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``fn``'s rows: the cell at input terms ``u`` and previous states ``h``."""
+        raise NotImplementedError(f"{type(self).__name__} defines no cell")
 
     @property
     def formed(self) -> bool:
