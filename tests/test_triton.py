@@ -31,6 +31,7 @@ from paraprop.scan import Factored, LSTMFactored, linear_recurrence  # noqa: E40
 from paraprop.scan import recurrence as rec_module  # noqa: E402
 from paraprop.scan import triton_kernels as tk  # noqa: E402
 from paraprop.scan import triton_runtime as rt  # noqa: E402
+from paraprop.scan.operators import canonicalise  # noqa: E402
 
 f64 = torch.float64
 # unit roundoff of the accumulation (float32 for half-precision inputs) and of the outputs
@@ -259,8 +260,8 @@ def test_pair_scan_in_chunks_and_reverse(dev):
 
 def test_auto_picks_the_kernels_on_cuda_only(dev):
     b = torch.randn(2, 40, 3, device=dev)
-    diag = rec_module.canonicalise(torch.rand(2, 40, 3, device=dev), b, None)
-    wide = rec_module.canonicalise(torch.rand(2, 40, 65, 65, device=dev),
+    diag = canonicalise(torch.rand(2, 40, 3, device=dev), b, None)
+    wide = canonicalise(torch.rand(2, 40, 65, 65, device=dev),
                                    torch.randn(2, 40, 65, device=dev), None)
     cuda = dev.type == "cuda"
     assert (rec_module.choose(diag.op, diag.b, None) == "triton") == cuda

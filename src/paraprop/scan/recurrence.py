@@ -9,8 +9,6 @@ backwards with the transposed Jacobians: ``g_t = J_{t+1}^T g_{t+1} + e_t`` (BPPS
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from paraprop import checks
@@ -23,7 +21,7 @@ from paraprop.scan import (
     triton_kernels,
     triton_runtime,
 )
-from paraprop.scan.operators import Factored, LSTMFactored, Op
+from paraprop.scan.operators import Op, canonicalise
 
 # The methods of the scans, defined once: ``"auto"`` picks one of the others. ``"native"`` and
 # ``"triton"`` are kernels for linear recurrences only (:data:`KERNELS`);
@@ -32,146 +30,6 @@ METHODS = ("auto", "sequential", "native", "blelloch", "hillis_steele", "chunked
 KERNELS = ("native", "triton")
 # Below this length the tree and chunked methods cannot beat T small steps.
 _SHORT = 16
-
-
-class Canonical:
-    """Validated inputs in the layout ``(N, T, H)``; ``batch`` is the broadcast batch shape."""
-
-    def __init__(self, op: Op, b: torch.Tensor, h0: torch.Tensor | None, batch: torch.Size):
-        self.op, self.b, self.h0, self.batch = op, b, h0, batch
-
-    def user(self, h: torch.Tensor) -> torch.Tensor:
-        return h.reshape(*self.batch, *h.shape[1:])
-
-
-def canonicalise(A, b, h0) -> Canonical:
-    """Check ``A``, ``b``, ``h0`` (types, dtypes, devices, shapes) and flatten the batch dims."""
-    if not isinstance(b, torch.Tensor):
-        raise TypeError(f"b must be a torch.Tensor, got {type(b).__name__}")
-    if not b.is_floating_point():
-        raise TypeError(f"b must have a floating-point dtype, got {b.dtype}")
-    if b.dim() < 2 or b.shape[-2] < 1 or b.shape[-1] < 1:
-        raise ValueError(f"b must have shape (..., T, H) with T, H >= 1, got {tuple(b.shape)}")
-    T, H = b.shape[-2:]
-    nb = b.dim()
-    if isinstance(A, Factored):
-        tensors = {"A.scale": A.scale, "A.left": A.left, "A.right": A.right, "A.diag": A.diag}
-    elif isinstance(A, LSTMFactored):
-        tensors = {"A.scale": A.scale, "A.forget": A.forget, "A.output": A.output,
-                   "A.weight": A.weight}
-        if any(t is None for t in tensors.values()):
-            raise TypeError("LSTMFactored needs scale, forget, output and weight (none is "
-                            "optional)")
-        checks.boolean("A.transposed", A.transposed)
-    elif isinstance(A, torch.Tensor):
-        tensors = {"A": A}
-    else:
-        raise TypeError(f"A must be a torch.Tensor, a paraprop.scan.Factored or a "
-                        f"paraprop.scan.LSTMFactored, got {type(A).__name__}")
-    tensors["h0"] = h0
-    for name, t in tensors.items():
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-        if t.dtype != b.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but b has {b.dtype}; use one dtype")
-        if t.device != b.device:
-            raise ValueError(f"{name} is on {t.device} but b is on {b.device}")
-
-    batches = [b.shape[:-2]]
-    if isinstance(A, torch.Tensor):
-        if A.dim() == nb + 1 and A.shape[-3:] == (T, H, H):
-            kind = "dense"
-        elif A.dim() == nb and A.shape[-2:] == (T, H):
-            kind = "diag"
-        else:
-            raise ValueError(
-                f"A must be dense (..., T, H, H) or diagonal (..., T, H) with the batch dims of b "
-                f"written out; got A {tuple(A.shape)} for b {tuple(b.shape)} (T={T}, H={H})")
-        batches.append(A.shape[:-3] if kind == "dense" else A.shape[:-2])
-    elif isinstance(A, LSTMFactored):
-        kind = "lstm"
-        if H % 2:
-            raise ValueError(f"LSTMFactored acts on the state [h; c]: b must have an even "
-                             f"size H = 2 * hidden, got {tuple(b.shape)}")
-        Hc = H // 2
-        if tuple(A.weight.shape) != (4 * Hc, Hc):
-            raise ValueError(f"A.weight must have shape (4 * hidden, hidden) = ({4 * Hc}, "
-                             f"{Hc}) for b {tuple(b.shape)}, got {tuple(A.weight.shape)}")
-        for name, t, size in (("scale", A.scale, 4 * Hc), ("forget", A.forget, Hc),
-                              ("output", A.output, Hc)):
-            if t.dim() != nb or t.shape[-2:] != (T, size):
-                raise ValueError(f"A.{name} must have shape (..., T, {size}) with T={T} and as "
-                                 f"many dims as b {tuple(b.shape)}; got {tuple(t.shape)}")
-            batches.append(t.shape[:-2])
-    else:
-        kind = "factored"
-        s = A.scale
-        if s is None or s.dim() != nb or s.shape[-2] != T or s.shape[-1] < 1:
-            raise ValueError(f"A.scale must have shape (..., T, K) with T={T}, as many dims as b "
-                             f"{tuple(b.shape)}; got {None if s is None else tuple(s.shape)}")
-        K = s.shape[-1]
-        if A.left is not None and tuple(A.left.shape) != (H, K):
-            raise ValueError(f"A.left must have shape (H, K) = ({H}, {K}), "
-                             f"got {tuple(A.left.shape)}")
-        if A.right is not None and tuple(A.right.shape) != (K, H):
-            raise ValueError(f"A.right must have shape (K, H) = ({K}, {H}), "
-                             f"got {tuple(A.right.shape)}")
-        if (A.left is None or A.right is None) and K % H:
-            raise ValueError(f"A.left/A.right = None (identity blocks) need K a multiple of "
-                             f"H; got K={K}, H={H}")
-        batches.append(s.shape[:-2])
-        if A.diag is not None:
-            if A.diag.dim() != nb or A.diag.shape[-2:] != (T, H):
-                raise ValueError(f"A.diag must have shape (..., T, H) = (..., {T}, {H}) with as "
-                                 f"many dims as b; got {tuple(A.diag.shape)}")
-            batches.append(A.diag.shape[:-2])
-    if h0 is not None:
-        if not 1 <= h0.dim() <= nb - 1 or h0.shape[-1] != H:
-            raise ValueError(f"h0 must have shape (..., H) = (..., {H}) with at most one dim less "
-                             f"than b {tuple(b.shape)}; got {tuple(h0.shape)}")
-        batches.append(h0.shape[:-1])
-    batch = _broadcast(batches)
-    if batch is None:
-        raise ValueError("the batch dims of A, b and h0 do not broadcast: "
-                         + ", ".join(str(tuple(x)) for x in batches))
-    N = math.prod(batch)
-
-    def rows(t: torch.Tensor | None, trailing: int, always_full: bool = False):
-        if t is None:
-            return None
-        tb = t.shape[: t.dim() - trailing]
-        if tb.numel() == 1 and not always_full:
-            return t.reshape(1, *t.shape[t.dim() - trailing:])
-        return t.expand(*batch, *t.shape[t.dim() - trailing:]).reshape(
-            N, *t.shape[t.dim() - trailing:])
-
-    if kind == "dense":
-        op = Op("dense", H, a=rows(A, 3))
-    elif kind == "diag":
-        op = Op("diag", H, a=rows(A, 2))
-    elif kind == "lstm":
-        op = Op("lstm", H, s=rows(A.scale, 2), f=rows(A.forget, 2), k=rows(A.output, 2),
-                W=A.weight, tr=bool(A.transposed))
-    else:
-        op = Op("factored", H, d=rows(A.diag, 2), s=rows(A.scale, 2), L=A.left, R=A.right)
-    return Canonical(op, rows(b, 2, True), rows(h0, 1, True), batch)
-
-
-def _broadcast(shapes) -> torch.Size | None:
-    """The broadcast of ``shapes`` (torch rules), or None if they do not broadcast.
-
-    (``torch.broadcast_shapes`` would do, but its first call imports ``torch._refs``: ~0.5 s.)
-    """
-    n = max(len(s) for s in shapes)
-    out = []
-    for i in range(1, n + 1):
-        sizes = {s[-i] for s in shapes if len(s) >= i} - {1}
-        if len(sizes) > 1:
-            return None
-        out.append(sizes.pop() if sizes else 1)
-    return torch.Size(reversed(out))
 
 
 def choose(op: Op, b: torch.Tensor, h0: torch.Tensor | None) -> str:
