@@ -86,6 +86,7 @@ def test_eval_with_enough_cycles_equals_serial_network():
 def test_one_level_is_the_serial_network():
     blocks = mlp_blocks(9, 4, seed=4, dtype=torch.float64)
     net = ParallelResidualStack(blocks, 0.3, levels=1)
+    assert net.last_forward is None and net.last_backward is None      # nothing solved yet
     x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True,
                     generator=torch.Generator().manual_seed(0))
     y = net(x)
@@ -95,6 +96,9 @@ def test_one_level_is_the_serial_network():
     ulp = torch.finfo(torch.float64).eps * max(1.0, float(ref.abs().max()))
     assert float((y.detach() - ref).abs().max()) <= 4 * ulp
     assert net.last_forward.residuals.tolist() == []
+    assert net.last_forward.value.shape == (2, 4)          # u_N only, not every state
+    y.sum().backward()
+    assert net.last_backward.converged and net.last_backward.value.shape == (2, 4)   # dL/dx
 
 
 def test_two_cycles_are_approximate_and_recorded():

@@ -280,6 +280,7 @@ def test_gradients_match_autograd_through_the_loop(kind, bias, forward, backward
         assert rel(a, b) <= bound
     run = ours.last_backward
     assert run.kind == backward and len(run.layers) == 2 and run.converged
+    assert ref.last_backward.kind == "autograd" and ref.last_backward.layers == ()
     if backward == "jacobi":
         assert [s.method for s in run.layers] == ["jacobi", "jacobi"]
 
