@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from paraprop.diffusion.readers import Reader, Records, Sel, div, mul, refuse
+from paraprop.diffusion.readers import Reader, Records, Sel, refuse
+from paraprop.diffusion.scalars import div, mul
 
 
 class FlowMatchEulerDiscreteReader(Reader):

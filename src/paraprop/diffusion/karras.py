@@ -14,26 +14,57 @@ derivative and input sample (its record: ``history = 1``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from paraprop.diffusion.readers import Reader, Records, Sel, div, mul, refuse, tmul
+from paraprop.diffusion.readers import Reader, Records, Sel, refuse
+from paraprop.diffusion.scalars import div, mul, tmul
 
 
-class _Scaled(Reader):
-    """``scale_model_input``: ``sample / ((sigma**2 + 1) ** 0.5)`` at ``sigmas[k]``."""
+class _Karras(Reader):
+    """What the three share: ``scale_model_input`` (``sample / ((sigma**2 + 1) ** 0.5)`` at
+    ``sigmas[k]``), the predicted ``x_0`` of each ``prediction_type``, and its check."""
 
-    def _scale_rows(self) -> list[dict[str, torch.Tensor]]:
+    PREDICTIONS: ClassVar[tuple[str, ...]] = ()
+
+    def _check_config(self) -> None:
+        if self.config.prediction_type not in self.PREDICTIONS:
+            raise refuse(self.classname, "prediction_type", self.config.prediction_type,
+                         ", ".join(self.PREDICTIONS))
+
+    def _rows(self) -> list[dict[str, torch.Tensor]]:
         s = self.sigmas
         assert s is not None
         return [{"scale": (s[k] ** 2 + 1) ** 0.5} for k in range(self.K)]
 
+    @staticmethod
+    def _v(sigma: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The coefficients of ``v_prediction``'s ``x_0`` at ``sigma``."""
+        return {"v_out": -sigma / (sigma**2 + 1) ** 0.5, "v_x": sigma**2 + 1}
+
     def scale(self, sel: Sel, x: torch.Tensor) -> torch.Tensor:
         return div(x, self.col("scale", sel, x))
 
+    def _x0(self, sel: Sel, sample: torch.Tensor, out: torch.Tensor,
+            sigma: str) -> torch.Tensor:
+        """The predicted ``x_0`` (``sigma``: the column epsilon reads)."""
+        p = self.config.prediction_type
+        if p in ("sample", "original_sample"):
+            return out
+        if p == "epsilon":
+            return sample - mul(self.col(sigma, sel, out), out)
+        return tmul(out, self.col("v_out", sel, out)) + div(sample, self.col("v_x", sel, out))
 
-class EulerDiscreteReader(_Scaled):
+    def _euler(self, sel: Sel, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The Euler step of Euler and Euler ancestral, in float32 (``step()`` upcasts)."""
+        sample = x[:, 0].to(torch.float32)
+        pred = self._x0(sel, sample, out, "sigma_hat")
+        derivative = div(sample - pred, self.col("sigma_hat", sel, sample))
+        return sample + tmul(derivative, self.col("dt", sel, sample))
+
+
+class EulerDiscreteReader(_Karras):
     """``EulerDiscreteScheduler``, ``prediction_type`` ``epsilon``, ``v_prediction``,
     ``sample`` (or ``original_sample``), with ``step()``'s default ``s_churn=0`` (no churn
     noise). Refused: ``s_churn > 0``."""
@@ -48,62 +79,39 @@ class EulerDiscreteReader(_Scaled):
                          "0.0 (the churn noise of step() is not read)")
         super().__init__(scheduler, num_inference_steps, mu=mu, device=device)
 
-    def _check_config(self) -> None:
-        if self.config.prediction_type not in self.PREDICTIONS:
-            raise refuse(self.classname, "prediction_type", self.config.prediction_type,
-                         ", ".join(self.PREDICTIONS))
-
     def _read(self) -> None:
         s = self.sigmas
         assert s is not None
-        rows = self._scale_rows()
+        rows = self._rows()
         for k in range(self.K):
-            sigma = s[k]
             gamma = 0.0   # s_churn == 0
-            sigma_hat = sigma * (gamma + 1)
-            rows[k].update(sigma_hat=sigma_hat, v_out=-sigma / (sigma**2 + 1) ** 0.5,
-                           v_x=sigma**2 + 1, dt=s[k + 1] - sigma_hat)
+            sigma_hat = s[k] * (gamma + 1)
+            rows[k].update(sigma_hat=sigma_hat, dt=s[k + 1] - sigma_hat, **self._v(s[k]))
             self.kinds.append(0)
         self._columns(rows)
 
     def _apply(self, kind: Any, sel: Sel, x: torch.Tensor, out: torch.Tensor, rec: Records,
                z: torch.Tensor | None) -> torch.Tensor:
-        sample = x[:, 0].to(torch.float32)
-        p = self.config.prediction_type
-        if p in ("sample", "original_sample"):
-            pred = out
-        elif p == "epsilon":
-            pred = sample - mul(self.col("sigma_hat", sel, out), out)
-        else:
-            pred = tmul(out, self.col("v_out", sel, out)) + div(sample, self.col("v_x", sel, out))
-        derivative = div(sample - pred, self.col("sigma_hat", sel, sample))
-        prev = sample + tmul(derivative, self.col("dt", sel, sample))
-        return prev.to(out.dtype)[:, None]
+        return self._euler(sel, x, out).to(out.dtype)[:, None]
 
 
-class EulerAncestralDiscreteReader(_Scaled):
+class EulerAncestralDiscreteReader(_Karras):
     """``EulerAncestralDiscreteScheduler``, ``prediction_type`` ``epsilon`` or
     ``v_prediction`` (diffusers itself raises for ``sample``); noise at every step."""
 
     classname = "EulerAncestralDiscreteScheduler"
     PREDICTIONS = ("epsilon", "v_prediction")
 
-    def _check_config(self) -> None:
-        if self.config.prediction_type not in self.PREDICTIONS:
-            raise refuse(self.classname, "prediction_type", self.config.prediction_type,
-                         ", ".join(self.PREDICTIONS))
-
     def _read(self) -> None:
         s = self.sigmas
         assert s is not None
-        rows = self._scale_rows()
+        rows = self._rows()
         for k in range(self.K):
-            sigma = s[k]
             sigma_from, sigma_to = s[k], s[k + 1]
             sigma_up = (sigma_to**2 * (sigma_from**2 - sigma_to**2) / sigma_from**2) ** 0.5
             sigma_down = (sigma_to**2 - sigma_up**2) ** 0.5
-            rows[k].update(sigma=sigma, v_out=-sigma / (sigma**2 + 1) ** 0.5, v_x=sigma**2 + 1,
-                           dt=sigma_down - sigma, up=sigma_up)
+            # (its epsilon and its derivative read sigma itself: "sigma_hat" here)
+            rows[k].update(sigma_hat=s[k], dt=sigma_down - s[k], up=sigma_up, **self._v(s[k]))
             self.kinds.append(0)
         self._columns(rows)
         self.noisy = (True,) * self.K
@@ -111,18 +119,11 @@ class EulerAncestralDiscreteReader(_Scaled):
     def _apply(self, kind: Any, sel: Sel, x: torch.Tensor, out: torch.Tensor, rec: Records,
                z: torch.Tensor | None) -> torch.Tensor:
         assert z is not None, "Euler ancestral steps read their noise"
-        sample = x[:, 0].to(torch.float32)
-        if self.config.prediction_type == "epsilon":
-            pred = sample - mul(self.col("sigma", sel, out), out)
-        else:
-            pred = tmul(out, self.col("v_out", sel, out)) + div(sample, self.col("v_x", sel, out))
-        derivative = div(sample - pred, self.col("sigma", sel, sample))
-        prev = sample + tmul(derivative, self.col("dt", sel, sample))
-        prev = prev + tmul(z, self.col("up", sel, z))
+        prev = self._euler(sel, x, out) + tmul(z, self.col("up", sel, z))
         return prev.to(out.dtype)[:, None]
 
 
-class HeunDiscreteReader(_Scaled):
+class HeunDiscreteReader(_Karras):
     """``HeunDiscreteScheduler``, ``prediction_type`` ``epsilon``, ``v_prediction`` or
     ``sample``, with ``clip_sample``. Its ``K = 2N - 1`` iterations alternate the first and
     the second evaluation of a step."""
@@ -131,15 +132,10 @@ class HeunDiscreteReader(_Scaled):
     PREDICTIONS = ("epsilon", "v_prediction", "sample")
     history = 1
 
-    def _check_config(self) -> None:
-        if self.config.prediction_type not in self.PREDICTIONS:
-            raise refuse(self.classname, "prediction_type", self.config.prediction_type,
-                         ", ".join(self.PREDICTIONS))
-
     def _read(self) -> None:
         s = self.sigmas
         assert s is not None
-        rows = self._scale_rows()
+        rows = self._rows()
         first = True   # state_in_first_order: the scheduler's dt is None
         for k in range(self.K):
             if first:
@@ -149,11 +145,8 @@ class HeunDiscreteReader(_Scaled):
             gamma = 0
             sigma_hat = sigma * (gamma + 1)
             sigma_input = sigma_hat if first else sigma_next
-            rows[k].update(sigma_input=sigma_input,
-                           v_out=-sigma_input / (sigma_input**2 + 1) ** 0.5,
-                           v_x=sigma_input**2 + 1,
-                           div=sigma_hat if first else sigma_next,
-                           dt=sigma_next - sigma_hat)
+            rows[k].update(sigma_input=sigma_input, div=sigma_hat if first else sigma_next,
+                           dt=sigma_next - sigma_hat, **self._v(sigma_input))
             self.kinds.append("first" if first else "second")
             first = not first
         # the second evaluation's dt is the first's (self.dt)
@@ -166,12 +159,7 @@ class HeunDiscreteReader(_Scaled):
 
     def _derivative(self, sel: Sel, sample: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        if cfg.prediction_type == "epsilon":
-            pred = sample - mul(self.col("sigma_input", sel, out), out)
-        elif cfg.prediction_type == "v_prediction":
-            pred = tmul(out, self.col("v_out", sel, out)) + div(sample, self.col("v_x", sel, out))
-        else:
-            pred = out
+        pred = self._x0(sel, sample, out, "sigma_input")
         if cfg.clip_sample:
             pred = pred.clamp(-cfg.clip_sample_range, cfg.clip_sample_range)
         return div(sample - pred, self.col("div", sel, sample))

@@ -37,7 +37,7 @@ once from one batched model call (the same operations with per-step coefficient 
 * *Dtypes.* float64, float32, bfloat16 and float16 samples (the model's dtype; the tests check
   all four on the CPU). Coefficients are the scheduler's float32 0-d tensors, and PyTorch reads
   them in a way that depends on the operation, the operand order, the dtype and where the
-  coefficient lives (:func:`mul`, :func:`tmul`, :func:`div`): on the CPU a bfloat16/float16
+  coefficient lives (:mod:`~paraprop.diffusion.scalars`): on the CPU a bfloat16/float16
   ``c * t`` rounds ``c`` to the dtype first, ``t * c`` and ``t / c`` read it at full
   precision; on CUDA/XPU a CPU scalar is read at full precision and ``t / c`` is
   ``t * (1 / c)``, while a coefficient on the device (UniPC's, and flow matching's and LCM's
@@ -63,9 +63,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from paraprop.diffusion.scalars import tmul
+
 SAMPLE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-# devices on which PyTorch divides by a CPU scalar through its reciprocal (BinaryDivTrueKernel)
-RECIPROCAL_DIVISION = ("cuda", "xpu")
 
 Records = tuple[torch.Tensor, ...]
 
@@ -113,56 +113,6 @@ class Sel:
             out[a: a + self._step * (self.n - 1) + 1: self._step] = value
         else:
             out.index_copy_(0, self.take(torch.arange(out.shape[0], device=out.device)), value)
-
-    def steps(self) -> list[int]:
-        """The absolute steps."""
-        return [self.start + r for r in self.rel]
-
-
-def _narrow(dtype: torch.dtype) -> bool:
-    return dtype in (torch.bfloat16, torch.float16)
-
-
-def mul(c: torch.Tensor, t: torch.Tensor, on_device: bool = False) -> torch.Tensor:
-    """diffusers' ``c * t`` for a 0-d float32 coefficient ``c`` (here a column broadcasting over
-    ``t``), written coefficient first: PyTorch rounds ``c`` to a bfloat16/float16 ``t``'s dtype
-    first (as the common dtype), except a CPU scalar on CUDA/XPU, which it reads at full
-    precision; the product is computed in float32 and rounded. ``on_device``: ``c`` lives on
-    ``t``'s device (not a CPU scalar)."""
-    dt = t.dtype
-    if not _narrow(dt):
-        return c.to(dt) * t
-    if t.device.type == "cpu" or on_device:
-        c = c.to(dt)
-    return (c.float() * t.float()).to(dt)
-
-
-def tmul(t: torch.Tensor, c: torch.Tensor, on_device: bool = False) -> torch.Tensor:
-    """diffusers' ``t * c`` (the coefficient second): the CPU kernel of a bfloat16/float16
-    product reads a scalar second operand at full precision (as CUDA reads a CPU scalar); a
-    coefficient on ``t``'s CUDA device is rounded to the dtype first."""
-    dt = t.dtype
-    if not _narrow(dt):
-        return t * c.to(dt)
-    if on_device and t.device.type != "cpu":
-        c = c.to(dt)
-    return (t.float() * c.float()).to(dt)
-
-
-def div(t: torch.Tensor, c: torch.Tensor, on_device: bool = False) -> torch.Tensor:
-    """diffusers' ``t / c``: the CPU kernel reads a scalar divisor at full precision; on
-    CUDA/XPU a CPU scalar divides as ``t * (1 / c)`` (``1 / c`` in the operation's precision),
-    a divisor on the device is rounded to a bfloat16/float16 dtype first."""
-    dt = t.dtype
-    reciprocal = not on_device and t.device.type in RECIPROCAL_DIVISION
-    if not _narrow(dt):
-        c = c.to(dt)
-        return t * (1 / c) if reciprocal else t / c
-    if reciprocal:
-        return (t.float() * (1 / c.float())).to(dt)
-    if on_device and t.device.type != "cpu":
-        c = c.to(dt)
-    return (t.float() / c.float()).to(dt)
 
 
 class Reader:
