@@ -129,7 +129,7 @@ class _Run:
         self.floor = 0.0
         self.tol_resolvable = False
         self.strict = strict          # stop once the batched calls differ from the loop
-        self.loop_bitwise = None
+        self.loop_bitwise: bool | None = None
         self.loop_gap = 0.0
         # the steps' gains, observed while the chain reports to it (chain.observer)
         self.gains = StepGains(B, N, F, chain.dtype, chain.work, chain.device)

@@ -129,25 +129,26 @@ class DiffusionChain:
         # a step recomputed from the same exact input gave other bits (another batch of rows)
         self.irreproducible = torch.zeros((), dtype=torch.bool, device=dev)
         self.irreproducible_seen = False   # its value at the start of the last window call
-        self._last = None      # (key, X, values) of the last window call
+        self._last: tuple | None = None   # (key, X, values) of the last window call
         # (B,) or None: samples a pass leaves as they are (settled in an earlier pass; their
         # inputs may not be exact, so recomputing them in other rows could change them)
-        self.frozen = None
+        self.frozen: torch.Tensor | None = None
         # per sample, the first step found non-finite from exact inputs (-1: none)
         self.nonfinite_step = torch.full((self.B,), -1, dtype=torch.long, device=dev)
         # step 0's model output on the loop's rows, and its largest difference from the
         # first batched call's (None: not compared yet)
-        self.loop_out = None
-        self.loop_gap = None
-        self._step0_input = None
+        self.loop_out: torch.Tensor | None = None
+        self.loop_gap: torch.Tensor | None = None
+        self._step0_input: torch.Tensor | None = None
         # the determinism check (:meth:`diagnose`): made once, when a difference is first seen
         self.diagnosed = False
         self._recompute_gap = torch.zeros((), dtype=torch.float64, device=dev)
-        self._gaps = []        # the differences of certified steps computed again, not yet in it
-        self.cap = None        # model calls the check may not push the run beyond
+        # the differences of certified steps computed again, not yet in recompute_gap
+        self._gaps: list[torch.Tensor] = []
+        self.cap: int | None = None   # model calls the check may not push the run beyond
         # on the host a value read costs no synchronisation: window reads one sum per call
         self.host = self.device.type == "cpu"
-        self._aranges = {}     # n -> arange(n) (the positions of a window)
+        self._aranges: dict[int, torch.Tensor] = {}   # n -> arange(n) (the positions of a window)
         self._samples = torch.arange(self.B, device=dev)
 
     # -- the model -----------------------------------------------------------------------------
@@ -214,7 +215,8 @@ class DiffusionChain:
             return
         if self.loop_out is None or self.loop_gap is not None:
             return
-        same_input = (self._step0_input == self.x_init).all()
+        assert self._step0_input is not None   # (steps() keeps it before any call of step 0)
+        same_input = torch.eq(self._step0_input, self.x_init).all()
         gap = (out.to(torch.float64) - self.loop_out.to(torch.float64)).abs().max()
         self.loop_gap = torch.where(same_input, gap, 0.0)
         self.irreproducible = self.irreproducible | (self.loop_gap != 0)
@@ -290,11 +292,11 @@ class DiffusionChain:
         # the one host sync of a call: is every position certified, has a certified step been
         # computed with other bits (read by the driver after the iteration), and how far do
         # the certificates reach?
-        least, reach = torch.aminmax(self.certified())
+        lo_t, hi_t = torch.aminmax(self.certified())
         if self.host:   # (reading a host tensor is no synchronisation)
-            least, seen, reach = int(least), bool(self.irreproducible), int(reach)
+            least, seen, reach = int(lo_t), bool(self.irreproducible), int(hi_t)
         else:
-            least, seen, reach = torch.stack([least, self.irreproducible.long(), reach]).tolist()
+            least, seen, reach = torch.stack([lo_t, self.irreproducible.long(), hi_t]).tolist()
         done = least >= self.N
         self.irreproducible_seen = bool(seen)
         if seen and not self.diagnosed:

@@ -71,7 +71,8 @@ class StepGains:
             kept = max(self._seen.numel() * self._seen.element_size(), 1 << 22) // record
             self._pending = torch.full((min(max(kept, 1), OBSERVATIONS_KEPT), 4, self.B, self.N),
                                        float("nan"), dtype=torch.float64, device=xin.device)
-        elif len(self._records) == self._pending.shape[0]:
+        assert self._pending is not None and self._seen is not None
+        if len(self._records) == self._pending.shape[0]:
             self._fold()
         now = torch.stack([xin, nxt])
         was = self._seen[:, :, start:stop]   # (the last input and output of each step)
@@ -99,6 +100,7 @@ class StepGains:
         (``max(1, |x|)``, ``max(1, |y|)``); the largest ratio is kept (the same values, in any
         order, as observation by observation)."""
         records = self._records
+        assert self._pending is not None and self._gain is not None   # (made by observe)
         width = max(stop - start for start, stop in records)
         stats = self._pending[: len(records), :, :, :width]
         din, dout = stats[:, 0], stats[:, 1]

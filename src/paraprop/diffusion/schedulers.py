@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -104,8 +105,9 @@ class StepTable:
     def to(self, device) -> StepTable:
         """The same table with its tensors on ``device`` (no copy where they are already)."""
         device = torch.device(device)
-        moved = {k: (None if getattr(self, k) is None else getattr(self, k).to(device))
-                 for k in (*_COLUMNS, "timesteps", "noisy")}
+        moved: dict[str, Any] = {
+            k: (None if getattr(self, k) is None else getattr(self, k).to(device))
+            for k in (*_COLUMNS, "timesteps", "noisy")}
         return dataclasses.replace(self, **moved)
 
     def linear_part(self, split: str) -> torch.Tensor:
@@ -119,6 +121,7 @@ class StepTable:
         if split == "identity" or self.prediction != "epsilon":
             return torch.ones_like(self.sqrt_alpha)
         if self.kind == "ddpm":
+            assert self.coef_x is not None   # (DDPM's column)
             return self.coef_x0 / self.sqrt_alpha + self.coef_x
         return self.coef_x0 / self.sqrt_alpha
 
@@ -146,6 +149,7 @@ class StepTable:
                     return (t.to(om) * cols[name, 1]).to(dt)
                 return (t.to(om) / cols[name, 1]).to(dt)
 
+        eps: torch.Tensor | None
         if self.prediction == "epsilon":
             x0 = div(x - mul("sqrt_beta", out), "sqrt_alpha")
             eps = out
@@ -164,6 +168,7 @@ class StepTable:
         else:
             if self.clipped_eps:
                 eps = div(x - mul("sqrt_alpha", x0), "sqrt_beta")
+            assert eps is not None   # (DDIM computes it for every prediction type)
             prev = mul("coef_x0", x0) + mul("coef_eps", eps)
         if noisy is False:
             return prev
@@ -211,6 +216,7 @@ class StepTable:
             i = index.to(x.device)
             cols = _Lazy(lambda key: tall[key].index_select(0, i))
             noises = sum(self.noisy_steps[s] for s in steps)
+        noisy: bool | torch.Tensor
         if noises == len(steps) and noises:
             noisy = True
         elif not noises:

@@ -30,6 +30,9 @@ from paraprop.solvers.rounding import half_ulp_bound
 from paraprop.solvers.triangular import System
 from paraprop.stopping import freeze_budget
 
+# arange(n) (1, n) and the freeze thresholds of freeze_budget for n candidates
+Ramp = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
 
 class FreezeRule:
     """The freeze accounting of :class:`~paraprop.solvers.SlidingJacobi` at ``tol > 0`` (see the
@@ -70,7 +73,7 @@ class FreezeRule:
     def freeze(self, system: System, state: State, start: int, stop: int, d_pos: torch.Tensor,
                cs: torch.Tensor, writable: torch.Tensor, shift: torch.Tensor,
                new_final: torch.Tensor, tol: float, norm: str,
-               ramp: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+               ramp: Ramp) -> torch.Tensor:
         """``(B,)``: how many positions after the certified ones the window ``[start, stop)``
         may freeze at ``tol > 0`` (see the module doc), from the sweep's changes ``d_pos``
         ``(B, n)`` (``cs`` their cumulative sums), the positions still ``writable``, the
@@ -123,6 +126,7 @@ class FreezeRule:
             return m
         froze = act & (m > 0)
         frm = state.estimated_from
+        assert frm is not None   # (made by SlidingJacobi.init)
         state.estimated_from = torch.where(froze, torch.minimum(frm, new_final), frm)
         block = ar < m[:, None]
         state.estimate = state.estimate + torch.where(
@@ -152,6 +156,7 @@ class FreezeRule:
                         f"{float(v[b, t]):.3g} {low} at position {system.unravel_position(t)} of "
                         f"sample {system.unravel_sample(b)}")
         ref = sens if sens is not None else growth
+        assert ref is not None
         L = torch.ones(system.B, system.T, dtype=torch.float64, device=ref.device)
         if sens is not None:
             lam = sens.to(torch.float64)

@@ -37,7 +37,7 @@ import torch
 
 from paraprop import checks
 from paraprop.solvers.base import State
-from paraprop.solvers.freezing import FreezeRule
+from paraprop.solvers.freezing import FreezeRule, Ramp
 from paraprop.solvers.triangular import System
 from paraprop.solvers.verify import final_step
 from paraprop.stopping import freeze_thresholds
@@ -49,7 +49,7 @@ class _SlidingState:
     index: torch.Tensor       # arange(T)
     start: int = 0            # the smallest final of the samples still iterating (on the host)
     # per window length n: arange(n) (1, n) and the freeze thresholds (see _ramp)
-    ramps: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    ramps: dict[int, Ramp] = field(default_factory=dict)
 
 
 class SlidingJacobi:
@@ -169,8 +169,7 @@ class SlidingJacobi:
                 free = e.index[None, :] >= e.final[:, None]
                 state.x.copy_(torch.where(free[:, :, None], guess, state.x))
 
-def _ramp(e: _SlidingState, n: int, tol: float, T: int, device
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _ramp(e: _SlidingState, n: int, tol: float, T: int, device) -> Ramp:
     """``arange(n)`` ``(1, n)`` and the freeze thresholds of :func:`freeze_budget` for ``n``
     candidates, made once per window length of a solve."""
     cache = e.ramps
