@@ -347,6 +347,10 @@ def test_refused_options_and_inputs():
         r.step(3, 5, x, x[:, 0])
     with pytest.raises(ValueError, match=r"steps \[6, 8\) of 7"):
         r.step(6, 8, x, x[:, 0])
+    sde = readers.reader(DPM(**SDE), 7)
+    with pytest.raises(ValueError, match=r"z: the steps \[0, 2\) of DPMSolverMultistepScheduler "
+                                         r"draw noise; pass their 2 noise rows.*got None"):
+        sde.step(0, 2, x, x[:, 0])
     with pytest.raises(ValueError, match="a cuda generator cannot draw noise for cpu"):
         readers.draw_noise(r, SHAPE, generator=_FakeGenerator(), dtype=torch.float32)
 

@@ -153,16 +153,14 @@ class Reader:
             raise refuse(self.classname, "first step index", begin,
                          "0 (a schedule whose first timestep repeats, or a begin_index set "
                          "before sampling, starts the scheduler mid-schedule)")
-        init = getattr(scheduler, "init_noise_sigma", None)
-        self.init_noise_sigma = init
+        self.init_noise_sigma = getattr(scheduler, "init_noise_sigma", None)
         self.kinds: list[Any] = []
         self.noisy: tuple[bool, ...] = (False,) * self.K
         self._cols: dict[str, torch.Tensor] = {}
         self._on: dict[tuple[torch.device, str], torch.Tensor] = {}
         self._groups: dict[tuple[int, int], list[tuple[Any, Sel]]] = {}
         self._read()
-        if len(self.kinds) != self.K:
-            raise AssertionError("reader: one kind per step")
+        assert len(self.kinds) == self.K, "reader: one kind per step"
 
     # -- what subclasses define ----------------------------------------------------------------
     def _check_config(self) -> None:
@@ -258,6 +256,10 @@ class Reader:
             raise ValueError(f"reader: steps [{lo}, {hi}) of {self.K} with {state.shape[0]} "
                              f"states and {out.shape[0]} model outputs")
         check_dtype(out.dtype, self.classname)
+        if (z is None or z.shape[0] != n) and any(self.noisy[lo:hi]):
+            raise ValueError(f"z: the steps [{lo}, {hi}) of {self.classname} draw noise; pass "
+                             f"their {n} noise rows (draw_noise), got "
+                             f"{None if z is None else tuple(z.shape)}")
         h = min(self.history, lo)
         own = self.records_like(out)
         if len(past) != len(own) or any(p.shape[0] != h for p in past):
