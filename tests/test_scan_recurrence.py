@@ -13,7 +13,7 @@ from paraprop.scan import (
     native,
     native_build,
 )
-from paraprop.scan.recurrence import method_for
+from paraprop.scan.linear import method_for
 
 LENGTHS = [1, 2, 3, 7, 31, 32, 33, 97]
 TORCH_METHODS = ["sequential", "blelloch", "hillis_steele", "chunked", "auto"]
@@ -293,7 +293,7 @@ def test_methods_are_defined_once():
     """One tuple names every method; associative_scan takes those that are not kernels of the
     linear recurrence, and refuses the kernels by name."""
     from paraprop.scan.associative import ASSOCIATIVE_METHODS
-    from paraprop.scan.recurrence import KERNELS
+    from paraprop.scan.linear import KERNELS
 
     assert METHODS[0] == "auto" and set(KERNELS) == {"native", "triton"} <= set(METHODS)
     assert ASSOCIATIVE_METHODS == tuple(m for m in METHODS if m not in KERNELS)

@@ -28,10 +28,10 @@ from paraprop.nn import ParaGRU, ParallelForward, ParaLSTM, para_solve, triton_c
 from paraprop.nn.para_gru import GRURecurrence  # noqa: E402
 from paraprop.nn.para_lstm import LSTMRecurrence  # noqa: E402
 from paraprop.scan import Factored, LSTMFactored, linear_recurrence  # noqa: E402
-from paraprop.scan import recurrence as rec_module  # noqa: E402
+from paraprop.scan import linear as rec_module  # noqa: E402
 from paraprop.scan import triton_kernels as tk  # noqa: E402
 from paraprop.scan import triton_runtime as rt  # noqa: E402
-from paraprop.scan.operators import canonicalise  # noqa: E402
+from paraprop.scan.transitions import canonicalise  # noqa: E402
 
 f64 = torch.float64
 # unit roundoff of the accumulation (float32 for half-precision inputs) and of the outputs

@@ -11,10 +11,10 @@
   iteration's blocks on threads.
 """
 
-from paraprop.networks.blocks import balanced_blocks, jacobi_gs_blocks
 from paraprop.networks.convert import UnsupportedModuleError, as_recurrence, register_converter
 from paraprop.networks.evaluate import METRICS, evaluate, max_abs, top5_changes
 from paraprop.networks.layer_system import LayerRecurrence, LayerSystem, Step
+from paraprop.networks.partition import balanced_blocks, jacobi_gs_blocks
 from paraprop.networks.timing import estimate_time, partition_time, profile
 
 __all__ = [

@@ -15,9 +15,9 @@ import torch
 
 from paraprop import checks
 from paraprop.determinism import refuse_random_draws
-from paraprop.networks.blocks import jacobi_gs_blocks
 from paraprop.networks.convert import as_recurrence
 from paraprop.networks.layer_system import LayerSystem
+from paraprop.networks.partition import jacobi_gs_blocks
 from paraprop.solve import Solution, solve
 from paraprop.solvers import make_solver
 

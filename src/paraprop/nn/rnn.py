@@ -26,7 +26,7 @@ from paraprop.nn._base import ScanBackwardMixin, check_options
 from paraprop.nn.options import JacobiBackward
 from paraprop.nn.runs import jacobi_run, scan_run
 from paraprop.scan import Factored, jacobi_recurrence, linear_recurrence, native
-from paraprop.scan.recurrence import method_for
+from paraprop.scan.linear import method_for
 
 
 def solve_hidden(cfg: dict, A: Factored, b: torch.Tensor, h0: torch.Tensor | None):
@@ -50,7 +50,7 @@ def scan_kernel(A, b: torch.Tensor, h0: torch.Tensor | None, method: str) -> str
     """Which kernel :func:`paraprop.scan.linear_recurrence` runs for these arguments, for
     ``last_backward``: the method ``"auto"`` resolves to (``"native"``: the C kernel, CPU
     float32/float64; ``"triton"`` on CUDA where it applies, ``"sequential"``, ``"chunked"``,
-    ``"blelloch"``), or the one asked for (:func:`paraprop.scan.recurrence.method_for`)."""
+    ``"blelloch"``), or the one asked for (:func:`paraprop.scan.linear.method_for`)."""
     return method_for(A, b, h0, method=method)
 
 

@@ -15,9 +15,9 @@
 
 from paraprop.scan.associative import associative_scan
 from paraprop.scan.jacobi import jacobi_recurrence
-from paraprop.scan.operators import Factored, LSTMFactored
+from paraprop.scan.linear import METHODS, linear_recurrence
 from paraprop.scan.ragged import ragged_scan
-from paraprop.scan.recurrence import METHODS, linear_recurrence
+from paraprop.scan.transitions import Factored, LSTMFactored
 
 __all__ = [
     "METHODS",

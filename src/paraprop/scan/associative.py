@@ -8,7 +8,7 @@ import torch
 
 from paraprop import checks
 from paraprop.scan import blelloch, chunked, hillis_steele, sequential
-from paraprop.scan.recurrence import KERNELS, METHODS
+from paraprop.scan.linear import KERNELS, METHODS
 
 # The methods of paraprop.scan.METHODS that take any operator (not the recurrence kernels).
 ASSOCIATIVE_METHODS = tuple(m for m in METHODS if m not in KERNELS)

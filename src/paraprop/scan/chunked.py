@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from paraprop.scan import sequential
-from paraprop.scan.operators import Op
+from paraprop.scan.transitions import Op
 
 Leaves = list[torch.Tensor]
 

@@ -17,7 +17,7 @@ import torch
 from paraprop import checks
 from paraprop.driver import Outcome, run
 from paraprop.result import Result, Solution
-from paraprop.scan.operators import canonicalise
+from paraprop.scan.transitions import canonicalise
 from paraprop.stopping import ContractionRule
 
 

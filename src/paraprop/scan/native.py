@@ -25,7 +25,7 @@ from typing import overload
 import torch
 
 from paraprop.scan.native_build import _DTYPES, _library, available, status
-from paraprop.scan.operators import Op
+from paraprop.scan.transitions import Op
 
 __all__ = ["available", "recurrence", "status", "supports", "why_not"]
 
@@ -57,7 +57,7 @@ def why_not(*tensors: torch.Tensor | None) -> str | None:
 
 def recurrence(op: Op, b: torch.Tensor, h0: torch.Tensor | None, reverse: bool) -> torch.Tensor:
     """All states of ``h_t = A_t h_prev + b_t`` of a canonical recurrence (``b`` ``(N, T, H)``,
-    ``h0`` ``(N, H)`` or None; :class:`paraprop.scan.operators.Op`) in one native call
+    ``h0`` ``(N, H)`` or None; :class:`paraprop.scan.transitions.Op`) in one native call
     (``method="native"``).
 
     Raises:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from paraprop.scan.operators import Op
+from paraprop.scan.transitions import Op
 
 Leaves = list[torch.Tensor]
 

@@ -350,7 +350,7 @@ def _named(op) -> dict[str, torch.Tensor | None]:
 
 
 def recurrence(op, b: torch.Tensor, h0: torch.Tensor | None, reverse: bool) -> torch.Tensor:
-    """The states ``(N, T, H)`` of a canonical recurrence (:class:`paraprop.scan.operators.Op`)
+    """The states ``(N, T, H)`` of a canonical recurrence (:class:`paraprop.scan.transitions.Op`)
     by the kernels: diagonal ``A`` by the diagonal scan, ``2 x 2`` steps by the pair scan;
     dense, factored and LSTM ``A`` with ``H <= MAX_DENSE`` by the dense scan (factored and LSTM
     steps materialised densely)."""

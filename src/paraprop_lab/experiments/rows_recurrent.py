@@ -115,7 +115,7 @@ def scan_bandwidth(ctx: Context) -> list[dict]:
 def _auto_pick(a: torch.Tensor, b: torch.Tensor) -> str | None:
     """The method ``linear_recurrence(a, b, method="auto")`` runs (``None`` where the scan has
     no function that says)."""
-    from paraprop.scan import recurrence
+    from paraprop.scan import linear as recurrence
 
     method_for = getattr(recurrence, "method_for", None)
     return None if method_for is None else method_for(a, b)

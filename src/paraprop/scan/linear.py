@@ -21,7 +21,7 @@ from paraprop.scan import (
     triton_kernels,
     triton_runtime,
 )
-from paraprop.scan.operators import Op, canonicalise
+from paraprop.scan.transitions import Op, canonicalise
 
 # The methods of the scans, defined once: ``"auto"`` picks one of the others. ``"native"`` and
 # ``"triton"`` are kernels for linear recurrences only (:data:`KERNELS`);
