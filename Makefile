@@ -110,8 +110,10 @@ gpu-wheels:
 demo: install
 	$(BIN)/paraprop demo
 
+# ruff, the type checker on the library package (pyproject.toml [tool.mypy]), then the suite
 test: install
 	$(BIN)/ruff check src tests
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 bench: install
@@ -123,4 +125,4 @@ docs: install
 
 clean:
 	rm -rf $(VENV) $(OLDEST) $(GPU_DIR) build dist results site src/*.egg-info .pytest_cache \
-	  .ruff_cache
+	  .ruff_cache .mypy_cache
