@@ -359,3 +359,29 @@ class _FakeGenerator:
     """Stands for a generator on another device (no GPU here to make a real one)."""
 
     device = torch.device("cuda")
+
+
+JACOBI = ["dpm3", "sde3", "unipc3", "unipc2-karras-nocorr", "heun-v-karras", "ancestral",
+          "flow-stochastic", "lcm"]
+
+
+@pytest.mark.parametrize("case", [c for c in CONFIGS if c[0] in JACOBI],
+                         ids=[i for i in IDS if i in JACOBI])
+def test_the_states_are_a_triangular_system(case, device):
+    """Jacobi iteration on all the states at once (every step from the previous iterate, one
+    batched model call per iteration): after ``i`` iterations the first ``i + 1`` states are the
+    loop's bit for bit, so after ``K`` they all are (history and UniPC's carry included)."""
+    _, cls, config, mu = case
+    model = Elementwise().to(device)
+    r, latents, z = run_reader(cls, config, mu, model, 7, torch.float32, device)
+    ref = trajectory(r, model, latents, z)[0]
+    K, B = r.K, SHAPE[0]
+    X = ref[:1].repeat(K + 1, *([1] * (ref.dim() - 1)))   # every state guessed as x_0
+    t = r.timesteps.to(device).repeat_interleave(B)
+    for i in range(K):
+        x_in = r.model_input(0, K, X[:K])
+        out = model(x_in.reshape(K * B, *SHAPE[1:]), t).reshape(K, *SHAPE)
+        new, _ = r.step(0, K, X[:K], out, (), z)
+        X = torch.cat([X[:1], new])
+        assert same(X[: i + 2], ref[: i + 2]), i
+    assert not same(ref[-1], ref[0])

@@ -151,14 +151,13 @@ class Reader:
             begin = scheduler.index_for_timestep(self.timesteps[0])
         if begin != 0:
             raise refuse(self.classname, "first step index", begin,
-                         "0 (a schedule whose first timestep repeats, or a begin_index set "
-                         "before sampling, starts the scheduler mid-schedule)")
+                         "0 (diffusers starts at a repeated first timestep's second place)")
         self.init_noise_sigma = getattr(scheduler, "init_noise_sigma", None)
         self.kinds: list[Any] = []
         self.noisy: tuple[bool, ...] = (False,) * self.K
         self._cols: dict[str, torch.Tensor] = {}
         self._on: dict[tuple[torch.device, str], torch.Tensor] = {}
-        self._groups: dict[tuple[int, int], list[tuple[Any, Sel]]] = {}
+        self._groups: dict[tuple[int, int, Any], list[tuple[Any, Sel]]] = {}
         self._read()
         assert len(self.kinds) == self.K, "reader: one kind per step"
 
@@ -232,14 +231,10 @@ class Reader:
     def model_input(self, lo: int, hi: int, state: torch.Tensor) -> torch.Tensor:
         """The model's input rows ``(n, *shape)`` of the steps ``[lo, hi)`` from their states
         ``(n, P, *shape)`` (``scale_model_input``)."""
-        x = state[:, 0]
-        groups = self.groups(lo, hi)
-        if len(groups) == 1:
-            return self.scale(groups[0][1], x)
-        new = torch.empty_like(x)
-        for _, sel in groups:
-            sel.put(new, self.scale(sel, sel.take(x)))
-        return new
+        key = (lo, hi, None)   # every step has the scaling's column: one slice for all
+        if key not in self._groups:
+            self._groups[key] = [(None, Sel(list(range(hi - lo)), lo))]
+        return self.scale(self._groups[key][0][1], state[:, 0])
 
     def step(self, lo: int, hi: int, state: torch.Tensor, out: torch.Tensor,
              past: Records = (), z: torch.Tensor | None = None
@@ -248,7 +243,8 @@ class Reader:
 
         ``state``: their input states ``(n, P, *shape)``; ``out``: the model outputs at
         :meth:`model_input` ``(n, *shape)``; ``past``: the records of the positions
-        ``[lo - h, lo)`` for ``h = min(history, lo)`` (rows an earlier call returned); ``z``:
+        ``[lo - h, lo)`` for ``h = min(history, lo)`` (rows an earlier call returned; ``()``
+        at step 0); ``z``:
         the steps' noise ``(n, *shape)`` (rows of steps that draw none are not read).
         """
         n = hi - lo
@@ -262,6 +258,8 @@ class Reader:
                              f"{None if z is None else tuple(z.shape)}")
         h = min(self.history, lo)
         own = self.records_like(out)
+        if not past and h == 0:
+            past = tuple(r[:0] for r in own)
         if len(past) != len(own) or any(p.shape[0] != h for p in past):
             raise ValueError(f"reader: past must hold the records of the {h} steps before step "
                              f"{lo}, got {[tuple(p.shape) for p in past]}")
@@ -289,7 +287,7 @@ class Reader:
 
     def groups(self, lo: int, hi: int) -> list[tuple[Any, Sel]]:
         """The window's steps grouped by kind (kept per window)."""
-        key = (lo, hi)
+        key = (lo, hi, True)
         if key not in self._groups:
             by_kind: dict[Any, list[int]] = {}
             for k in range(lo, hi):
