@@ -6,6 +6,7 @@ acceleration / ParaTAA) for diffusers' DDPM and DDIM schedulers.
 - :class:`DiffusionChain`: that system (the Picard map), for :func:`paraprop.solve`.
 - :class:`GainCertificate`: the stopping rule that certifies its trajectory (bitwise, or within
   ``tol`` through the steps' observed gains).
+- :class:`Guided`: classifier-free guidance as the diffusers pipelines compute it, as one model.
 - :func:`step_table`, :func:`draw_noise`: the scheduler's update rule read into per-step
   coefficients, and the noise drawn as the diffusers loop draws it.
 
@@ -15,8 +16,9 @@ not import it, it reads the scheduler object it is given.
 
 from paraprop.diffusion.certificate import BatchVarianceWarning, GainCertificate
 from paraprop.diffusion.chain import DiffusionChain, draw_noise
+from paraprop.diffusion.guidance import Guided
 from paraprop.diffusion.sample import METHODS, sample
 from paraprop.diffusion.schedulers import StepTable, step_table
 
-__all__ = ["METHODS", "BatchVarianceWarning", "DiffusionChain", "GainCertificate", "StepTable",
-           "draw_noise", "sample", "step_table"]
+__all__ = ["METHODS", "BatchVarianceWarning", "DiffusionChain", "GainCertificate", "Guided",
+           "StepTable", "draw_noise", "sample", "step_table"]
