@@ -282,3 +282,24 @@ def test_valid_forward_options_and_repr(cls):
     with pytest.raises(ValueError, match="unknown forward='deer'"):
         m.forward_config = "deer"
     assert m.forward_config is fwd
+
+
+def test_a_loop_forwards_record_is_a_copy_built_when_read():
+    """After a loop forward (``forward="auto"``), ``last_forward`` holds one record per layer
+    with the final state as it was returned (the caller's later in-place changes do not reach
+    it), built when read; a later ``forward="sequential"`` call leaves none."""
+    torch.manual_seed(0)
+    lstm = paraprop.nn.LSTM(2, 3, num_layers=2, forward="auto")
+    _, (h, c) = lstm(torch.randn(5, 4, 2))
+    want = torch.cat([h, c], -1).clone()
+    h.zero_()
+    records = lstm.last_forward
+    assert len(records) == 2
+    for k, rec in enumerate(records):
+        assert rec.converged and rec.method == "sequential" and rec.iterations == 5
+        assert rec.stats["kernel"] in ("native", "torch")
+        assert torch.equal(rec.value, want[k])
+    assert lstm.last_forward == records   # (read again: the same records)
+    lstm.forward_config = "sequential"
+    lstm(torch.randn(5, 4, 2))
+    assert lstm.last_forward == ()

@@ -21,7 +21,7 @@ from paraprop.nn.options import (
     forward_option,
     resolve,
 )
-from paraprop.nn.runs import BackwardRun, RunLog, loop_run
+from paraprop.nn.runs import BackwardRun, RunLog
 from paraprop.result import Solution
 
 # bf16 / fp16 modules: the scan backward, the Jacobian factors and the parallel forward compute
@@ -176,7 +176,7 @@ class ScanBackwardMixin:
         """The last forward's :class:`paraprop.Solution` per layer, bottom layer first: a
         parallel forward's solves, or the loop that ran for ``forward="native"`` / ``"auto"``;
         ``()`` after ``forward="sequential"`` (:mod:`paraprop.nn.runs`)."""
-        return tuple(self._run_log().forward)
+        return self._run_log().solutions()
 
     @property
     def last_backward(self) -> BackwardRun | None:
@@ -318,9 +318,9 @@ class ScanBackwardMixin:
         if not parallel and not native and (isinstance(bwd, AutogradBackward) or not needs_grad):
             if needs_grad:     # torch's own backward will run: nothing of ours to record
                 runs.backward = BackwardRun("autograd")
-            return self._loops_ran(log, loop, super().forward(input, hx), T)
+            return self._loops_ran(loop, super().forward(input, hx), T)
         if B == 0:      # nothing to solve or to scan: torch's kernel (and autograd) as is
-            return self._loops_ran(log, loop, super().forward(input, hx), T)
+            return self._loops_ran(loop, super().forward(input, hx), T)
         cdt = compute_dtype(x.dtype)
         cfg = {"name": name, "mode": self.mode, "layers": self.num_layers, "bias": self.bias,
                "forward": fwd if parallel else None, "native": native, "compute": cdt,
@@ -337,17 +337,15 @@ class ScanBackwardMixin:
             out, finals = out.squeeze(1), [h.squeeze(1) for h in finals]
         elif self.batch_first:
             out = out.transpose(0, 1)
-        return self._loops_ran(log, loop, (out, self._hidden(finals)), T)
+        return self._loops_ran(loop, (out, self._hidden(finals)), T)
 
-    def _loops_ran(self, log: list, loop: str | None, result: tuple, steps: int) -> tuple:
-        """``result`` (what ``forward`` returns), after recording in ``log`` one
-        :func:`~paraprop.nn.runs.loop_run` per layer where ``loop`` names the sequential
-        kernel that ran (``forward="native"`` / ``"auto"``)."""
+    def _loops_ran(self, loop: str | None, result: tuple, steps: int) -> tuple:
+        """``result`` (what ``forward`` returns), after recording that the sequential kernel
+        ``loop`` ran (``forward="native"`` / ``"auto"``; ``None``: none): one
+        :func:`~paraprop.nn.runs.loop_run` per layer, built when ``last_forward`` is read."""
         if loop is not None:
             hidden = result[1]
-            parts = hidden if isinstance(hidden, tuple) else (hidden,)
-            for k in range(self.num_layers):
-                log.append(loop_run(loop, torch.cat([p[k] for p in parts], -1), steps))
+            self._run_log().loops(loop, hidden if isinstance(hidden, tuple) else (hidden,), steps)
         return result
 
     def extra_repr(self) -> str:

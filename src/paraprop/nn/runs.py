@@ -76,20 +76,40 @@ class BackwardRun:
 class RunLog:
     """Where a module's calls record what ran (read as ``last_forward`` / ``last_backward``):
     ``forward``, the list the layers of the latest forward append their Solutions to, and
-    ``backward``, the latest :class:`BackwardRun`."""
+    ``backward``, the latest :class:`BackwardRun`. A forward by a sequential loop records its
+    final states only (:meth:`loops`); its Solutions are built when read (:meth:`solutions`),
+    so that a small call pays no bookkeeping."""
 
-    __slots__ = ("backward", "forward")
+    __slots__ = ("backward", "forward", "pending")
 
     def __init__(self) -> None:
         self.forward: list[Solution] = []
         self.backward: BackwardRun | None = None
+        # (kernel, final states (layers, ..., n) per part, steps) of a loop forward
+        self.pending: tuple[str, tuple[torch.Tensor, ...], int] | None = None
 
     def begin(self) -> list[Solution]:
         """A new call: a fresh forward list (returned, for the layers to fill) and no backward
         yet."""
         self.forward = []
         self.backward = None
+        self.pending = None
         return self.forward
+
+    def loops(self, kernel: str, finals: tuple[torch.Tensor, ...], steps: int) -> None:
+        """The forward ran the sequential loop ``kernel`` over ``steps`` steps; ``finals`` the
+        final states (one tensor per part, layers first), kept as a copy."""
+        self.pending = (kernel, tuple(f.detach().clone() for f in finals), steps)
+
+    def solutions(self) -> tuple[Solution, ...]:
+        """The latest forward's Solutions, one per layer (a loop's built now: :func:`loop_run`
+        of each layer's final state, its parts concatenated)."""
+        if self.pending is not None:
+            kernel, finals, steps = self.pending
+            self.pending = None
+            self.forward.extend(loop_run(kernel, torch.cat([p[k] for p in finals], -1), steps)
+                                for k in range(finals[0].shape[0]))
+        return tuple(self.forward)
 
 
 def _last_point(value: torch.Tensor) -> torch.Tensor:
