@@ -24,7 +24,7 @@ from paraprop.jacobians.linearized import RNNCellJacobian
 from paraprop.nn import stack
 from paraprop.nn._base import ScanBackwardMixin, check_options
 from paraprop.nn.options import JacobiBackward
-from paraprop.nn.runs import jacobi_run, scan_run
+from paraprop.nn.runs import jacobi_run, scan_record
 from paraprop.scan import Factored, jacobi_recurrence, linear_recurrence, native
 from paraprop.scan.linear import method_for
 
@@ -42,7 +42,7 @@ def solve_hidden(cfg: dict, A: Factored, b: torch.Tensor, h0: torch.Tensor | Non
         return res.value
     kernel = scan_kernel(A, b, h0, bwd.method)
     lam = linear_recurrence(A, b, h0, reverse=True, method=bwd.method)
-    cfg["backward_layers"].append(scan_run(kernel, lam, b.shape[-2]))
+    cfg["backward_layers"].append(scan_record(kernel, lam, b.shape[-2]))
     return lam
 
 

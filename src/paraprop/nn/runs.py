@@ -25,17 +25,16 @@ for a bfloat16 / float16 module's parallel forward), ``"kernel"`` (a sequential 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
 from paraprop.driver import Outcome, build
 from paraprop.result import Result, Solution
 
-__all__ = ["BackwardRun", "RunLog", "jacobi_run", "loop_run", "record_solve", "scan_run"]
+__all__ = ["BackwardRun", "RunLog", "jacobi_run", "loop_run", "record_solve", "scan_record",
+           "scan_run"]
 
 
-@dataclass(frozen=True)
 class BackwardRun:
     """The backward pass of a module's last call (``module.last_backward``).
 
@@ -62,9 +61,24 @@ class BackwardRun:
         ('jacobi', 2, True, 'jacobi')
     """
 
-    kind: str
-    layers: tuple[Solution, ...] = ()
-    compute_dtype: torch.dtype | None = None
+    __slots__ = ("_layers", "compute_dtype", "kind")
+
+    def __init__(self, kind: str, layers: tuple = (), compute_dtype: torch.dtype | None = None):
+        self.kind = kind
+        self.compute_dtype = compute_dtype
+        # Solutions, or a scan's (method, value at the first step, steps), made one when read
+        self._layers = tuple(layers)
+
+    @property
+    def layers(self) -> tuple[Solution, ...]:
+        if any(not isinstance(s, Solution) for s in self._layers):
+            self._layers = tuple(s if isinstance(s, Solution) else scan_run(*s)
+                                 for s in self._layers)
+        return self._layers
+
+    def __repr__(self) -> str:
+        return (f"BackwardRun(kind={self.kind!r}, layers={len(self._layers)}, "
+                f"compute_dtype={self.compute_dtype})")
 
     @property
     def converged(self) -> bool:
@@ -134,11 +148,18 @@ def loop_run(kernel: str, final: torch.Tensor, steps: int) -> Solution:
     return build("sequential", out, iterations=steps)
 
 
-def scan_run(method: str, value: torch.Tensor, steps: int) -> Solution:
+def scan_record(method: str, value: torch.Tensor, steps: int) -> tuple[str, torch.Tensor, int]:
+    """What a reverse recurrence of ``steps`` steps solved by one scan (``method``: the kernel
+    that ran; ``value`` its solution ``(..., T, n)`` in time order) leaves for its record: a copy
+    of its first step; :class:`BackwardRun` makes the :func:`scan_run` Solution when read."""
+    return (method, value.select(-2, 0).clone(), steps)
+
+
+def scan_run(method: str, first: torch.Tensor, steps: int) -> Solution:
     """The record of a reverse recurrence of ``steps`` steps solved by one scan (``method``:
-    the kernel that ran), ``value`` its solution ``(..., T, n)`` in time order."""
-    out = Outcome(value.select(-2, 0).clone(), Result.successful, evaluations=steps,
-                  positions=steps, error_estimate=0.0)
+    the kernel that ran), ``first`` its solution at the first step."""
+    out = Outcome(first, Result.successful, evaluations=steps, positions=steps,
+                  error_estimate=0.0)
     return build(method, out, iterations=1)
 
 
