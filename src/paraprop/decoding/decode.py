@@ -26,6 +26,7 @@ import torch
 from paraprop import checks
 from paraprop.decoding import model_checks
 from paraprop.decoding import settings as _settings
+from paraprop.decoding.gumbel import GumbelNoise, draw_key
 from paraprop.decoding.lm import CachedLM, cache_keyword, forward_params
 from paraprop.decoding.ngrams import NgramPool
 from paraprop.decoding.processors import Pipeline
@@ -39,6 +40,7 @@ from paraprop.solvers import GSJacobi, Sequential, SlidingJacobi, is_solver
 METHODS = ("sequential", "jacobi", "gs_jacobi")
 DEFAULT_WINDOW = 16
 WINDOWED = ("jacobi", "gs_jacobi")   # the named methods that take a window (checks.window_option)
+COUPLINGS = ("inverse_cdf", "gumbel")
 
 
 def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = None,
@@ -50,7 +52,7 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
              pad_token_id: int | None = None, generation_config=None,
              generator: torch.Generator | None = None, noise: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None, ngram: int = 2,
-             max_iters: int | None = None, throw: bool = True):
+             max_iters: int | None = None, throw: bool = True, coupling: str = "inverse_cdf"):
     """Generate tokens after ``input_ids``: the tokens of the sequential loop (greedy: of
     ``model.generate``), with the model's own generation settings, in fewer model passes.
 
@@ -103,6 +105,14 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
         max_iters: cap on passes (default: the exactness bound ``max_new_tokens``).
         throw: raise :class:`paraprop.ConvergenceError` if ``max_iters`` stops it first or a
             token is not certified (see below); ``False`` returns ``converged=False`` instead.
+        coupling: how sampling turns noise into tokens. ``"inverse_cdf"`` (default): the inverse
+            CDF of the processed distribution at the position's variate (``generator`` or
+            ``noise``). ``"gumbel"``: the argmax of the processed scores plus Gumbel noise per
+            vocabulary entry (:mod:`paraprop.decoding.gumbel`), from a counter-based generator
+            keyed by one int64 drawn from ``generator`` (``noise`` is refused), which a slightly
+            wrong prefix changes less, so Jacobi guesses are right more often. Both have
+            ``generate``'s distribution; each coupling's tokens are those of its own sequential
+            loop with the same seed (not ``model.generate``'s, nor the other coupling's).
 
     Returns:
         ``(tokens, solution)``: ``tokens`` is ``(B, P + n)`` (prompt, then the new tokens) as
@@ -110,7 +120,8 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
         ``stats``: ``model_calls`` (forward passes, prefill included: the sequential steps;
         the sequential loop takes ``max_new_tokens``), ``decode_calls`` (after the prefill),
         ``tokens_per_call`` (new tokens per model call), ``fed_positions``, ``window``,
-        ``new_tokens``, ``batch_advance``, ``processors`` (applied, in order), the
+        ``new_tokens``, ``batch_advance``, ``processors`` (applied, in order), ``coupling``
+        (``None`` when greedy), the
         certificate: ``margin_ratio`` (the smallest margin of a decision over its bound),
         ``uncertified`` (the ``(sample, position)`` pairs below the bound) and, where there is
         one, ``uncertified_cause`` (the first one's cause and fix, the message ``throw=True``
@@ -170,10 +181,13 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
     model_checks.check_model(model, input_ids, s.max_new_tokens, s.pad)
     attention_mask = _mask(model, input_ids, attention_mask, s)
     _check_run(B, T, window, noise, s.do_sample, ngram)
+    _check_coupling(coupling, s.do_sample, noise)
     solver = _solver(method, window, T)
     device = input_ids.device
-    u = None
-    if s.do_sample:
+    u: torch.Tensor | GumbelNoise | None = None
+    if s.do_sample and coupling == "gumbel":
+        u = GumbelNoise(draw_key(generator), B, device)
+    elif s.do_sample:
         u = noise.to(device, torch.float64) if noise is not None else _draw(B, T, generator,
                                                                            device)
     tokens = torch.cat([input_ids, input_ids.new_full((B, T), s.pad)], dim=1).to(torch.long)
@@ -192,7 +206,7 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
     with torch.no_grad():
         first = lm.prefill(P)
         factor, coarse = model_checks.rounding_factor(model, first)
-        pipe = Pipeline(s, P, attention_mask, device, factor)
+        pipe = Pipeline(s, P, attention_mask, device, factor, coupling)
         tmap = TokenMap(lm, P, T, u, pipe, s.eos, s.pad, pool, first, model=model,
                          recheck=not isinstance(solver, Sequential))
         try:
@@ -215,7 +229,7 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
              "tokens_per_call": n / lm.calls, "fed_positions": lm.fed,
              "window": solver_size(solver, T), "new_tokens": n,
              "batch_advance": "minimum" if B > 1 else "per-sample",
-             "processors": pipe.active}
+             "processors": pipe.active, "coupling": coupling if s.do_sample else None}
     result, message = sol.result, None
     if isinstance(solver, Sequential):
         stats.update(certificate="sequential", margin_ratio=float("inf"), uncertified=[])
@@ -312,6 +326,19 @@ def _check_ids(input_ids) -> tuple[int, int]:
     if B < 1 or P < 1:
         raise ValueError(f"input_ids must hold at least one token per sample, got shape {(B, P)}")
     return B, P
+
+
+def _check_coupling(coupling, do_sample: bool, noise) -> None:
+    if not isinstance(coupling, str) or coupling not in COUPLINGS:
+        raise ValueError(f"coupling must be one of {', '.join(map(repr, COUPLINGS))}, got "
+                         f"{coupling!r}")
+    if coupling == "gumbel" and not do_sample:
+        raise ValueError("coupling='gumbel' applies to sampling; pass do_sample=True (greedy "
+                         "decoding draws no noise)")
+    if coupling == "gumbel" and noise is not None:
+        raise ValueError("noise holds the inverse-CDF variates (one per position); "
+                         "coupling='gumbel' computes its noise per vocabulary entry from a key "
+                         "drawn from generator: pass generator instead of noise")
 
 
 def _check_run(B, T, window, noise, do_sample, ngram) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from paraprop import checks
+from paraprop.decoding import gumbel as _gumbel
 
 
 def check_sampling(temperature, top_k, top_p) -> None:
@@ -105,10 +106,14 @@ class Pipeline:
             the installed ``generate`` does.
         device: where the processors' tensors live.
         factor: the rounding bound's factor ``c`` (``delta = c * max|logits|`` per position).
+        coupling: how a sampled token is drawn: ``"inverse_cdf"`` (one variate per position)
+            or ``"gumbel"`` (Gumbel noise per vocabulary entry: :mod:`paraprop.decoding.gumbel`).
     """
 
-    def __init__(self, s, P: int, attention_mask: torch.Tensor | None, device, factor: float):
+    def __init__(self, s, P: int, attention_mask: torch.Tensor | None, device, factor: float,
+                 coupling: str = "inverse_cdf"):
         self.s, self.P, self.factor = s, P, factor
+        self.gumbel = bool(s.do_sample) and coupling == "gumbel"
         self.procs = _processors(s, P, attention_mask, device)
         self.post = _post_warpers(s) if s.do_sample else []
         self.normalize = None
@@ -172,7 +177,9 @@ class Pipeline:
         s = self.s
         if not s.do_sample:
             return ["the gap between the best and the second-best processed score"]
-        out = ["the variate's distance to the edge of its token's interval of the cumulative "
+        out = ["the gap between the best and the second-best perturbed score (processed score "
+               "plus Gumbel noise)" if self.gumbel else
+               "the variate's distance to the edge of its token's interval of the cumulative "
                "distribution"]
         if s.top_k is not None:
             out.append(f"top_k={s.top_k}'s cut (the {s.top_k}-th score against the next one)")
@@ -188,11 +195,12 @@ class Pipeline:
 
     def decide(self, logits: torch.Tensor, tokens: torch.Tensor, first: int,
                u: torch.Tensor | None, *, scale: torch.Tensor | None = None,
-               margins: bool = True
+               margins: bool = True, noise: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Tokens, margin ratios and causes ``(B, n)`` for the logits of the positions
         ``first .. first + n - 1`` (see :meth:`process`), with the variates ``u`` ``(B, n)`` when
-        sampling. ``cause`` is the index in :meth:`criteria` of the smallest margin, or ``-1``
+        sampling (``noise``: the Gumbel noise ``(B, n, V)`` instead, with the Gumbel-max
+        coupling). ``cause`` is the index in :meth:`criteria` of the smallest margin, or ``-1``
         where the model's logits are not finite (NaN, ``+inf``, or all ``-inf``). ``scale``:
         :func:`_scale` of ``logits`` where the caller has it. ``margins=False``: the tokens
         only (ratio and cause ``None``), for the sequential loop, which needs no certificate.
@@ -200,7 +208,8 @@ class Pipeline:
         The margins' last steps are elementwise arithmetic on ``(B, n)`` values, made on the
         host (:meth:`decide_parts`, then :meth:`ratios`: one transfer; Jacobi decoding defers
         it to its next sync); the ratios are the same bits either way."""
-        tok, parts = self.decide_parts(logits, tokens, first, u, scale=scale, margins=margins)
+        tok, parts = self.decide_parts(logits, tokens, first, u, scale=scale, margins=margins,
+                                       noise=noise)
         if parts is None:
             return tok, None, None
         ratio, cause = self.ratios([p.cpu().numpy() for p in parts])
@@ -209,12 +218,16 @@ class Pipeline:
 
     def decide_parts(self, logits: torch.Tensor, tokens: torch.Tensor, first: int,
                      u: torch.Tensor | None, *, scale: torch.Tensor | None = None,
-                     margins: bool = True) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+                     margins: bool = True, noise: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """The part of :meth:`decide` on the logits' device: the tokens ``(B, n)``, and the
         small tensors (each ``(B, n)`` or ``(B, n, 2)``, no bfloat16) that :meth:`ratios`
         makes the margin ratios from (``None`` with ``margins=False``)."""
         scores, stages = self.process(logits, tokens, first)
-        if u is None:
+        top = None
+        if noise is not None:                   # the Gumbel-max coupling
+            tok, top = _gumbel.perturbed_top(scores, noise, margins=margins)
+        elif u is None:
             tok = scores.argmax(dim=-1)
         else:
             cdf = _cdf(scores)
@@ -229,6 +242,10 @@ class Pipeline:
         if self.gain != 1.0:
             delta2 = delta2 * self.gain
         finite = logits.amax(-1).isfinite()     # amax is NaN with a NaN, inf with an inf
+        if top is not None:
+            # the gap of the best two perturbed scores, as greedy's, and the filters' cuts
+            return tok, [finite, delta2, top,
+                         *self._filter_ratios(stages, delta2, torch.expm1(delta2) / 4)]
         if u is None:
             # the best two processed scores (their gap is the decision's margin)
             top = scores.topk(2, dim=-1).values if scores.shape[-1] > 1 else delta2[..., None]
@@ -246,7 +263,9 @@ class Pipeline:
         IEEE operations as on the device, so the same bits."""
         finite = parts[0]
         with np.errstate(all="ignore"):
-            if self.s.do_sample:
+            if self.gumbel:
+                ratios = [_gumbel.gap_ratio(parts[2], parts[1])] + list(parts[3:])
+            elif self.s.do_sample:
                 rel, total, level, edges, tok = parts[1:6]
                 ratios = [_draw_margin(edges, total, level, tok) / rel] + list(parts[6:])
             else:

@@ -16,6 +16,7 @@ from typing import cast
 import numpy as np
 import torch
 
+from paraprop.decoding.gumbel import GumbelNoise
 from paraprop.decoding.lm import CachedLM
 from paraprop.decoding.ngrams import NgramPool
 from paraprop.decoding.processors import Pipeline, _scale
@@ -24,7 +25,9 @@ from paraprop.errors import NotTriangularError, StochasticModelError
 
 class TokenMap:
     """The triangular system of the generated tokens (float64 ids, ``(B, T)``), with the
-    cached-prefix protocol and guesses.
+    cached-prefix protocol and guesses. The noise ``u``: ``None`` (greedy), the ``(B, T)``
+    uniform variates (the inverse-CDF draw), or a :class:`~paraprop.decoding.gumbel.GumbelNoise`
+    (the Gumbel-max coupling; computed for the positions a pass decides).
 
     Each decision is kept with the pass that made it (a memo): a position whose prefix has not
     changed since it was decided gets the same token without a model call, so the map is a
@@ -215,10 +218,14 @@ class TokenMap:
         else:
             logits = lm.logits(P - 1 + a, P - 1 + b, cached)
         self.cache_gen = self.written[:, : max(0, lm.length - P)]
-        u = None if self.u is None else self.u[:, a:b]
+        u = noise = None
+        if isinstance(self.u, GumbelNoise):       # the Gumbel-max coupling's noise, on demand
+            noise = self.u.window(a, b, logits.shape[-1])
+        elif self.u is not None:
+            u = self.u[:, a:b]
         self.started = True
         if not self.recheck:          # the sequential loop: the tokens, no certificate
-            tok = self.pipe.decide(logits, lm.tokens, a, u, margins=False)[0]
+            tok = self.pipe.decide(logits, lm.tokens, a, u, margins=False, noise=noise)[0]
             self.tok[:, a:b] = tok if valid_d is None else torch.where(
                 valid_d, self.tok[:, a:b], tok)
             return
@@ -226,7 +233,7 @@ class TokenMap:
         # the margins (none for position 0 alone: it comes from the prefill, as generate's)
         first_only = a == 0 and b == 1
         tok, parts = self.pipe.decide_parts(logits, lm.tokens, a, u, scale=scale,
-                                            margins=not first_only)
+                                            margins=not first_only, noise=noise)
         new = logits.gather(-1, idx)
         top = logits.topk(idx.shape[-1], dim=-1)
         top_val = top.values
