@@ -53,6 +53,14 @@ def test_the_noise_is_a_function_of_its_indices_only():
     # a window of positions, a smaller batch: the same bits as the full table's slice
     assert torch.equal(gumbel.GumbelNoise(7, 5, "cpu").window(4, 9, 9), full[:, 4:9])
     assert torch.equal(gumbel.GumbelNoise(7, 2, "cpu").window(0, 12, 9), full[:2])
+    # the kept blocks (here 2 positions of 5 x 9 values): one position at a time, windows
+    # across a block's end, a window starting before the kept block
+    noise = gumbel.GumbelNoise(7, 5, "cpu")
+    noise.BLOCK = 90
+    assert torch.equal(torch.cat([noise.window(t, t + 1, 9) for t in range(12)], 1), full)
+    for a, b in ((3, 7), (5, 6), (0, 12), (11, 12), (2, 3)):
+        assert torch.equal(noise.window(a, b, 9), full[:, a:b]), (a, b)
+    assert torch.equal(noise.compute(0, 12, 9), full)
     other = gumbel.GumbelNoise(8, 5, "cpu").window(0, 12, 9)
     assert not bool((other == full).any())                  # another key: other noise
     assert bool((full[0] != full[1]).all()) and bool((full[:, 0] != full[:, 1]).all())

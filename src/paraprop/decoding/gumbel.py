@@ -60,21 +60,39 @@ class GumbelNoise:
     GOLDEN)``, then the SplitMix64 stream seeded by ``pos``: ``u[v] = uniform(mix64(pos +
     (v + 1) * GOLDEN))``.
 
+    The noise of a block of positions from the first one asked for is kept (:data:`BLOCK`
+    values at most; a pure function of the indices, so keeping it changes nothing): the
+    sequential loop and the sliding window then hash once per block instead of once per pass.
+
     Arguments:
         key: the int64 key (:func:`draw_key` draws one from a generator).
         batch: the number of samples.
         device: where the noise is computed (the model's device: no transfer).
     """
 
+    BLOCK = 1 << 16      # noise values kept (float64): a block of positions when they fit
+
     def __init__(self, key: int, batch: int, device):
         self.key, self.device = key, torch.device(device)
         rows = torch.arange(1, batch + 1, dtype=torch.int64, device=self.device)
         self.rows = mix64(rows * GOLDEN + key)
         self._vocab: torch.Tensor | None = None
+        self._kept: tuple[int, torch.Tensor] | None = None     # (first position, noise)
 
     def window(self, start: int, stop: int, vocab: int) -> torch.Tensor:
         """The noise ``(B, stop - start, vocab)`` float64 of the new positions
         ``start .. stop - 1``."""
+        kept = self._kept
+        if kept is not None and kept[1].shape[-1] == vocab and kept[0] <= start and \
+                stop <= kept[0] + kept[1].shape[1]:
+            return kept[1][:, start - kept[0] : stop - kept[0]]
+        block = max(stop - start, self.BLOCK // max(1, self.rows.shape[0] * vocab))
+        noise = self.compute(start, start + block, vocab)
+        self._kept = (start, noise)
+        return noise[:, : stop - start]
+
+    def compute(self, start: int, stop: int, vocab: int) -> torch.Tensor:
+        """The noise of the positions ``start .. stop - 1``, hashed now (see the class doc)."""
         if self._vocab is None or self._vocab.shape[0] != vocab:
             self._vocab = torch.arange(1, vocab + 1, dtype=torch.int64,
                                        device=self.device) * GOLDEN
