@@ -6,7 +6,9 @@ prompts cut from held-out text: ``model.generate`` (transformers, with its KV ca
 paraprop's sequential KV-cached loop (the fairer baseline: the same model passes one token at
 a time), and Jacobi decoding with and without n-gram guesses. Reported: tokens per second,
 model passes, accepted tokens per pass, the speed ratios, and whether the tokens equal the
-sequential ones (greedy: ``generate``'s too).
+sequential ones (greedy: ``generate``'s too). Sampled cases also run the Gumbel-max coupling
+(``coupling="gumbel"``: its sequential loop and Jacobi with n-gram guesses), each coupling
+compared with its own sequential loop.
 """
 
 from __future__ import annotations

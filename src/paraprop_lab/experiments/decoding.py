@@ -39,8 +39,15 @@ def prompts(vocab, held: torch.Tensor, batch: int) -> torch.Tensor:
     return torch.stack([held[s : s + PROMPT] for s in pick.tolist()])
 
 
+SEQUENTIAL = "paraprop sequential (KV cache)"
+GUMBEL = " (Gumbel-max coupling)"
+
+
 def case_rows(model, ids, new: int, *, sample: bool, window: int, repeats: int,
               desc: str) -> list[dict]:
+    """One row per method. Sampled, each coupling (the inverse CDF, and the Gumbel-max
+    coupling's rows, named with :data:`GUMBEL`) is compared with its own sequential loop:
+    ``same_tokens`` and ``vs_sequential`` against the loop with the same coupling and seed."""
     # top_k=0: no top-k, as on the transformers side (generate's default is top_k=50)
     kw = {"do_sample": True, "temperature": TEMPERATURE, "top_k": 0} if sample else {}
     seed = 0
@@ -58,18 +65,25 @@ def case_rows(model, ids, new: int, *, sample: bool, window: int, repeats: int,
                               pad_token_id=0, **hkw)
 
     cases = {"transformers generate": hf,
-             "paraprop sequential (KV cache)": ours(method="sequential"),
+             SEQUENTIAL: ours(method="sequential"),
              f"jacobi (window {window}, n-gram guesses)": ours(window=window),
              f"jacobi (window {window}, no guesses)": ours(window=window, ngram=0)}
+    if sample:
+        cases.update({SEQUENTIAL + GUMBEL: ours(method="sequential", coupling="gumbel"),
+                      f"jacobi (window {window}, n-gram guesses){GUMBEL}":
+                          ours(window=window, coupling="gumbel")})
     with torch.no_grad():
         times = interleaved(cases, repeats=repeats, warmup=1, desc=desc)
-        ref, _ = cases["paraprop sequential (KV cache)"]()
+        refs = {"": cases[SEQUENTIAL]()[0]}
+        if sample:
+            refs[GUMBEL] = cases[SEQUENTIAL + GUMBEL]()[0]
         hf_tokens = hf()
-    seq_t = median(times["paraprop sequential (KV cache)"])
     gen_t = median(times["transformers generate"])
     rows = []
     for name, run in cases.items():
         t = median(times[name])
+        coupling = GUMBEL if name.endswith(GUMBEL) else ""
+        ref, seq_t = refs[coupling], median(times[SEQUENTIAL + coupling])
         if name == "transformers generate":
             tokens, calls, per = hf_tokens, new, 1.0
             same = bool(torch.equal(tokens, ref)) if not sample else "n/a (own RNG)"
