@@ -284,10 +284,16 @@ def test_concurrent_builders(built_cache, tmp_path):
                                str(len(outs))], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
              for out in outs]
-    for proc, out in zip(procs, outs, strict=True):
-        stdout, stderr = proc.communicate(timeout=300)
-        rec = check_result(proc.returncode, stdout, stderr, out)
-        assert rec["available"] and rec["status"].startswith("ok (rebuilt the damaged"), rec
+    try:
+        for proc, out in zip(procs, outs, strict=True):
+            stdout, stderr = proc.communicate(timeout=300)
+            rec = check_result(proc.returncode, stdout, stderr, out)
+            assert rec["available"] and rec["status"].startswith("ok (rebuilt the damaged"), rec
+    finally:   # a failed check leaves no process (or its pipes) behind for a later test
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
     assert len(list(barrier.iterdir())) == len(outs), "the builds did not both run"
     assert_healthy(cache)
     assert entry(cache)[0].read_bytes() == entry(built_cache)[0].read_bytes()
