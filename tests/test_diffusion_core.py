@@ -11,7 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("diffusers")
-from diffusers import DDIMScheduler, DDPMScheduler, EulerDiscreteScheduler  # noqa: E402
+from diffusers import DDIMScheduler, DDPMScheduler, PNDMScheduler  # noqa: E402
 from diffusers.utils.torch_utils import randn_tensor  # noqa: E402
 
 from paraprop.diffusion import DiffusionChain, draw_noise, sample, step_table  # noqa: E402
@@ -252,7 +252,7 @@ def test_the_step_table_moves_to_the_sample_device(device):
 def test_errors_name_the_argument():
     m, s = Eps(), DDIMScheduler
     with pytest.raises(NotImplementedError, match="DDPMScheduler, DDIMScheduler"):
-        sample(m, EulerDiscreteScheduler(), (2, 2), num_inference_steps=3)
+        sample(m, PNDMScheduler(), (2, 2), num_inference_steps=3)
     with pytest.raises(NotImplementedError, match="variance_type='learned'"):
         sample(m, DDPMScheduler(variance_type="learned"), (2, 2), num_inference_steps=3)
     with pytest.raises(ValueError, match=r"= \(4, 2, 2\), got \(3, 2, 2\)"):

@@ -35,6 +35,7 @@ certified inputs is real, and is returned as it is (the solver reports it).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +43,9 @@ from paraprop.diffusion.gains import StepGains
 from paraprop.diffusion.schedulers import StepTable
 from paraprop.errors import NonFiniteError, StochasticModelError
 from paraprop.scan import linear_recurrence
+
+if TYPE_CHECKING:
+    from paraprop.diffusion.programs import MarkovProgram
 
 # batch variance explains differences of at most this many units of the dtype's resolution,
 # and of this share of the outputs' size (:func:`stochastic_level`)
@@ -61,8 +65,10 @@ class DiffusionChain:
         model: ``model(x, t, **model_kwargs)`` -> the model output shaped like ``x`` (a tensor,
             or an object with ``.sample`` such as diffusers' ``UNet2DOutput``); ``t`` is a 1-D
             long tensor, one timestep per row of ``x``.
-        table: the scheduler's step coefficients
-            (:func:`~paraprop.diffusion.schedulers.step_table`).
+        table: the step program: the scheduler's step coefficients
+            (:func:`~paraprop.diffusion.schedulers.step_table`), or a Markov reader's
+            (:class:`~paraprop.diffusion.programs.MarkovProgram`, whose ``model_input``
+            scales the rows before the model call).
         x_init: ``(B, *sample_shape)``, the initial noise ``x_0``.
         z: ``(N, B, *sample_shape)``, the noise of every step (zeros where none is added).
         model_kwargs: extra model arguments; tensors whose first dim is ``B`` are repeated for
@@ -91,8 +97,9 @@ class DiffusionChain:
     :meth:`sequential` is the diffusers loop itself, from a certified prefix.
     """
 
-    def __init__(self, model, table: StepTable, x_init: torch.Tensor, z: torch.Tensor,
-                 model_kwargs: dict | None = None, split: str = "identity", evaluate=None):
+    def __init__(self, model, table: StepTable | MarkovProgram, x_init: torch.Tensor,
+                 z: torch.Tensor, model_kwargs: dict | None = None, split: str = "identity",
+                 evaluate=None):
         self.model = model
         self.sample_shape = tuple(x_init.shape)
         self.B = x_init.shape[0]
@@ -110,6 +117,8 @@ class DiffusionChain:
         self.timesteps = self.table.timesteps
         self.a = self.table.linear_part(split).to(self.device, self.work)
         self.identity_split = bool((self.a == 1).all())   # the scan is then a cumulative sum
+        # a step program that scales the model input (scale_model_input), programs.py
+        self.scaled = table.scales_input
         self._evaluate = evaluate
         self.model_calls = 0   # batched model calls
         self.model_rows = 0    # model evaluations (rows of x per call, in samples)
@@ -188,7 +197,10 @@ class DiffusionChain:
         # in the batch shows as a certified step computed with other bits (batch variance),
         # not only at step 0 (the loop's first call is compared with the first batched one)
         flip = n > 1 and self.model_calls % 2 == 1
-        order = xin.transpose(0, 1).flip(0) if flip else xin.transpose(0, 1)
+        states = xin.transpose(0, 1)
+        # the model reads scale_model_input of the states where the program scales them
+        model_in = self.table.model_input(start, stop, states) if self.scaled else states
+        order = model_in.flip(0) if flip else model_in
         rows = order.reshape(n * self.B, *self.sample_shape[1:])
         t = self.timesteps[start:stop]
         t = (t.flip(0) if flip else t).repeat_interleave(self.B)
@@ -199,7 +211,8 @@ class DiffusionChain:
             rows = rows.reshape(shape).flip(0)
         if start == 0 and self.loop_gap is None:
             self._compare_step0(out.reshape(n * self.B, *self.sample_shape[1:])[: self.B], n)
-        prev = self.table.apply(slice(start, stop), rows.reshape(shape), out.reshape(shape),
+        prev = self.table.apply(slice(start, stop), states if self.scaled else
+                                rows.reshape(shape), out.reshape(shape),
                                 self.z[start:stop]).transpose(0, 1)
         if self.observer is not None:
             self.observer.observe(xin, prev, start, stop)
@@ -247,7 +260,10 @@ class DiffusionChain:
         if self.loop_out is None or rel <= AMBIGUOUS_ULPS * eps or \
                 (self.cap is not None and self.model_calls >= self.cap):
             return
-        rows = self.x_init.reshape(self.sample_shape)
+        rows = self.x_init[None]
+        if self.scaled:
+            rows = self.table.model_input(0, 1, rows)
+        rows = rows.reshape(self.sample_shape)
         again = self.call_model(rows, self.timesteps[:1].repeat_interleave(self.B), 1)
         ref = self.loop_out
         same = (again == ref) | (again.isnan() & ref.isnan())

@@ -45,6 +45,11 @@ class FlowMatchEulerDiscreteReader(Reader):
     def noise_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32   # drawn like the upcast sample
 
+    def output_gains(self) -> torch.Tensor | None:
+        """``|dt|``, or with ``stochastic_sampling`` ``|(1 - sigma_next) sigma|``."""
+        c = {k: v.to(torch.float64) for k, v in self._cols.items()}
+        return (c["keep"] * c["sigma"] if self.stochastic else c["dt"]).abs()
+
     def _apply(self, kind: Any, sel: Sel, x: torch.Tensor, out: torch.Tensor, rec: Records,
                z: torch.Tensor | None) -> torch.Tensor:
         sample = x[:, 0].to(torch.float32)
@@ -74,6 +79,20 @@ class LCMReader(Reader):
         if cfg.thresholding:
             raise refuse(self.classname, "thresholding", True,
                          "False (dynamic thresholding is not read)")
+
+    def output_gains(self) -> torch.Tensor | None:
+        """``|c_out d x_0 / d out|``, times ``sqrt(alpha_prev)`` where the step re-noises."""
+        c = {k: v.to(torch.float64) for k, v in self._cols.items()}
+        p = self.config.prediction_type
+        if p == "epsilon":
+            d = c["sb"] / c["sa"]
+        elif p == "sample":
+            d = torch.ones_like(c["out"])
+        else:
+            d = c["sb"]
+        g = (c["out"] * d).abs()
+        noisy = torch.tensor(self.noisy, dtype=torch.bool)
+        return torch.where(noisy, g * c["sa_prev"].abs(), g)
 
     def _read(self) -> None:
         s = self.scheduler

@@ -167,6 +167,9 @@ def output_gain(table) -> float:
 def output_gains(table) -> torch.Tensor:
     """``(N,)`` float64: ``|d step_s / d model_output|`` per step (no clipping, which only
     lowers it; with thresholding, divided by its least scale, 1)."""
+    own = getattr(table, "output_gains", None)
+    if own is not None:   # a step program that derives its own (programs.MarkovProgram)
+        return own()
     sa, sb, c0 = (v.to(torch.float64) for v in (table.sqrt_alpha, table.sqrt_beta,
                                                 table.coef_x0))
     if table.kind == "ddpm":

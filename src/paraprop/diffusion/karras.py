@@ -56,6 +56,20 @@ class _Karras(Reader):
             return sample - mul(self.col(sigma, sel, out), out)
         return tmul(out, self.col("v_out", sel, out)) + div(sample, self.col("v_x", sel, out))
 
+    def output_gains(self) -> torch.Tensor | None:
+        """Euler's and Euler ancestral's ``|dt * d derivative / d out|``."""
+        if self.history:
+            return None
+        c = {k: self._cols[k].to(torch.float64) for k in ("sigma_hat", "dt", "v_out")}
+        p = self.config.prediction_type
+        if p == "epsilon":
+            d = torch.ones_like(c["dt"])
+        elif p == "v_prediction":
+            d = c["v_out"] / c["sigma_hat"]
+        else:
+            d = 1 / c["sigma_hat"]
+        return (c["dt"] * d).abs()
+
     def _euler(self, sel: Sel, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The Euler step of Euler and Euler ancestral, in float32 (``step()`` upcasts)."""
         sample = x[:, 0].to(torch.float32)

@@ -155,6 +155,20 @@ class DPMSolverMultistepReader(Reader):
     def records_like(self, out: torch.Tensor) -> Records:
         return (torch.empty_like(out),)
 
+    def output_gains(self) -> torch.Tensor | None:
+        """First order (``solver_order=1``): ``|d0 * d x_0 / d out|``; ``None`` otherwise."""
+        if self.history:
+            return None
+        c = {k: v.to(torch.float64) for k, v in self._cols.items()}
+        p = self.config.prediction_type
+        if p == "epsilon":
+            d = c["cv_sigma"] / c["cv_alpha"]
+        elif p == "sample":
+            d = torch.ones_like(c["d0"])
+        else:   # v_prediction, flow_prediction
+            d = c["cv_sigma"]
+        return (c["d0"] * d).abs()
+
     def _record(self, kind: Any, sel: Sel, x: torch.Tensor, out: torch.Tensor) -> Records:
         # convert_model_output, on the step's input sample (before step() upcasts it)
         sample, p = x[:, 0], self.config.prediction_type

@@ -190,6 +190,11 @@ class Reader:
         """``scale_model_input`` for the steps ``sel`` (``x``: ``(m, *shape)``)."""
         return x
 
+    def output_gains(self) -> torch.Tensor | None:
+        """``(K,)`` float64: ``|d step_k / d model output|`` per step (without clipping, which
+        only lowers it), where the reader derives it (its Markov steps); ``None`` otherwise."""
+        return None
+
     def records_like(self, out: torch.Tensor) -> Records:
         """Empty records for the positions of the model outputs ``out`` ``(n, *shape)``."""
         return ()

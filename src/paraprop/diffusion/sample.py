@@ -10,9 +10,21 @@ import torch
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
 from paraprop.determinism import require_deterministic
+from paraprop.diffusion import readers
 from paraprop.diffusion.certificate import GainCertificate, window_of
-from paraprop.diffusion.chain import DiffusionChain, draw_noise
-from paraprop.diffusion.schedulers import scheduler_kind, step_table
+from paraprop.diffusion.chain import DiffusionChain, check_steps_finite, draw_noise
+from paraprop.diffusion.programs import (
+    MarkovProgram,
+    check_mu,
+    history_loop,
+    loop_solution,
+    markov,
+    refuse_ddim_options,
+    refuse_parallel,
+    refuse_split,
+)
+from paraprop.diffusion.readers import READERS
+from paraprop.diffusion.schedulers import StepTable, scheduler_kind, step_table
 from paraprop.driver import Outcome, build
 from paraprop.result import Result, Solution, ensure_converged
 from paraprop.solvers import Jacobi, Sequential, SlidingJacobi, TriangularAnderson, is_solver
@@ -29,8 +41,9 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
            window: int | None = None, memory: int | None = None, tol: float = 1e-3,
            max_iters: int | None = None, throw: bool = True, generator=None, noise=None,
            eta: float | None = None, use_clipped_model_output: bool = False,
-           split: str = "identity", dtype: torch.dtype | None = None, device=None,
-           shard=None, callback=None, **model_kwargs) -> tuple[torch.Tensor, Solution]:
+           split: str = "identity", mu: float | None = None,
+           dtype: torch.dtype | None = None, device=None, shard=None, callback=None,
+           **model_kwargs) -> tuple[torch.Tensor, Solution]:
     """Sample a diffusion model with ``scheduler``'s update rule, as the diffusers loop would, but
     with a window of steps per batched model call.
 
@@ -42,14 +55,24 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
 
     Arguments:
         model: a diffusers ``UNet2DModel``, or any module or callable ``model(x, t, **kw)``
-            returning the model output shaped like ``x`` (``t``: a 1-D long tensor, one
-            timestep per row of ``x``; a window's rows are its steps one after another, each
-            holding the whole batch).
+            returning the model output shaped like ``x`` (``t``: a 1-D tensor of the
+            scheduler's timesteps, one per row of ``x``: long for DDPM/DDIM/LCM/DPM-Solver,
+            float for the sigma schedulers; a window's rows are its steps one after another,
+            each holding the whole batch). Where the scheduler has ``scale_model_input``, the
+            model reads the scaled rows, as in the pipelines.
         scheduler: a diffusers ``DDPMScheduler`` or ``DDIMScheduler`` (or their parallel
-            variants); ``set_timesteps(num_inference_steps)`` is called on it, as a pipeline
-            does. Other schedulers raise ``NotImplementedError``.
+            variants), or a scheduler with a reader (:mod:`paraprop.diffusion.readers`):
+            ``EulerDiscreteScheduler``, ``EulerAncestralDiscreteScheduler``,
+            ``FlowMatchEulerDiscreteScheduler``, ``LCMScheduler``,
+            ``DPMSolverMultistepScheduler`` with ``solver_order=1`` (every method), and
+            ``DPMSolverMultistepScheduler`` of order 2 and 3, ``UniPCMultistepScheduler``,
+            ``HeunDiscreteScheduler`` (``method="sequential"`` only: a parallel method raises
+            ``NotImplementedError``). ``set_timesteps(num_inference_steps, device=...)`` is
+            called on it, as a pipeline does. Other schedulers raise ``NotImplementedError``;
+            a setting a reader does not implement raises ``ValueError`` naming it.
         shape: the batch shape ``(B, ...)``, e.g. ``(16, 2)`` or ``(4, 1, 28, 28)``.
-        num_inference_steps: the number of denoising steps ``N``.
+        num_inference_steps: the number of denoising steps (``N`` model calls in the loop;
+            Heun's loop makes ``2 N - 1``, and ``N`` below is that count).
         method: ``"sequential"`` (the diffusers loop: ``N`` model calls), ``"picard"``
             (ParaDiGMS: Picard iteration on a sliding window of ``window`` steps, each
             iteration one batched model call plus one scan), ``"anderson"`` (ParaTAA:
@@ -74,12 +97,17 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         generator: draws the noise, in the order of the diffusers loop with this generator
             (initial sample, then each step's noise), so the diffusers loop seeded alike gives
             the same sample.
-        noise: instead, all the noise: ``(N + 1, *shape)``, row ``0`` the initial sample and
-            row ``1 + s`` the noise of step ``s`` (ignored where the step adds none).
-        eta: DDIM's ``eta`` (default ``0``); DDPM refuses it.
-        use_clipped_model_output: DDIM's option of the same name.
+        noise: instead, all the noise: ``(N + 1, *shape)``, row ``0`` the initial latents
+            (before ``init_noise_sigma``, which is applied as the pipelines apply it) and
+            row ``1 + s`` the noise of step ``s`` (ignored where the step adds none; cast to
+            the dtype the loop draws it in: float32 for flow matching and DPM-Solver).
+        eta: DDIM's ``eta`` (default ``0``); every other scheduler refuses it.
+        use_clipped_model_output: DDIM's option of the same name (refused by the others).
         split: the linear part of the Picard split: ``"identity"`` (ParaDiGMS' drift form) or
-            ``"eps"`` (the step's derivative with the model output held fixed).
+            ``"eps"`` (the step's derivative with the model output held fixed; DDPM and
+            DDIM only, the readers' schedulers refuse it).
+        mu: ``set_timesteps``' ``mu`` for a scheduler with ``use_dynamic_shifting=True``
+            (flow matching as in SD3/Flux; required there, refused elsewhere).
         dtype, device: of the noise and the sample (default: the model's parameters', else
             float32 on the CPU; ``noise``'s when given).
         shard: ``None``, or a ``torch.distributed`` process group (or ``True`` for the default
@@ -143,26 +171,54 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
     checks.one_of("split", split, SPLITS)
     checks.boolean("use_clipped_model_output", use_clipped_model_output)
     checks.callable_arg("callback", callback, allow_none=True)
-    table = step_table(scheduler, N, eta=_eta(scheduler, eta),
-                       use_clipped_model_output=use_clipped_model_output)
-    dtype, device = _dtype_device(model, noise, dtype, device)
-    if noise is None:
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator or None, got "
-                            f"{type(generator).__name__}")
-        noise = draw_noise(table, shape, generator=generator, dtype=dtype, device=device)
+    reader = None
+    if type(scheduler).__name__ in READERS:   # the schedulers beyond DDPM/DDIM: a reader
+        refuse_ddim_options(scheduler, eta, use_clipped_model_output)
+        if split != "identity":
+            raise refuse_split(type(scheduler).__name__, split)
+        mu = check_mu(scheduler, mu)
+        dtype, device = _dtype_device(model, noise, dtype, device)
+        reader = readers.reader(scheduler, N, mu=mu, device=device)
+        table: StepTable | MarkovProgram | None = None
+        solver = _solver(method, window, memory, reader.K)
+        if markov(reader):
+            table = MarkovProgram(reader)
+        elif not isinstance(solver, Sequential):
+            raise refuse_parallel(reader, method)
+        N = reader.K   # model calls of the loop (Heun: 2 per step but the last)
+        latents, z = _reader_noise(reader, noise, generator, shape, dtype, device)
+        x_init = reader.initial(latents)[0]
     else:
-        if generator is not None:
-            raise ValueError("pass either noise or generator, not both")
-        noise = _check_noise(noise, N, shape)
-    solver = _solver(method, window, memory, N)
+        table = step_table(scheduler, N, eta=_eta(scheduler, eta),
+                           use_clipped_model_output=use_clipped_model_output)
+        check_mu(scheduler, mu)
+        if use_clipped_model_output and table.kind == "ddpm":
+            raise ValueError(f"use_clipped_model_output is an option of DDIMScheduler; "
+                             f"{type(scheduler).__name__} has none, got True")
+        dtype, device = _dtype_device(model, noise, dtype, device)
+        if noise is None:
+            _check_generator(generator)
+            noise = draw_noise(table, shape, generator=generator, dtype=dtype, device=device)
+        else:
+            if generator is not None:
+                raise ValueError("pass either noise or generator, not both")
+            noise = _check_noise(noise, N, shape)
+        x_init, z = noise[0], noise[1:]
+        solver = _solver(method, window, memory, N)
     evaluate = None
     if shard is not None and shard is not False:
         from paraprop.diffusion.distributed import sharded_evaluate
         evaluate = sharded_evaluate(None if shard is True else shard)
-    chain = DiffusionChain(model, table, noise[0], noise[1:], model_kwargs, split=split,
-                           evaluate=evaluate)
     B = shape[0]
+    if table is None:   # a reader with history: the diffusers loop through it
+        assert reader is not None
+        start = time.perf_counter()
+        with torch.no_grad():
+            traj = history_loop(reader, model, x_init, z, model_kwargs, evaluate)
+        check_steps_finite(traj.reshape(B, N, -1))
+        return traj[:, -1], loop_solution(traj, N, B, split, time.perf_counter() - start)
+    chain = DiffusionChain(model, table, x_init, z, model_kwargs, split=split,
+                           evaluate=evaluate)
     user_cb = None
     if callback is not None:
         def user_cb(k, v, r):
@@ -272,6 +328,26 @@ def _solver(method, window, memory, N):
         # rule needs no freezes (and no growth check), and it stops sooner
         return Jacobi() if w >= N else SlidingJacobi(w)
     return TriangularAnderson(memory=memory)
+
+
+def _check_generator(generator) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got "
+                        f"{type(generator).__name__}")
+
+
+def _reader_noise(reader, noise, generator, shape, dtype, device):
+    """The latents and every step's noise ``(K, *shape)`` of a reader's loop: drawn in the
+    loop's order with ``generator``, or rows of ``noise`` (row ``1 + k``: step ``k``'s, in the
+    dtype the loop draws it in)."""
+    if noise is None:
+        _check_generator(generator)
+        return readers.draw_noise(reader, shape, generator=generator, dtype=dtype,
+                                  device=device)
+    if generator is not None:
+        raise ValueError("pass either noise or generator, not both")
+    noise = _check_noise(noise, reader.K, shape)
+    return noise[0], noise[1:].to(reader.noise_dtype(noise.dtype))
 
 
 def _shape(shape) -> tuple[int, ...]:

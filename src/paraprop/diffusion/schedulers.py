@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -88,6 +88,9 @@ class StepTable:
     clipped_eps: bool = False
     scalars: str = "cpu"
 
+    # the model reads the samples as they are (no scale_model_input): see model_input
+    scales_input: ClassVar[bool] = False
+
     def __post_init__(self):
         # which steps add noise, on the host: read in the hot loop without a device sync
         self.noisy_steps = tuple(bool(v) for v in self.noisy.cpu().tolist())
@@ -124,6 +127,11 @@ class StepTable:
             assert self.coef_x is not None   # (DDPM's column)
             return self.coef_x0 / self.sqrt_alpha + self.coef_x
         return self.coef_x0 / self.sqrt_alpha
+
+    def model_input(self, start: int, stop: int, x: torch.Tensor) -> torch.Tensor:
+        """The model's rows for the steps ``[start, stop)``: the samples ``x`` themselves
+        (DDPM and DDIM have no ``scale_model_input``; :attr:`scales_input` is false)."""
+        return x
 
     def apply(self, index, x: torch.Tensor, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """``x_{s+1}`` for the steps ``index`` (a ``slice`` of steps, or a 1-D long tensor):
@@ -284,8 +292,10 @@ def scheduler_kind(scheduler) -> str:
             return "ddim"
     raise NotImplementedError(
         f"scheduler: {type(scheduler).__name__} is not supported; paraprop.diffusion samples "
-        f"with {', '.join(SUPPORTED)} (and their parallel variants), whose step is one "
-        "model call per timestep")
+        f"with {', '.join(SUPPORTED)} (and their parallel variants), and through its readers "
+        "with EulerDiscreteScheduler, EulerAncestralDiscreteScheduler, "
+        "FlowMatchEulerDiscreteScheduler, LCMScheduler, DPMSolverMultistepScheduler, "
+        "UniPCMultistepScheduler and HeunDiscreteScheduler")
 
 
 def step_table(scheduler, num_inference_steps: int, *, eta: float = 0.0,
