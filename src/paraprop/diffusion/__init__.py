@@ -1,5 +1,7 @@
 """Exact parallel sampling of diffusion models (Picard iteration / ParaDiGMS, triangular Anderson
-acceleration / ParaTAA) for diffusers' DDPM and DDIM schedulers.
+acceleration / ParaTAA) for diffusers' schedulers: DDPM, DDIM and the Markov readers' (Euler,
+Euler ancestral, flow matching, LCM, first-order DPM-Solver++) in parallel; DPM-Solver++ of
+order 2-3, UniPC and Heun sequentially, bit for bit.
 
 - :func:`sample`: the scheduler's sampling loop solved as a triangular system over the steps;
   every method returns the sequential sample for the same noise (within ``tol``).
@@ -9,6 +11,8 @@ acceleration / ParaTAA) for diffusers' DDPM and DDIM schedulers.
 - :class:`Guided`: classifier-free guidance as the diffusers pipelines compute it, as one model.
 - :func:`step_table`, :func:`draw_noise`: the scheduler's update rule read into per-step
   coefficients, and the noise drawn as the diffusers loop draws it.
+- :mod:`~paraprop.diffusion.readers`, :mod:`~paraprop.diffusion.programs`: the other
+  schedulers' update rules, and the Markov ones as step programs of the chain.
 
 ``diffusers`` is an optional dependency (``pip install paraprop[diffusion]``); this package does
 not import it, it reads the scheduler object it is given.
