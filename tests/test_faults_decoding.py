@@ -574,3 +574,91 @@ def test_a_16_bit_near_tie_suggests_float32():
                                  r"torch.bfloat16", cause)
                 return
     pytest.fail("no near-tie in bf16 on these models")
+
+
+# the Gumbel-max coupling (issue 32 item 1): the same refusals, certificates and causes
+def test_gumbel_coupling_catches_hidden_randomness():
+    """A custom random layer the up-front check does not know: the repeat check raises under
+    the Gumbel-max coupling too (whatever throw says); in eval mode the tokens are the
+    coupling's sequential loop's."""
+    llama = make("llama", "cpu", fresh=True)
+    llama.model.embed_tokens = torch.nn.Sequential(llama.model.embed_tokens, _Noise(0.5))
+    ids, mask = prompts(3, 6)
+    kw = dict(attention_mask=mask, max_new_tokens=10, eos_token_id=[], do_sample=True,
+              coupling="gumbel")
+    for extra in ({}, {"throw": False}, {"method": "gs_jacobi"}):
+        with pytest.raises(StochasticModelError, match=HIDDEN + r".*model is in train mode"):
+            generate(llama.train(), ids, generator=torch.Generator().manual_seed(0), **kw,
+                     **extra)
+    llama.eval()
+    ref, _ = generate(llama, ids, method="sequential",
+                      generator=torch.Generator().manual_seed(0), **kw)
+    out, sol = generate(llama, ids, generator=torch.Generator().manual_seed(0), **kw)
+    assert torch.equal(out, ref) and sol.converged and sol.stats["repeat_ratio"] < 1
+
+
+def test_gumbel_coupling_names_its_causes():
+    ids = torch.randint(3, V, (1, 4), generator=torch.Generator().manual_seed(0))
+
+    def kw():       # a fresh generator per call: the key is its first draw
+        return dict(max_new_tokens=5, do_sample=True, coupling="gumbel",
+                    generator=torch.Generator().manual_seed(0))
+
+    # top_k=2 cuts between two equal scores: the setting is named, as for the inverse CDF
+    with pytest.raises(ConvergenceError, match=r"exact tie in top_k=2's cut.*change that "
+                                               r"setting, or use method='sequential'"):
+        generate(_FixedLM(_bias(3.0, 2.0, 2.0)), ids, top_k=2, **kw())
+    # non-finite logits from the model
+    bias = _bias(3.0, 1.0)
+    bias[5] = float("nan")
+    out, sol = generate(_FixedLM(bias), ids, throw=False, **kw())
+    assert not sol.converged and sol.stats["uncertified"][0] == (0, 1)
+    assert "not finite" in sol.stats["uncertified_cause"]
+    # a margin below the bound: logits that put two perturbed scores of new position 1 within
+    # 2e-6 of each other (the noise is a function of the key and the indices)
+    from paraprop.decoding.gumbel import GumbelNoise, draw_key
+
+    g = GumbelNoise(draw_key(torch.Generator().manual_seed(0)), 1, "cpu").window(1, 2, V)[0, 0]
+    near = -g.clone()
+    near[3] += 1.0
+    near[4] += 1.0 + 2e-6
+    out, sol = generate(_FixedLM(near), ids, throw=False, **kw())
+    assert sol.stats["uncertified"] == [(0, 1)] and sol.stats["margin_ratio"] < 1
+    assert re.search(r"new position 1 of sample 0 is not certified.*decided by a margin of "
+                     r".* times the bound.*the gap between the best and the second-best "
+                     r"perturbed score", sol.stats["uncertified_cause"])
+    ref, _ = generate(_FixedLM(near), ids, method="sequential", **kw())
+    assert int(ref[0, 5]) in (3, 4)                       # the near-tie it reports
+
+
+def test_gumbel_with_min_p_one_is_greedy():
+    """min_p=1.0 keeps the best token only: the Gumbel-max draw is then generate's greedy
+    token, certified."""
+    for seed in range(2):
+        model = make("llama", "cpu", fresh=True, vocab=V)
+        ids, mask = prompts(3, 6, seed=seed)
+        out, sol = generate(model, ids, attention_mask=mask, max_new_tokens=10, do_sample=True,
+                            min_p=1.0, top_k=0, coupling="gumbel",
+                            generator=torch.Generator().manual_seed(seed))
+        assert sol.converged and torch.equal(out, hf(model, ids, mask, 10))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gumbel_low_precision_never_certifies_a_difference(dtype):
+    """Sampled with the Gumbel-max coupling in 16 bits: Jacobi against the coupling's sequential
+    loop, up to each sample's first uncertified position."""
+    for build in (_qwen2, _neox):
+        model = build().to(dtype)
+        ids, mask = prompts(3, 5)
+        kw = dict(attention_mask=mask, max_new_tokens=24, eos_token_id=[], do_sample=True,
+                  top_p=0.9, temperature=0.8, coupling="gumbel")
+        ref, _ = generate(model, ids, method="sequential",
+                          generator=torch.Generator().manual_seed(4), **kw)
+        out, sol = generate(model, ids, throw=False, generator=torch.Generator().manual_seed(4),
+                            **kw)
+        bad: dict[int, int] = {}
+        for b, t in sol.stats["uncertified"]:
+            bad[b] = min(bad.get(b, 24), t)
+        for b in range(3):
+            t0 = bad.get(b, 24)
+            assert torch.equal(out[b, 5 : 5 + t0], ref[b, 5 : 5 + t0])
