@@ -444,6 +444,23 @@ def test_tiny_randomness(packed, monkeypatch):
     assert "eval()" not in str(e.value)
 
 
+def test_a_small_repeat_difference_says_it_may_be_rounding():
+    """A repeat difference of a few bounds (here eval-mode noise of 3e-6 on the embeddings:
+    5.5 bounds) may also be rounding beyond the bound on a trained model (the shipped char LM's
+    float32 logits reach 3.5 bounds): the message says so and offers method='sequential'; a
+    large one (1e-4: about 180 bounds) does not."""
+    ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(0))
+    for scale, small in ((3e-6, True), (1e-4, False)):
+        torch.manual_seed(0)
+        model = _NoisyLM(scale, always=True).double().eval()
+        with pytest.raises(StochasticModelError, match=HIDDEN) as e:
+            generate(model, ids, max_new_tokens=16, throw=False)
+        hint = re.search(r"A difference of only [\d.]+ times the bound may also be rounding "
+                         r"beyond the bound on this model .*use method='sequential'",
+                         str(e.value))
+        assert (hint is not None) == small, str(e.value)
+
+
 def test_a_deterministic_model_passes_the_repeat_check_in_low_precision():
     """The repeat check compares logits of passes of different shapes: in bf16 and fp16 they
     round differently, within the bound (no false alarm)."""
