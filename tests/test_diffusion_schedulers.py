@@ -203,6 +203,25 @@ def test_parallel_is_the_sequential_sample(case, method, window, device):
     assert sol.stats["error_estimate"] <= 1e-3
 
 
+LOW_PARALLEL = ["euler-v-karras", "ancestral", "flow-dynamic", "flow-stochastic", "lcm", "sde1"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", [c for c in MARKOV if c[0] in LOW_PARALLEL], ids=LOW_PARALLEL)
+def test_parallel_low_precision_is_the_loop(case, dtype, device):
+    """In bfloat16 and float16 (no tol is resolvable there: every tol runs to the loop's
+    bits), the residual form's fixed point is the loop's sample bit for bit."""
+    _, cls, config, mu = case
+    model = Eps().to(device)
+    ref = diffusers_loop(model, cls(**config), 12, dtype, device, mu=mu)
+    for method, window in (("picard", 4), ("anderson", None)):
+        for tol in (0, 1e-2):
+            x, sol = run(cls, config, mu, model, 12, dtype, device, method=method,
+                         window=window, tol=tol)
+            assert torch.equal(x, ref) and sol.stats["certificate"] == "bitwise"
+            assert sol.stats["model_calls"] <= 12
+
+
 # (lcm-v-clip is left out: with this model it certifies one step per call, the budget)
 FEWER = [c for c in MARKOV if c[0] != "lcm-v-clip"]
 

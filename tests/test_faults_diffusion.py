@@ -14,7 +14,10 @@ per class of defect, each with cases built to show it:
 6. no method takes more model calls in sequence than the loop;
 7. a model whose batched calls round differently from the loop's (batch variance) cannot be
    certified bitwise;
-8. a model output of another dtype is refused by name.
+8. a model output of another dtype is refused by name;
+9. the same for the readers' schedulers (Euler, Euler ancestral, flow matching, LCM,
+   DPM-Solver++ of order 1): batch variance at ``tol=0``, the ``tol > 0`` certificate against
+   the real diffusers loop, stochastic models, a non-finite step, another output dtype.
 """
 
 from __future__ import annotations
@@ -718,3 +721,98 @@ def test_math_of_the_floor():
     floor = importlib.import_module("paraprop.diffusion.certificate").rounding_floor
     assert floor(torch.bfloat16, 0.5) == 4 * 2 ** -7
     assert math.isclose(floor(torch.float32, 8.0), 4 * 8 * 2 ** -23)
+
+
+# -- 9. the readers' schedulers (Euler, flow matching, LCM, DPM-Solver++ order 1) --------------
+
+# diffusers' set_timesteps calls np.array on a torch tensor for the sigma schedulers
+_NUMPY_COPY = pytest.mark.filterwarnings(
+    "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning")
+READERS = [("euler", "EulerDiscreteScheduler", {}),
+           ("ancestral", "EulerAncestralDiscreteScheduler", {}),
+           ("flow", "FlowMatchEulerDiscreteScheduler", {"shift": 3.0}),
+           ("flow-stochastic", "FlowMatchEulerDiscreteScheduler", {"stochastic_sampling": True}),
+           ("lcm", "LCMScheduler", {}),
+           ("sde1", "DPMSolverMultistepScheduler", {"solver_order": 1,
+                                                   "algorithm_type": "sde-dpmsolver++"})]
+
+
+def reader_loop(model, scheduler, N, seed, dtype=torch.float32):
+    """A pipeline's loop with a reader's scheduler: init_noise_sigma, scale_model_input, one
+    generator for the latents and every step's noise."""
+    g = gen(seed)
+    scheduler.set_timesteps(N)
+    x = diffusers.utils.torch_utils.randn_tensor((3, 2), generator=g, dtype=dtype)
+    init = getattr(scheduler, "init_noise_sigma", None)
+    x = x * init if init is not None else x
+    takes = "generator" in __import__("inspect").signature(scheduler.step).parameters
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            inp = scheduler.scale_model_input(x, t) if hasattr(scheduler,
+                                                                "scale_model_input") else x
+            x = scheduler.step(model(inp, t), t, x,
+                               **({"generator": g} if takes else {})).prev_sample
+    return x
+
+
+@_NUMPY_COPY
+@pytest.mark.parametrize(("name", "cls", "cfg"), READERS, ids=[r[0] for r in READERS])
+def test_readers_batch_variance_tol0_and_the_certificate(name, cls, cfg):
+    """A model with torch.nn layers (its matmuls round a row by the batch it is in): at tol=0
+    the loop's bits or converged=False, never a rounding-level difference called bitwise; at
+    tol > 0, whenever converged, within tol of the real diffusers loop; never more calls."""
+    model = Mlp(scale=0.3)
+    make = getattr(diffusers, cls)
+    ref = reader_loop(model, make(**cfg), 20, 0)
+    for method, kw in PARALLEL:
+        x, sol = sample(model, make(**cfg), (3, 2), num_inference_steps=20, method=method,
+                        tol=0, throw=False, generator=gen(), **kw)
+        assert sol.stats["model_calls"] <= 20
+        if sol.converged:
+            assert torch.equal(x, ref) and sol.stats["certificate"] == "bitwise"
+        else:
+            assert sol.stats["certificate"] is None and "reason" in sol.stats
+        for tol in (1e-3, 1e-2):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", BatchVarianceWarning)
+                x, sol = sample(model, make(**cfg), (3, 2), num_inference_steps=20,
+                                method=method, tol=tol, throw=False, generator=gen(), **kw)
+            assert sol.stats["model_calls"] <= 20
+            if sol.converged:
+                assert float((x - ref).abs().max()) <= tol, (method, tol)
+
+
+@_NUMPY_COPY
+def test_readers_stochastic_models_are_refused():
+    """Train-mode dropout behind a closure up front; randomness inside a lambda at run time."""
+    drop = Mlp(dropout=0.5).train()
+    with pytest.raises(paraprop.StochasticModelError, match=r"call drop\.eval\(\) first"):
+        sample(lambda x, t: drop(x, t), diffusers.EulerDiscreteScheduler(), (3, 2),
+               num_inference_steps=6, method="picard", generator=gen())
+    noisy = lambda x, t: elementwise(x, t) + 1e-3 * torch.rand_like(x)  # noqa: E731
+    with pytest.raises(paraprop.StochasticModelError, match="not a fixed function"):
+        sample(noisy, diffusers.FlowMatchEulerDiscreteScheduler(), (3, 2),
+               num_inference_steps=10, method="picard", tol=0, throw=False, generator=gen())
+
+
+@_NUMPY_COPY
+@pytest.mark.parametrize("method", ["sequential", "picard", "anderson"])
+def test_readers_a_nonfinite_step_is_named(method):
+    """A model that returns inf below a timestep: the loop's own value, reported by step for
+    every method (Picard iterates that overflow elsewhere are not reported)."""
+    def model(x, t):
+        t = torch.as_tensor(t).reshape(-1, 1).to(x.dtype)
+        return torch.where(t < 400, torch.inf, elementwise(x, t.reshape(-1)))
+
+    with pytest.raises(paraprop.NonFiniteError, match=r"step 6 of sample 0 is not finite"):
+        sample(model, diffusers.FlowMatchEulerDiscreteScheduler(), (3, 2),
+               num_inference_steps=10, method=method, tol=0, generator=gen())
+
+
+@_NUMPY_COPY
+def test_readers_a_model_output_of_another_dtype_is_refused():
+    with pytest.raises(TypeError, match=r"model output has dtype torch\.float32, expected "
+                                        r"torch\.bfloat16"):
+        sample(lambda x, t: elementwise(x, t).float(), diffusers.EulerDiscreteScheduler(),
+               (2, 2), num_inference_steps=4, method="picard", dtype=torch.bfloat16,
+               generator=gen())

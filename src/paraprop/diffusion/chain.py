@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from paraprop.diffusion.gains import StepGains
+from paraprop.diffusion.readers import model_output
 from paraprop.diffusion.schedulers import StepTable
 from paraprop.errors import NonFiniteError, StochasticModelError
 from paraprop.scan import linear_recurrence
@@ -532,14 +533,7 @@ def _stochastic(what: str) -> StochasticModelError:
 
 
 def _output(out, x: torch.Tensor) -> torch.Tensor:
-    if not isinstance(out, torch.Tensor):
-        if hasattr(out, "sample"):
-            out = out.sample
-        elif isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-            out = out[0]
-        else:
-            raise TypeError("model must return a tensor (or an object with .sample, such as "
-                            f"diffusers' UNet2DOutput), got {type(out).__name__}")
+    out = model_output(out)
     if out.shape != x.shape:
         raise ValueError(f"model output has shape {tuple(out.shape)}, expected {tuple(x.shape)} "
                          "(the shape of its input x; a learned variance, with twice the channels,"

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from paraprop.diffusion.readers import Reader, Records, Sel, refuse
+from paraprop.diffusion.readers import Reader, Records, Sel, refuse, x0_gain
 from paraprop.diffusion.scalars import div, mul
 
 
@@ -83,14 +83,7 @@ class LCMReader(Reader):
     def output_gains(self) -> torch.Tensor | None:
         """``|c_out d x_0 / d out|``, times ``sqrt(alpha_prev)`` where the step re-noises."""
         c = {k: v.to(torch.float64) for k, v in self._cols.items()}
-        p = self.config.prediction_type
-        if p == "epsilon":
-            d = c["sb"] / c["sa"]
-        elif p == "sample":
-            d = torch.ones_like(c["out"])
-        else:
-            d = c["sb"]
-        g = (c["out"] * d).abs()
+        g = c["out"].abs() * x0_gain(self.config.prediction_type, c["sb"], c["sa"])
         noisy = torch.tensor(self.noisy, dtype=torch.bool)
         return torch.where(noisy, g * c["sa_prev"].abs(), g)
 

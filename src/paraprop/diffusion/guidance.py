@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from paraprop import checks
+from paraprop.diffusion.readers import model_output
 
 
 class Guided(torch.nn.Module):
@@ -88,7 +89,7 @@ class Guided(torch.nn.Module):
                                   for k in self.cond}
         both = torch.cat([x, x])
         times = torch.cat([t, t]) if t.dim() else t
-        out = _output(self.model(both, times, **kwargs, **self.shared))
+        out = model_output(self.model(both, times, **kwargs, **self.shared))
         uncond, cond = out.chunk(2)
         # the pipelines' mix, operation for operation
         guided = uncond + self.guidance_scale * (cond - uncond)
@@ -133,14 +134,3 @@ def _halves(uncond, cond, steps: int):
     if steps == 1:
         return torch.cat([uncond, cond])
     return torch.cat([uncond.repeat(tile), cond.repeat(tile)])
-
-
-def _output(out) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "sample"):
-        return out.sample
-    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    raise TypeError("model must return a tensor, a tuple whose first item is one, or an object "
-                    f"with .sample, got {type(out).__name__}")

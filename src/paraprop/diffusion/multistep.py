@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from paraprop.diffusion.readers import Reader, Records, Sel, refuse
+from paraprop.diffusion.readers import Reader, Records, Sel, refuse, x0_gain
 from paraprop.diffusion.scalars import div, mul
 
 PREDICTIONS = ("epsilon", "sample", "v_prediction", "flow_prediction")
@@ -159,15 +159,10 @@ class DPMSolverMultistepReader(Reader):
         """First order (``solver_order=1``): ``|d0 * d x_0 / d out|``; ``None`` otherwise."""
         if self.history:
             return None
-        c = {k: v.to(torch.float64) for k, v in self._cols.items()}
         p = self.config.prediction_type
-        if p == "epsilon":
-            d = c["cv_sigma"] / c["cv_alpha"]
-        elif p == "sample":
-            d = torch.ones_like(c["d0"])
-        else:   # v_prediction, flow_prediction
-            d = c["cv_sigma"]
-        return (c["d0"] * d).abs()
+        sigma = self._cols["cv_sigma"] if p != "sample" else self._cols["d0"]
+        return self._cols["d0"].to(torch.float64).abs() * \
+            x0_gain(p, sigma, self._cols.get("cv_alpha"))
 
     def _record(self, kind: Any, sel: Sel, x: torch.Tensor, out: torch.Tensor) -> Records:
         # convert_model_output, on the step's input sample (before step() upcasts it)

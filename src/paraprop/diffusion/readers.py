@@ -83,6 +83,20 @@ def check_dtype(dtype: torch.dtype, scheduler: str = "reader") -> None:
                      "torch.float32, torch.float64, torch.bfloat16, torch.float16")
 
 
+def x0_gain(prediction: str, sigma: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor:
+    """``|d x_0 / d model output|`` (float64) of the predicted ``x_0`` of ``prediction`` with
+    the coefficients ``sigma``, ``alpha`` (columns): ``(x - sigma out) / alpha`` for
+    ``epsilon``, ``out`` for ``sample``, ``alpha x - sigma out`` (or ``x - sigma out``) for
+    ``v_prediction`` and ``flow_prediction``."""
+    sigma = sigma.to(torch.float64)
+    if prediction == "epsilon":
+        assert alpha is not None, "epsilon's x_0 divides by alpha"
+        return (sigma / alpha.to(torch.float64)).abs()
+    if prediction == "sample":
+        return torch.ones_like(sigma)
+    return sigma.abs()
+
+
 class Sel:
     """Positions of a window that share a formula: a slice (an arithmetic progression) or an
     index tensor; ``rel`` relative to the window, which starts at step ``start``."""
@@ -352,7 +366,7 @@ def loop(reader: Reader, model: Callable[..., Any], latents: torch.Tensor,
     past: Records = tuple(r[:0] for r in reader.records_like(latents[None]))
     for k in range(reader.K):
         x_in = reader.model_input(k, k + 1, state)
-        out = _output(model(x_in[0], reader.timesteps[k], **model_kwargs))[None]
+        out = model_output(model(x_in[0], reader.timesteps[k], **model_kwargs))[None]
         zk = None if z is None else z[k: k + 1]
         state, rec = reader.step(k, k + 1, state, out, past, zk)
         if reader.history:
@@ -361,14 +375,17 @@ def loop(reader: Reader, model: Callable[..., Any], latents: torch.Tensor,
     return state[0, 0]
 
 
-def _output(out: Any) -> torch.Tensor:
+def model_output(out: Any) -> torch.Tensor:
+    """The output tensor of a model's return value: a tensor, a tuple whose first item is one,
+    or an object with ``.sample`` (diffusers' ``UNet2DOutput``, ``Transformer2DModelOutput``)."""
     if isinstance(out, torch.Tensor):
         return out
     if hasattr(out, "sample"):
         return out.sample
     if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
         return out[0]
-    raise TypeError(f"model must return a tensor, got {type(out).__name__}")
+    raise TypeError("model must return a tensor, a tuple whose first item is one, or an object "
+                    f"with .sample (such as diffusers' UNet2DOutput), got {type(out).__name__}")
 
 
 READERS = {
