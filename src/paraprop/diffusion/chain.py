@@ -178,7 +178,7 @@ class DiffusionChain:
 
         def fn(xx, tt, rows=slice(None)):
             kw = {k: (v[rows] if k in per_row else v) for k, v in kwargs.items()}
-            return _output(self.model(xx, tt, **kw), xx)
+            return model_output(self.model(xx, tt, **kw), xx)
 
         out = fn(x, t) if self._evaluate is None else self._evaluate(fn, x, t)
         self.model_calls += 1
@@ -530,20 +530,6 @@ def _stochastic(what: str) -> StochasticModelError:
         "model in eval mode are the other one (torch.use_deterministic_algorithms(True)). "
         "Two evaluations of the same input differ, so there is no sequential result to "
         "reproduce")
-
-
-def _output(out, x: torch.Tensor) -> torch.Tensor:
-    out = model_output(out)
-    if out.shape != x.shape:
-        raise ValueError(f"model output has shape {tuple(out.shape)}, expected {tuple(x.shape)} "
-                         "(the shape of its input x; a learned variance, with twice the channels,"
-                         " is not supported)")
-    if out.dtype != x.dtype:
-        raise TypeError(f"model output has dtype {out.dtype}, expected {x.dtype} (the dtype of "
-                        "its input x: the diffusers loop would promote the sample to "
-                        f"{out.dtype} after the first step; pass dtype={out.dtype} or make the "
-                        "model return its input's dtype)")
-    return out
 
 
 def draw_noise(table: StepTable, shape: tuple[int, ...], *, generator=None, dtype=torch.float32,

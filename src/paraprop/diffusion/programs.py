@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from paraprop.diffusion.chain import _output
-from paraprop.diffusion.readers import Reader
+from paraprop.diffusion.readers import Reader, model_output
 from paraprop.driver import Outcome, build
 from paraprop.result import Result, Solution
 
@@ -154,7 +153,7 @@ def history_loop(reader: Reader, model, x_init: torch.Tensor, z: torch.Tensor,
 
         def fn(xx, tt, rows=slice(None)):
             kw = {n: (v[rows] if n in per_row else v) for n, v in model_kwargs.items()}
-            return _output(model(xx, tt, **kw), xx)
+            return model_output(model(xx, tt, **kw), xx)
 
         out = (fn(x_in, t) if evaluate is None else evaluate(fn, x_in, t))[None]
         state, rec = reader.step(k, k + 1, state, out, past, z[k: k + 1])

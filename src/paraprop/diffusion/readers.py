@@ -375,17 +375,32 @@ def loop(reader: Reader, model: Callable[..., Any], latents: torch.Tensor,
     return state[0, 0]
 
 
-def model_output(out: Any) -> torch.Tensor:
+def model_output(out: Any, like: torch.Tensor | None = None) -> torch.Tensor:
     """The output tensor of a model's return value: a tensor, a tuple whose first item is one,
-    or an object with ``.sample`` (diffusers' ``UNet2DOutput``, ``Transformer2DModelOutput``)."""
+    or an object with ``.sample`` (diffusers' ``UNet2DOutput``, ``Transformer2DModelOutput``);
+    with ``like`` (the model's input), refused unless of its shape and dtype."""
     if isinstance(out, torch.Tensor):
+        pass
+    elif hasattr(out, "sample"):
+        out = out.sample
+    elif isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        out = out[0]
+    else:
+        raise TypeError("model must return a tensor, a tuple whose first item is one, or an "
+                        "object with .sample (such as diffusers' UNet2DOutput), got "
+                        f"{type(out).__name__}")
+    if like is None:
         return out
-    if hasattr(out, "sample"):
-        return out.sample
-    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    raise TypeError("model must return a tensor, a tuple whose first item is one, or an object "
-                    f"with .sample (such as diffusers' UNet2DOutput), got {type(out).__name__}")
+    if out.shape != like.shape:
+        raise ValueError(f"model output has shape {tuple(out.shape)}, expected "
+                         f"{tuple(like.shape)} (the shape of its input x; a learned variance, "
+                         "with twice the channels, is not supported)")
+    if out.dtype != like.dtype:
+        raise TypeError(f"model output has dtype {out.dtype}, expected {like.dtype} (the dtype "
+                        "of its input x: the diffusers loop would promote the sample to "
+                        f"{out.dtype} after the first step; pass dtype={out.dtype} or make the "
+                        "model return its input's dtype)")
+    return out
 
 
 READERS = {
