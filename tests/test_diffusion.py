@@ -466,7 +466,14 @@ DIST_CASES = [
     ("analytic", "sequential", {}, "ddim"),
     ("mlp", "picard", {}, "ddim"),
     ("mlp", "anderson", {"memory": 2}, "ddpm"),
+    ("analytic", "picard", {"window": 5}, "flow"),   # a Markov reader (scale_model_input none)
+    ("analytic", "anderson", {}, "euler"),          # a Markov reader with scale_model_input
+    ("analytic", "sequential", {}, "dpm2"),         # a reader with history: the loop
 ]
+SCHEDULERS = {"ddpm": lambda: DDPMScheduler(), "ddim": lambda: DDIMScheduler(clip_sample=False),
+              "flow": lambda: diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+              "euler": lambda: diffusers.EulerDiscreteScheduler(),
+              "dpm2": lambda: diffusers.DPMSolverMultistepScheduler()}
 
 
 def _dist_sample(rank, shard, cases):
@@ -475,7 +482,7 @@ def _dist_sample(rank, shard, cases):
     for model_name, method, opts, kind in cases:
         torch.manual_seed(0)
         model = TinyEps(2, seed=3, dtype=D) if model_name == "mlp" else _analytic_eps
-        sch = DDPMScheduler() if kind == "ddpm" else DDIMScheduler(clip_sample=False)
+        sch = SCHEDULERS[kind]()
         x, sol = sample(model, sch, (3, 2), num_inference_steps=20, method=method, tol=1e-4,
                         shard=shard, dtype=D, generator=torch.Generator().manual_seed(1),
                         scale=torch.tensor([0.5, 1.0, 2.0], dtype=D),
@@ -486,6 +493,8 @@ def _dist_sample(rank, shard, cases):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings(   # (diffusers' set_timesteps under NumPy 2: Euler, DPM-Solver)
+    "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning")
 def test_sharded_sampling_is_the_one_process_result():
     from paraprop.distributed import spawn
 
