@@ -382,7 +382,9 @@ def test_para_settings_assigned_after_construction_are_refused(cls, attr, value)
 
 
 # torch deprecates torch.jit; this test calls it on purpose, to see the modules refuse it
+# (a FutureWarning in newer torch, a DeprecationWarning in torch 2.11)
 @pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:FutureWarning")
+@pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("cls", [paraprop.nn.ParaGRU, paraprop.nn.ParaLSTM])
 def test_para_jit_is_refused_by_name(cls):
     m = cls(3, 4)
