@@ -24,6 +24,7 @@ from diffusers import (  # noqa: E402
 )
 from diffusers.utils.torch_utils import randn_tensor  # noqa: E402
 
+import paraprop  # noqa: E402
 from paraprop import NonFiniteError, StochasticModelError  # noqa: E402
 from paraprop.diffusion import readers, sample  # noqa: E402
 from paraprop.diffusion.programs import MarkovProgram  # noqa: E402
@@ -422,3 +423,22 @@ def test_guided_sampling_is_the_guided_loop(case, device):
         y, sol = run(cls, config, mu, guided, 9, torch.float32, device, method="picard",
                      window=4, tol=0)
         assert torch.equal(y, ref) and sol.stats["model_calls"] <= 9
+
+
+def test_max_iters_below_the_loops_calls():
+    """As DDPM's loop: ``max_iters`` below the loop's calls runs none and certifies nothing
+    (Heun's loop makes 2N - 1 calls); at the loop's count it runs."""
+    m = Eps()
+    with pytest.raises(paraprop.ConvergenceError,
+                       match=r"the loop needs 9 model calls \(HeunDiscreteScheduler, "
+                             r"num_inference_steps=5\), more than max_iters=5"):
+        run(HEUN, {}, None, m, 5, torch.float32, "cpu", method="sequential", max_iters=5)
+    x, sol = run(HEUN, {}, None, m, 5, torch.float32, "cpu", method="sequential", max_iters=5,
+                 throw=False)
+    assert not sol.converged and sol.stats["model_calls"] == 0
+    assert sol.stats["certificate"] is None and "reason" in sol.stats
+    x, sol = run(HEUN, {}, None, m, 5, torch.float32, "cpu", method="sequential", max_iters=9)
+    assert sol.converged and sol.stats["model_calls"] == 9
+    x, sol = run(EULER, {}, None, m, 5, torch.float32, "cpu", method="sequential", max_iters=4,
+                 throw=False)
+    assert not sol.converged and sol.stats["model_calls"] == 0

@@ -35,18 +35,15 @@ certified inputs is real, and is returned as it is (the solver reports it).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
 from paraprop.diffusion.gains import StepGains
+from paraprop.diffusion.programs import StepProgram
 from paraprop.diffusion.readers import model_output
 from paraprop.diffusion.schedulers import StepTable
 from paraprop.errors import NonFiniteError, StochasticModelError
 from paraprop.scan import linear_recurrence
-
-if TYPE_CHECKING:
-    from paraprop.diffusion.programs import MarkovProgram
 
 # batch variance explains differences of at most this many units of the dtype's resolution,
 # and of this share of the outputs' size (:func:`stochastic_level`)
@@ -98,7 +95,7 @@ class DiffusionChain:
     :meth:`sequential` is the diffusers loop itself, from a certified prefix.
     """
 
-    def __init__(self, model, table: StepTable | MarkovProgram, x_init: torch.Tensor,
+    def __init__(self, model, table: StepProgram, x_init: torch.Tensor,
                  z: torch.Tensor, model_kwargs: dict | None = None, split: str = "identity",
                  evaluate=None):
         self.model = model

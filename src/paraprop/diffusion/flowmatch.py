@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from paraprop.diffusion.readers import Reader, Records, Sel, refuse, x0_gain
+from paraprop.diffusion.gains import x0_gain
+from paraprop.diffusion.readers import Reader, Records, Sel, refuse
 from paraprop.diffusion.scalars import div, mul
 
 

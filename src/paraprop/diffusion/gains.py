@@ -181,6 +181,20 @@ def output_gains(table) -> torch.Tensor:
     return k.abs()
 
 
+def x0_gain(prediction: str, sigma: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor:
+    """``|d x_0 / d model output|`` (float64) of the predicted ``x_0`` of ``prediction`` with
+    the coefficients ``sigma``, ``alpha`` (columns): ``(x - sigma out) / alpha`` for
+    ``epsilon``, ``out`` for ``sample``, ``alpha x - sigma out`` (or ``x - sigma out``) for
+    ``v_prediction`` and ``flow_prediction``."""
+    sigma = sigma.to(torch.float64)
+    if prediction == "epsilon":
+        assert alpha is not None, "epsilon's x_0 divides by alpha"
+        return (sigma / alpha.to(torch.float64)).abs()
+    if prediction == "sample":
+        return torch.ones_like(sigma)
+    return sigma.abs()
+
+
 def bounds(X: torch.Tensor, y: torch.Tensor, p: torch.Tensor, gain, dtype: torch.dtype,
             extra: torch.Tensor | None = None, loop: bool = True):
     """The bounds of the final check (:mod:`paraprop.diffusion.certificate`) from the

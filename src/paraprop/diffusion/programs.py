@@ -1,33 +1,48 @@
-"""Step programs: the schedulers beyond DDPM/DDIM in the form the parallel chain runs, and the
-sequential loop of those it cannot run in parallel yet.
+"""Step programs: what the parallel chain runs, and the Markov readers in that form.
 
-:class:`~paraprop.diffusion.chain.DiffusionChain` runs a *step program*: ``N`` steps, each one
-model call, with ``timesteps`` (what the model reads per row), ``noisy`` (which steps draw
-noise), ``apply(slice, x, out, z)`` (the scheduler step's exact operations on a window of
-steps), ``linear_part(split)``, ``output_gains()`` (``|d step / d model output|`` per step, for
-the certificate's batch-variance term), and, where ``scales_input`` is true,
-``model_input(start, stop, x)`` (``scale_model_input``, applied to the rows before the model
-call). :class:`~paraprop.diffusion.schedulers.StepTable` (DDPM/DDIM) is one;
-:class:`MarkovProgram` makes one from a *Markov* reader of :mod:`~paraprop.diffusion.readers`:
-a reader whose step reads its own input and model output only (``history == 0``, one state
-part): ``EulerDiscreteScheduler``, ``EulerAncestralDiscreteScheduler``,
+:class:`~paraprop.diffusion.chain.DiffusionChain` runs a *step program* (:class:`StepProgram`):
+``N`` steps, each one model call, with ``timesteps`` (what the model reads per row), ``noisy``
+(which steps draw noise), ``apply(slice, x, out, z)`` (the scheduler step's exact operations on
+a window of steps), ``linear_part(split)``, ``output_gains()`` (``|d step / d model output|``
+per step, for the certificate's batch-variance term), and ``model_input(start, stop, x)``
+(``scale_model_input``, applied to the rows before the model call where ``scales_input``).
+:class:`~paraprop.diffusion.schedulers.StepTable` (DDPM/DDIM) is one; :class:`MarkovProgram`
+makes one from a *Markov* reader of :mod:`~paraprop.diffusion.readers`, a reader whose step
+reads its own input and model output only (``history == 0``, one state part):
+``EulerDiscreteScheduler``, ``EulerAncestralDiscreteScheduler``,
 ``FlowMatchEulerDiscreteScheduler``, ``LCMScheduler`` and ``DPMSolverMultistepScheduler`` with
-``solver_order=1``.
-
-The readers with history (DPM-Solver++ of order 2 and 3, UniPC, Heun) are sampled by
-:func:`history_loop`, the diffusers loop through the reader, one model call per iteration;
-their parallel windows need the history records in the chain (refused by name until then).
+``solver_order=1``. The readers with history run sequentially
+(:mod:`~paraprop.diffusion.history`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import ClassVar, Protocol
 
 import torch
 
-from paraprop.diffusion.readers import Reader, model_output
-from paraprop.driver import Outcome, build
-from paraprop.result import Result, Solution
+from paraprop.diffusion.readers import Reader
+
+
+class StepProgram(Protocol):
+    """What :class:`~paraprop.diffusion.chain.DiffusionChain` runs (see the module doc)."""
+
+    scales_input: ClassVar[bool]   # whether model_input scales the rows (scale_model_input)
+
+    @property
+    def N(self) -> int: ...
+
+    @property
+    def timesteps(self) -> torch.Tensor: ...   # (N,): what the model reads, per row
+
+    def to(self, device) -> StepProgram: ...
+
+    def linear_part(self, split: str) -> torch.Tensor: ...
+
+    def model_input(self, start: int, stop: int, x: torch.Tensor) -> torch.Tensor: ...
+
+    def apply(self, index: slice, x: torch.Tensor, out: torch.Tensor,
+              z: torch.Tensor) -> torch.Tensor: ...
 
 
 def markov(reader: Reader) -> bool:
@@ -42,25 +57,6 @@ def setting(reader: Reader) -> str:
     if name in ("DPMSolverMultistepScheduler", "UniPCMultistepScheduler"):
         return f"{name} with solver_order={cfg.solver_order}"
     return name
-
-
-def refuse_parallel(reader: Reader, method: Any) -> NotImplementedError:
-    """The error of a parallel method for a reader with history."""
-    if reader.classname == "HeunDiscreteScheduler":
-        why = ("its second evaluation of every step reads the first's derivative and input "
-               "sample (a record of the step before)")
-    elif reader.classname == "UniPCMultistepScheduler":
-        why = ("its predictor reads the converted model outputs of earlier steps and its "
-               "corrector the corrected sample of the step before")
-    else:
-        why = (f"its steps read the converted model outputs of the {reader.history} steps "
-               "before them")
-    return NotImplementedError(
-        f"diffusion.sample: method={method!r} is not implemented for {setting(reader)}: {why}, "
-        "and the parallel chain does not carry such history records yet; method='sequential' "
-        "works (the diffusers loop bit for bit)"
-        + (", as does solver_order=1 with every method"
-           if reader.classname == "DPMSolverMultistepScheduler" else ""))
 
 
 class MarkovProgram:
@@ -79,7 +75,7 @@ class MarkovProgram:
         [0.1423, 0.2555, 0.5932, 0.0089]
     """
 
-    scales_input = True
+    scales_input: ClassVar[bool] = True
 
     def __init__(self, reader: Reader):
         if not markov(reader):
@@ -135,53 +131,6 @@ class MarkovProgram:
         return self.reader.initial(latents)[0]
 
 
-def history_loop(reader: Reader, model, x_init: torch.Tensor, z: torch.Tensor,
-                 model_kwargs: dict, evaluate=None) -> torch.Tensor:
-    """The diffusers loop through ``reader`` (any reader, history included), one model call of
-    the ``B`` rows per iteration, the model reading ``scale_model_input`` and one timestep per
-    row. ``x_init``: the input of step 0 ``(B, ...)``; ``z``: every step's noise
-    ``(K, B, ...)``. Returns the states ``(B, K, ...)`` (part 0: the samples)."""
-    B = x_init.shape[0]
-    state = torch.stack([x_init] * reader.parts)[None]
-    past = tuple(r[:0] for r in reader.records_like(x_init[None]))
-    per_row = {k for k, v in model_kwargs.items()
-               if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == B}
-    states = []
-    for k in range(reader.K):
-        x_in = reader.model_input(k, k + 1, state)[0]
-        t = reader.timesteps[k: k + 1].repeat_interleave(B)
-
-        def fn(xx, tt, rows=slice(None)):
-            kw = {n: (v[rows] if n in per_row else v) for n, v in model_kwargs.items()}
-            return model_output(model(xx, tt, **kw), xx)
-
-        out = (fn(x_in, t) if evaluate is None else evaluate(fn, x_in, t))[None]
-        state, rec = reader.step(k, k + 1, state, out, past, z[k: k + 1])
-        if reader.history:
-            past = tuple(torch.cat([p, r])[-reader.history:]
-                         for p, r in zip(past, rec, strict=True))
-        states.append(state[0, 0])
-    return torch.stack(states, dim=1)
-
-
-def check_mu(scheduler, mu) -> float | None:
-    """``mu`` for ``set_timesteps``: read only with ``use_dynamic_shifting=True`` (refused
-    otherwise, never ignored)."""
-    name = type(scheduler).__name__
-    dynamic = bool(scheduler.config.get("use_dynamic_shifting", False))
-    if mu is None:
-        if dynamic:
-            raise ValueError(f"mu: {name} with use_dynamic_shifting=True needs mu (the "
-                             "pipelines compute it from the image size), got mu=None")
-        return None
-    if not dynamic:
-        raise ValueError(f"mu: {name} reads mu only with use_dynamic_shifting=True (its "
-                         f"set_timesteps would ignore it), got mu={mu!r}")
-    if isinstance(mu, bool) or not isinstance(mu, int | float):
-        raise TypeError(f"mu must be a float, got {type(mu).__name__}")
-    return float(mu)
-
-
 def refuse_split(name: str, split: str) -> NotImplementedError:
     """The error of a Picard split a reader's program has no linear part for."""
     return NotImplementedError(
@@ -189,31 +138,4 @@ def refuse_split(name: str, split: str) -> NotImplementedError:
         "linear part derived (split='eps' is DDPM's and DDIM's); use split='identity'")
 
 
-def refuse_ddim_options(scheduler, eta, use_clipped_model_output) -> None:
-    """Refuse DDIM's step options for a scheduler that has none (never ignored)."""
-    name = type(scheduler).__name__
-    if eta is not None:
-        raise ValueError(f"eta is an option of DDIMScheduler; {name} has no eta, got "
-                         f"eta={eta!r}")
-    if use_clipped_model_output:
-        raise ValueError(f"use_clipped_model_output is an option of DDIMScheduler; {name} has "
-                         "none, got True")
-
-
-def loop_solution(traj: torch.Tensor, N: int, B: int, split: str, time_s: float) -> Solution:
-    """The Solution of the diffusers loop itself (a reader with history, sequentially)."""
-    stats = {
-        "model_calls": N, "model_evaluations": N, "max_rows": B, "steps": N, "T": N,
-        "split": split, "passes": 0, "fallback_steps": N,
-        "sample_iterations": torch.full((B,), N, dtype=torch.long), "window": 1,
-        "certificate": "bitwise", "bitwise": torch.ones(B, dtype=torch.bool),
-        "rounding_floor": 0.0, "tol_resolvable": True, "loop_bitwise": True,
-    }
-    out = Outcome(traj, Result.successful, evaluations=N, positions=N, sequential_steps=N,
-                  bound=N, error_estimate=0.0, stats=stats)
-    return build("sequential", out, iterations=N,
-                 residuals=torch.zeros(0, dtype=torch.float64), time_s=time_s)
-
-
-__all__ = ["MarkovProgram", "check_mu", "history_loop", "loop_solution", "markov",
-           "refuse_ddim_options", "refuse_parallel", "refuse_split"]
+__all__ = ["MarkovProgram", "StepProgram", "markov", "refuse_split", "setting"]

@@ -83,20 +83,6 @@ def check_dtype(dtype: torch.dtype, scheduler: str = "reader") -> None:
                      "torch.float32, torch.float64, torch.bfloat16, torch.float16")
 
 
-def x0_gain(prediction: str, sigma: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor:
-    """``|d x_0 / d model output|`` (float64) of the predicted ``x_0`` of ``prediction`` with
-    the coefficients ``sigma``, ``alpha`` (columns): ``(x - sigma out) / alpha`` for
-    ``epsilon``, ``out`` for ``sample``, ``alpha x - sigma out`` (or ``x - sigma out``) for
-    ``v_prediction`` and ``flow_prediction``."""
-    sigma = sigma.to(torch.float64)
-    if prediction == "epsilon":
-        assert alpha is not None, "epsilon's x_0 divides by alpha"
-        return (sigma / alpha.to(torch.float64)).abs()
-    if prediction == "sample":
-        return torch.ones_like(sigma)
-    return sigma.abs()
-
-
 class Sel:
     """Positions of a window that share a formula: a slice (an arithmetic progression) or an
     index tensor; ``rel`` relative to the window, which starts at step ``start``."""

@@ -12,17 +12,14 @@ from paraprop.checks import check_max_iters, check_tol
 from paraprop.determinism import require_deterministic
 from paraprop.diffusion import readers
 from paraprop.diffusion.certificate import GainCertificate, window_of
-from paraprop.diffusion.chain import DiffusionChain, check_steps_finite, draw_noise
-from paraprop.diffusion.programs import (
-    MarkovProgram,
+from paraprop.diffusion.chain import DiffusionChain, draw_noise
+from paraprop.diffusion.history import (
     check_mu,
-    history_loop,
     loop_solution,
-    markov,
     refuse_ddim_options,
     refuse_parallel,
-    refuse_split,
 )
+from paraprop.diffusion.programs import MarkovProgram, markov, refuse_split
 from paraprop.diffusion.readers import READERS
 from paraprop.diffusion.schedulers import StepTable, scheduler_kind, step_table
 from paraprop.driver import Outcome, build
@@ -212,11 +209,11 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
     B = shape[0]
     if table is None:   # a reader with history: the diffusers loop through it
         assert reader is not None
-        start = time.perf_counter()
-        with torch.no_grad():
-            traj = history_loop(reader, model, x_init, z, model_kwargs, evaluate)
-        check_steps_finite(traj.reshape(B, N, -1))
-        return traj[:, -1], loop_solution(traj, N, B, split, time.perf_counter() - start)
+        sol = loop_solution(reader, model, x_init, z, model_kwargs, evaluate, max_iters,
+                            num_inference_steps, split)
+        sol = ensure_converged(sol, throw, entry="diffusion.sample", max_iters=max_iters,
+                               tol=tol, hint=sol.stats.get("reason", ""))
+        return sol.value[:, -1], sol
     chain = DiffusionChain(model, table, x_init, z, model_kwargs, split=split,
                            evaluate=evaluate)
     user_cb = None
