@@ -6,6 +6,7 @@ own sequential loop, bit for bit, in float64 and float32, batches, EOS and gener
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -147,6 +148,11 @@ SETTINGS = [
 @pytest.mark.parametrize("B", [1, 3])
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_parallel_methods_give_the_sequential_loops_tokens(device, name, dtype, B, setting):
+    """float64: certified and the sequential loop's tokens. float32: the bound (4 times the
+    rounding measured on a trained model) is wider than some cuts of these flat random
+    distributions (the top-k cut among 53 random logits): each sample's tokens are the
+    sequential ones up to its first uncertified position, each uncertified one is reported with
+    its margin below the bound, and a certified run is the sequential loop's whole."""
     model = make(name, device, dtype)
     ids, mask = prompts(B, 5, device=device)
     kw = dict(max_new_tokens=24, do_sample=True, attention_mask=mask, coupling="gumbel",
@@ -157,10 +163,20 @@ def test_parallel_methods_give_the_sequential_loops_tokens(device, name, dtype, 
         assert rs.stats["coupling"] == "gumbel"
         assert rs.stats["model_calls"] == 24 or kw["eos_token_id"]    # EOS may end it sooner
         for method in ("jacobi", "gs_jacobi"):
-            out, sol = generate(model, ids, method=method, window=8,
+            out, sol = generate(model, ids, method=method, window=8, throw=False,
                                 generator=torch.Generator().manual_seed(seed), **kw)
-            assert sol.converged and sol.stats["margin_ratio"] > 1, (method, seed)
-            assert torch.equal(out, ref), (method, seed)
+            where = sol.stats["uncertified"]
+            assert sol.converged == (where == []), (method, seed)
+            if dtype == torch.float64 or sol.converged:
+                assert sol.converged and sol.stats["margin_ratio"] > 1, (method, seed)
+                assert torch.equal(out, ref), (method, seed)
+                continue
+            assert re.search(r"decided by a margin of 0\.\d+ times the bound .* in "
+                             r"torch\.float32", sol.stats["uncertified_cause"]), (method, seed)
+            first = {b: min(t for c, t in where if c == b) for b, _ in where}
+            for b in range(B):
+                t0 = first.get(b, 24)
+                assert torch.equal(out[b, 5 : 5 + t0], ref[b, 5 : 5 + t0]), (method, seed, b)
 
 
 def test_with_eos_and_a_generation_config(device, name):

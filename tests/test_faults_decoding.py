@@ -445,10 +445,10 @@ def test_tiny_randomness(packed, monkeypatch):
 
 
 def test_a_small_repeat_difference_says_it_may_be_rounding():
-    """A repeat difference of a few bounds (here eval-mode noise of 3e-6 on the embeddings:
-    5.5 bounds) may also be rounding beyond the bound on a trained model (the shipped char LM's
-    float32 logits reach 3.5 bounds): the message says so and offers method='sequential'; a
-    large one (1e-4: about 180 bounds) does not."""
+    """A repeat difference of a few bounds (here eval-mode noise of 3e-6 on the embeddings of a
+    float64 model, whose bound is 8 float32 roundings of the scores: 5.5 bounds) may also be
+    rounding beyond the bound on a model unlike the measured ones: the message says so and
+    offers method='sequential'; a large one (1e-4: about 180 bounds) does not."""
     ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(0))
     for scale, small in ((3e-6, True), (1e-4, False)):
         torch.manual_seed(0)

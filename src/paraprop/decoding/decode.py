@@ -143,7 +143,8 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
     logits in another order than the sequential loop's one-token pass (and from key/value
     entries computed in window passes), so they round differently. A token is certified when
     its decision has a margin above a bound on that difference (``c * max|logits|``, ``c`` from
-    the dtype and the depth: :func:`~paraprop.decoding.model_checks.rounding_factor`); otherwise
+    the dtype, the depth and the positions:
+    :func:`~paraprop.decoding.model_checks.rounding_factor`); otherwise
     the result says so (``converged=False``), and the message names the cause: non-finite
     logits from the model, an exact tie (of the scores, or at a setting's cut), or a margin
     within the rounding bound. ``method="sequential"`` is ``generate``'s loop and needs no
@@ -205,7 +206,7 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
                           for r, m in zip(rows, keep, strict=True)], ngram, solver_size(solver, T))
     with torch.no_grad():
         first = lm.prefill(P)
-        factor, coarse = model_checks.rounding_factor(model, first)
+        factor, coarse = model_checks.rounding_factor(model, first, positions=P + T)
         pipe = Pipeline(s, P, attention_mask, device, factor, coupling)
         tmap = TokenMap(lm, P, T, u, pipe, s.eos, s.pad, pool, first, model=model,
                          recheck=not isinstance(solver, Sequential))

@@ -132,15 +132,32 @@ def sliding_window(cfg) -> int | None:
     return sw
 
 
-def rounding_factor(model, logits: torch.Tensor) -> tuple[float, torch.dtype]:
+K_FLOAT32 = 200.0     # k for float32 and float64 models (measured: up to 49.4 on the char LM)
+K_16BIT = 6.0         # k for bfloat16 and float16 (measured: up to 1.26)
+K_SCORES = 8.0        # float32 eps of the processed scores, for a float64 model
+POSITIONS = 256       # the positions the k were measured over (up to 304: 48 + 256)
+
+
+def rounding_factor(model, logits: torch.Tensor,
+                    positions: int = 1) -> tuple[float, torch.dtype]:
     """The factor ``c`` of the low-precision certificate's bound ``c * max|logits|`` on the
     difference between the logits of a window pass and of the sequential loop's one-token pass,
-    and the dtype it was taken for: the coarsest of the logits' dtype, the model's floating
-    parameter dtypes, an enabled autocast dtype, and float32 (the scores are processed in
-    float32, as ``generate`` processes them). ``c = k * eps * sqrt(layers)`` with ``k = 2`` for
-    16-bit types and ``8`` otherwise (see decoding.md: the differences measured on the test
-    models stayed below half of it)."""
-    dtypes = {logits.dtype, torch.float32}
+    and the dtype the model computes in: the coarsest of the logits' dtype, the model's floating
+    parameter dtypes and an enabled autocast dtype.
+
+    ``c = k * eps * sqrt(layers * max(1, positions / 256))``, plus ``8 * eps`` of float32 for a
+    model finer than float32: the scores are processed in float32, as ``generate`` processes
+    them, so two float64 logits that differ by a rounding may round to neighbouring float32
+    values, and the processing itself runs on passes of different shapes (8: the float32
+    allowance the test models' processing was measured within before).
+    ``k`` (:data:`K_FLOAT32`, :data:`K_16BIT`) is 4 times the largest difference measured, in
+    units of ``eps * sqrt(layers) * max|logits|`` (``python -m
+    paraprop_lab.experiments.decoding_rounding``: the shipped trained char LM and random GPT-2
+    and Llama models, 8 prompts x 256 new tokens: 49 in float32 and 44 in float64, both on the
+    char LM, 1.26 in 16 bits). ``positions`` is the most positions a decision reads (prompt plus
+    new tokens): beyond the 256 measured, the bound grows as the square root of the positions,
+    as the rounding of attention's sums over them does (see decoding.md)."""
+    dtypes = {logits.dtype}
     if isinstance(model, torch.nn.Module):     # each module's own parameters: one walk
         dtypes |= {p.dtype for m in model.modules() for p in m._parameters.values()
                    if p is not None and p.is_floating_point()}
@@ -149,7 +166,10 @@ def rounding_factor(model, logits: torch.Tensor) -> tuple[float, torch.dtype]:
     kind = logits.device.type
     if torch.is_autocast_enabled(kind):
         dtypes.add(torch.get_autocast_dtype(kind))
+    dtypes = {d for d in dtypes if d.is_floating_point} or {torch.float32}
     coarse = max(dtypes, key=lambda d: torch.finfo(d).eps)
-    eps = torch.finfo(coarse).eps
-    k = 2.0 if torch.finfo(coarse).bits <= 16 else 8.0
-    return k * eps * math.sqrt(num_layers(model)), coarse
+    eps, eps32 = torch.finfo(coarse).eps, torch.finfo(torch.float32).eps
+    k = K_16BIT if torch.finfo(coarse).bits <= 16 else K_FLOAT32
+    grow = max(1.0, positions / POSITIONS)
+    scores = K_SCORES * eps32 if eps < eps32 else 0.0
+    return k * eps * math.sqrt(num_layers(model) * grow) + scores, coarse

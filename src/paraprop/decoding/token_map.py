@@ -371,14 +371,15 @@ SMALL_EXCESS = 16.0     # a repeat difference below this many bounds may be roun
 
 def _beyond(r: float) -> str:
     """The repeat check's caveat for a difference of ``r`` bounds: a small one may also be
-    rounding beyond the bound (measured on small random models; a trained model's logits can
-    round more: the shipped char LM's reach 3.5 bounds in float32)."""
+    rounding beyond the bound (the bound is 4 times the largest difference measured, on the
+    shipped char LM and small random models; another model's logits may round more)."""
     if r >= SMALL_EXCESS:
         return ""
     return (f". A difference of only {r:.3g} times the bound may also be rounding beyond the "
-            "bound on this model (the bound was measured on small random models; a trained "
-            "model's logits can round more): if the model is a fixed function of its input, "
-            "use method='sequential' (the sequential loop, which has no bound to exceed)")
+            "bound on this model (the bound was measured on a few models, with a margin of 4; "
+            "another model's logits may round more): if the model is a fixed function of its "
+            "input, use method='sequential' (the sequential loop, which has no bound to "
+            "exceed)")
 
 
 _NUMPY = {torch.bool: np.bool_, torch.int64: np.int64, torch.float32: np.float32,
