@@ -8,6 +8,8 @@ order 2-3, UniPC and Heun sequentially, bit for bit.
 - :class:`DiffusionChain`: that system (the Picard map), for :func:`paraprop.solve`.
 - :class:`GainCertificate`: the stopping rule that certifies its trajectory (bitwise, or within
   ``tol`` through the steps' observed gains).
+- :func:`accelerate`: a diffusers pipeline's own loop (``pipe(...)``) through :func:`sample`,
+  its output the plain pipeline's.
 - :class:`Guided`: classifier-free guidance as the diffusers pipelines compute it, as one model.
 - :func:`step_table`, :func:`draw_noise`: the scheduler's update rule read into per-step
   coefficients, and the noise drawn as the diffusers loop draws it.
@@ -18,11 +20,13 @@ order 2-3, UniPC and Heun sequentially, bit for bit.
 not import it, it reads the scheduler object it is given.
 """
 
+from paraprop.diffusion.accelerate import Accelerated, FallThroughWarning, accelerate
 from paraprop.diffusion.certificate import BatchVarianceWarning, GainCertificate
 from paraprop.diffusion.chain import DiffusionChain, draw_noise
 from paraprop.diffusion.guidance import Guided
 from paraprop.diffusion.sample import METHODS, sample
 from paraprop.diffusion.schedulers import StepTable, step_table
 
-__all__ = ["METHODS", "BatchVarianceWarning", "DiffusionChain", "GainCertificate", "Guided",
-           "StepTable", "draw_noise", "sample", "step_table"]
+__all__ = ["METHODS", "Accelerated", "BatchVarianceWarning", "DiffusionChain",
+           "FallThroughWarning", "GainCertificate", "Guided", "StepTable", "accelerate",
+           "draw_noise", "sample", "step_table"]

@@ -1,0 +1,354 @@
+"""``paraprop.diffusion.accelerate``: a diffusers pipeline's own denoising loop, through paraprop.
+
+:func:`accelerate` patches, on the instances only (never the classes), the pipeline's denoiser
+(``unet`` or ``transformer``: its ``forward``) and its scheduler (``set_timesteps``,
+``scale_model_input``, ``step``), and the pipeline's ``prepare_extra_step_kwargs`` where it has
+one. The pipeline's ``__call__`` then runs unchanged: at the denoiser's first call of a run the
+whole trajectory is solved in parallel (:mod:`paraprop.diffusion.pipeline_run`), and each step
+of the pipeline's own loop gets the output paraprop computed at exactly its input; its guidance
+arithmetic, ``scheduler.step``, progress bar and callbacks run as usual. Where paraprop does not
+solve a run (a setting it does not support or cannot certify), the run falls through to the
+plain loop: a :class:`FallThroughWarning` says so once per reason, and the handle records it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+from typing import Any, Literal
+
+import torch
+
+from paraprop import checks
+from paraprop.checks import check_max_iters, check_tol
+from paraprop.diffusion.pipeline_run import Call, FallThrough, Run
+from paraprop.result import Solution
+
+PATCH = "_paraprop_diffusion_accelerate"   # the instance attribute naming the handle
+DENOISERS = ("unet", "transformer")
+_SCHEDULER_METHODS = ("set_timesteps", "scale_model_input", "step")
+
+
+class FallThroughWarning(UserWarning):
+    """An accelerated pipeline ran (part of) a run through its own plain loop: paraprop does
+    not support or could not certify the setting. The result is the plain pipeline's."""
+
+
+@dataclasses.dataclass
+class Counters:
+    """What the accelerated pipeline did since :func:`accelerate`."""
+
+    runs: int = 0            # pipeline runs (set_timesteps calls of its scheduler)
+    solved: int = 0          # runs whose trajectory paraprop solved
+    certified: int = 0       # of those, the ones paraprop certified (bitwise or within tol)
+    steps: int = 0           # steps of the pipelines' loops (scheduler.step calls)
+    served: int = 0          # steps whose denoiser output paraprop had computed
+    denoiser_calls: int = 0  # real denoiser calls in the pipelines' loops (not served)
+    model_calls: int = 0     # denoiser calls in sequence that paraprop's solves made
+
+
+class Accelerated:
+    """The handle :func:`accelerate` returns: ``undo()`` restores the pipeline; a context
+    manager that undoes on exit.
+
+    Attributes:
+        pipe, denoiser, scheduler: the accelerated pipeline and the patched objects.
+        counters: :class:`Counters`.
+        reasons: ``(run, step, reason)`` of every fall through (``run``: the run's number from
+            1, ``step``: the first step the plain loop computed).
+        solution: the last solved run's :class:`paraprop.Solution` (``None`` before any).
+        active: ``False`` once undone.
+    """
+
+    def __init__(self, pipe, denoiser, scheduler, settings: dict[str, Any]):
+        self.pipe, self.denoiser, self.scheduler = pipe, denoiser, scheduler
+        self.settings = settings
+        self.tol = float(settings["tol"])
+        self.counters = Counters()
+        self.reasons: list[tuple[int, int, str]] = []
+        self.solution: Solution | None = None
+        self.run: Run | None = None
+        self.solving = False
+        self._warned: set[str] = set()
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._install(denoiser, "forward", self._forward)
+        self._install(scheduler, "set_timesteps", self._set_timesteps)
+        self._install(scheduler, "scale_model_input", self._scale_model_input,
+                      optional=True)
+        self._install(scheduler, "step", self._step)
+        self._install(pipe, "prepare_extra_step_kwargs", self._extra_step_kwargs,
+                      optional=True)
+        pipe.__dict__[PATCH] = self
+        self.active = True
+
+    # -- patches -----------------------------------------------------------------------------
+    def _install(self, obj, name: str, method, optional: bool = False) -> None:
+        if optional and not hasattr(obj, name):
+            return
+        original = getattr(obj, name)
+        saved = obj.__dict__.get(name, _MISSING)
+        self._saved.append((obj, name, saved))
+        method = _Proxy(method, original)
+        obj.__dict__[name] = method
+
+    def undo(self) -> None:
+        """Restore every patched method (again: nothing)."""
+        for obj, name, saved in reversed(self._saved):
+            if saved is _MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = saved
+        self._saved = []
+        self.pipe.__dict__.pop(PATCH, None)
+        self.run = None
+        self.active = False
+
+    def __enter__(self) -> Accelerated:
+        return self
+
+    def __exit__(self, *exc) -> Literal[False]:
+        self.undo()
+        return False
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "undone"
+        return (f"Accelerated({type(self.pipe).__name__}, {type(self.scheduler).__name__}, "
+                f"tol={self.tol}, {state})")
+
+    # -- the scheduler's and the pipeline's methods ------------------------------------------
+    def _set_timesteps(self, original, *args, **kwargs):
+        out = original(*args, **kwargs)
+        if self.solving:
+            return out
+        self._end_run()
+        bound = _bind(original, args, kwargs)
+        N = bound.get("num_inference_steps")
+        reason = None
+        if bound.get("timesteps") is not None or bound.get("sigmas") is not None:
+            N, reason = None, "the pipeline set custom timesteps or sigmas"
+        self.counters.runs += 1
+        self.run = Run(N if checks.is_int(N) else None, bound.get("mu"), self.scheduler,
+                       reason)
+        return out
+
+    def _scale_model_input(self, original, sample, *args, **kwargs):
+        if self.run is not None and not self.solving:
+            self.run.scaled_input = sample
+        return original(sample, *args, **kwargs)
+
+    def _extra_step_kwargs(self, original, *args, **kwargs):
+        out = original(*args, **kwargs)
+        if self.run is not None and not self.solving:
+            self.run.extra_step_kwargs = dict(out)
+        return out
+
+    def _step(self, original, *args, **kwargs):
+        out = original(*args, **kwargs)
+        run = self.run
+        if run is None or self.solving:
+            return out
+        s = run.step
+        run.step += 1
+        self.counters.steps += 1
+        if run.estimate and s in run.served_steps and run.trajectory is not None \
+                and s + 1 < len(run.trajectory):
+            # certified within tol: the pipeline follows paraprop's trajectory
+            out = _replace_sample(out, run.trajectory[s + 1])
+        if run.N is not None and run.step >= run.N:
+            self._end_run()
+        return out
+
+    # -- the denoiser ------------------------------------------------------------------------
+    def _forward(self, original, *args, **kwargs):
+        run = self.run
+        if self.solving or run is None or self.pipe.scheduler is not self.scheduler:
+            return original(*args, **kwargs)
+        call = _call(original, args, kwargs)
+        s = run.step
+        if call is None:
+            self._fall(run, s, "the denoiser was called without its input and timestep "
+                               "by name or position, or with return_dict=True")
+            self.counters.denoiser_calls += 1
+            return original(*args, **kwargs)
+        if not run.solved:
+            self._solve(run, call)
+        out = run.serve(s, call)
+        if out is None:
+            if run.reason is None and run.trajectory is not None:
+                run.first_unserved = s if run.first_unserved is None else run.first_unserved
+            self.counters.denoiser_calls += 1
+            return original(*args, **kwargs)
+        run.served_steps.append(s)
+        self.counters.served += 1
+        return (out,)
+
+    def _solve(self, run: Run, call: Call) -> None:
+        self.solving = True
+        try:
+            run.solve(self.pipe, self.denoiser, call, self.settings)
+        except FallThrough as e:
+            run.reason = str(e)
+            self._fall(run, 0, run.reason)
+            return
+        finally:
+            self.solving = False
+        sol = run.solution
+        assert sol is not None
+        self.solution = sol
+        self.counters.solved += 1
+        self.counters.certified += int(run.certified)
+        self.counters.model_calls += int(sol.iterations)
+        if not run.certified:
+            why = sol.stats.get("reason") or "not certified within max_iters"
+            self._fall(run, _first_uncertified(run),
+                       f"paraprop did not certify the trajectory ({why}): the steps it did not "
+                       "compute with the loop's own rows run the plain loop")
+
+    def _end_run(self) -> None:
+        run = self.run
+        if run is None or run.ended:
+            return
+        run.ended = True
+        if run.first_unserved is not None and run.certified:
+            self._fall(run, run.first_unserved, "the pipeline's input at this step was not "
+                       "one paraprop evaluated (a callback changed the latents, or the "
+                       "pipeline computes its step otherwise)")
+        run.release()
+
+    def _fall(self, run: Run, step: int, reason: str) -> None:
+        self.reasons.append((self.counters.runs, step, reason))
+        key = reason.split(":")[0]
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"paraprop.diffusion.accelerate: {type(self.pipe).__name__} runs its "
+                          f"plain loop from step {step}: {reason}", FallThroughWarning,
+                          stacklevel=4)
+
+    def finish(self) -> None:
+        """Record the fall through of the last run, if its steps left paraprop's inputs."""
+        self._end_run()
+        self.run = None
+
+
+class _Proxy:
+    """A patched method: ``method(original, *args, **kwargs)``, with the original bound; its
+    signature is the original's (the pipelines inspect ``scheduler.step``'s to pass ``eta``
+    and ``generator``)."""
+
+    __slots__ = ("__wrapped__", "method", "original")
+
+    def __init__(self, method, original):
+        self.method, self.original, self.__wrapped__ = method, original, original
+
+    def __call__(self, *args, **kwargs):
+        return self.method(self.original, *args, **kwargs)
+
+    def __reduce__(self):
+        raise TypeError("a pipeline accelerated by paraprop.diffusion.accelerate cannot be "
+                        "pickled or copied: call undo() on its handle first")
+
+
+_MISSING = object()
+
+
+def _bind(method, args, kwargs) -> dict[str, Any]:
+    try:
+        return dict(inspect.signature(method).bind(*args, **kwargs).arguments)
+    except TypeError:
+        return {}
+
+
+def _call(original, args, kwargs) -> Call | None:
+    """The denoiser call's input and timestep by name, the rest as keyword arguments."""
+    try:
+        sig = inspect.signature(original)
+        bound = sig.bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return None
+    params = list(sig.parameters.values())
+    if not params or "timestep" not in bound or bound.get("return_dict", True):
+        return None
+    x_name = params[0].name
+    x, t = bound.get(x_name), bound["timestep"]
+    if not isinstance(x, torch.Tensor) or not isinstance(t, torch.Tensor):
+        return None
+    rest: dict[str, Any] = {}
+    for p in params[1:]:
+        if p.name not in bound or p.name in ("timestep", "return_dict"):
+            continue
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            if bound[p.name]:
+                return None   # extra positional arguments: not passed back by name
+        elif p.kind is inspect.Parameter.VAR_KEYWORD:
+            rest.update(bound[p.name])
+        else:
+            rest[p.name] = bound[p.name]
+    return Call(x, t, rest, x_name, "timestep")
+
+
+def _replace_sample(out, value: torch.Tensor):
+    if isinstance(out, tuple):
+        return (value.to(out[0].dtype), *out[1:])
+    if hasattr(out, "prev_sample"):
+        out.prev_sample = value.to(out.prev_sample.dtype)
+    return out
+
+
+def _first_uncertified(run: Run) -> int:
+    step = 0
+    while any(r.loop_shaped for r in run.records.get(step, [])):
+        step += 1
+    return step
+
+
+def accelerate(pipe, *, method="picard", window: int | None = None, tol: float = 0.0,
+               memory: int | None = None, max_iters: int | None = None) -> Accelerated:
+    """Run a diffusers pipeline's denoising loop through :func:`paraprop.diffusion.sample`.
+
+    Inside it (applied once until ``undo()``, or as a context manager), ``pipe(...)`` returns
+    what the plain pipeline returns with the same generator: bit for bit at ``tol=0``, within
+    ``tol`` in latent space above (the pipeline follows paraprop's certified trajectory).
+    Where paraprop does not support or cannot certify a run's setting, that run (from the first
+    step paraprop did not certify) is the plain pipeline's loop: a :class:`FallThroughWarning`
+    says so once per reason, and ``handle.reasons`` records it.
+
+    Supported: pipelines that call their ``unet`` or ``transformer`` with the input and
+    ``timestep`` and ``return_dict=False`` once per step, with classifier-free guidance as
+    ``StableDiffusionPipeline`` computes it (``guidance_scale``, ``guidance_rescale``) or
+    none; the schedulers :func:`paraprop.diffusion.sample` runs in parallel with no noise in
+    their steps: ``DDIMScheduler`` with ``eta=0``, ``EulerDiscreteScheduler``,
+    ``FlowMatchEulerDiscreteScheduler`` (not ``stochastic_sampling``), ``LCMScheduler`` is
+    refused (its steps draw noise), ``DPMSolverMultistepScheduler`` of order 1. The others fall
+    through, named: ``DDPMScheduler``, DDIM with ``eta > 0``, ``EulerAncestralDiscreteScheduler``
+    (noise drawn in ``scheduler.step``), DPM-Solver++ of order 2-3, UniPC, Heun (history), any
+    other scheduler, custom timesteps or sigmas.
+
+    Arguments:
+        pipe: a diffusers pipeline with a ``unet`` or a ``transformer`` and a ``scheduler``.
+        method, window, memory, tol, max_iters: :func:`paraprop.diffusion.sample`'s.
+
+    Returns:
+        An :class:`Accelerated` handle (``undo()``, context manager, ``counters``,
+        ``reasons``, ``solution``).
+
+    Raises:
+        TypeError: ``pipe`` has no ``unet``/``transformer`` module or no ``scheduler``.
+        ValueError: ``pipe`` is already accelerated; a bad ``tol`` or ``max_iters``.
+    """
+    check_tol(tol)
+    check_max_iters(max_iters)
+    denoiser = next((getattr(pipe, n, None) for n in DENOISERS
+                     if isinstance(getattr(pipe, n, None), torch.nn.Module)), None)
+    scheduler = getattr(pipe, "scheduler", None)
+    if denoiser is None or scheduler is None or not hasattr(scheduler, "set_timesteps"):
+        raise TypeError(f"pipe must be a diffusers pipeline with a unet or transformer module "
+                        f"and a scheduler, got {type(pipe).__name__}")
+    if isinstance(pipe.__dict__.get(PATCH), Accelerated):
+        raise ValueError("pipe is already accelerated: call undo() on the earlier handle first")
+    settings = {"method": method, "window": window, "tol": tol, "memory": memory,
+                "max_iters": max_iters}
+    return Accelerated(pipe, denoiser, scheduler, settings)
+
+
+__all__ = ["Accelerated", "Counters", "FallThroughWarning", "accelerate"]

@@ -1,0 +1,308 @@
+"""One run of an accelerated diffusers pipeline (:func:`paraprop.diffusion.accelerate`): the
+trajectory solved at the denoiser's first call, and the denoiser outputs served from it.
+
+A run starts where the pipeline calls its scheduler's ``set_timesteps``. At the denoiser's first
+call (step 0: the timesteps are set, the latents drawn and scaled, the prompt embeddings built)
+:meth:`Run.solve` reads what the pipeline passes (the latents, the classifier-free guidance
+halves of the embeddings, ``pipe.guidance_scale`` / ``guidance_rescale``) and solves the whole
+trajectory with :func:`paraprop.diffusion.sample` on a fresh copy of the scheduler, recording
+every denoiser output paraprop computes with its input. Then the pipeline's loop runs on: at
+step ``s`` :meth:`Run.serve` returns a recorded output whose input and arguments equal the
+pipeline's bit for bit, where paraprop certified it (a certified solve; or, where it did not, a
+call with the loop's own rows); otherwise the real denoiser runs, which keeps the result the
+plain pipeline's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from paraprop.determinism import stochastic_parts
+from paraprop.diffusion import readers
+from paraprop.diffusion.guidance import Guided
+from paraprop.diffusion.programs import markov
+from paraprop.diffusion.readers import READERS
+from paraprop.diffusion.sample import sample
+from paraprop.diffusion.schedulers import scheduler_kind, step_table
+from paraprop.result import Solution
+
+_RECORDS_KEPT = 2   # per step: the latest evaluation and the loop-shaped one
+
+
+class FallThrough(Exception):
+    """Raised inside a run where paraprop does not solve it; the message is the reason."""
+
+
+@dataclasses.dataclass
+class Record:
+    """One denoiser evaluation paraprop made for step ``s``: its input rows as the pipeline
+    passes them (both guidance halves), its output, and whether the call held the loop's rows
+    only (one step: what the plain pipeline's call computes, whatever the batch variance)."""
+
+    inp: torch.Tensor
+    out: torch.Tensor
+    loop_shaped: bool
+
+
+@dataclasses.dataclass
+class Call:
+    """A denoiser call, split into what :class:`Run` reads: the input rows, the timestep and the
+    other arguments by name (the input's and the timestep's names kept to call it back)."""
+
+    x: torch.Tensor
+    t: torch.Tensor
+    kwargs: dict[str, Any]
+    x_name: str
+    t_name: str
+
+
+class Run:
+    """The state of one pipeline run (see the module doc)."""
+
+    def __init__(self, N: int | None, mu: float | None, scheduler, reason: str | None = None):
+        self.N, self.mu, self.scheduler = N, mu, scheduler
+        self.step = 0                      # scheduler.step calls so far
+        self.scaled_input: torch.Tensor | None = None   # last sample given to scale_model_input
+        self.extra_step_kwargs: dict[str, Any] | None = None
+        self.records: dict[int, list[Record]] = {}
+        self.solution: Solution | None = None
+        self.trajectory: torch.Tensor | None = None     # (N + 1, B, ...): X_0 .. X_N
+        self.certified = False
+        self.estimate = False              # certified within tol (not bitwise): steps replaced
+        self.reason = reason               # why the run falls through (None: it does not)
+        self.first_unserved: int | None = None
+        self.kwargs0: dict[str, Any] | None = None
+        self.served_steps: list[int] = []
+        self.solved = False
+        self.ended = False
+        self.cfg, self.B = False, 0
+        self._times: dict[float, int] = {}
+
+    # -- step 0 -----------------------------------------------------------------------------
+    def solve(self, pipe, denoiser, call: Call, settings: dict[str, Any]) -> None:
+        """Solve the run's trajectory from the pipeline's step-0 call (raises
+        :class:`FallThrough` with the reason where paraprop does not)."""
+        self.solved = True
+        if self.reason is not None:
+            raise FallThrough(self.reason)
+        if self.N is None:
+            raise FallThrough("the pipeline set custom timesteps or sigmas (no "
+                              "num_inference_steps): paraprop reads the scheduler's own schedule")
+        if stochastic_parts(denoiser):
+            raise FallThrough(f"the denoiser {type(denoiser).__name__} is in train mode with "
+                              "stochastic layers (call .eval())")
+        x = call.x
+        cfg = bool(getattr(pipe, "do_classifier_free_guidance", False))
+        rows = x.shape[0]
+        if cfg and rows % 2:
+            raise FallThrough(f"classifier-free guidance with an odd number of rows ({rows})")
+        B = rows // 2 if cfg else rows
+        latents = self.scaled_input if self.scaled_input is not None else x
+        if latents.shape != x.shape:
+            raise FallThrough("the sample given to scale_model_input is not the denoiser's input")
+        if cfg and not torch.equal(latents[:B], latents[B:]):
+            raise FallThrough("the two guidance halves of the denoiser's input differ")
+        latents = latents[:B]
+        sched = type(self.scheduler).from_config(self.scheduler.config)
+        noise = self._noise(sched, latents)
+        self.cfg, self.B = cfg, B
+        model = self._model(pipe, denoiser, call, cfg, B)
+        self.kwargs0 = call.kwargs
+        self._times = {float(v): i for i, v in enumerate(self.scheduler.timesteps.tolist())}
+        if len(self._times) != len(self.scheduler.timesteps):
+            raise FallThrough("the scheduler's timesteps repeat: the steps of a batched call "
+                              "cannot be told apart")
+        try:
+            _, sol = sample(model, sched, tuple(latents.shape), num_inference_steps=self.N,
+                            noise=noise, mu=self.mu, throw=False, **settings)
+        except (NotImplementedError, ValueError) as e:
+            raise FallThrough(f"{type(e).__name__}: {e}") from None
+        self.solution = sol
+        self.certified = bool(sol.converged)
+        self.estimate = self.certified and sol.stats.get("certificate") == "estimate"
+        traj = sol.value.transpose(0, 1)   # (N, B, ...)
+        self.trajectory = torch.cat([latents[None].to(traj.dtype), traj])
+
+    def _noise(self, sched, latents: torch.Tensor) -> torch.Tensor:
+        """``noise=`` of :func:`sample`: row 0 the latents before ``init_noise_sigma`` (found
+        exactly, or a fall through), the steps' rows zeros (the steps draw none: checked)."""
+        N = self.N
+        assert N is not None
+        extra = self.extra_step_kwargs or {}
+        name = type(sched).__name__
+        if name in READERS:
+            reader = readers.reader(sched, N, mu=self.mu, device=latents.device)
+            if any(reader.noisy):
+                raise FallThrough(f"{name} draws noise inside scheduler.step at every step "
+                                  "(from the pipeline's generator, unknown at step 0)")
+            if not markov(reader):
+                raise FallThrough(f"{name} with its settings reads the history of earlier "
+                                  "steps: paraprop has no parallel path for it")
+            row0 = _preimage(latents, lambda r: reader.initial(r)[0])
+            if row0 is None:
+                raise FallThrough(f"the latents scaled by {name}.init_noise_sigma have no exact "
+                                  "preimage in their dtype")
+        else:
+            try:
+                kind = scheduler_kind(sched)
+            except (NotImplementedError, ValueError) as e:
+                raise FallThrough(f"{type(e).__name__}: {e}") from None
+            eta = float(extra.get("eta", 0.0) or 0.0)
+            table = step_table(sched, N, eta=eta if kind == "ddim" else 0.0)
+            if bool(table.noisy.any()):
+                what = "DDPMScheduler" if kind == "ddpm" else f"DDIMScheduler with eta={eta}"
+                raise FallThrough(f"{what} draws noise inside scheduler.step (from the "
+                                  "pipeline's generator, unknown at step 0)")
+            if float(getattr(sched, "init_noise_sigma", 1.0)) != 1.0:
+                raise FallThrough(f"{name}.init_noise_sigma is not 1")
+            row0 = latents
+        for name_ in ("timesteps", "sigmas"):
+            mine, theirs = getattr(sched, name_, None), getattr(self.scheduler, name_, None)
+            if isinstance(theirs, torch.Tensor) and not (
+                    isinstance(mine, torch.Tensor) and mine.shape == theirs.shape
+                    and torch.equal(mine.to(theirs.device), theirs)):
+                raise FallThrough(f"paraprop's copy of the scheduler set other {name_} than "
+                                  "the pipeline's")
+        noise = torch.zeros((N + 1, *latents.shape), dtype=latents.dtype, device=latents.device)
+        noise[0] = row0
+        return noise
+
+    def _model(self, pipe, denoiser, call: Call, cfg: bool, B: int):
+        """The model :func:`sample` evaluates: the real denoiser under the pipeline's guidance,
+        recording every step's evaluation (:meth:`_record`)."""
+        names = (call.x_name, call.t_name)
+
+        def inner(x: torch.Tensor, t: torch.Tensor, **kw) -> torch.Tensor:
+            out = denoiser(**{names[0]: x, names[1]: t}, **kw, return_dict=False)[0]
+            self._record(x, t, out, 2 * B if cfg else B)
+            return out
+
+        if not cfg:
+            shared = call.kwargs
+
+            def plain(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+                n = x.shape[0] // B
+                return inner(x, t, **{k: _tile(v, B, n) for k, v in shared.items()})
+            return plain
+        halves: dict[str, Any] = {}
+        shared = {}
+        for k, v in call.kwargs.items():
+            if _has_rows(v, 2 * B):
+                halves[k] = v
+            elif isinstance(v, dict) and any(isinstance(u, torch.Tensor) for u in v.values()):
+                raise FallThrough(f"the denoiser's argument {k!r} mixes per-sample tensors and "
+                                  "others")
+            else:
+                shared[k] = v
+        if not halves:
+            raise FallThrough("classifier-free guidance without per-sample conditioning")
+        scale = float(getattr(pipe, "guidance_scale", 1.0))
+        rescale = float(getattr(pipe, "guidance_rescale", 0.0) or 0.0)
+        return Guided(inner, scale, cond=_half(halves, B, 1), uncond=_half(halves, B, 0),
+                      guidance_rescale=rescale, shared=shared)
+
+    def _record(self, x: torch.Tensor, t: torch.Tensor, out: torch.Tensor, step_rows: int):
+        """Keep each step's evaluation in the pipeline's layout (under guidance the rows are
+        the unconditional half of all steps, then the conditional half)."""
+        n = x.shape[0] // step_rows
+        for j in range(n):
+            if self.cfg:
+                b = step_rows // 2
+                idx = [slice(j * b, (j + 1) * b), slice(n * b + j * b, n * b + (j + 1) * b)]
+                inp = torch.cat([x[i] for i in idx])
+                o = torch.cat([out[i] for i in idx])
+                tj = t[j * b]
+            else:
+                sl = slice(j * step_rows, (j + 1) * step_rows)
+                inp, o, tj = x[sl], out[sl], t[j * step_rows]
+            s = self._times.get(float(tj))
+            if s is None:
+                continue
+            rec = Record(inp.clone(), o, loop_shaped=(n == 1))
+            kept = [r for r in self.records.get(s, []) if r.loop_shaped and not rec.loop_shaped]
+            self.records[s] = (kept + [rec])[-_RECORDS_KEPT:]
+
+    # -- every step ---------------------------------------------------------------------------
+    def serve(self, s: int, call: Call) -> torch.Tensor | None:
+        """The recorded output of step ``s`` for this call, or ``None`` (the real denoiser)."""
+        if self.trajectory is None or not _same_kwargs(self.kwargs0, call.kwargs):
+            return None
+        for rec in reversed(self.records.get(s, [])):
+            if (self.certified or rec.loop_shaped) and rec.inp.dtype == call.x.dtype and \
+                    torch.equal(rec.inp, call.x):
+                return rec.out
+        return None
+
+    def release(self) -> None:
+        """Drop the recorded evaluations (the run has ended)."""
+        self.records = {}
+
+
+def _preimage(x: torch.Tensor, scale) -> torch.Tensor | None:
+    """``r`` with ``scale(r) == x`` bit for bit (``scale``: the pipelines' ``latents *
+    init_noise_sigma``, monotone), searched among the few floats next to ``x / sigma``; ``None``
+    where some element has none there."""
+    one = torch.ones_like(x)
+    sigma = scale(one)
+    guess = x / sigma
+    found = torch.zeros_like(x, dtype=torch.bool)
+    r = guess.clone()
+    inf = torch.full_like(x, float("inf"))
+    up, down = guess, guess
+    for k in range(5):
+        cands = [guess] if k == 0 else [up, down]
+        for c in cands:
+            hit = ~found & (scale(c) == x)
+            r = torch.where(hit, c, r)
+            found |= hit
+        if bool(found.all()):
+            return r
+        up, down = torch.nextafter(up, inf), torch.nextafter(down, -inf)
+    return None
+
+
+def _has_rows(v, rows: int) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.dim() > 0 and v.shape[0] == rows
+    if isinstance(v, dict) and v:
+        return all(_has_rows(u, rows) for u in v.values())
+    return False
+
+
+def _half(v, B: int, which: int):
+    if isinstance(v, dict):
+        return {k: _half(u, B, which) for k, u in v.items()}
+    return v[which * B:(which + 1) * B]
+
+
+def _tile(v, B: int, n: int):
+    if n == 1 or not _has_rows(v, B):
+        return v
+    if isinstance(v, dict):
+        return {k: _tile(u, B, n) for k, u in v.items()}
+    return v.repeat((n,) + (1,) * (v.dim() - 1))
+
+
+def _same_kwargs(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
+    if a is None or set(a) != set(b):
+        return False
+    return all(_same(a[k], b[k]) for k in a)
+
+
+def _same(u, v) -> bool:
+    if u is v:
+        return True
+    if isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor):
+        return u.dtype == v.dtype and u.shape == v.shape and bool(torch.equal(u, v))
+    if isinstance(u, dict) and isinstance(v, dict):
+        return set(u) == set(v) and all(_same(u[k], v[k]) for k in u)
+    try:
+        return bool(u == v)
+    except Exception:   # an object without a plain equality: not the same
+        return False
+
+
+__all__ = ["Call", "FallThrough", "Record", "Run"]

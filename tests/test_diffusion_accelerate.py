@@ -1,0 +1,286 @@
+"""``paraprop.diffusion.accelerate(pipe)``: a diffusers pipeline's own call, its denoising loop
+through paraprop, returns the plain pipeline's output bit for bit at ``tol=0`` (tiny
+StableDiffusionPipeline / StableDiffusion3Pipeline from configs, prompts as embeddings, nothing
+downloaded); the settings it does not support fall through to the plain loop, named."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+
+import paraprop
+from paraprop.diffusion import FallThroughWarning, accelerate
+
+diffusers = pytest.importorskip("diffusers")
+
+
+class RowUNet(diffusers.UNet2DConditionModel):
+    """The tiny UNet evaluated one row at a time: its rows do not round by batch size (the
+    plain UNet's CPU kernels do, which stops the parallel certificate: see
+    ``test_batch_variance_falls_through_bitwise``)."""
+
+    def forward(self, sample, timestep, encoder_hidden_states, return_dict=True, **kw):
+        t = timestep.reshape(-1).expand(sample.shape[0])
+        base = super().forward
+        out = torch.cat([base(sample[i:i + 1], t[i:i + 1], encoder_hidden_states[i:i + 1],
+                              return_dict=False, **kw)[0] for i in range(sample.shape[0])])
+        return (out,) if not return_dict else out
+
+
+class RowTransformer(diffusers.SD3Transformer2DModel):
+    """The tiny SD3 transformer, one row at a time (as :class:`RowUNet`)."""
+
+    def forward(self, hidden_states, encoder_hidden_states=None, pooled_projections=None,
+                timestep=None, return_dict=True, **kw):
+        n = hidden_states.shape[0]
+        t = timestep.reshape(-1).expand(n)
+        base = super().forward
+        out = torch.cat([base(hidden_states[i:i + 1], encoder_hidden_states[i:i + 1],
+                              pooled_projections[i:i + 1], t[i:i + 1], return_dict=False,
+                              **kw)[0] for i in range(n)])
+        return (out,) if not return_dict else out
+
+
+def vae(device, **kw):
+    return diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",), block_out_channels=(8,), latent_channels=4,
+        norm_num_groups=4, sample_size=8, **kw).eval().to(device)
+
+
+def sd(scheduler, device="cpu", unet=RowUNet):
+    torch.manual_seed(0)
+    net = unet(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+               block_out_channels=(8, 16), cross_attention_dim=12, attention_head_dim=2,
+               down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+               up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+               norm_num_groups=4).eval().to(device)
+    pipe = diffusers.StableDiffusionPipeline(
+        vae=vae(device), text_encoder=None, tokenizer=None, unet=net, scheduler=scheduler,
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def sd3(scheduler, device="cpu"):
+    torch.manual_seed(0)
+    net = RowTransformer(sample_size=8, patch_size=1, in_channels=4, num_layers=1,
+                         attention_head_dim=8, num_attention_heads=2, joint_attention_dim=12,
+                         caption_projection_dim=16, pooled_projection_dim=10, out_channels=4,
+                         pos_embed_max_size=16).eval().to(device)
+    pipe = diffusers.StableDiffusion3Pipeline(
+        transformer=net, scheduler=scheduler, vae=vae(device, shift_factor=0.0),
+        text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+        text_encoder_3=None, tokenizer_3=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def call(pipe, steps=5, scale=5.0, rescale=0.0, output_type="latent", B=1, **kw):
+    """The pipeline's own call with prompt embeddings and a seeded generator."""
+    device = pipe.vae.device
+    g = torch.Generator().manual_seed(1)
+    pe, ne = (torch.randn(B, 5, 12, generator=g).to(device) for _ in range(2))
+    if isinstance(pipe, diffusers.StableDiffusion3Pipeline):
+        pp, npp = (torch.randn(B, 10, generator=g).to(device) for _ in range(2))
+        kw.update(pooled_prompt_embeds=pp, negative_pooled_prompt_embeds=npp, height=8, width=8)
+    elif rescale:
+        kw["guidance_rescale"] = rescale
+    return pipe(prompt_embeds=pe, negative_prompt_embeds=ne, num_inference_steps=steps,
+                guidance_scale=scale, generator=torch.Generator().manual_seed(3),
+                output_type=output_type, **kw).images
+
+
+SCHEDULERS = {   # Stable Diffusion's settings: steps_offset=1, no clipping
+    "ddim": lambda: diffusers.DDIMScheduler(clip_sample=False, steps_offset=1),
+    "euler": lambda: diffusers.EulerDiscreteScheduler(steps_offset=1),
+}
+
+
+@pytest.mark.parametrize(("scale", "rescale"), [(5.0, 0.0), (5.0, 0.7), (1.0, 0.0)])
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_the_accelerated_pipeline_is_the_plain_one_bitwise(name, scale, rescale, device):
+    """At ``tol=0`` the accelerated ``pipe(...)`` returns the plain pipeline's latents bit for
+    bit, every step's denoiser output from paraprop's certified solve, in at most the loop's
+    denoiser calls in sequence."""
+    pipe = sd(SCHEDULERS[name](), device)
+    ref = call(pipe, scale=scale, rescale=rescale)
+    with accelerate(pipe) as handle:
+        out = call(pipe, scale=scale, rescale=rescale)
+    assert torch.equal(out, ref)
+    c = handle.counters
+    assert (c.runs, c.solved, c.certified, c.steps, c.served, c.denoiser_calls) == \
+        (1, 1, 1, 5, 5, 0)
+    assert 1 <= c.model_calls <= c.steps
+    assert handle.solution.stats["certificate"] == "bitwise" and handle.reasons == []
+
+
+@pytest.mark.parametrize("output_type", ["pt", "np"])
+def test_decoded_images_are_the_plain_ones_bitwise(output_type):
+    pipe = sd(SCHEDULERS["euler"]())
+    ref = call(pipe, output_type=output_type)
+    with accelerate(pipe) as handle:
+        out = call(pipe, output_type=output_type)
+    assert type(out) is type(ref) and (out == ref).all()
+    assert handle.counters.served == 5
+
+
+@pytest.mark.parametrize("scale", [5.0, 1.0])
+@pytest.mark.parametrize("shifting", [{"shift": 3.0}, {"use_dynamic_shifting": True}])
+def test_sd3_flow_matching_is_the_plain_one_bitwise(shifting, scale, device):
+    """StableDiffusion3Pipeline with FlowMatchEulerDiscreteScheduler (a fixed shift, and the
+    dynamic shift whose ``mu`` the pipeline computes), guidance on and off."""
+    pipe = sd3(diffusers.FlowMatchEulerDiscreteScheduler(**shifting), device)
+    ref = call(pipe, scale=scale, steps=6)
+    with accelerate(pipe) as handle:
+        out = call(pipe, scale=scale, steps=6)
+    assert torch.equal(out, ref)
+    assert handle.counters.served == 6 and handle.counters.certified == 1
+
+
+def test_tol_above_zero_is_within_tol_in_latent_space():
+    """Above ``tol=0`` the pipeline follows paraprop's trajectory, certified within ``tol`` of
+    the plain one, with fewer denoiser calls in sequence than steps."""
+    pipe = sd(SCHEDULERS["euler"]())
+    ref = call(pipe, steps=20)
+    with accelerate(pipe, tol=1e-3) as handle:
+        out = call(pipe, steps=20)
+    assert float((out - ref).abs().max()) <= 1e-3
+    assert handle.solution.stats["certificate"] in ("estimate", "bitwise")
+    assert handle.counters.served == 20 and handle.counters.model_calls < 20
+
+
+def test_undo_restores_the_pipeline():
+    pipe = sd(SCHEDULERS["ddim"]())
+    unet, sched = pipe.unet, pipe.scheduler
+    ref = call(pipe)
+    handle = accelerate(pipe)
+    assert "forward" in unet.__dict__ and "step" in sched.__dict__
+    assert torch.equal(call(pipe), ref) and handle.active
+    with pytest.raises(ValueError, match="pipe is already accelerated: call undo"):
+        accelerate(pipe)
+    handle.undo()
+    handle.undo()   # again: nothing
+    assert not handle.active and pipe.unet is unet and pipe.scheduler is sched
+    for name in ("set_timesteps", "scale_model_input", "step"):
+        assert name not in sched.__dict__
+    assert "forward" not in unet.__dict__ and "prepare_extra_step_kwargs" not in pipe.__dict__
+    assert torch.equal(call(pipe), ref)
+    assert handle.counters.runs == 1   # the plain run after undo is not counted
+    with accelerate(pipe) as again:   # accelerated anew after undo
+        assert torch.equal(call(pipe), ref)
+    assert again.counters.served == 5
+
+
+def test_the_context_manager_undoes_on_an_exception():
+    pipe = sd(SCHEDULERS["ddim"]())
+    with pytest.raises(RuntimeError, match="inside"), accelerate(pipe) as handle:
+        assert handle.active
+        raise RuntimeError("inside")
+    assert not handle.active and "forward" not in pipe.unet.__dict__
+
+
+@pytest.mark.parametrize(("scheduler", "kw", "why"), [
+    (lambda: diffusers.DDPMScheduler(clip_sample=False, steps_offset=1), {},
+     "DDPMScheduler draws noise inside scheduler.step"),
+    (lambda: diffusers.DDIMScheduler(clip_sample=False, steps_offset=1), {"eta": 0.5},
+     r"DDIMScheduler with eta=0.5 draws noise inside scheduler.step"),
+    (lambda: diffusers.EulerAncestralDiscreteScheduler(steps_offset=1), {},
+     "EulerAncestralDiscreteScheduler draws noise inside scheduler.step"),
+    (lambda: diffusers.DPMSolverMultistepScheduler(steps_offset=1, solver_order=2), {},
+     "DPMSolverMultistepScheduler with its settings reads the history"),
+    (lambda: diffusers.PNDMScheduler(steps_offset=1, skip_prk_steps=True), {},
+     "NotImplementedError: scheduler: PNDMScheduler is not supported"),
+])
+def test_unsupported_settings_fall_through_named(scheduler, kw, why):
+    """A scheduler whose steps draw noise from the pipeline's generator, one paraprop has no
+    parallel path for, or any other: the plain loop (its result bit for bit, the generator's
+    step noise included), a FallThroughWarning naming why, and the reason on the handle."""
+    pipe = sd(scheduler())
+    ref = call(pipe, **kw)
+    with pytest.warns(FallThroughWarning, match=why), accelerate(pipe) as handle:
+        out = call(pipe, **kw)
+    assert torch.equal(out, ref)
+    (run, step, reason), = handle.reasons
+    assert (run, step) == (1, 0) and re.match(why, reason)
+    c = handle.counters
+    assert (c.solved, c.served, c.denoiser_calls, c.model_calls) == (0, 0, c.steps, 0)
+
+
+def test_the_warning_is_said_once_per_reason():
+    pipe = sd(SCHEDULERS["ddim"]())
+    pipe.scheduler = diffusers.DDPMScheduler(clip_sample=False, steps_offset=1)
+    handle = accelerate(pipe)
+    with pytest.warns(FallThroughWarning):
+        call(pipe, steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(pipe, steps=2)   # the same reason: no second warning
+    handle.undo()
+    assert len(handle.reasons) == 2 and handle.counters.runs == 2
+
+
+def test_batch_variance_falls_through_bitwise():
+    """The plain tiny UNet rounds a row differently in a batch of another size on the CPU
+    (docs/diffusion.md, guidance): paraprop cannot certify its batched calls at ``tol=0``, so
+    only the steps it computed with the loop's own rows are served, the plain loop runs from
+    the first other one, the result is the plain one bit for bit, and the handle says so."""
+    pipe = sd(SCHEDULERS["ddim"](), unet=diffusers.UNet2DConditionModel)
+    ref = call(pipe, B=2)
+    with pytest.warns(FallThroughWarning, match="paraprop did not certify the trajectory"), \
+            accelerate(pipe) as handle:
+        out = call(pipe, B=2)
+    assert torch.equal(out, ref)
+    c = handle.counters
+    assert c.solved == 1 and c.certified == 0 and c.served >= 1
+    assert c.served + c.denoiser_calls == c.steps == 5
+    (_, step, reason), = handle.reasons
+    assert step == c.served and "rounds differently on the batched calls" in reason
+
+
+def test_callbacks_see_the_plain_latents_every_step():
+    """``callback_on_step_end`` is called at every step with the plain loop's latents."""
+    def recorder(seen):
+        def callback(pipe, i, t, kw):
+            seen.append((i, kw["latents"].clone()))
+            return {}
+        return callback
+
+    pipe = sd(SCHEDULERS["euler"]())
+    plain, accel = [], []
+    call(pipe, callback_on_step_end=recorder(plain))
+    with accelerate(pipe) as handle:
+        call(pipe, callback_on_step_end=recorder(accel))
+    assert [i for i, _ in accel] == [0, 1, 2, 3, 4]
+    assert all(torch.equal(a, p) for (_, a), (_, p) in zip(accel, plain, strict=True))
+    assert handle.counters.served == 5
+
+
+def test_a_callback_that_changes_the_latents_falls_through_from_there():
+    """A callback that changes the latents after step 1: the steps after it are not the ones
+    paraprop solved, so the plain loop computes them (the result is the plain pipeline's with
+    the same callback), and the handle names the step."""
+    def nudge(pipe, i, t, kw):
+        return {"latents": kw["latents"] * 1.01} if i == 1 else {}
+
+    pipe = sd(SCHEDULERS["ddim"]())
+    ref = call(pipe, callback_on_step_end=nudge)
+    with pytest.warns(FallThroughWarning, match="not one paraprop evaluated"), \
+            accelerate(pipe) as handle:
+        out = call(pipe, callback_on_step_end=nudge)
+    assert torch.equal(out, ref)
+    assert handle.counters.served == 2 and handle.counters.denoiser_calls == 3
+    assert handle.reasons[0][1] == 2
+
+
+def test_accelerate_refusals():
+    with pytest.raises(TypeError, match="pipe must be a diffusers pipeline .* got object"):
+        accelerate(object())
+    pipe = sd(SCHEDULERS["ddim"]())
+    with pytest.raises(ValueError, match="tol"):
+        accelerate(pipe, tol=-1.0)
+    assert "forward" not in pipe.unet.__dict__
+    assert paraprop.diffusion.accelerate is accelerate
