@@ -89,27 +89,35 @@ def call(pipe, steps=5, scale=5.0, rescale=0.0, output_type="latent", B=1, **kw)
         kw.update(pooled_prompt_embeds=pp, negative_pooled_prompt_embeds=npp, height=8, width=8)
     elif rescale:
         kw["guidance_rescale"] = rescale
+    kw.setdefault("generator", torch.Generator().manual_seed(3))
     return pipe(prompt_embeds=pe, negative_prompt_embeds=ne, num_inference_steps=steps,
-                guidance_scale=scale, generator=torch.Generator().manual_seed(3),
-                output_type=output_type, **kw).images
+                guidance_scale=scale, output_type=output_type, **kw).images
 
 
 SCHEDULERS = {   # Stable Diffusion's settings: steps_offset=1, no clipping
     "ddim": lambda: diffusers.DDIMScheduler(clip_sample=False, steps_offset=1),
     "euler": lambda: diffusers.EulerDiscreteScheduler(steps_offset=1),
+    # the steps draw noise from the pipeline's generator: drawn beforehand from a copy of it
+    "ddpm": lambda: diffusers.DDPMScheduler(clip_sample=False, steps_offset=1),
+    "ddim-eta": lambda: diffusers.DDIMScheduler(clip_sample=False, steps_offset=1),
+    "euler-ancestral": lambda: diffusers.EulerAncestralDiscreteScheduler(steps_offset=1),
 }
+GUIDANCE = [(5.0, 0.0), (5.0, 0.7), (1.0, 0.0)]
 
 
-@pytest.mark.parametrize(("scale", "rescale"), [(5.0, 0.0), (5.0, 0.7), (1.0, 0.0)])
-@pytest.mark.parametrize("name", list(SCHEDULERS))
+@pytest.mark.parametrize(("name", "scale", "rescale"),
+                         [(n, *g) for n in ("ddim", "euler") for g in GUIDANCE]
+                         + [(n, 5.0, 0.0) for n in ("ddpm", "ddim-eta", "euler-ancestral")])
 def test_the_accelerated_pipeline_is_the_plain_one_bitwise(name, scale, rescale, device):
     """At ``tol=0`` the accelerated ``pipe(...)`` returns the plain pipeline's latents bit for
     bit, every step's denoiser output from paraprop's certified solve, in at most the loop's
-    denoiser calls in sequence."""
+    denoiser calls in sequence (the step noise of DDPM, DDIM with eta and Euler ancestral
+    drawn beforehand from a copy of the pipeline's generator)."""
     pipe = sd(SCHEDULERS[name](), device)
-    ref = call(pipe, scale=scale, rescale=rescale)
+    extra = {"eta": 0.5} if name == "ddim-eta" else {}
+    ref = call(pipe, scale=scale, rescale=rescale, **extra)
     with accelerate(pipe) as handle:
-        out = call(pipe, scale=scale, rescale=rescale)
+        out = call(pipe, scale=scale, rescale=rescale, **extra)
     assert torch.equal(out, ref)
     c = handle.counters
     assert (c.runs, c.solved, c.certified, c.steps, c.served, c.denoiser_calls) == \
@@ -184,11 +192,10 @@ def test_the_context_manager_undoes_on_an_exception():
 
 
 @pytest.mark.parametrize(("scheduler", "kw", "why"), [
-    (lambda: diffusers.DDPMScheduler(clip_sample=False, steps_offset=1), {},
-     "DDPMScheduler draws noise inside scheduler.step"),
-    (lambda: diffusers.DDIMScheduler(clip_sample=False, steps_offset=1), {"eta": 0.5},
-     r"DDIMScheduler with eta=0.5 draws noise inside scheduler.step"),
-    (lambda: diffusers.EulerAncestralDiscreteScheduler(steps_offset=1), {},
+    (lambda: diffusers.DDPMScheduler(clip_sample=False, steps_offset=1), {"listed": True},
+     "DDPMScheduler draws noise inside scheduler.step, and the pipeline passes it a list of 2 "
+     "generators"),
+    (lambda: diffusers.EulerAncestralDiscreteScheduler(steps_offset=1), {"listed": True},
      "EulerAncestralDiscreteScheduler draws noise inside scheduler.step"),
     (lambda: diffusers.DPMSolverMultistepScheduler(steps_offset=1, solver_order=2), {},
      "DPMSolverMultistepScheduler with its settings reads the history"),
@@ -196,13 +203,19 @@ def test_the_context_manager_undoes_on_an_exception():
      "NotImplementedError: scheduler: PNDMScheduler is not supported"),
 ])
 def test_unsupported_settings_fall_through_named(scheduler, kw, why):
-    """A scheduler whose steps draw noise from the pipeline's generator, one paraprop has no
+    """A scheduler whose steps draw noise from a list of generators, one paraprop has no
     parallel path for, or any other: the plain loop (its result bit for bit, the generator's
     step noise included), a FallThroughWarning naming why, and the reason on the handle."""
     pipe = sd(scheduler())
-    ref = call(pipe, **kw)
+
+    def run():
+        if kw.get("listed"):   # one generator per sample, as a list
+            return call(pipe, B=2, generator=[torch.Generator().manual_seed(i) for i in (3, 4)])
+        return call(pipe)
+
+    ref = run()
     with pytest.warns(FallThroughWarning, match=why), accelerate(pipe) as handle:
-        out = call(pipe, **kw)
+        out = run()
     assert torch.equal(out, ref)
     (run, step, reason), = handle.reasons
     assert (run, step) == (1, 0) and re.match(why, reason)
@@ -212,7 +225,7 @@ def test_unsupported_settings_fall_through_named(scheduler, kw, why):
 
 def test_the_warning_is_said_once_per_reason():
     pipe = sd(SCHEDULERS["ddim"]())
-    pipe.scheduler = diffusers.DDPMScheduler(clip_sample=False, steps_offset=1)
+    pipe.scheduler = diffusers.PNDMScheduler(steps_offset=1, skip_prk_steps=True)
     handle = accelerate(pipe)
     with pytest.warns(FallThroughWarning):
         call(pipe, steps=2)
@@ -284,3 +297,20 @@ def test_accelerate_refusals():
         accelerate(pipe, tol=-1.0)
     assert "forward" not in pipe.unet.__dict__
     assert paraprop.diffusion.accelerate is accelerate
+
+
+def test_step_noise_from_one_listed_generator_or_the_global_rng():
+    """One generator in a list is drawn from as ``randn_tensor`` draws it (served, bitwise);
+    no generator at all (the global RNG) falls through, named, to the plain loop's bits."""
+    pipe = sd(SCHEDULERS["ddpm"]())
+    ref = call(pipe, generator=[torch.Generator().manual_seed(3)])
+    with accelerate(pipe) as handle:
+        out = call(pipe, generator=[torch.Generator().manual_seed(3)])
+    assert torch.equal(out, ref) and handle.counters.served == 5
+    torch.manual_seed(7)
+    ref = call(pipe, generator=None)
+    with pytest.warns(FallThroughWarning, match=r"passes it no generator \(the global RNG\)"), \
+            accelerate(pipe) as handle:
+        torch.manual_seed(7)
+        out = call(pipe, generator=None)
+    assert torch.equal(out, ref) and handle.counters.served == 0

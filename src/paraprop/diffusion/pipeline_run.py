@@ -78,6 +78,7 @@ class Run:
         self.served_steps: list[int] = []
         self.solved = False
         self.ended = False
+        self.eta: float | None = None      # DDIM's, as the pipeline passes it to step
         self.cfg, self.B = False, 0
         self._times: dict[float, int] = {}
 
@@ -117,7 +118,7 @@ class Run:
                               "cannot be told apart")
         try:
             _, sol = sample(model, sched, tuple(latents.shape), num_inference_steps=self.N,
-                            noise=noise, mu=self.mu, throw=False, **settings)
+                            noise=noise, mu=self.mu, eta=self.eta, throw=False, **settings)
         except (NotImplementedError, ValueError) as e:
             raise FallThrough(f"{type(e).__name__}: {e}") from None
         self.solution = sol
@@ -128,16 +129,14 @@ class Run:
 
     def _noise(self, sched, latents: torch.Tensor) -> torch.Tensor:
         """``noise=`` of :func:`sample`: row 0 the latents before ``init_noise_sigma`` (found
-        exactly, or a fall through), the steps' rows zeros (the steps draw none: checked)."""
+        exactly, or a fall through), row ``1 + s`` the noise step ``s`` will draw inside
+        ``scheduler.step`` from the pipeline's generator (:meth:`_step_noise`)."""
         N = self.N
         assert N is not None
         extra = self.extra_step_kwargs or {}
         name = type(sched).__name__
         if name in READERS:
             reader = readers.reader(sched, N, mu=self.mu, device=latents.device)
-            if any(reader.noisy):
-                raise FallThrough(f"{name} draws noise inside scheduler.step at every step "
-                                  "(from the pipeline's generator, unknown at step 0)")
             if not markov(reader):
                 raise FallThrough(f"{name} with its settings reads the history of earlier "
                                   "steps: paraprop has no parallel path for it")
@@ -145,20 +144,19 @@ class Run:
             if row0 is None:
                 raise FallThrough(f"the latents scaled by {name}.init_noise_sigma have no exact "
                                   "preimage in their dtype")
+            noisy, dtype, what = list(reader.noisy), reader.noise_dtype(latents.dtype), name
         else:
             try:
                 kind = scheduler_kind(sched)
             except (NotImplementedError, ValueError) as e:
                 raise FallThrough(f"{type(e).__name__}: {e}") from None
             eta = float(extra.get("eta", 0.0) or 0.0)
-            table = step_table(sched, N, eta=eta if kind == "ddim" else 0.0)
-            if bool(table.noisy.any()):
-                what = "DDPMScheduler" if kind == "ddpm" else f"DDIMScheduler with eta={eta}"
-                raise FallThrough(f"{what} draws noise inside scheduler.step (from the "
-                                  "pipeline's generator, unknown at step 0)")
+            self.eta = eta if kind == "ddim" else None
+            table = step_table(sched, N, eta=self.eta or 0.0)
             if float(getattr(sched, "init_noise_sigma", 1.0)) != 1.0:
                 raise FallThrough(f"{name}.init_noise_sigma is not 1")
-            row0 = latents
+            row0, noisy, dtype = latents, table.noisy.tolist(), latents.dtype
+            what = "DDPMScheduler" if kind == "ddpm" else f"DDIMScheduler with eta={eta}"
         for name_ in ("timesteps", "sigmas"):
             mine, theirs = getattr(sched, name_, None), getattr(self.scheduler, name_, None)
             if isinstance(theirs, torch.Tensor) and not (
@@ -168,7 +166,38 @@ class Run:
                                   "the pipeline's")
         noise = torch.zeros((N + 1, *latents.shape), dtype=latents.dtype, device=latents.device)
         noise[0] = row0
+        if any(noisy):
+            noise[1:] = self._step_noise(noisy, latents, dtype, what, extra.get("generator"))
         return noise
+
+    @staticmethod
+    def _step_noise(noisy: list[bool], latents: torch.Tensor, dtype: torch.dtype, what: str,
+                    generator) -> torch.Tensor:
+        """The noise the noisy steps will draw inside ``scheduler.step``, drawn beforehand from
+        a copy of the pipeline's generator in its state at step 0 (nothing else draws from it
+        in the loop; where something does, the latents stop matching and the plain loop runs):
+        ``randn_tensor``'s draw, on a CPU generator's device, then moved."""
+        if isinstance(generator, list) and len(generator) == 1:   # randn_tensor reads it so
+            generator = generator[0]
+        if not isinstance(generator, torch.Generator):
+            got = "no generator (the global RNG)" if generator is None else \
+                f"a {type(generator).__name__} of {len(generator)} generators"
+            raise FallThrough(f"{what} draws noise inside scheduler.step, and the pipeline "
+                              f"passes it {got}: paraprop cannot draw that noise beforehand")
+        if dtype != latents.dtype:
+            raise FallThrough(f"{what} draws its step noise in {dtype}, not in the latents' "
+                              f"{latents.dtype}")
+        device = latents.device
+        if generator.device.type != device.type and generator.device.type != "cpu":
+            raise FallThrough(f"a {generator.device.type} generator cannot draw the step noise "
+                              f"of {device} latents")
+        copy = torch.Generator(device=generator.device)
+        copy.set_state(generator.get_state())
+        gen_device = generator.device if generator.device.type != device.type else device
+        zero = torch.zeros(latents.shape, dtype=latents.dtype, device=device)
+        rows = [torch.randn(latents.shape, generator=copy, device=gen_device, dtype=dtype)
+                .to(device) if z else zero for z in noisy]
+        return torch.stack(rows)
 
     def _model(self, pipe, denoiser, call: Call, cfg: bool, B: int):
         """The model :func:`sample` evaluates: the real denoiser under the pipeline's guidance,
