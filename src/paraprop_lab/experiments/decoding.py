@@ -17,7 +17,7 @@ from paraprop_lab.experiments.harness import interleaved, median  # noqa: E402
 from paraprop_lab.experiments.plots import save_figure  # noqa: E402
 
 COLUMNS = ["method", "tokens_per_s", "model_calls", "tokens_per_call", "vs_sequential",
-           "vs_generate", "same_tokens"]
+           "vs_generate", "same_tokens", "certified"]
 
 
 PROMPT = 48      # characters per prompt
@@ -47,15 +47,18 @@ def case_rows(model, ids, new: int, *, sample: bool, window: int, repeats: int,
               desc: str) -> list[dict]:
     """One row per method. Sampled, each coupling (the inverse CDF, and the Gumbel-max
     coupling's rows, named with :data:`GUMBEL`) is compared with its own sequential loop:
-    ``same_tokens`` and ``vs_sequential`` against the loop with the same coupling and seed."""
+    ``same_tokens`` and ``vs_sequential`` against the loop with the same coupling and seed.
+    ``certified``: whether paraprop's run is certified (``converged``; else how many tokens are
+    not, which ``throw=False`` reports instead of raising)."""
     # top_k=0: no top-k, as on the transformers side (generate's default is top_k=50)
     kw = {"do_sample": True, "temperature": TEMPERATURE, "top_k": 0} if sample else {}
     seed = 0
 
     def ours(**extra):
-        def run():
+        def run():      # throw=False: an uncertified token is reported, not raised
             g = torch.Generator().manual_seed(seed) if sample else None
-            return generate(model, ids, max_new_tokens=new, generator=g, **kw, **extra)
+            return generate(model, ids, max_new_tokens=new, generator=g, throw=False, **kw,
+                            **extra)
         return run
 
     def hf():
@@ -87,14 +90,18 @@ def case_rows(model, ids, new: int, *, sample: bool, window: int, repeats: int,
         if name == "transformers generate":
             tokens, calls, per = hf_tokens, new, 1.0
             same = bool(torch.equal(tokens, ref)) if not sample else "n/a (own RNG)"
+            certified = "n/a"
         else:
             with torch.no_grad():
                 tokens, sol = run()
             calls, per = sol.stats["model_calls"], sol.stats["tokens_per_call"]
             same = bool(torch.equal(tokens, ref))
+            unc = len(sol.stats["uncertified"])
+            certified = "yes" if sol.converged else f"no ({unc} uncertified)" if unc else "no"
         rows.append({"method": name, "tokens_per_s": ids.shape[0] * new / t,
                      "model_calls": calls, "tokens_per_call": per, "vs_sequential": seq_t / t,
-                     "vs_generate": gen_t / t, "same_tokens": same, "time_s": t})
+                     "vs_generate": gen_t / t, "same_tokens": same, "certified": certified,
+                     "time_s": t})
     return rows
 
 
