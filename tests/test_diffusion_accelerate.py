@@ -295,6 +295,8 @@ def test_accelerate_refusals():
     pipe = sd(SCHEDULERS["ddim"]())
     with pytest.raises(ValueError, match="tol"):
         accelerate(pipe, tol=-1.0)
+    with pytest.raises(ValueError, match="method"):
+        accelerate(pipe, method="newton")
     assert "forward" not in pipe.unet.__dict__
     assert paraprop.diffusion.accelerate is accelerate
 
@@ -313,4 +315,17 @@ def test_step_noise_from_one_listed_generator_or_the_global_rng():
             accelerate(pipe) as handle:
         torch.manual_seed(7)
         out = call(pipe, generator=None)
+    assert torch.equal(out, ref) and handle.counters.served == 0
+
+
+def test_image_to_image_falls_through_named():
+    """An image-to-image pipeline starts its loop past the first timestep (``strength``):
+    the plain loop, named."""
+    pipe = diffusers.StableDiffusionImg2ImgPipeline(**sd(SCHEDULERS["ddim"]()).components)
+    pipe.set_progress_bar_config(disable=True)
+    image = torch.rand(1, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    ref = call(pipe, image=image, strength=0.6)
+    with pytest.warns(FallThroughWarning, match="does not start at the scheduler's first"), \
+            accelerate(pipe) as handle:
+        out = call(pipe, image=image, strength=0.6)
     assert torch.equal(out, ref) and handle.counters.served == 0

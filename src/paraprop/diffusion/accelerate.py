@@ -23,6 +23,7 @@ import torch
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
 from paraprop.diffusion.pipeline_run import Call, FallThrough, Run
+from paraprop.diffusion.sample import _solver
 from paraprop.result import Solution
 
 PATCH = "_paraprop_diffusion_accelerate"   # the instance attribute naming the handle
@@ -167,21 +168,23 @@ class Accelerated:
         call = _call(original, args, kwargs)
         s = run.step
         if call is None:
-            self._fall(run, s, "the denoiser was called without its input and timestep "
-                               "by name or position, or with return_dict=True")
+            if run.reason is None:
+                run.reason = ("the denoiser was called without its input and timestep (by name "
+                              "or position) or with return_dict=True")
+                self._fall(run, s, run.reason)
             self.counters.denoiser_calls += 1
             return original(*args, **kwargs)
         if not run.solved:
             self._solve(run, call)
-        out = run.serve(s, call)
-        if out is None:
+        served = run.serve(call)
+        if served is None:
             if run.reason is None and run.trajectory is not None:
                 run.first_unserved = s if run.first_unserved is None else run.first_unserved
             self.counters.denoiser_calls += 1
             return original(*args, **kwargs)
-        run.served_steps.append(s)
+        run.served_steps.append(served[0])
         self.counters.served += 1
-        return (out,)
+        return (served[1],)
 
     def _solve(self, run: Run, call: Call) -> None:
         self.solving = True
@@ -314,15 +317,18 @@ def accelerate(pipe, *, method="picard", window: int | None = None, tol: float =
     says so once per reason, and ``handle.reasons`` records it.
 
     Supported: pipelines that call their ``unet`` or ``transformer`` with the input and
-    ``timestep`` and ``return_dict=False`` once per step, with classifier-free guidance as
-    ``StableDiffusionPipeline`` computes it (``guidance_scale``, ``guidance_rescale``) or
-    none; the schedulers :func:`paraprop.diffusion.sample` runs in parallel with no noise in
-    their steps: ``DDIMScheduler`` with ``eta=0``, ``EulerDiscreteScheduler``,
-    ``FlowMatchEulerDiscreteScheduler`` (not ``stochastic_sampling``), ``LCMScheduler`` is
-    refused (its steps draw noise), ``DPMSolverMultistepScheduler`` of order 1. The others fall
-    through, named: ``DDPMScheduler``, DDIM with ``eta > 0``, ``EulerAncestralDiscreteScheduler``
-    (noise drawn in ``scheduler.step``), DPM-Solver++ of order 2-3, UniPC, Heun (history), any
-    other scheduler, custom timesteps or sigmas.
+    ``timestep`` and ``return_dict=False`` once per step from the scheduler's first timestep,
+    with classifier-free guidance as ``StableDiffusionPipeline`` computes it
+    (``guidance_scale``, ``guidance_rescale``) or none (tested: ``StableDiffusionPipeline``,
+    ``StableDiffusion3Pipeline``); the schedulers :func:`paraprop.diffusion.sample` runs in
+    parallel: ``DDIMScheduler`` (any ``eta``), ``DDPMScheduler``, ``EulerDiscreteScheduler``,
+    ``EulerAncestralDiscreteScheduler``, ``FlowMatchEulerDiscreteScheduler``,
+    ``LCMScheduler``, ``DPMSolverMultistepScheduler`` of order 1. A step's noise is drawn
+    beforehand from a copy of the generator the pipeline passes to ``scheduler.step`` (one
+    ``torch.Generator``). Falling through, named: DPM-Solver++ of order 2-3, UniPC, Heun
+    (they read earlier steps), any other scheduler, step noise from the global RNG or from
+    several generators, custom timesteps or sigmas, a loop that does not start at the first
+    timestep.
 
     Arguments:
         pipe: a diffusers pipeline with a ``unet`` or a ``transformer`` and a ``scheduler``.
@@ -338,6 +344,7 @@ def accelerate(pipe, *, method="picard", window: int | None = None, tol: float =
     """
     check_tol(tol)
     check_max_iters(max_iters)
+    _solver(method, window, memory, 1000)   # the method's settings, checked as sample does
     denoiser = next((getattr(pipe, n, None) for n in DENOISERS
                      if isinstance(getattr(pipe, n, None), torch.nn.Module)), None)
     scheduler = getattr(pipe, "scheduler", None)

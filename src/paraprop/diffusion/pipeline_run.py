@@ -96,6 +96,10 @@ class Run:
             raise FallThrough(f"the denoiser {type(denoiser).__name__} is in train mode with "
                               "stochastic layers (call .eval())")
         x = call.x
+        first = self.scheduler.timesteps[:1].to(call.t.device)
+        if call.t.numel() == 0 or not bool((call.t.reshape(-1) == first).all()):
+            raise FallThrough("the pipeline's loop does not start at the scheduler's first "
+                              "timestep (an image-to-image strength, or a loop of its own)")
         cfg = bool(getattr(pipe, "do_classifier_free_guidance", False))
         rows = x.shape[0]
         if cfg and rows % 2:
@@ -255,14 +259,20 @@ class Run:
             self.records[s] = (kept + [rec])[-_RECORDS_KEPT:]
 
     # -- every step ---------------------------------------------------------------------------
-    def serve(self, s: int, call: Call) -> torch.Tensor | None:
-        """The recorded output of step ``s`` for this call, or ``None`` (the real denoiser)."""
-        if self.trajectory is None or not _same_kwargs(self.kwargs0, call.kwargs):
+    def serve(self, call: Call) -> tuple[int, torch.Tensor] | None:
+        """The step this call's timestep is and its recorded output, where one was evaluated
+        at the call's input and arguments bit for bit (and certified); else ``None`` (the real
+        denoiser)."""
+        if self.trajectory is None or call.t.numel() == 0 or \
+                not _same_kwargs(self.kwargs0, call.kwargs):
+            return None
+        s = self._times.get(float(call.t.reshape(-1)[0]))
+        if s is None:
             return None
         for rec in reversed(self.records.get(s, [])):
             if (self.certified or rec.loop_shaped) and rec.inp.dtype == call.x.dtype and \
                     torch.equal(rec.inp, call.x):
-                return rec.out
+                return s, rec.out
         return None
 
     def release(self) -> None:
