@@ -33,7 +33,15 @@ _SCHEDULER_METHODS = ("set_timesteps", "scale_model_input", "step")
 
 class FallThroughWarning(UserWarning):
     """An accelerated pipeline ran (part of) a run through its own plain loop: paraprop does
-    not support or could not certify the setting. The result is the plain pipeline's."""
+    not support or could not certify the setting. The result is the plain pipeline's.
+
+    Example:
+        >>> import warnings
+        >>> issubclass(paraprop.diffusion.FallThroughWarning, UserWarning)
+        True
+        >>> with warnings.catch_warnings():   # to insist on paraprop's loop: make it an error
+        ...     warnings.simplefilter("error", paraprop.diffusion.FallThroughWarning)
+    """
 
 
 @dataclasses.dataclass
@@ -60,6 +68,17 @@ class Accelerated:
             1, ``step``: the first step the plain loop computed).
         solution: the last solved run's :class:`paraprop.Solution` (``None`` before any).
         active: ``False`` once undone.
+
+    Example:
+        >>> import types
+        >>> from diffusers import DDIMScheduler
+        >>> pipe = types.SimpleNamespace(unet=torch.nn.Identity(), scheduler=DDIMScheduler())
+        >>> handle = paraprop.diffusion.accelerate(pipe)
+        >>> handle.active, "forward" in vars(pipe.unet), handle.counters.runs
+        (True, True, 0)
+        >>> handle.undo()
+        >>> handle.active, "forward" in vars(pipe.unet), "step" in vars(pipe.scheduler)
+        (False, False, False)
     """
 
     def __init__(self, pipe, denoiser, scheduler, settings: dict[str, Any]):
@@ -340,7 +359,32 @@ def accelerate(pipe, *, method="picard", window: int | None = None, tol: float =
 
     Raises:
         TypeError: ``pipe`` has no ``unet``/``transformer`` module or no ``scheduler``.
-        ValueError: ``pipe`` is already accelerated; a bad ``tol`` or ``max_iters``.
+        ValueError: ``pipe`` is already accelerated; a bad ``method``, ``window``, ``memory``,
+            ``tol`` or ``max_iters``.
+
+    Example:
+        A pipeline-shaped object running the diffusers loop (any pipeline's ``__call__`` is):
+
+        >>> from diffusers import DDIMScheduler
+        >>> class Net(torch.nn.Module):
+        ...     def forward(self, sample, timestep, return_dict=True):
+        ...         return (0.1 * sample,)
+        >>> class Pipe:
+        ...     def __init__(self):
+        ...         self.unet, self.scheduler = Net().eval(), DDIMScheduler()
+        ...     def __call__(self, steps, generator):
+        ...         self.scheduler.set_timesteps(steps)
+        ...         x = torch.randn(2, 3, generator=generator)
+        ...         for t in self.scheduler.timesteps:
+        ...             out = self.unet(x, t, return_dict=False)[0]
+        ...             x = self.scheduler.step(out, t, x).prev_sample
+        ...         return x
+        >>> pipe = Pipe()
+        >>> ref = pipe(20, torch.Generator().manual_seed(0))
+        >>> with paraprop.diffusion.accelerate(pipe) as handle:
+        ...     x = pipe(20, torch.Generator().manual_seed(0))
+        >>> torch.equal(x, ref), handle.counters.served, handle.counters.model_calls < 20
+        (True, 20, True)
     """
     check_tol(tol)
     check_max_iters(max_iters)
