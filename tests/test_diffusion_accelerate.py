@@ -101,18 +101,22 @@ SCHEDULERS = {   # Stable Diffusion's settings: steps_offset=1, no clipping
     "ddpm": lambda: diffusers.DDPMScheduler(clip_sample=False, steps_offset=1),
     "ddim-eta": lambda: diffusers.DDIMScheduler(clip_sample=False, steps_offset=1),
     "euler-ancestral": lambda: diffusers.EulerAncestralDiscreteScheduler(steps_offset=1),
+    "lcm": lambda: diffusers.LCMScheduler(steps_offset=1),
+    "sde-dpm++1": lambda: diffusers.DPMSolverMultistepScheduler(
+        steps_offset=1, solver_order=1, algorithm_type="sde-dpmsolver++"),
 }
 GUIDANCE = [(5.0, 0.0), (5.0, 0.7), (1.0, 0.0)]
 
 
 @pytest.mark.parametrize(("name", "scale", "rescale"),
                          [(n, *g) for n in ("ddim", "euler") for g in GUIDANCE]
-                         + [(n, 5.0, 0.0) for n in ("ddpm", "ddim-eta", "euler-ancestral")])
+                         + [(n, 5.0, 0.0) for n in ("ddpm", "ddim-eta", "euler-ancestral", "lcm",
+                                                    "sde-dpm++1")])
 def test_the_accelerated_pipeline_is_the_plain_one_bitwise(name, scale, rescale, device):
     """At ``tol=0`` the accelerated ``pipe(...)`` returns the plain pipeline's latents bit for
     bit, every step's denoiser output from paraprop's certified solve, in at most the loop's
-    denoiser calls in sequence (the step noise of DDPM, DDIM with eta and Euler ancestral
-    drawn beforehand from a copy of the pipeline's generator)."""
+    denoiser calls in sequence (the step noise of DDPM, DDIM with eta, Euler ancestral, LCM
+    and SDE-DPM-Solver++ drawn beforehand from a copy of the pipeline's generator)."""
     pipe = sd(SCHEDULERS[name](), device)
     extra = {"eta": 0.5} if name == "ddim-eta" else {}
     ref = call(pipe, scale=scale, rescale=rescale, **extra)
