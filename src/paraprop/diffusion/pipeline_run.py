@@ -207,10 +207,18 @@ class Run:
         """The model :func:`sample` evaluates: the real denoiser under the pipeline's guidance,
         recording every step's evaluation (:meth:`_record`)."""
         names = (call.x_name, call.t_name)
+        rows = 2 * B if cfg else B
+        zero_d = call.t.dim() == 0
+        timesteps = self.scheduler.timesteps
 
         def inner(x: torch.Tensor, t: torch.Tensor, **kw) -> torch.Tensor:
-            out = denoiser(**{names[0]: x, names[1]: t}, **kw, return_dict=False)[0]
-            self._record(x, t, out, 2 * B if cfg else B)
+            t_in = t
+            if x.shape[0] == rows:   # one step's rows: its timestep as the pipeline passes it
+                step = self._times.get(float(t[0]))
+                if step is not None:
+                    t_in = timesteps[step] if zero_d else timesteps[step].expand(rows)
+            out = denoiser(**{names[0]: x, names[1]: t_in}, **kw, return_dict=False)[0]
+            self._record(x, t, out, rows)
             return out
 
         if not cfg:
