@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -124,17 +124,15 @@ class Accelerated:
         self.run = None
         self.active = False
 
+    def __repr__(self) -> str:
+        return (f"Accelerated({type(self.pipe).__name__}, {type(self.scheduler).__name__}, "
+                f"tol={self.tol}, {'active' if self.active else 'undone'})")
+
     def __enter__(self) -> Accelerated:
         return self
 
-    def __exit__(self, *exc) -> Literal[False]:
+    def __exit__(self, *exc) -> None:   # undone, also on an exception (which propagates)
         self.undo()
-        return False
-
-    def __repr__(self) -> str:
-        state = "active" if self.active else "undone"
-        return (f"Accelerated({type(self.pipe).__name__}, {type(self.scheduler).__name__}, "
-                f"tol={self.tol}, {state})")
 
     # -- the scheduler's and the pipeline's methods ------------------------------------------
     def _set_timesteps(self, original, *args, **kwargs):
