@@ -333,3 +333,15 @@ def test_image_to_image_falls_through_named():
             accelerate(pipe) as handle:
         out = call(pipe, image=image, strength=0.6)
     assert torch.equal(out, ref) and handle.counters.served == 0
+
+
+def test_a_replaced_scheduler_falls_through_named():
+    pipe = sd(SCHEDULERS["ddim"]())
+    with accelerate(pipe) as handle:
+        pipe.scheduler = diffusers.EulerDiscreteScheduler(steps_offset=1)
+        ref_sched = diffusers.EulerDiscreteScheduler(steps_offset=1)
+        with pytest.warns(FallThroughWarning, match="pipe.scheduler was replaced after"):
+            out = call(pipe)
+    pipe.scheduler = ref_sched
+    assert torch.equal(out, call(pipe))
+    assert handle.counters.served == 0 and handle.counters.denoiser_calls == 5

@@ -28,7 +28,6 @@ from paraprop.result import Solution
 
 PATCH = "_paraprop_diffusion_accelerate"   # the instance attribute naming the handle
 DENOISERS = ("unet", "transformer")
-_SCHEDULER_METHODS = ("set_timesteps", "scale_model_input", "step")
 
 
 class FallThroughWarning(UserWarning):
@@ -91,6 +90,7 @@ class Accelerated:
         self.run: Run | None = None
         self.solving = False
         self._warned: set[str] = set()
+        self._replaced = False
         self._saved: list[tuple[Any, str, Any]] = []
         self._install(denoiser, "forward", self._forward)
         self._install(scheduler, "set_timesteps", self._set_timesteps)
@@ -180,7 +180,14 @@ class Accelerated:
     # -- the denoiser ------------------------------------------------------------------------
     def _forward(self, original, *args, **kwargs):
         run = self.run
-        if self.solving or run is None or self.pipe.scheduler is not self.scheduler:
+        if not self.solving and getattr(self.pipe, "scheduler", None) is not self.scheduler:
+            if not self._replaced:
+                self._replaced = True
+                self._fall(0, "pipe.scheduler was replaced after "
+                           "accelerate (accelerate the pipeline again for the new one)")
+            self.counters.denoiser_calls += 1
+            return original(*args, **kwargs)
+        if self.solving or run is None:
             return original(*args, **kwargs)
         call = _call(original, args, kwargs)
         s = run.step
@@ -188,7 +195,7 @@ class Accelerated:
             if run.reason is None:
                 run.reason = ("the denoiser was called without its input and timestep (by name "
                               "or position) or with return_dict=True")
-                self._fall(run, s, run.reason)
+                self._fall(s, run.reason)
             self.counters.denoiser_calls += 1
             return original(*args, **kwargs)
         if not run.solved:
@@ -209,7 +216,7 @@ class Accelerated:
             run.solve(self.pipe, self.denoiser, call, self.settings)
         except FallThrough as e:
             run.reason = str(e)
-            self._fall(run, 0, run.reason)
+            self._fall(0, run.reason)
             return
         finally:
             self.solving = False
@@ -221,7 +228,7 @@ class Accelerated:
         self.counters.model_calls += int(sol.iterations)
         if not run.certified:
             why = sol.stats.get("reason") or "not certified within max_iters"
-            self._fall(run, _first_uncertified(run),
+            self._fall(_first_uncertified(run),
                        f"paraprop did not certify the trajectory ({why}): the steps it did not "
                        "compute with the loop's own rows run the plain loop")
 
@@ -231,12 +238,12 @@ class Accelerated:
             return
         run.ended = True
         if run.first_unserved is not None and run.certified:
-            self._fall(run, run.first_unserved, "the pipeline's input at this step was not "
+            self._fall(run.first_unserved, "the pipeline's input at this step was not "
                        "one paraprop evaluated (a callback changed the latents, or the "
                        "pipeline computes its step otherwise)")
         run.release()
 
-    def _fall(self, run: Run, step: int, reason: str) -> None:
+    def _fall(self, step: int, reason: str) -> None:
         self.reasons.append((self.counters.runs, step, reason))
         key = reason.split(":")[0]
         if key not in self._warned:
