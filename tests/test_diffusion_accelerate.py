@@ -345,3 +345,24 @@ def test_a_replaced_scheduler_falls_through_named():
     pipe.scheduler = ref_sched
     assert torch.equal(out, call(pipe))
     assert handle.counters.served == 0 and handle.counters.denoiser_calls == 5
+
+
+@pytest.mark.parametrize("name", ["ddim", "euler-ancestral"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_every_dtype_and_a_sliding_window_bitwise(dtype, name):
+    """The pipeline in float64, bfloat16 and float16, Picard on a window of 2 steps: the plain
+    pipeline's latents bit for bit (the schedulers' own rounding in the dtype included)."""
+    pipe = sd(SCHEDULERS[name]()).to(dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    pe, ne = (torch.randn(1, 5, 12, generator=g).to(dtype) for _ in range(2))
+
+    def run():
+        return pipe(prompt_embeds=pe, negative_prompt_embeds=ne, num_inference_steps=5,
+                    guidance_scale=5.0, generator=torch.Generator().manual_seed(3),
+                    output_type="latent").images
+
+    ref = run()
+    with accelerate(pipe, window=2) as handle:
+        out = run()
+    assert out.dtype == dtype and torch.equal(out, ref)
+    assert handle.counters.served == 5 and handle.solution.stats["window"] == 2
