@@ -150,11 +150,14 @@ def run(args) -> int:
     val = validation_loss(model, held)
     from paraprop.decoding import generate
 
-    tokens, _ = generate(model, vocab.encode(args.prompt)[None], max_new_tokens=120)
+    tokens, sol = generate(model, vocab.encode(args.prompt)[None], max_new_tokens=120,
+                           throw=False)
     params = sum(p.numel() for p in model.parameters())
     print(f"trained a char LM ({params} parameters, vocabulary {len(vocab)}) on "
           f"{len(train)} characters for {args.steps} steps: loss {hist[0]:.3f} -> "
           f"{hist[-1]:.3f}, held-out {val:.3f} nats/char, in "
           f"{time.perf_counter() - start:.0f} s; saved {out}")
-    print("greedy sample: " + repr(vocab.decode(tokens[0])))
+    note = "" if sol.converged else " (not every token certified: " \
+        f"{sol.stats.get('uncertified_cause', sol.message)})"
+    print("greedy sample: " + repr(vocab.decode(tokens[0])) + note)
     return 0
