@@ -366,3 +366,17 @@ def test_every_dtype_and_a_sliding_window_bitwise(dtype, name):
         out = run()
     assert out.dtype == dtype and torch.equal(out, ref)
     assert handle.counters.served == 5 and handle.solution.stats["window"] == 2
+
+
+def test_a_stochastic_denoiser_falls_through_named():
+    """A denoiser in train mode with active dropout: its output is not a function of its input,
+    so paraprop does not solve the run (the plain loop, named)."""
+    pipe = sd(SCHEDULERS["ddim"]())
+    drop = next(m for m in pipe.unet.modules() if isinstance(m, torch.nn.Dropout))
+    drop.p = 0.1
+    pipe.unet.train()
+    with pytest.warns(FallThroughWarning, match="RowUNet is in train mode with stochastic"), \
+            accelerate(pipe) as handle:
+        call(pipe)
+    c = handle.counters
+    assert (c.solved, c.served, c.denoiser_calls, c.model_calls) == (0, 0, 5, 0)
