@@ -62,6 +62,8 @@ class Accelerated:
 
     Attributes:
         pipe, denoiser, scheduler: the accelerated pipeline and the patched objects.
+        settings: :func:`paraprop.diffusion.sample`'s ``method``, ``window``, ``memory``,
+            ``tol``, ``max_iters`` (``tol`` also as ``handle.tol``), as given to :func:`accelerate`.
         counters: :class:`Counters`.
         reasons: ``(run, step, reason)`` of every fall through (``run``: the run's number from
             1, ``step``: the first step the plain loop computed).
@@ -82,8 +84,7 @@ class Accelerated:
 
     def __init__(self, pipe, denoiser, scheduler, settings: dict[str, Any]):
         self.pipe, self.denoiser, self.scheduler = pipe, denoiser, scheduler
-        self.settings = settings
-        self.tol = float(settings["tol"])
+        self.settings = settings   # sample's method, window, memory, tol, max_iters
         self.counters = Counters()
         self.reasons: list[tuple[int, int, str]] = []
         self.solution: Solution | None = None
@@ -102,6 +103,10 @@ class Accelerated:
         pipe.__dict__[PATCH] = self
         self.active = True
 
+    @property
+    def tol(self) -> float:
+        return float(self.settings["tol"])
+
     # -- patches -----------------------------------------------------------------------------
     def _install(self, obj, name: str, method, optional: bool = False) -> None:
         if optional and not hasattr(obj, name):
@@ -114,6 +119,7 @@ class Accelerated:
 
     def undo(self) -> None:
         """Restore every patched method (again: nothing)."""
+        self._end_run()
         for obj, name, saved in reversed(self._saved):
             if saved is _MISSING:
                 obj.__dict__.pop(name, None)
@@ -206,7 +212,7 @@ class Accelerated:
                 run.first_unserved = s if run.first_unserved is None else run.first_unserved
             self.counters.denoiser_calls += 1
             return original(*args, **kwargs)
-        run.served_steps.append(served[0])
+        run.served_steps.add(served[0])
         self.counters.served += 1
         return (served[1],)
 
@@ -245,17 +251,11 @@ class Accelerated:
 
     def _fall(self, step: int, reason: str) -> None:
         self.reasons.append((self.counters.runs, step, reason))
-        key = reason.split(":")[0]
-        if key not in self._warned:
-            self._warned.add(key)
+        if reason not in self._warned:
+            self._warned.add(reason)
             warnings.warn(f"paraprop.diffusion.accelerate: {type(self.pipe).__name__} runs its "
                           f"plain loop from step {step}: {reason}", FallThroughWarning,
                           stacklevel=4)
-
-    def finish(self) -> None:
-        """Record the fall through of the last run, if its steps left paraprop's inputs."""
-        self._end_run()
-        self.run = None
 
 
 class _Proxy:

@@ -75,7 +75,7 @@ class Run:
         self.reason = reason               # why the run falls through (None: it does not)
         self.first_unserved: int | None = None
         self.kwargs0: dict[str, Any] | None = None
-        self.served_steps: list[int] = []
+        self.served_steps: set[int] = set()
         self.solved = False
         self.ended = False
         self.eta: float | None = None      # DDIM's, as the pipeline passes it to step
