@@ -30,6 +30,20 @@ class RowUNet(diffusers.UNet2DConditionModel):
         return (out,) if not return_dict else out
 
 
+class BatchVariantUNet(RowUNet):
+    """:class:`RowUNet` whose output moves by one unit in the last place in a call of more rows
+    than the plain loop's (4: two samples, guidance on): the batch variance of CPU and GPU
+    kernels, which the plain tiny UNet shows or not depending on the threads and the kernels
+    chosen, made certain."""
+
+    def forward(self, sample, timestep, encoder_hidden_states, return_dict=True, **kw):
+        out = super().forward(sample, timestep, encoder_hidden_states, return_dict=False,
+                              **kw)[0]
+        if sample.shape[0] > 4:
+            out = torch.nextafter(out, torch.full_like(out, float("inf")))
+        return (out,) if not return_dict else out
+
+
 class RowTransformer(diffusers.SD3Transformer2DModel):
     """The tiny SD3 transformer, one row at a time (as :class:`RowUNet`)."""
 
@@ -241,11 +255,12 @@ def test_the_warning_is_said_once_per_reason():
 
 
 def test_batch_variance_falls_through_bitwise():
-    """The plain tiny UNet rounds a row differently in a batch of another size on the CPU
-    (docs/diffusion.md, guidance): paraprop cannot certify its batched calls at ``tol=0``, so
-    only the steps it computed with the loop's own rows are served, the plain loop runs from
-    the first other one, the result is the plain one bit for bit, and the handle says so."""
-    pipe = sd(SCHEDULERS["ddim"](), unet=diffusers.UNet2DConditionModel)
+    """A denoiser that rounds a row differently in a batch of another size (as the plain tiny
+    UNet's CPU kernels may; docs/diffusion.md, guidance): paraprop cannot certify its batched
+    calls at ``tol=0``, so only the steps it computed with the loop's own rows are served, the
+    plain loop runs from the first other one, the result is the plain one bit for bit, and the
+    handle says so."""
+    pipe = sd(SCHEDULERS["ddim"](), unet=BatchVariantUNet)
     ref = call(pipe, B=2)
     with pytest.warns(FallThroughWarning, match="paraprop did not certify the trajectory"), \
             accelerate(pipe) as handle:
