@@ -5,9 +5,11 @@ diffusion policy: per-call overhead dominates) and a small UNet on the digits. F
 steps and DDIM with 50 and 100 steps (eta 0 and 1), every method samples the same noise; the
 baseline is the diffusers loop ``scheduler.step(model(x, t), t, x)``. Reported per method: the
 sequential model calls (iterations), model evaluations per sample, wall time against the
-diffusers loop, and the largest deviation from the sequential sample. A last table checks
-diffusers' own batched steps (``DDPMParallelScheduler`` / ``DDIMParallelScheduler``) against
-their sequential schedulers.
+diffusers loop, and the largest deviation from the sequential sample. The schedulers people run
+(issue 31: Euler, Euler ancestral, DPM-Solver++ of order 1 in parallel; DPM-Solver++ 2M and UniPC
+sequentially, their parallel methods refused) at 25 and 50 steps on the shipped two-moons
+checkpoint, against the pipelines' loop. A last table checks diffusers' own batched steps
+(``DDPMParallelScheduler`` / ``DDIMParallelScheduler``) against their sequential schedulers.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ import torch  # noqa: E402
 
 from paraprop.diffusion import step_table  # noqa: E402
 from paraprop_lab.experiments import rows_sampling as _rows
-from paraprop_lab.experiments.diffusion import COLUMNS, TOL, chain_rows, curves_plot  # noqa: E402
+from paraprop_lab.experiments.diffusion import (  # noqa: E402
+    COLUMNS,
+    SCHEDULER_COLUMNS,
+    TOL,
+    chain_rows,
+    curves_plot,
+    scheduler_rows,
+)
 from paraprop_lab.experiments.harness import machine_info  # noqa: E402
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results  # noqa: E402
 from paraprop_lab.experiments.rows import RowSpec
@@ -80,6 +89,44 @@ def parallel_scheduler_rows(steps_list=(50, 100, 1000)) -> list[dict]:
     return rows
 
 
+# (label, diffusers class, config, parallel): the schedulers' defaults are the training schedule
+# of the two-moons denoiser (1000 timesteps, linear betas 1e-4 to 0.02, epsilon prediction)
+SCHEDULERS = [
+    ("Euler", "EulerDiscreteScheduler", {}, True),
+    ("Euler ancestral", "EulerAncestralDiscreteScheduler", {}, True),
+    ("DPM-Solver++ order 1", "DPMSolverMultistepScheduler", {"solver_order": 1}, True),
+    ("DPM-Solver++ 2M", "DPMSolverMultistepScheduler", {}, False),
+    ("UniPC", "UniPCMultistepScheduler", {}, False),
+]
+LEFT_OUT = (
+    "Left out: flow matching (`FlowMatchEulerDiscreteScheduler` integrates a velocity field; "
+    "no flow-matching model is trained here, and this denoiser predicts noise, not a "
+    "velocity), `LCMScheduler` (its steps are for consistency-distilled models run at 2-8 "
+    "steps; this model is not one), Heun (sequential only, like the multistep solvers, with "
+    "2N - 1 model calls).")
+
+
+def scheduler_section(moons, moons_info: dict, *, quick: bool, repeats: int):
+    """The rows of :data:`SCHEDULERS` at 25 and 50 steps (``quick``: 25), batch 16, on the
+    shipped two-moons checkpoint (``moons`` where it is missing): ``(title, rows, model)``."""
+    import diffusers
+
+    from paraprop_lab.demos import _weights
+
+    if _weights.path("ddpm") is not None:
+        model, what = _weights.load("ddpm"), _weights.describe("ddpm")
+    else:
+        model, what = moons, f"the suite's model {moons_info['checkpoint']} (no shipped one)"
+    batch = 16
+    rows = []
+    for steps in (25,) if quick else (25, 50):
+        for label, cls, config, parallel in SCHEDULERS:
+            rows += scheduler_rows(model, label, lambda c=cls, k=config: getattr(diffusers, c)(**k),
+                                   (batch, 2), steps, parallel=parallel, repeats=repeats)
+    title = f"The schedulers people run: MLP denoiser on two moons, batch {batch}"
+    return title, rows, what
+
+
 PARALLEL_COLUMNS = ["scheduler", "config", "steps", "max_abs_err", "steps that differ",
                     "reproduces sequential"]
 
@@ -114,6 +161,15 @@ def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
         plot = curves_plot(out_dir / f"{stem}.png", title, curves, steps)
         sections.append((title, markdown_table(rows, COLUMNS) + f"\n\n![]({plot.name})"))
         payload[stem] = rows
+
+    title, srows, what = scheduler_section(moons, info, quick=quick, repeats=repeats)
+    print(f"\n{title} (tol={TOL:g})")
+    print(text_table(srows, SCHEDULER_COLUMNS))
+    sections.append((title, f"{what}. Baseline: the pipelines' loop (`scale_model_input`, the "
+                            "scheduler's generator); `max_abs_err` from paraprop's sequential "
+                            f"sample (the loop's bits); picard at its default window, tol {TOL:g}."
+                            f"\n\n{markdown_table(srows, SCHEDULER_COLUMNS)}\n\n{LEFT_OUT}"))
+    payload["schedulers"] = {"model": what, "rows": srows, "left_out": LEFT_OUT}
 
     unet, uinfo = trained_denoiser(out_dir, "digits", **({"epochs": 1} if quick else {}))
     unet.requires_grad_(False)

@@ -4,6 +4,7 @@ measured side by side; shared by ``paraprop bench diffusion`` and the diffusion 
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import matplotlib
@@ -30,21 +31,30 @@ def chain_rows(model, scheduler, shape, steps: int, *, eta, repeats: int, window
                seed: int = 0, desc: str = "") -> tuple[list[dict], dict]:
     """Every method on one chain; rows and the per-iteration curves."""
     kw = {} if eta is None else {"eta": eta}
-
-    def gen():
-        return torch.Generator().manual_seed(seed)
-
-    def loop():
-        return sample_loop(model, scheduler, shape, steps, seed=seed, eta=eta)
-
-    ref, ref_sol = sample(model, scheduler, shape, num_inference_steps=steps,
-                          method="sequential", generator=gen(), **kw)
     specs = {"paraprop sequential": {"method": "sequential"},
              "picard": {"method": "picard", "window": window, "tol": TOL},
              f"anderson (memory {MEMORY})": {"method": "anderson", "memory": MEMORY,
                                              "tol": TOL}}
     if window is None and 64 < steps <= 128:   # the sliding window against the full one
         specs["picard, window 64"] = {"method": "picard", "window": 64, "tol": TOL}
+
+    def loop():
+        return sample_loop(model, scheduler, shape, steps, seed=seed, eta=eta)
+
+    return _measured(model, scheduler, shape, steps, loop, specs, kw, repeats=repeats,
+                     seed=seed, desc=desc)
+
+
+def _measured(model, scheduler, shape, steps: int, loop, specs: dict, kw: dict, *,
+              repeats: int, seed: int, desc: str) -> tuple[list[dict], dict]:
+    """The diffusers ``loop`` and ``sample`` with every spec of ``specs`` on the same noise,
+    timed interleaved: one row each (the loop first), and the curves of the parallel ones."""
+
+    def gen():
+        return torch.Generator().manual_seed(seed)
+
+    ref, ref_sol = sample(model, scheduler, shape, num_inference_steps=steps,
+                          method="sequential", generator=gen(), **kw)
 
     def runner(spec):
         return lambda: sample(model, scheduler, shape, num_inference_steps=steps,
@@ -79,6 +89,80 @@ def chain_rows(model, scheduler, shape, steps: int, *, eta, repeats: int, window
             curves[rows[-1]["method"]] = {"residual": sol.residuals.tolist(), "error": errs,
                                           "progress": progress}
     return rows, curves
+
+
+# -- the schedulers people run (issue 31): Euler, DPM-Solver++, UniPC, ... ----------------------
+
+SCHEDULER_COLUMNS = ["scheduler", "steps", *COLUMNS, "parallel"]
+PARALLEL = ("picard", "anderson")
+
+
+def pipeline_loop(model, scheduler, shape, steps: int, *, seed: int = 0) -> torch.Tensor:
+    """The pipelines' denoising loop, written with diffusers alone: latents from one CPU
+    generator scaled by ``init_noise_sigma``, then ``scheduler.step(model(
+    scheduler.scale_model_input(x, t), t), t, x, generator=g)`` for every timestep (the
+    generator where ``step`` takes one). For DDPM/DDIM it is :func:`sample_loop`'s loop."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    p = next(model.parameters())
+    g = torch.Generator().manual_seed(seed)
+    scheduler.set_timesteps(steps, device=p.device)
+    x = randn_tensor(shape, generator=g, device=p.device, dtype=p.dtype)
+    x = x * scheduler.init_noise_sigma
+    step_kw = {"generator": g} if "generator" in inspect.signature(scheduler.step).parameters \
+        else {}
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            out = model(scheduler.scale_model_input(x, t), t)
+            x = scheduler.step(out, t, x, **step_kw).prev_sample
+    return x
+
+
+def scheduler_rows(model, name: str, make, shape, steps: int, *, parallel: bool, repeats: int,
+                   seed: int = 0) -> list[dict]:
+    """One scheduler at ``steps`` steps: the pipelines' loop (:func:`pipeline_loop`), paraprop's
+    sequential sample and, where ``parallel``, ``picard`` (its default window) and ``anderson``
+    at :data:`TOL`; rows with ``scheduler``, ``steps`` and ``parallel`` added. Where not
+    ``parallel`` (the multistep solvers: their steps read earlier model outputs), each parallel
+    method must be refused (``NotImplementedError``) and gets a row saying so, with the
+    message under ``refusal``.
+
+    Arguments:
+        model: the denoiser (an epsilon model).
+        name: the scheduler's label in the rows.
+        make: zero-argument callable returning a fresh scheduler; one for the loop, one for
+            paraprop, so neither reads the other's state.
+
+    Raises:
+        RuntimeError: a method expected to be refused ran.
+    """
+    specs = {"paraprop sequential": {"method": "sequential"}}
+    if parallel:
+        specs["picard"] = {"method": "picard", "tol": TOL}
+        specs[f"anderson (memory {MEMORY})"] = {"method": "anderson", "memory": MEMORY,
+                                                "tol": TOL}
+    looped, sampled = make(), make()
+
+    def loop():
+        return pipeline_loop(model, looped, shape, steps, seed=seed)
+
+    rows, _ = _measured(model, sampled, shape, steps, loop, specs, {}, repeats=repeats,
+                        seed=seed, desc=f"{name} {steps}")
+    for row in rows:
+        row["parallel"] = "yes" if parallel else "sequential only"
+    if not parallel:
+        for method in PARALLEL:
+            try:
+                sample(model, sampled, shape, num_inference_steps=steps, method=method, tol=TOL,
+                       generator=torch.Generator().manual_seed(seed))
+            except NotImplementedError as e:
+                rows.append({"method": method, "parallel": "refused (NotImplementedError: "
+                             "its steps read earlier model outputs)", "refusal": str(e)})
+            else:
+                raise RuntimeError(f"{name}: method={method!r} ran; it was to be refused")
+    for row in rows:
+        row.update(scheduler=name, steps=steps)
+    return rows
 
 
 def curves_plot(path: Path, title: str, curves: dict, steps: int) -> Path:
