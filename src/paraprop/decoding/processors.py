@@ -218,11 +218,15 @@ class Pipeline:
 
     def decide_parts(self, logits: torch.Tensor, tokens: torch.Tensor, first: int,
                      u: torch.Tensor | None, *, scale: torch.Tensor | None = None,
-                     margins: bool = True, noise: torch.Tensor | None = None
+                     margins: bool = True, noise: torch.Tensor | None = None,
+                     largest: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """The part of :meth:`decide` on the logits' device: the tokens ``(B, n)``, and the
         small tensors (each ``(B, n)`` or ``(B, n, 2)``, no bfloat16) that :meth:`ratios`
-        makes the margin ratios from (``None`` with ``margins=False``)."""
+        makes the margin ratios from (``None`` with ``margins=False``). ``largest``: the
+        largest logits in descending order ``(B, n, K)`` (``logits.topk(K).values``), where the
+        caller has them; greedy decoding then reads its best two scores there when nothing
+        changes the logits before the argmax (the same values as a ``topk(2)``)."""
         scores, stages = self.process(logits, tokens, first)
         top = None
         if noise is not None:                   # the Gumbel-max coupling
@@ -248,7 +252,12 @@ class Pipeline:
                          *self._filter_ratios(stages, delta2, torch.expm1(delta2) / 4)]
         if u is None:
             # the best two processed scores (their gap is the decision's margin)
-            top = scores.topk(2, dim=-1).values if scores.shape[-1] > 1 else delta2[..., None]
+            if scores.shape[-1] < 2:
+                top = delta2[..., None]
+            elif largest is not None and scores is logits and largest.shape[-1] >= 2:
+                top = largest[..., :2]          # (no processing: the scores are the logits)
+            else:
+                top = scores.topk(2, dim=-1).values
             return tok, [finite, delta2, top]
         # a normalised cumulative mass c moves by at most c (1 - c) (e^{2 delta} - 1)
         rel = torch.expm1(delta2) / 4
@@ -276,10 +285,12 @@ class Pipeline:
                     hi, lo = top[..., 0], top[..., 1]
                     gap = np.where(lo == -np.inf, np.float32(np.inf), hi - lo)
                 ratios = [gap / delta2]
+            if len(ratios) == 1:
+                one = ratios[0].astype(np.float64)              # (a new array)
+                one[np.isnan(one)] = 0.0                         # 0/0: an exact tie
+                return one, np.where(finite, 0, -1).astype(np.int64, copy=False)
             stacked = np.stack([r.astype(np.float64) for r in ratios])
         stacked[np.isnan(stacked)] = 0.0                     # 0/0: an exact tie
-        if len(ratios) == 1:
-            return stacked[0], np.where(finite, 0, -1).astype(np.int64)
         cause = stacked.argmin(0)
         ratio = np.take_along_axis(stacked, cause[None], 0)[0]
         return ratio, np.where(finite, cause, -1).astype(np.int64)
@@ -326,7 +337,8 @@ def nonfinite(logits: torch.Tensor) -> torch.Tensor:
 
 def _scale(logits: torch.Tensor) -> torch.Tensor:
     """``max |logit|`` over the finite logits of each position, float32 ``(B, n)``."""
-    return logits.to(torch.float32).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs().amax(-1)
+    # (nan_to_num makes a new tensor, so the in-place abs leaves the logits alone)
+    return logits.to(torch.float32).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs_().amax(-1)
 
 
 def _gap(scores: torch.Tensor, k: int) -> torch.Tensor:

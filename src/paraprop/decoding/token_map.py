@@ -232,10 +232,11 @@ class TokenMap:
         scale = _scale(logits)
         # the margins (none for position 0 alone: it comes from the prefill, as generate's)
         first_only = a == 0 and b == 1
+        top = logits.topk(idx.shape[-1], dim=-1)      # the fingerprints (and greedy's best two)
         tok, parts = self.pipe.decide_parts(logits, lm.tokens, a, u, scale=scale,
-                                            margins=not first_only, noise=noise)
+                                            margins=not first_only, noise=noise,
+                                            largest=top.values)
         new = logits.gather(-1, idx)
-        top = logits.topk(idx.shape[-1], dim=-1)
         top_val = top.values
         if logits.dtype not in _NUMPY:         # 16-bit logits: float64 for the host (exact)
             new, top_val = new.to(torch.float64), top_val.to(torch.float64)
@@ -349,21 +350,29 @@ class TokenMap:
         if self.pool is None:
             return None
         both = torch.cat([final.to(torch.long)[:, None], x.to(torch.long)], 1).tolist()
-        rows, changed = [], False
+        spans: list[tuple[int, int, int]] = []      # (sample, first position, length)
+        flat: list[int] = []                        # the continuations, one after another
         for b, row in enumerate(both):
             f, toks = row[0], row[1:]
-            rows.append(toks)
             if f >= self.T:
                 continue
             text = self.pool.prompts[b] + toks[:f]
             self.pool.add(b, text)
             cont = self.pool.guess(b, text)[: self.T - f]
             if cont:
-                toks[f : f + len(cont)] = cont
-                changed = True
-        if not changed:
+                spans.append((b, f, len(cont)))
+                flat += cont
+        if not flat:
             return None
-        return torch.tensor(rows, dtype=x.dtype, device=x.device)
+        # the iterate with the continuations written in (one transfer back; the rest of each
+        # row is the iterate's own values)
+        vals = torch.tensor(flat, dtype=x.dtype).to(x.device)
+        guess = x.clone()
+        at = 0
+        for b, f, n in spans:
+            guess[b, f : f + n] = vals[at : at + n]
+            at += n
+        return guess
 
 
 SMALL_EXCESS = 16.0     # a repeat difference below this many bounds may be rounding
