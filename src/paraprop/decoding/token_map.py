@@ -345,8 +345,8 @@ class TokenMap:
 
     def propose(self, x: torch.Tensor, final: torch.Tensor):
         """Guesses for the undecided tokens: the n-gram continuation of each sample's accepted
-        text (positions before ``final`` are kept by the solver). One transfer to the host and
-        at most one back per pass."""
+        text (positions before ``final`` are kept by the solver); ``None`` where no guess
+        changes the iterate. One transfer to the host and at most one back per pass."""
         if self.pool is None:
             return None
         both = torch.cat([final.to(torch.long)[:, None], x.to(torch.long)], 1).tolist()
@@ -358,8 +358,8 @@ class TokenMap:
                 continue
             text = self.pool.prompts[b] + toks[:f]
             self.pool.add(b, text)
-            cont = self.pool.guess(b, text)[: self.T - f]
-            if cont:
+            cont = list(self.pool.guess(b, text)[: self.T - f])
+            if cont and cont != toks[f : f + len(cont)]:     # (the same tokens: no change)
                 spans.append((b, f, len(cont)))
                 flat += cont
         if not flat:
