@@ -14,31 +14,12 @@ pytest.importorskip("diffusers")
 from diffusers import DDIMScheduler, DDPMScheduler, PNDMScheduler  # noqa: E402
 from diffusers.utils.torch_utils import randn_tensor  # noqa: E402
 
+from diffusion_cases import Eps  # noqa: E402
 from paraprop.diffusion import DiffusionChain, draw_noise, sample, step_table  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
-
-
-class Eps(torch.nn.Module):
-    """A small fixed MLP on flattened samples and the timestep; per-row or 0-d ``t``."""
-
-    def __init__(self, features=2, seed=0, scale=1.0):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.w1 = torch.nn.Parameter(torch.randn(features + 1, 16, generator=g) * 0.5)
-        self.w2 = torch.nn.Parameter(torch.randn(16, features, generator=g) * 0.5 * scale)
-        self.requires_grad_(False)
-
-    def forward(self, x, t, gain=None):
-        B = len(x)
-        t = torch.as_tensor(t, device=x.device).reshape(-1).expand(B).to(x.dtype) / 1000
-        h = torch.tanh(torch.cat([x.reshape(B, -1), t[:, None]], 1) @ self.w1)
-        out = (h @ self.w2).reshape(x.shape)
-        if gain is not None:
-            out = out * gain.reshape(-1, *([1] * (x.dim() - 1)))
-        return out
 
 
 def diffusers_loop(model, scheduler, shape, steps, seed, *, dtype=torch.float32, device="cpu",

@@ -11,36 +11,27 @@ import pytest
 import torch
 
 pytest.importorskip("diffusers")
-from diffusers import (  # noqa: E402
-    DDIMScheduler,
-    DPMSolverMultistepScheduler,
-    EulerAncestralDiscreteScheduler,
-    EulerDiscreteScheduler,
-    FlowMatchEulerDiscreteScheduler,
-    HeunDiscreteScheduler,
-    LCMScheduler,
-    UniPCMultistepScheduler,
-)
+from diffusers import DDIMScheduler  # noqa: E402
 from diffusers.utils.torch_utils import randn_tensor  # noqa: E402
 
+from diffusion_cases import (  # noqa: E402, I001
+    ANCESTRAL,
+    DPM,
+    DYNAMIC,
+    EULER,
+    FLOW,
+    HEUN,
+    LCM,
+    READER_MARKS,
+    SDE,
+    UNIPC,
+)
 from paraprop.diffusion import readers  # noqa: E402
 from paraprop.diffusion.karras import EulerDiscreteReader  # noqa: E402
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    # diffusers' set_timesteps calls np.array on a torch tensor (its own noise, every scheduler
-    # that builds sigmas with NumPy; nothing paraprop can fix at its cause)
-    pytest.mark.filterwarnings(
-        "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"),
-]
+pytestmark = READER_MARKS
 
-DPM, UNIPC = DPMSolverMultistepScheduler, UniPCMultistepScheduler
-EULER, ANCESTRAL, HEUN = EulerDiscreteScheduler, EulerAncestralDiscreteScheduler, \
-    HeunDiscreteScheduler
-FLOW, LCM = FlowMatchEulerDiscreteScheduler, LCMScheduler
-SDE = {"algorithm_type": "sde-dpmsolver++"}
 FLOW_SIGMAS = {"use_flow_sigmas": True, "prediction_type": "flow_prediction", "flow_shift": 3.0}
-DYNAMIC = {"use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15}
 
 # (id, scheduler class, config, set_timesteps' mu)
 CONFIGS = [

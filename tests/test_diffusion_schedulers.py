@@ -10,39 +10,31 @@ import pytest
 import torch
 
 pytest.importorskip("diffusers")
-from diffusers import (  # noqa: E402
-    DDIMScheduler,
-    DDPMScheduler,
-    DPMSolverMultistepScheduler,
-    EulerAncestralDiscreteScheduler,
-    EulerDiscreteScheduler,
-    FlowMatchEulerDiscreteScheduler,
-    HeunDiscreteScheduler,
-    LCMScheduler,
-    PNDMScheduler,
-    UniPCMultistepScheduler,
-)
+from diffusers import DDIMScheduler, DDPMScheduler, PNDMScheduler  # noqa: E402
 from diffusers.utils.torch_utils import randn_tensor  # noqa: E402
 
 import paraprop  # noqa: E402
+from diffusion_cases import (  # noqa: E402, I001
+    ANCESTRAL,
+    DPM,
+    DYNAMIC,
+    EULER,
+    FLOW,
+    HEUN,
+    LCM,
+    READER_MARKS,
+    SDE,
+    UNIPC,
+)
+from diffusion_cases import (
+    RowEps as Eps,
+)
 from paraprop import NonFiniteError, StochasticModelError  # noqa: E402
 from paraprop.diffusion import readers, sample  # noqa: E402
 from paraprop.diffusion.programs import MarkovProgram  # noqa: E402
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    # diffusers' set_timesteps calls np.array on a torch tensor (every scheduler that builds
-    # its sigmas with NumPy; nothing paraprop can fix at its cause)
-    pytest.mark.filterwarnings(
-        "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"),
-]
+pytestmark = READER_MARKS
 
-DPM, UNIPC = DPMSolverMultistepScheduler, UniPCMultistepScheduler
-EULER, ANCESTRAL, HEUN = EulerDiscreteScheduler, EulerAncestralDiscreteScheduler, \
-    HeunDiscreteScheduler
-FLOW, LCM = FlowMatchEulerDiscreteScheduler, LCMScheduler
-SDE = {"algorithm_type": "sde-dpmsolver++"}
-DYNAMIC = {"use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15}
 SHAPE = (3, 2)
 
 # (id, scheduler class, config, mu): the Markov ones (every method)
@@ -81,29 +73,6 @@ ALL = MARKOV + HISTORY
 
 def ids(cases):
     return [c[0] for c in cases]
-
-
-class Eps(torch.nn.Module):
-    """A small fixed MLP on the sample and the timestep (per-row or 0-d ``t``), scaled to
-    contract. Its products are summed per row (not a matmul, whose kernel may round a row by
-    the batch it is in), so its batched calls give the bits of its single calls."""
-
-    def __init__(self, features=2, seed=0, scale=0.3):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.w1 = torch.nn.Parameter(torch.randn(features + 1, 16, generator=g) * 0.5)
-        self.w2 = torch.nn.Parameter(torch.randn(16, features, generator=g) * 0.5 * scale)
-        self.requires_grad_(False)
-
-    def forward(self, x, t, gain=None):
-        B = len(x)
-        t = torch.as_tensor(t, device=x.device).reshape(-1).expand(B).to(x.dtype) / 1000
-        inp = torch.cat([x.reshape(B, -1), t[:, None]], 1)
-        h = torch.tanh((inp[:, :, None] * self.w1.to(x.dtype)).sum(1))
-        out = (h[:, :, None] * self.w2.to(x.dtype)).sum(1).reshape(x.shape)
-        if gain is not None:
-            out = out * gain.reshape(-1, *([1] * (x.dim() - 1)))
-        return out
 
 
 def diffusers_loop(model, scheduler, steps, dtype, device, seed=1, mu=None, **kw):
