@@ -86,8 +86,7 @@ class MarkovProgram:
         self.name = reader.classname
         self.N = reader.K
         self.timesteps = reader.timesteps
-        self.noisy_steps = tuple(bool(v) for v in reader.noisy)
-        self.noisy = torch.tensor(self.noisy_steps, dtype=torch.bool)
+        self.noisy = torch.tensor([bool(v) for v in reader.noisy], dtype=torch.bool)
         self.device = reader.device
 
     def to(self, device) -> MarkovProgram:
@@ -124,11 +123,6 @@ class MarkovProgram:
         gains = self.reader.output_gains()
         assert gains is not None, "a Markov reader derives its output gains"
         return gains
-
-    def initial(self, latents: torch.Tensor) -> torch.Tensor:
-        """The input of step 0: the latents scaled by ``init_noise_sigma``, as the pipelines
-        scale them."""
-        return self.reader.initial(latents)[0]
 
 
 def refuse_split(name: str, split: str) -> NotImplementedError:
