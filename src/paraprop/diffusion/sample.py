@@ -186,12 +186,9 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         latents, z = _reader_noise(reader, noise, generator, shape, dtype, device)
         x_init = reader.initial(latents)[0]
     else:
-        table = step_table(scheduler, N, eta=_eta(scheduler, eta),
+        table = step_table(scheduler, N, eta=_eta(scheduler, eta, use_clipped_model_output),
                            use_clipped_model_output=use_clipped_model_output)
         check_mu(scheduler, mu)
-        if use_clipped_model_output and table.kind == "ddpm":
-            raise ValueError(f"use_clipped_model_output is an option of DDIMScheduler; "
-                             f"{type(scheduler).__name__} has none, got True")
         dtype, device = _dtype_device(model, noise, dtype, device)
         if noise is None:
             _check_generator(generator)
@@ -357,11 +354,10 @@ def _shape(shape) -> tuple[int, ...]:
     return tuple(int(s) for s in shape)
 
 
-def _eta(scheduler, eta):
+def _eta(scheduler, eta, use_clipped_model_output):
+    """DDIM's ``eta`` (default ``0``); DDPM refuses DDIM's step options by name."""
     if scheduler_kind(scheduler) == "ddpm":
-        if eta is not None:
-            raise ValueError(f"eta is an option of DDIMScheduler; {type(scheduler).__name__} "
-                             f"has no eta, got eta={eta!r}")
+        refuse_ddim_options(scheduler, eta, use_clipped_model_output)
         return 0.0
     if eta is None:
         return 0.0
