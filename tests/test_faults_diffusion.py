@@ -699,6 +699,33 @@ def test_batch_variance_in_the_tail_rows_is_not_certified_bitwise(method):
     assert not torch.equal(x, ref)
 
 
+
+class LateVariant(BatchVariant):
+    """Rounds apart, in calls of more rows than the loop's, every step but step 0 (whose
+    timestep is the largest): the step-0 spot check sees the loop's values."""
+
+    def forward(self, x, t):
+        out = elementwise(x, t)
+        if x.shape[0] > self.rows:
+            out = out + self.size * (t != t.max()).to(x.dtype).reshape(-1, 1)
+        return out
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (review, docs/diffusion.md 'Batch variance': "
+                   "a spot check of step 0 and of steps computed again): batch variance at "
+                   "the later steps only is not seen, and tol=0 reports 'bitwise' 0.0186 off")
+@pytest.mark.parametrize("method", ["picard", "anderson"], ids=repr)
+def test_batch_variance_after_step_0_only_is_not_certified(method):
+    model = LateVariant(rows=3, size=1e-3)
+    ref = loop(model, DDIMScheduler(), (3, 2), 20, 0)
+    for tol in (0, 1e-3):
+        x, sol = sample(model, DDIMScheduler(), (3, 2), num_inference_steps=20, method=method,
+                        tol=tol, throw=False, generator=gen())
+        if sol.converged:
+            assert float((x - ref).abs().max()) <= tol, (tol, sol.stats["certificate"])
+        else:
+            assert sol.stats["loop_bitwise"] is False
+
 def test_a_nondeterministic_model_is_caught_too():
     """A model in eval mode that draws random numbers: its step 0 differs between calls."""
     model = lambda x, t: elementwise(x, t) + 1e-3 * torch.rand_like(x)  # noqa: E731
