@@ -30,17 +30,7 @@ import math
 import numpy as np
 import torch
 
-from paraprop import checks
 from paraprop.decoding import gumbel as _gumbel
-
-
-def check_sampling(temperature, top_k, top_p) -> None:
-    """Raise ``ValueError`` naming the argument on a bad temperature, top-k or top-p."""
-    checks.positive_number("temperature", temperature, finite=True)
-    checks.positive_int("top_k", top_k, allow_none=True)
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                              or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
 
 
 def process_logits(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None,
@@ -327,12 +317,6 @@ class Pipeline:
             dist = dist.scatter(-1, best, torch.inf)
             out.append(_finite_min(dist, stage) / delta2)
         return out
-
-
-def nonfinite(logits: torch.Tensor) -> torch.Tensor:
-    """``(B, n)``: where the model's logits hold NaN or ``+inf``, or are all ``-inf`` (where
-    their maximum is not finite: ``amax`` propagates NaN)."""
-    return ~logits.amax(-1).isfinite()
 
 
 def _scale(logits: torch.Tensor) -> torch.Tensor:
