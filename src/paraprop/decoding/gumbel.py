@@ -128,8 +128,9 @@ def gap_ratio(top: np.ndarray, delta2: np.ndarray) -> np.ndarray:
     """The margin ratio of a Gumbel-max decision, on the host: the gap between the best and the
     second-best perturbed score, less the float64 rounding of the two additions, against
     ``delta2`` (twice the bound on a processed score's rounding difference: the noise is the same
-    bits in both computations). ``inf`` where only one entry is finite; ``nan`` (an exact tie,
-    made 0 by the caller) where the gap is 0."""
+    bits in both computations). ``inf`` where only one entry is finite; 0 where the gap is within
+    the additions' rounding (an exact tie included); ``nan`` (made 0 by the caller) where that
+    gap and ``delta2`` are both 0."""
     hi, lo = top[..., 0], top[..., 1]
     with np.errstate(all="ignore"):
         gap = (hi - lo) - 2.0 ** -51 * (np.abs(hi) + np.abs(lo))
