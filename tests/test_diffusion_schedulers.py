@@ -202,7 +202,10 @@ def test_picard_takes_fewer_calls_than_steps(case):
     _, cls, config, mu = case
     x, sol = run(cls, config, mu, Eps(), 25, torch.float32, "cpu", method="picard", window=8,
                  tol=0)
-    assert sol.converged and sol.stats["model_calls"] < 25
+    # (the spot check of the last step's batch variance adds one call where the budget has it)
+    spot = 24 in sol.stats["batch_checked_steps"]
+    assert sol.converged and sol.stats["model_calls"] <= 25
+    assert sol.stats["model_calls"] - spot < 25
 
 
 @pytest.mark.parametrize("case", [c for c in MARKOV if c[0] in ("euler", "flow-dynamic",

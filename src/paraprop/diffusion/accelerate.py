@@ -373,7 +373,7 @@ def accelerate(pipe, *, method="picard", window: int | None = None, tol: float =
         >>> from diffusers import DDIMScheduler
         >>> class Net(torch.nn.Module):
         ...     def forward(self, sample, timestep, return_dict=True):
-        ...         return (0.1 * sample,)
+        ...         return (sample,)
         >>> class Pipe:
         ...     def __init__(self):
         ...         self.unet, self.scheduler = Net().eval(), DDIMScheduler()

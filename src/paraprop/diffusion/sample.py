@@ -124,8 +124,10 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         ``fallback_steps`` (steps the loop computed from the certified prefix),
         ``certificate`` (``"bitwise"``, ``"estimate"`` or ``None``), ``bitwise`` (per sample),
         ``error_estimate``, ``rounding_floor``, ``tol_resolvable``, ``loop_bitwise`` (whether
-        the batched calls gave the loop's bits for step 0 and for every certified step they
-        computed again; ``None`` where not compared), ``reason`` (why not converged),
+        the batched calls gave the loop's bits for the steps compared with the loop's own
+        call of ``B`` rows, ``batch_checked_steps``: step 0 and the last step, where the
+        budget has the call, and for every certified step they computed again; ``None``
+        where not compared), ``reason`` (why not converged),
         ``window``, ``steps``, ``sample_iterations``, ``time_s``.
 
     Raises:
@@ -146,11 +148,12 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
     Warns:
         BatchVarianceWarning: ``tol > 0`` and the model's batched calls round differently from
             the loop's by an amount that may matter at ``tol`` (the estimate carries the
-            measured difference at every step; it is measured at step 0 only).
+            measured difference at every step; it is measured at step 0 and the last step
+            only).
 
     Example:
         >>> from diffusers import DDIMScheduler
-        >>> eps = lambda x, t: 0.1 * x
+        >>> eps = lambda x, t: x
         >>> def run(method):
         ...     return paraprop.diffusion.sample(eps, DDIMScheduler(), (4, 2), method=method,
         ...         num_inference_steps=20, generator=torch.Generator().manual_seed(0))
@@ -237,7 +240,7 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         "certificate": certificate,
         "bitwise": bitwise.cpu(),
         "rounding_floor": run.floor, "tol_resolvable": run.tol_resolvable,
-        "loop_bitwise": run.loop_bitwise,
+        "loop_bitwise": run.loop_bitwise, "batch_checked_steps": run.checked_steps,
     }
     if reason is not None:
         stats["reason"] = reason
