@@ -22,6 +22,7 @@ import torch
 
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
+from paraprop.diffusion.pipeline_dit import DiTLoop
 from paraprop.diffusion.pipeline_run import Call, FallThrough, Run
 from paraprop.diffusion.sample import _solver
 from paraprop.result import Solution
@@ -153,7 +154,7 @@ class Accelerated:
             N, reason = None, "the pipeline set custom timesteps or sigmas"
         self.counters.runs += 1
         self.run = Run(N if checks.is_int(N) else None, bound.get("mu"), self.scheduler,
-                       reason)
+                       reason, loop=DiTLoop.of(self.pipe))
         return out
 
     def _scale_model_input(self, original, sample, *args, **kwargs):
@@ -178,7 +179,7 @@ class Accelerated:
         if run.estimate and s in run.served_steps and run.trajectory is not None \
                 and s + 1 < len(run.trajectory):
             # certified within tol: the pipeline follows paraprop's trajectory
-            out = _replace_sample(out, run.trajectory[s + 1])
+            out = _replace_sample(out, run.trajectory[s + 1], run.B)
         if run.N is not None and run.step >= run.N:
             self._end_run()
         return out
@@ -200,7 +201,8 @@ class Accelerated:
         if call is None:
             if run.reason is None:
                 run.reason = ("the denoiser was called without its input and timestep (by name "
-                              "or position) or with return_dict=True")
+                              "or position) or extra positional arguments, or it has no "
+                              "return_dict argument")
                 self._fall(s, run.reason)
             self.counters.denoiser_calls += 1
             return original(*args, **kwargs)
@@ -214,7 +216,7 @@ class Accelerated:
             return original(*args, **kwargs)
         run.served_steps.add(served[0])
         self.counters.served += 1
-        return (served[1],)
+        return run.wrap(call, served[1])
 
     def _solve(self, run: Run, call: Call) -> None:
         self.solving = True
@@ -294,7 +296,11 @@ def _call(original, args, kwargs) -> Call | None:
     except (TypeError, ValueError):
         return None
     params = list(sig.parameters.values())
-    if not params or "timestep" not in bound or bound.get("return_dict", True):
+    ret = sig.parameters.get("return_dict")
+    if not params or "timestep" not in bound or ret is None:
+        return None
+    return_dict = bound.get("return_dict", ret.default)
+    if not isinstance(return_dict, bool):
         return None
     x_name = params[0].name
     x, t = bound.get(x_name), bound["timestep"]
@@ -311,14 +317,19 @@ def _call(original, args, kwargs) -> Call | None:
             rest.update(bound[p.name])
         else:
             rest[p.name] = bound[p.name]
-    return Call(x, t, rest, x_name, "timestep")
+    return Call(x, t, rest, x_name, "timestep", return_dict)
 
 
-def _replace_sample(out, value: torch.Tensor):
+def _replace_sample(out, value: torch.Tensor, B: int):
+    """``out`` with its first ``B`` rows of the sample ``value`` (the trajectory's rows: DiT
+    steps both guidance halves and keeps the first, the others step ``B`` rows)."""
+    def new(prev: torch.Tensor) -> torch.Tensor:
+        v = value.to(prev.dtype)
+        return v if prev.shape[0] == B else torch.cat([v, prev[B:]])
     if isinstance(out, tuple):
-        return (value.to(out[0].dtype), *out[1:])
+        return (new(out[0]), *out[1:])
     if hasattr(out, "prev_sample"):
-        out.prev_sample = value.to(out.prev_sample.dtype)
+        out.prev_sample = new(out.prev_sample)
     return out
 
 

@@ -126,11 +126,16 @@ def _same_keys(a, b, name: str = "cond") -> None:
             _same_keys(a[k], b[k], f"{name}[{k!r}]")
 
 
-def _halves(uncond, cond, steps: int):
-    """The unconditional then the conditional half, each tiled over ``steps`` steps."""
-    if isinstance(cond, dict):
-        return {k: _halves(uncond[k], cond[k], steps) for k in cond}
-    tile = (steps,) + (1,) * (cond.dim() - 1)
+def _halves(first, second, steps: int):
+    """The ``first`` then the ``second`` half, each tiled over ``steps`` steps (the pipelines
+    with text put the unconditional half first, DiT the conditional one); ``second=None``:
+    ``first`` alone, tiled."""
+    if isinstance(first, dict):
+        return {k: _halves(first[k], None if second is None else second[k], steps)
+                for k in first}
+    tile = (steps,) + (1,) * (first.dim() - 1)
+    if second is None:
+        return first if steps == 1 else first.repeat(tile)
     if steps == 1:
-        return torch.cat([uncond, cond])
-    return torch.cat([uncond.repeat(tile), cond.repeat(tile)])
+        return torch.cat([first, second])
+    return torch.cat([first.repeat(tile), second.repeat(tile)])

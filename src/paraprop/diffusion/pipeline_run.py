@@ -57,13 +57,19 @@ class Call:
     kwargs: dict[str, Any]
     x_name: str
     t_name: str
+    return_dict: bool = False   # the output wanted as the denoiser's output object
 
 
 class Run:
     """The state of one pipeline run (see the module doc)."""
 
-    def __init__(self, N: int | None, mu: float | None, scheduler, reason: str | None = None):
+    def __init__(self, N: int | None, mu: float | None, scheduler, reason: str | None = None,
+                 loop=None):
         self.N, self.mu, self.scheduler = N, mu, scheduler
+        # a pipeline's own loop where it is not the text pipelines' (DiT's:
+        # :class:`~paraprop.diffusion.pipeline_dit.DiTLoop`), None for theirs
+        self.loop = loop
+        self.output_type: type | None = None   # the denoiser's output object (return_dict)
         self.step = 0                      # scheduler.step calls so far
         self.scaled_input: torch.Tensor | None = None   # last sample given to scale_model_input
         self.extra_step_kwargs: dict[str, Any] | None = None
@@ -100,7 +106,10 @@ class Run:
         if call.t.numel() == 0 or not bool((call.t.reshape(-1) == first).all()):
             raise FallThrough("the pipeline's loop does not start at the scheduler's first "
                               "timestep (an image-to-image strength, or a loop of its own)")
-        cfg = bool(getattr(pipe, "do_classifier_free_guidance", False))
+        if self.loop is not None:
+            cfg = self.loop.start(denoiser, call)
+        else:
+            cfg = bool(getattr(pipe, "do_classifier_free_guidance", False))
         rows = x.shape[0]
         if cfg and rows % 2:
             raise FallThrough(f"classifier-free guidance with an odd number of rows ({rows})")
@@ -144,6 +153,10 @@ class Run:
             if not markov(reader):
                 raise FallThrough(f"{name} with its settings reads the history of earlier "
                                   "steps: paraprop has no parallel path for it")
+            if self.loop is not None:
+                self.loop.check_scaling(name, lambda dt: reader.model_input(
+                    0, N, torch.ones((N, 1, 1), dtype=dt, device=latents.device)),
+                    latents.dtype)
             row0 = _preimage(latents, lambda r: reader.initial(r)[0])
             if row0 is None:
                 raise FallThrough(f"the latents scaled by {name}.init_noise_sigma have no exact "
@@ -217,10 +230,15 @@ class Run:
                 step = self._times.get(float(t[0]))
                 if step is not None:
                     t_in = timesteps[step] if zero_d else timesteps[step].expand(rows)
-            out = denoiser(**{names[0]: x, names[1]: t_in}, **kw, return_dict=False)[0]
+            got = denoiser(**{names[0]: x, names[1]: t_in}, **kw, return_dict=call.return_dict)
+            if call.return_dict:   # served as the same object around the recorded tensor
+                self.output_type = _output_type(type(got))
+            out = got[0]
             self._record(x, t, out, rows)
             return out
 
+        if self.loop is not None:
+            return self.loop.model(inner, call, cfg, B)
         if not cfg:
             shared = call.kwargs
 
@@ -277,15 +295,37 @@ class Run:
         s = self._times.get(float(call.t.reshape(-1)[0]))
         if s is None:
             return None
+        if call.return_dict and self.output_type is None:
+            return None
         for rec in reversed(self.records.get(s, [])):
             if (self.certified or rec.loop_shaped) and rec.inp.dtype == call.x.dtype and \
                     torch.equal(rec.inp, call.x):
                 return s, rec.out
         return None
 
+    def wrap(self, call: Call, out: torch.Tensor):
+        """The denoiser's return value around ``out``, as the call asked for it."""
+        if not call.return_dict:
+            return (out,)
+        assert self.output_type is not None
+        field = dataclasses.fields(self.output_type)[0].name
+        return self.output_type(**{field: out})
+
     def release(self) -> None:
         """Drop the recorded evaluations (the run has ended)."""
         self.records = {}
+
+
+def _output_type(cls: type) -> type:
+    """``cls`` where the denoiser's output object can be rebuilt around a tensor (a dataclass
+    whose first field is the output, as diffusers' ``ModelOutput`` s are), else
+    :class:`FallThrough`."""
+    fields = dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ()
+    if not fields or any(f.name != fields[0].name and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING for f in fields):
+        raise FallThrough(f"the denoiser's output {cls.__name__} (return_dict=True) cannot be "
+                          "rebuilt around a tensor (a dataclass whose first field is the output)")
+    return cls
 
 
 def _preimage(x: torch.Tensor, scale) -> torch.Tensor | None:
