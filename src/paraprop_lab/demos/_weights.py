@@ -55,6 +55,14 @@ CHECKPOINTS = {
         "command": _T + "ddpm --data moons --out src/paraprop_lab/weights/ddpm_moons_e300.pt "
                         "--png /tmp/ddpm_moons_e300.png",
     },
+    "flowmatch": {
+        "file": "flowmatch_moons_e2000.pt",
+        "what": "MLP velocity model (3 x 128) on two moons, flow matching (rectified flow, "
+                "FlowMatchEulerDiscreteScheduler convention, 1000 timesteps), 2000 epochs",
+        "command": _T + "flowmatch --data moons --epochs 2000 "
+                        "--out src/paraprop_lab/weights/flowmatch_moons_e2000.pt "
+                        "--png /tmp/flowmatch_moons_e2000.png",
+    },
     "tarflow": {
         "file": "tarflow_digits_e60_w32.pt",
         "what": "TarFlow (8 blocks x 1 layer, width 32, 16 patches of 2x2) on the digits, "
@@ -81,7 +89,8 @@ def manifest() -> dict:
 
 def load(name: str):
     """The checkpoint ``name`` loaded, in eval mode, gradients off: a ``MADE``, ``(model,
-    vocab)`` for the char LM, an ``MLPDenoiser`` or a ``TarFlow``.
+    vocab)`` for the char LM, an ``MLPDenoiser`` (DDPM's noise model, flow matching's velocity
+    model) or a ``TarFlow``.
 
     Raises:
         FileNotFoundError: the checkpoint is not there.
@@ -107,7 +116,7 @@ def load(name: str):
             if bars:
                 hf_logging.enable_progress_bar()
         return model.eval().requires_grad_(False), vocab
-    if name == "ddpm":
+    if name in ("ddpm", "flowmatch"):
         from paraprop.models.denoisers import MLPDenoiser
 
         return MLPDenoiser.load(p).eval().requires_grad_(False)
@@ -145,6 +154,8 @@ def figures(name: str, loaded=None) -> dict:
             return _charlm(*loaded)
         if name == "ddpm":
             return _ddpm(loaded)
+        if name == "flowmatch":
+            return _flowmatch(loaded)
         return _tarflow(loaded)
 
 
@@ -202,6 +213,17 @@ def _ddpm(model) -> dict:
     return {"fingerprint": float(probe.abs().mean()),
             "quality_name": "DDPM noise-prediction loss on 2048 fresh moons points (seed 1), "
                             "timesteps and noise of seed 0", "quality": float(loss)}
+
+
+def _flowmatch(model) -> dict:
+    from paraprop.data import make_moons
+    from paraprop_lab.training.flowmatch import flowmatch_loss
+
+    loss = flowmatch_loss(model, make_moons(2048, seed=1), torch.Generator().manual_seed(0))
+    probe = model(_seeded(64, 2) * 4 - 2, torch.linspace(1.0, 1000.0, 64))
+    return {"fingerprint": float(probe.abs().mean()),
+            "quality_name": "flow-matching velocity loss on 2048 fresh moons points (seed 1), "
+                            "sigmas and noise of seed 0", "quality": float(loss)}
 
 
 def _tarflow(flow) -> dict:
