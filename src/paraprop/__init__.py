@@ -15,6 +15,7 @@ import importlib.metadata
 from paraprop import solvers
 from paraprop.errors import (
     ConvergenceError,
+    FallThroughWarning,
     NonFiniteError,
     NotTriangularError,
     PeerError,
@@ -52,6 +53,7 @@ def __dir__():
 
 __all__ = [
     "ConvergenceError",
+    "FallThroughWarning",
     "NonFiniteError",
     "NotTriangularError",
     "PeerError",

@@ -97,3 +97,15 @@ class ProtocolError(ValueError):
         Traceback (most recent call last):
         paraprop.errors.ProtocolError: fn.update(x, index) modified its input x in place ...
     """
+
+
+class FallThroughWarning(UserWarning):
+    """An accelerated library call (:func:`paraprop.decoding.accelerate`,
+    :func:`paraprop.diffusion.accelerate`) ran the library's own code: paraprop does not
+    implement, or could not certify, a setting of that call. The result is the library's.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings():   # to insist on paraprop's path: make it an error
+        ...     warnings.simplefilter("error", paraprop.FallThroughWarning)
+    """
