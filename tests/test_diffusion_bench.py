@@ -86,5 +86,61 @@ def test_the_suite_lists_the_schedulers_and_what_it_leaves_out():
     assert [(s[0], s[3]) for s in suite.SCHEDULERS] == [
         ("Euler", True), ("Euler ancestral", True), ("DPM-Solver++ order 1", True),
         ("DPM-Solver++ 2M", False), ("UniPC", False)]
-    for name in ("flow matching", "LCMScheduler", "Heun"):
+    for name in ("LCMScheduler", "Heun"):
         assert name in suite.LEFT_OUT
+    # flow matching is measured (its own table), not left out
+    assert "Left out: flow matching" not in suite.LEFT_OUT and "own table" in suite.LEFT_OUT
+
+
+# -- flow matching (issue 31 items 4 and 5) -----------------------------------------------------
+def test_flowmatch_rows_on_a_velocity_model():
+    from paraprop_lab.training.flowmatch import flowmatch_scheduler
+
+    velocity = MLPDenoiser(dim=2, hidden=16, layers=2, embed=8, seed=1).eval()
+    rows = scheduler_rows(velocity.requires_grad_(False), "fm", flowmatch_scheduler, SHAPE,
+                          STEPS, parallel=True, repeats=1)
+    assert [r["method"] for r in rows][:2] == ["diffusers loop", "paraprop sequential"]
+    assert rows[2]["method"].startswith("picard (window ") and len(rows) == 4
+    assert rows[0]["max_abs_err"] == rows[1]["max_abs_err"] == 0
+    assert all(r["max_abs_err"] <= TOL and 1 <= r["iterations"] <= STEPS for r in rows)
+
+
+def test_pipeline_loop_of_flow_matching_is_the_training_jobs_loop():
+    # no init_noise_sigma, no scale_model_input: the noise is the sample at sigma 1
+    from paraprop_lab.training.flowmatch import draw_samples, flowmatch_scheduler
+
+    velocity = MLPDenoiser(dim=2, hidden=16, layers=2, embed=8, seed=1).eval()
+    want = draw_samples(velocity, SHAPE, steps=STEPS, shift=3.0, seed=2)
+    assert torch.equal(pipeline_loop(velocity, flowmatch_scheduler(3.0), SHAPE, STEPS, seed=2),
+                       want)
+
+
+def test_flowmatch_target_reads_the_rows():
+    def row(method, iterations, speedup, steps=50):
+        return {"method": method, "steps": steps, "iterations": iterations, "speedup": speedup}
+
+    rows = [row("diffusers loop", 50, 1.0), row("paraprop sequential", 50, 0.6),
+            row("picard (window 50)", 13, 2.5), row("anderson (memory 3)", 17, 3.0),
+            row("picard (window 25)", 5, 9.0, steps=25)]
+    got = suite.flowmatch_target(rows)
+    assert got["met"] and list(got["methods"]) == ["picard (window 50)", "anderson (memory 3)"]
+    assert got["methods"]["picard (window 50)"]["met"]
+    assert not got["methods"]["anderson (memory 3)"]["met"]   # 50 / 17 < 3 fewer calls
+    rows[2]["speedup"] = 1.9
+    assert not suite.flowmatch_target(rows)["met"]
+
+
+def test_flowmatch_section_trains_the_suites_model_where_none_is_shipped(tmp_path,
+                                                                          monkeypatch):
+    from paraprop_lab.demos import _weights
+
+    monkeypatch.setattr(_weights, "WEIGHTS", tmp_path / "none")
+    title, rows, what = suite.flowmatch_section(tmp_path, quick=True, repeats=1)
+    assert what == f"the suite's model {tmp_path / 'flowmatch_moons_e2.pt'} (no shipped one)"
+    assert (tmp_path / "flowmatch_moons_e2.pt").exists() and "batch 16" in title
+    assert {r["steps"] for r in rows} == {25} and {r["scheduler"] for r in rows} == {
+        "FlowMatch Euler"}
+    assert [r["method"] for r in rows] == ["diffusers loop", "paraprop sequential",
+                                           "picard (window 25)", "anderson (memory 3)"]
+    assert rows[0]["max_abs_err"] == rows[1]["max_abs_err"] == 0
+    assert all(r["max_abs_err"] <= TOL for r in rows)

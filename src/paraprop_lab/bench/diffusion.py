@@ -8,8 +8,10 @@ sequential model calls (iterations), model evaluations per sample, wall time aga
 diffusers loop, and the largest deviation from the sequential sample. The schedulers people run
 (issue 31: Euler, Euler ancestral, DPM-Solver++ of order 1 in parallel; DPM-Solver++ 2M and UniPC
 sequentially, their parallel methods refused) at 25 and 50 steps on the shipped two-moons
-checkpoint, against the pipelines' loop. A last table checks diffusers' own batched steps
-(``DDPMParallelScheduler`` / ``DDIMParallelScheduler``) against their sequential schedulers.
+checkpoint, against the pipelines' loop; flow matching (``FlowMatchEulerDiscreteScheduler``) the
+same way on the shipped two-moons velocity model (``paraprop train flowmatch``). A last table
+checks diffusers' own batched steps (``DDPMParallelScheduler`` / ``DDIMParallelScheduler``)
+against their sequential schedulers.
 """
 
 from __future__ import annotations
@@ -99,11 +101,10 @@ SCHEDULERS = [
     ("UniPC", "UniPCMultistepScheduler", {}, False),
 ]
 LEFT_OUT = (
-    "Left out: flow matching (`FlowMatchEulerDiscreteScheduler` integrates a velocity field; "
-    "no flow-matching model is trained here, and this denoiser predicts noise, not a "
-    "velocity), `LCMScheduler` (its steps are for consistency-distilled models run at 2-8 "
+    "Left out: `LCMScheduler` (its steps are for consistency-distilled models run at 2-8 "
     "steps; this model is not one), Heun (sequential only, like the multistep solvers, with "
-    "2N - 1 model calls).")
+    "2N - 1 model calls). Flow matching (`FlowMatchEulerDiscreteScheduler`) needs a velocity "
+    "model, not this noise model: it has its own table, on the flow-matching model.")
 
 
 def scheduler_section(moons, moons_info: dict, *, quick: bool, repeats: int):
@@ -124,6 +125,52 @@ def scheduler_section(moons, moons_info: dict, *, quick: bool, repeats: int):
             rows += scheduler_rows(model, label, lambda c=cls, k=config: getattr(diffusers, c)(**k),
                                    (batch, 2), steps, parallel=parallel, repeats=repeats)
     title = f"The schedulers people run: MLP denoiser on two moons, batch {batch}"
+    return title, rows, what
+
+
+FLOWMATCH_STEPS = (25, 50)
+FLOWMATCH_TARGET = (
+    "Target (issue 31): flow matching, Euler, 50 steps, the small MLP model, batch 16: at "
+    "least 3x fewer sequential model calls than steps, and at least 2x the diffusers loop's "
+    "wall time.")
+
+
+def flowmatch_target(rows: list[dict], steps: int = 50) -> dict:
+    """Whether a parallel row at ``steps`` steps meets :data:`FLOWMATCH_TARGET`: per parallel
+    method its calls, steps per call and speedup, and ``met`` (some method meets both parts)."""
+    out: dict = {"steps": steps, "methods": {}}
+    for r in rows:
+        if r["steps"] != steps or not r["method"].startswith(("picard", "anderson")):
+            continue
+        fewer = steps / r["iterations"]
+        out["methods"][r["method"]] = {"iterations": r["iterations"], "fewer_calls": fewer,
+                                       "speedup": r["speedup"],
+                                       "met": fewer >= 3 and r["speedup"] >= 2}
+    out["met"] = any(m["met"] for m in out["methods"].values())
+    return out
+
+
+def flowmatch_section(out_dir: Path, *, quick: bool, repeats: int):
+    """Flow matching (``FlowMatchEulerDiscreteScheduler``, shift 1) at 25 and 50 steps
+    (``quick``: 25), batch 16, on the shipped two-moons velocity model (``paraprop train
+    flowmatch``; where it is missing, one the suite trains in ``out_dir``, 2 epochs when
+    ``quick``): the pipelines' loop, paraprop sequential, picard (default window) and anderson
+    at :data:`TOL`. Returns ``(title, rows, what)``."""
+    from paraprop_lab.demos import _weights
+    from paraprop_lab.training.flowmatch import flowmatch_scheduler, trained_flowmatch
+
+    if _weights.path("flowmatch") is not None:
+        model, what = _weights.load("flowmatch"), _weights.describe("flowmatch")
+    else:
+        model, info = trained_flowmatch(out_dir, "moons", epochs=2 if quick else None)
+        model.requires_grad_(False)
+        what = f"the suite's model {info['checkpoint']} (no shipped one)"
+    batch = 16
+    rows = []
+    for steps in (25,) if quick else FLOWMATCH_STEPS:
+        rows += scheduler_rows(model, "FlowMatch Euler", flowmatch_scheduler, (batch, 2), steps,
+                               parallel=True, repeats=repeats)
+    title = f"Flow matching: MLP velocity model on two moons, batch {batch}"
     return title, rows, what
 
 
@@ -170,6 +217,18 @@ def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
                             f"sample (the loop's bits); picard at its default window, tol {TOL:g}."
                             f"\n\n{markdown_table(srows, SCHEDULER_COLUMNS)}\n\n{LEFT_OUT}"))
     payload["schedulers"] = {"model": what, "rows": srows, "left_out": LEFT_OUT}
+
+    title, frows, what = flowmatch_section(out_dir, quick=quick, repeats=repeats)
+    target = flowmatch_target(frows) if not quick else None
+    print(f"\n{title} (tol={TOL:g})")
+    print(text_table(frows, SCHEDULER_COLUMNS))
+    verdict = "" if target is None else " Met here." if target["met"] else \
+        " Not met here (see docs/diffusion.md)."
+    sections.append((title, f"{what}. `FlowMatchEulerDiscreteScheduler` (shift 1); baseline, "
+                            "`max_abs_err` and tolerance as above.\n\n"
+                            f"{markdown_table(frows, SCHEDULER_COLUMNS)}\n\n"
+                            f"{FLOWMATCH_TARGET}{verdict}"))
+    payload["flowmatch"] = {"model": what, "rows": frows, "target": target}
 
     unet, uinfo = trained_denoiser(out_dir, "digits", **({"epochs": 1} if quick else {}))
     unet.requires_grad_(False)

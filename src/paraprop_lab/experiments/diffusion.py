@@ -101,19 +101,24 @@ def pipeline_loop(model, scheduler, shape, steps: int, *, seed: int = 0) -> torc
     """The pipelines' denoising loop, written with diffusers alone: latents from one CPU
     generator scaled by ``init_noise_sigma``, then ``scheduler.step(model(
     scheduler.scale_model_input(x, t), t), t, x, generator=g)`` for every timestep (the
-    generator where ``step`` takes one). For DDPM/DDIM it is :func:`sample_loop`'s loop."""
+    generator where ``step`` takes one). A scheduler without ``init_noise_sigma`` and
+    ``scale_model_input`` (``FlowMatchEulerDiscreteScheduler``: its noise is the sample at
+    sigma 1) gets neither, as in the SD3 and Flux pipelines. For DDPM/DDIM it is
+    :func:`sample_loop`'s loop."""
     from diffusers.utils.torch_utils import randn_tensor
 
     p = next(model.parameters())
     g = torch.Generator().manual_seed(seed)
     scheduler.set_timesteps(steps, device=p.device)
     x = randn_tensor(shape, generator=g, device=p.device, dtype=p.dtype)
-    x = x * scheduler.init_noise_sigma
+    if hasattr(scheduler, "init_noise_sigma"):
+        x = x * scheduler.init_noise_sigma
+    scaled = hasattr(scheduler, "scale_model_input")
     step_kw = {"generator": g} if "generator" in inspect.signature(scheduler.step).parameters \
         else {}
     with torch.no_grad():
         for t in scheduler.timesteps:
-            out = model(scheduler.scale_model_input(x, t), t)
+            out = model(scheduler.scale_model_input(x, t) if scaled else x, t)
             x = scheduler.step(out, t, x, **step_kw).prev_sample
     return x
 
@@ -128,7 +133,7 @@ def scheduler_rows(model, name: str, make, shape, steps: int, *, parallel: bool,
     message under ``refusal``.
 
     Arguments:
-        model: the denoiser (an epsilon model).
+        model: the denoiser (an epsilon model; a velocity model for flow matching).
         name: the scheduler's label in the rows.
         make: zero-argument callable returning a fresh scheduler; one for the loop, one for
             paraprop, so neither reads the other's state.

@@ -237,7 +237,7 @@ def samples_png(path: str | Path, model, data: str, x: torch.Tensor, *, steps: i
     how = f"Euler {steps} steps" + ("" if shift == 1.0 else f", shift {shift:g}")
     fig, axes = subplots(1, 2, figsize=(9, 4.4))
     if moons:
-        lim = 1.15 * float(max(x[:n].abs().max(), 1.0))
+        lim = 1.15 * max(float(x[:n].abs().max()), 1.0)
         for ax, pts, title in ((axes[0], x[:n], f"training data ({n} points)"),
                                (axes[1], s, f"samples ({n}, {how})")):
             pts = pts.detach().float().cpu()
