@@ -233,7 +233,12 @@ class Run:
             got = denoiser(**{names[0]: x, names[1]: t_in}, **kw, return_dict=call.return_dict)
             if call.return_dict:   # served as the same object around the recorded tensor
                 self.output_type = _output_type(type(got))
-            out = got[0]
+                out = getattr(got, dataclasses.fields(self.output_type)[0].name)
+            else:
+                out = got[0]
+            if not isinstance(out, torch.Tensor):
+                raise FallThrough(f"the denoiser returned a {type(out).__name__} where its "
+                                  "output tensor was expected")
             self._record(x, t, out, rows)
             return out
 
