@@ -14,7 +14,6 @@ plain loop: a :class:`FallThroughWarning` says so once per reason, and the handl
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import warnings
 from typing import Any
 
@@ -22,8 +21,9 @@ import torch
 
 from paraprop import checks
 from paraprop.checks import check_max_iters, check_tol
+from paraprop.diffusion.pipeline_calls import Call, FallThrough, bind, read_call, wrap
 from paraprop.diffusion.pipeline_dit import DiTLoop
-from paraprop.diffusion.pipeline_run import Call, FallThrough, Run
+from paraprop.diffusion.pipeline_run import Run
 from paraprop.diffusion.sample import _solver
 from paraprop.result import Solution
 
@@ -147,7 +147,7 @@ class Accelerated:
         if self.solving:
             return out
         self._end_run()
-        bound = _bind(original, args, kwargs)
+        bound = bind(original, args, kwargs)
         N = bound.get("num_inference_steps")
         reason = None
         if bound.get("timesteps") is not None or bound.get("sigmas") is not None:
@@ -196,7 +196,7 @@ class Accelerated:
             return original(*args, **kwargs)
         if self.solving or run is None:
             return original(*args, **kwargs)
-        call = _call(original, args, kwargs)
+        call = read_call(original, args, kwargs)
         s = run.step
         if call is None:
             if run.reason is None:
@@ -216,7 +216,7 @@ class Accelerated:
             return original(*args, **kwargs)
         run.served_steps.add(served[0])
         self.counters.served += 1
-        return run.wrap(call, served[1])
+        return wrap(call, served[1], run.output_type)
 
     def _solve(self, run: Run, call: Call) -> None:
         self.solving = True
@@ -279,45 +279,6 @@ class _Proxy:
 
 
 _MISSING = object()
-
-
-def _bind(method, args, kwargs) -> dict[str, Any]:
-    try:
-        return dict(inspect.signature(method).bind(*args, **kwargs).arguments)
-    except TypeError:
-        return {}
-
-
-def _call(original, args, kwargs) -> Call | None:
-    """The denoiser call's input and timestep by name, the rest as keyword arguments."""
-    try:
-        sig = inspect.signature(original)
-        bound = sig.bind(*args, **kwargs).arguments
-    except (TypeError, ValueError):
-        return None
-    params = list(sig.parameters.values())
-    ret = sig.parameters.get("return_dict")
-    if not params or "timestep" not in bound or ret is None:
-        return None
-    return_dict = bound.get("return_dict", ret.default)
-    if not isinstance(return_dict, bool):
-        return None
-    x_name = params[0].name
-    x, t = bound.get(x_name), bound["timestep"]
-    if not isinstance(x, torch.Tensor) or not isinstance(t, torch.Tensor):
-        return None
-    rest: dict[str, Any] = {}
-    for p in params[1:]:
-        if p.name not in bound or p.name in ("timestep", "return_dict"):
-            continue
-        if p.kind is inspect.Parameter.VAR_POSITIONAL:
-            if bound[p.name]:
-                return None   # extra positional arguments: not passed back by name
-        elif p.kind is inspect.Parameter.VAR_KEYWORD:
-            rest.update(bound[p.name])
-        else:
-            rest[p.name] = bound[p.name]
-    return Call(x, t, rest, x_name, "timestep", return_dict)
 
 
 def _replace_sample(out, value: torch.Tensor, B: int):

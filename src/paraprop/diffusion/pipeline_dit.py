@@ -29,7 +29,7 @@ import torch
 
 from paraprop import checks
 from paraprop.diffusion.dit_guidance import DiTGuided
-from paraprop.diffusion.pipeline_run import Call, FallThrough, _half, _has_rows
+from paraprop.diffusion.pipeline_calls import Call, FallThrough, half, has_rows
 
 NAME = "DiTPipeline"
 _FRAMES = 64   # how far up the stack the pipeline's call is looked for
@@ -85,7 +85,7 @@ class DiTLoop:
         does not solve the run)."""
         local = self._call_locals()
         scale, B = local.get("guidance_scale"), local.get("batch_size")
-        if not checks.is_number(scale):
+        if isinstance(scale, bool) or not isinstance(scale, int | float):
             raise FallThrough(f"{NAME}'s guidance_scale is a {type(scale).__name__}, not an int "
                               "or a float")
         channels, learned = _channels(denoiser)
@@ -97,7 +97,7 @@ class DiTLoop:
         if not checks.is_int(B) or rows != (2 * B if cfg else B):
             raise FallThrough(f"{NAME} called its transformer on {rows} rows, not "
                               f"{'2 x ' if cfg else ''}batch_size={B!r}")
-        if not _has_rows(call.kwargs.get("class_labels"), rows):
+        if not has_rows(call.kwargs.get("class_labels"), rows):
             raise FallThrough(f"{NAME} called its transformer without class_labels of {rows} "
                               "rows")
         self.guidance_scale, self.channels, self.learned_sigma = scale, channels, learned
@@ -109,7 +109,7 @@ class DiTLoop:
         window's steps, then the unconditional half) under DiT's guidance."""
         scale, channels, learned = self.guidance_scale, self.channels, self.learned_sigma
         assert scale is not None and channels is not None, "start() reads them first"
-        per_sample = {k: v for k, v in call.kwargs.items() if _has_rows(v, 2 * B if cfg else B)}
+        per_sample = {k: v for k, v in call.kwargs.items() if has_rows(v, 2 * B if cfg else B)}
         shared = {k: v for k, v in call.kwargs.items() if k not in per_sample}
         if any(isinstance(v, torch.Tensor) for v in shared.values()):
             names = sorted(k for k, v in shared.items() if isinstance(v, torch.Tensor))
@@ -119,7 +119,7 @@ class DiTLoop:
             return DiTGuided(inner, scale, channels=channels, learned_sigma=learned,
                              cond=per_sample, shared=shared)
         return DiTGuided(inner, scale, channels=channels, learned_sigma=learned,
-                         cond=_half(per_sample, B, 0), uncond=_half(per_sample, B, 1),
+                         cond=half(per_sample, B, 0), uncond=half(per_sample, B, 1),
                          shared=shared)
 
     def check_scaling(self, scheduler_name: str, model_input, dtype: torch.dtype) -> None:

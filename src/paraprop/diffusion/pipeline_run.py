@@ -23,6 +23,15 @@ import torch
 from paraprop.determinism import stochastic_parts
 from paraprop.diffusion import readers
 from paraprop.diffusion.guidance import Guided
+from paraprop.diffusion.pipeline_calls import (
+    Call,
+    FallThrough,
+    half,
+    has_rows,
+    output_type_of,
+    same_kwargs,
+    tile,
+)
 from paraprop.diffusion.programs import markov
 from paraprop.diffusion.readers import READERS
 from paraprop.diffusion.sample import sample
@@ -30,10 +39,6 @@ from paraprop.diffusion.schedulers import scheduler_kind, step_table
 from paraprop.result import Solution
 
 _RECORDS_KEPT = 2   # per step: the latest evaluation and the loop-shaped one
-
-
-class FallThrough(Exception):
-    """Raised inside a run where paraprop does not solve it; the message is the reason."""
 
 
 @dataclasses.dataclass
@@ -45,19 +50,6 @@ class Record:
     inp: torch.Tensor
     out: torch.Tensor
     loop_shaped: bool
-
-
-@dataclasses.dataclass
-class Call:
-    """A denoiser call, split into what :class:`Run` reads: the input rows, the timestep and the
-    other arguments by name (the input's and the timestep's names kept to call it back)."""
-
-    x: torch.Tensor
-    t: torch.Tensor
-    kwargs: dict[str, Any]
-    x_name: str
-    t_name: str
-    return_dict: bool = False   # the output wanted as the denoiser's output object
 
 
 class Run:
@@ -232,7 +224,7 @@ class Run:
                     t_in = timesteps[step] if zero_d else timesteps[step].expand(rows)
             got = denoiser(**{names[0]: x, names[1]: t_in}, **kw, return_dict=call.return_dict)
             if call.return_dict:   # served as the same object around the recorded tensor
-                self.output_type = _output_type(type(got))
+                self.output_type = output_type_of(type(got))
                 out = getattr(got, dataclasses.fields(self.output_type)[0].name)
             else:
                 out = got[0]
@@ -249,12 +241,12 @@ class Run:
 
             def plain(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
                 n = x.shape[0] // B
-                return inner(x, t, **{k: _tile(v, B, n) for k, v in shared.items()})
+                return inner(x, t, **{k: tile(v, B, n) for k, v in shared.items()})
             return plain
         halves: dict[str, Any] = {}
         shared = {}
         for k, v in call.kwargs.items():
-            if _has_rows(v, 2 * B):
+            if has_rows(v, 2 * B):
                 halves[k] = v
             elif isinstance(v, dict) and any(isinstance(u, torch.Tensor) for u in v.values()):
                 raise FallThrough(f"the denoiser's argument {k!r} mixes per-sample tensors and "
@@ -265,7 +257,7 @@ class Run:
             raise FallThrough("classifier-free guidance without per-sample conditioning")
         scale = float(getattr(pipe, "guidance_scale", 1.0))
         rescale = float(getattr(pipe, "guidance_rescale", 0.0) or 0.0)
-        return Guided(inner, scale, cond=_half(halves, B, 1), uncond=_half(halves, B, 0),
+        return Guided(inner, scale, cond=half(halves, B, 1), uncond=half(halves, B, 0),
                       guidance_rescale=rescale, shared=shared)
 
     def _record(self, x: torch.Tensor, t: torch.Tensor, out: torch.Tensor, step_rows: int):
@@ -295,7 +287,7 @@ class Run:
         at the call's input and arguments bit for bit (and certified); else ``None`` (the real
         denoiser)."""
         if self.trajectory is None or call.t.numel() == 0 or \
-                not _same_kwargs(self.kwargs0, call.kwargs):
+                not same_kwargs(self.kwargs0, call.kwargs):
             return None
         s = self._times.get(float(call.t.reshape(-1)[0]))
         if s is None:
@@ -308,29 +300,9 @@ class Run:
                 return s, rec.out
         return None
 
-    def wrap(self, call: Call, out: torch.Tensor):
-        """The denoiser's return value around ``out``, as the call asked for it."""
-        if not call.return_dict:
-            return (out,)
-        assert self.output_type is not None
-        field = dataclasses.fields(self.output_type)[0].name
-        return self.output_type(**{field: out})
-
     def release(self) -> None:
         """Drop the recorded evaluations (the run has ended)."""
         self.records = {}
-
-
-def _output_type(cls: type) -> type:
-    """``cls`` where the denoiser's output object can be rebuilt around a tensor (a dataclass
-    whose first field is the output, as diffusers' ``ModelOutput`` s are), else
-    :class:`FallThrough`."""
-    fields = dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ()
-    if not fields or any(f.name != fields[0].name and f.default is dataclasses.MISSING
-                         and f.default_factory is dataclasses.MISSING for f in fields):
-        raise FallThrough(f"the denoiser's output {cls.__name__} (return_dict=True) cannot be "
-                          "rebuilt around a tensor (a dataclass whose first field is the output)")
-    return cls
 
 
 def _preimage(x: torch.Tensor, scale) -> torch.Tensor | None:
@@ -354,47 +326,6 @@ def _preimage(x: torch.Tensor, scale) -> torch.Tensor | None:
             return r
         up, down = torch.nextafter(up, inf), torch.nextafter(down, -inf)
     return None
-
-
-def _has_rows(v, rows: int) -> bool:
-    if isinstance(v, torch.Tensor):
-        return v.dim() > 0 and v.shape[0] == rows
-    if isinstance(v, dict) and v:
-        return all(_has_rows(u, rows) for u in v.values())
-    return False
-
-
-def _half(v, B: int, which: int):
-    if isinstance(v, dict):
-        return {k: _half(u, B, which) for k, u in v.items()}
-    return v[which * B:(which + 1) * B]
-
-
-def _tile(v, B: int, n: int):
-    if n == 1 or not _has_rows(v, B):
-        return v
-    if isinstance(v, dict):
-        return {k: _tile(u, B, n) for k, u in v.items()}
-    return v.repeat((n,) + (1,) * (v.dim() - 1))
-
-
-def _same_kwargs(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
-    if a is None or set(a) != set(b):
-        return False
-    return all(_same(a[k], b[k]) for k in a)
-
-
-def _same(u, v) -> bool:
-    if u is v:
-        return True
-    if isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor):
-        return u.dtype == v.dtype and u.shape == v.shape and bool(torch.equal(u, v))
-    if isinstance(u, dict) and isinstance(v, dict):
-        return set(u) == set(v) and all(_same(u[k], v[k]) for k in u)
-    try:
-        return bool(u == v)
-    except Exception:   # an object without a plain equality: not the same
-        return False
 
 
 __all__ = ["Call", "FallThrough", "Record", "Run"]
