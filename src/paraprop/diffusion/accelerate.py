@@ -313,18 +313,23 @@ def accelerate(pipe, *, method="picard", window: int | None = None, tol: float =
     says so once per reason, and ``handle.reasons`` records it.
 
     Supported: pipelines that call their ``unet`` or ``transformer`` with the input and
-    ``timestep`` and ``return_dict=False`` once per step from the scheduler's first timestep,
-    with classifier-free guidance as ``StableDiffusionPipeline`` computes it
-    (``guidance_scale``, ``guidance_rescale``) or none (tested: ``StableDiffusionPipeline``,
-    ``StableDiffusion3Pipeline``); the schedulers :func:`paraprop.diffusion.sample` runs in
-    parallel: ``DDIMScheduler`` (any ``eta``), ``DDPMScheduler``, ``EulerDiscreteScheduler``,
-    ``EulerAncestralDiscreteScheduler``, ``FlowMatchEulerDiscreteScheduler``,
-    ``LCMScheduler``, ``DPMSolverMultistepScheduler`` of order 1. A step's noise is drawn
-    beforehand from a copy of the generator the pipeline passes to ``scheduler.step`` (one
-    ``torch.Generator``). Falling through, named: DPM-Solver++ of order 2-3, UniPC, Heun
-    (they read earlier steps), any other scheduler, step noise from the global RNG or from
-    several generators, custom timesteps or sigmas, a loop that does not start at the first
-    timestep.
+    ``timestep`` (and ``return_dict``: a ``True`` gets the served tensor in the denoiser's own
+    output dataclass) once per step from the scheduler's first timestep, with
+    classifier-free guidance as ``StableDiffusionPipeline`` computes it (``guidance_scale``,
+    ``guidance_rescale``) or none (tested: ``StableDiffusionPipeline``,
+    ``StableDiffusion3Pipeline``); and ``DiTPipeline``'s own loop (its guidance over the latent
+    channels, the conditional half first, and its learned-sigma split:
+    :mod:`~paraprop.diffusion.pipeline_dit`); the schedulers :func:`paraprop.diffusion.sample`
+    runs in parallel: ``DDIMScheduler`` (any ``eta``), ``DDPMScheduler``,
+    ``EulerDiscreteScheduler``, ``EulerAncestralDiscreteScheduler``,
+    ``FlowMatchEulerDiscreteScheduler``, ``LCMScheduler``, ``DPMSolverMultistepScheduler`` of
+    order 1. A step's noise is drawn beforehand from a copy of the generator the pipeline
+    passes to ``scheduler.step`` (one ``torch.Generator``). Falling through, named:
+    DPM-Solver++ of order 2-3, UniPC, Heun (they read earlier steps), any other scheduler, step
+    noise from the global RNG or from several generators, custom timesteps or sigmas, a loop
+    that does not start at the first timestep; under ``DiTPipeline`` also the schedulers whose
+    ``scale_model_input`` scales (Euler, Euler ancestral: DiT steps from the scaled sample)
+    and every noisy one (DiT passes ``scheduler.step`` no generator).
 
     Arguments:
         pipe: a diffusers pipeline with a ``unet`` or a ``transformer`` and a ``scheduler``.

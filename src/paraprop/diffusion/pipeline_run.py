@@ -10,7 +10,8 @@ every denoiser output paraprop computes with its input. Then the pipeline's loop
 step ``s`` :meth:`Run.serve` returns a recorded output whose input and arguments equal the
 pipeline's bit for bit, where paraprop certified it (a certified solve; or, where it did not, a
 call with the loop's own rows); otherwise the real denoiser runs, which keeps the result the
-plain pipeline's.
+plain pipeline's. A pipeline whose loop differs from the text pipelines' around the denoiser
+(``DiTPipeline``) brings its own reading of it (``loop``: :mod:`~paraprop.diffusion.pipeline_dit`).
 """
 
 from __future__ import annotations
