@@ -317,7 +317,7 @@ def accelerate(pipe, *, method="picard", window: int | None = None, tol: float =
     output dataclass) once per step from the scheduler's first timestep, with
     classifier-free guidance as ``StableDiffusionPipeline`` computes it (``guidance_scale``,
     ``guidance_rescale``) or none (tested: ``StableDiffusionPipeline``,
-    ``StableDiffusion3Pipeline``); and ``DiTPipeline``'s own loop (its guidance over the latent
+    ``StableDiffusion3Pipeline``, ``StableDiffusionXLPipeline``); and ``DiTPipeline``'s own loop (its guidance over the latent
     channels, the conditional half first, and its learned-sigma split:
     :mod:`~paraprop.diffusion.pipeline_dit`); the schedulers :func:`paraprop.diffusion.sample`
     runs in parallel: ``DDIMScheduler`` (any ``eta``), ``DDPMScheduler``,
