@@ -317,11 +317,11 @@ def accelerate(pipe, *, method="picard", window: int | None = None, tol: float =
     output dataclass) once per step from the scheduler's first timestep, with
     classifier-free guidance as ``StableDiffusionPipeline`` computes it (``guidance_scale``,
     ``guidance_rescale``) or none (tested: ``StableDiffusionPipeline``,
-    ``StableDiffusion3Pipeline``, ``StableDiffusionXLPipeline``); and ``DiTPipeline``'s own loop (its guidance over the latent
-    channels, the conditional half first, and its learned-sigma split:
-    :mod:`~paraprop.diffusion.pipeline_dit`); the schedulers :func:`paraprop.diffusion.sample`
-    runs in parallel: ``DDIMScheduler`` (any ``eta``), ``DDPMScheduler``,
-    ``EulerDiscreteScheduler``, ``EulerAncestralDiscreteScheduler``,
+    ``StableDiffusion3Pipeline``, ``StableDiffusionXLPipeline``); and ``DiTPipeline``'s own
+    loop (its guidance over the latent channels, the conditional half first, and its
+    learned-sigma split: :mod:`~paraprop.diffusion.pipeline_dit`); the schedulers
+    :func:`paraprop.diffusion.sample` runs in parallel: ``DDIMScheduler`` (any ``eta``),
+    ``DDPMScheduler``, ``EulerDiscreteScheduler``, ``EulerAncestralDiscreteScheduler``,
     ``FlowMatchEulerDiscreteScheduler``, ``LCMScheduler``, ``DPMSolverMultistepScheduler`` of
     order 1. A step's noise is drawn beforehand from a copy of the generator the pipeline
     passes to ``scheduler.step`` (one ``torch.Generator``). Falling through, named:
