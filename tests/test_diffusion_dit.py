@@ -186,6 +186,17 @@ def test_unsupported_settings_fall_through_named(scheduler, why):
     assert (c.solved, c.served, c.denoiser_calls, c.model_calls) == (0, 0, c.steps, 0)
 
 
+def test_a_tensor_guidance_scale_falls_through_named():
+    """A ``guidance_scale`` tensor (the plain pipeline takes one: its arithmetic then differs
+    from a Python number's): the plain loop, named."""
+    pipe = dit(SCHEDULERS["ddim"]())
+    ref = call(pipe, scale=torch.tensor(4.0))
+    with pytest.warns(FallThroughWarning, match="DiTPipeline's guidance_scale is a Tensor, not "
+                      "an int or a float"), accelerate(pipe) as handle:
+        out = call(pipe, scale=torch.tensor(4.0))
+    assert torch.equal(out, ref) and handle.counters.served == 0
+
+
 class OwnLoop(diffusers.DiTPipeline):
     """A DiTPipeline whose call is a loop of its own (no guidance), not DiT's code."""
 
