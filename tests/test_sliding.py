@@ -360,3 +360,65 @@ def test_an_accumulating_map_without_a_stated_growth_stays_within_tol():
     tol = 1e-2
     sol = paraprop.solve(fn, x0, method=SlidingJacobi(64), dim=-2, tol=tol, throw=False)
     assert not sol.converged or float((sol.value - ref).abs().max()) <= tol
+
+
+def _scaled_accumulating(scale, seed, T=200, d=8, B=2, pert=0.0, dtype=torch.float64):
+    """The accumulating map with ``|W|`` scaled (``h_t = h_{t-1} + tanh(W h_{t-1} + b) / T``),
+    and ``b`` perturbed by ``pert`` for a nearby problem's result, the warm start."""
+    g = torch.Generator().manual_seed(seed)
+    W = (torch.randn(d, d, generator=g, dtype=torch.float64) * scale / d ** 0.5).to(dtype)
+    b = torch.randn(d, generator=g, dtype=torch.float64)
+    b = (b + pert * torch.randn(d, generator=torch.Generator().manual_seed(99),
+                                dtype=torch.float64)).to(dtype)
+    h0 = torch.randn(d, generator=g, dtype=torch.float64).to(dtype)
+
+    def fn(x):
+        prev = torch.cat([h0.expand(x.shape[0], 1, d), x[:, :-1]], dim=1)
+        return prev + torch.tanh(prev @ W.T + b) / T
+
+    return fn
+
+
+def _warm(scale, seed, pert, dtype=torch.float64):
+    z = torch.zeros(2, 200, 8, dtype=dtype)
+    ref = paraprop.solve(_scaled_accumulating(scale, seed, dtype=dtype), z,
+                         method="sequential", dim=-2).value
+    x0 = paraprop.solve(_scaled_accumulating(scale, seed, pert=pert, dtype=dtype), z,
+                        method="sequential", dim=-2).value
+    return _scaled_accumulating(scale, seed, dtype=dtype), x0, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize(("pert", "tol"), [(0.01, 1e-3), (0.1, 1e-2)])
+def test_jacobi_from_a_warm_start_on_an_accumulating_map_stays_within_tol(dtype, pert, tol):
+    """(review s35) the contraction estimate alone stopped these at 12.8x and 9.7x tol (the
+    error is a ramp along the positions; the whole-sample ratios fall below 1 while it stays);
+    the accumulation check holds the stops back."""
+    fn, x0, ref = _warm(6.0, 0, pert, dtype)
+    sol = paraprop.solve(fn, x0, method="jacobi", dim=-2, tol=tol, throw=False)
+    assert sol.converged and sol.stats.get("held", 0) > 0
+    assert float((sol.value - ref).abs().max()) <= tol
+
+
+def test_jacobi_on_a_contracting_map_still_stops_early():
+    """The check carries the changes through gains below 1: a contracting map stops early."""
+    W = torch.randn(8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    W = 0.3 * W / W.abs().sum(1, keepdim=True)
+
+    def fn(x):
+        prev = torch.cat([torch.ones_like(x[:, :1]), x[:, :-1]], dim=1)
+        return torch.tanh(prev @ W.T + 0.5)
+
+    x0 = torch.zeros(2, 300, 8, dtype=torch.float64)
+    ref = paraprop.solve(fn, x0, method="sequential", dim=-2).value
+    sol = paraprop.solve(fn, x0, method="jacobi", dim=-2, tol=1e-6)
+    assert sol.iterations < 30 and float((sol.value - ref).abs().max()) <= 1e-6
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: the gains observed along the sweeps' changes "
+                   "(0.996 a step here) are below those along the error's direction (1.008), "
+                   "which 200 steps compound: converged=True at 1.28x tol")
+def test_jacobi_accumulation_check_with_gains_seen_too_low():
+    fn, x0, ref = _warm(6.0, 0, 0.01)
+    sol = paraprop.solve(fn, x0, method="jacobi", dim=-2, tol=1e-2, throw=False)
+    assert not sol.converged or float((sol.value - ref).abs().max()) <= 1e-2

@@ -55,6 +55,6 @@ class Jacobi(Solver):
         # positions < k - 1 are final, position k - 1 is computed from them
         y, kept = system.keep_finite(y, state.x, k - 1, own.positions, state.active,
                                      x=state.x)
-        accept(system, state, 0, system.T, y, tol, norm, exact=k - 1, kept=kept)
+        accept(system, state, 0, system.T, y, tol, norm, exact=k - 1, kept=kept, chain=True)
         own.k = k
         settle(state, k >= system.T)
