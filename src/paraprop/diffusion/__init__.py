@@ -23,10 +23,11 @@ not import it, it reads the scheduler object it is given.
 from paraprop.diffusion.accelerate import Accelerated, FallThroughWarning, accelerate
 from paraprop.diffusion.certificate import BatchVarianceWarning, GainCertificate
 from paraprop.diffusion.chain import DiffusionChain, draw_noise
+from paraprop.diffusion.dit_guidance import DiTGuided
 from paraprop.diffusion.guidance import Guided
 from paraprop.diffusion.sample import METHODS, sample
 from paraprop.diffusion.schedulers import StepTable, step_table
 
-__all__ = ["METHODS", "Accelerated", "BatchVarianceWarning", "DiffusionChain",
+__all__ = ["METHODS", "Accelerated", "BatchVarianceWarning", "DiTGuided", "DiffusionChain",
            "FallThroughWarning", "GainCertificate", "Guided", "StepTable", "accelerate",
            "draw_noise", "sample", "step_table"]

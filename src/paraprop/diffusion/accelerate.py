@@ -25,23 +25,11 @@ from paraprop.diffusion.pipeline_calls import Call, FallThrough, bind, read_call
 from paraprop.diffusion.pipeline_dit import DiTLoop
 from paraprop.diffusion.pipeline_run import Run
 from paraprop.diffusion.sample import _solver
+from paraprop.errors import FallThroughWarning
 from paraprop.result import Solution
 
 PATCH = "_paraprop_diffusion_accelerate"   # the instance attribute naming the handle
 DENOISERS = ("unet", "transformer")
-
-
-class FallThroughWarning(UserWarning):
-    """An accelerated pipeline ran (part of) a run through its own plain loop: paraprop does
-    not support or could not certify the setting. The result is the plain pipeline's.
-
-    Example:
-        >>> import warnings
-        >>> issubclass(paraprop.diffusion.FallThroughWarning, UserWarning)
-        True
-        >>> with warnings.catch_warnings():   # to insist on paraprop's loop: make it an error
-        ...     warnings.simplefilter("error", paraprop.diffusion.FallThroughWarning)
-    """
 
 
 @dataclasses.dataclass
