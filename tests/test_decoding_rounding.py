@@ -69,3 +69,21 @@ def test_the_bounds_form():
     # a float32 model whose logits come out in float16: float16's bound
     c, d = model_checks.rounding_factor(lin.float(), logits.half())
     assert d == torch.float16 and c == pytest.approx(model_checks.K_16BIT * 2.0 ** -10)
+
+
+def test_the_depth_of_a_model_without_a_configuration_is_counted_from_its_layers():
+    """(review s35) a custom module without a config counted as one layer, about sqrt(L) too
+    tight a bound for a deep one: its modules that sum products bound the depth now."""
+    from paraprop.decoding.model_checks import num_layers, rounding_factor
+
+    class Deep(torch.nn.Module):
+        def __init__(self, depth):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(depth))
+
+    shallow, deep = Deep(1), Deep(16)
+    assert num_layers(shallow) == 1 and num_layers(deep) == 16
+    logits = torch.ones(1, 5)
+    assert rounding_factor(deep, logits)[0] == pytest.approx(4 * rounding_factor(shallow,
+                                                                                   logits)[0])
+    assert num_layers(lambda ids: ids) == 1

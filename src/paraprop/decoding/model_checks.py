@@ -58,8 +58,19 @@ def vocab_size(model, cfg=None) -> int | None:
 
 
 def num_layers(model) -> int:
-    """``config.num_hidden_layers`` (``n_layer`` for GPT-2), or 1 when the model does not say."""
-    return _positive_int(_text_config(model), "num_hidden_layers", "n_layer", "num_layers") or 1
+    """``config.num_hidden_layers`` (``n_layer`` for GPT-2); where the model has no such
+    configuration, the number of its modules that sum products (``nn.Linear``, convolutions,
+    ``nn.MultiheadAttention``; at least 1): a transformer layer holds several, so the count
+    bounds its depth from above, and the rounding bound that grows with the depth is not too
+    tight for a deep model without a configuration."""
+    said = _positive_int(_text_config(model), "num_hidden_layers", "n_layer", "num_layers")
+    if said is not None:
+        return said
+    if isinstance(model, torch.nn.Module):
+        sums = (torch.nn.Linear, torch.nn.Bilinear, torch.nn.MultiheadAttention,
+                torch.nn.modules.conv._ConvNd)
+        return max(1, sum(isinstance(m, sums) for m in model.modules()))
+    return 1
 
 
 def check_causal(model) -> None:
