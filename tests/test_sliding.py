@@ -422,3 +422,16 @@ def test_jacobi_accumulation_check_with_gains_seen_too_low():
     fn, x0, ref = _warm(6.0, 0, 0.01)
     sol = paraprop.solve(fn, x0, method="jacobi", dim=-2, tol=1e-2, throw=False)
     assert not sol.converged or float((sol.value - ref).abs().max()) <= 1e-2
+
+
+def test_jacobi_without_the_accumulation_check_is_the_contraction_rule_alone():
+    """Jacobi(accumulation=False) is for a caller whose own final check certifies (the
+    diffusion certificate): on the warm-started accumulating map it stops early, off by more
+    than tol, as the contraction estimate alone did; a bad flag is refused by name."""
+    fn, x0, ref = _warm(6.0, 0, 0.01)
+    sol = paraprop.solve(fn, x0, method=paraprop.solvers.Jacobi(accumulation=False), dim=-2,
+                         tol=1e-3, throw=False)
+    assert sol.iterations < 200 and float((sol.value - ref).abs().max()) > 1e-3
+    assert repr(paraprop.solvers.Jacobi(accumulation=False)) == "Jacobi(accumulation=False)"
+    with pytest.raises(TypeError, match="Jacobi: accumulation"):
+        paraprop.solvers.Jacobi(accumulation="yes")

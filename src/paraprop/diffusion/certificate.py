@@ -461,7 +461,7 @@ def _estimate_stage(run, chain, solver, tol, floor0):
                                      hopeless=lambda scale: hopeless(scale, window)) is not None:
             return done, estimate   # (ran to the end: exact, or out of budget)
         lo = int(chain.certified().min())
-        tail = Jacobi()
+        tail = Jacobi(accumulation=False)   # (the final check certifies: _check)
     if hopeless(float(run.X.abs().max()), N - lo):   # exactly at once
         return done, estimate
     inner = (tol - floor0) / 2

@@ -323,7 +323,8 @@ def _solver(method, window, memory, N):
         w = window or DEFAULT_WINDOW
         # a window that holds every step is Jacobi on the whole trajectory: its contraction
         # rule needs no freezes (and no growth check), and it stops sooner
-        return Jacobi() if w >= N else SlidingJacobi(w)
+        # (the certificate's final check decides; the solver's stop only ends a pass)
+        return Jacobi(accumulation=False) if w >= N else SlidingJacobi(w)
     return TriangularAnderson(memory=memory)
 
 

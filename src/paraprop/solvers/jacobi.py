@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paraprop import checks
 from paraprop.solvers.base import Solver, State, accept, last_from_x0, settle
 from paraprop.solvers.triangular import System
 
@@ -38,6 +39,16 @@ class Jacobi(Solver):
     # the optional hooks of fn this solver calls (paraprop.solvers.protocols): fn only
     hooks: tuple[str, ...] = ()
 
+    def __init__(self, accumulation: bool = True):
+        # at tol > 0, hold back a stop where the sweep's changes carried along the positions
+        # exceed tol (paraprop.solvers.base._accumulated); False for a caller whose own final
+        # check certifies the value and uses the stop only to end its iterations (the
+        # diffusion certificate)
+        self.accumulation = checks.boolean("Jacobi: accumulation", accumulation)
+
+    def __repr__(self) -> str:
+        return "Jacobi()" if self.accumulation else "Jacobi(accumulation=False)"
+
     def init(self, system: System, state: State) -> None:
         state.own = _JacobiState(0, torch.arange(system.T, device=state.x.device))
         state.verified = True  # it stops only on a sweep of fn that reproduced the iterate
@@ -55,6 +66,7 @@ class Jacobi(Solver):
         # positions < k - 1 are final, position k - 1 is computed from them
         y, kept = system.keep_finite(y, state.x, k - 1, own.positions, state.active,
                                      x=state.x)
-        accept(system, state, 0, system.T, y, tol, norm, exact=k - 1, kept=kept, chain=True)
+        accept(system, state, 0, system.T, y, tol, norm, exact=k - 1, kept=kept,
+               chain=self.accumulation)
         own.k = k
         settle(state, k >= system.T)
