@@ -226,10 +226,13 @@ class _Run:
         """The loop's own first step (``B`` rows): position 0, certified, and the reference
         that the batched calls' step 0 is compared with."""
         chain = self.chain
-        y = chain.steps(chain.x_init[:, None], 0, 1)[:, 0]
+        empty = chain.x_init[:, None][:, :0] if chain.history else None
+        y = chain.steps(chain.x_init[:, None], 0, 1, empty, empty)[:, 0]
         check_steps_finite(y[:, None])
         self.X[:, 0] = y
         chain.exact_values[:, 0] = y
+        if chain.exact_records is not None:
+            chain.exact_records[:, 0] = chain.records_out[:, 0]
         chain.exact = torch.maximum(chain.exact, torch.ones_like(chain.exact))
         self.positions += 1
         self.per_sample += 1
@@ -313,7 +316,8 @@ def _solve_certified(chain, solver, tol, max_iters, callback) -> Certified:
             exact = done & (estimate == 0)
             more = run.loop_gap - checked_gap
             if bool(exact.any()) or (more > 0 and bool(done.any())):
-                gains = carried_gains(run.gains.gain, chain.B, chain.N, chain.device)
+                gains = carried_gains(run.gains.gain, chain.B, chain.N, chain.device,
+                                      chain.history)
                 full = torch.full_like(chain.exact, chain.N)
                 out_gains = output_gains(chain.table).to(chain.device)
                 E, _, _ = bounds(run.X, run.X, full, gains, chain.dtype,
@@ -355,22 +359,40 @@ def _last_step_check(run, chain) -> int | None:
     u = run.X[:, N - 2]
     ref = run.X[:, N - 1]
     has = chain.certified() >= N
-    seen = run.gains._seen
-    if seen is not None:
+    seen = run.gains.last_inputs
+    hist = past = None
+    if chain.history:
+        # the step reads the records of the steps before it: the certified ones for the
+        # samples certified to the end, else those its last evaluation read (where that was
+        # at this input and these inputs of the steps before)
+        h = min(chain.history, N - 1)
+        hist = chain.full_inputs(run.X, N - 1 - h, N - 1)
+        past = chain.exact_records[:, N - 1 - h: N - 1]
+        read = run.gains.last_read
+        if seen is not None and seen[1] is not None and read is not None:
+            now = chain.joint_history(run.X)[:, N - 1]
+            fresh = (seen[0][:, N - 1] == u).all(1) & (seen[1][:, N - 1] == now).all(1) & ~has
+            used = read[:, N - 1].reshape(chain.B, chain.history, chain.F)[:, chain.history - h:]
+            past = torch.where(fresh[:, None, None], used, past)
+            ref = torch.where(fresh[:, None], run.gains.last_outputs[:, N - 1], ref)
+            has = has | fresh
+    elif seen is not None:
         fresh = (seen[0][:, N - 1] == u).all(1) & ~has
-        ref = torch.where(fresh[:, None], seen[1][:, N - 1], ref)
+        ref = torch.where(fresh[:, None], run.gains.last_outputs[:, N - 1], ref)
         has = has | fresh
     if not bool(has.any()):
         return None
     observer, chain.observer = chain.observer, None
-    y = chain.steps(u[:, None], N - 1, N)[:, 0]
+    y = chain.steps(u[:, None], N - 1, N, hist, past)[:, 0]
     chain.observer = observer
     run.checked_steps.append(N - 1)
     d = (y.to(torch.float64) - ref.to(torch.float64)).abs().amax(1)
     d = torch.where(has, d.nan_to_num(nan=math.inf), 0.0).max()
     if float(d) == 0:
         return None
-    k = float(output_gains(chain.table)[N - 1])
+    # (a step with history: its own model output's reaction; the records are the same)
+    own = getattr(chain.table, "own_output_gains", None)
+    k = float((own() if own is not None else output_gains(chain.table))[N - 1])
     gap = d / k if k > 0 else torch.full_like(d, math.inf)
     old = chain.loop_gap
     chain.loop_gap = gap if old is None else torch.maximum(old, gap.to(old))
@@ -512,14 +534,15 @@ def _check(run, chain, done, estimate, tol, window, loop_limit=None):
     N = chain.N
     undone = ~done
     chain.commit(run.X, undone)
-    start = run.gains.stale_from(run.X, chain.x_init, chain.exact, undone)
+    hist = chain.joint_history(run.X) if chain.history else None
+    start = run.gains.stale_from(run.X, chain.x_init, chain.exact, undone, hist)
     calls = -(-(N - start) // window)
     # the loop from the certified prefix is exact: where it costs no more than the check,
     # the exact stage takes it
     if calls > run.left or calls >= N - int(chain.certified()[undone].min()):
         return done, estimate, None
     y = _direct(run, start, window)
-    p = chain.learn_exact(run.X, y, undone)
+    p = chain.learn_exact(run.X, y, undone, run.gains.last_records)
     # a sample whose last position is now known is exact
     whole = undone & (chain.certified() >= N)
     chain.commit(run.X, whole)
@@ -531,7 +554,7 @@ def _check(run, chain, done, estimate, tol, window, loop_limit=None):
         # step may differ from the loop's by the output difference times the step's reaction
         # to it (twice the measured one); no position is the loop's bit for bit
         extra = 2 * gap * output_gains(chain.table).to(chain.device)
-    gains = carried_gains(run.gains.gain, chain.B, N, chain.device)
+    gains = carried_gains(run.gains.gain, chain.B, N, chain.device, chain.history)
     E, _, rho = bounds(run.X, y, p, gains, chain.dtype, extra, loop=False)
     ok = undone & (E <= tol)
     by_estimate = ok & (p < N)
@@ -608,7 +631,12 @@ def _direct(run, start: int, window: int) -> torch.Tensor:
     last evaluations (:meth:`~paraprop.diffusion.gains.StepGains.stale_from`)."""
     chain, X = run.chain, run.X
     xin = torch.cat([chain.x_init[:, None], X[:, :-1]], dim=1)
+    # (observed whatever the pass did: the last outputs are read back)
+    observer, chain.observer = chain.observer, run.gains
     for a in range(start, chain.N, window):
         b = min(chain.N, a + window)
-        chain.steps(xin[:, a:b], a, b)
+        # (with history, the steps before the window are evaluated in the same call)
+        hist = chain.full_inputs(X, a - min(chain.history, a), a) if chain.history else None
+        chain.steps(xin[:, a:b], a, b, hist)
+    chain.observer = observer
     return run.gains.last_outputs

@@ -35,6 +35,7 @@ certified inputs is real, and is returned as it is (the solver reports it).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -133,6 +134,14 @@ class DiffusionChain:
         self.has_next = torch.zeros(self.B, dtype=torch.bool, device=dev)
         self.next_value = torch.zeros(self.B, self.F, dtype=self.dtype, device=dev)
         self.exact_values = torch.zeros(self.B, self.N, self.F, dtype=self.dtype, device=dev)
+        # a program with history (programs.HistoryProgram): step s reads the records of the
+        # `history` steps before it; those of certified steps are kept (exact_records: the
+        # records of the steps < certified()), and x_hist holds the inputs of the steps
+        # [lo - history, lo) (as far as they exist)
+        self.history = int(getattr(table, "history", 0))
+        self.exact_records = torch.zeros_like(self.exact_values) if self.history else None
+        self.records_out: torch.Tensor | None = None
+        self.x_hist = self.x_init[:, None][:, :0]
         # a step recomputed from the same exact input gave other bits (another batch of rows)
         self.irreproducible = torch.zeros((), dtype=torch.bool, device=dev)
         self.irreproducible_seen = False   # its value at the start of the last window call
@@ -183,38 +192,128 @@ class DiffusionChain:
         self.max_rows = max(self.max_rows, x.shape[0])
         return out
 
-    def steps(self, xin: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    def steps(self, xin: torch.Tensor, start: int, stop: int, hist: torch.Tensor | None = None,
+              past: torch.Tensor | None = None) -> torch.Tensor:
         """``x_{s+1}`` for the absolute steps ``s`` in ``[start, stop)`` from the inputs ``xin``
         ``(B, n, F)`` (``x_s``), in one batched model call; returns ``(B, n, F)``: the direct
-        steps, bitwise ``scheduler.step``'s arithmetic."""
-        n = stop - start
+        steps, bitwise ``scheduler.step``'s arithmetic.
+
+        A program with history (:class:`~paraprop.diffusion.programs.HistoryProgram`) also
+        takes ``hist``, the inputs of the ``h = min(history, start)`` steps before ``start``
+        ``(B, h, F)``, and ``past``, their records ``(B, h, F)``; where ``past`` is ``None``
+        those steps are evaluated in the same call (their records from ``hist``). The window's
+        records are left in :attr:`records_out` ``(B, n, F)``."""
+        n, B = stop - start, self.B
+        h = min(self.history, start)
+        if self.history and (hist is None or hist.shape[1] != h or
+                             (past is not None and past.shape[1] != h)):
+            raise ValueError(f"chain: steps [{start}, {stop}) read the records of the {h} "
+                             "steps before them: pass their inputs (hist) and records (past)")
+        extra = h if past is None else 0
         if start == 0:
             self._step0_input = xin[:, 0]
+        ext = torch.cat([hist, xin], dim=1) if hist is not None and extra else xin   # (B, m, F)
+        e0, m = start - extra, n + extra
         # every other batched call holds the steps in reverse order: a step computed again
         # then sits at other rows of the batch, so a kernel that rounds a row by its place
         # in the batch shows as a certified step computed with other bits (batch variance),
         # not only at step 0 (the loop's first call is compared with the first batched one)
-        flip = n > 1 and self.model_calls % 2 == 1
-        states = xin.transpose(0, 1)
+        flip = m > 1 and self.model_calls % 2 == 1
+        states = ext.transpose(0, 1)
         # the model reads scale_model_input of the states where the program scales them
-        model_in = self.table.model_input(start, stop, states) if self.scaled else states
+        model_in = self.table.model_input(e0, stop, states) if self.scaled else states
         order = model_in.flip(0) if flip else model_in
-        rows = order.reshape(n * self.B, *self.sample_shape[1:])
-        t = self.timesteps[start:stop]
-        t = (t.flip(0) if flip else t).repeat_interleave(self.B)
-        out = self.call_model(rows, t, n)
-        shape = (n, self.B, self.F)
+        rows = order.reshape(m * B, *self.sample_shape[1:])
+        t = self.timesteps[e0:stop]
+        t = (t.flip(0) if flip else t).repeat_interleave(B)
+        out = self.call_model(rows, t, m)
+        shape = (m, B, self.F)
         if flip:   # back in the steps' order
             out = out.reshape(shape).flip(0)
             rows = rows.reshape(shape).flip(0)
-        if start == 0 and self.loop_gap is None:
-            self._compare_step0(out.reshape(n * self.B, *self.sample_shape[1:])[: self.B], n)
-        prev = self.table.apply(slice(start, stop), states if self.scaled else
-                                rows.reshape(shape), out.reshape(shape),
-                                self.z[start:stop]).transpose(0, 1)
+        if start == 0 and self.loop_gap is None:   # (no extra rows before step 0)
+            self._compare_step0(out.reshape(m * B, *self.sample_shape[1:])[:B], n)
+        out = out.reshape(shape)
+        if self.history:
+            table: Any = self.table
+            if extra:   # the records of the steps before the window, from this call
+                before = table.records(e0, start, states[:extra], out[:extra])
+            else:
+                before = past.transpose(0, 1)   # type: ignore[union-attr]
+            y, rec = table.apply_history(slice(start, stop), states[extra:], out[extra:],
+                                         self.z[start:stop], before)
+            prev = y.transpose(0, 1)
+            self.records_out = rec.transpose(0, 1)
+        else:
+            prev = self.table.apply(slice(start, stop), states if self.scaled else
+                                    rows.reshape(shape), out, self.z[start:stop]).transpose(0, 1)
         if self.observer is not None:
-            self.observer.observe(xin, prev, start, stop)
+            if self.history:
+                # the records each step read (chronological; zeros before step 0)
+                H = self.history
+                full = torch.cat([before.new_zeros((H - h,) + before.shape[1:]), before, rec])
+                read = torch.stack([full[j: j + n] for j in range(H)], dim=2)
+                self.observer.observe(xin, prev, start, stop, self._joint(hist, xin),
+                                      self.records_out,
+                                      read.transpose(0, 1).reshape(B, n, H * self.F))
+            else:
+                self.observer.observe(xin, prev, start, stop)
         return prev
+
+    def _joint(self, hist: torch.Tensor | None, xin: torch.Tensor) -> torch.Tensor:
+        """``(B, n, history * F)``: the inputs of the ``history`` steps before each step of a
+        window (nearest first; ``x_0`` before step 0), from the window's inputs ``xin`` and
+        the inputs ``hist`` of the steps before it."""
+        H, n = self.history, xin.shape[1]
+        assert hist is not None
+        pad = H - hist.shape[1]
+        full = torch.cat([self.x_init[:, None].expand(self.B, pad, self.F), hist, xin], dim=1)
+        return torch.cat([full[:, H - j: H - j + n] for j in range(1, H + 1)], dim=2)
+
+    def joint_history(self, X: torch.Tensor) -> torch.Tensor:
+        """``(B, N, history * F)``: :meth:`_joint` for every step of the full trajectory
+        ``X`` ``(B, N, F)``."""
+        xin = torch.cat([self.x_init[:, None], X[:, :-1]], dim=1)
+        return self._joint(xin[:, :0], xin)
+
+    def full_inputs(self, X: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """``(B, b - a, F)``: the inputs of the absolute steps ``[a, b)`` in the full
+        trajectory ``X`` ``(B, N, F)`` (``x_0`` for step 0)."""
+        if a == 0 and b > 0:
+            return torch.cat([self.x_init[:, None], X[:, : b - 1]], dim=1)
+        return X[:, a - 1: b - 1]
+
+    def past_of(self, X: torch.Tensor, start: int, certified: int | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(hist, past)`` for :meth:`steps` of the system's steps from ``start`` on (in the
+        solver's iterate ``X``): the inputs of the steps before, and their certified records
+        where every sample's certified prefix covers them (``certified``: the least; else
+        ``None``: the call evaluates them)."""
+        if not self.history:
+            return None, None
+        a0 = self.lo + start
+        h = min(self.history, a0)
+        hist = self._sys_inputs(X, start - h, start)
+        if certified is None:
+            certified = int(self.certified().min())
+        assert self.exact_records is not None   # (kept where there is history)
+        past = self.exact_records[:, a0 - h: a0] if certified >= a0 else None
+        return hist, past
+
+    def _sys_inputs(self, X: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """The inputs of the system's steps ``[a, b)`` (``a`` may reach ``history`` steps
+        before ``lo``: :attr:`x_hist`)."""
+        hb = self.x_hist.shape[1]
+        if a == b:
+            return X[:, :0]
+        parts = []
+        if a < 0:
+            parts.append(self.x_hist[:, hb + a: hb + min(b, 0)])
+        if a <= 0 < b:
+            parts.append(self.x_lo[:, None])
+        if b > 1:
+            parts.append(X[:, max(a, 1) - 1: b - 1])
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _compare_step0(self, out: torch.Tensor, n: int) -> None:
         """Step 0's model output on the loop's ``B`` rows (the first call of a parallel solve)
@@ -321,7 +420,8 @@ class DiffusionChain:
             return X[:, start:stop].clone(), None
         xin = self.inputs(X, start, stop)
         lo = self.lo
-        y = self.steps(xin, lo + start, lo + stop)
+        y = self.steps(xin, lo + start, lo + stop, *self.past_of(X, start, least)) \
+            if self.history else self.steps(xin, lo + start, lo + stop)
         old = X[:, start:stop]
         narrow = self.work != self.dtype
         r = y.to(self.work) - old.to(self.work) if narrow else y - old
@@ -399,7 +499,12 @@ class DiffusionChain:
         upto = pos <= run[:, None]   # (known ones among them: run counts them)
         # the certified values: the direct steps y of the run and of the next position
         window = self.exact_values[:, a0 : a0 + n]
-        torch.where((grow[:, None] & (upto ^ known))[:, :, None], y, window, out=window)
+        new = (grow[:, None] & (upto ^ known))[:, :, None]
+        torch.where(new, y, window, out=window)
+        if self.exact_records is not None:   # (the records of the same steps: exact inputs)
+            assert self.records_out is not None
+            kept = self.exact_records[:, a0 : a0 + n]
+            torch.where(new, self.records_out, kept, out=kept)
         self.exact = torch.where(grow, reach, exact)
         self.has_next = torch.where(grow, more, has_next)
         self.next_value = torch.where(more[:, None], nxt, self.next_value)
@@ -439,6 +544,8 @@ class DiffusionChain:
         self.commit(X)
         self.lo = lo
         self.x_lo = self.x_init if lo == 0 else X[:, lo - 1].clone()
+        if self.history:   # the inputs of the steps [lo - h, lo), read by the first windows
+            self.x_hist = self.full_inputs(X, lo - min(self.history, lo), lo).clone()
         self._last = None
 
     def sequential(self, X: torch.Tensor, start: int) -> None:
@@ -449,11 +556,23 @@ class DiffusionChain:
             NonFiniteError: a step produced NaN or inf (the loop gives it too).
         """
         x = self.x_init if start == 0 else X[:, start - 1]
-        for s in range(start, self.N):
-            x = self.steps(x[:, None], s, s + 1)[:, 0]
-            X[:, s] = x
+        H = self.history
+        # the records of the steps before `start`: certified (where the input is exact, the
+        # samples continued here), then the loop's own
+        past = None if self.exact_records is None else \
+            self.exact_records[:, start - min(H, start): start]
         # exact where the input was: the samples whose certified prefix reached `start`
         ok = self.exact >= start
+        for s in range(start, self.N):
+            hist = self.full_inputs(X, s - min(H, s), s) if H else None
+            x = self.steps(x[:, None], s, s + 1, hist, past)[:, 0]
+            X[:, s] = x
+            if self.exact_records is not None and self.records_out is not None:
+                rec = self.records_out
+                past = torch.cat([past, rec], dim=1)[:, -min(H, s + 1):] \
+                    if past is not None else rec
+                self.exact_records[:, s] = torch.where(ok[:, None], rec[:, 0],
+                                                       self.exact_records[:, s])
         self.exact_values[:, start:] = torch.where(ok[:, None, None], X[:, start:],
                                                    self.exact_values[:, start:])
         self.exact = torch.where(ok, self.N, self.exact)
@@ -461,13 +580,16 @@ class DiffusionChain:
         if start < self.N:
             check_steps_finite(X, start)
 
-    def learn_exact(self, X: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """From the direct steps ``y`` of every position of ``X``: the
+    def learn_exact(self, X: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
+                    records: torch.Tensor | None = None) -> torch.Tensor:
+        """From the direct steps ``y`` of every position of ``X`` (and, with history, their
+        records ``records``, kept as the certified ones): the
         leading positions whose value is their direct step from an exact input are exact, and
         the direct step after them is the next exact value. Advances :attr:`exact` for the
         samples ``rows``; returns ``(B,)``: the first position of each sample whose value is
         not its direct step (``N``: none; certified positions count as exact)."""
         pos = torch.arange(self.N, device=X.device)[None, :]
+        before = self.exact
         same = (y == X).all(2) | (pos < self.exact[:, None])
         p = same.long().cumprod(1).sum(1)
         grow = rows & (p >= self.exact)
@@ -480,6 +602,12 @@ class DiffusionChain:
         self.next_value = torch.where(more[:, None], nxt, self.next_value)
         at = pos[:, :, None] == p[:, None, None]
         self.exact_values.copy_(torch.where(more[:, None, None] & at, y, self.exact_values))
+        if self.exact_records is not None:
+            assert records is not None, "a program with history: pass the steps' records"
+            # (the records of the positions certified before stay: a step's last evaluation
+            # may have been at another input since)
+            taken = (newly & (pos >= before[:, None])[:, :, None]) | (more[:, None, None] & at)
+            self.exact_records.copy_(torch.where(taken, records, self.exact_records))
         return p
 
     def update(self, X: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -487,7 +615,8 @@ class DiffusionChain:
         outs = []
         for s in index.tolist():
             xin = self.inputs(X, s, s + 1)
-            outs.append(self.steps(xin, self.lo + s, self.lo + s + 1))
+            past = self.past_of(X, s) if self.history else ()
+            outs.append(self.steps(xin, self.lo + s, self.lo + s + 1, *past))
         return torch.cat(outs, dim=1)
 
 

@@ -53,13 +53,27 @@ class StepGains:
         self._pending: torch.Tensor | None = None
         self._records: list[tuple[int, int]] = []
         self._units: tuple[torch.dtype, torch.Tensor] | None = None
+        # a step with history: the last inputs of the steps it reads the records of
+        # (B, N, h F), and its last records (B, N, F)
+        self._hist: torch.Tensor | None = None
+        self._rec: torch.Tensor | None = None
+        self._read: torch.Tensor | None = None
 
-    def observe(self, xin: torch.Tensor, nxt: torch.Tensor, start: int, stop: int) -> None:
+    def observe(self, xin: torch.Tensor, nxt: torch.Tensor, start: int, stop: int,
+                hist: torch.Tensor | None = None, records: torch.Tensor | None = None,
+                read: torch.Tensor | None = None) -> None:
         """Record each step's gain ``max|step(x) - step(x')| / max|x - x'|`` (per sample, the
         largest seen) between this evaluation and the step's previous one, less what the
         rounding of the two outputs may leave between them (:data:`NOISE_ULPS`); input changes
         within :func:`observe_level` of the rounding are skipped. Keeps each step's last input
-        and output (:meth:`stale_from`, :attr:`last_outputs`)."""
+        and output (:meth:`stale_from`, :attr:`last_outputs`).
+
+        A step with history (it reads the records of the steps before it) also passes
+        ``hist``, the inputs of those steps ``(B, n, h F)``: its input is then the joint
+        ``(x, hist)``, and ``|x - x'|`` the largest change of any of them (the gain of the
+        two-input recurrence, :func:`bounds`); ``records``, its records ``(B, n, F)``
+        (:attr:`last_records`); and ``read``, the records it read ``(B, n, h F)``
+        (:attr:`last_read`)."""
         if self._seen is None:
             self._seen = torch.full((2, self.B, self.N, self.F), float("nan"), dtype=xin.dtype,
                                     device=xin.device)
@@ -79,8 +93,27 @@ class StepGains:
         a, b = (now, was) if self.work == xin.dtype else (now.to(self.work), was.to(self.work))
         # |x - x'|, |y - y'|, |x|, |y| (largest per sample and step) in one reduction; the
         # ratios are taken when the gains are read (gain), many observations at once
-        self._pending[len(self._records), :, :, : stop - start] = \
-            torch.cat([a - b, a]).abs().amax(3)
+        stats = torch.cat([a - b, a]).abs().amax(3)
+        if hist is not None:   # the joint input: the largest change and size of any part
+            if self._hist is None:
+                self._hist = torch.full((self.B, self.N, hist.shape[2]), float("nan"),
+                                        dtype=hist.dtype, device=hist.device)
+                self._rec = torch.full_like(self._seen[1], float("nan"))
+            assert self._rec is not None
+            old = self._hist[:, start:stop]
+            h_now, h_was = (hist, old) if self.work == hist.dtype else \
+                (hist.to(self.work), old.to(self.work))
+            more = torch.stack([h_now - h_was, h_now]).abs().amax(3)
+            stats[0::2] = torch.fmax(stats[0::2], more)
+            old.copy_(hist)
+            if records is not None:
+                self._rec[:, start:stop] = records
+            if read is not None:
+                if self._read is None:
+                    self._read = torch.full((self.B, self.N, read.shape[2]), float("nan"),
+                                            dtype=read.dtype, device=read.device)
+                self._read[:, start:stop] = read
+        self._pending[len(self._records), :, :, : stop - start] = stats
         self._records.append((start, stop))
         was.copy_(now)
 
@@ -129,22 +162,46 @@ class StepGains:
         return self._units[1]
 
     @property
+    def last_records(self) -> torch.Tensor | None:
+        """``(B, N, F)``: each step's last observed records (a step with history; NaN where
+        never observed), else ``None``."""
+        return self._rec
+
+    @property
+    def last_read(self) -> torch.Tensor | None:
+        """``(B, N, h F)``: the records each step's last observed evaluation read (the ``h``
+        steps before it, oldest first), or ``None``."""
+        return self._read
+
+    @property
+    def last_inputs(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Each step's last observed input ``(B, N, F)`` and, with history, the inputs of the
+        steps it read ``(B, N, h F)``; ``None`` before the first observation."""
+        if self._seen is None:
+            return None
+        return self._seen[0], self._hist
+
+    @property
     def last_outputs(self) -> torch.Tensor:
         """``(B, N, F)``: each step's last observed output (NaN where never observed)."""
         assert self._seen is not None, "no evaluation observed yet"
         return self._seen[1]
 
     def stale_from(self, X: torch.Tensor, x_init: torch.Tensor, exact: torch.Tensor,
-                   rows: torch.Tensor) -> int:
+                   rows: torch.Tensor, hist: torch.Tensor | None = None) -> int:
         """The first step whose last observed evaluation was not at its input in the
         trajectory ``X`` ``(B, N, F)`` (``x_init``: the input of step 0), over the samples
         ``rows`` and the positions not certified (``exact`` ``(B,)``: the certified prefixes);
-        ``N`` where every such step is up to date (one host sync)."""
+        ``N`` where every such step is up to date (one host sync). ``hist``: with history,
+        the inputs of the steps each step reads the records of ``(B, N, h F)``, compared
+        too."""
         if self._seen is None:
             return 0
         xin = torch.cat([x_init[:, None], X[:, :-1]], dim=1)
         last_in, last_out = self._seen
         fresh = (last_in == xin).all(2) & torch.isfinite(last_out).all(2)
+        if hist is not None:   # a step with history: the inputs of the steps it reads too
+            fresh = fresh & (False if self._hist is None else (self._hist == hist).all(2))
         pos = torch.arange(self.N, device=X.device)[None, :]
         stale = ~fresh & rows[:, None] & (pos >= exact[:, None])
         first = torch.where(stale.any(0), pos[0], self.N).min()
@@ -252,14 +309,24 @@ def _nan_inf(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v.isnan(), math.inf, v)
 
 
-def carried_gains(gain, B: int, N: int, device) -> torch.Tensor:
+def carried_gains(gain, B: int, N: int, device, history: int = 0) -> torch.Tensor:
     """``(B, N)``: the observed gain of each step, a step never observed taking the largest
     gain observed among its :data:`NEIGHBOURS` neighbours on each side (the coefficients and
-    the model vary smoothly with the timestep); NaN (unbounded) where none of them was."""
+    the model vary smoothly with the timestep); NaN (unbounded) where none of them was.
+
+    ``history > 0``: step ``s`` reads the ``history`` positions before its input too, and its
+    gain was observed against the largest change of all of them (:meth:`StepGains.observe`):
+    ``|e_s| <= g_s max(|e_{s-1}|, ..., |e_{s-1-history}|) + r_s``. Then
+    ``M_s = max(|e_s|, ..., |e_{s-history}|)`` obeys ``M_s <= max(g_s, 1) M_{s-1} + r_s``, the
+    one-input recurrence of :func:`bounds` with every gain taken at least 1 (an error is not
+    forgotten while a later step still reads it): the gains returned are ``max(g_s, 1)``."""
     if gain is None:
         return torch.full((B, N), math.nan, dtype=torch.float64, device=device)
     k = NEIGHBOURS
     padded = torch.nn.functional.pad(torch.where(gain.isnan(), -math.inf, gain), (k, k),
                                      value=-math.inf)
     near = padded.unfold(1, 2 * k + 1, 1).amax(2)
-    return torch.where(gain.isnan(), torch.where(near == -math.inf, math.nan, near), gain)
+    out = torch.where(gain.isnan(), torch.where(near == -math.inf, math.nan, near), gain)
+    if history:
+        out = torch.where(out.isnan(), out, out.clamp(min=1.0))
+    return out

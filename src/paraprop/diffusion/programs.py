@@ -125,6 +125,102 @@ class MarkovProgram:
         return gains
 
 
+# the readers with history whose steps run in the chain (HistoryProgram): their records are
+# one tensor shaped like the sample, their states one part
+HISTORY_PARALLEL = ("DPMSolverMultistepScheduler",)
+
+
+def history_parallel(reader: Reader) -> bool:
+    """Whether ``reader`` reads history the chain carries (:class:`HistoryProgram`)."""
+    return reader.classname in HISTORY_PARALLEL and reader.history > 0 and reader.parts == 1
+
+
+class HistoryProgram(MarkovProgram):
+    """A reader whose step ``s`` reads the *records* of the ``history`` steps before it
+    (DPM-Solver++ of order 2 and 3: the converted model outputs ``m_{s-1}``, ``m_{s-2}``) as a
+    step program. The chain evaluates a window's steps and, where the records before the
+    window are not certified, the ``history`` steps before it in the same model call, so that
+    position ``s + 1`` is ``step_s(X_s, model(X_s), X_{s-1}, model(X_{s-1}), ...)``: a
+    function of earlier positions only (lower triangular), bitwise the loop's step where its
+    inputs are the loop's.
+
+    Example:
+        >>> from diffusers import DPMSolverMultistepScheduler
+        >>> from paraprop.diffusion import readers
+        >>> p = HistoryProgram(readers.reader(DPMSolverMultistepScheduler(), 6))
+        >>> p.N, p.history
+        (6, 1)
+    """
+
+    def __init__(self, reader: Reader):
+        if not history_parallel(reader):
+            raise ValueError(f"HistoryProgram: {setting(reader)} is not read in parallel "
+                             f"(history={reader.history}, parts={reader.parts}); supported: "
+                             f"{', '.join(HISTORY_PARALLEL)} with solver_order 2 or 3")
+        self.reader = reader
+        self.name = reader.classname
+        self.N = reader.K
+        self.timesteps = reader.timesteps
+        self.noisy = torch.tensor([bool(v) for v in reader.noisy], dtype=torch.bool)
+        self.device = reader.device
+        self.history = reader.history
+        self._gains: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def records(self, start: int, stop: int, x: torch.Tensor, out: torch.Tensor
+                ) -> torch.Tensor:
+        """The records ``(n, B, F)`` of the steps ``[start, stop)`` from their inputs ``x`` and
+        model outputs ``out`` (each ``(n, B, F)``)."""
+        (rec,) = self.reader.records(start, stop, x[:, None], out)
+        return rec
+
+    def apply_history(self, index: slice, x: torch.Tensor, out: torch.Tensor,
+                      z: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x_{s+1}`` for the steps ``index`` and their records (each ``(n, B, F)``) from the
+        inputs ``x``, the model outputs ``out``, the noise ``z`` and ``past``: the records of
+        the ``min(history, index.start)`` steps before ``index.start``."""
+        new, (rec,) = self.reader.step(index.start, index.stop, x[:, None], out, (past,), z)
+        return new[:, 0], rec
+
+    def apply(self, index: slice, x: torch.Tensor, out: torch.Tensor,
+              z: torch.Tensor) -> torch.Tensor:
+        raise TypeError(f"{self.name}: a step reads the records of the steps before it; "
+                        "use apply_history")
+
+    def _derive(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``|d step_s / d out_s|`` and ``sum_j |d step_s / d out_{s-j}|`` (``j = 0 ..
+        history``), in float64 from the reader's own step at unit model outputs (the step is
+        linear in the model outputs for a fixed sample)."""
+        if self._gains is None:
+            h = self.history
+            own, total = torch.zeros(self.N, dtype=torch.float64), \
+                torch.zeros(self.N, dtype=torch.float64)
+            zero = torch.zeros(1, 1, 1, dtype=torch.float64)
+            one = torch.ones(1, 1, 1, dtype=torch.float64)
+            z = torch.zeros(1, 1, 1, dtype=torch.float32)
+            for s in range(self.N):
+                hp = min(h, s)
+                past = torch.zeros(hp, 1, 1, dtype=torch.float64)
+                y, _ = self.apply_history(slice(s, s + 1), zero, one, z, past)
+                own[s] = total[s] = float(y.abs().max())
+                for j in range(hp):   # the record of step s - hp + j at a unit output
+                    unit = past.clone()
+                    unit[j] = self.records(s - hp + j, s - hp + j + 1, zero, one)[0]
+                    y, _ = self.apply_history(slice(s, s + 1), zero, zero, z, unit)
+                    total[s] += float(y.abs().max())
+            self._gains = (own, total)
+        return self._gains
+
+    def output_gains(self) -> torch.Tensor:
+        """``(N,)`` float64: ``sum_j |d step_s / d out_{s-j}|`` over the model outputs step
+        ``s`` reads (its own and its history's): how far a difference of every model output
+        moves the step (the certificate's batch-variance term)."""
+        return self._derive()[1]
+
+    def own_output_gains(self) -> torch.Tensor:
+        """``(N,)`` float64: ``|d step_s / d out_s|``, its own model output's only."""
+        return self._derive()[0]
+
+
 def refuse_split(name: str, split: str) -> NotImplementedError:
     """The error of a Picard split a reader's program has no linear part for."""
     return NotImplementedError(
@@ -132,4 +228,5 @@ def refuse_split(name: str, split: str) -> NotImplementedError:
         "linear part derived (split='eps' is DDPM's and DDIM's); use split='identity'")
 
 
-__all__ = ["MarkovProgram", "StepProgram", "markov", "refuse_split", "setting"]
+__all__ = ["HistoryProgram", "MarkovProgram", "StepProgram", "history_parallel", "markov",
+           "refuse_split", "setting"]

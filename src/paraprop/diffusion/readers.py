@@ -270,10 +270,7 @@ class Reader:
                              f"{lo}, got {[tuple(p.shape) for p in past]}")
         groups = self.groups(lo, hi)
         # every step's records first: they read the step's own input and output only
-        for kind, sel in groups:
-            for r, v in zip(own, self._record(kind, sel, sel.take(state), sel.take(out)),
-                            strict=True):
-                sel.put(r, v)
+        self._fill_records(groups, state, out, own)
         pad = self.history - h
         rec = tuple(torch.cat([p.new_zeros((pad,) + p.shape[1:]), p, r]) if self.history
                     else r for p, r in zip(past, own, strict=True))
@@ -289,6 +286,21 @@ class Reader:
             sel.put(new, y)
         assert new is not None  # (a window has at least one group)
         return new, own
+
+    def records(self, lo: int, hi: int, state: torch.Tensor, out: torch.Tensor) -> Records:
+        """The records of the steps ``[lo, hi)`` (what later steps read) from their input
+        states ``(n, P, *shape)`` and model outputs ``(n, *shape)``: the same values
+        :meth:`step` returns as its second item."""
+        own = self.records_like(out)
+        self._fill_records(self.groups(lo, hi), state, out, own)
+        return own
+
+    def _fill_records(self, groups, state: torch.Tensor, out: torch.Tensor,
+                      own: Records) -> None:
+        for kind, sel in groups:
+            for r, v in zip(own, self._record(kind, sel, sel.take(state), sel.take(out)),
+                            strict=True):
+                sel.put(r, v)
 
     def groups(self, lo: int, hi: int) -> list[tuple[Any, Sel]]:
         """The window's steps grouped by kind (kept per window)."""

@@ -19,7 +19,13 @@ from paraprop.diffusion.history import (
     refuse_ddim_options,
     refuse_parallel,
 )
-from paraprop.diffusion.programs import MarkovProgram, markov, refuse_split
+from paraprop.diffusion.programs import (
+    HistoryProgram,
+    MarkovProgram,
+    history_parallel,
+    markov,
+    refuse_split,
+)
 from paraprop.diffusion.readers import READERS
 from paraprop.diffusion.schedulers import StepTable, scheduler_kind, step_table
 from paraprop.driver import Outcome, build
@@ -183,6 +189,8 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         solver = _solver(method, window, memory, reader.K)
         if markov(reader):
             table = MarkovProgram(reader)
+        elif history_parallel(reader) and not isinstance(solver, Sequential):
+            table = HistoryProgram(reader)   # (sequential: the loop through the reader)
         elif not isinstance(solver, Sequential):
             raise refuse_parallel(reader, method)
         N = reader.K   # model calls of the loop (Heun: 2 per step but the last)
