@@ -9,6 +9,11 @@ model passes, accepted tokens per pass, the speed ratios, and whether the tokens
 sequential ones (greedy: ``generate``'s too), and whether the run is certified. Sampled cases
 also run the Gumbel-max coupling (``coupling="gumbel"``: its sequential loop and Jacobi with
 n-gram guesses), each coupling compared with its own sequential loop.
+
+The image-model section (:mod:`paraprop_lab.experiments.decoding_images`): an autoregressive
+image model on the digits (``paraprop train imagelm``), top-k sampling, both couplings, batch 1
+and 8, windows 8/16/64: passes, tokens per pass and wall time against its sequential loop, the
+same-image check, and a PNG of Jacobi samples above the sequential ones.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 from paraprop.decoding import generate  # noqa: E402
+from paraprop_lab.experiments import decoding_images  # noqa: E402
 from paraprop_lab.experiments import rows_sampling as _rows
 from paraprop_lab.experiments.decoding import COLUMNS, case_rows, plot, prompts  # noqa: E402
 from paraprop_lab.experiments.harness import machine_info  # noqa: E402
@@ -64,6 +70,10 @@ def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
     payload["example"] = vocab.decode(ex[0])
     sections.append(("a greedy sample (prompt, then the generated text)",
                      "```\n" + payload["example"] + "\n```"))
+    image_sections, image_payload = decoding_images.section(out_dir, quick=quick,
+                                                            repeats=repeats)
+    sections += image_sections
+    payload.update(image_payload)
     write_results(out_dir, "decoding", payload, sections,
                   "paraprop bench decoding" + (" --quick" if quick else ""))
     return payload

@@ -70,6 +70,14 @@ CHECKPOINTS = {
         "command": _T + "tarflow --data digits --width 32 "
                         "--out src/paraprop_lab/weights/tarflow_digits_e60_w32.pt",
     },
+    "imagelm": {
+        "file": "imagelm_l16_e60",
+        "what": "autoregressive image model (GPT-2-shaped, 2 layers, width 64, 4 heads, dropout "
+                "0.1 in training) on the digits at 16 grey levels (a class token, then 64 "
+                "pixels), 60 epochs",
+        "command": _T + "imagelm --epochs 60 --out src/paraprop_lab/weights/imagelm_l16_e60 "
+                        "--png /tmp/imagelm_l16_e60.png",
+    },
 }
 
 
@@ -90,7 +98,7 @@ def manifest() -> dict:
 def load(name: str):
     """The checkpoint ``name`` loaded, in eval mode, gradients off: a ``MADE``, ``(model,
     vocab)`` for the char LM, an ``MLPDenoiser`` (DDPM's noise model, flow matching's velocity
-    model) or a ``TarFlow``.
+    model), a ``TarFlow`` or the image model's ``GPT2LMHeadModel``.
 
     Raises:
         FileNotFoundError: the checkpoint is not there.
@@ -116,6 +124,10 @@ def load(name: str):
             if bars:
                 hf_logging.enable_progress_bar()
         return model.eval().requires_grad_(False), vocab
+    if name == "imagelm":
+        from paraprop_lab.training.imagelm import load_imagelm
+
+        return load_imagelm(p).requires_grad_(False)
     if name in ("ddpm", "flowmatch"):
         from paraprop.models.denoisers import MLPDenoiser
 
@@ -156,6 +168,8 @@ def figures(name: str, loaded=None) -> dict:
             return _ddpm(loaded)
         if name == "flowmatch":
             return _flowmatch(loaded)
+        if name == "imagelm":
+            return _imagelm(loaded)
         return _tarflow(loaded)
 
 
@@ -224,6 +238,18 @@ def _flowmatch(model) -> dict:
     return {"fingerprint": float(probe.abs().mean()),
             "quality_name": "flow-matching velocity loss on 2048 fresh moons points (seed 1), "
                             "sigmas and noise of seed 0", "quality": float(loss)}
+
+
+def _imagelm(model) -> dict:
+    from paraprop_lab.training.imagelm import HELD_OUT, levels_of, pixel_loss, sequences
+
+    ids = (torch.arange(65) * 7) % model.config.vocab_size
+    logp = torch.log_softmax(model(ids[None]).logits, -1)
+    held = sequences(levels_of(model))[1]
+    return {"fingerprint": float(logp[0, :-1].gather(-1, ids[1:, None]).mean()),
+            "quality_name": f"next-pixel cross-entropy (nats per pixel) of the last {HELD_OUT} "
+                            "digits (held out), given their class",
+            "quality": float(pixel_loss(model, held))}
 
 
 def _tarflow(flow) -> dict:
