@@ -64,12 +64,13 @@ SCHEDULERS = {
     "dpm++1": lambda: diffusers.DPMSolverMultistepScheduler(solver_order=1),
     "dpm++1-karras": lambda: diffusers.DPMSolverMultistepScheduler(
         solver_order=1, use_karras_sigmas=True),
+    "dpm++2m": lambda: diffusers.DPMSolverMultistepScheduler(),
 }
 
 
 @pytest.mark.parametrize("learned_sigma", [True, False], ids=["learned-sigma", "eps-only"])
 @pytest.mark.parametrize("scale", [4.0, 1.0])
-@pytest.mark.parametrize("name", ["ddim", "dpm++1-karras"])
+@pytest.mark.parametrize("name", ["ddim", "dpm++1-karras", "dpm++2m"])
 def test_the_accelerated_dit_pipeline_is_the_plain_one_bitwise(name, scale, learned_sigma,
                                                               device):
     """At ``tol=0`` ``pipe(class_labels=..., guidance_scale=...)`` returns the plain
@@ -167,8 +168,8 @@ def test_the_progress_bar_runs_as_usual():
     (lambda: diffusers.DDPMScheduler(),
      r"DDPMScheduler draws noise inside scheduler.step, and the pipeline passes it no "
      r"generator \(the global RNG\)"),
-    (lambda: diffusers.DPMSolverMultistepScheduler(solver_order=2),
-     "DPMSolverMultistepScheduler with its settings reads the history"),
+    (lambda: diffusers.UniPCMultistepScheduler(),
+     "UniPCMultistepScheduler with its settings reads the history"),
     (lambda: diffusers.PNDMScheduler(skip_prk_steps=True),
      "NotImplementedError: scheduler: PNDMScheduler is not supported"),
 ])

@@ -311,9 +311,10 @@ def accelerate(pipe, *, method="picard", window: int | None = None, tol: float =
     :func:`paraprop.diffusion.sample` runs in parallel: ``DDIMScheduler`` (any ``eta``),
     ``DDPMScheduler``, ``EulerDiscreteScheduler``, ``EulerAncestralDiscreteScheduler``,
     ``FlowMatchEulerDiscreteScheduler``, ``LCMScheduler``, ``DPMSolverMultistepScheduler`` of
-    order 1. A step's noise is drawn beforehand from a copy of the generator the pipeline
+    order 1-3 (the pipeline's scheduler keeps its history of model outputs from the served
+    ones). A step's noise is drawn beforehand from a copy of the generator the pipeline
     passes to ``scheduler.step`` (one ``torch.Generator``). Falling through, named:
-    DPM-Solver++ of order 2-3, UniPC, Heun (they read earlier steps), any other scheduler, step
+    UniPC, Heun (they read earlier steps otherwise), any other scheduler, step
     noise from the global RNG or from several generators, custom timesteps or sigmas, a loop
     that does not start at the first timestep; under ``DiTPipeline`` also the schedulers whose
     ``scale_model_input`` scales (Euler, Euler ancestral: DiT steps from the scaled sample)

@@ -33,7 +33,7 @@ from paraprop.diffusion.pipeline_calls import (
     same_kwargs,
     tile,
 )
-from paraprop.diffusion.programs import markov
+from paraprop.diffusion.programs import history_parallel, markov
 from paraprop.diffusion.readers import READERS
 from paraprop.diffusion.sample import sample
 from paraprop.diffusion.schedulers import scheduler_kind, step_table
@@ -143,7 +143,9 @@ class Run:
         name = type(sched).__name__
         if name in READERS:
             reader = readers.reader(sched, N, mu=self.mu, device=latents.device)
-            if not markov(reader):
+            # (DPM-Solver++ of order 2-3 read earlier model outputs: the pipeline's own
+            # scheduler keeps that history from the served outputs, as in its plain loop)
+            if not (markov(reader) or history_parallel(reader)):
                 raise FallThrough(f"{name} with its settings reads the history of earlier "
                                   "steps: paraprop has no parallel path for it")
             if self.loop is not None:
