@@ -12,6 +12,12 @@ sweep's changes at the non-final positions before it (a map that does not expand
 * ``growth`` ``(B, T)``: how much an error at a position grows by the end of the chain; a freeze
   must fit its share after that growth.
 
+Where neither is stated, the rule measures: :class:`~paraprop.solvers.SlidingJacobi` passes the
+gains observed between sweeps (a position's change over the last sweep's change of the position
+before it), which the estimate and the growth after a freeze take where above 1 (no freeze on an
+estimate before one is observed): a map that expands differences without saying so (an
+accumulating map from a warm start: 1.39x ``tol`` under the plain premise) is seen.
+
 Both come from the rule's arguments, else from the map's hooks ``fn.sensitivity`` and
 ``fn.growth`` (:mod:`paraprop.solvers.protocols`), so any chain whose error growth is known can
 state it, as a hook of its own or to the solver. The final check of the solve
@@ -70,16 +76,26 @@ class FreezeRule:
         said = [n for n in ("growth", "sensitivity") if getattr(self, n) is not None]
         return f"FreezeRule({', '.join(f'{n}=...' for n in said)})"
 
+    def measures(self, system: System) -> bool:
+        """Whether the freezes rest on gains measured along the sweeps: neither the rule nor
+        the map states a sensitivity or a growth (the default premise)."""
+        return self._given(system, "sensitivity") is None and \
+            self._given(system, "growth") is None
+
     def freeze(self, system: System, state: State, start: int, stop: int, d_pos: torch.Tensor,
                cs: torch.Tensor, writable: torch.Tensor, shift: torch.Tensor,
                new_final: torch.Tensor, tol: float, norm: str,
-               ramp: Ramp) -> torch.Tensor:
+               ramp: Ramp, gains: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> torch.Tensor:
         """``(B,)``: how many positions after the certified ones the window ``[start, stop)``
         may freeze at ``tol > 0`` (see the module doc), from the sweep's changes ``d_pos``
         ``(B, n)`` (``cs`` their cumulative sums), the positions still ``writable``, the
         certified ones (``shift`` from ``start``, ``new_final`` absolute) and ``ramp``:
         ``arange(n)`` ``(1, n)`` and :func:`~paraprop.stopping.freeze_thresholds` for ``n``.
-        Adds each freeze's estimate to ``state.estimate`` and marks ``state.estimated_from``."""
+        Adds each freeze's estimate to ``state.estimate`` and marks ``state.estimated_from``.
+        ``gains`` (where :meth:`measures`): the window's gains observed between sweeps ``(B,
+        n)`` (NaN: not observed) and each sample's largest ``(B,)``, which the estimate and
+        the error growth after a freeze take where above 1."""
         T, n = system.T, stop - start
         act = state.active
         # A position computed from inputs with errors e_i has an error <= max_i e_i when the
@@ -87,6 +103,16 @@ class FreezeRule:
         # sweep plus the new values' own errors, so error(x_new[j]) <= sum_{i<j} d_i over
         # the non-final positions (the final ones have d = 0).
         est = cs - d_pos
+        if gains is not None:
+            # the gains observed along the sweeps, where above 1 (a map that expands
+            # differences; unobserved: the sample's largest): error(x_new[j]) <= g_j
+            # (d_{j-1} + error(x_new[j-1])), so E_j = G_j sum_{i<j} d_i / G_i with G the
+            # running product of the gains
+            g, top = gains
+            g = torch.where(g.isnan(), top[:, None], g).clamp(min=1.0)
+            G = g.cumprod(1)
+            w = d_pos / G
+            est = torch.maximum(est, G * (w.cumsum(1) - w))
         sens = self._sizes(system, "sensitivity")
         if sens is not None:
             # the rule (or fn) states how much a change at position i moves the later
@@ -114,7 +140,17 @@ class FreezeRule:
             floor = torch.linalg.vector_norm(vals.to(torch.float64), dim=2) * eps
         cand = (raw + floor.gather(1, at.clamp(max=n - 1))) / (1 - eps / 2)
         growth = self._sizes(system, "growth")
-        if growth is not None:
+        if gains is not None:
+            # an error frozen at a position grows by the largest gain observed (at least 1)
+            # at every later position, to the end of the chain
+            # (no gain observed yet, before a second sweep of the window: no freeze on an
+            # estimate)
+            seen = gains[1] > 0
+            top = gains[1].clamp(min=1.0)
+            left = (T - 1 - new_final.clamp(max=T - 1)).to(torch.float64)
+            grow = torch.where(seen, torch.exp(left * top.log()), torch.inf)
+            cand = cand * grow[:, None].to(cand.dtype)
+        elif growth is not None:
             # the rule (or fn) says how much an error at each position grows by the end of
             # the chain: a freeze must fit its share after that growth
             g = growth.gather(1, new_final.clamp(max=T - 1)[:, None]).to(cand.dtype)

@@ -31,6 +31,7 @@ each sweep evaluates every position and keeps the window's.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,11 @@ class _SlidingState:
     final: torch.Tensor       # (B,) long: positions < final are final
     index: torch.Tensor       # arange(T)
     start: int = 0            # the smallest final of the samples still iterating (on the host)
+    # at tol > 0 under the default freeze premise: each position's change in its last sweep
+    # (B, T) float64 (NaN: not computed by a sweep since), and each sample's largest gain
+    # observed between two sweeps (B,) (0: none yet) (FreezeRule.freeze's measured gains)
+    changes: torch.Tensor | None = None
+    top_gain: torch.Tensor | None = None
     # per window length n: arange(n) (1, n) and the freeze thresholds (see _ramp)
     ramps: dict[int, Ramp] = field(default_factory=dict)
 
@@ -151,9 +157,12 @@ class SlidingJacobi:
         new_final = start + exact_to
         if tol > 0:
             ramp = _ramp(e, n, tol, T, d_pos.device)
+            gains = None
+            if self.freeze.measures(system):
+                gains = _observe(e, state.x, start, stop, d_pos, writable, norm)
             new_final = new_final + self.freeze.freeze(system, state, start, stop, d_pos, cs,
                                                        writable, exact_to, new_final, tol, norm,
-                                                       ramp)
+                                                       ramp, gains)
         # (at most stop: a sample that is done keeps final = T)
         e.final = torch.maximum(final, new_final)
         state.sample_iterations += act
@@ -168,6 +177,42 @@ class SlidingJacobi:
                 system.check_finite(guess, hook="propose")
                 free = e.index[None, :] >= e.final[:, None]
                 state.x.copy_(torch.where(free[:, :, None], guess, state.x))
+
+def _observe(e: _SlidingState, x: torch.Tensor, start: int, stop: int, d_pos: torch.Tensor,
+             writable: torch.Tensor, norm: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gains of the window's positions observed between this sweep and the last one that
+    computed them: ``g_t = |fn(x)_t - fn(x')_t| / |x_{t-1} - x'_{t-1}|`` (this sweep's change at
+    ``t`` over the last one's at ``t - 1``), where both positions were computed by the last
+    sweep and that change is above the rounding level (NaN elsewhere); returns ``(g, top)``:
+    ``g`` ``(B, n)``, ``top`` ``(B,)`` each sample's largest gain observed so far (0: none).
+    Records this sweep's changes for the next."""
+    B, T = d_pos.shape[0], x.shape[1]
+    if e.changes is None:
+        e.changes = torch.full((B, T), float("nan"), dtype=torch.float64, device=d_pos.device)
+        e.top_gain = torch.zeros(B, dtype=torch.float64, device=d_pos.device)
+    assert e.top_gain is not None
+    prev = e.changes[:, start:stop]
+    before = e.changes[:, max(start - 1, 0):stop - 1]
+    if start == 0:   # position 0 reads no other position
+        before = torch.cat([torch.full_like(prev[:, :1], float("nan")), before], dim=1)
+    # a change within 4 units of the dtype at the input position's own scale is rounding: it
+    # measures no gain
+    eps = torch.finfo(x.dtype).eps
+    lo = max(start - 1, 0)
+    scale = x[:, lo:stop - 1].abs().amax(2).to(torch.float64) if stop - 1 > lo else \
+        torch.zeros(B, 0, dtype=torch.float64, device=x.device)
+    if start == 0:
+        scale = torch.cat([torch.zeros(B, 1, dtype=torch.float64, device=x.device), scale],
+                          dim=1)
+    noise = 4 * eps * scale.clamp(min=1e-300) * (1.0 if norm == "max" else
+                                                  math.sqrt(x[0, 0].numel()))
+    seen = writable & ~prev.isnan() & (before > noise)
+    g = torch.where(seen, d_pos / torch.where(seen, before, 1.0), float("nan"))
+    if g.shape[1]:
+        e.top_gain = torch.fmax(e.top_gain, torch.nan_to_num(g, nan=0.0).amax(1))
+    e.changes[:, start:stop] = torch.where(writable, d_pos, float("nan"))
+    return g, e.top_gain
+
 
 def _ramp(e: _SlidingState, n: int, tol: float, T: int, device) -> Ramp:
     """``arange(n)`` ``(1, n)`` and the freeze thresholds of :func:`freeze_budget` for ``n``
