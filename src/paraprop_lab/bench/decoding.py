@@ -14,6 +14,10 @@ The image-model section (:mod:`paraprop_lab.experiments.decoding_images`): an au
 image model on the digits (``paraprop train imagelm``), top-k sampling, both couplings, batch 1
 and 8, windows 8/16/64: passes, tokens per pass and wall time against its sequential loop, the
 same-image check, and a PNG of Jacobi samples above the sequential ones.
+
+The peer rows (:mod:`paraprop_lab.experiments.decoding_peers`): transformers' prompt lookup
+decoding (``prompt_lookup_num_tokens`` 3/5/10, n-gram 2/3) against paraprop's Jacobi decoding
+and ``accelerate(model)``, greedy, batch 1, the short prompts and a long one.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 from paraprop.decoding import generate  # noqa: E402
-from paraprop_lab.experiments import decoding_images  # noqa: E402
+from paraprop_lab.experiments import decoding_images, decoding_peers  # noqa: E402
 from paraprop_lab.experiments import rows_sampling as _rows
 from paraprop_lab.experiments.decoding import COLUMNS, case_rows, plot, prompts  # noqa: E402
 from paraprop_lab.experiments.harness import machine_info  # noqa: E402
@@ -70,6 +74,11 @@ def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
     payload["example"] = vocab.decode(ex[0])
     sections.append(("a greedy sample (prompt, then the generated text)",
                      "```\n" + payload["example"] + "\n```"))
+    peer_sections, peer_payload = decoding_peers.section(model, vocab, held,
+                                                         prompts(vocab, held, 4), quick=quick,
+                                                         repeats=repeats)
+    sections += peer_sections
+    payload.update(peer_payload)
     image_sections, image_payload = decoding_images.section(out_dir, quick=quick,
                                                             repeats=repeats)
     sections += image_sections

@@ -1,0 +1,108 @@
+"""The decoding bench's peer rows: transformers' own n-gram speculation (``model.generate(...,
+prompt_lookup_num_tokens=k)``, prompt lookup decoding) against paraprop's Jacobi decoding, greedy,
+batch 1, on short prompts and on a long one, each run's tokens checked equal to ``generate``'s.
+
+For each prompt: ``generate``; prompt lookup with ``k`` in :data:`LOOKUP` and its n-gram size in
+:data:`NGRAM` (the best of them is the peer a user would pick); paraprop's ``jacobi`` (window 16,
+its n-gram guesses); and the same through :func:`paraprop.decoding.accelerate` (the user's own
+``generate`` call). Wall time is the best of ``repeats``, one thread, measured side by side in one
+process.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from paraprop.decoding import accelerate, generate
+
+LOOKUP = (3, 5, 10)   # prompt_lookup_num_tokens
+NGRAM = (2, 3)        # max_matching_ngram_size
+LONG = 248            # characters of the long prompt
+COLUMNS = ["prompt", "method", "model passes", "time (ms)", "x generate", "x best lookup",
+           "same tokens"]
+
+
+def _best(fn, repeats: int) -> tuple[float, object]:
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def _calls(model, fn) -> tuple[int, object]:
+    """Model forward passes of one call of ``fn`` (a hook on the model's forward)."""
+    count = [0]
+    handle = model.register_forward_hook(lambda *a: count.__setitem__(0, count[0] + 1))
+    try:
+        out = fn()
+    finally:
+        handle.remove()
+    return count[0], out
+
+
+def prompt_rows(model, ids: torch.Tensor, new: int, *, label: str, repeats: int,
+                lookups=LOOKUP, ngrams=NGRAM) -> list[dict]:
+    """The rows of one prompt ``ids`` ``(1, P)`` (see the module doc)."""
+    mask = torch.ones_like(ids)
+    plain = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None,
+                 pad_token_id=0)
+    runs = {"generate": lambda: model.generate(ids, **plain)}
+    for k in lookups:
+        for n in ngrams:
+            runs[f"prompt lookup k={k}, n-gram {n}"] = (
+                lambda k=k, n=n: model.generate(ids, **plain, prompt_lookup_num_tokens=k,
+                                                max_matching_ngram_size=n))
+    runs["paraprop jacobi (window 16)"] = lambda: generate(
+        model, ids, attention_mask=mask, max_new_tokens=new, eos_token_id=[], window=16)[0]
+
+    def accelerated():
+        with accelerate(model, window=16):
+            return model.generate(ids, **plain)
+
+    runs["paraprop accelerate(model), generate's call"] = accelerated
+    rows, times = [], {}
+    ref = None
+    with torch.no_grad():
+        for name, fn in runs.items():
+            passes, out = _calls(model, fn)
+            seconds, out = _best(fn, repeats)
+            if ref is None:
+                ref = out
+            times[name] = seconds
+            rows.append({"prompt": label, "method": name, "model passes": passes,
+                         "time (ms)": round(1e3 * seconds, 2),
+                         "same tokens": bool(torch.equal(out, ref))})
+    lookup = [n for n in times if n.startswith("prompt lookup")]
+    best = min(times[n] for n in lookup) if lookup else float("nan")
+    for row in rows:
+        t = times[row["method"]]
+        row["x generate"] = round(times["generate"] / t, 2)
+        row["x best lookup"] = round(best / t, 2)
+    return rows
+
+
+def section(model, vocab, held: torch.Tensor, prompts, *, quick: bool, repeats: int):
+    """``(sections, payload)`` of the peer rows: the short prompts of the bench (``prompts``
+    ``(B, P)``, each alone) and a long one of :data:`LONG` characters, ``256`` new tokens
+    (``quick``: one short prompt, 32 tokens, ``k=3`` only)."""
+    from paraprop_lab.experiments.report import markdown_table, text_table
+
+    new = 32 if quick else 256
+    cases = [(f"short {i + 1} ({prompts.shape[1]} chars)", prompts[i:i + 1])
+             for i in range(1 if quick else prompts.shape[0])]
+    if not quick:
+        start = len(held) // 3
+        cases.append((f"long ({LONG} chars)", held[start:start + LONG][None]))
+    rows = []
+    for label, ids in cases:
+        rows += prompt_rows(model, ids.long(), new, label=label, repeats=repeats,
+                            lookups=(3,) if quick else LOOKUP, ngrams=(2,) if quick else NGRAM)
+    title = (f"greedy, batch 1, {new} new tokens: transformers' prompt lookup vs paraprop "
+             "(tokens checked equal to generate's)")
+    print(f"\n{title}")
+    print(text_table(rows, COLUMNS))
+    return [(title, markdown_table(rows, COLUMNS))], {"peers": rows}
