@@ -171,7 +171,7 @@ def test_the_bench_image_section_quick(tmp_path):
     assert all(r["same_image"] is True for r in rows)
     assert rows[0]["model_calls"] == 128 and rows[0]["tokens_per_call"] == 1.0
     assert all(r["model_calls"] < 128 for r in rows[1::2])
-    assert (tmp_path / payload["images_png"]).stat().st_size > 0
+    assert (tmp_path / payload["images_png"]).stat().st_size > 0 and payload["images_png_same"]
     assert "Target: at least 2.5x fewer model passes" in sections[0][1]
     assert set(payload["images_target"]["rows"]) == {
         "gumbel, batch 1, jacobi (window 16, 2-gram guesses)",
@@ -192,3 +192,15 @@ def test_the_target_reads_passes_time_and_the_image():
                                           "gumbel, batch 1, c": False,
                                           "gumbel, batch 1, d": False}
     assert not target(rows[2:])["met"]
+
+
+def test_a_model_in_train_mode_is_refused():
+    """The shipped config trains with dropout 0.1: sampling it in train mode has no sequential
+    result, and generate says so before any model call."""
+    import paraprop
+
+    model = imagelm.image_gpt2(LEVELS, width=16, layers=1, heads=2, dropout=0.1).train()
+    with pytest.raises(paraprop.StochasticModelError, match=r"model\.eval\(\)"):
+        imagelm.sample_images(model, [1])
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.0"):
+        imagelm.image_gpt2(LEVELS, dropout=1.0)

@@ -126,21 +126,27 @@ def target(rows: list[dict]) -> dict:
     return {"met": any(per.values()), "rows": per, "target": TARGET}
 
 
-def grid(path: Path, model, *, window: int = 16, seed: int = 0) -> Path:
-    """A PNG of 20 sampled digits (two of each, batch 10, the Gumbel-max coupling): Jacobi
-    decoding's above the sequential loop's (the same images)."""
+def grid(path: Path, model, *, window: int = 16, ngram: int = 0,
+         seed: int = 0) -> tuple[Path, bool]:
+    """A PNG of 20 sampled digits (two of each, one batch of 20, the Gumbel-max coupling):
+    Jacobi decoding's above the sequential loop's; returns the path and whether every token is
+    the same."""
     from paraprop_lab.training.imagelm import image_grid, levels_of, sample_images
 
     labels = list(range(10)) * 2
-    rows = []
+    rows, got = [], []
     with torch.no_grad():
-        for method, kw in ((f"jacobi, window {window}", {"window": window}),
+        for method, kw in ((f"jacobi, window {window}", {"window": window, "ngram": ngram}),
                            (SEQUENTIAL, {"method": "sequential"})):
             pixels, sol = sample_images(model, labels, seed=seed, top_k=TOP_K,
                                         temperature=TEMPERATURE, throw=False, **kw)
-            rows.append((f"{method}: {sol.stats['model_calls']} model passes, top-k {TOP_K}, "
-                         "Gumbel-max", pixels))
-    return image_grid(path, rows, levels_of(model))
+            got.append(pixels)
+            rows.append((f"{method}: {sol.stats['model_calls']} model passes (batch "
+                         f"{len(labels)}), top-k {TOP_K}, Gumbel-max", pixels))
+    same = bool(torch.equal(got[0], got[1]))
+    rows[0] = (rows[0][0] + (": the same tokens" if same else ": NOT the same tokens"),
+               rows[0][1])
+    return image_grid(path, rows, levels_of(model)), same
 
 
 def section(out_dir: Path, *, quick: bool, repeats: int) -> tuple[list, dict]:
@@ -156,7 +162,7 @@ def section(out_dir: Path, *, quick: bool, repeats: int) -> tuple[list, dict]:
         for coupling in COUPLINGS:
             rows += case_rows(model, batch=batch, coupling=coupling, repeats=repeats,
                               windows=windows, ngrams=ngrams, images=images)
-    png = grid(out_dir / "decoding_images.png", model)
+    png, same = grid(out_dir / "decoding_images.png", model)
     got = target(rows)
     title = (f"Autoregressive image model (64 tokens per image), top-k {TOP_K}, temperature "
              f"{TEMPERATURE}")
@@ -169,7 +175,7 @@ def section(out_dir: Path, *, quick: bool, repeats: int) -> tuple[list, dict]:
                 ("image samples: Jacobi decoding above, the sequential loop below",
                  f"![]({png.name})")]
     return sections, {"images": rows, "images_model": what, "images_target": got,
-                      "images_png": png.name}
+                      "images_png": png.name, "images_png_same": same}
 
 
 def main(argv=None) -> int:
