@@ -215,6 +215,23 @@ def image_panel(ax, images: torch.Tensor, title: str) -> None:
     ax.set_yticks([])
 
 
+def moons_panels(axes, x: torch.Tensor, samples: torch.Tensor, how: str) -> None:
+    """The two-moons figure of a generative job: the training points (left) and ``samples``
+    (right, titled with ``how``), same square axes."""
+    n = len(samples)
+    lim = 1.15 * max(float(x[:n].abs().max()), 1.0)
+    for ax, pts, title in ((axes[0], x[:n], f"training data ({n} points)"),
+                           (axes[1], samples, f"samples ({n}, {how})")):
+        pts = pts.detach().float().cpu()
+        ax.scatter(pts[:, 0], pts[:, 1], s=3, alpha=0.6)
+        ax.set_title(title)
+        ax.set_xlabel("first coordinate (standardised)")
+        ax.set_ylabel("second coordinate (standardised)")
+        ax.set_xlim(-lim, lim)
+        ax.set_ylim(-lim, lim)
+        ax.set_aspect("equal")
+
+
 def save_png(fig, path) -> Path:
     """Lay out ``fig``, write it to ``path`` (folders created), close it; returns the path."""
     import matplotlib.pyplot as plt

@@ -27,6 +27,7 @@ from paraprop_lab.training._common import (
     fit,
     fit_options,
     image_panel,
+    moons_panels,
     n_parameters,
     report_trained,
     results_file,
@@ -246,17 +247,7 @@ def samples_png(path: str | Path, model, data: str, x: torch.Tensor, *, steps: i
     s = draw_samples(model, data, (n, *x.shape[1:]), steps=steps, seed=seed, progress=progress)
     fig, axes = subplots(1, 2, figsize=(9, 4.4))
     if moons:
-        lim = 1.15 * float(max(x[:n].abs().max(), 1.0))
-        for ax, pts, title in ((axes[0], x[:n], f"training data ({n} points)"),
-                               (axes[1], s, f"samples ({n}, DDPM {steps} steps)")):
-            pts = pts.detach().float().cpu()
-            ax.scatter(pts[:, 0], pts[:, 1], s=3, alpha=0.6)
-            ax.set_title(title)
-            ax.set_xlabel("first coordinate (standardised)")
-            ax.set_ylabel("second coordinate (standardised)")
-            ax.set_xlim(-lim, lim)
-            ax.set_ylim(-lim, lim)
-            ax.set_aspect("equal")
+        moons_panels(axes, x, s, f"DDPM {steps} steps")
     else:
         for ax, imgs, title in ((axes[0], x[:16], "training images"),
                                 (axes[1], s, f"samples (DDIM {min(50, steps)} steps)")):

@@ -32,6 +32,7 @@ from paraprop_lab.training._common import (
     fit,
     fit_options,
     image_panel,
+    moons_panels,
     n_parameters,
     report_trained,
     results_file,
@@ -160,24 +161,11 @@ def checkpoint_name(data: str, epochs: int, *, seed: int = 0, batch_size: int = 
 def trained_flowmatch(out_dir: str | Path, data: str, *, epochs: int | None = None,
                       seed: int = 0, batch_size: int = 128, lr: float = 1e-3,
                       n: int | None = None, progress: bool = True):
-    """A trained velocity model for ``data``: the checkpoint of the same settings in
-    ``out_dir`` (:func:`checkpoint_name`), or one trained now and saved there.
-
-    Arguments:
-        out_dir: directory of the checkpoints.
-        data: ``"moons"`` or ``"digits"``.
-        epochs: training epochs (``None``: the default of ``data``, :data:`EPOCHS`).
-        seed, batch_size, lr, n, progress: as in :func:`flowmatch_data` and
-            :func:`train_flowmatch`.
-
-    Returns:
-        ``(model, info)``: the model in eval mode, and ``{"checkpoint", "trained_now"}`` plus
-        ``"loss"`` (per epoch) when trained now.
-
-    Raises:
-        ValueError: unknown ``data`` or a bad setting; a file at the checkpoint path that is
-            not a checkpoint of that model.
-    """
+    """As :func:`paraprop_lab.training.ddpm.trained_denoiser`, for a velocity model of
+    ``"moons"`` or ``"digits"``: the checkpoint of the same settings in ``out_dir``
+    (:func:`checkpoint_name`), or one trained now (:func:`train_flowmatch`) and saved there;
+    ``(model, info)``. ``ValueError`` for unknown ``data``, a bad setting or a file there that
+    is not such a checkpoint."""
     checks.one_of("data", data, DATA)
     epochs = EPOCHS[data] if epochs is None else epochs
     checks.positive_int("epochs", epochs)
@@ -237,17 +225,7 @@ def samples_png(path: str | Path, model, data: str, x: torch.Tensor, *, steps: i
     how = f"Euler {steps} steps" + ("" if shift == 1.0 else f", shift {shift:g}")
     fig, axes = subplots(1, 2, figsize=(9, 4.4))
     if moons:
-        lim = 1.15 * max(float(x[:n].abs().max()), 1.0)
-        for ax, pts, title in ((axes[0], x[:n], f"training data ({n} points)"),
-                               (axes[1], s, f"samples ({n}, {how})")):
-            pts = pts.detach().float().cpu()
-            ax.scatter(pts[:, 0], pts[:, 1], s=3, alpha=0.6)
-            ax.set_title(title)
-            ax.set_xlabel("first coordinate (standardised)")
-            ax.set_ylabel("second coordinate (standardised)")
-            ax.set_xlim(-lim, lim)
-            ax.set_ylim(-lim, lim)
-            ax.set_aspect("equal")
+        moons_panels(axes, x, s, how)
     else:
         image_panel(axes[0], x[:16], "training images")
         image_panel(axes[1], s, f"samples ({how})")
