@@ -84,6 +84,14 @@ def test_the_shipped_model_samples_digits_exactly_in_fewer_passes():
         got, sol = imagelm.sample_images(model, labels, seed=3, window=16, coupling=coupling)
         assert sol.converged and torch.equal(got, ref), coupling
         assert sol.stats["model_calls"] < rs.stats["model_calls"] == 64
+    # in float64: certified, the sequential images
+    m64 = _weights.load("imagelm").double()
+    for coupling in ("gumbel", "inverse_cdf"):
+        ref = imagelm.sample_images(m64, labels, seed=4, method="sequential",
+                                    coupling=coupling)[0]
+        got, sol = imagelm.sample_images(m64, labels, seed=4, window=64, ngram=0,
+                                         coupling=coupling)
+        assert sol.converged and sol.stats["margin_ratio"] > 1 and torch.equal(got, ref)
     # they look like digits: mostly dark background with some bright strokes, as the data
     data = imagelm.sequences(16)[1][:, 1:]
     assert 0.3 < float((seq == 0).float().mean()) < 0.75
