@@ -212,3 +212,28 @@ def test_a_model_in_train_mode_is_refused():
         imagelm.sample_images(model, [1])
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.0"):
         imagelm.image_gpt2(LEVELS, dropout=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_llama_shaped_image_model_too(device, dtype):
+    """The same sequences on a Llama-shaped model (rotary positions, RMSNorm, SwiGLU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=LEVELS + 10, hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=65, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(8)
+    model = model.to(device=device, dtype=dtype).eval()
+    ids = imagelm.class_prompts([5, 9], LEVELS).to(device)
+    kw = dict(max_new_tokens=64, do_sample=True, top_k=4, coupling="gumbel")
+    ref, _ = generate(model, ids, method="sequential",
+                      generator=torch.Generator().manual_seed(0), **kw)
+    for window in (16, 64):
+        out, sol = generate(model, ids, window=window, ngram=0, throw=False,
+                            generator=torch.Generator().manual_seed(0), **kw)
+        _check(out, sol, ref, dtype)
+        assert sol.stats["model_calls"] <= 64
