@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from paraprop.diffusion.chain import check_steps_finite, nonfinite_error
+from paraprop.diffusion.chain_checks import check_steps_finite, nonfinite_error
 from paraprop.diffusion.gains import (
     FLOOR_ULPS,
     StepGains,

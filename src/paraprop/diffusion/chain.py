@@ -39,22 +39,17 @@ from typing import Any
 
 import torch
 
+from paraprop.diffusion.chain_checks import BatchVarianceChecks, check_steps_finite
+from paraprop.diffusion.chain_history import HistoryInputs
+from paraprop.diffusion.chain_prefix import CertifiedPrefix
 from paraprop.diffusion.gains import StepGains
 from paraprop.diffusion.programs import StepProgram
 from paraprop.diffusion.readers import model_output
 from paraprop.diffusion.schedulers import StepTable
-from paraprop.errors import NonFiniteError, StochasticModelError
 from paraprop.scan import linear_recurrence
 
-# batch variance explains differences of at most this many units of the dtype's resolution,
-# and of this share of the outputs' size (:func:`stochastic_level`)
-STOCHASTIC_ULPS = 64
-STOCHASTIC_REL = 1 / 64
-# a difference above this many units (relative) is checked by evaluating the same rows again
-AMBIGUOUS_ULPS = 16
 
-
-class DiffusionChain:
+class DiffusionChain(CertifiedPrefix, HistoryInputs, BatchVarianceChecks):
     """The Picard map of one sampling run, in the layout ``(B, N, F)`` (``B`` samples, ``N``
     steps, ``F`` values per sample), with the cached-prefix protocol of
     :func:`paraprop.solve` (``window``) and single-step updates (``update``, the sequential
@@ -82,17 +77,12 @@ class DiffusionChain:
     ``0`` at first). Counters: ``model_calls`` (batched model calls: sequential steps),
     ``model_rows``, ``max_rows`` (the most rows one call held).
 
-    Certificates (absolute steps, per sample, all on the device): positions ``< exact`` hold
-    their exact values (``exact_values``) in the solver's iterate, and where ``has_next`` the
-    value of position ``exact`` is known too (``next_value``); :meth:`certified` counts both,
-    :meth:`commit` writes the known next values. ``irreproducible`` is set when a certified step
-    computed again (in another batch of rows) gave other bits, ``loop_gap`` the largest
-    difference of step 0's model output between the loop's ``B`` rows and the first batched
-    call's; :meth:`diagnose` tells batch variance from a model that is not deterministic
-    (:class:`~paraprop.StochasticModelError`). Every evaluation of a step is reported to
-    :attr:`observer` where one is set (:class:`~paraprop.diffusion.gains.StepGains`, the gains
-    record of :class:`~paraprop.diffusion.certificate.GainCertificate`); :meth:`learn_exact`
-    serves its final check of ``tol > 0``.
+    Its parts: the certified prefix (:mod:`~paraprop.diffusion.chain_prefix`: ``exact``,
+    ``has_next``, :meth:`certified`, :meth:`commit`, :meth:`learn_exact`), the batch-variance
+    and determinism checks (:mod:`~paraprop.diffusion.chain_checks`: ``irreproducible``,
+    ``loop_gap``, :meth:`diagnose`) and the inputs of steps that read history
+    (:mod:`~paraprop.diffusion.chain_history`). Every evaluation of a step is reported to
+    :attr:`observer` where one is set (:class:`~paraprop.diffusion.gains.StepGains`).
     :meth:`sequential` is the diffusers loop itself, from a certified prefix.
     """
 
@@ -260,134 +250,6 @@ class DiffusionChain:
                 self.observer.observe(xin, prev, start, stop)
         return prev
 
-    def _joint(self, hist: torch.Tensor | None, xin: torch.Tensor) -> torch.Tensor:
-        """``(B, n, history * F)``: the inputs of the ``history`` steps before each step of a
-        window (nearest first; ``x_0`` before step 0), from the window's inputs ``xin`` and
-        the inputs ``hist`` of the steps before it."""
-        H, n = self.history, xin.shape[1]
-        assert hist is not None
-        pad = H - hist.shape[1]
-        full = torch.cat([self.x_init[:, None].expand(self.B, pad, self.F), hist, xin], dim=1)
-        return torch.cat([full[:, H - j: H - j + n] for j in range(1, H + 1)], dim=2)
-
-    def joint_history(self, X: torch.Tensor) -> torch.Tensor:
-        """``(B, N, history * F)``: :meth:`_joint` for every step of the full trajectory
-        ``X`` ``(B, N, F)``."""
-        xin = torch.cat([self.x_init[:, None], X[:, :-1]], dim=1)
-        return self._joint(xin[:, :0], xin)
-
-    def full_inputs(self, X: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        """``(B, b - a, F)``: the inputs of the absolute steps ``[a, b)`` in the full
-        trajectory ``X`` ``(B, N, F)`` (``x_0`` for step 0)."""
-        if a == 0 and b > 0:
-            return torch.cat([self.x_init[:, None], X[:, : b - 1]], dim=1)
-        return X[:, a - 1: b - 1]
-
-    def past_of(self, X: torch.Tensor, start: int, certified: int | None = None
-                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(hist, past)`` for :meth:`steps` of the system's steps from ``start`` on (in the
-        solver's iterate ``X``): the inputs of the steps before, and their certified records
-        where every sample's certified prefix covers them (``certified``: the least; else
-        ``None``: the call evaluates them)."""
-        if not self.history:
-            return None, None
-        a0 = self.lo + start
-        h = min(self.history, a0)
-        hist = self._sys_inputs(X, start - h, start)
-        if certified is None:
-            certified = int(self.certified().min())
-        assert self.exact_records is not None   # (kept where there is history)
-        past = self.exact_records[:, a0 - h: a0] if certified >= a0 else None
-        return hist, past
-
-    def _sys_inputs(self, X: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        """The inputs of the system's steps ``[a, b)`` (``a`` may reach ``history`` steps
-        before ``lo``: :attr:`x_hist`)."""
-        hb = self.x_hist.shape[1]
-        if a == b:
-            return X[:, :0]
-        parts = []
-        if a < 0:
-            parts.append(self.x_hist[:, hb + a: hb + min(b, 0)])
-        if a <= 0 < b:
-            parts.append(self.x_lo[:, None])
-        if b > 1:
-            parts.append(X[:, max(a, 1) - 1: b - 1])
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
-    def _compare_step0(self, out: torch.Tensor, n: int) -> None:
-        """Step 0's model output on the loop's ``B`` rows (the first call of a parallel solve)
-        is kept; the first batched call that computes step 0 again from the same input is
-        compared with it: a difference is the model's batch variance (``loop_gap``)."""
-        if n == 1:
-            if self.loop_out is None:
-                self.loop_out = out.clone()
-            return
-        if self.loop_out is None or self.loop_gap is not None:
-            return
-        assert self._step0_input is not None   # (steps() keeps it before any call of step 0)
-        same_input = torch.eq(self._step0_input, self.x_init).all()
-        gap = (out.to(torch.float64) - self.loop_out.to(torch.float64)).abs().max()
-        self.loop_gap = torch.where(same_input, gap, 0.0)
-        self.irreproducible = self.irreproducible | (self.loop_gap != 0)
-
-    def diagnose(self) -> None:
-        """A step computed again gave other bits (:attr:`irreproducible`): batch variance of
-        the model's kernels, or a model that is not a fixed function of its input. Tell them
-        apart by the size of the difference (relative to the values' size: step 0's model
-        output between the loop's call and a batched one, and any certified step computed
-        again): beyond :func:`stochastic_level` no rounding explains it; above
-        :data:`AMBIGUOUS_ULPS` units of the dtype, the loop's first call (the initial noise at
-        the first timestep, ``B`` rows) is evaluated once more, one model call, counted
-        (where the budget has it), and any difference from the first evaluation of the same
-        rows in the same batch shape settles it. Raises
-        :class:`~paraprop.StochasticModelError` naming the likely cause."""
-        self.diagnosed = True
-        gap = 0.0 if self.loop_gap is None else float(self.loop_gap)
-        scale = 1e-30 if self.loop_out is None else \
-            float(self.loop_out.abs().max().nan_to_num(0, 0, 0).clamp(min=1e-30))
-        size = float(self.exact_values.abs().max().nan_to_num(0, 0, 0).clamp(min=1.0))
-        rel = max(gap / scale, float(self.recompute_gap) / size)
-        eps = torch.finfo(self.dtype).eps
-        if rel > stochastic_level(self.dtype):
-            raise _stochastic(
-                f"a step computed again (in a batch of other rows) differs by {rel:.3g} of "
-                f"the values' size, far beyond the rounding differences of batch-variant "
-                f"kernels in {self.dtype} (at most {stochastic_level(self.dtype):.3g})")
-        if self.loop_out is None or rel <= AMBIGUOUS_ULPS * eps or \
-                (self.cap is not None and self.model_calls >= self.cap):
-            return
-        rows = self.x_init[None]
-        if self.scaled:
-            rows = self.table.model_input(0, 1, rows)
-        rows = rows.reshape(self.sample_shape)
-        again = self.call_model(rows, self.timesteps[:1].repeat_interleave(self.B), 1)
-        ref = self.loop_out
-        same = (again == ref) | (again.isnan() & ref.isnan())
-        if not bool(same.all()):
-            diff = float((again.to(torch.float64) - ref.to(torch.float64)).abs()
-                         .nan_to_num(nan=torch.inf, posinf=torch.inf).max())
-            raise _stochastic(f"evaluating the loop's first step again on the same {self.B} "
-                              f"rows gave other values (largest difference {diff:.3g}, "
-                              f"outputs of size {scale:.3g})")
-
-    @property
-    def recompute_gap(self) -> torch.Tensor:
-        """0-d float64: the largest difference of a certified step computed again (NaN
-        propagating; :meth:`diagnose`)."""
-        if self._gaps:
-            gaps = torch.stack(self._gaps).to(torch.float64).max()
-            self._recompute_gap = torch.maximum(self._recompute_gap, gaps)
-            self._gaps = []
-        return self._recompute_gap
-
-    def inputs(self, X: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """``x_s`` for the system's positions ``[start, stop)``: the input of step ``lo``, then
-        the positions of ``X``."""
-        if start == 0:
-            return torch.cat([self.x_lo[:, None], X[:, : stop - 1]], dim=1)
-        return X[:, start - 1 : stop - 1]
-
     # -- the triangular system -----------------------------------------------------------------
     def __call__(self, X: torch.Tensor) -> torch.Tensor:
         return self.window(X, 0, X.shape[1], None)[0]
@@ -461,83 +323,6 @@ class DiffusionChain:
         self._last = (key, X, vals)   # X held: its memory cannot be reused while cached
         return vals.clone(), None
 
-    def _certify(self, X: torch.Tensor, r: torch.Tensor, y: torch.Tensor, a0: int):
-        """Advance :attr:`exact` from one evaluation of the steps ``[a0, a0 + n)`` (absolute;
-        ``r`` the residuals ``y - X`` there), without a host sync (on the host, one read).
-        Returns the ``(B, n)`` mask of the positions certified before this evaluation, and a
-        function that makes the mask of those whose value this evaluation computed from
-        certified inputs (read only where a value is not finite)."""
-        lo, n = self.lo, r.shape[1]
-        T = X.shape[1]
-        exact, has_next = self.exact, self.has_next
-        # the pending next value, if the solver has written it (at a position of X)
-        rel = exact - lo
-        at = rel.clamp(0, T - 1)
-        cur = X[self._samples, at]
-        written = has_next & (at == rel) & (cur == self.next_value).all(1)
-        exact = exact + written
-        has_next = has_next ^ written   # (written only where has_next)
-        pos = self._positions(n, y.device)
-        known = pos < (exact - a0)[:, None]
-        # a certified step computed again with other bits: the model's batch variance (or
-        # randomness: diagnose() tells them apart by the relative size)
-        rmax = r.abs().amax(2)
-        off = rmax.masked_fill(~known, 0).max()
-        if not self.host:
-            self.irreproducible = self.irreproducible | (off != 0)
-        elif float(off) != 0:   # (NaN too; on the host a read, no synchronisation)
-            self.irreproducible = torch.ones_like(self.irreproducible)
-        self._gaps.append(off)   # (recompute_gap: read by diagnose() only)
-        # the inputs of step a0 are exact: a leading run of certified positions and of zero
-        # residuals is exact, and the direct step after it is the next exact value
-        eligible = exact >= a0
-        run = (known | (rmax == 0)).cumprod(1).sum(1)
-        reach = a0 + run
-        grow = eligible & (reach >= exact)
-        more = grow & (run < n)
-        nxt = y[self._samples, run.clamp(max=n - 1)]
-        upto = pos <= run[:, None]   # (known ones among them: run counts them)
-        # the certified values: the direct steps y of the run and of the next position
-        window = self.exact_values[:, a0 : a0 + n]
-        new = (grow[:, None] & (upto ^ known))[:, :, None]
-        torch.where(new, y, window, out=window)
-        if self.exact_records is not None:   # (the records of the same steps: exact inputs)
-            assert self.records_out is not None
-            kept = self.exact_records[:, a0 : a0 + n]
-            torch.where(new, self.records_out, kept, out=kept)
-        self.exact = torch.where(grow, reach, exact)
-        self.has_next = torch.where(grow, more, has_next)
-        self.next_value = torch.where(more[:, None], nxt, self.next_value)
-        # a non-finite direct step from exact inputs is the loop's own value: the first one
-        # (on the host, a finite sum says at once that there is none)
-        if not (self.host and math.isfinite(float(nxt.sum()))):
-            real = more & ~torch.isfinite(nxt).all(1) & (self.nonfinite_step < 0)
-            self.nonfinite_step = torch.where(real, reach, self.nonfinite_step)
-        return known, lambda: eligible[:, None] & upto
-
-    def _positions(self, n: int, device) -> torch.Tensor:
-        """``(1, n)``: ``0 .. n - 1`` on ``device`` (made once per ``n``)."""
-        pos = self._aranges.get(n)
-        if pos is None:
-            pos = self._aranges[n] = torch.arange(n, device=device)[None, :]
-        return pos
-
-    def certified(self) -> torch.Tensor:
-        """``(B,)``: positions certified exact, the known next value included."""
-        return self.exact + self.has_next
-
-    def commit(self, X: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        """Write the known exact next values into the full trajectory ``X`` ``(B, N, F)``
-        (of the samples ``rows``, a ``(B,)`` mask; default all)."""
-        take = self.has_next if rows is None else self.has_next & rows
-        if self.host and not bool(take.any()):   # (nothing to write: on the host, a read)
-            return
-        idx = self.exact.clamp(max=self.N - 1)[:, None, None].expand(self.B, 1, self.F)
-        cur = X.gather(1, idx)
-        X.scatter_(1, idx, torch.where(take[:, None, None], self.next_value[:, None], cur))
-        self.exact = self.exact + take.long()
-        self.has_next = self.has_next & ~take
-
     def restart(self, X: torch.Tensor, lo: int) -> None:
         """:meth:`commit`, then make the system the steps ``[lo, N)`` (``lo`` at most
         :meth:`certified`)."""
@@ -580,36 +365,6 @@ class DiffusionChain:
         if start < self.N:
             check_steps_finite(X, start)
 
-    def learn_exact(self, X: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
-                    records: torch.Tensor | None = None) -> torch.Tensor:
-        """From the direct steps ``y`` of every position of ``X`` (and, with history, their
-        records ``records``, kept as the certified ones): the
-        leading positions whose value is their direct step from an exact input are exact, and
-        the direct step after them is the next exact value. Advances :attr:`exact` for the
-        samples ``rows``; returns ``(B,)``: the first position of each sample whose value is
-        not its direct step (``N``: none; certified positions count as exact)."""
-        pos = torch.arange(self.N, device=X.device)[None, :]
-        before = self.exact
-        same = (y == X).all(2) | (pos < self.exact[:, None])
-        p = same.long().cumprod(1).sum(1)
-        grow = rows & (p >= self.exact)
-        newly = grow[:, None, None] & (pos[:, :, None] < p[:, None, None])
-        self.exact_values.copy_(torch.where(newly, X, self.exact_values))
-        self.exact = torch.where(grow, p, self.exact)
-        more = grow & (p < self.N)
-        nxt = y.gather(1, p.clamp(max=self.N - 1)[:, None, None].expand(self.B, 1, self.F))[:, 0]
-        self.has_next = torch.where(grow, more, self.has_next)
-        self.next_value = torch.where(more[:, None], nxt, self.next_value)
-        at = pos[:, :, None] == p[:, None, None]
-        self.exact_values.copy_(torch.where(more[:, None, None] & at, y, self.exact_values))
-        if self.exact_records is not None:
-            assert records is not None, "a program with history: pass the steps' records"
-            # (the records of the positions certified before stay: a step's last evaluation
-            # may have been at another input since)
-            taken = (newly & (pos >= before[:, None])[:, :, None]) | (more[:, None, None] & at)
-            self.exact_records.copy_(torch.where(taken, records, self.exact_records))
-        return p
-
     def update(self, X: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Positions ``index`` computed step by step from ``X`` (the sequential reference)."""
         outs = []
@@ -618,44 +373,6 @@ class DiffusionChain:
             past = self.past_of(X, s) if self.history else ()
             outs.append(self.steps(xin, self.lo + s, self.lo + s + 1, *past))
         return torch.cat(outs, dim=1)
-
-
-def nonfinite_error(step: int, sample: int) -> NonFiniteError:
-    return NonFiniteError(
-        f"diffusion.sample: step {step} of sample {sample} is not finite (NaN or inf), computed "
-        "by the scheduler's step from an exact input: the diffusers loop gives the same value; "
-        "check the model and the dtype's range (float16 overflows above 65504)")
-
-
-def check_steps_finite(X: torch.Tensor, start: int = 0) -> None:
-    """Raise :class:`NonFiniteError` naming the first step ``>= start`` of ``X`` ``(B, N, F)``
-    with a non-finite value."""
-    tail = X[:, start:]
-    if bool(torch.isfinite(tail).all()):
-        return
-    bad = (~torch.isfinite(tail)).any(2)
-    step = start + int(bad.any(0).nonzero()[0])
-    b = int(bad[:, step - start].nonzero()[0])
-    raise nonfinite_error(step, b)
-
-
-def stochastic_level(dtype: torch.dtype) -> float:
-    """The largest difference (per unit of the outputs' size) between a model's output for
-    the same rows in batches of different sizes that batch-variant kernels can explain in
-    ``dtype``: :data:`STOCHASTIC_ULPS` units of its resolution, and at least
-    :data:`STOCHASTIC_REL`."""
-    return max(STOCHASTIC_ULPS * torch.finfo(dtype).eps, STOCHASTIC_REL)
-
-
-def _stochastic(what: str) -> StochasticModelError:
-    return StochasticModelError(
-        f"diffusion.sample: the model is not a fixed function of its input: {what}. The likely "
-        "cause is a module in train mode (dropout or other random layers, such as "
-        "torch.randn_like in its forward): call model.eval() first (for a module wrapped in a "
-        "lambda or functools.partial, on the module itself); nondeterministic kernels of a "
-        "model in eval mode are the other one (torch.use_deterministic_algorithms(True)). "
-        "Two evaluations of the same input differ, so there is no sequential result to "
-        "reproduce")
 
 
 def draw_noise(table: StepTable, shape: tuple[int, ...], *, generator=None, dtype=torch.float32,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from paraprop.diffusion.chain import check_steps_finite
+from paraprop.diffusion.chain_checks import check_steps_finite
 from paraprop.diffusion.programs import setting
 from paraprop.diffusion.readers import Reader, model_output
 from paraprop.driver import Outcome, build
