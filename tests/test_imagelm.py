@@ -237,3 +237,19 @@ def test_a_llama_shaped_image_model_too(device, dtype):
                             generator=torch.Generator().manual_seed(0), **kw)
         _check(out, sol, ref, dtype)
         assert sol.stats["model_calls"] <= 64
+
+
+def test_the_job_checks_its_outputs_before_training(tmp_path, capsys, monkeypatch):
+    from paraprop_lab.cli import main
+
+    def trained(*a, **k):
+        pytest.fail("trained before the outputs were checked")
+
+    monkeypatch.setattr(imagelm, "train_imagelm", trained)
+    assert main(["train", "imagelm", "--out", str(tmp_path / "m"), "--png", str(tmp_path)]) == 2
+    assert re.search(r"--png .*: is a directory; expected the path of a file to write, e.g. "
+                     r".*imagelm.png$", capsys.readouterr().err.strip())
+    (tmp_path / "f").write_text("x")
+    assert main(["train", "imagelm", "--out", str(tmp_path / "f")]) == 2
+    assert re.search(r"--out .*f: is a file, not a directory; expected the directory to save "
+                     r"the model in$", capsys.readouterr().err.strip())

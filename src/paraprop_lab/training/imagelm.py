@@ -25,6 +25,7 @@ from paraprop import checks
 from paraprop.data import load_digits
 from paraprop_lab.training._common import (
     check_out_dir,
+    check_out_file,
     default_path,
     fit,
     n_parameters,
@@ -240,6 +241,8 @@ def run(args) -> int:
                 "heads": args.heads}
     out = check_out_dir(default_path(args.out, Path("results") / checkpoint_name(
         epochs=args.epochs, seed=args.seed, **model_kw)), what="the directory to save the model in")
+    png_path = check_out_file(default_path(args.png, out.with_suffix(".png")), "--png",
+                              example="imagelm.png")
     train, held = sequences(args.levels)
     model = image_gpt2(seed=args.seed, dropout=args.dropout, **model_kw)
     hist = train_imagelm(model, train, epochs=args.epochs, batch_size=args.batch_size,
@@ -250,7 +253,7 @@ def run(args) -> int:
         labels = list(range(CLASSES)) * 2
         pixels, sol = sample_images(model, labels, seed=args.seed, top_k=args.top_k,
                                     throw=False)
-    png = image_grid(default_path(args.png, out.with_suffix(".png")),
+    png = image_grid(png_path,
                      [(f"samples (top-k {args.top_k}, Gumbel-max coupling, jacobi)", pixels),
                       ("held-out digits", held[:20, 1:])], args.levels)
     took = time.perf_counter() - start
