@@ -253,3 +253,17 @@ def test_the_job_checks_its_outputs_before_training(tmp_path, capsys, monkeypatc
     assert main(["train", "imagelm", "--out", str(tmp_path / "f")]) == 2
     assert re.search(r"--out .*f: is a file, not a directory; expected the directory to save "
                      r"the model in$", capsys.readouterr().err.strip())
+
+
+def test_the_bench_trains_its_own_model_where_none_is_shipped(tmp_path, monkeypatch):
+    from paraprop_lab.demos import _weights
+    from paraprop_lab.experiments import decoding_images as di
+
+    monkeypatch.setattr(_weights, "WEIGHTS", tmp_path / "none")
+    model, what = di.image_model(tmp_path, quick=True)
+    assert what == f"the suite's model {tmp_path / 'imagelm_l16_e1_n256'} (no shipped one)"
+    assert not model.training and imagelm.levels_of(model) == 16
+    again, _ = di.image_model(tmp_path, quick=True)          # loaded, not trained again
+    ids = imagelm.class_prompts([2], 16)
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)

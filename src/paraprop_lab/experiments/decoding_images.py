@@ -40,20 +40,21 @@ SEQUENTIAL = "sequential"
 
 def image_model(out_dir: Path, *, quick: bool):
     """``(model, what)``: the shipped image model (``weights/imagelm_*``), else one trained
-    in ``out_dir`` (2 epochs when ``quick``)."""
+    in ``out_dir`` (the job's settings; ``quick``: one epoch on 256 digits, a model for the
+    plumbing only)."""
     from paraprop_lab.demos import _weights
     from paraprop_lab.training import imagelm
 
     if _weights.path("imagelm") is not None:
         return _weights.load("imagelm"), _weights.describe("imagelm")
-    epochs = 2 if quick else int(imagelm.TRAIN["epochs"])
-    path = Path(out_dir) / imagelm.checkpoint_name(epochs=epochs)
+    epochs = 1 if quick else int(imagelm.TRAIN["epochs"])
+    path = Path(out_dir) / (imagelm.checkpoint_name(epochs=epochs) + ("_n256" if quick else ""))
     if (path / imagelm.META).is_file():
         model = imagelm.load_imagelm(path)
     else:
         model = imagelm.image_gpt2(dropout=imagelm.TRAIN["dropout"])
-        imagelm.train_imagelm(model, imagelm.sequences(imagelm.DEFAULTS["levels"])[0],
-                              epochs=epochs)
+        train = imagelm.sequences(imagelm.DEFAULTS["levels"])[0]
+        imagelm.train_imagelm(model, train[:256] if quick else train, epochs=epochs)
         imagelm.save_imagelm(model, path)
     return model.requires_grad_(False), f"the suite's model {path} (no shipped one)"
 
