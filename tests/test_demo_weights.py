@@ -13,7 +13,8 @@ import torch
 from paraprop_lab.demos import _weights
 
 NAMES = list(_weights.CHECKPOINTS)
-REQUIRES = {"charlm": "transformers", "ddpm": "diffusers"}
+REQUIRES = {"charlm": "transformers", "ddpm": "diffusers", "flowmatch": "diffusers",
+            "imagelm": "transformers"}
 
 
 def test_held_out_text_is_the_training_jobs_cut():
