@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from paraprop.diffusion.gains import x0_gain
-from paraprop.diffusion.readers import Reader, Records, Sel, refuse
+from paraprop.diffusion.readers import Reader, Records, refuse
 from paraprop.diffusion.scalars import div, mul
+from paraprop.diffusion.selection import Sel
 
 
 class FlowMatchEulerDiscreteReader(Reader):

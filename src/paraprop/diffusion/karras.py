@@ -18,8 +18,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from paraprop.diffusion.readers import Reader, Records, Sel, refuse
+from paraprop.diffusion.readers import Reader, Records, refuse
 from paraprop.diffusion.scalars import div, mul, tmul
+from paraprop.diffusion.selection import Sel
 
 
 class _Karras(Reader):

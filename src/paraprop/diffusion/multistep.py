@@ -5,10 +5,9 @@ UniC corrector, ``bh1``/``bh2``), in the interface of :mod:`~paraprop.diffusion.
 Both convert the model output of step ``k`` (to a predicted ``x_0``, or a noise for UniPC's
 ``predict_x0=False``) from ``(x_k, model output)``: that converted output is step ``k``'s record,
 and step ``k`` reads the records of the ``solver_order - 1`` steps before it (UniPC's corrector
-one more). The order of every step (the warm-up, ``lower_order_final``, ``euler_at_final``) is
-read from the scheduler's rules at construction: steps of one order are applied together.
-UniPC's corrector reads the corrected sample of the step before, so its states carry it
-(``parts = 2``).
+one more). Each step's order (warm-up, ``lower_order_final``, ``euler_at_final``) is read from
+the scheduler's rules; steps of one order are applied together. UniPC's states carry the
+corrected sample of the step before, which its corrector reads (``parts = 2``).
 """
 
 from __future__ import annotations
@@ -18,8 +17,9 @@ from typing import Any
 import torch
 
 from paraprop.diffusion.gains import x0_gain
-from paraprop.diffusion.readers import Reader, Records, Sel, refuse
+from paraprop.diffusion.readers import Reader, Records, refuse
 from paraprop.diffusion.scalars import div, mul
+from paraprop.diffusion.selection import Sel
 
 PREDICTIONS = ("epsilon", "sample", "v_prediction", "flow_prediction")
 
@@ -157,7 +157,7 @@ class DPMSolverMultistepReader(Reader):
         return (torch.empty_like(out),)
 
     def output_gains(self) -> torch.Tensor | None:
-        """First order (``solver_order=1``): ``|d0 * d x_0 / d out|``; ``None`` otherwise."""
+        """First order: ``|d0 * d x_0 / d out|``; ``None`` otherwise (``HistoryProgram``'s)."""
         if self.history:
             return None
         p = self.config.prediction_type
@@ -236,7 +236,6 @@ class UniPCMultistepReader(Reader):
     """
 
     classname = "UniPCMultistepScheduler"
-
     parts = 2
 
     def _check_config(self) -> None:

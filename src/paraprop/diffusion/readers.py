@@ -64,6 +64,7 @@ from typing import Any, ClassVar
 import torch
 
 from paraprop.diffusion.scalars import tmul
+from paraprop.diffusion.selection import Sel
 
 SAMPLE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -81,38 +82,6 @@ def check_dtype(dtype: torch.dtype, scheduler: str = "reader") -> None:
     if dtype not in SAMPLE_DTYPES:
         raise refuse(scheduler, "dtype", dtype,
                      "torch.float32, torch.float64, torch.bfloat16, torch.float16")
-
-
-class Sel:
-    """Positions of a window that share a formula: a slice (an arithmetic progression) or an
-    index tensor; ``rel`` relative to the window, which starts at step ``start``."""
-
-    def __init__(self, rel: list[int], start: int):
-        self.rel = rel
-        self.start = start
-        self.n = len(rel)
-        step = rel[1] - rel[0] if len(rel) > 1 else 1
-        self.sliced = step > 0 and all(b - a == step for a, b in zip(rel, rel[1:], strict=False))
-        self._step = step
-        self._index: dict[torch.device, torch.Tensor] = {}
-
-    def take(self, t: torch.Tensor, shift: int = 0) -> torch.Tensor:
-        """Rows ``rel + shift`` of ``t``."""
-        if self.sliced:
-            a = self.rel[0] + shift
-            return t[a: a + self._step * (self.n - 1) + 1: self._step]
-        key = t.device
-        if key not in self._index:
-            self._index[key] = torch.tensor(self.rel, dtype=torch.long, device=t.device)
-        return t.index_select(0, self._index[key] + shift)
-
-    def put(self, out: torch.Tensor, value: torch.Tensor) -> None:
-        """Write ``value`` into the rows ``rel`` of ``out``."""
-        if self.sliced:
-            a = self.rel[0]
-            out[a: a + self._step * (self.n - 1) + 1: self._step] = value
-        else:
-            out.index_copy_(0, self.take(torch.arange(out.shape[0], device=out.device)), value)
 
 
 class Reader:
@@ -288,15 +257,13 @@ class Reader:
         return new, own
 
     def records(self, lo: int, hi: int, state: torch.Tensor, out: torch.Tensor) -> Records:
-        """The records of the steps ``[lo, hi)`` (what later steps read) from their input
-        states ``(n, P, *shape)`` and model outputs ``(n, *shape)``: the same values
-        :meth:`step` returns as its second item."""
+        """The records of the steps ``[lo, hi)`` from their input states ``(n, P, *shape)`` and
+        model outputs ``(n, *shape)``: :meth:`step`'s second item."""
         own = self.records_like(out)
         self._fill_records(self.groups(lo, hi), state, out, own)
         return own
 
-    def _fill_records(self, groups, state: torch.Tensor, out: torch.Tensor,
-                      own: Records) -> None:
+    def _fill_records(self, groups, state: torch.Tensor, out: torch.Tensor, own: Records):
         for kind, sel in groups:
             for r, v in zip(own, self._record(kind, sel, sel.take(state), sel.take(out)),
                             strict=True):
