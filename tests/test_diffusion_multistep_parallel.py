@@ -16,8 +16,8 @@ import torch
 pytest.importorskip("diffusers")
 from diffusers.utils.torch_utils import randn_tensor  # noqa: E402
 
-from diffusion_cases import DPM, READER_MARKS, SDE, RowEps  # noqa: E402, I001
-from paraprop.diffusion import BatchVarianceWarning, readers, sample  # noqa: E402
+from diffusion_cases import DPM, READER_MARKS, SDE, UNIPC, RowEps  # noqa: E402, I001
+from paraprop.diffusion import BatchVarianceWarning, DiffusionChain, readers, sample  # noqa: E402
 from paraprop.diffusion.gains import bounds, carried_gains  # noqa: E402
 from paraprop.diffusion.programs import HistoryProgram  # noqa: E402
 
@@ -315,3 +315,22 @@ def test_the_last_step_check_runs_with_history():
     x, sol = run({}, RowEps(), 25, method="picard", tol=0)
     assert torch.equal(x, ref) and sol.stats["loop_bitwise"] is True
     assert sol.stats["batch_checked_steps"] == [0, 24]
+
+
+def test_misuse_of_the_history_program_and_chain_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"HistoryProgram: UniPCMultistepScheduler with "
+                                         r"solver_order=2 is not read in parallel \(history=2, "
+                                         r"parts=2\); supported: DPMSolverMultistepScheduler"):
+        HistoryProgram(readers.reader(UNIPC(), 5))
+    with pytest.raises(ValueError, match=r"HistoryProgram: DPMSolverMultistepScheduler with "
+                                         r"solver_order=1 is not read in parallel"):
+        HistoryProgram(readers.reader(DPM(solver_order=1), 5))
+    p = HistoryProgram(readers.reader(DPM(), 5))
+    x = torch.zeros(1, 3, 2)
+    with pytest.raises(TypeError, match="a step reads the records of the steps before it; use "
+                                        "apply_history"):
+        p.apply(slice(0, 1), x, x, x)
+    chain = DiffusionChain(RowEps(), p, torch.zeros(3, 2), torch.zeros(5, 3, 2))
+    with pytest.raises(ValueError, match=r"chain: steps \[2, 4\) read the records of the 1 steps "
+                                         r"before them: pass their inputs \(hist\) and records"):
+        chain.steps(torch.zeros(3, 2, 2), 2, 4)
