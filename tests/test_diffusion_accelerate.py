@@ -125,6 +125,8 @@ SCHEDULERS = {   # Stable Diffusion's settings: steps_offset=1, no clipping
         steps_offset=1, solver_order=3, use_karras_sigmas=True),
     "sde-dpm++2m": lambda: diffusers.DPMSolverMultistepScheduler(
         steps_offset=1, algorithm_type="sde-dpmsolver++"),
+    # UniPC: its predictor and corrector read earlier model outputs and the corrected sample
+    "unipc": lambda: diffusers.UniPCMultistepScheduler(steps_offset=1),
 }
 GUIDANCE = [(5.0, 0.0), (5.0, 0.7), (1.0, 0.0)]
 
@@ -133,7 +135,7 @@ GUIDANCE = [(5.0, 0.0), (5.0, 0.7), (1.0, 0.0)]
                          [(n, *g) for n in ("ddim", "euler") for g in GUIDANCE]
                          + [(n, 5.0, 0.0) for n in ("ddpm", "ddim-eta", "euler-ancestral", "lcm",
                                                     "sde-dpm++1", "dpm++2m", "dpm++3m-karras",
-                                                    "sde-dpm++2m")])
+                                                    "sde-dpm++2m", "unipc")])
 def test_the_accelerated_pipeline_is_the_plain_one_bitwise(name, scale, rescale, device):
     """At ``tol=0`` the accelerated ``pipe(...)`` returns the plain pipeline's latents bit for
     bit, every step's denoiser output from paraprop's certified solve, in at most the loop's
@@ -228,8 +230,8 @@ def test_the_context_manager_undoes_on_an_exception():
      "generators"),
     (lambda: diffusers.EulerAncestralDiscreteScheduler(steps_offset=1), {"listed": True},
      "EulerAncestralDiscreteScheduler draws noise inside scheduler.step"),
-    (lambda: diffusers.UniPCMultistepScheduler(steps_offset=1), {},
-     "UniPCMultistepScheduler with its settings reads the history"),
+    (lambda: diffusers.HeunDiscreteScheduler(steps_offset=1), {},
+     "HeunDiscreteScheduler with its settings reads the history"),
     (lambda: diffusers.PNDMScheduler(steps_offset=1, skip_prk_steps=True), {},
      "NotImplementedError: scheduler: PNDMScheduler is not supported"),
 ])

@@ -12,6 +12,7 @@ from diffusers import (  # noqa: E402
     DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
+    HeunDiscreteScheduler,
     UniPCMultistepScheduler,
 )
 
@@ -38,8 +39,8 @@ def model():
 
 @pytest.mark.parametrize("cls", [EulerDiscreteScheduler, EulerAncestralDiscreteScheduler,
                                  lambda: DPMSolverMultistepScheduler(solver_order=1),
-                                 DPMSolverMultistepScheduler],
-                         ids=["euler", "ancestral", "dpm1", "dpm2m"])
+                                 DPMSolverMultistepScheduler, UniPCMultistepScheduler],
+                         ids=["euler", "ancestral", "dpm1", "dpm2m", "unipc"])
 def test_parallel_rows(cls, model):
     rows = scheduler_rows(model, "s", cls, SHAPE, STEPS, parallel=True, repeats=1)
     assert [r["method"] for r in rows][:2] == ["diffusers loop", "paraprop sequential"]
@@ -55,13 +56,13 @@ def test_parallel_rows(cls, model):
     assert all(r["max_abs_err"] <= TOL for r in rows[2:])
 
 
-@pytest.mark.parametrize("cls", [UniPCMultistepScheduler], ids=["unipc"])
-def test_multistep_rows_are_sequential_with_the_refusals(cls, model):
+@pytest.mark.parametrize("cls", [HeunDiscreteScheduler], ids=["heun"])
+def test_sequential_rows_with_the_refusals(cls, model):
     rows = scheduler_rows(model, "m", cls, SHAPE, STEPS, parallel=False, repeats=1)
     assert [r["method"] for r in rows] == ["diffusers loop", "paraprop sequential", "picard",
                                            "anderson"]
     assert rows[0]["max_abs_err"] == rows[1]["max_abs_err"] == 0
-    assert rows[1]["iterations"] == STEPS
+    assert rows[1]["iterations"] == 2 * STEPS - 1   # (Heun: two evaluations a step)
     for r in rows[2:]:
         assert r["parallel"].startswith("refused (NotImplementedError")
         assert f"method='{r['method']}' is not implemented for {cls.__name__}" in r["refusal"]
@@ -85,7 +86,7 @@ def test_pipeline_loop_draws_what_sample_loop_draws_for_ddpm(model):
 def test_the_suite_lists_the_schedulers_and_what_it_leaves_out():
     assert [(s[0], s[3]) for s in suite.SCHEDULERS] == [
         ("Euler", True), ("Euler ancestral", True), ("DPM-Solver++ order 1", True),
-        ("DPM-Solver++ 2M", True), ("UniPC", False)]
+        ("DPM-Solver++ 2M", True), ("UniPC", True)]
     for name in ("LCMScheduler", "Heun"):
         assert name in suite.LEFT_OUT
     # flow matching is measured (its own table), not left out

@@ -168,8 +168,8 @@ def test_the_progress_bar_runs_as_usual():
     (lambda: diffusers.DDPMScheduler(),
      r"DDPMScheduler draws noise inside scheduler.step, and the pipeline passes it no "
      r"generator \(the global RNG\)"),
-    (lambda: diffusers.UniPCMultistepScheduler(),
-     "UniPCMultistepScheduler with its settings reads the history"),
+    (lambda: diffusers.HeunDiscreteScheduler(),
+     "HeunDiscreteScheduler with its settings reads the history"),
     (lambda: diffusers.PNDMScheduler(skip_prk_steps=True),
      "NotImplementedError: scheduler: PNDMScheduler is not supported"),
 ])

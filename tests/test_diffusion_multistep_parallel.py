@@ -1,11 +1,14 @@
-"""DPM-Solver++ of order 2 and 3 (``DPMSolverMultistepScheduler``) in parallel: step ``s`` reads
-the converted model outputs of the steps before it, which the chain evaluates in the window's
-own model call (or takes from the certified prefix). ``picard`` (any window) and ``anderson``
-at ``tol=0`` return the diffusers loop's sample bit for bit (float32 and float64 at 1, 7, 25 and
-50 steps; bfloat16 and float16 at any ``tol``), never with more model calls in sequence than
-steps; at ``tol > 0`` a converged sample is within ``tol`` of the loop's, with the two-input
-error recurrence, also for models built to break it (expanding, batch-variant)."""
+"""DPM-Solver++ of order 2 and 3 (``DPMSolverMultistepScheduler``) and UniPC
+(``UniPCMultistepScheduler``, predictor and corrector) in parallel: step ``s`` reads the converted
+model outputs of the steps before it, which the chain evaluates in the window's own model call
+(or takes from the certified prefix); UniPC's states carry the corrected sample before them.
+``picard`` (any window) and ``anderson`` at ``tol=0`` return the diffusers loop's sample bit for
+bit (float32 and float64 at 1, 7, 25 and 50 steps; bfloat16 and float16 at any ``tol``), never
+with more model calls in sequence than steps; at ``tol > 0`` a converged sample is within ``tol``
+of the loop's, with the two-input error recurrence, also for models built to break it
+(expanding, batch-variant)."""
 
+import inspect
 import math
 import re
 import warnings
@@ -16,7 +19,7 @@ import torch
 pytest.importorskip("diffusers")
 from diffusers.utils.torch_utils import randn_tensor  # noqa: E402
 
-from diffusion_cases import DPM, READER_MARKS, SDE, UNIPC, RowEps  # noqa: E402, I001
+from diffusion_cases import DPM, HEUN, READER_MARKS, SDE, UNIPC, RowEps  # noqa: E402, I001
 from paraprop.diffusion import BatchVarianceWarning, DiffusionChain, readers, sample  # noqa: E402
 from paraprop.diffusion.gains import bounds, carried_gains  # noqa: E402
 from paraprop.diffusion.programs import HistoryProgram  # noqa: E402
@@ -24,6 +27,7 @@ from paraprop.diffusion.programs import HistoryProgram  # noqa: E402
 pytestmark = READER_MARKS
 
 SHAPE = (3, 2)
+# (UniPC's configurations carry their class: "cls")
 CONFIGS = {
     "dpm2": {},
     "dpm2-karras": {"use_karras_sigmas": True},
@@ -33,7 +37,20 @@ CONFIGS = {
     "sde2": SDE,
     "dpm3": {"solver_order": 3},
     "sde3-karras": {**SDE, "solver_order": 3, "use_karras_sigmas": True},
+    "unipc2": {"cls": UNIPC},
+    "unipc1": {"cls": UNIPC, "solver_order": 1},
+    "unipc3-karras-nocorr": {"cls": UNIPC, "solver_order": 3, "use_karras_sigmas": True,
+                             "disable_corrector": [0, 3]},
+    "unipc3-bh1-noise": {"cls": UNIPC, "solver_order": 3, "solver_type": "bh1",
+                         "predict_x0": False, "final_sigmas_type": "sigma_min"},
+    "unipc2-v": {"cls": UNIPC, "prediction_type": "v_prediction"},
 }
+
+
+def make(cfg):
+    """The scheduler of a configuration of :data:`CONFIGS`."""
+    cfg = dict(cfg)
+    return cfg.pop("cls", DPM)(**cfg)
 METHODS = [("picard", None), ("picard", 4), ("picard", 1), ("anderson", None)]
 
 
@@ -48,15 +65,16 @@ def diffusers_loop(model, scheduler, steps, dtype, device="cpu", seed=1, shape=S
     scheduler.set_timesteps(steps, device=device)
     x = randn_tensor(shape, generator=g, device=torch.device(device), dtype=dtype)
     x = x * scheduler.init_noise_sigma
+    kw = {"generator": g} if "generator" in inspect.signature(scheduler.step).parameters else {}
     with torch.no_grad():
         for t in scheduler.timesteps:
             x = scheduler.step(model(scheduler.scale_model_input(x, t), t), t, x,
-                               generator=g).prev_sample
+                               **kw).prev_sample
     return x
 
 
 def run(cfg, model, steps, dtype=torch.float32, device="cpu", seed=1, shape=SHAPE, **kw):
-    return sample(model, DPM(**cfg), shape, num_inference_steps=steps, dtype=dtype,
+    return sample(model, make(cfg), shape, num_inference_steps=steps, dtype=dtype,
                   device=device, generator=gen(seed), **kw)
 
 
@@ -83,7 +101,7 @@ def test_every_setting_is_the_loop_bitwise(name, device):
     SDE variant (its noise drawn in float32) and order 3."""
     cfg, model = CONFIGS[name], RowEps().to(device)
     for steps in (7, 25):
-        ref = diffusers_loop(model, DPM(**cfg), steps, torch.float32, device)
+        ref = diffusers_loop(model, make(cfg), steps, torch.float32, device)
         for method, window in METHODS[:2] + METHODS[3:]:
             x, sol = run(cfg, model, steps, device=device, method=method, window=window, tol=0)
             assert torch.equal(x, ref), (steps, method, window)
@@ -91,11 +109,11 @@ def test_every_setting_is_the_loop_bitwise(name, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("name", ["dpm2", "sde2", "dpm3"])
+@pytest.mark.parametrize("name", ["dpm2", "sde2", "dpm3", "unipc2", "unipc3-karras-nocorr"])
 def test_low_precision_is_the_loop_bitwise_at_any_tol(name, dtype, device):
     """bfloat16 and float16 certify by the loop's bits only, at every tol."""
     cfg, model = CONFIGS[name], RowEps().to(device)
-    ref = diffusers_loop(model, DPM(**cfg), 12, dtype, device)
+    ref = diffusers_loop(model, make(cfg), 12, dtype, device)
     for method, window in (("picard", 4), ("anderson", None)):
         for tol in (0, 1e-2):
             x, sol = run(cfg, model, 12, dtype, device, method=method, window=window, tol=tol)
@@ -150,24 +168,28 @@ def test_sequential_and_model_kwargs():
 
 # -- the step's reaction to its model outputs ----------------------------------------------------
 
-@pytest.mark.parametrize("name", ["dpm2", "dpm2-heun-v", "sde3-karras"])
+@pytest.mark.parametrize("name", ["dpm2", "dpm2-heun-v", "sde3-karras", "unipc2",
+                                  "unipc3-bh1-noise"])
 def test_output_gains_are_the_steps_derivatives(name):
     """``own_output_gains``: ``|d step_s / d out_s|``; ``output_gains``: the sum over the model
     outputs the step reads (its own and those of the steps before it, through their
-    records), against autograd through the reader's step and records."""
-    p = HistoryProgram(readers.reader(DPM(**CONFIGS[name]), 6))
+    records), each the largest over the state's parts (UniPC), against autograd through the
+    reader's step and records."""
+    p = HistoryProgram(readers.reader(make(CONFIGS[name]), 6))
     own, total = p.own_output_gains(), p.output_gains()
     g = torch.Generator().manual_seed(0)
+    F = 3 * p.parts   # (UniPC's states: the sample and the corrected sample before it)
     for s in range(p.N):
         h = min(p.history, s)
-        x = torch.randn(1, 1, 3, generator=g, dtype=torch.float64) * 0.1
-        xs = torch.randn(h, 1, 3, generator=g, dtype=torch.float64) * 0.1
+        x = torch.randn(1, 1, F, generator=g, dtype=torch.float64) * 0.1
+        xs = torch.randn(h, 1, F, generator=g, dtype=torch.float64) * 0.1
         outs = torch.randn(h + 1, 1, 3, generator=g, dtype=torch.float64).requires_grad_()
         past = torch.cat([p.records(s - h + j, s - h + j + 1, xs[j: j + 1], outs[j: j + 1])
-                          for j in range(h)]) if h else xs
+                          for j in range(h)]) if h else torch.zeros(0, 1, 3, dtype=x.dtype)
         y, _ = p.apply_history(slice(s, s + 1), x, outs[h:], torch.zeros(1, 1, 3), past)
-        (d,) = torch.autograd.grad(y.sum(), outs)
-        d = d.abs()[:, 0, 0]
+        # per part of the state (the largest counts), per model output read
+        d = torch.stack([torch.autograd.grad(y[0, 0, 3 * q], outs, retain_graph=True)[0]
+                         .abs()[:, 0, 0] for q in range(p.parts)]).amax(0)
         torch.testing.assert_close(d[h], own[s], rtol=1e-5, atol=1e-9)
         torch.testing.assert_close(d.sum(), total[s], rtol=1e-5, atol=1e-9)
 
@@ -204,10 +226,11 @@ def test_the_two_input_recurrence_bounds_every_error():
     assert float(E_one) >= float(e.max()) * (1 - 1e-9)        # (equal here: geometric)
 
 
-@pytest.mark.parametrize("name", ["dpm2", "dpm2-karras", "sde2", "dpm3"])
+@pytest.mark.parametrize("name", ["dpm2", "dpm2-karras", "sde2", "dpm3", "unipc2",
+                                  "unipc3-bh1-noise"])
 def test_tol_is_within_tol_of_the_loop(name):
     cfg = CONFIGS[name]
-    ref = diffusers_loop(RowEps(), DPM(**cfg), 25, torch.float32)
+    ref = diffusers_loop(RowEps(), make(cfg), 25, torch.float32)
     for method, window in METHODS:
         x, sol = run(cfg, RowEps(), 25, method=method, window=window, tol=1e-3)
         assert sol.converged and sol.stats["model_calls"] <= 25
@@ -244,8 +267,9 @@ def test_a_model_built_to_expand_is_certified_within_tol_or_refused(dtype):
     for seed in range(2):
         model = Expanding(seed).to(dtype)
         for cfg in ({"prediction_type": "sample"}, {"prediction_type": "sample",
-                                                     "solver_order": 3}):
-            ref = diffusers_loop(model, DPM(**cfg), 20, dtype, shape=shape).double()
+                                                     "solver_order": 3},
+                    {"cls": UNIPC, "prediction_type": "sample"}):
+            ref = diffusers_loop(model, make(cfg), 20, dtype, shape=shape).double()
             for method, window in (("picard", None), ("picard", 5), ("anderson", None)):
                 for tol in (1e-2, 1e-4):
                     x, sol = run(cfg, model, 20, dtype, shape=shape, method=method,
@@ -281,27 +305,30 @@ class BatchVariant(torch.nn.Module):
         return out + self.size * (t != t.max()).to(x.dtype).reshape(-1, 1)
 
 
+@pytest.mark.parametrize("name", ["dpm2", "unipc2"])
 @pytest.mark.parametrize("where", ["all", "tail", "late"])
 @pytest.mark.parametrize("method", ["picard", "anderson"])
-def test_batch_variance_is_never_certified_bitwise(where, method):
+def test_batch_variance_is_never_certified_bitwise(where, method, name):
     """The batch-variance spot checks (step 0 in the first batched call, the last step in the
     loop's own call, its records from the certified prefix) with history: ``tol=0`` is refused
-    naming the rows; a certified ``tol > 0`` is within ``tol`` of the loop. (25 steps: the
-    budget leaves the last step's check a call, which it needs.)"""
-    model = BatchVariant(where)
-    ref = diffusers_loop(model, DPM(), 25, torch.float32)
-    x, sol = run({}, model, 25, method=method, tol=0, throw=False)
+    naming the rows; a certified ``tol > 0`` is within ``tol`` of the loop. (25 steps for
+    DPM-Solver++, 40 for UniPC: the budget leaves the last step's check a call, which it
+    needs.)"""
+    model, cfg = BatchVariant(where), CONFIGS[name]
+    N = 40 if name.startswith("unipc") else 25
+    ref = diffusers_loop(model, make(cfg), N, torch.float32)
+    x, sol = run(cfg, model, N, method=method, tol=0, throw=False)
     assert not sol.converged and sol.stats["loop_bitwise"] is False
     assert "rounds differently on the batched calls" in sol.stats["reason"]
     if where == "late":
-        assert sol.stats["batch_checked_steps"] == [0, 24]
-        assert "its output for step 24 differs" in sol.stats["reason"]
-    assert sol.stats["model_calls"] <= 25
+        assert sol.stats["batch_checked_steps"] == [0, N - 1]
+        assert f"its output for step {N - 1} differs" in sol.stats["reason"]
+    assert sol.stats["model_calls"] <= N
     for tol in (1e-3, 1e-1):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", BatchVarianceWarning)
-            x, sol = run({}, model, 25, method=method, tol=tol, throw=False)
-        assert sol.stats["model_calls"] <= 25 and sol.stats["loop_bitwise"] is False
+            x, sol = run(cfg, model, N, method=method, tol=tol, throw=False)
+        assert sol.stats["model_calls"] <= N and sol.stats["loop_bitwise"] is False
         if sol.converged:
             assert float((x - ref).abs().max()) <= tol, (tol, sol.stats["error_estimate"])
         else:
@@ -318,10 +345,10 @@ def test_the_last_step_check_runs_with_history():
 
 
 def test_misuse_of_the_history_program_and_chain_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"HistoryProgram: UniPCMultistepScheduler with "
-                                         r"solver_order=2 is not read in parallel \(history=2, "
-                                         r"parts=2\); supported: DPMSolverMultistepScheduler"):
-        HistoryProgram(readers.reader(UNIPC(), 5))
+    with pytest.raises(ValueError, match=r"HistoryProgram: HeunDiscreteScheduler is not read "
+                                         r"in parallel \(history=1, parts=1\); supported: "
+                                         r"DPMSolverMultistepScheduler, UniPCMultistepScheduler"):
+        HistoryProgram(readers.reader(HEUN(), 5))
     with pytest.raises(ValueError, match=r"HistoryProgram: DPMSolverMultistepScheduler with "
                                          r"solver_order=1 is not read in parallel"):
         HistoryProgram(readers.reader(DPM(solver_order=1), 5))

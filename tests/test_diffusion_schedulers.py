@@ -58,8 +58,8 @@ MARKOV = [
                             "prediction_type": "v_prediction"}, None),
     ("sde1", DPM, {**SDE, "solver_order": 1}, None),
 ]
-# the readers with history (DPM-Solver++ of order 2 and 3 run in parallel too:
-# tests/test_diffusion_multistep_parallel.py)
+# the readers with history (DPM-Solver++ of order 2 and 3 and UniPC run in parallel too:
+# tests/test_diffusion_multistep_parallel.py; Heun is sequential only)
 HISTORY = [
     ("dpm2", DPM, {}, None),
     ("dpm3-sde", DPM, {**SDE, "solver_order": 3}, None),
@@ -290,14 +290,12 @@ def test_output_gains_are_the_steps_derivative(case):
 # -- refusals --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("case", "match"), [
-    (HISTORY[2], r"UniPCMultistepScheduler with solver_order=2: its predictor reads.*"
-                 r"corrected sample of the step before \(a second state\).*carries one "
-                 r"converted model output per step only \(DPMSolverMultistepScheduler of "
-                 r"order 1-3 runs in parallel\); method='sequential' works"),
-    (HISTORY[3], r"UniPCMultistepScheduler with solver_order=3"),
-    (HISTORY[4], r"HeunDiscreteScheduler: its second evaluation.*two records.*"
-                 r"method='sequential' works"),
-], ids=["unipc", "unipc3", "heun"])
+    (HISTORY[4], r"HeunDiscreteScheduler: its second evaluation.*two records of the step "
+                 r"before\), and the parallel chain carries one converted model output per "
+                 r"step only \(DPMSolverMultistepScheduler and UniPCMultistepScheduler run in "
+                 r"parallel\); method='sequential' works"),
+    (HISTORY[5], r"HeunDiscreteScheduler: its second evaluation"),
+], ids=["heun", "heun-v-karras"])
 def test_history_readers_refuse_parallel_methods(case, match):
     _, cls, config, mu = case
     for method in ("picard", "anderson"):

@@ -152,8 +152,9 @@ class _Run:
         """The loop's own first step (``B`` rows): position 0, certified, and the reference
         that the batched calls' step 0 is compared with."""
         chain = self.chain
-        empty = chain.x_init[:, None][:, :0] if chain.history else None
-        y = chain.steps(chain.x_init[:, None], 0, 1, empty, empty)[:, 0]
+        hist = chain.x_init[:, None][:, :0] if chain.history else None
+        past = chain.exact_records[:, :0] if chain.exact_records is not None else None
+        y = chain.steps(chain.x_init[:, None], 0, 1, hist, past)[:, 0]
         check_steps_finite(y[:, None])
         self.X[:, 0] = y
         chain.exact_values[:, 0] = y

@@ -94,6 +94,11 @@ class DiffusionChain(CertifiedPrefix, HistoryInputs, BatchVarianceChecks):
         self.B = x_init.shape[0]
         self.N = table.N
         self.F = x_init[0].numel()
+        # states of several parts (UniPC; x_init (B, parts, ...)): the model reads part 0 (R)
+        self.parts = int(getattr(table, "parts", 1))
+        self.model_shape = self.sample_shape if self.parts == 1 else \
+            (self.B, *self.sample_shape[2:])
+        self.R = self.F // self.parts
         self.dtype = x_init.dtype
         self.device = x_init.device
         # the corrections D steer the iteration only: float32 where the samples are narrower
@@ -101,7 +106,7 @@ class DiffusionChain(CertifiedPrefix, HistoryInputs, BatchVarianceChecks):
             self.dtype
         self.table = table.to(self.device)
         self.x_init = x_init.reshape(self.B, self.F)
-        self.z = z.reshape(self.N, self.B, self.F)
+        self.z = z.reshape(self.N, self.B, -1)
         self.kwargs = dict(model_kwargs or {})
         self.timesteps = self.table.timesteps
         self.a = self.table.linear_part(split).to(self.device, self.work)
@@ -124,12 +129,11 @@ class DiffusionChain(CertifiedPrefix, HistoryInputs, BatchVarianceChecks):
         self.has_next = torch.zeros(self.B, dtype=torch.bool, device=dev)
         self.next_value = torch.zeros(self.B, self.F, dtype=self.dtype, device=dev)
         self.exact_values = torch.zeros(self.B, self.N, self.F, dtype=self.dtype, device=dev)
-        # a program with history (programs.HistoryProgram): step s reads the records of the
-        # `history` steps before it; those of certified steps are kept (exact_records: the
-        # records of the steps < certified()), and x_hist holds the inputs of the steps
-        # [lo - history, lo) (as far as they exist)
+        # with history (HistoryProgram): the records of the steps < certified() (exact_records)
+        # and the inputs of the steps [lo - history, lo) (x_hist, as far as they exist)
         self.history = int(getattr(table, "history", 0))
-        self.exact_records = torch.zeros_like(self.exact_values) if self.history else None
+        self.exact_records = self.exact_values.new_zeros((self.B, self.N, self.R)) \
+            if self.history else None
         self.records_out: torch.Tensor | None = None
         self.x_hist = self.x_init[:, None][:, :0]
         # a step recomputed from the same exact input gave other bits (another batch of rows)
@@ -141,8 +145,8 @@ class DiffusionChain(CertifiedPrefix, HistoryInputs, BatchVarianceChecks):
         self.frozen: torch.Tensor | None = None
         # per sample, the first step found non-finite from exact inputs (-1: none)
         self.nonfinite_step = torch.full((self.B,), -1, dtype=torch.long, device=dev)
-        # step 0's model output on the loop's rows, and its largest difference from the
-        # first batched call's (None: not compared yet)
+        # step 0's model output on the loop's rows, its largest difference from the first
+        # batched call's (None: not compared yet)
         self.loop_out: torch.Tensor | None = None
         self.loop_gap: torch.Tensor | None = None
         self._step0_input: torch.Tensor | None = None
@@ -188,11 +192,10 @@ class DiffusionChain(CertifiedPrefix, HistoryInputs, BatchVarianceChecks):
         ``(B, n, F)`` (``x_s``), in one batched model call; returns ``(B, n, F)``: the direct
         steps, bitwise ``scheduler.step``'s arithmetic.
 
-        A program with history (:class:`~paraprop.diffusion.programs.HistoryProgram`) also
-        takes ``hist``, the inputs of the ``h = min(history, start)`` steps before ``start``
-        ``(B, h, F)``, and ``past``, their records ``(B, h, F)``; where ``past`` is ``None``
-        those steps are evaluated in the same call (their records from ``hist``). The window's
-        records are left in :attr:`records_out` ``(B, n, F)``."""
+        With history (:class:`~paraprop.diffusion.programs.HistoryProgram`): ``hist``, the
+        inputs of the ``h = min(history, start)`` steps before ``start`` ``(B, h, F)``, and
+        ``past``, their records ``(B, h, R)``, or ``None``: those steps are evaluated in the
+        same call. The window's records are left in :attr:`records_out` ``(B, n, R)``."""
         n, B = stop - start, self.B
         h = min(self.history, start)
         if self.history and (hist is None or hist.shape[1] != h or
@@ -205,24 +208,23 @@ class DiffusionChain(CertifiedPrefix, HistoryInputs, BatchVarianceChecks):
         ext = torch.cat([hist, xin], dim=1) if hist is not None and extra else xin   # (B, m, F)
         e0, m = start - extra, n + extra
         # every other batched call holds the steps in reverse order: a step computed again
-        # then sits at other rows of the batch, so a kernel that rounds a row by its place
-        # in the batch shows as a certified step computed with other bits (batch variance),
-        # not only at step 0 (the loop's first call is compared with the first batched one)
+        # sits at other rows, so a kernel that rounds a row by its place in the batch shows
+        # as a certified step computed with other bits (batch variance), not only at step 0
         flip = m > 1 and self.model_calls % 2 == 1
         states = ext.transpose(0, 1)
         # the model reads scale_model_input of the states where the program scales them
         model_in = self.table.model_input(e0, stop, states) if self.scaled else states
         order = model_in.flip(0) if flip else model_in
-        rows = order.reshape(m * B, *self.sample_shape[1:])
+        rows = order.reshape(m * B, *self.model_shape[1:])
         t = self.timesteps[e0:stop]
         t = (t.flip(0) if flip else t).repeat_interleave(B)
         out = self.call_model(rows, t, m)
-        shape = (m, B, self.F)
+        shape = (m, B, self.R)
         if flip:   # back in the steps' order
             out = out.reshape(shape).flip(0)
             rows = rows.reshape(shape).flip(0)
         if start == 0 and self.loop_gap is None:   # (no extra rows before step 0)
-            self._compare_step0(out.reshape(m * B, *self.sample_shape[1:])[:B], n)
+            self._compare_step0(out.reshape(m * B, *self.model_shape[1:])[:B], n)
         out = out.reshape(shape)
         if self.history:
             table: Any = self.table
@@ -245,7 +247,7 @@ class DiffusionChain(CertifiedPrefix, HistoryInputs, BatchVarianceChecks):
                 read = torch.stack([full[j: j + n] for j in range(H)], dim=2)
                 self.observer.observe(xin, prev, start, stop, self._joint(hist, xin),
                                       self.records_out,
-                                      read.transpose(0, 1).reshape(B, n, H * self.F))
+                                      read.transpose(0, 1).reshape(B, n, H * self.R))
             else:
                 self.observer.observe(xin, prev, start, stop)
         return prev
@@ -265,8 +267,7 @@ class DiffusionChain(CertifiedPrefix, HistoryInputs, BatchVarianceChecks):
         if self._last is not None and self._last[0] == key:
             return self._last[2].clone(), None
         # the one host sync of a call: is every position certified, has a certified step been
-        # computed with other bits (read by the driver after the iteration), and how far do
-        # the certificates reach?
+        # computed with other bits (read by the driver), how far do the certificates reach?
         lo_t, hi_t = torch.aminmax(self.certified())
         if self.host:   # (reading a host tensor is no synchronisation)
             least, seen, reach = int(lo_t), bool(self.irreproducible), int(hi_t)
@@ -294,7 +295,11 @@ class DiffusionChain(CertifiedPrefix, HistoryInputs, BatchVarianceChecks):
             r.masked_fill_(known[:, :, None], 0)
         else:   # the window starts past every certificate (a sliding window's freezes)
             known = exact = None
-        if self.identity_split:
+        if self.parts > 1:
+            # every part follows the sample part of the state before it (UniPC's corrected
+            # sample is about its input): that change moves every part (same fixed point)
+            acc = r[:, :, : self.R].cumsum(dim=1).repeat(1, 1, self.parts)
+        elif self.identity_split:
             acc = r.cumsum(dim=1)
         else:
             n = stop - start

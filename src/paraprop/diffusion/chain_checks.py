@@ -31,6 +31,7 @@ class BatchVarianceChecks:
     B: int
     dtype: torch.dtype
     sample_shape: tuple[int, ...]
+    model_shape: tuple[int, ...]
     x_init: torch.Tensor
     exact_values: torch.Tensor
     irreproducible: torch.Tensor
@@ -94,7 +95,7 @@ class BatchVarianceChecks:
         rows = self.x_init[None]
         if self.scaled:
             rows = self.table.model_input(0, 1, rows)
-        rows = rows.reshape(self.sample_shape)
+        rows = rows.reshape(self.model_shape)
         again = self.call_model(rows, self.timesteps[:1].repeat_interleave(self.B), 1)
         ref = self.loop_out
         same = (again == ref) | (again.isnan() & ref.isnan())

@@ -98,8 +98,6 @@ class StepGains:
             if self._hist is None:
                 self._hist = torch.full((self.B, self.N, hist.shape[2]), float("nan"),
                                         dtype=hist.dtype, device=hist.device)
-                self._rec = torch.full_like(self._seen[1], float("nan"))
-            assert self._rec is not None
             old = self._hist[:, start:stop]
             h_now, h_was = (hist, old) if self.work == hist.dtype else \
                 (hist.to(self.work), old.to(self.work))
@@ -107,6 +105,9 @@ class StepGains:
             stats[0::2] = torch.fmax(stats[0::2], more)
             old.copy_(hist)
             if records is not None:
+                if self._rec is None:
+                    self._rec = torch.full((self.B, self.N, records.shape[2]), float("nan"),
+                                           dtype=records.dtype, device=records.device)
                 self._rec[:, start:stop] = records
             if read is not None:
                 if self._read is None:

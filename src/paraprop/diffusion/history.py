@@ -1,13 +1,12 @@
 """The readers with history (DPM-Solver++ of order 2 and 3, UniPC, Heun) in
 :func:`~paraprop.diffusion.sample` with ``method="sequential"``: their diffusers loop through the
 reader, as a Solution; and the refusals of what the readers' schedulers do not implement
-(parallel methods for UniPC and Heun, DDIM's step options, a ``mu`` that would be ignored).
+(parallel methods for Heun, DDIM's step options, a ``mu`` that would be ignored).
 
-DPM-Solver++ of order 2 and 3 run in parallel through the chain
+DPM-Solver++ of order 2 and 3 and UniPC run in parallel through the chain
 (:class:`~paraprop.diffusion.programs.HistoryProgram`: the records of the steps before a window
-are certified ones or evaluated in the window's call); UniPC's corrector reads the corrected
-sample of the step before (a second state part) and Heun's records are two tensors, which the
-chain does not carry yet: see ``docs/diffusion.md``.
+are certified ones or evaluated in the window's call); Heun's records are two tensors, which
+the chain does not carry yet: see ``docs/diffusion.md``.
 """
 
 from __future__ import annotations
@@ -29,17 +28,14 @@ def refuse_parallel(reader: Reader, method: Any) -> NotImplementedError:
     if reader.classname == "HeunDiscreteScheduler":
         why = ("its second evaluation of every step reads the first's derivative and input "
                "sample (two records of the step before)")
-    elif reader.classname == "UniPCMultistepScheduler":
-        why = ("its predictor reads the converted model outputs of earlier steps and its "
-               "corrector the corrected sample of the step before (a second state)")
     else:
         why = (f"its steps read the records of the {reader.history} steps before them "
                f"(parts={reader.parts})")
     return NotImplementedError(
         f"diffusion.sample: method={method!r} is not implemented for {setting(reader)}: {why}, "
         "and the parallel chain carries one converted model output per step only "
-        "(DPMSolverMultistepScheduler of order 1-3 runs in parallel); method='sequential' "
-        "works (the diffusers loop bit for bit)")
+        "(DPMSolverMultistepScheduler and UniPCMultistepScheduler run in parallel); "
+        "method='sequential' works (the diffusers loop bit for bit)")
 
 
 def history_loop(reader: Reader, model, x_init: torch.Tensor, z: torch.Tensor,

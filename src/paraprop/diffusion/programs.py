@@ -126,13 +126,13 @@ class MarkovProgram:
 
 
 # the readers with history whose steps run in the chain (HistoryProgram): their records are
-# one tensor shaped like the sample, their states one part
-HISTORY_PARALLEL = ("DPMSolverMultistepScheduler",)
+# one tensor shaped like the sample (UniPC's states have a second part, the corrected sample)
+HISTORY_PARALLEL = ("DPMSolverMultistepScheduler", "UniPCMultistepScheduler")
 
 
 def history_parallel(reader: Reader) -> bool:
     """Whether ``reader`` reads history the chain carries (:class:`HistoryProgram`)."""
-    return reader.classname in HISTORY_PARALLEL and reader.history > 0 and reader.parts == 1
+    return reader.classname in HISTORY_PARALLEL and reader.history > 0
 
 
 class HistoryProgram(MarkovProgram):
@@ -142,7 +142,9 @@ class HistoryProgram(MarkovProgram):
     window are not certified, the ``history`` steps before it in the same model call, so that
     position ``s + 1`` is ``step_s(X_s, model(X_s), X_{s-1}, model(X_{s-1}), ...)``: a
     function of earlier positions only (lower triangular), bitwise the loop's step where its
-    inputs are the loop's.
+    inputs are the loop's. A state of ``parts > 1`` (UniPC: ``[x_s, corrected x_{s-1}]``, the
+    corrected sample a value step ``s - 1`` computed) is a position's ``(B, parts * R)``
+    values, the model reading part 0 (``R`` values per sample).
 
     Example:
         >>> from diffusers import DPMSolverMultistepScheduler
@@ -156,7 +158,8 @@ class HistoryProgram(MarkovProgram):
         if not history_parallel(reader):
             raise ValueError(f"HistoryProgram: {setting(reader)} is not read in parallel "
                              f"(history={reader.history}, parts={reader.parts}); supported: "
-                             f"{', '.join(HISTORY_PARALLEL)} with solver_order 2 or 3")
+                             f"{', '.join(HISTORY_PARALLEL)} with history (DPM-Solver++ of "
+                             "solver_order 2 or 3, UniPC of any order)")
         self.reader = reader
         self.name = reader.classname
         self.N = reader.K
@@ -164,22 +167,34 @@ class HistoryProgram(MarkovProgram):
         self.noisy = torch.tensor([bool(v) for v in reader.noisy], dtype=torch.bool)
         self.device = reader.device
         self.history = reader.history
+        self.parts = reader.parts
         self._gains: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        """``(n, B, parts * R)`` -> the reader's states ``(n, parts, B, R)``."""
+        n, B = x.shape[:2]
+        return x.reshape(n, B, self.parts, -1).transpose(1, 2)
+
+    def model_input(self, start: int, stop: int, x: torch.Tensor) -> torch.Tensor:
+        """``scale_model_input`` of part 0 of the states ``x`` ``(n, B, parts * R)``."""
+        return self.reader.model_input(start, stop, self._split(x))
 
     def records(self, start: int, stop: int, x: torch.Tensor, out: torch.Tensor
                 ) -> torch.Tensor:
-        """The records ``(n, B, F)`` of the steps ``[start, stop)`` from their inputs ``x`` and
-        model outputs ``out`` (each ``(n, B, F)``)."""
-        (rec,) = self.reader.records(start, stop, x[:, None], out)
+        """The records ``(n, B, R)`` of the steps ``[start, stop)`` from their states ``x``
+        ``(n, B, parts * R)`` and model outputs ``out`` ``(n, B, R)``."""
+        (rec,) = self.reader.records(start, stop, self._split(x), out)
         return rec
 
     def apply_history(self, index: slice, x: torch.Tensor, out: torch.Tensor,
                       z: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x_{s+1}`` for the steps ``index`` and their records (each ``(n, B, F)``) from the
-        inputs ``x``, the model outputs ``out``, the noise ``z`` and ``past``: the records of
-        the ``min(history, index.start)`` steps before ``index.start``."""
-        new, (rec,) = self.reader.step(index.start, index.stop, x[:, None], out, (past,), z)
-        return new[:, 0], rec
+        """The states after the steps ``index`` ``(n, B, parts * R)`` and their records
+        ``(n, B, R)`` from the states ``x``, the model outputs ``out``, the noise ``z`` and
+        ``past``: the records of the ``min(history, index.start)`` steps before
+        ``index.start``."""
+        new, (rec,) = self.reader.step(index.start, index.stop, self._split(x), out, (past,), z)
+        n, B = x.shape[:2]
+        return new.transpose(1, 2).reshape(n, B, -1), rec
 
     def apply(self, index: slice, x: torch.Tensor, out: torch.Tensor,
               z: torch.Tensor) -> torch.Tensor:
@@ -188,24 +203,26 @@ class HistoryProgram(MarkovProgram):
 
     def _derive(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``|d step_s / d out_s|`` and ``sum_j |d step_s / d out_{s-j}|`` (``j = 0 ..
-        history``), in float64 from the reader's own step at unit model outputs (the step is
-        linear in the model outputs for a fixed sample)."""
+        history``; each the largest over the state's parts), in float64 from the reader's own
+        step at unit model outputs (the step is linear in the model outputs for a fixed
+        sample)."""
         if self._gains is None:
             h = self.history
             own, total = torch.zeros(self.N, dtype=torch.float64), \
                 torch.zeros(self.N, dtype=torch.float64)
-            zero = torch.zeros(1, 1, 1, dtype=torch.float64)
-            one = torch.ones(1, 1, 1, dtype=torch.float64)
-            z = torch.zeros(1, 1, 1, dtype=torch.float32)
+            f64, dev = torch.float64, self.device
+            zero = torch.zeros(1, 1, self.parts, dtype=f64, device=dev)   # (every part)
+            one = torch.ones(1, 1, 1, dtype=f64, device=dev)
+            z = torch.zeros(1, 1, 1, dtype=torch.float32, device=self.device)
             for s in range(self.N):
                 hp = min(h, s)
-                past = torch.zeros(hp, 1, 1, dtype=torch.float64)
+                past = torch.zeros(hp, 1, 1, dtype=f64, device=dev)
                 y, _ = self.apply_history(slice(s, s + 1), zero, one, z, past)
                 own[s] = total[s] = float(y.abs().max())
                 for j in range(hp):   # the record of step s - hp + j at a unit output
                     unit = past.clone()
                     unit[j] = self.records(s - hp + j, s - hp + j + 1, zero, one)[0]
-                    y, _ = self.apply_history(slice(s, s + 1), zero, zero, z, unit)
+                    y, _ = self.apply_history(slice(s, s + 1), zero, one * 0, z, unit)
                     total[s] += float(y.abs().max())
             self._gains = (own, total)
         return self._gains

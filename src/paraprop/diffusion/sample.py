@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -195,7 +196,9 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
             raise refuse_parallel(reader, method)
         N = reader.K   # model calls of the loop (Heun: 2 per step but the last)
         latents, z = _reader_noise(reader, noise, generator, shape, dtype, device)
-        x_init = reader.initial(latents)[0]
+        x_init = reader.initial(latents)
+        # a state of several parts (UniPC): (B, parts, ...), the sample part 0
+        x_init = x_init[0] if table is None or reader.parts == 1 else x_init.transpose(0, 1)
     else:
         table = step_table(scheduler, N, eta=_eta(scheduler, eta, use_clipped_model_output),
                            use_clipped_model_output=use_clipped_model_output)
@@ -227,13 +230,13 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
     user_cb = None
     if callback is not None:
         def user_cb(k, v, r):
-            callback(k, v.reshape(B, N, *shape[1:]), r)
+            callback(k, _samples(v, B, N, shape), r)
     start = time.perf_counter()
     with torch.no_grad():
         run, done, bitwise, estimate, reason = GainCertificate(tol, max_iters).solve(
             chain, solver, user_cb)
     converged = bool(done.all())
-    traj = run.X.reshape(B, N, *shape[1:])
+    traj = _samples(run.X, B, N, shape)
     name = solver.name if hasattr(solver, "name") else type(solver).__name__
     certificate = None
     if converged:
@@ -264,6 +267,11 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
     sol = ensure_converged(sol, throw, entry="diffusion.sample", max_iters=max_iters, tol=tol,
                            hint=reason or "")
     return traj[:, -1], sol
+
+
+def _samples(X: torch.Tensor, B: int, N: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The samples ``(B, N, ...)`` of the chain's states ``X`` ``(B, N, parts * F)`` (part 0)."""
+    return X.reshape(B, N, -1, math.prod(shape[1:]))[:, :, 0].reshape(B, N, *shape[1:])
 
 
 def _solver(method, window, memory, N):

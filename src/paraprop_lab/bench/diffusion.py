@@ -6,8 +6,8 @@ steps and DDIM with 50 and 100 steps (eta 0 and 1), every method samples the sam
 baseline is the diffusers loop ``scheduler.step(model(x, t), t, x)``. Reported per method: the
 sequential model calls (iterations), model evaluations per sample, wall time against the
 diffusers loop, and the largest deviation from the sequential sample. The schedulers people run
-(issue 31: Euler, Euler ancestral, DPM-Solver++ of order 1 and 2M in parallel; UniPC
-sequentially, its parallel methods refused) at 25 and 50 steps on the shipped two-moons
+(issue 31: Euler, Euler ancestral, DPM-Solver++ of order 1 and 2M, UniPC, all in parallel)
+at 25 and 50 steps on the shipped two-moons
 checkpoint, against the pipelines' loop; flow matching (``FlowMatchEulerDiscreteScheduler``) the
 same way on the shipped two-moons velocity model (``paraprop train flowmatch``). A last table
 checks diffusers' own batched steps (``DDPMParallelScheduler`` / ``DDIMParallelScheduler``)
@@ -98,11 +98,11 @@ SCHEDULERS = [
     ("Euler ancestral", "EulerAncestralDiscreteScheduler", {}, True),
     ("DPM-Solver++ order 1", "DPMSolverMultistepScheduler", {"solver_order": 1}, True),
     ("DPM-Solver++ 2M", "DPMSolverMultistepScheduler", {}, True),
-    ("UniPC", "UniPCMultistepScheduler", {}, False),
+    ("UniPC", "UniPCMultistepScheduler", {}, True),
 ]
 LEFT_OUT = (
     "Left out: `LCMScheduler` (its steps are for consistency-distilled models run at 2-8 "
-    "steps; this model is not one), Heun (sequential only, like UniPC, with "
+    "steps; this model is not one), Heun (sequential only: two records per step, "
     "2N - 1 model calls). Flow matching (`FlowMatchEulerDiscreteScheduler`) needs a velocity "
     "model, not this noise model: it has its own table, on the flow-matching model.")
 

@@ -128,7 +128,7 @@ def scheduler_rows(model, name: str, make, shape, steps: int, *, parallel: bool,
     """One scheduler at ``steps`` steps: the pipelines' loop (:func:`pipeline_loop`), paraprop's
     sequential sample and, where ``parallel``, ``picard`` (its default window) and ``anderson``
     at :data:`TOL`; rows with ``scheduler``, ``steps`` and ``parallel`` added. Where not
-    ``parallel`` (UniPC: its corrector reads the corrected sample before it), each parallel
+    ``parallel`` (Heun: its steps read two records of the step before), each parallel
     method must be refused (``NotImplementedError``) and gets a row saying so, with the
     message under ``refusal``.
 
