@@ -18,8 +18,9 @@ per class of defect, each with cases built to show it:
 9. the same for the readers' schedulers (Euler, Euler ancestral, flow matching, LCM,
    DPM-Solver++ of order 1): batch variance at ``tol=0``, the ``tol > 0`` certificate against
    the real diffusers loop, stochastic models, a non-finite step, another output dtype; and
-   DPM-Solver++ of order 2 and 3, whose steps read earlier model outputs (batch variance at
-   ``tol=0`` and the two-input certificate; more in tests/test_diffusion_multistep_parallel.py).
+   DPM-Solver++ of order 2 and 3 and UniPC, whose steps read earlier model outputs (batch
+   variance at ``tol=0`` and the two-input certificate; more in
+   tests/test_diffusion_multistep_parallel.py).
 """
 
 from __future__ import annotations
@@ -828,24 +829,30 @@ def test_readers_batch_variance_tol0_and_the_certificate(name, cls, cfg):
             assert float((x - ref).abs().max()) <= tol, (method, tol)
 
 
-# DPM-Solver++ 2M and SDE 3M: steps that read the converted model outputs of the steps before
-# them (the two-input certificate: every gain taken at least 1)
-HISTORY_READERS = [("dpm2", {}), ("dpm2-karras-v", {"use_karras_sigmas": True,
-                                                    "prediction_type": "v_prediction"}),
-                   ("sde3", {"solver_order": 3, "algorithm_type": "sde-dpmsolver++"})]
+# DPM-Solver++ 2M and SDE 3M, UniPC: steps that read the converted model outputs of the steps
+# before them (the two-input certificate: every gain taken at least 1)
+HISTORY_READERS = [("dpm2", "DPMSolverMultistepScheduler", {}),
+                   ("dpm2-karras-v", "DPMSolverMultistepScheduler",
+                    {"use_karras_sigmas": True, "prediction_type": "v_prediction"}),
+                   ("sde3", "DPMSolverMultistepScheduler",
+                    {"solver_order": 3, "algorithm_type": "sde-dpmsolver++"}),
+                   ("unipc2", "UniPCMultistepScheduler", {}),
+                   ("unipc3-karras", "UniPCMultistepScheduler",
+                    {"solver_order": 3, "use_karras_sigmas": True})]
 
 
 @_NUMPY_COPY
-@pytest.mark.parametrize(("name", "cfg"), HISTORY_READERS, ids=[r[0] for r in HISTORY_READERS])
-def test_history_readers_batch_variance_and_the_certificate(name, cfg):
-    """The batch-variant MLP with DPM-Solver++ of order 2 and 3: tol=0 the loop's bits or
-    converged=False; at tol > 0 a converged sample is within tol of the real diffusers loop,
+@pytest.mark.parametrize(("name", "cls", "cfg"), HISTORY_READERS,
+                         ids=[r[0] for r in HISTORY_READERS])
+def test_history_readers_batch_variance_and_the_certificate(name, cls, cfg):
+    """The batch-variant MLP with DPM-Solver++ of order 2 and 3 and UniPC: tol=0 the loop's
+    bits or converged=False; at tol > 0 a converged sample is within tol of the real diffusers loop,
     and a refusal names the batch variance carried along the chain (through 20 steps whose
     every gain is taken at least 1, and a sliding window whose exact stage leaves gains
     unobserved: an unbounded carry); at tol=1e-2 most methods are certified (so the check
     cannot pass vacuously)."""
     model = Mlp(scale=0.3)
-    make = diffusers.DPMSolverMultistepScheduler
+    make = getattr(diffusers, cls)
     ref = reader_loop(model, make(**cfg), 20, 0)
     certified = {1e-3: 0, 1e-2: 0}
     for method, kw in PARALLEL:
