@@ -6,22 +6,25 @@ For each prompt: ``generate``; prompt lookup with ``k`` in :data:`LOOKUP` and it
 :data:`NGRAM` (the best of them is the peer a user would pick); paraprop's ``jacobi`` (window 16,
 its n-gram guesses); and the same through :func:`paraprop.decoding.accelerate` (the user's own
 ``generate`` call). Wall time is the best of ``repeats``, one thread, measured side by side in one
-process.
+process. paraprop's rows say whether the run was certified (``accelerate`` serves only a certified
+run; an uncertified one falls through to ``generate``, which then computes the call and its time).
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
+from paraprop import FallThroughWarning
 from paraprop.decoding import accelerate, generate
 
 LOOKUP = (3, 5, 10)   # prompt_lookup_num_tokens
 NGRAM = (2, 3)        # max_matching_ngram_size
 LONG = 248            # characters of the long prompt
 COLUMNS = ["prompt", "method", "model passes", "time (ms)", "x generate", "x best lookup",
-           "same tokens"]
+           "same tokens", "certified"]
 
 
 def _best(fn, repeats: int) -> tuple[float, object]:
@@ -56,12 +59,24 @@ def prompt_rows(model, ids: torch.Tensor, new: int, *, label: str, repeats: int,
             runs[f"prompt lookup k={k}, n-gram {n}"] = (
                 lambda k=k, n=n: model.generate(ids, **plain, prompt_lookup_num_tokens=k,
                                                 max_matching_ngram_size=n))
-    runs["paraprop jacobi (window 16)"] = lambda: generate(
-        model, ids, attention_mask=mask, max_new_tokens=new, eos_token_id=[], window=16)[0]
+    certified = {}
+
+    def jacobi():
+        out, sol = generate(model, ids, attention_mask=mask, max_new_tokens=new,
+                            eos_token_id=[], window=16, throw=False)
+        certified["paraprop jacobi (window 16)"] = sol.converged
+        return out
+
+    runs["paraprop jacobi (window 16)"] = jacobi
 
     def accelerated():
-        with accelerate(model, window=16):
-            return model.generate(ids, **plain)
+        # (an uncertified run falls through to generate, warned once: counted as not served)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FallThroughWarning)
+            with accelerate(model, window=16) as handle:
+                out = model.generate(ids, **plain)
+        certified["paraprop accelerate(model), generate's call"] = handle.counters.served == 1
+        return out
 
     runs["paraprop accelerate(model), generate's call"] = accelerated
     rows, times = [], {}
@@ -75,7 +90,8 @@ def prompt_rows(model, ids: torch.Tensor, new: int, *, label: str, repeats: int,
             times[name] = seconds
             rows.append({"prompt": label, "method": name, "model passes": passes,
                          "time (ms)": round(1e3 * seconds, 2),
-                         "same tokens": bool(torch.equal(out, ref))})
+                         "same tokens": bool(torch.equal(out, ref)),
+                         "certified": certified.get(name, "-")})
     lookup = [n for n in times if n.startswith("prompt lookup")]
     best = min(times[n] for n in lookup) if lookup else float("nan")
     for row in rows:
