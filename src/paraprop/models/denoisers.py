@@ -184,7 +184,8 @@ def _timesteps(t, n: int, device) -> torch.Tensor:
     return t.to(device)
 
 
-def small_unet(sample_size: int, channels: int = 1, *, widths=(32, 64), seed: int = 0):
+def small_unet(sample_size: int, channels: int = 1, *, widths=(32, 64), seed: int = 0,
+               classes: int = 0):
     """A small diffusers ``UNet2DModel`` for square images (needs the ``diffusion`` extra).
 
     One resolution level per entry of ``widths`` (``DownBlock2D`` / ``UpBlock2D``, one ResNet
@@ -197,6 +198,9 @@ def small_unet(sample_size: int, channels: int = 1, *, widths=(32, 64), seed: in
         channels: image channels (in and out).
         widths: channels of each level.
         seed: seed of the weight initialisation (the global random state is restored after).
+        classes: ``0`` (unconditional), or the number of classes of a class-conditional model:
+            ``model(x, t, class_labels=y)`` with ``y`` in ``0 .. classes``, ``classes`` being
+            the null class of classifier-free guidance (``num_class_embeds = classes + 1``).
 
     Returns:
         A ``diffusers.UNet2DModel`` in training mode; ``model(x, t).sample`` is the predicted
@@ -214,6 +218,7 @@ def small_unet(sample_size: int, channels: int = 1, *, widths=(32, 64), seed: in
     checks.positive_int("sample_size", sample_size)
     checks.positive_int("channels", channels)
     checks.nonneg_int("seed", seed)
+    checks.nonneg_int("classes", classes)
     if not isinstance(widths, tuple | list) or not widths or not all(
             checks.is_int(w) and w >= 1 for w in widths):
         raise ValueError(f"widths must be a non-empty tuple of positive ints, got {widths!r}")
@@ -231,7 +236,8 @@ def small_unet(sample_size: int, channels: int = 1, *, widths=(32, 64), seed: in
                            out_channels=channels, block_out_channels=tuple(widths),
                            layers_per_block=1, norm_num_groups=groups, mid_block_type=None,
                            down_block_types=("DownBlock2D",) * len(widths),
-                           up_block_types=("UpBlock2D",) * len(widths))
+                           up_block_types=("UpBlock2D",) * len(widths),
+                           num_class_embeds=classes + 1 if classes else None)
 
 
 def save_unet(model, path: str | Path) -> None:

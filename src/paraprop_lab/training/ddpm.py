@@ -82,9 +82,10 @@ def make_denoiser(data: str, x: torch.Tensor, *, steps: int = 1000, seed: int = 
     return small_unet(x.shape[-1], x.shape[1], seed=seed)
 
 
-def predict_noise(model, x: torch.Tensor, t) -> torch.Tensor:
-    """``model(x, t)`` as a tensor (a diffusers model returns an output object with ``.sample``)."""
-    out = model(x, t)
+def predict_noise(model, x: torch.Tensor, t, **kwargs) -> torch.Tensor:
+    """``model(x, t, **kwargs)`` as a tensor (a diffusers model returns an output object with
+    ``.sample``)."""
+    out = model(x, t, **kwargs)
     return out.sample if hasattr(out, "sample") else out
 
 
