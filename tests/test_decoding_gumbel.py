@@ -282,3 +282,26 @@ def test_errors():
                                          "entry.*pass generator instead of noise"):
         generate(model, ids, max_new_tokens=4, do_sample=True, coupling="gumbel",
                  noise=torch.rand(2, 4, dtype=torch.float64))
+
+
+def test_a_top_k_cut_within_the_bound_is_moot_only_where_it_cannot_change_the_decision():
+    """(review s36) Under the Gumbel coupling with top-k alone, swapping the k-th and the
+    (k+1)-th token of a cut within the rounding bound changes the argmax only if the chosen
+    token could leave the set or the token that could enter could beat it."""
+    from paraprop.decoding.processors import _cut_moot
+
+    k = 2
+    scores = torch.tensor([[[5.0, 1.0, 0.999, -3.0]]])          # cut between 1.0 and 0.999
+    kept = torch.tensor([[[5.0, 1.0, -torch.inf, -torch.inf]]])
+    delta2 = torch.tensor([[0.01]])
+    quiet = torch.tensor([[[0.0, 0.0, 0.0, 0.0]]], dtype=torch.float64)
+    # the chosen token (0) is far from the cut and the entrant (2) far below its perturbed score
+    assert bool(_cut_moot(scores, kept, torch.tensor([[0]]), quiet, delta2, k))
+    # the entrant's noise lifts it within the bound of the chosen one: it could win there
+    loud = torch.tensor([[[0.0, 0.0, 4.005, 0.0]]], dtype=torch.float64)
+    assert not bool(_cut_moot(scores, kept, torch.tensor([[0]]), loud, delta2, k))
+    # the chosen token is the one at the cut: it may leave the set in the other pass
+    assert not bool(_cut_moot(scores, kept, torch.tensor([[1]]), quiet, delta2, k))
+    # a token far below the cut cannot enter, whatever its noise
+    far = torch.tensor([[[0.0, 0.0, 0.0, 100.0]]], dtype=torch.float64)
+    assert bool(_cut_moot(scores, kept, torch.tensor([[0]]), far, delta2, k))

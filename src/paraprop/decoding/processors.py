@@ -239,7 +239,8 @@ class Pipeline:
         if top is not None:
             # the gap of the best two perturbed scores, as greedy's, and the filters' cuts
             return tok, [finite, delta2, top,
-                         *self._filter_ratios(stages, delta2, torch.expm1(delta2) / 4)]
+                         *self._filter_ratios(stages, delta2, torch.expm1(delta2) / 4,
+                                              gumbel=(tok, noise))]
         if u is None:
             # the best two processed scores (their gap is the decision's margin)
             if scores.shape[-1] < 2:
@@ -285,11 +286,18 @@ class Pipeline:
         ratio = np.take_along_axis(stacked, cause[None], 0)[0]
         return ratio, np.where(finite, cause, -1).astype(np.int64)
 
-    def _filter_ratios(self, stages, delta2, rel) -> list[torch.Tensor]:
+    def _filter_ratios(self, stages, delta2, rel, gumbel=None) -> list[torch.Tensor]:
         s, out = self.s, []
         if s.top_k is not None:
             if s.top_k < stages[0].shape[-1]:
-                out.append(_gap(stages[0], s.top_k) / delta2)
+                cut = _gap(stages[0], s.top_k) / delta2
+                if gumbel is not None and (s.top_p is None or s.top_p >= 1.0) and not self.post:
+                    # the Gumbel-max decision when top-k is the only filter: a cut within the
+                    # bound changes it only where the chosen token could leave the set or a
+                    # token that could enter could beat it (_cut_moot)
+                    cut = torch.where(_cut_moot(stages[0], stages[1], *gumbel, delta2,
+                                                s.top_k), torch.inf, cut)
+                out.append(cut)
             else:
                 out.append(torch.full_like(delta2, torch.inf))
         if s.top_p is not None:
@@ -333,6 +341,31 @@ def _gap(scores: torch.Tensor, k: int) -> torch.Tensor:
     top = torch.topk(scores, k + 1, dim=-1).values
     hi, lo = top[..., k - 1], top[..., k]
     return torch.where(lo == -torch.inf, torch.inf, hi - lo)
+
+
+def _cut_moot(scores: torch.Tensor, kept: torch.Tensor, tok: torch.Tensor, noise: torch.Tensor,
+              delta2: torch.Tensor, k: int) -> torch.Tensor:
+    """``(B, n)`` bool: where top-k's cut cannot change a Gumbel-max decision, whatever the
+    rounding moves each score by (at most half of ``delta2``), even where the cut itself is
+    within it. ``scores``: the scores entering top-k, ``kept``: after it (``-inf`` outside),
+    ``tok``: the decision, ``noise``: its Gumbel noise (float64). The sequential pass keeps the
+    chosen token ``j`` where fewer than ``k`` other scores lie within ``delta2`` below ``j``'s
+    or above it; a token it may keep that this pass dropped has a score within ``delta2`` of
+    the ``k``-th largest (the ``k``-th moves by at most half of ``delta2``), and must not come
+    within ``delta2`` of ``j``'s perturbed score (plus the float64 rounding of the additions,
+    as :func:`~paraprop.decoding.gumbel.gap_ratio` takes it). The tokens both passes keep are
+    the Gumbel margin's own (the gap of the best two perturbed scores)."""
+    sc = scores.to(torch.float64)        # (the comparisons in float64: no rounding of theirs)
+    d = delta2[..., None].to(torch.float64)
+    sj = sc.gather(-1, tok[..., None])
+    stays = (sc >= sj - d).sum(-1) - 1 <= k - 1
+    kth = torch.topk(sc, k, dim=-1).values[..., -1:]
+    dropped = (kept == -torch.inf) & (sc > -torch.inf) & (sc >= kth - d)
+    pj = sj + noise.gather(-1, tok[..., None])
+    pi = sc + noise
+    slack = 2.0 ** -51 * (pi.abs() + pj.abs())
+    beats = dropped & (pi >= pj - d - slack)
+    return stays & ~beats.any(-1)
 
 
 def _finite_min(dist: torch.Tensor, stage: torch.Tensor) -> torch.Tensor:
