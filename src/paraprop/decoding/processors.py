@@ -238,6 +238,7 @@ class Pipeline:
         finite = logits.amax(-1).isfinite()     # amax is NaN with a NaN, inf with an inf
         if top is not None:
             # the gap of the best two perturbed scores, as greedy's, and the filters' cuts
+            assert noise is not None   # (top comes from the Gumbel branch only)
             return tok, [finite, delta2, top,
                          *self._filter_ratios(stages, delta2, torch.expm1(delta2) / 4,
                                               gumbel=(tok, noise))]
@@ -286,7 +287,9 @@ class Pipeline:
         ratio = np.take_along_axis(stacked, cause[None], 0)[0]
         return ratio, np.where(finite, cause, -1).astype(np.int64)
 
-    def _filter_ratios(self, stages, delta2, rel, gumbel=None) -> list[torch.Tensor]:
+    def _filter_ratios(self, stages, delta2, rel,
+                       gumbel: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> list[torch.Tensor]:
         s, out = self.s, []
         if s.top_k is not None:
             if s.top_k < stages[0].shape[-1]:
@@ -295,7 +298,8 @@ class Pipeline:
                     # the Gumbel-max decision when top-k is the only filter: a cut within the
                     # bound changes it only where the chosen token could leave the set or a
                     # token that could enter could beat it (_cut_moot)
-                    cut = torch.where(_cut_moot(stages[0], stages[1], *gumbel, delta2,
+                    tok, noise = gumbel
+                    cut = torch.where(_cut_moot(stages[0], stages[1], tok, noise, delta2,
                                                 s.top_k), torch.inf, cut)
                 out.append(cut)
             else:
