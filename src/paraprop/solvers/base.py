@@ -256,10 +256,11 @@ def _accumulated(state: State, r: torch.Tensor, prev: torch.Tensor | None,
     change at ``t - 1``, or, where that is at the rounding level, at the earlier positions:
     the largest ``|fn(x)_t - fn(x')_t| / |x_{t-1} - x'_{t-1}|``; a position whose gain cannot be
     observed takes the sample's largest). A sample may stop only where the largest error this
-    recurrence allows (``M``, which also bounds the error of the new iterate ``fn(x)``), is
-    within ``limit``. The contraction estimate over whole-sample differences stops a map that
-    accumulates small steps from a warm start with its error spread along the positions
-    (measured: 12.8x ``tol``); this check sees the accumulation. Like every observed gain it is
+    recurrence allows (``M``, which also bounds the error of the new iterate ``fn(x)``; with
+    ``norm="l2"`` the l2 norm of the positions' bounds), is within ``limit``. The contraction
+    estimate over whole-sample differences stops a map that accumulates small steps from a warm
+    start with its error spread along the positions (measured: 12.8x ``tol``); this check sees
+    the accumulation. Like every observed gain it is
     an estimate, not a proof (``tol=0`` is the bitwise certificate)."""
     out = torch.zeros_like(stop)
     if not bool(stop.any()):
@@ -285,10 +286,14 @@ def _accumulated(state: State, r: torch.Tensor, prev: torch.Tensor | None,
     g = torch.where(g.isnan(), torch.maximum(top, torch.ones_like(top)), g)
     M = np.zeros(B)
     ra, ga = rr.numpy(), g.numpy()
+    E = np.zeros((B, T))
     with np.errstate(all="ignore"):
         for t in range(T):
-            M = np.maximum(M, ra[:, t] + ga[:, t] * M)
-    bad = ~(torch.from_numpy(M) <= limit)
+            E[:, t] = ra[:, t] + ga[:, t] * M
+            M = np.maximum(M, E[:, t])
+        # the sample's error in its norm: the largest position's (max), or the positions' l2
+        bound = M if norm == "max" else np.sqrt((E * E).sum(axis=1))
+    bad = ~(torch.from_numpy(bound) <= limit)
     out[rows.to(out.device)] = bad.to(out.device)
     return out
 
