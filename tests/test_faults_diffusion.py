@@ -801,6 +801,28 @@ def reader_loop(model, scheduler, N, seed, dtype=torch.float32):
     return x
 
 
+def _bitwise_or_refused(model, make, method, kw, ref):
+    """tol=0 on 20 steps of a batch-variant model: the loop's bits, or converged=False with a
+    reason; never more model calls than steps."""
+    x, sol = sample(model, make(), (3, 2), num_inference_steps=20, method=method, tol=0,
+                    throw=False, generator=gen(), **kw)
+    assert sol.stats["model_calls"] <= 20
+    if sol.converged:
+        assert torch.equal(x, ref) and sol.stats["certificate"] == "bitwise"
+    else:
+        assert sol.stats["certificate"] is None and "reason" in sol.stats
+
+
+def _variant_run(model, make, method, kw, tol):
+    """A run at ``tol`` on 20 steps (its BatchVarianceWarning expected); never more calls."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BatchVarianceWarning)
+        x, sol = sample(model, make(), (3, 2), num_inference_steps=20, method=method, tol=tol,
+                        throw=False, generator=gen(), **kw)
+    assert sol.stats["model_calls"] <= 20
+    return x, sol
+
+
 @_NUMPY_COPY
 @pytest.mark.parametrize(("name", "cls", "cfg"), READERS, ids=[r[0] for r in READERS])
 def test_readers_batch_variance_tol0_and_the_certificate(name, cls, cfg):
@@ -811,19 +833,9 @@ def test_readers_batch_variance_tol0_and_the_certificate(name, cls, cfg):
     make = getattr(diffusers, cls)
     ref = reader_loop(model, make(**cfg), 20, 0)
     for method, kw in PARALLEL:
-        x, sol = sample(model, make(**cfg), (3, 2), num_inference_steps=20, method=method,
-                        tol=0, throw=False, generator=gen(), **kw)
-        assert sol.stats["model_calls"] <= 20
-        if sol.converged:
-            assert torch.equal(x, ref) and sol.stats["certificate"] == "bitwise"
-        else:
-            assert sol.stats["certificate"] is None and "reason" in sol.stats
+        _bitwise_or_refused(model, lambda: make(**cfg), method, kw, ref)
         for tol in (1e-3, 1e-2):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", BatchVarianceWarning)
-                x, sol = sample(model, make(**cfg), (3, 2), num_inference_steps=20,
-                                method=method, tol=tol, throw=False, generator=gen(), **kw)
-            assert sol.stats["model_calls"] <= 20
+            x, sol = _variant_run(model, lambda: make(**cfg), method, kw, tol)
             # (certified in every case here: the check above cannot pass vacuously)
             assert sol.converged, (method, tol, sol.stats.get("reason"))
             assert float((x - ref).abs().max()) <= tol, (method, tol)
@@ -856,19 +868,9 @@ def test_history_readers_batch_variance_and_the_certificate(name, cls, cfg):
     ref = reader_loop(model, make(**cfg), 20, 0)
     certified = {1e-3: 0, 1e-2: 0}
     for method, kw in PARALLEL:
-        x, sol = sample(model, make(**cfg), (3, 2), num_inference_steps=20, method=method,
-                        tol=0, throw=False, generator=gen(), **kw)
-        assert sol.stats["model_calls"] <= 20
-        if sol.converged:
-            assert torch.equal(x, ref) and sol.stats["certificate"] == "bitwise"
-        else:
-            assert sol.stats["certificate"] is None and "reason" in sol.stats
+        _bitwise_or_refused(model, lambda: make(**cfg), method, kw, ref)
         for tol in (1e-3, 1e-2):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", BatchVarianceWarning)
-                x, sol = sample(model, make(**cfg), (3, 2), num_inference_steps=20,
-                                method=method, tol=tol, throw=False, generator=gen(), **kw)
-            assert sol.stats["model_calls"] <= 20
+            x, sol = _variant_run(model, lambda: make(**cfg), method, kw, tol)
             if sol.converged:
                 certified[tol] += 1
                 assert float((x - ref).abs().max()) <= tol, (method, tol)
