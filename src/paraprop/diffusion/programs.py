@@ -82,6 +82,11 @@ class MarkovProgram:
             raise ValueError(f"MarkovProgram: {setting(reader)} reads history "
                              f"(history={reader.history}, parts={reader.parts}); a step "
                              "program needs history=0 and one state part")
+        self._take(reader)
+
+    def _take(self, reader: Reader) -> None:
+        """What every step program keeps of its reader: the reader, the scheduler's name, the
+        steps, the timesteps the model reads, which steps add noise, and the device."""
         self.reader = reader
         self.name = reader.classname
         self.N = reader.K
@@ -160,12 +165,7 @@ class HistoryProgram(MarkovProgram):
                              f"(history={reader.history}, parts={reader.parts}); supported: "
                              f"{', '.join(HISTORY_PARALLEL)} with history (DPM-Solver++ of "
                              "solver_order 2 or 3, UniPC of any order)")
-        self.reader = reader
-        self.name = reader.classname
-        self.N = reader.K
-        self.timesteps = reader.timesteps
-        self.noisy = torch.tensor([bool(v) for v in reader.noisy], dtype=torch.bool)
-        self.device = reader.device
+        self._take(reader)
         self.history = reader.history
         self.parts = reader.parts
         self._gains: tuple[torch.Tensor, torch.Tensor] | None = None
