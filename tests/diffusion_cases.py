@@ -70,3 +70,13 @@ class RowEps(Eps):
 
 def _gained(out: torch.Tensor, gain, x: torch.Tensor) -> torch.Tensor:
     return out if gain is None else out * gain.reshape(-1, *([1] * (x.dim() - 1)))
+
+
+def assert_served_bitwise(handle, steps: int = 5) -> None:
+    """An accelerated pipeline's one run: solved and certified bit for bit, every one of its
+    ``steps`` denoiser outputs served by paraprop, no denoiser call of its own, no fall through
+    (tests/test_diffusion_accelerate.py, test_diffusion_dit.py, test_diffusion_sdxl.py)."""
+    c = handle.counters
+    assert (c.runs, c.solved, c.certified, c.steps, c.served, c.denoiser_calls) == \
+        (1, 1, 1, steps, steps, 0)
+    assert handle.solution.stats["certificate"] == "bitwise" and handle.reasons == []

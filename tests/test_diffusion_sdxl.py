@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from diffusion_cases import assert_served_bitwise
 from paraprop.diffusion import accelerate
 
 diffusers = pytest.importorskip("diffusers")
@@ -76,10 +77,7 @@ def test_the_accelerated_sdxl_pipeline_is_the_plain_one_bitwise(name, scale, res
     with accelerate(pipe) as handle:
         out = call(pipe, scale, rescale)
     assert torch.equal(out, ref)
-    c = handle.counters
-    assert (c.runs, c.solved, c.certified, c.steps, c.served, c.denoiser_calls) == \
-        (1, 1, 1, 5, 5, 0)
-    assert handle.solution.stats["certificate"] == "bitwise" and handle.reasons == []
+    assert_served_bitwise(handle)
 
 
 def test_denoising_end_stops_the_loop_early_bitwise():
