@@ -229,3 +229,23 @@ def test_bad_arguments_are_refused_by_name():
     with accelerate(model), pytest.raises(ValueError, match="already accelerated"):
         accelerate(model)
     assert repr(paraprop.decoding.accelerate(model)).startswith("Accelerated(GPT2LMHeadModel")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_16_bit_model_gets_generates_tokens_served_or_not(dtype):
+    """In bfloat16/float16 a window pass rounds apart from generate's one-token pass: what
+    paraprop serves is certified (generate's tokens), anything else falls through to generate
+    itself; either way the call returns generate's tokens."""
+    model = _gpt2().to(dtype)
+    model.generation_config.repetition_penalty = 1.2
+    ids, mask = prompts(B=2)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    with accelerate(model) as handle, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallThroughWarning)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    assert torch.equal(out, ref)
+    assert handle.counters.served + handle.counters.fell_through == 1
+    if handle.counters.served:
+        assert handle.solution is not None and handle.solution.converged
+    else:
+        assert "not certified" in handle.reasons[0][1]
