@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from paraprop import checks
-from paraprop.decoding.decode import generate
+from paraprop.decoding.decode import ADVANCES, generate
 from paraprop.errors import FallThroughWarning
 from paraprop.result import Solution
 
@@ -75,7 +75,8 @@ class Accelerated:
     Attributes:
         model: the accelerated model.
         settings: :func:`paraprop.decoding.generate`'s ``method``, ``window``, ``ngram``,
-            ``max_iters`` and ``coupling`` (``None``: sampling falls through), as given.
+            ``max_iters``, ``batch_advance`` and ``coupling`` (``None``: sampling falls
+            through), as given.
         counters: :class:`Counters`.
         reasons: ``(call, reason)`` of every fall through (``call`` numbered from 1).
         solution: the last served call's :class:`paraprop.Solution` (``None`` before any).
@@ -166,7 +167,8 @@ class Accelerated:
 
 
 def accelerate(model, *, method="jacobi", window: int | None = None, ngram: int = 2,
-               max_iters: int | None = None, coupling: str | None = None) -> Accelerated:
+               max_iters: int | None = None, coupling: str | None = None,
+               batch_advance: str | None = None) -> Accelerated:
     """Make ``model.generate(...)`` run through :func:`paraprop.decoding.generate` wherever
     paraprop implements every setting of the call, and through ``transformers``' own
     ``generate`` otherwise (see the module doc for what falls through and why).
@@ -177,7 +179,8 @@ def accelerate(model, *, method="jacobi", window: int | None = None, ngram: int 
     Arguments:
         model: a ``transformers`` causal LM (or any model whose ``generate`` has
             ``transformers``' signature and that :func:`paraprop.decoding.generate` takes).
-        method, window, ngram, max_iters: as in :func:`paraprop.decoding.generate`.
+        method, window, ngram, max_iters, batch_advance: as in
+            :func:`paraprop.decoding.generate` (``batch_advance=None``: its default).
         coupling: ``None`` (default): sampling calls fall through (``generate``'s draws cannot
             be reproduced token for token); ``"gumbel"`` or ``"inverse_cdf"``: sampling calls
             run through paraprop with that coupling, keyed from the global random state
@@ -191,7 +194,7 @@ def accelerate(model, *, method="jacobi", window: int | None = None, ngram: int 
     Raises:
         TypeError: ``model`` has no ``generate`` method.
         ValueError: ``model`` is already accelerated; a bad ``coupling``, ``window``,
-            ``ngram`` or ``max_iters``.
+            ``ngram``, ``max_iters`` or ``batch_advance``.
 
     Example:
         >>> from transformers import GPT2Config, GPT2LMHeadModel
@@ -216,8 +219,11 @@ def accelerate(model, *, method="jacobi", window: int | None = None, ngram: int 
     checks.positive_int("window", window, allow_none=True)
     checks.nonneg_int("ngram", ngram)
     checks.positive_int("max_iters", max_iters, allow_none=True)
+    if batch_advance is not None:
+        checks.one_of("batch_advance", batch_advance, ADVANCES)
     return Accelerated(model, {"method": method, "window": window, "ngram": ngram,
-                               "max_iters": max_iters, "coupling": coupling})
+                               "max_iters": max_iters, "coupling": coupling,
+                               "batch_advance": batch_advance})
 
 
 def _plan(handle: Accelerated, original, args, kwargs):
@@ -276,7 +282,8 @@ def _plan(handle: Accelerated, original, args, kwargs):
         gc.update(**others)
     call = dict(explicit, generation_config=gc, attention_mask=mask,
                 method=handle.settings["method"], window=handle.settings["window"],
-                ngram=handle.settings["ngram"], max_iters=handle.settings["max_iters"])
+                ngram=handle.settings["ngram"], max_iters=handle.settings["max_iters"],
+                batch_advance=handle.settings["batch_advance"])
     if sampling:
         call["coupling"] = coupling
     return ids, call

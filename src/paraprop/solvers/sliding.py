@@ -27,6 +27,21 @@ depend on them (Jacobi decoding takes n-gram guesses this way).
 ``fn`` computes only the window through ``fn.window(x, start, stop, cache)`` (the cached-prefix
 protocol of :meth:`paraprop.solvers.triangular.System.window`) or ``fn.update(x, index)``; otherwise
 each sweep evaluates every position and keeps the window's.
+
+**Batches** (``B > 1`` samples). ``advance="minimum"`` (default): one window
+``[start, start + window)`` from the least final position ``start`` of the samples still
+iterating, so the batch advances with its slowest sample. ``advance="per-sample"``: each sample
+iterates its own window ``[final_b, final_b + window)``; the sweep computes the smallest block
+that holds them all, ``[start, max_b(final_b + window))``, cut at ``span`` positions (default
+``2 * window``), and writes every position of a sample from its ``final_b`` to the block's end.
+That is Jacobi on a window of each sample that is longer than ``window`` where another sample
+is ahead, so the certificate (first writable position, its leading unchanged run, plus one) and
+the ``T``-sweep bound are unchanged, and ``tol=0`` gives the sequential result; what is paid is
+the block's width (a sample behind computes the positions up to the leader's window end, a
+sample ahead recomputes its final positions from ``start``: kept, not written). For a map whose
+cost is per position computed, the minimum is cheaper; for one that computes a rectangular block
+per pass anyway (:func:`paraprop.decoding.generate` with one key/value cache), per-sample lets
+the fast samples keep going.
 """
 
 from __future__ import annotations
@@ -49,6 +64,7 @@ class _SlidingState:
     final: torch.Tensor       # (B,) long: positions < final are final
     index: torch.Tensor       # arange(T)
     start: int = 0            # the smallest final of the samples still iterating (on the host)
+    stop: int = 0             # the end of the next sweep's block (on the host)
     # at tol > 0 under the default freeze premise: each position's change in its last sweep
     # (B, T) float64 (NaN: not computed by a sweep since), and each sample's largest gain
     # observed between two sweeps (B,) (0: none yet) (FreezeRule.freeze's measured gains)
@@ -88,20 +104,48 @@ class SlidingJacobi:
     hooks: tuple[str, ...] = ("window", "update", "propose", "sensitivity", "growth")
     DEFAULT_WINDOW = 64
 
-    def __init__(self, window: int | None = None, freeze: FreezeRule | None = None):
+    ADVANCES = ("minimum", "per-sample")
+
+    def __init__(self, window: int | None = None, freeze: FreezeRule | None = None, *,
+                 advance: str = "minimum", span: int | None = None):
         self.window = checks.positive_int("SlidingJacobi: window", window, allow_none=True)
+        if not isinstance(advance, str) or advance not in self.ADVANCES:
+            raise ValueError(f"SlidingJacobi: advance must be one of "
+                             f"{', '.join(map(repr, self.ADVANCES))}, got {advance!r}")
+        self.advance = advance
+        self.span = checks.positive_int("SlidingJacobi: span", span, allow_none=True)
+        if span is not None and advance != "per-sample":
+            raise ValueError(f"SlidingJacobi: span (the widest block of advance='per-sample') "
+                             f"applies to advance='per-sample' only, got span={span!r} with "
+                             f"advance={advance!r}")
+        if span is not None and window is not None and span < window:
+            raise ValueError(f"SlidingJacobi: span must be at least the window ({window}), got "
+                             f"{span}")
         if freeze is not None and not isinstance(freeze, FreezeRule):
             raise TypeError(f"SlidingJacobi: freeze must be a paraprop.solvers.FreezeRule or "
                             f"None, got {type(freeze).__name__}")
         self.freeze = FreezeRule() if freeze is None else freeze
 
     def __repr__(self) -> str:
-        if self.freeze.growth is None and self.freeze.sensitivity is None:
-            return f"SlidingJacobi(window={self.window!r})"
-        return f"SlidingJacobi(window={self.window!r}, freeze={self.freeze!r})"
+        extra = ""
+        if self.freeze.growth is not None or self.freeze.sensitivity is not None:
+            extra += f", freeze={self.freeze!r}"
+        if self.advance != "minimum":
+            extra += f", advance={self.advance!r}"
+        if self.span is not None:
+            extra += f", span={self.span!r}"
+        return f"SlidingJacobi(window={self.window!r}{extra})"
 
     def size(self, system: System) -> int:
         return min(self.window or self.DEFAULT_WINDOW, system.T)
+
+    def widest(self, system: System) -> int:
+        """The widest block a sweep computes: the window, or with ``advance="per-sample"``
+        ``span`` (default twice the window)."""
+        w = self.size(system)
+        if self.advance == "minimum":
+            return w
+        return min(system.T, max(w, self.span if self.span is not None else 2 * w))
 
     def bound(self, system: System) -> int:
         return system.T
@@ -111,7 +155,9 @@ class SlidingJacobi:
         dev = state.x.device
         state.own = _SlidingState(torch.zeros(B, dtype=torch.long, device=dev),
                                   torch.arange(system.T, device=dev))
-        state.stats = {"window": self.size(system)}
+        state.stats = {"window": self.size(system), "advance": self.advance}
+        e = state.own
+        e.stop = min(system.T, self.size(system))
         # the first position each sample froze on an estimate (T: none)
         state.estimated_from = torch.full((B,), system.T, dtype=torch.long, device=dev)
         state.gain = lambda: self.freeze.residual_gain(system)
@@ -131,8 +177,7 @@ class SlidingJacobi:
             return
         final, T = e.final, system.T
         act = state.active
-        start = e.start
-        stop = min(T, start + self.size(system))
+        start, stop = e.start, e.stop
         n = stop - start
         pos = e.index[start:stop]
         vals = system.window(state.x, start, stop)
@@ -168,8 +213,16 @@ class SlidingJacobi:
         state.sample_iterations += act
         state.active = e.final < T
         state.residual = d_pos.max() if n else 0.0
-        # the iteration's one synchronisation: where the next window starts (T: done)
-        e.start = int(e.final.min())
+        # the iteration's one synchronisation: where the next window starts (T: done) and,
+        # per sample, where it ends
+        w = self.size(system)
+        if self.advance == "minimum" or e.final.shape[0] == 1:
+            e.start = int(e.final.min())
+            e.stop = min(T, e.start + w)
+        else:
+            lead = torch.where(state.active, e.final, -1).max()
+            e.start, top = (int(v) for v in torch.stack([e.final.min(), lead]).tolist())
+            e.stop = min(T, top + w, e.start + self.widest(system))
         state.finished = e.start >= T
         if not state.finished:
             guess = system.propose(state.x, e.final, e.start)
