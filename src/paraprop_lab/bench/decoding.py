@@ -1,14 +1,15 @@
 """``paraprop bench decoding``: exact Jacobi decoding of a character-level GPT-2-shaped LM
 (``paraprop train charlm``: trained here on Python's documentation topics).
 
-For greedy and sampled decoding (temperature 0.8) at batch 1, 4 and 16, 256 new tokens after
+For greedy and sampled decoding (temperature 0.8) at batch 1, 4, 8 and 16, 256 new tokens after
 prompts cut from held-out text: ``model.generate`` (transformers, with its KV cache),
 paraprop's sequential KV-cached loop (the fairer baseline: the same model passes one token at
 a time), and Jacobi decoding with and without n-gram guesses. Reported: tokens per second,
 model passes, accepted tokens per pass, the speed ratios, and whether the tokens equal the
 sequential ones (greedy: ``generate``'s too), and whether the run is certified. Sampled cases
 also run the Gumbel-max coupling (``coupling="gumbel"``: its sequential loop and Jacobi with
-n-gram guesses), each coupling compared with its own sequential loop.
+n-gram guesses), each coupling compared with its own sequential loop. Batches above 1 also run
+Jacobi with ``batch_advance="per-sample"`` (greedy; sampled: the Gumbel coupling's).
 
 The image-model section (:mod:`paraprop_lab.experiments.decoding_images`): an autoregressive
 image model on the digits (``paraprop train imagelm``), top-k sampling, both couplings, batch 1
@@ -58,7 +59,7 @@ def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
     sections, table = [], {}
     for sample in (False, True):
         mode = "sampled" if sample else "greedy"
-        for batch in ((1, 4) if quick else (1, 4, 16)):
+        for batch in ((1, 4) if quick else (1, 4, 8, 16)):
             ids = prompts(vocab, held, batch)
             rows = case_rows(model, ids, new, sample=sample, window=window, repeats=repeats,
                              desc=f"{mode} batch {batch}")

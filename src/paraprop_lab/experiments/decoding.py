@@ -41,6 +41,7 @@ def prompts(vocab, held: torch.Tensor, batch: int) -> torch.Tensor:
 
 SEQUENTIAL = "paraprop sequential (KV cache)"
 GUMBEL = " (Gumbel-max coupling)"
+PER_SAMPLE = ", per-sample advance"
 
 
 def case_rows(model, ids, new: int, *, sample: bool, window: int, repeats: int,
@@ -49,7 +50,9 @@ def case_rows(model, ids, new: int, *, sample: bool, window: int, repeats: int,
     coupling's rows, named with :data:`GUMBEL`) is compared with its own sequential loop:
     ``same_tokens`` and ``vs_sequential`` against the loop with the same coupling and seed.
     ``certified``: whether paraprop's run is certified (``converged``; else how many tokens are
-    not, which ``throw=False`` reports instead of raising)."""
+    not, which ``throw=False`` reports instead of raising). A batch of more than one sample
+    also gets a row of Jacobi with ``batch_advance="per-sample"`` (:data:`PER_SAMPLE`; sampled:
+    with the Gumbel-max coupling)."""
     # top_k=0: no top-k, as on the transformers side (generate's default is top_k=50)
     kw = {"do_sample": True, "temperature": TEMPERATURE, "top_k": 0} if sample else {}
     seed = 0
@@ -75,6 +78,11 @@ def case_rows(model, ids, new: int, *, sample: bool, window: int, repeats: int,
         cases.update({SEQUENTIAL + GUMBEL: ours(method="sequential", coupling="gumbel"),
                       f"jacobi (window {window}, n-gram guesses){GUMBEL}":
                           ours(window=window, coupling="gumbel")})
+    if ids.shape[0] > 1:
+        extra = {"coupling": "gumbel"} if sample else {}
+        cases[f"jacobi (window {window}, n-gram guesses{PER_SAMPLE})"
+              + (GUMBEL if sample else "")] = ours(window=window, batch_advance="per-sample",
+                                                   **extra)
     with torch.no_grad():
         times = interleaved(cases, repeats=repeats, warmup=1, desc=desc)
         refs = {"": cases[SEQUENTIAL]()[0]}
