@@ -167,7 +167,7 @@ def test_the_progress_bar_runs_as_usual():
      r"DDPMScheduler draws noise inside scheduler.step, and the pipeline passes it no "
      r"generator \(the global RNG\)"),
     (lambda: diffusers.HeunDiscreteScheduler(),
-     "HeunDiscreteScheduler with its settings reads the history"),
+     "HeunDiscreteScheduler.scale_model_input scales the latents"),
     (lambda: diffusers.PNDMScheduler(skip_prk_steps=True),
      "NotImplementedError: scheduler: PNDMScheduler is not supported"),
 ])

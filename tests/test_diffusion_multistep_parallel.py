@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("diffusers")
 from diffusers.utils.torch_utils import randn_tensor  # noqa: E402
 
-from diffusion_cases import DPM, HEUN, READER_MARKS, SDE, UNIPC, RowEps  # noqa: E402, I001
+from diffusion_cases import DPM, EULER, READER_MARKS, SDE, UNIPC, RowEps  # noqa: E402, I001
 from paraprop.diffusion import BatchVarianceWarning, DiffusionChain, readers, sample  # noqa: E402
 from paraprop.diffusion.gains import bounds, carried_gains  # noqa: E402
 from paraprop.diffusion.programs import HistoryProgram  # noqa: E402
@@ -345,10 +345,11 @@ def test_the_last_step_check_runs_with_history():
 
 
 def test_misuse_of_the_history_program_and_chain_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"HistoryProgram: HeunDiscreteScheduler is not read "
-                                         r"in parallel \(history=1, parts=1\); supported: "
-                                         r"DPMSolverMultistepScheduler, UniPCMultistepScheduler"):
-        HistoryProgram(readers.reader(HEUN(), 5))
+    with pytest.raises(ValueError, match=r"HistoryProgram: EulerDiscreteScheduler is not read "
+                                         r"in parallel \(history=0, parts=1\); supported: "
+                                         r"DPMSolverMultistepScheduler, UniPCMultistepScheduler, "
+                                         r"HeunDiscreteScheduler with history"):
+        HistoryProgram(readers.reader(EULER(), 5))
     with pytest.raises(ValueError, match=r"HistoryProgram: DPMSolverMultistepScheduler with "
                                          r"solver_order=1 is not read in parallel"):
         HistoryProgram(readers.reader(DPM(solver_order=1), 5))

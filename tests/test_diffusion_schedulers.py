@@ -58,8 +58,8 @@ MARKOV = [
                             "prediction_type": "v_prediction"}, None),
     ("sde1", DPM, {**SDE, "solver_order": 1}, None),
 ]
-# the readers with history (DPM-Solver++ of order 2 and 3 and UniPC run in parallel too:
-# tests/test_diffusion_multistep_parallel.py; Heun is sequential only)
+# the readers with history (DPM-Solver++ of order 2 and 3, UniPC and Heun run in parallel
+# too: tests/test_diffusion_multistep_parallel.py, tests/test_diffusion_heun_parallel.py)
 HISTORY = [
     ("dpm2", DPM, {}, None),
     ("dpm3-sde", DPM, {**SDE, "solver_order": 3}, None),
@@ -288,21 +288,6 @@ def test_output_gains_are_the_steps_derivative(case):
 
 
 # -- refusals --------------------------------------------------------------------------------
-
-@pytest.mark.parametrize(("case", "match"), [
-    (HISTORY[4], r"HeunDiscreteScheduler: its second evaluation.*two records of the step "
-                 r"before\), and the parallel chain carries one converted model output per "
-                 r"step only \(DPMSolverMultistepScheduler and UniPCMultistepScheduler run in "
-                 r"parallel\); method='sequential' works"),
-    (HISTORY[5], r"HeunDiscreteScheduler: its second evaluation"),
-], ids=["heun", "heun-v-karras"])
-def test_history_readers_refuse_parallel_methods(case, match):
-    _, cls, config, mu = case
-    for method in ("picard", "anderson"):
-        with pytest.raises(NotImplementedError, match=f"method='{method}' is not implemented "
-                                                      f"for {match}"):
-            run(cls, config, mu, Eps(), 5, torch.float32, "cpu", method=method)
-
 
 def test_ddim_options_and_split_are_refused_by_name():
     m = Eps()

@@ -1,7 +1,7 @@
 """Exact parallel sampling of diffusion models (Picard iteration / ParaDiGMS, triangular Anderson
-acceleration / ParaTAA) for diffusers' schedulers: DDPM, DDIM and the Markov readers' (Euler,
-Euler ancestral, flow matching, LCM, first-order DPM-Solver++) in parallel; DPM-Solver++ of
-order 2-3, UniPC and Heun sequentially, bit for bit.
+acceleration / ParaTAA) for diffusers' schedulers: DDPM, DDIM, the Markov readers' (Euler,
+Euler ancestral, flow matching, LCM, first-order DPM-Solver++) and those whose steps read earlier
+steps (DPM-Solver++ of order 2-3, UniPC, Heun), bit for bit at ``tol=0``.
 
 - :func:`sample`: the scheduler's sampling loop solved as a triangular system over the steps;
   every method returns the sequential sample for the same noise (within ``tol``).

@@ -168,7 +168,7 @@ class Accelerated:
                 and s + 1 < len(run.trajectory):
             # certified within tol: the pipeline follows paraprop's trajectory
             out = _replace_sample(out, run.trajectory[s + 1], run.B)
-        if run.N is not None and run.step >= run.N:
+        if run.loop_steps is not None and run.step >= run.loop_steps:
             self._end_run()
         return out
 
@@ -311,10 +311,11 @@ def accelerate(pipe, *, method="picard", window: int | None = None, tol: float =
     :func:`paraprop.diffusion.sample` runs in parallel: ``DDIMScheduler`` (any ``eta``),
     ``DDPMScheduler``, ``EulerDiscreteScheduler``, ``EulerAncestralDiscreteScheduler``,
     ``FlowMatchEulerDiscreteScheduler``, ``LCMScheduler``, ``DPMSolverMultistepScheduler`` of
-    order 1-3 (the pipeline's scheduler keeps its history of model outputs from the served
-    ones). A step's noise is drawn beforehand from a copy of the generator the pipeline
-    passes to ``scheduler.step`` (one ``torch.Generator``). Falling through, named:
-    UniPC, Heun (they read earlier steps otherwise), any other scheduler, step
+    order 1-3, ``UniPCMultistepScheduler`` and ``HeunDiscreteScheduler`` (the pipeline's
+    scheduler keeps its history from the served outputs; Heun's two denoiser calls at one
+    timestep are told apart by their inputs). A step's noise is drawn beforehand from a copy of
+    the generator the pipeline passes to ``scheduler.step`` (one ``torch.Generator``). Falling
+    through, named: any other scheduler, step
     noise from the global RNG or from several generators, custom timesteps or sigmas, a loop
     that does not start at the first timestep; under ``DiTPipeline`` also the schedulers whose
     ``scale_model_input`` scales (Euler, Euler ancestral: DiT steps from the scaled sample)

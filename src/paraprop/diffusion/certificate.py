@@ -182,7 +182,7 @@ def _last_step_check(run, chain) -> int | None:
         if seen is not None and seen[1] is not None and read is not None:
             now = chain.joint_history(run.X)[:, N - 1]
             fresh = (seen[0][:, N - 1] == u).all(1) & (seen[1][:, N - 1] == now).all(1) & ~has
-            used = read[:, N - 1].reshape(chain.B, chain.history, chain.R)[:, chain.history - h:]
+            used = read[:, N - 1].reshape(chain.B, chain.history, chain.RW)[:, chain.history - h:]
             past = torch.where(fresh[:, None, None], used, past)
             ref = torch.where(fresh[:, None], run.gains.last_outputs[:, N - 1], ref)
             has = has | fresh

@@ -132,7 +132,9 @@ class DiffusionChain(CertifiedPrefix, HistoryInputs, BatchVarianceChecks):
         # with history (HistoryProgram): the records of the steps < certified() (exact_records)
         # and the inputs of the steps [lo - history, lo) (x_hist, as far as they exist)
         self.history = int(getattr(table, "history", 0))
-        self.exact_records = self.exact_values.new_zeros((self.B, self.N, self.R)) \
+        # values per sample in a step's records (Heun's: two tensors shaped like the sample)
+        self.RW = self.R * int(getattr(table, "record_parts", 1))
+        self.exact_records = self.exact_values.new_zeros((self.B, self.N, self.RW)) \
             if self.history else None
         self.records_out: torch.Tensor | None = None
         self.x_hist = self.x_init[:, None][:, :0]
@@ -194,8 +196,8 @@ class DiffusionChain(CertifiedPrefix, HistoryInputs, BatchVarianceChecks):
 
         With history (:class:`~paraprop.diffusion.programs.HistoryProgram`): ``hist``, the
         inputs of the ``h = min(history, start)`` steps before ``start`` ``(B, h, F)``, and
-        ``past``, their records ``(B, h, R)``, or ``None``: those steps are evaluated in the
-        same call. The window's records are left in :attr:`records_out` ``(B, n, R)``."""
+        ``past``, their records ``(B, h, RW)``, or ``None``: those steps are evaluated in the
+        same call. The window's records are left in :attr:`records_out` ``(B, n, RW)``."""
         n, B = stop - start, self.B
         h = min(self.history, start)
         if self.history and (hist is None or hist.shape[1] != h or
@@ -247,7 +249,7 @@ class DiffusionChain(CertifiedPrefix, HistoryInputs, BatchVarianceChecks):
                 read = torch.stack([full[j: j + n] for j in range(H)], dim=2)
                 self.observer.observe(xin, prev, start, stop, self._joint(hist, xin),
                                       self.records_out,
-                                      read.transpose(0, 1).reshape(B, n, H * self.R))
+                                      read.transpose(0, 1).reshape(B, n, H * self.RW))
             else:
                 self.observer.observe(xin, prev, start, stop)
         return prev

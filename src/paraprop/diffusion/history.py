@@ -1,12 +1,11 @@
 """The readers with history (DPM-Solver++ of order 2 and 3, UniPC, Heun) in
 :func:`~paraprop.diffusion.sample` with ``method="sequential"``: their diffusers loop through the
-reader, as a Solution; and the refusals of what the readers' schedulers do not implement
-(parallel methods for Heun, DDIM's step options, a ``mu`` that would be ignored).
+reader, as a Solution; and the refusals of what the readers' schedulers do not implement (DDIM's
+step options, a ``mu`` that would be ignored).
 
-DPM-Solver++ of order 2 and 3 and UniPC run in parallel through the chain
-(:class:`~paraprop.diffusion.programs.HistoryProgram`: the records of the steps before a window
-are certified ones or evaluated in the window's call); Heun's records are two tensors, which
-the chain does not carry yet: see ``docs/diffusion.md``.
+In parallel they run through the chain (:class:`~paraprop.diffusion.programs.HistoryProgram`:
+the records of the steps before a window are certified ones or evaluated in the window's call;
+Heun's records, the first evaluation's derivative and input sample, side by side in one).
 """
 
 from __future__ import annotations
@@ -17,25 +16,9 @@ from typing import Any
 import torch
 
 from paraprop.diffusion.chain_checks import check_steps_finite
-from paraprop.diffusion.programs import setting
 from paraprop.diffusion.readers import Reader, model_output
 from paraprop.driver import Outcome, build
 from paraprop.result import Result, Solution
-
-
-def refuse_parallel(reader: Reader, method: Any) -> NotImplementedError:
-    """The error of a parallel method for a reader whose history the chain does not carry."""
-    if reader.classname == "HeunDiscreteScheduler":
-        why = ("its second evaluation of every step reads the first's derivative and input "
-               "sample (two records of the step before)")
-    else:
-        why = (f"its steps read the records of the {reader.history} steps before them "
-               f"(parts={reader.parts})")
-    return NotImplementedError(
-        f"diffusion.sample: method={method!r} is not implemented for {setting(reader)}: {why}, "
-        "and the parallel chain carries one converted model output per step only "
-        "(DPMSolverMultistepScheduler and UniPCMultistepScheduler run in parallel); "
-        "method='sequential' works (the diffusers loop bit for bit)")
 
 
 def history_loop(reader: Reader, model, x_init: torch.Tensor, z: torch.Tensor,
@@ -135,5 +118,4 @@ def refuse_ddim_options(scheduler, eta, use_clipped_model_output) -> None:
                          "none, got True")
 
 
-__all__ = ["check_mu", "history_loop", "loop_solution", "refuse_ddim_options",
-           "refuse_parallel"]
+__all__ = ["check_mu", "history_loop", "loop_solution", "refuse_ddim_options"]

@@ -51,6 +51,9 @@ class Record:
     inp: torch.Tensor
     out: torch.Tensor
     loop_shaped: bool
+    # the call's rows could be several steps (a timestep of two steps, Heun's, in a call whose
+    # timesteps do not say the order): kept for each, apart from the others
+    ambiguous: bool = False
 
 
 class Run:
@@ -79,7 +82,12 @@ class Run:
         self.ended = False
         self.eta: float | None = None      # DDIM's, as the pipeline passes it to step
         self.cfg, self.B = False, 0
-        self._times: dict[float, int] = {}
+        # the loop's steps at each timestep (Heun's loop visits each but the first twice)
+        self._times: dict[float, list[int]] = {}
+        # scheduler.step calls of the loop (Heun: 2 N - 1)
+        timesteps = getattr(scheduler, "timesteps", None)
+        self.loop_steps = len(timesteps) if isinstance(timesteps, torch.Tensor) and \
+            N is not None else N
 
     # -- step 0 -----------------------------------------------------------------------------
     def solve(self, pipe, denoiser, call: Call, settings: dict[str, Any]) -> None:
@@ -118,10 +126,10 @@ class Run:
         self.cfg, self.B = cfg, B
         model = self._model(pipe, denoiser, call, cfg, B)
         self.kwargs0 = call.kwargs
-        self._times = {float(v): i for i, v in enumerate(self.scheduler.timesteps.tolist())}
-        if len(self._times) != len(self.scheduler.timesteps):
-            raise FallThrough("the scheduler's timesteps repeat: the steps of a batched call "
-                              "cannot be told apart")
+        self._times = {}
+        self._seq = [float(v) for v in self.scheduler.timesteps.tolist()]
+        for i, v in enumerate(self._seq):
+            self._times.setdefault(v, []).append(i)
         try:
             _, sol = sample(model, sched, tuple(latents.shape), num_inference_steps=self.N,
                             noise=noise, mu=self.mu, eta=self.eta, throw=False, **settings)
@@ -149,8 +157,9 @@ class Run:
                 raise FallThrough(f"{name} with its settings reads the history of earlier "
                                   "steps: paraprop has no parallel path for it")
             if self.loop is not None:
+                K = reader.K
                 self.loop.check_scaling(name, lambda dt: reader.model_input(
-                    0, N, torch.ones((N, 1, 1), dtype=dt, device=latents.device)),
+                    0, K, torch.ones((K, 1, 1), dtype=dt, device=latents.device)),
                     latents.dtype)
             row0 = _preimage(latents, lambda r: reader.initial(r)[0])
             if row0 is None:
@@ -176,7 +185,9 @@ class Run:
                     and torch.equal(mine.to(theirs.device), theirs)):
                 raise FallThrough(f"paraprop's copy of the scheduler set other {name_} than "
                                   "the pipeline's")
-        noise = torch.zeros((N + 1, *latents.shape), dtype=latents.dtype, device=latents.device)
+        # (one row per step of the loop: Heun's 2 N - 1)
+        noise = torch.zeros((len(noisy) + 1, *latents.shape), dtype=latents.dtype,
+                            device=latents.device)
         noise[0] = row0
         if any(noisy):
             noise[1:] = self._step_noise(noisy, latents, dtype, what, extra.get("generator"))
@@ -267,6 +278,7 @@ class Run:
         """Keep each step's evaluation in the pipeline's layout (under guidance the rows are
         the unconditional half of all steps, then the conditional half)."""
         n = x.shape[0] // step_rows
+        rows = []
         for j in range(n):
             if self.cfg:
                 b = step_rows // 2
@@ -277,30 +289,57 @@ class Run:
             else:
                 sl = slice(j * step_rows, (j + 1) * step_rows)
                 inp, o, tj = x[sl], out[sl], t[j * step_rows]
-            s = self._times.get(float(tj))
-            if s is None:
-                continue
-            rec = Record(inp.clone(), o, loop_shaped=(n == 1))
-            kept = [r for r in self.records.get(s, []) if r.loop_shaped and not rec.loop_shaped]
-            self.records[s] = (kept + [rec])[-_RECORDS_KEPT:]
+            rows.append((inp, o, float(tj)))
+        for (inp, o, _), steps in zip(rows, self._steps_of([r[2] for r in rows]), strict=True):
+            rec = Record(inp.clone(), o, loop_shaped=(n == 1), ambiguous=len(steps) > 1)
+            for s in steps:
+                old = self.records.get(s, [])
+                rest = [r for r in old if r.ambiguous != rec.ambiguous]
+                kept = [r for r in old if r.ambiguous == rec.ambiguous and r.loop_shaped
+                        and not rec.loop_shaped]
+                self.records[s] = rest + (kept + [rec])[-_RECORDS_KEPT:]
+
+    def _steps_of(self, ts: list[float]) -> list[list[int]]:
+        """The steps the rows of one call with the timesteps ``ts`` (one per step's rows) can
+        be. Where a timestep belongs to two steps (Heun's), the call's timesteps are a run of
+        the scheduler's, in order or reversed (the chain flips every other call): placed
+        where they fit; rows that fit several places get each (the records are served by
+        their input's bits, and the output is the denoiser's at that input, timestep and
+        arguments, whichever step it was computed for)."""
+        steps = [self._times.get(v, []) for v in ts]
+        if all(len(c) <= 1 for c in steps):
+            return steps
+        seq, n = self._seq, len(ts)
+        back = ts[::-1]
+        places = set()
+        for e0 in range(len(seq) - n + 1):
+            run = seq[e0: e0 + n]
+            if run == ts:
+                places.add(tuple(range(e0, e0 + n)))
+            if run == back:
+                places.add(tuple(range(e0 + n - 1, e0 - 1, -1)))
+        if not places:
+            return steps
+        return [sorted({p[j] for p in places}) for j in range(n)]
 
     # -- every step ---------------------------------------------------------------------------
     def serve(self, call: Call) -> tuple[int, torch.Tensor] | None:
-        """The step this call's timestep is and its recorded output, where one was evaluated
-        at the call's input and arguments bit for bit (and certified); else ``None`` (the real
-        denoiser)."""
+        """The step this call is (of the steps at its timestep, the loop's current one first)
+        and its recorded output, where one was evaluated at the call's input and arguments bit
+        for bit (and certified); else ``None`` (the real denoiser)."""
         if self.trajectory is None or call.t.numel() == 0 or \
                 not same_kwargs(self.kwargs0, call.kwargs):
             return None
-        s = self._times.get(float(call.t.reshape(-1)[0]))
-        if s is None:
+        steps = self._times.get(float(call.t.reshape(-1)[0]))
+        if not steps:
             return None
         if call.return_dict and self.output_type is None:
             return None
-        for rec in reversed(self.records.get(s, [])):
-            if (self.certified or rec.loop_shaped) and rec.inp.dtype == call.x.dtype and \
-                    torch.equal(rec.inp, call.x):
-                return s, rec.out
+        for s in sorted(steps, key=lambda k: k != self.step):
+            for rec in reversed(self.records.get(s, [])):
+                if (self.certified or rec.loop_shaped) and rec.inp.dtype == call.x.dtype and \
+                        torch.equal(rec.inp, call.x):
+                    return s, rec.out
         return None
 
     def release(self) -> None:

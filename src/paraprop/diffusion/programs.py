@@ -11,8 +11,8 @@ makes one from a *Markov* reader of :mod:`~paraprop.diffusion.readers`, a reader
 reads its own input and model output only (``history == 0``, one state part):
 ``EulerDiscreteScheduler``, ``EulerAncestralDiscreteScheduler``,
 ``FlowMatchEulerDiscreteScheduler``, ``LCMScheduler`` and ``DPMSolverMultistepScheduler`` with
-``solver_order=1``. The readers with history run sequentially
-(:mod:`~paraprop.diffusion.history`).
+``solver_order=1``; :class:`HistoryProgram` one from a reader whose steps read the records of
+earlier steps (DPM-Solver++ of order 2-3, UniPC, Heun).
 """
 
 from __future__ import annotations
@@ -131,8 +131,10 @@ class MarkovProgram:
 
 
 # the readers with history whose steps run in the chain (HistoryProgram): their records are
-# one tensor shaped like the sample (UniPC's states have a second part, the corrected sample)
-HISTORY_PARALLEL = ("DPMSolverMultistepScheduler", "UniPCMultistepScheduler")
+# one tensor shaped like the sample (Heun's: two, its first evaluation's derivative and input
+# sample; UniPC's states have a second part, the corrected sample)
+HISTORY_PARALLEL = ("DPMSolverMultistepScheduler", "UniPCMultistepScheduler",
+                    "HeunDiscreteScheduler")
 
 
 def history_parallel(reader: Reader) -> bool:
@@ -149,7 +151,9 @@ class HistoryProgram(MarkovProgram):
     function of earlier positions only (lower triangular), bitwise the loop's step where its
     inputs are the loop's. A state of ``parts > 1`` (UniPC: ``[x_s, corrected x_{s-1}]``, the
     corrected sample a value step ``s - 1`` computed) is a position's ``(B, parts * R)``
-    values, the model reading part 0 (``R`` values per sample).
+    values, the model reading part 0 (``R`` values per sample). A step's records of several
+    tensors (Heun: the first evaluation's derivative and input sample, read by the second) are
+    one ``(n, B, record_parts * R)`` tensor in the chain, the reader's tensors side by side.
 
     Example:
         >>> from diffusers import DPMSolverMultistepScheduler
@@ -164,10 +168,12 @@ class HistoryProgram(MarkovProgram):
             raise ValueError(f"HistoryProgram: {setting(reader)} is not read in parallel "
                              f"(history={reader.history}, parts={reader.parts}); supported: "
                              f"{', '.join(HISTORY_PARALLEL)} with history (DPM-Solver++ of "
-                             "solver_order 2 or 3, UniPC of any order)")
+                             "solver_order 2 or 3, UniPC of any order, Heun)")
         self._take(reader)
         self.history = reader.history
         self.parts = reader.parts
+        # tensors per step's records (each shaped like the sample)
+        self.record_parts = len(reader.records_like(torch.zeros(1, 1)))
         self._gains: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:
@@ -179,22 +185,33 @@ class HistoryProgram(MarkovProgram):
         """``scale_model_input`` of part 0 of the states ``x`` ``(n, B, parts * R)``."""
         return self.reader.model_input(start, stop, self._split(x))
 
+    def _pack(self, rec: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The reader's records (``record_parts`` tensors ``(n, B, R)``) as one
+        ``(n, B, record_parts * R)``."""
+        return rec[0] if len(rec) == 1 else torch.cat(rec, dim=-1)
+
+    def _unpack(self, past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """:meth:`_pack`'s inverse."""
+        if self.record_parts == 1:
+            return (past,)
+        return past.tensor_split(self.record_parts, dim=-1)
+
     def records(self, start: int, stop: int, x: torch.Tensor, out: torch.Tensor
                 ) -> torch.Tensor:
-        """The records ``(n, B, R)`` of the steps ``[start, stop)`` from their states ``x``
-        ``(n, B, parts * R)`` and model outputs ``out`` ``(n, B, R)``."""
-        (rec,) = self.reader.records(start, stop, self._split(x), out)
-        return rec
+        """The records ``(n, B, record_parts * R)`` of the steps ``[start, stop)`` from their
+        states ``x`` ``(n, B, parts * R)`` and model outputs ``out`` ``(n, B, R)``."""
+        return self._pack(self.reader.records(start, stop, self._split(x), out))
 
     def apply_history(self, index: slice, x: torch.Tensor, out: torch.Tensor,
                       z: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The states after the steps ``index`` ``(n, B, parts * R)`` and their records
-        ``(n, B, R)`` from the states ``x``, the model outputs ``out``, the noise ``z`` and
-        ``past``: the records of the ``min(history, index.start)`` steps before
-        ``index.start``."""
-        new, (rec,) = self.reader.step(index.start, index.stop, self._split(x), out, (past,), z)
+        ``(n, B, record_parts * R)`` from the states ``x``, the model outputs ``out``, the
+        noise ``z`` and ``past``: the records of the ``min(history, index.start)`` steps
+        before ``index.start``."""
+        new, rec = self.reader.step(index.start, index.stop, self._split(x), out,
+                                    self._unpack(past), z)
         n, B = x.shape[:2]
-        return new.transpose(1, 2).reshape(n, B, -1), rec
+        return new.transpose(1, 2).reshape(n, B, -1), self._pack(rec)
 
     def apply(self, index: slice, x: torch.Tensor, out: torch.Tensor,
               z: torch.Tensor) -> torch.Tensor:
@@ -204,26 +221,29 @@ class HistoryProgram(MarkovProgram):
     def _derive(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``|d step_s / d out_s|`` and ``sum_j |d step_s / d out_{s-j}|`` (``j = 0 ..
         history``; each the largest over the state's parts), in float64 from the reader's own
-        step at unit model outputs (the step is linear in the model outputs for a fixed
-        sample)."""
+        step at small model outputs ``2**-30`` divided back out (the step is linear in the
+        model outputs for a fixed sample, and the division by a power of two is exact; small,
+        so that a clipping step (Heun's ``clip_sample``) clips nothing, as the gain without
+        clipping bounds the one with it)."""
         if self._gains is None:
             h = self.history
             own, total = torch.zeros(self.N, dtype=torch.float64), \
                 torch.zeros(self.N, dtype=torch.float64)
             f64, dev = torch.float64, self.device
+            unit = 2.0**-30
             zero = torch.zeros(1, 1, self.parts, dtype=f64, device=dev)   # (every part)
-            one = torch.ones(1, 1, 1, dtype=f64, device=dev)
+            one = torch.full((1, 1, 1), unit, dtype=f64, device=dev)
             z = torch.zeros(1, 1, 1, dtype=torch.float32, device=self.device)
             for s in range(self.N):
                 hp = min(h, s)
-                past = torch.zeros(hp, 1, 1, dtype=f64, device=dev)
+                past = torch.zeros(hp, 1, self.record_parts, dtype=f64, device=dev)
                 y, _ = self.apply_history(slice(s, s + 1), zero, one, z, past)
-                own[s] = total[s] = float(y.abs().max())
+                own[s] = total[s] = float(y.abs().max()) / unit
                 for j in range(hp):   # the record of step s - hp + j at a unit output
-                    unit = past.clone()
-                    unit[j] = self.records(s - hp + j, s - hp + j + 1, zero, one)[0]
-                    y, _ = self.apply_history(slice(s, s + 1), zero, one * 0, z, unit)
-                    total[s] += float(y.abs().max())
+                    rec = past.clone()
+                    rec[j] = self.records(s - hp + j, s - hp + j + 1, zero, one)[0]
+                    y, _ = self.apply_history(slice(s, s + 1), zero, one * 0, z, rec)
+                    total[s] += float(y.abs().max()) / unit
             self._gains = (own, total)
         return self._gains
 

@@ -17,7 +17,6 @@ from paraprop.diffusion.history import (
     check_mu,
     loop_solution,
     refuse_ddim_options,
-    refuse_parallel,
 )
 from paraprop.diffusion.programs import (
     HistoryProgram,
@@ -68,10 +67,10 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
             variants), or a scheduler with a reader (:mod:`paraprop.diffusion.readers`):
             ``EulerDiscreteScheduler``, ``EulerAncestralDiscreteScheduler``,
             ``FlowMatchEulerDiscreteScheduler``, ``LCMScheduler``,
-            ``DPMSolverMultistepScheduler`` with ``solver_order=1`` (every method), and
-            ``DPMSolverMultistepScheduler`` of order 2 and 3, ``UniPCMultistepScheduler``,
-            ``HeunDiscreteScheduler`` (``method="sequential"`` only: a parallel method raises
-            ``NotImplementedError``). ``set_timesteps(num_inference_steps, device=...)`` is
+            ``DPMSolverMultistepScheduler`` of order 1-3, ``UniPCMultistepScheduler`` and
+            ``HeunDiscreteScheduler`` (every method; the steps that read earlier steps through
+            :class:`~paraprop.diffusion.programs.HistoryProgram`).
+            ``set_timesteps(num_inference_steps, device=...)`` is
             called on it, as a pipeline does. Other schedulers raise ``NotImplementedError``;
             a setting a reader does not implement raises ``ValueError`` naming it.
         shape: the batch shape ``(B, ...)``, e.g. ``(16, 2)`` or ``(4, 1, 28, 28)``.
@@ -190,10 +189,10 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         solver = _solver(method, window, memory, reader.K)
         if markov(reader):
             table = MarkovProgram(reader)
-        elif history_parallel(reader) and not isinstance(solver, Sequential):
-            table = HistoryProgram(reader)   # (sequential: the loop through the reader)
         elif not isinstance(solver, Sequential):
-            raise refuse_parallel(reader, method)
+            # (every reader with history is read in parallel; sequential: the loop through it)
+            assert history_parallel(reader), reader.classname
+            table = HistoryProgram(reader)
         N = reader.K   # model calls of the loop (Heun: 2 per step but the last)
         latents, z = _reader_noise(reader, noise, generator, shape, dtype, device)
         x_init = reader.initial(latents)

@@ -99,12 +99,12 @@ SCHEDULERS = [
     ("DPM-Solver++ order 1", "DPMSolverMultistepScheduler", {"solver_order": 1}, True),
     ("DPM-Solver++ 2M", "DPMSolverMultistepScheduler", {}, True),
     ("UniPC", "UniPCMultistepScheduler", {}, True),
+    ("Heun", "HeunDiscreteScheduler", {}, True),
 ]
 LEFT_OUT = (
     "Left out: `LCMScheduler` (its steps are for consistency-distilled models run at 2-8 "
-    "steps; this model is not one), Heun (sequential only: two records per step, "
-    "2N - 1 model calls). Flow matching (`FlowMatchEulerDiscreteScheduler`) needs a velocity "
-    "model, not this noise model: it has its own table, on the flow-matching model.")
+    "steps; this model is not one). Flow matching (`FlowMatchEulerDiscreteScheduler`) needs a "
+    "velocity model, not this noise model: it has its own table, on the flow-matching model.")
 
 
 def scheduler_section(moons, moons_info: dict, *, quick: bool, repeats: int):

@@ -64,7 +64,8 @@ def _measured(model, scheduler, shape, steps: int, loop, specs: dict, kw: dict, 
     times = interleaved(cases, repeats=repeats, warmup=1, desc=desc)
     base = median(times["diffusers loop"])
     x_loop = loop()
-    rows = [{"method": "diffusers loop", "iterations": steps, "model_evals": steps,
+    calls = ref_sol.stats["model_calls"]   # the loop's model calls (Heun's: 2 steps - 1)
+    rows = [{"method": "diffusers loop", "iterations": calls, "model_evals": calls,
              "time_ms": 1e3 * base, "speedup": 1.0,
              "max_abs_err": float((x_loop - ref).abs().max())}]
     curves = {}
@@ -128,7 +129,7 @@ def scheduler_rows(model, name: str, make, shape, steps: int, *, parallel: bool,
     """One scheduler at ``steps`` steps: the pipelines' loop (:func:`pipeline_loop`), paraprop's
     sequential sample and, where ``parallel``, ``picard`` (its default window) and ``anderson``
     at :data:`TOL`; rows with ``scheduler``, ``steps`` and ``parallel`` added. Where not
-    ``parallel`` (Heun: its steps read two records of the step before), each parallel
+    ``parallel`` (a scheduler with no parallel path; every reader's has one today), each parallel
     method must be refused (``NotImplementedError``) and gets a row saying so, with the
     message under ``refusal``.
 
