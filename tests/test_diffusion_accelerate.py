@@ -182,7 +182,7 @@ def test_sd3_flow_matching_is_the_plain_one_bitwise(shifting, scale, device):
     assert handle.counters.served == 6 and handle.counters.certified == 1
 
 
-@pytest.mark.parametrize("name", ["euler", "dpm++2m"])
+@pytest.mark.parametrize("name", ["euler", "dpm++2m", "heun"])
 def test_tol_above_zero_is_within_tol_in_latent_space(name):
     """Above ``tol=0`` the pipeline follows paraprop's trajectory, certified within ``tol`` of
     the plain one, with fewer denoiser calls in sequence than steps (DPM-Solver++ 2M too: the
@@ -193,10 +193,12 @@ def test_tol_above_zero_is_within_tol_in_latent_space(name):
         out = call(pipe, steps=20)
     assert float((out - ref).abs().max()) <= 1e-3
     assert handle.solution.stats["certificate"] in ("estimate", "bitwise")
-    # (on this random tiny UNet Picard needs all 20 calls for DPM-Solver++ 2M: never more)
-    assert handle.counters.served == 20
-    assert handle.counters.model_calls < 20 if name == "euler" else \
-        handle.counters.model_calls <= 20
+    # (on this random tiny UNet Picard needs all 20 calls for DPM-Solver++ 2M: never more;
+    # Heun's loop makes 39)
+    loop = 39 if name == "heun" else 20
+    assert handle.counters.served == loop
+    assert handle.counters.model_calls < loop if name != "dpm++2m" else \
+        handle.counters.model_calls <= loop
 
 
 def test_undo_restores_the_pipeline():
