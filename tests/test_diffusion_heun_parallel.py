@@ -197,3 +197,24 @@ def test_batch_variance_is_never_certified_bitwise(where, method):
             assert float((x - ref).abs().max()) <= tol, (tol, sol.stats["error_estimate"])
         else:
             assert sol.stats["reason"]
+
+
+def test_a_pipeline_call_s_rows_are_placed_by_their_timesteps():
+    """Under ``accelerate(pipe)`` the denoiser's batched calls are told apart by their
+    timesteps; Heun's timesteps repeat (``t0, t1, t1, t2, t2, ...``), so a call's rows are
+    placed where its run of timesteps fits the scheduler's, in order or reversed (the chain
+    flips every other call), and a row that fits two steps is kept for both."""
+    from paraprop.diffusion.pipeline_run import Run
+
+    scheduler = HEUN()
+    scheduler.set_timesteps(4)
+    run = Run(4, None, scheduler)
+    run._index_timesteps()
+    ts = [float(v) for v in scheduler.timesteps.tolist()]
+    assert len(ts) == 7 and ts[1] == ts[2] and ts[3] == ts[4] and run.loop_steps == 7
+    assert run._steps_of(ts[1:4]) == [[1], [2], [3]]            # in order
+    assert run._steps_of(ts[1:4][::-1]) == [[3], [2], [1]]      # reversed
+    assert run._steps_of(ts[2:5]) == [[2], [3], [4]]
+    assert run._steps_of([ts[0]]) == [[0]]                      # a timestep of one step
+    assert run._steps_of([ts[1]]) == [[1, 2]]                   # one row: either step
+    assert run._steps_of(ts[1:3]) == [[1, 2], [1, 2]]           # t1, t1: either order

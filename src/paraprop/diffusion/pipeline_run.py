@@ -84,6 +84,7 @@ class Run:
         self.cfg, self.B = False, 0
         # the loop's steps at each timestep (Heun's loop visits each but the first twice)
         self._times: dict[float, list[int]] = {}
+        self._seq: list[float] = []        # the scheduler's timesteps, in the loop's order
         # scheduler.step calls of the loop (Heun: 2 N - 1)
         timesteps = getattr(scheduler, "timesteps", None)
         self.loop_steps = len(timesteps) if isinstance(timesteps, torch.Tensor) and \
@@ -126,10 +127,7 @@ class Run:
         self.cfg, self.B = cfg, B
         model = self._model(pipe, denoiser, call, cfg, B)
         self.kwargs0 = call.kwargs
-        self._times = {}
-        self._seq = [float(v) for v in self.scheduler.timesteps.tolist()]
-        for i, v in enumerate(self._seq):
-            self._times.setdefault(v, []).append(i)
+        self._index_timesteps()
         try:
             _, sol = sample(model, sched, tuple(latents.shape), num_inference_steps=self.N,
                             noise=noise, mu=self.mu, eta=self.eta, throw=False, **settings)
@@ -298,6 +296,13 @@ class Run:
                 kept = [r for r in old if r.ambiguous == rec.ambiguous and r.loop_shaped
                         and not rec.loop_shaped]
                 self.records[s] = rest + (kept + [rec])[-_RECORDS_KEPT:]
+
+    def _index_timesteps(self) -> None:
+        """The scheduler's timesteps, and the steps at each (for :meth:`_steps_of`)."""
+        self._times = {}
+        self._seq = [float(v) for v in self.scheduler.timesteps.tolist()]
+        for i, v in enumerate(self._seq):
+            self._times.setdefault(v, []).append(i)
 
     def _steps_of(self, ts: list[float]) -> list[list[int]]:
         """The steps the rows of one call with the timesteps ``ts`` (one per step's rows) can
