@@ -42,6 +42,7 @@ DEFAULT_WINDOW = 16
 WINDOWED = ("jacobi", "gs_jacobi")   # the named methods that take a window (checks.window_option)
 COUPLINGS = ("inverse_cdf", "gumbel")
 ADVANCES = ("minimum", "per-sample")
+LOOKAHEAD = True               # greedy n-gram guesses from the iterates too (ngrams.py)
 DEFAULT_ADVANCE = "minimum"     # measured faster on a CPU at batch 4/8/16 (docs/decoding.md)
 
 
@@ -214,8 +215,11 @@ def generate(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = Non
         real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None \
             else attention_mask.bool()
         rows, keep = input_ids.tolist(), real.tolist()
+        # greedy: also the n-grams of the Jacobi iterates (Lookahead); sampled, an iterate's
+        # token was drawn with its own position's noise, so it does not fit elsewhere
         pool = NgramPool([[t for t, k in zip(r, m, strict=True) if k]
-                          for r, m in zip(rows, keep, strict=True)], ngram, solver_size(solver, T))
+                          for r, m in zip(rows, keep, strict=True)], ngram, solver_size(solver, T),
+                         lookahead=LOOKAHEAD and not s.do_sample)
     with torch.no_grad():
         first = lm.prefill(P)
         factor, coarse = model_checks.rounding_factor(model, first, positions=P + T)

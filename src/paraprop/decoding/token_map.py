@@ -99,6 +99,9 @@ class TokenMap:
         self.compared = 0
         # the last pass's results, settled at the next sync: (a, valid, device tensors)
         self.pending: tuple[int, np.ndarray, list[torch.Tensor]] | None = None
+        # with a lookahead pool: the rows of the iterate the next pass is fed (host lists)
+        self.fed_rows: list[list[int]] | None = None
+        self.stop = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.window(x, 0, self.T, None)[0]
@@ -162,6 +165,7 @@ class TokenMap:
 
     def window(self, x: torch.Tensor, start: int, stop: int, cache):
         P, lm = self.P, self.lm
+        self.stop = stop           # (the lookahead pool reads the positions [.., stop) given)
         gen = self._sync(x)
         self.stamp += 1
         self.changed[gen != self.written] = self.stamp
@@ -352,16 +356,26 @@ class TokenMap:
         both = torch.cat([final.to(torch.long)[:, None], x.to(torch.long)], 1).tolist()
         spans: list[tuple[int, int, int]] = []      # (sample, first position, length)
         flat: list[int] = []                        # the continuations, one after another
+        lookahead = self.pool.ahead is not None
+        fed = self.fed_rows if lookahead else None
         for b, row in enumerate(both):
             f, toks = row[0], row[1:]
             if f >= self.T:
                 continue
             text = self.pool.prompts[b] + toks[:f]
             self.pool.add(b, text)
+            if fed is not None and f < self.stop:    # the iterate's n-grams (Lookahead)
+                P = len(self.pool.prompts[b])
+                self.pool.add_iterate(b, self.pool.prompts[b] + fed[b], toks[f : self.stop],
+                                      P + f, P + self.stop)
             cont = list(self.pool.guess(b, text)[: self.T - f])
             if cont and cont != toks[f : f + len(cont)]:     # (the same tokens: no change)
                 spans.append((b, f, len(cont)))
                 flat += cont
+        if lookahead:     # the iterate the next pass is fed (the guesses written in below)
+            self.fed_rows = [row[1:] for row in both]
+            for (b, f, n), at in zip(spans, _offsets(spans), strict=True):
+                self.fed_rows[b][f : f + n] = flat[at : at + n]
         if not flat:
             return None
         # the iterate with the continuations written in (one transfer back; the rest of each
@@ -373,6 +387,15 @@ class TokenMap:
             guess[b, f : f + n] = vals[at : at + n]
             at += n
         return guess
+
+
+def _offsets(spans: list[tuple[int, int, int]]) -> list[int]:
+    """Where each span's tokens start in the flat list of continuations."""
+    out, at = [], 0
+    for _, _, n in spans:
+        out.append(at)
+        at += n
+    return out
 
 
 SMALL_EXCESS = 16.0     # a repeat difference below this many bounds may be rounding
