@@ -106,10 +106,7 @@ def test_fewer_passes_than_the_minimum(device, name):
         assert sol.stats["batch_advance"] == adv
         res[adv] = sol.stats
     assert res["per-sample"]["model_calls"] < res["minimum"]["model_calls"]
-    # the samples alone: the batch's passes are at least its slowest sample's
-    alone = max(_run(model, ids[b : b + 1], mask[b : b + 1], 40, eos_token_id=[],
-                     window=4)[1].stats["model_calls"] for b in range(8))
-    assert res["per-sample"]["model_calls"] >= alone
+    assert res["per-sample"]["fed_positions"] > res["minimum"]["fed_positions"]   # the price
 
 
 def test_batch_one_and_the_default(device):
