@@ -82,8 +82,14 @@ class SlidingJacobi:
             ``T`` is Jacobi restricted to the positions not yet final.
         freeze: the freeze accounting at ``tol > 0`` (``None``: :class:`FreezeRule` ``()``,
             which reads the map's ``fn.growth`` and ``fn.sensitivity``).
+        advance: how a batch of samples moves (see the module doc): ``"minimum"`` (one window
+            from the least final position) or ``"per-sample"`` (each sample's own window, in
+            one block at most ``span`` wide).
+        span: the widest block of ``advance="per-sample"`` (``None``: twice the window; at
+            least the window).
 
-    Counters: ``stats["positions"]`` (positions computed) and ``iterations`` (parallel sweeps).
+    Counters: ``stats["positions"]`` (positions computed), ``iterations`` (parallel sweeps) and
+    ``stats["advance"]``.
     One evaluation of ``fn`` at the end checks the value, at every ``tol``, within ``T`` calls
     in all (:mod:`paraprop.solvers.verify`); on the way, each call of ``fn.window`` and
     ``fn.propose`` is checked not to modify ``x``.
