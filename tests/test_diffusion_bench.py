@@ -135,3 +135,36 @@ def test_flowmatch_section_trains_the_suites_model_where_none_is_shipped(tmp_pat
                                            "picard (window 25)", "anderson (memory 3)"]
     assert rows[0]["max_abs_err"] == rows[1]["max_abs_err"] == 0
     assert all(r["max_abs_err"] <= TOL for r in rows)
+
+
+# -- a pipeline end to end (issue 31 item 5) -----------------------------------------------------
+def test_pipeline_rows_report_the_accelerated_pipeline_against_the_plain_one():
+    """DDIMPipeline around a tiny UNet2DModel: the plain row, and each accelerated call served
+    (within tol of the plain images; bitwise at tol=0 where served) in at most the loop's
+    denoiser calls in sequence."""
+    import diffusers
+
+    from paraprop.models import small_unet
+    from paraprop_lab.experiments.diffusion_pipeline import PIPELINE_COLUMNS, pipeline_rows
+
+    assert diffusers  # (the extra this test needs)
+    unet = small_unet(8, widths=(8, 16)).eval().requires_grad_(False)
+    rows = pipeline_rows(unet, steps=4, batch=2, repeats=1, specs={
+        "picard": {"tol": 0.0}, "anderson (tol)": {"method": "anderson", "tol": 1e-3}})
+    assert [r["method"] for r in rows] == ["plain pipeline", "picard", "anderson (tol)"]
+    assert all(set(PIPELINE_COLUMNS) <= set(r) for r in rows)
+    assert rows[0]["sequential_calls"] == 4 and rows[0]["max_abs_err"] == 0
+    for r in rows[1:]:
+        assert r["time_ms"] > 0
+        if r["served"].startswith("4 of 4"):
+            assert 1 <= r["sequential_calls"] <= 4
+            assert r["max_abs_err"] <= (0 if r["tol"] == 0 else 1e-3)
+        else:   # (the plain loop's 4 calls after paraprop's attempt: counted)
+            assert r["served"].startswith("fell through: ") and r["sequential_calls"] > 4
+            assert r["max_abs_err"] == 0
+    # where this tiny UNet's convolutions round apart on batched calls (they do here), tol=0
+    # falls through naming it; tol > 0 is served either way
+    if not rows[1]["served"].startswith("4 of 4"):
+        assert "rounds differently on the batched calls" in rows[1]["served"]
+        assert rows[2]["served"] == "4 of 4 (batch-variant model: the bound carries it)"
+    assert rows[2]["served"].startswith("4 of 4")

@@ -6,12 +6,12 @@ steps and DDIM with 50 and 100 steps (eta 0 and 1), every method samples the sam
 baseline is the diffusers loop ``scheduler.step(model(x, t), t, x)``. Reported per method: the
 sequential model calls (iterations), model evaluations per sample, wall time against the
 diffusers loop, and the largest deviation from the sequential sample. The schedulers people run
-(issue 31: Euler, Euler ancestral, DPM-Solver++ of order 1 and 2M, UniPC, all in parallel)
-at 25 and 50 steps on the shipped two-moons
-checkpoint, against the pipelines' loop; flow matching (``FlowMatchEulerDiscreteScheduler``) the
-same way on the shipped two-moons velocity model (``paraprop train flowmatch``). A last table
-checks diffusers' own batched steps (``DDPMParallelScheduler`` / ``DDIMParallelScheduler``)
-against their sequential schedulers.
+(issue 31: Euler, Euler ancestral, DPM-Solver++ of order 1 and 2M, UniPC, Heun, all in
+parallel) at 25 and 50 steps on the shipped two-moons checkpoint, against the pipelines' loop;
+flow matching (``FlowMatchEulerDiscreteScheduler``) the same way on the shipped two-moons velocity
+model (``paraprop train flowmatch``); a pipeline end to end (``DDIMPipeline`` around the digits
+UNet, ``accelerate(pipe)`` against the plain call). A last table checks diffusers' own batched
+steps (``DDPMParallelScheduler`` / ``DDIMParallelScheduler``) against their sequential schedulers.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ from paraprop_lab.experiments.diffusion import (  # noqa: E402
     chain_rows,
     curves_plot,
     scheduler_rows,
+)
+from paraprop_lab.experiments.diffusion_pipeline import (  # noqa: E402
+    PIPELINE_COLUMNS,
+    pipeline_rows,
 )
 from paraprop_lab.experiments.harness import machine_info  # noqa: E402
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results  # noqa: E402
@@ -105,6 +109,19 @@ LEFT_OUT = (
     "Left out: `LCMScheduler` (its steps are for consistency-distilled models run at 2-8 "
     "steps; this model is not one). Flow matching (`FlowMatchEulerDiscreteScheduler`) needs a "
     "velocity model, not this noise model: it has its own table, on the flow-matching model.")
+
+
+# the accelerated calls of the pipeline section (label -> accelerate's keyword arguments)
+PIPELINE_SPECS = {"accelerate picard": {"tol": 0.0},
+                  f"accelerate picard (tol {TOL:g})": {"tol": TOL},
+                  f"accelerate anderson (tol {TOL:g})": {"method": "anderson", "tol": TOL}}
+PIPELINE_NOTE = (
+    "`with paraprop.diffusion.accelerate(pipe, ...): pipe(batch_size=16, generator=..., "
+    "num_inference_steps=..., output_type=\"np\")` against the plain call (one timed run each, "
+    "after a warm-up): `sequential_calls` counts the denoiser calls in sequence (paraprop's "
+    "batched calls and any of the pipeline's own), `model_evals` paraprop's evaluations per "
+    "sample, `max_abs_err` the images' largest difference from the plain call's, `served` how "
+    "many denoiser outputs paraprop served (or why the run fell through).")
 
 
 def scheduler_section(moons, moons_info: dict, *, quick: bool, repeats: int):
@@ -243,6 +260,15 @@ def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
     plot = curves_plot(out_dir / "diffusion_digits_ddim.png", title, curves, steps)
     sections.append((title, markdown_table(rows, COLUMNS) + f"\n\n![]({plot.name})"))
     payload["digits_ddim"] = rows
+
+    # a pipeline end to end: DDIMPipeline around the same UNet, the user's one line
+    title = (f"A pipeline end to end: DDIMPipeline (the digits UNet2DModel), batch 16, "
+             f"{steps} steps, `accelerate(pipe)` against the plain call")
+    prows = pipeline_rows(unet, steps=steps, batch=16, repeats=1, specs=PIPELINE_SPECS)
+    print(f"\n{title}")
+    print(text_table(prows, PIPELINE_COLUMNS))
+    sections.append((title, PIPELINE_NOTE + "\n\n" + markdown_table(prows, PIPELINE_COLUMNS)))
+    payload["pipeline_ddim"] = prows
 
     prow = parallel_scheduler_rows((20,) if quick else (50, 100, 1000))
     print("\ndiffusers' batched steps vs the sequential step (same inputs, no noise)")
