@@ -334,3 +334,21 @@ def test_non_finite_values_are_named():
 
     with pytest.raises(paraprop.NonFiniteError, match=r"sample \(1,\), position \(4,\)"):
         paraprop.solve(fn, prob.x0(), method="anderson")
+
+
+def test_residual_stop_ends_on_the_residual_for_a_caller_that_certifies():
+    """``residual_stop()`` (the diffusion certificate's Anderson, whose final check certifies):
+    a sample stops on the sweep whose residual is ``<= tol``, without the plain steps of the
+    stopping rule, so in fewer sweeps; the solver it came from is unchanged, and its own stop
+    still follows the rule."""
+    chain = Chain("contracting", 60)
+    plain = TriangularAnderson(memory=3)
+    quick = plain.residual_stop()
+    assert quick is not plain and not plain._residual_stop and quick._residual_stop
+    assert (quick.memory, quick.regularization) == (plain.memory, plain.regularization)
+    for tol in (1e-3, 1e-6):
+        a = paraprop.solve(chain, chain.x0(), method=plain, dim=-2, tol=tol)
+        b = paraprop.solve(chain, chain.x0(), method=quick, dim=-2, tol=tol, throw=False)
+        assert b.iterations < a.iterations, (tol, b.iterations, a.iterations)
+        # its last sweep's residual was within tol
+        assert float(b.residuals[-1]) <= tol

@@ -12,7 +12,7 @@ import torch
 
 from paraprop.diffusion.certificate_run import rounding_floor, window_of
 from paraprop.diffusion.gains import bounds, carried_gains, output_gains
-from paraprop.solvers import Jacobi, Sequential
+from paraprop.solvers import Jacobi, Sequential, TriangularAnderson
 
 # dtypes whose tol > 0 is certified by the loop's bits only (docs/diffusion.md)
 NARROW = (torch.bfloat16, torch.float16)
@@ -86,7 +86,8 @@ def _estimate_stage(run, chain, solver, tol, floor0):
     done = torch.zeros(B, dtype=torch.bool, device=chain.device)
     estimate = torch.zeros(B, dtype=torch.float64, device=chain.device)
     window = window_of(solver, N)
-    tail = solver
+    # (the final check certifies: Anderson stops on its residual, without its plain steps)
+    tail = solver.residual_stop() if isinstance(solver, TriangularAnderson) else solver
     lo = 0
     eps = torch.finfo(chain.dtype).eps
 

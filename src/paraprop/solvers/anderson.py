@@ -81,6 +81,16 @@ class TriangularAnderson(Solver):
         self.memory = checks.positive_int("TriangularAnderson: memory", memory, allow_none=True)
         self.regularization = checks.nonneg_number("TriangularAnderson: regularization",
                                                    regularization, finite=True, allow_none=True)
+        self._residual_stop = False
+
+    def residual_stop(self) -> TriangularAnderson:
+        """This solver, stopping a sample where its residual is ``<= tol``, without the plain
+        steps of the stopping rule (module doc): for a caller that certifies the value itself
+        and uses the stop only to end its iterations (the diffusion certificate's final
+        check); not public, as its stop certifies nothing."""
+        other = TriangularAnderson(self.memory, self.regularization)
+        other._residual_stop = True
+        return other
 
     def __repr__(self) -> str:
         return f"TriangularAnderson(memory={self.memory!r})"
@@ -141,6 +151,8 @@ class TriangularAnderson(Solver):
                                       rate=rate, floor=lambda: rounding_floor(Y, norm))
         stop = stop | (act & (new_final >= T))
         e.picard = picard | (act & (d <= tol))
+        if self._residual_stop:   # (a caller that certifies the value itself: see residual_stop)
+            stop = stop | (act & (d <= tol))
 
         # the next iterate: fn's value on the exact prefix and for stopping samples, the
         # triangular Anderson extrapolation elsewhere
