@@ -362,3 +362,9 @@ def test_misuse_of_the_history_program_and_chain_is_refused_by_name():
     with pytest.raises(ValueError, match=r"chain: steps \[2, 4\) read the records of the 1 steps "
                                          r"before them: pass their inputs \(hist\) and records"):
         chain.steps(torch.zeros(3, 2, 2), 2, 4)
+    # the loop from a step past a sample's certified prefix needs the records before it
+    with pytest.raises(ValueError, match=r"chain.sequential: the loop from step 3 reads the "
+                                         r"records of the 1 steps before it, and some sample "
+                                         r"is certified only to step 0: pass their records "
+                                         r"computed from the trajectory \(shape \(3, 1, 2\)\)"):
+        chain.sequential(torch.zeros(3, 5, 2), 3)

@@ -181,11 +181,14 @@ class _Run:
         self.loop_gap = float(chain.loop_gap)
         self.loop_bitwise = not bool(chain.irreproducible)
 
-    def sequential(self, start: int, keep: torch.Tensor) -> None:
-        """The loop from ``start`` (the certified prefix) to the end."""
+    def sequential(self, start: int, keep: torch.Tensor,
+                   records: torch.Tensor | None = None) -> None:
+        """The loop from ``start`` to the end: from the certified prefix, or from a later
+        position with the records of the steps before it (``records``, a program with
+        history: :meth:`~paraprop.diffusion.chain.DiffusionChain.sequential`)."""
         saved = self.X[keep].clone()
         self.chain.restart(self.X, start)
-        self.chain.sequential(self.X, start)
+        self.chain.sequential(self.X, start, records, ignore=keep)
         self.X[keep] = saved
         self.fallback_steps += self.chain.N - start
         self.positions += self.chain.N - start

@@ -340,21 +340,38 @@ class DiffusionChain(CertifiedPrefix, HistoryInputs, BatchVarianceChecks):
             self.x_hist = self.full_inputs(X, lo - min(self.history, lo), lo).clone()
         self._last = None
 
-    def sequential(self, X: torch.Tensor, start: int) -> None:
+    def sequential(self, X: torch.Tensor, start: int, records: torch.Tensor | None = None,
+                   ignore: torch.Tensor | None = None) -> None:
         """The diffusers loop from step ``start`` to the end, one model call of ``B`` rows per
-        step, writing ``X`` ``(B, N, F)`` in place (its positions ``< start`` are exact).
+        step, writing ``X`` ``(B, N, F)`` in place. From the certified prefix, or, with
+        ``records`` (a program with history: the records ``(B, h, RW)`` of the ``h`` steps
+        before ``start`` computed from their inputs in ``X``, read by the samples whose
+        certified prefix does not reach ``start``), from a later position whose error the
+        caller bounds. ``ignore`` ``(B,)``: samples whose values the caller discards (their
+        records are not asked for).
 
         Raises:
             NonFiniteError: a step produced NaN or inf (the loop gives it too).
+            ValueError: a program with history, a sample not certified up to ``start``, and
+                no ``records`` (the certified records would be read where there are none).
         """
         x = self.x_init if start == 0 else X[:, start - 1]
         H = self.history
-        # the records of the steps before `start`: certified (where the input is exact, the
-        # samples continued here), then the loop's own
-        past = None if self.exact_records is None else \
-            self.exact_records[:, start - min(H, start): start]
         # exact where the input was: the samples whose certified prefix reached `start`
         ok = self.exact >= start
+        # the records of the steps before `start`: certified where the prefix is (the samples
+        # continued here), else the given ones; then the loop's own
+        past = None if self.exact_records is None else \
+            self.exact_records[:, start - min(H, start): start]
+        need = ~ok if ignore is None else ~ok & ~ignore
+        if past is not None and past.shape[1] and bool(need.any()):
+            if records is None or records.shape != past.shape:
+                raise ValueError(
+                    f"chain.sequential: the loop from step {start} reads the records of the "
+                    f"{past.shape[1]} steps before it, and some sample is certified only to "
+                    f"step {int(self.exact[need].min())}: pass their records computed from "
+                    f"the trajectory (shape {tuple(past.shape)})")
+            past = torch.where(need[:, None, None], records.to(past.dtype), past)
         for s in range(start, self.N):
             hist = self.full_inputs(X, s - min(H, s), s) if H else None
             x = self.steps(x[:, None], s, s + 1, hist, past)[:, 0]
