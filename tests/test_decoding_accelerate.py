@@ -224,6 +224,17 @@ def test_bad_arguments_are_refused_by_name():
         accelerate(model, coupling="gumbell")
     with pytest.raises(ValueError, match="window"):
         accelerate(model, window=0)
+    # a method the window or the batch advance does not fit: refused up front, not per call
+    with pytest.raises(ValueError, match=r"batch_advance='per-sample' applies to "
+                                         r"method='jacobi' \(the sliding window\), got "
+                                         r"method='gs_jacobi'"):
+        accelerate(model, method="gs_jacobi", batch_advance="per-sample")
+    with pytest.raises(ValueError, match=r"window is an option of 'jacobi', 'gs_jacobi', not "
+                                         r"of method='sequential', got window=4"):
+        accelerate(model, method="sequential", window=4)
+    with pytest.raises(ValueError, match=r"unknown method='bogus'"):
+        accelerate(model, method="bogus")
+    assert not {"generate", "_paraprop_decoding_accelerate"} & set(model.__dict__)
     with pytest.raises(TypeError, match="must have a generate method"):
         accelerate(torch.nn.Linear(2, 2))
     with accelerate(model), pytest.raises(ValueError, match="already accelerated"):

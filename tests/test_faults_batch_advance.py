@@ -70,17 +70,11 @@ def test_per_sample_with_processors_eos_and_odd_windows_is_generate(device, name
         assert sol.stats["model_calls"] <= 18
 
 
-@pytest.mark.xfail(strict=True, reason="review s37: SlidingJacobi(None, advance='per-sample', "
-                   "span=3) is accepted and widest() raises the span to the default window "
-                   "(64) without a word; span < window is refused only where the window is "
-                   "given")
 def test_a_span_below_the_default_window_is_refused_not_ignored():
     prob = RandomTriangular((4,), (100,), (), seed=0, scale=[0.1, 0.5, 1.0, 3.0])
     fn = Recorded(prob)
-    try:
+    with pytest.raises(ValueError, match=r"SlidingJacobi: span must be at least the window "
+                                         r"\(64\), got 3"):
         paraprop.solve(fn, prob.x0(), dim=1, tol=0,
                        method=SlidingJacobi(None, advance="per-sample", span=3))
-    except ValueError as e:
-        assert "span" in str(e) and "3" in str(e)
-        return
-    assert max(b - a for a, b in fn.blocks) <= 3     # (or the span it was given is honoured)
+    assert fn.blocks == []   # (refused before any evaluation)

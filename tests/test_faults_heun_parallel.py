@@ -54,10 +54,6 @@ def _recording(seen: list):
     return Recording
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="review s37: pipeline_run.Run._model "
-                   "passes timesteps[self._times[t]] (a list index since _times maps a timestep "
-                   "to its steps): a tensor of 2 timesteps at Heun's repeated ones, which "
-                   "expand(rows) cannot take unless a step has 2 rows")
 @pytest.mark.parametrize("B,scale", [(1, 1.0), (2, 5.0)], ids=["one-row", "two-prompts-cfg"])
 def test_accelerated_heun_in_other_batch_layouts_is_the_plain_pipeline(B, scale):
     pipe = sd(SCHEDULERS["heun"]())
@@ -68,9 +64,6 @@ def test_accelerated_heun_in_other_batch_layouts_is_the_plain_pipeline(B, scale)
     assert_served_bitwise(handle, 2 * 3 - 1)
 
 
-@pytest.mark.xfail(strict=True, reason="review s37: one step's rows get timesteps[[k]] (shape "
-                   "(1,)) where the pipeline passes a 0-d timestep (pipeline_run.Run._model's "
-                   "docstring: 'its timestep as the pipeline passes it')")
 def test_one_step_calls_get_the_timestep_as_the_pipeline_passes_it():
     seen: list = []
     pipe = sd(SCHEDULERS["ddim"](), unet=_recording(seen))

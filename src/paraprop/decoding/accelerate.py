@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from paraprop import checks
-from paraprop.decoding.decode import ADVANCES, generate
+from paraprop.decoding.decode import ADVANCES, _solver, generate
 from paraprop.errors import FallThroughWarning
 from paraprop.result import Solution
 
@@ -194,7 +194,9 @@ def accelerate(model, *, method="jacobi", window: int | None = None, ngram: int 
     Raises:
         TypeError: ``model`` has no ``generate`` method.
         ValueError: ``model`` is already accelerated; a bad ``coupling``, ``window``,
-            ``ngram``, ``max_iters`` or ``batch_advance``.
+            ``ngram``, ``max_iters`` or ``batch_advance``; a ``method`` that
+            :func:`~paraprop.decoding.generate` refuses, or one that ``window`` or
+            ``batch_advance`` does not fit (e.g. ``"gs_jacobi"`` with ``"per-sample"``).
 
     Example:
         >>> from transformers import GPT2Config, GPT2LMHeadModel
@@ -221,6 +223,9 @@ def accelerate(model, *, method="jacobi", window: int | None = None, ngram: int 
     checks.positive_int("max_iters", max_iters, allow_none=True)
     if batch_advance is not None:
         checks.one_of("batch_advance", batch_advance, ADVANCES)
+    # the method, its window and the batch advance together, as generate checks them (a
+    # conflict is refused here, not at every call)
+    _solver(method, window, window or 1, batch_advance)
     return Accelerated(model, {"method": method, "window": window, "ngram": ngram,
                                "max_iters": max_iters, "coupling": coupling,
                                "batch_advance": batch_advance})

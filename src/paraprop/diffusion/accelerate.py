@@ -202,7 +202,9 @@ class Accelerated:
                 run.first_unserved = s if run.first_unserved is None else run.first_unserved
             self.counters.denoiser_calls += 1
             return original(*args, **kwargs)
-        run.served_steps.add(served[0])
+        if served[0] == s:   # (the loop's own step: at tol > 0 its sample is then replaced by
+            # the trajectory's; a record matched at another step's input bits is served only)
+            run.served_steps.add(s)
         self.counters.served += 1
         return wrap(call, served[1], run.output_type)
 

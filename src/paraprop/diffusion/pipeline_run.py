@@ -231,9 +231,9 @@ class Run:
         def inner(x: torch.Tensor, t: torch.Tensor, **kw) -> torch.Tensor:
             t_in = t
             if x.shape[0] == rows:   # one step's rows: its timestep as the pipeline passes it
-                step = self._times.get(float(t[0]))
-                if step is not None:
-                    t_in = timesteps[step] if zero_d else timesteps[step].expand(rows)
+                steps = self._times.get(float(t[0]))
+                if steps:   # (the steps at one timestep share it: Heun's)
+                    t_in = timesteps[steps[0]] if zero_d else timesteps[steps[0]].expand(rows)
             got = denoiser(**{names[0]: x, names[1]: t_in}, **kw, return_dict=call.return_dict)
             if call.return_dict:   # served as the same object around the recorded tensor
                 self.output_type = output_type_of(type(got))

@@ -157,6 +157,10 @@ class SlidingJacobi:
         return system.T
 
     def init(self, system: System, state: State) -> None:
+        if self.span is not None and self.span < self.size(system):
+            # (a window given was checked at construction; this is the default one's)
+            raise ValueError(f"SlidingJacobi: span must be at least the window "
+                             f"({self.size(system)}), got {self.span}")
         B = system.B
         dev = state.x.device
         state.own = _SlidingState(torch.zeros(B, dtype=torch.long, device=dev),
