@@ -237,3 +237,42 @@ def test_the_loop_from_a_later_step_reads_the_trajectory_s_records(steps, tol):
     assert sol.stats["fallback_steps"] > 0 and sol.stats["certificate"] == "estimate"
     assert float((x - ref).abs().max()) <= tol
     assert sol.stats["model_calls"] <= loop_calls(steps)
+    # the batch-variance spot check of a later step: the last one the batched calls computed,
+    # before the loop's tail (the budget had a call left)
+    last = loop_calls(steps) - sol.stats["fallback_steps"] - 1
+    assert sol.stats["batch_checked_steps"] == [0, last] and sol.stats["loop_bitwise"] is True
+
+
+class LateOnTop(torch.nn.Module):
+    """``model`` whose calls of more rows than the loop's differ by ``size`` at every step but
+    the first (a kernel that rounds apart only later: step 0's comparison cannot see it)."""
+
+    def __init__(self, model, rows: int, size: float):
+        super().__init__()
+        self.model, self.rows, self.size = model, rows, size
+
+    def forward(self, x, t):
+        out = self.model(x, t)
+        if x.shape[0] <= self.rows:
+            return out
+        t = torch.as_tensor(t).reshape(-1)
+        return out + self.size * (t != t.max()).to(x.dtype).reshape(-1, 1)
+
+
+@pytest.mark.parametrize("tol", [1e-3, 1e-2])
+def test_the_spot_check_before_the_loop_s_tail_sees_a_late_batch_variance(tol):
+    """Where the final check finishes with the loop (its tail computed by calls of the loop's
+    rows), the batch-variance spot check compares the last step the batched calls computed,
+    before that tail: a model that rounds apart only after step 0 is seen there, and nothing is
+    certified that the carried difference does not fit (the reason says so)."""
+    from paraprop_lab.demos import _weights
+
+    model = LateOnTop(_weights.load("ddpm"), 16, 1e-6)
+    x, sol = sample(model, HEUN(), (16, 2), num_inference_steps=25, method="anderson",
+                    tol=tol, generator=gen(0), throw=False)
+    checked = sol.stats["batch_checked_steps"]
+    assert sol.stats["fallback_steps"] > 0 and len(checked) == 2
+    assert checked[1] == loop_calls(25) - sol.stats["fallback_steps"] - 1
+    assert not sol.converged and sol.stats["loop_bitwise"] is False
+    assert "rounds differently on the batched calls" in sol.stats["reason"]
+    assert f"its output for step {checked[1]} differs" in sol.stats["reason"]

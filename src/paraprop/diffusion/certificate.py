@@ -144,6 +144,13 @@ def _solve_certified(chain, solver, tol, max_iters, callback) -> Certified:
                 reason = (f"{what}; carried along the chain, that difference may exceed "
                           f"tol={tol:g} (bound {float(E.max()):.3g}): use "
                           "method='sequential' for the loop's sample")
+            elif not bool(done.all()) and reason is None:
+                # (the difference found at a later step, on top of the bound the final check
+                # accepted, exceeds tol)
+                worst = float(torch.where(done, 0.0, estimate).max())
+                reason = (f"{what}; carried along the chain on top of the final check's "
+                          f"bound, the estimate exceeds tol={tol:g} ({worst:.3g}): use "
+                          "method='sequential' for the loop's sample")
             if bool(done.all()) and \
                     chain.N * output_gain(chain.table) * run.loop_gap > tol / 100:
                 warnings.warn(f"diffusion.sample: {what}; the error estimate includes that "
@@ -156,60 +163,63 @@ def _solve_certified(chain, solver, tol, max_iters, callback) -> Certified:
 
 
 def _last_step_check(run, chain) -> int | None:
-    """The batch-variance spot check of a later step: where the last step's value came from a
-    batched call (not from the loop's fallback) and the budget has a call left, the loop's own
-    call of ``B`` rows computes step ``N - 1`` from its input in the final trajectory once more,
-    and compares it with the batched calls' step from the same input (the certified value of a
-    sample certified bit for bit; else the last observed evaluation, where it was at this
-    input). A difference is batch variance at a later step (step 0's comparison cannot see a
-    model that rounds apart only there): it raises ``chain.loop_gap`` (in model-output units,
-    through the step's reaction to its model output) and marks the calls irreproducible.
-    Returns ``N - 1`` where it found a difference larger than step 0's, else ``None``."""
+    """The batch-variance spot check of a later step: the last step ``s`` whose value came from
+    a batched call (``N - 1``, or the step before the loop's fallback where the loop computed
+    the tail), computed once more by the loop's own call of ``B`` rows from its input in the
+    final trajectory, and compared with the batched calls' step from the same input (the
+    certified value of a sample certified bit for bit; else the last observed evaluation, where
+    it was at this input), where the budget has a call left (a run that needs every call of the
+    budget is checked at step 0 only: documented). A difference is batch variance at
+    a later step (step 0's comparison cannot see a model that rounds apart only there): it
+    raises ``chain.loop_gap`` (in model-output units, through the step's reaction to its model
+    output) and marks the calls irreproducible. Returns ``s`` where it found a difference larger
+    than step 0's, else ``None``."""
     N, B = chain.N, chain.B
-    if N < 2 or chain.max_rows <= B or run.fallback_steps > 0 or run.left < 1:
+    s = N - 1 if run.fallback_from is None else run.fallback_from - 1
+    if s < 1 or chain.max_rows <= B or run.left < 1:
         return None
-    u = run.X[:, N - 2]
-    ref = run.X[:, N - 1]
-    has = chain.certified() >= N
+    u = run.X[:, s - 1]
+    ref = run.X[:, s]
+    has = chain.certified() >= s + 1
     seen = run.gains.last_inputs
     hist = past = None
     if chain.history:
         # the step reads the records of the steps before it: the certified ones for the
-        # samples certified to the end, else those its last evaluation read (where that was
+        # samples certified past it, else those its last evaluation read (where that was
         # at this input and these inputs of the steps before)
-        h = min(chain.history, N - 1)
-        hist = chain.full_inputs(run.X, N - 1 - h, N - 1)
-        past = chain.exact_records[:, N - 1 - h: N - 1]
+        h = min(chain.history, s)
+        hist = chain.full_inputs(run.X, s - h, s)
+        past = chain.exact_records[:, s - h: s]
         read = run.gains.last_read
         if seen is not None and seen[1] is not None and read is not None:
-            now = chain.joint_history(run.X)[:, N - 1]
-            fresh = (seen[0][:, N - 1] == u).all(1) & (seen[1][:, N - 1] == now).all(1) & ~has
-            used = read[:, N - 1].reshape(chain.B, chain.history, chain.RW)[:, chain.history - h:]
+            now = chain.joint_history(run.X)[:, s]
+            fresh = (seen[0][:, s] == u).all(1) & (seen[1][:, s] == now).all(1) & ~has
+            used = read[:, s].reshape(chain.B, chain.history, chain.RW)[:, chain.history - h:]
             past = torch.where(fresh[:, None, None], used, past)
-            ref = torch.where(fresh[:, None], run.gains.last_outputs[:, N - 1], ref)
+            ref = torch.where(fresh[:, None], run.gains.last_outputs[:, s], ref)
             has = has | fresh
     elif seen is not None:
-        fresh = (seen[0][:, N - 1] == u).all(1) & ~has
-        ref = torch.where(fresh[:, None], run.gains.last_outputs[:, N - 1], ref)
+        fresh = (seen[0][:, s] == u).all(1) & ~has
+        ref = torch.where(fresh[:, None], run.gains.last_outputs[:, s], ref)
         has = has | fresh
     if not bool(has.any()):
         return None
     observer, chain.observer = chain.observer, None
-    y = chain.steps(u[:, None], N - 1, N, hist, past)[:, 0]
+    y = chain.steps(u[:, None], s, s + 1, hist, past)[:, 0]
     chain.observer = observer
-    run.checked_steps.append(N - 1)
+    run.checked_steps.append(s)
     d = (y.to(torch.float64) - ref.to(torch.float64)).abs().amax(1)
     d = torch.where(has, d.nan_to_num(nan=math.inf), 0.0).max()
     if float(d) == 0:
         return None
     # (a step with history: its own model output's reaction; the records are the same)
     own = getattr(chain.table, "own_output_gains", None)
-    k = float((own() if own is not None else output_gains(chain.table))[N - 1])
+    k = float((own() if own is not None else output_gains(chain.table))[s])
     gap = d / k if k > 0 else torch.full_like(d, math.inf)
     old = chain.loop_gap
     chain.loop_gap = gap if old is None else torch.maximum(old, gap.to(old))
     chain.irreproducible = torch.ones_like(chain.irreproducible)
-    return N - 1 if old is None or float(gap) > float(old) else None
+    return s if old is None or float(gap) > float(old) else None
 
 
 class BatchVarianceWarning(RuntimeWarning):

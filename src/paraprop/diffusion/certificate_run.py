@@ -52,6 +52,7 @@ class _Run:
         self.positions = 0
         self.per_sample = torch.zeros(B, dtype=torch.long)
         self.fallback_steps = 0
+        self.fallback_from: int | None = None   # the first step the loop's fallback computed
         self.floor = 0.0
         self.tol_resolvable = False
         self.strict = strict          # stop once the batched calls differ from the loop
@@ -191,6 +192,8 @@ class _Run:
         self.chain.sequential(self.X, start, records, ignore=keep)
         self.X[keep] = saved
         self.fallback_steps += self.chain.N - start
+        self.fallback_from = start if self.fallback_from is None else \
+            min(self.fallback_from, start)
         self.positions += self.chain.N - start
         self.per_sample += self.chain.N - start
 
