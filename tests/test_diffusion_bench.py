@@ -1,8 +1,7 @@
 """The rows of ``paraprop bench diffusion`` for the schedulers people run (issue 31): the
 pipelines' loop is paraprop's sequential sample bit for bit, the parallel rows stay within the
-tolerance in at most the loop's sequential calls (Heun's: 2N - 1), and a scheduler listed as
-sequential only would have its parallel methods' refusal checked, not assumed. Measures nothing
-(no wall-clock assertion)."""
+tolerance in at most the loop's sequential calls (Heun's: 2N - 1). Measures nothing (no
+wall-clock assertion)."""
 
 import pytest
 import torch
@@ -44,26 +43,20 @@ def model():
                                  HeunDiscreteScheduler],
                          ids=["euler", "ancestral", "dpm1", "dpm2m", "unipc", "heun"])
 def test_parallel_rows(cls, model):
-    rows = scheduler_rows(model, "s", cls, SHAPE, STEPS, parallel=True, repeats=1)
+    rows = scheduler_rows(model, "s", cls, SHAPE, STEPS, repeats=1)
     # (Heun's loop: two model calls a step but the last)
     calls = 2 * STEPS - 1 if cls is HeunDiscreteScheduler else STEPS
     assert [r["method"] for r in rows][:2] == ["diffusers loop", "paraprop sequential"]
     assert rows[2]["method"].startswith("picard (window ")
     assert rows[3]["method"] == "anderson (memory 3)" and len(rows) == 4
     for r in rows:
-        assert (r["scheduler"], r["steps"], r["parallel"]) == ("s", STEPS, "yes")
+        assert (r["scheduler"], r["steps"]) == ("s", STEPS)
         assert set(SCHEDULER_COLUMNS) <= set(r)
         assert 1 <= r["iterations"] <= calls and r["model_evals"] >= r["iterations"]
         assert r["time_ms"] > 0 and r["speedup"] > 0
     # the loop and the sequential sample: the same bits; the parallel ones: within tol
     assert rows[0]["max_abs_err"] == rows[1]["max_abs_err"] == 0
     assert all(r["max_abs_err"] <= TOL for r in rows[2:])
-
-
-def test_a_parallel_scheduler_listed_as_refused_is_an_error(model):
-    with pytest.raises(RuntimeError, match=r"e: method='picard' ran; it was to be refused"):
-        scheduler_rows(model, "e", EulerDiscreteScheduler, SHAPE, STEPS, parallel=False,
-                       repeats=1)
 
 
 def test_pipeline_loop_draws_what_sample_loop_draws_for_ddpm(model):
@@ -75,9 +68,8 @@ def test_pipeline_loop_draws_what_sample_loop_draws_for_ddpm(model):
 
 
 def test_the_suite_lists_the_schedulers_and_what_it_leaves_out():
-    assert [(s[0], s[3]) for s in suite.SCHEDULERS] == [
-        ("Euler", True), ("Euler ancestral", True), ("DPM-Solver++ order 1", True),
-        ("DPM-Solver++ 2M", True), ("UniPC", True), ("Heun", True)]
+    assert [s[0] for s in suite.SCHEDULERS] == [
+        "Euler", "Euler ancestral", "DPM-Solver++ order 1", "DPM-Solver++ 2M", "UniPC", "Heun"]
     assert "LCMScheduler" in suite.LEFT_OUT and "Heun" not in suite.LEFT_OUT
     # flow matching is measured (its own table), not left out
     assert "Left out: flow matching" not in suite.LEFT_OUT and "own table" in suite.LEFT_OUT
@@ -89,7 +81,7 @@ def test_flowmatch_rows_on_a_velocity_model():
 
     velocity = MLPDenoiser(dim=2, hidden=16, layers=2, embed=8, seed=1).eval()
     rows = scheduler_rows(velocity.requires_grad_(False), "fm", flowmatch_scheduler, SHAPE,
-                          STEPS, parallel=True, repeats=1)
+                          STEPS, repeats=1)
     assert [r["method"] for r in rows][:2] == ["diffusers loop", "paraprop sequential"]
     assert rows[2]["method"].startswith("picard (window ") and len(rows) == 4
     assert rows[0]["max_abs_err"] == rows[1]["max_abs_err"] == 0

@@ -95,15 +95,15 @@ def parallel_scheduler_rows(steps_list=(50, 100, 1000)) -> list[dict]:
     return rows
 
 
-# (label, diffusers class, config, parallel): the schedulers' defaults are the training schedule
+# (label, diffusers class, config): the schedulers' defaults are the training schedule
 # of the two-moons denoiser (1000 timesteps, linear betas 1e-4 to 0.02, epsilon prediction)
 SCHEDULERS = [
-    ("Euler", "EulerDiscreteScheduler", {}, True),
-    ("Euler ancestral", "EulerAncestralDiscreteScheduler", {}, True),
-    ("DPM-Solver++ order 1", "DPMSolverMultistepScheduler", {"solver_order": 1}, True),
-    ("DPM-Solver++ 2M", "DPMSolverMultistepScheduler", {}, True),
-    ("UniPC", "UniPCMultistepScheduler", {}, True),
-    ("Heun", "HeunDiscreteScheduler", {}, True),
+    ("Euler", "EulerDiscreteScheduler", {}),
+    ("Euler ancestral", "EulerAncestralDiscreteScheduler", {}),
+    ("DPM-Solver++ order 1", "DPMSolverMultistepScheduler", {"solver_order": 1}),
+    ("DPM-Solver++ 2M", "DPMSolverMultistepScheduler", {}),
+    ("UniPC", "UniPCMultistepScheduler", {}),
+    ("Heun", "HeunDiscreteScheduler", {}),
 ]
 LEFT_OUT = (
     "Left out: `LCMScheduler` (its steps are for consistency-distilled models run at 2-8 "
@@ -138,9 +138,9 @@ def scheduler_section(moons, moons_info: dict, *, quick: bool, repeats: int):
     batch = 16
     rows = []
     for steps in (25,) if quick else (25, 50):
-        for label, cls, config, parallel in SCHEDULERS:
+        for label, cls, config in SCHEDULERS:
             rows += scheduler_rows(model, label, lambda c=cls, k=config: getattr(diffusers, c)(**k),
-                                   (batch, 2), steps, parallel=parallel, repeats=repeats)
+                                   (batch, 2), steps, repeats=repeats)
     title = f"The schedulers people run: MLP denoiser on two moons, batch {batch}"
     return title, rows, what
 
@@ -186,7 +186,7 @@ def flowmatch_section(out_dir: Path, *, quick: bool, repeats: int):
     rows = []
     for steps in (25,) if quick else FLOWMATCH_STEPS:
         rows += scheduler_rows(model, "FlowMatch Euler", flowmatch_scheduler, (batch, 2), steps,
-                               parallel=True, repeats=repeats)
+                               repeats=repeats)
     title = f"Flow matching: MLP velocity model on two moons, batch {batch}"
     return title, rows, what
 

@@ -94,8 +94,7 @@ def _measured(model, scheduler, shape, steps: int, loop, specs: dict, kw: dict, 
 
 # -- the schedulers people run (issue 31): Euler, DPM-Solver++, UniPC, ... ----------------------
 
-SCHEDULER_COLUMNS = ["scheduler", "steps", *COLUMNS, "parallel"]
-PARALLEL = ("picard", "anderson")
+SCHEDULER_COLUMNS = ["scheduler", "steps", *COLUMNS]
 
 
 def pipeline_loop(model, scheduler, shape, steps: int, *, seed: int = 0) -> torch.Tensor:
@@ -124,29 +123,22 @@ def pipeline_loop(model, scheduler, shape, steps: int, *, seed: int = 0) -> torc
     return x
 
 
-def scheduler_rows(model, name: str, make, shape, steps: int, *, parallel: bool, repeats: int,
+def scheduler_rows(model, name: str, make, shape, steps: int, *, repeats: int,
                    seed: int = 0) -> list[dict]:
     """One scheduler at ``steps`` steps: the pipelines' loop (:func:`pipeline_loop`), paraprop's
-    sequential sample and, where ``parallel``, ``picard`` (its default window) and ``anderson``
-    at :data:`TOL`; rows with ``scheduler``, ``steps`` and ``parallel`` added. Where not
-    ``parallel`` (a scheduler with no parallel path; every reader's has one today), each parallel
-    method must be refused (``NotImplementedError``) and gets a row saying so, with the
-    message under ``refusal``.
+    sequential sample, ``picard`` (its default window) and ``anderson`` at :data:`TOL`; rows
+    with ``scheduler`` and ``steps`` added (every scheduler with a reader runs in parallel).
 
     Arguments:
         model: the denoiser (an epsilon model; a velocity model for flow matching).
         name: the scheduler's label in the rows.
         make: zero-argument callable returning a fresh scheduler; one for the loop, one for
             paraprop, so neither reads the other's state.
-
-    Raises:
-        RuntimeError: a method expected to be refused ran.
     """
-    specs = {"paraprop sequential": {"method": "sequential"}}
-    if parallel:
-        specs["picard"] = {"method": "picard", "tol": TOL}
-        specs[f"anderson (memory {MEMORY})"] = {"method": "anderson", "memory": MEMORY,
-                                                "tol": TOL}
+    specs = {"paraprop sequential": {"method": "sequential"},
+             "picard": {"method": "picard", "tol": TOL},
+             f"anderson (memory {MEMORY})": {"method": "anderson", "memory": MEMORY,
+                                             "tol": TOL}}
     looped, sampled = make(), make()
 
     def loop():
@@ -154,18 +146,6 @@ def scheduler_rows(model, name: str, make, shape, steps: int, *, parallel: bool,
 
     rows, _ = _measured(model, sampled, shape, steps, loop, specs, {}, repeats=repeats,
                         seed=seed, desc=f"{name} {steps}")
-    for row in rows:
-        row["parallel"] = "yes" if parallel else "sequential only"
-    if not parallel:
-        for method in PARALLEL:
-            try:
-                sample(model, sampled, shape, num_inference_steps=steps, method=method, tol=TOL,
-                       generator=torch.Generator().manual_seed(seed))
-            except NotImplementedError as e:
-                rows.append({"method": method, "parallel": "refused (NotImplementedError: "
-                             "its steps read earlier model outputs)", "refusal": str(e)})
-            else:
-                raise RuntimeError(f"{name}: method={method!r} ran; it was to be refused")
     for row in rows:
         row.update(scheduler=name, steps=steps)
     return rows
