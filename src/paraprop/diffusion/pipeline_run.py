@@ -317,7 +317,8 @@ class Run:
         seq, n = self._seq, len(ts)
         back = ts[::-1]
         places = set()
-        for e0 in range(len(seq) - n + 1):
+        # (a run in order starts at a step of ts[0]; a reversed one at a step of ts[-1])
+        for e0 in {*steps[0], *steps[-1]}:
             run = seq[e0: e0 + n]
             if run == ts:
                 places.add(tuple(range(e0, e0 + n)))
