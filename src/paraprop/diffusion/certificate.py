@@ -178,9 +178,11 @@ def _last_step_check(run, chain) -> int | None:
     s = N - 1 if run.fallback_from is None else run.fallback_from - 1
     if s < 1 or chain.max_rows <= B or run.left < 1:
         return None
-    u = run.X[:, s - 1]
-    ref = run.X[:, s]
+    # a sample certified past s: its certified values (a sample certified by an estimate may
+    # hold other values in the trajectory, and the next certified value may not be written yet)
     has = chain.certified() >= s + 1
+    u = torch.where(has[:, None], chain.exact_values[:, s - 1], run.X[:, s - 1])
+    ref = torch.where(has[:, None], chain.exact_values[:, s], run.X[:, s])
     seen = run.gains.last_inputs
     hist = past = None
     if chain.history:

@@ -357,8 +357,11 @@ class DiffusionChain(CertifiedPrefix, HistoryInputs, BatchVarianceChecks):
         """
         x = self.x_init if start == 0 else X[:, start - 1]
         H = self.history
-        # exact where the input was: the samples whose certified prefix reached `start`
+        # exact where the input was: the samples whose certified prefix reached `start` (not
+        # the ignored ones: their values are the caller's, not these)
         ok = self.exact >= start
+        if ignore is not None:
+            ok = ok & ~ignore
         # the records of the steps before `start`: certified where the prefix is (the samples
         # continued here), else the given ones; then the loop's own
         past = None if self.exact_records is None else \
