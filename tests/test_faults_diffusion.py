@@ -915,36 +915,6 @@ def test_readers_a_model_output_of_another_dtype_is_refused():
                generator=gen())
 
 
-@pytest.mark.parametrize("method", ["picard", "anderson"])
-@pytest.mark.parametrize("name", ["DDIMScheduler", "DDPMScheduler", "EulerDiscreteScheduler"])
-def test_the_final_check_reuses_the_last_evaluation(name, method):
-    """A program without history at ``tol > 0``: the final check certifies the trajectory the
-    solver's last iteration evaluated (every step's direct value known), so after the last
-    iteration only the batch-variance spot check is called (the loop's ``B`` rows), not a
-    call that evaluates the trajectory again; the sample is within ``tol`` of the loop's."""
-    from paraprop_lab.demos import _weights
-
-    net = _weights.load("ddpm")
-    kw = {"eta": 1.0} if name == "DDIMScheduler" else {}
-    calls, marks = [], []
-
-    def model(x, t):
-        calls.append(len(x))
-        return net(x, t)
-
-    def scheduler():
-        return getattr(diffusers, name)(**({"clip_sample": False} if "DD" in name else {}))
-
-    x, sol = sample(model, scheduler(), (16, 2), num_inference_steps=50, method=method,
-                    tol=1e-3, generator=gen(), callback=lambda k, v, r: marks.append(len(calls)),
-                    **kw)
-    ref, _ = sample(net, scheduler(), (16, 2), num_inference_steps=50, method="sequential",
-                    generator=gen(), **kw)
-    assert sol.converged and sol.stats["certificate"] == "estimate"
-    assert calls[marks[-1]:] == [16]
-    assert float((x - ref).abs().max()) <= 1e-3
-
-
 @pytest.mark.parametrize("case", ["ddpm-anderson", "ddim-picard", "dpm1-anderson"])
 def test_no_batch_variance_is_found_where_there_is_none(case):
     """Models that compute each row on its own: the batch-variance spot check finds nothing,

@@ -153,15 +153,6 @@ def _check(run, chain, done, estimate, tol, window, loop_limit=None):
     N = chain.N
     undone = ~done
     chain.commit(run.X, undone)
-    gap = 0.0 if chain.loop_gap is None else float(chain.loop_gap)
-    extra = None
-    if gap > 0:
-        # the batched calls' map is not the loop's (batch variance, measured at step 0): each
-        # step may differ from the loop's by the output difference times the step's reaction
-        # to it (twice the measured one); no position is the loop's bit for bit
-        extra = 2 * gap * output_gains(chain.table).to(chain.device)
-    gains = carried_gains(run.gains.gain, chain.B, N, chain.device, chain.history)
-    _take_evaluated(run, chain, undone, gains, extra, tol)
     hist = chain.joint_history(run.X) if chain.history else None
     start = run.gains.stale_from(run.X, chain.x_init, chain.exact, undone, hist)
     calls = -(-(N - start) // window)
@@ -175,6 +166,14 @@ def _check(run, chain, done, estimate, tol, window, loop_limit=None):
     whole = undone & (chain.certified() >= N)
     chain.commit(run.X, whole)
     p = torch.where(whole, N, p)
+    gap = 0.0 if chain.loop_gap is None else float(chain.loop_gap)
+    extra = None
+    if gap > 0:
+        # the batched calls' map is not the loop's (batch variance, measured at step 0): each
+        # step may differ from the loop's by the output difference times the step's reaction
+        # to it (twice the measured one); no position is the loop's bit for bit
+        extra = 2 * gap * output_gains(chain.table).to(chain.device)
+    gains = carried_gains(run.gains.gain, chain.B, N, chain.device, chain.history)
     E, _, rho = bounds(run.X, y, p, gains, chain.dtype, extra, loop=False)
     ok = undone & (E <= tol)
     by_estimate = ok & (p < N)
@@ -219,43 +218,6 @@ def _check(run, chain, done, estimate, tol, window, loop_limit=None):
     estimate = torch.where(by_estimate, bound, estimate)
     run.floor = max(run.floor, float(torch.where(by_estimate, rho, 0).max()))
     return done | left, estimate, torch.where(left, bound, E)
-
-
-def _take_evaluated(run, chain, undone, gains, extra, tol) -> None:
-    """Where it is certified without a call, the trajectory the last evaluations were at.
-
-    A solver's last iteration evaluated every step at its iterate and returned the steps'
-    values, whose own direct steps are not known: checking that trajectory costs a call. The
-    trajectory ``Z`` whose position ``s`` is the last input of step ``s + 1`` (its last
-    position the last output of step ``N - 1``, the returned sample's bits where the last
-    evaluation computed it) has all its direct steps known, so its bound costs nothing: the
-    same as :func:`_check`'s (:func:`bounds`), from its own first defect (its positions before
-    it are direct steps from ``x_0`` on, exact). The samples ``undone`` whose ``Z`` differs
-    from ``run.X``, whose every step was last evaluated at its input in ``Z`` and whose bound
-    is within ``tol`` take ``Z``, and their certified prefix becomes ``Z``'s (it may be
-    shorter: a value certified after the last evaluation read the iterate before it); the
-    check then evaluates nothing for them.
-
-    Not for programs with history (DPM-Solver++ 2-3, UniPC, Heun): there a sweep found this
-    bound exceeded (a sliding window of 4 steps, 6 runs of 2,808), the records a step read
-    not accounted for; they keep the check's call."""
-    seen = run.gains.last_inputs
-    if seen is None or chain.history:
-        return
-    X = run.X
-    y = run.gains.last_outputs
-    Z = torch.cat([seen[0][:, 1:], y[:, -1:]], dim=1)
-    xin = torch.cat([chain.x_init[:, None], Z[:, :-1]], dim=1)
-    fresh = (seen[0] == xin).all(2) & torch.isfinite(y).all(2)
-    rows = undone & fresh.all(1) & ~(Z == X).all(2).all(1)
-    if not bool(rows.any()):
-        return
-    p = (y == Z).all(2).long().cumprod(1).sum(1)
-    E, _, _ = bounds(Z, y, p, gains, chain.dtype, extra, loop=False)
-    take = rows & (E <= tol)
-    X.copy_(torch.where(take[:, None, None], Z, X))
-    chain.exact = torch.where(take, torch.minimum(chain.exact, p), chain.exact)
-    chain.has_next = chain.has_next & ~take
 
 
 def _exact_stage(run, chain, solver, done, estimate, tol):
