@@ -1,8 +1,10 @@
-"""``paraprop train charlm``: a character-level GPT-2-shaped language model
-(:func:`~paraprop.models.charlm.char_gpt2`) on Python's own documentation topics
+"""``paraprop train charlm``: a character-level language model, GPT-2-shaped
+(:func:`~paraprop.models.charlm.char_gpt2`, the default) or Llama-shaped (``--arch llama``,
+:func:`~paraprop.models.charlm.char_llama`, the same sizes), on Python's own documentation topics
 (:func:`~paraprop.data.text.load_text`), for the decoding benchmark. Needs ``transformers``.
 
-Next-character cross-entropy on random windows of the text (320 characters: the benchmark's
+Both are trained the same way (the same data, steps, learning rate and seed): next-character
+cross-entropy on random windows of the text (320 characters: the benchmark's
 prompt and 256 new tokens fit, so every position embedding it uses is trained), AdamW with a
 cosine schedule, a progress bar; the last 5% of the text is held out for the validation loss.
 """
@@ -18,13 +20,34 @@ import torch
 
 from paraprop import checks
 from paraprop.data.text import CharVocab, load_text
-from paraprop.models.charlm import DEFAULTS, char_gpt2, load_charlm, save_charlm
+from paraprop.models.charlm import DEFAULTS, char_gpt2, char_llama, load_charlm, save_charlm
 from paraprop_lab.progress import progress as progress_bar
 from paraprop_lab.training._common import check_out_dir, default_path
 
 NAME = "charlm"
-HELP = "train a character-level GPT-2-shaped LM on Python's documentation (needs transformers)"
+HELP = ("train a character-level GPT-2-shaped (or, --arch llama, Llama-shaped) LM on Python's "
+        "documentation (needs transformers)")
 TRAIN = {"steps": 1500, "batch_size": 8, "length": 320, "lr": 2e-3}
+# the shapes: their builders, and the config field of their context (positions)
+ARCHS = {"gpt2": char_gpt2, "llama": char_llama}
+_CONTEXT = {"gpt2": "n_positions", "llama": "max_position_embeddings"}
+
+
+def _arch(arch) -> str:
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(map(repr, ARCHS))}, got {arch!r}")
+    return arch
+
+
+def context(model) -> tuple[str, int]:
+    """``(field, positions)``: the config field of ``model``'s context and its value (GPT-2's
+    ``n_positions``, Llama's ``max_position_embeddings``); another model type is refused."""
+    kind = getattr(model.config, "model_type", None)
+    if kind not in _CONTEXT:
+        raise ValueError(f"model: a char LM of model_type {' or '.join(map(repr, _CONTEXT))} "
+                         f"expected, got model_type={kind!r}")
+    field = _CONTEXT[kind]
+    return field, getattr(model.config, field)
 
 
 def train_charlm(model, ids: torch.Tensor, *, steps: int, batch_size: int = 8,
@@ -36,9 +59,9 @@ def train_charlm(model, ids: torch.Tensor, *, steps: int, batch_size: int = 8,
     checks.positive_int("steps", steps)
     checks.positive_int("batch_size", batch_size)
     checks.positive_int("length", length, minimum=2)
-    context = model.config.n_positions
-    if length > context:
-        raise ValueError(f"length must be at most the model's context n_positions={context}, "
+    field, positions = context(model)
+    if length > positions:
+        raise ValueError(f"length must be at most the model's context {field}={positions}, "
                          f"got length={length}")
     if ids.dim() != 1 or ids.numel() <= length:
         raise ValueError(f"ids must be 1-D and longer than length={length}, got shape "
@@ -71,7 +94,7 @@ def train_charlm(model, ids: torch.Tensor, *, steps: int, batch_size: int = 8,
 def validation_loss(model, ids: torch.Tensor, length: int | None = None) -> float:
     """Mean next-token cross-entropy (nats) over consecutive windows of ``length`` tokens of
     ``ids`` (default: the training length, or the model's context if shorter)."""
-    length = length or min(TRAIN["length"], model.config.n_positions - 1)
+    length = length or min(TRAIN["length"], context(model)[1] - 1)
     n = (ids.numel() - 1) // length
     x = ids[: n * length + 1]
     with torch.no_grad():
@@ -95,32 +118,42 @@ def corpus(vocab: CharVocab | None = None) -> tuple[CharVocab, torch.Tensor, tor
     return vocab, ids[:cut], ids[cut:]
 
 
-def checkpoint_dir(out_dir, *, steps: int, seed: int = 0, **model_kw) -> Path:
-    """``out_dir/charlm_s{steps}``, with a tag for every setting off its default (e.g.
-    ``charlm_s1500_w64``)."""
+def checkpoint_dir(out_dir, *, steps: int, seed: int = 0, arch: str = "gpt2",
+                   **model_kw) -> Path:
+    """``out_dir/charlm_s{steps}`` (``arch="llama"``: ``out_dir/charlm_llama_s{steps}``), with
+    a tag for every setting off its default (e.g. ``charlm_s1500_w64``)."""
     tag = "".join(f"_{k[0]}{v}" for k, v in sorted(model_kw.items()) if v != DEFAULTS[k])
-    return Path(out_dir) / f"charlm_s{steps}{'_seed' + str(seed) if seed else ''}{tag}"
+    name = "charlm" if _arch(arch) == "gpt2" else f"charlm_{arch}"
+    return Path(out_dir) / f"{name}_s{steps}{'_seed' + str(seed) if seed else ''}{tag}"
 
 
-def trained_charlm(out_dir, *, steps: int | None = None, seed: int = 0, progress: bool = True,
-                   **model_kw):
-    """``(model, vocab, info)``: the char LM saved in :func:`checkpoint_dir` under ``out_dir``,
-    or one trained now (default settings, :data:`TRAIN`) and saved there."""
+def trained_charlm(out_dir, *, arch: str = "gpt2", steps: int | None = None, seed: int = 0,
+                   progress: bool = True, **model_kw):
+    """``(model, vocab, info)``: the char LM of shape ``arch`` (``"gpt2"``: :func:`char_gpt2`,
+    ``"llama"``: :func:`char_llama`) saved in :func:`checkpoint_dir` under ``out_dir``, or one
+    trained now (default settings, :data:`TRAIN`, the same for both shapes) and saved there."""
+    _arch(arch)
     steps = TRAIN["steps"] if steps is None else steps
-    path = checkpoint_dir(out_dir, steps=steps, seed=seed, **model_kw)
+    path = checkpoint_dir(out_dir, steps=steps, seed=seed, arch=arch, **model_kw)
     if (path / "vocab.json").is_file():
         model, vocab = load_charlm(path)
+        if model.config.model_type != arch:
+            raise ValueError(f"{path / 'config.json'}: model_type="
+                             f"{model.config.model_type!r}, but the cache of arch={arch!r} "
+                             "was asked for; remove the directory to train it again")
         return model, vocab, {"checkpoint": str(path), "trained_now": False}
     vocab, train, held = corpus()
-    model = char_gpt2(len(vocab), seed=seed, **model_kw)
+    model = ARCHS[arch](len(vocab), seed=seed, **model_kw)
     hist = train_charlm(model, train, steps=steps, seed=seed, progress=progress,
-                        length=min(TRAIN["length"], model.config.n_positions))
+                        length=min(TRAIN["length"], context(model)[1]))
     save_charlm(model, vocab, path)
     return model, vocab, {"checkpoint": str(path), "trained_now": True, "loss": hist,
                           "validation_loss": validation_loss(model, held)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", choices=list(ARCHS), default="gpt2",
+                   help="the model's shape: GPT-2 (default) or Llama, of the same sizes")
     p.add_argument("--steps", type=int, default=TRAIN["steps"])
     p.add_argument("--batch-size", type=int, default=TRAIN["batch_size"])
     p.add_argument("--length", type=int, default=TRAIN["length"], help="characters per window")
@@ -131,7 +164,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
                    help="directory to save the model and vocab.json in (default: "
-                        "results/charlm_s{steps}, where the benchmark looks)")
+                        "results/charlm_s{steps}, --arch llama: "
+                        "results/charlm_llama_s{steps}, where the benchmark looks)")
     p.add_argument("--prompt", default="The for statement",
                    help="prompt of the greedy sample printed at the end")
 
@@ -139,11 +173,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     start = time.perf_counter()
     out = check_out_dir(default_path(args.out, checkpoint_dir(
-        "results", steps=args.steps, seed=args.seed, width=args.width, layers=args.layers,
-        heads=args.heads)), what="the directory to save the model in")
+        "results", steps=args.steps, seed=args.seed, arch=args.arch, width=args.width,
+        layers=args.layers, heads=args.heads)), what="the directory to save the model in")
     vocab, train, held = corpus()
-    model = char_gpt2(len(vocab), width=args.width, layers=args.layers, heads=args.heads,
-                      seed=args.seed)
+    model = ARCHS[args.arch](len(vocab), width=args.width, layers=args.layers,
+                             heads=args.heads, seed=args.seed)
     hist = train_charlm(model, train, steps=args.steps, batch_size=args.batch_size,
                         length=args.length, lr=args.lr, seed=args.seed)
     out = save_charlm(model, vocab, out)
@@ -153,7 +187,8 @@ def run(args) -> int:
     tokens, sol = generate(model, vocab.encode(args.prompt)[None], max_new_tokens=120,
                            throw=False)
     params = sum(p.numel() for p in model.parameters())
-    print(f"trained a char LM ({params} parameters, vocabulary {len(vocab)}) on "
+    shape = "GPT-2" if args.arch == "gpt2" else "Llama"
+    print(f"trained a {shape}-shaped char LM ({params} parameters, vocabulary {len(vocab)}) on "
           f"{len(train)} characters for {args.steps} steps: loss {hist[0]:.3f} -> "
           f"{hist[-1]:.3f}, held-out {val:.3f} nats/char, in "
           f"{time.perf_counter() - start:.0f} s; saved {out}")
