@@ -223,8 +223,7 @@ def test_arch_and_context_are_checked(tmp_path):
     from types import SimpleNamespace
 
     from paraprop.models.charlm import char_gpt2, char_llama, save_charlm
-    from paraprop_lab.training.charlm import (checkpoint_dir, context, train_charlm,
-                                              trained_charlm)
+    from paraprop_lab.training.charlm import checkpoint_dir, context, train_charlm, trained_charlm
 
     with pytest.raises(ValueError, match=r"arch must be one of 'gpt2', 'llama', got 'rwkv'"):
         trained_charlm(tmp_path, arch="rwkv", steps=1)
@@ -282,3 +281,37 @@ def test_peer_table_of_the_llama_char_lm():
         "paraprop accelerate(model), generate's call"]
     assert all(r["same tokens"] for r in rows) and "| generate |" in table
     assert all(1 <= r["model passes"] <= 32 for r in rows)
+
+
+def test_bench_runs_the_peer_table_for_both_char_lms(tmp_path, monkeypatch):
+    """``paraprop bench decoding``'s wiring (its own measurements stubbed out, the char LMs
+    tiny and untrained): the peer table of the GPT-2-shaped char LM under its keys as before,
+    then the Llama-shaped one's (asked for with ``arch="llama"``, 20 steps in quick mode)."""
+    from pathlib import Path
+
+    from paraprop.models.charlm import char_gpt2, char_llama
+    from paraprop_lab.bench import decoding as bench
+    from paraprop_lab.training.charlm import corpus
+
+    vocab = corpus()[0]
+    asked = []
+
+    def tiny(out_dir, *, arch="gpt2", **kw):
+        asked.append((arch, kw))
+        build = char_llama if arch == "llama" else char_gpt2
+        model = build(len(vocab), width=16, layers=1, heads=2, context=128).eval()
+        return model, vocab, {"checkpoint": f"{arch}-dir", "trained_now": False}
+
+    monkeypatch.setattr(bench, "trained_charlm", tiny)
+    monkeypatch.setattr(bench, "case_rows", lambda *a, **k: [dict.fromkeys(bench.COLUMNS, 0)])
+    monkeypatch.setattr(bench, "plot", lambda path, table: Path(path))
+    monkeypatch.setattr(bench.decoding_images, "section", lambda *a, **k: ([], {}))
+    payload = bench.run(tmp_path, quick=True, repeats=1)
+    assert asked == [("gpt2", {"steps": 20}), ("llama", {"steps": 20})]
+    assert payload["model"]["checkpoint"] == "gpt2-dir"
+    assert payload["model_llama"]["checkpoint"] == "llama-dir"
+    for key in ("peers", "peers_llama"):
+        assert len(payload[key]) == 4 and all(r["same tokens"] for r in payload[key])
+    report = next(tmp_path.glob("*.md")).read_text()
+    gpt2 = report.index("GPT-2-shaped char LM, greedy, batch 1, 32 new tokens")
+    assert report.index("Llama-shaped char LM, greedy, batch 1, 32 new tokens") > gpt2

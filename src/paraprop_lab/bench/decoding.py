@@ -18,7 +18,9 @@ same-image check, and a PNG of Jacobi samples above the sequential ones.
 
 The peer rows (:mod:`paraprop_lab.experiments.decoding_peers`): transformers' prompt lookup
 decoding (``prompt_lookup_num_tokens`` 3/5/10, n-gram 2/3) against paraprop's Jacobi decoding
-and ``accelerate(model)``, greedy, batch 1, the short prompts and a long one.
+and ``accelerate(model)``, greedy, batch 1, the short prompts and a long one: on the GPT-2-shaped
+char LM, then on a Llama-shaped one of the same sizes trained the same way (``paraprop train
+charlm --arch llama``, trained here when the results folder has none).
 """
 
 from __future__ import annotations
@@ -77,7 +79,18 @@ def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
                      "```\n" + payload["example"] + "\n```"))
     peer_sections, peer_payload = decoding_peers.section(model, vocab, held,
                                                          prompts(vocab, held, 4), quick=quick,
-                                                         repeats=repeats)
+                                                         repeats=repeats,
+                                                         model_name="GPT-2-shaped char LM")
+    sections += peer_sections
+    payload.update(peer_payload)
+    llama, llama_vocab, llama_info = trained_charlm(out_dir, arch="llama",
+                                                    **({"steps": 20} if quick else {}))
+    llama.requires_grad_(False)
+    _, _, llama_held = corpus(llama_vocab)
+    payload["model_llama"] = {k: v for k, v in llama_info.items() if k != "loss"}
+    peer_sections, peer_payload = decoding_peers.section(
+        llama, llama_vocab, llama_held, prompts(llama_vocab, llama_held, 4), quick=quick,
+        repeats=repeats, model_name="Llama-shaped char LM", key="peers_llama")
     sections += peer_sections
     payload.update(peer_payload)
     image_sections, image_payload = decoding_images.section(out_dir, quick=quick,

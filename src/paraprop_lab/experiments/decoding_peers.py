@@ -1,6 +1,8 @@
 """The decoding bench's peer rows: transformers' own n-gram speculation (``model.generate(...,
 prompt_lookup_num_tokens=k)``, prompt lookup decoding) against paraprop's Jacobi decoding, greedy,
 batch 1, on short prompts and on a long one, each run's tokens checked equal to ``generate``'s.
+The bench runs it for each char LM (``paraprop train charlm``: GPT-2-shaped, then
+``--arch llama``, Llama-shaped, trained the same way), one table per model, titled with it.
 
 For each prompt: ``generate``; prompt lookup with ``k`` in :data:`LOOKUP` and its n-gram size in
 :data:`NGRAM` (the best of them is the peer a user would pick); paraprop's ``jacobi`` (window 16,
@@ -101,8 +103,10 @@ def prompt_rows(model, ids: torch.Tensor, new: int, *, label: str, repeats: int,
     return rows
 
 
-def section(model, vocab, held: torch.Tensor, prompts, *, quick: bool, repeats: int):
-    """``(sections, payload)`` of the peer rows: the short prompts of the bench (``prompts``
+def section(model, vocab, held: torch.Tensor, prompts, *, quick: bool, repeats: int,
+            model_name: str = "GPT-2-shaped char LM", key: str = "peers"):
+    """``(sections, payload)`` of the peer rows of ``model`` (``model_name`` opens the table's
+    title; the rows are the payload's ``key``): the short prompts of the bench (``prompts``
     ``(B, P)``, each alone) and a long one of :data:`LONG` characters, ``256`` new tokens
     (``quick``: one short prompt, 32 tokens, ``k=3`` only)."""
     from paraprop_lab.experiments.report import markdown_table, text_table
@@ -117,8 +121,8 @@ def section(model, vocab, held: torch.Tensor, prompts, *, quick: bool, repeats: 
     for label, ids in cases:
         rows += prompt_rows(model, ids.long(), new, label=label, repeats=repeats,
                             lookups=(3,) if quick else LOOKUP, ngrams=(2,) if quick else NGRAM)
-    title = (f"greedy, batch 1, {new} new tokens: transformers' prompt lookup vs paraprop "
-             "(tokens checked equal to generate's)")
+    title = (f"{model_name}, greedy, batch 1, {new} new tokens: transformers' prompt lookup vs "
+             "paraprop (tokens checked equal to generate's)")
     print(f"\n{title}")
     print(text_table(rows, COLUMNS))
-    return [(title, markdown_table(rows, COLUMNS))], {"peers": rows}
+    return [(title, markdown_table(rows, COLUMNS))], {key: rows}
