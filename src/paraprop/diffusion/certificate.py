@@ -165,10 +165,11 @@ def _solve_certified(chain, solver, tol, max_iters, callback) -> Certified:
 def _last_step_check(run, chain) -> int | None:
     """The batch-variance spot check of a later step: the last step ``s`` whose value came from
     a batched call (``N - 1``, or the step before the loop's fallback where the loop computed
-    the tail), computed once more by the loop's own call of ``B`` rows from its input in the
-    final trajectory, and compared with the batched calls' step from the same input (the
-    certified value of a sample certified bit for bit; else the last observed evaluation, where
-    it was at this input), where the budget has a call left (a run that needs every call of the
+    the tail), computed once more by the loop's own call of ``B`` rows from its input, and
+    compared with the batched calls' step from the same input: for a sample whose certified
+    prefix covers ``s``, from its certified input to its certified value (its trajectory may
+    hold an estimate's values there); else from its input in the final trajectory to the last
+    observed evaluation, where it was at this input; where the budget has a call left (a run that needs every call of the
     budget is checked at step 0 only: documented). A difference is batch variance at
     a later step (step 0's comparison cannot see a model that rounds apart only there): it
     raises ``chain.loop_gap`` (in model-output units, through the step's reaction to its model
