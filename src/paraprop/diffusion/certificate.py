@@ -169,12 +169,12 @@ def _last_step_check(run, chain) -> int | None:
     compared with the batched calls' step from the same input: for a sample whose certified
     prefix covers ``s``, from its certified input to its certified value (its trajectory may
     hold an estimate's values there); else from its input in the final trajectory to the last
-    observed evaluation, where it was at this input; where the budget has a call left (a run that needs every call of the
-    budget is checked at step 0 only: documented). A difference is batch variance at
-    a later step (step 0's comparison cannot see a model that rounds apart only there): it
-    raises ``chain.loop_gap`` (in model-output units, through the step's reaction to its model
-    output) and marks the calls irreproducible. Returns ``s`` where it found a difference larger
-    than step 0's, else ``None``."""
+    observed evaluation, where it was at this input; where the budget has a call left (a run
+    that needs every call of the budget is checked at step 0 only: documented). A difference is
+    batch variance at a later step (step 0's comparison cannot see a model that rounds apart
+    only there): it raises ``chain.loop_gap`` (in model-output units, through the step's
+    reaction to its model output) and marks the calls irreproducible. Returns ``s`` where it
+    found a difference larger than step 0's, else ``None``."""
     N, B = chain.N, chain.B
     s = N - 1 if run.fallback_from is None else run.fallback_from - 1
     if s < 1 or chain.max_rows <= B or run.left < 1:
