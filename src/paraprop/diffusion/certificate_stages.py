@@ -189,12 +189,11 @@ def _check(run, chain, done, estimate, tol, window, loop_limit=None):
     q = torch.arange(N + 1, device=F.device)
     limit = run.left if loop_limit is None else min(run.left, loop_limit)
     fits = ((F <= tol) | ~left[:, None]).all(0) & (N - q <= limit) & (q > 0)
-    records = None
+    rec = run.gains.last_records if chain.history else None
     if chain.history:
         # the loop from q reads the records of the steps before it: those of their last
         # evaluations, at their inputs in X (the direct steps above), which the bound F
         # carries; a step never evaluated has none (NaN), and q cannot start after it
-        rec = run.gains.last_records
         have = torch.zeros(N + 1, dtype=torch.bool, device=F.device)
         if rec is not None:
             # have[k]: the h steps before k all have records (steps never seen, counted)
@@ -206,11 +205,9 @@ def _check(run, chain, done, estimate, tol, window, loop_limit=None):
     if not bool(fits.any()):
         return done, estimate, E
     start = int(torch.where(fits, q, -1).max())
-    if chain.history:
-        rec = run.gains.last_records
-        assert rec is not None
-        records = rec[:, start - min(chain.history, start): start]
-        records = torch.nan_to_num(records)   # (the samples left have them: `have`)
+    # (the samples left have the records: `have`)
+    records = None if rec is None else \
+        torch.nan_to_num(rec[:, start - min(chain.history, start): start])
     run.sequential(start, done, records)
     exact = chain.certified() >= N
     bound = F[:, start]

@@ -33,7 +33,6 @@ from paraprop.diffusion.pipeline_calls import (
     same_kwargs,
     tile,
 )
-from paraprop.diffusion.programs import history_parallel, markov
 from paraprop.diffusion.readers import READERS
 from paraprop.diffusion.sample import sample
 from paraprop.diffusion.schedulers import scheduler_kind, step_table
@@ -151,9 +150,6 @@ class Run:
             reader = readers.reader(sched, N, mu=self.mu, device=latents.device)
             # (DPM-Solver++ of order 2-3 read earlier model outputs: the pipeline's own
             # scheduler keeps that history from the served outputs, as in its plain loop)
-            if not (markov(reader) or history_parallel(reader)):
-                raise FallThrough(f"{name} with its settings reads the history of earlier "
-                                  "steps: paraprop has no parallel path for it")
             if self.loop is not None:
                 K = reader.K
                 self.loop.check_scaling(name, lambda dt: reader.model_input(

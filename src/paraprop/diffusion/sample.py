@@ -21,7 +21,6 @@ from paraprop.diffusion.history import (
 from paraprop.diffusion.programs import (
     HistoryProgram,
     MarkovProgram,
-    history_parallel,
     markov,
     refuse_split,
 )
@@ -190,8 +189,7 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         if markov(reader):
             table = MarkovProgram(reader)
         elif not isinstance(solver, Sequential):
-            # (every reader with history is read in parallel; sequential: the loop through it)
-            assert history_parallel(reader), reader.classname
+            # (a reader with history, in parallel; sequential: the loop through the reader)
             table = HistoryProgram(reader)
         N = reader.K   # model calls of the loop (Heun: 2 per step but the last)
         latents, z = _reader_noise(reader, noise, generator, shape, dtype, device)
