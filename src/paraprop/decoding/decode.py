@@ -41,7 +41,7 @@ METHODS = ("sequential", "jacobi", "gs_jacobi")
 DEFAULT_WINDOW = 16
 WINDOWED = ("jacobi", "gs_jacobi")   # the named methods that take a window (checks.window_option)
 COUPLINGS = ("inverse_cdf", "gumbel")
-ADVANCES = ("minimum", "per-sample")
+ADVANCES = SlidingJacobi.ADVANCES   # ("minimum", "per-sample")
 LOOKAHEAD = True               # greedy n-gram guesses from the iterates too (ngrams.py)
 DEFAULT_ADVANCE = "minimum"     # measured faster on a CPU at batch 4/8/16 (docs/decoding.md)
 

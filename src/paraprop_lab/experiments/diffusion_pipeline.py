@@ -12,12 +12,11 @@ loop, and its time includes paraprop's attempt.
 from __future__ import annotations
 
 import warnings
-from statistics import median
 
 import torch
 
 from paraprop.diffusion import BatchVarianceWarning, FallThroughWarning, accelerate
-from paraprop_lab.experiments.harness import interleaved
+from paraprop_lab.experiments.harness import interleaved, median
 
 PIPELINE_COLUMNS = ["method", "tol", "sequential_calls", "model_evals", "time_ms", "speedup",
                     "max_abs_err", "served"]
