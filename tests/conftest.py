@@ -29,3 +29,12 @@ def device(request) -> torch.device:
     """The device an exactness test runs on: ``cpu`` always, ``cuda`` where a GPU is present
     (those cases carry the ``gpu`` marker: ``make test-gpu`` runs them alone)."""
     return torch.device(request.param)
+
+
+@pytest.fixture
+def ieee_convolutions(monkeypatch, device):
+    """cuDNN's float32 convolutions in float32 (not TF32, torch's default on CUDA) for the test,
+    on the ``cuda`` case of ``device``; the CPU case is untouched. For the tests whose reference
+    and method run convolutions of other shapes or products (see docs/gpu.md, "TF32")."""
+    if torch.device(device).type == "cuda":
+        monkeypatch.setattr(torch.backends.cudnn.conv, "fp32_precision", "ieee")

@@ -679,3 +679,26 @@ def test_gradient_penalty_wrt_the_weights_is_refused_not_silently_none(cls):
     penalty = g.pow(2).sum()
     with pytest.raises(NotImplementedError, match="first-order gradients only"):
         torch.autograd.grad(penalty, list(m.parameters()), allow_unused=True)
+
+
+def test_triton_backward_wider_than_its_kernel_is_refused_at_construction():
+    """The first GPU run met this inside a training step (an LSTM of hidden 64 has a state of
+    128 for the kernels' 64): now the module refuses it when built or configured, by name."""
+    from paraprop.nn import GRU, LSTM, RNN, ParaLSTM, ScanBackward
+
+    tb = ScanBackward(method="triton")
+    with pytest.raises(ValueError, match=r"LSTM\(hidden_size=40\) has a state of 80 \(2 x"):
+        LSTM(4, 40, backward=tb)
+    with pytest.raises(ValueError, match=r"GRU\(hidden_size=65\) has a state of 65:"):
+        GRU(4, 65, backward=tb)
+    with pytest.raises(ValueError, match=r"RNN\(hidden_size=65\)"):
+        RNN(4, 65, backward=tb)
+    assert LSTM(4, 32, backward=tb).backward_config == tb           # 64: fits
+    assert GRU(4, 64, backward=tb).backward_config == tb
+    assert ParaLSTM(4, 200, backward=tb).backward_config == tb      # diagonal: any width
+    wide = LSTM(4, 40)
+    before = wide.backward_config
+    with pytest.raises(ValueError, match="method='auto'"):
+        wide.backward_config = tb
+    assert wide.backward_config == before
+    wide.backward_config = ScanBackward(method="chunked")            # other methods: any width

@@ -158,6 +158,9 @@ def test_pytest_summary_and_command():
     cmd = gpu_check.pytest_command("tests/test_x.py -k 'a or b'", workers=0)
     assert cmd[-3:] == ["tests/test_x.py", "-k", "a or b"]
     assert gpu_check.pytest_command(None, workers=0)[-2:] == ["-m", "gpu"]
+    # the GPU machine's pytest-benchmark warns under xdist; with filterwarnings=error that was an
+    # internal error before any test ran (first GPU run): the command blocks the plugin
+    assert "no:benchmark" in cmd and cmd[cmd.index("no:benchmark") - 1] == "-p"
 
 
 def test_gpu_suite_specs_order_and_selection():
@@ -260,3 +263,36 @@ def test_scan_rows_on_device(device):
     assert [r["name"] for r in recs if r["status"] != "ok"] == (
         [] if device.type == "cuda" and rows_recurrent.triton_available() is None
         else ["bandwidth.triton", "bandwidth.triton_kernel"])
+
+
+def test_the_baseline_runs_without_cudnn_where_cudnn_refuses_the_input():
+    """The first GPU run: cuDNN refused torch.nn.GRU over T=100000 (CUDNN_STATUS_NOT_SUPPORTED)
+    and the Newton row failed; the baseline is now torch's kernel with cuDNN off, said in the
+    note. Other errors still fail the row."""
+    import types
+
+    from torch import nn
+
+    from paraprop_lab.experiments.rows_recurrent import cudnn_or_not
+
+    class Picky(nn.Module):
+        def __init__(self, message):
+            super().__init__()
+            self.message, self.calls = message, []
+
+        def forward(self, x):
+            self.calls.append(torch.backends.cudnn.enabled)
+            if torch.backends.cudnn.enabled:
+                raise RuntimeError(self.message)
+            return (x, None)
+
+    x = types.SimpleNamespace(device=torch.device("cuda"), shape=(100000, 16, 1))
+    picky = Picky("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if ...")
+    base, note = cudnn_or_not(picky, x)
+    assert base is not picky and "cuDNN refused this input" in note and "T=100000" in note
+    assert base(x)[0] is x and picky.calls == [True, False]
+    assert torch.backends.cudnn.enabled                          # restored
+    with pytest.raises(RuntimeError, match="out of memory"):
+        cudnn_or_not(Picky("CUDA out of memory"), x)
+    cpu = torch.zeros(3, 1, 1)
+    assert cudnn_or_not(picky, cpu) == (picky, "")               # the CPU: never probed

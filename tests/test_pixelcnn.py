@@ -6,6 +6,7 @@ import torch
 import paraprop
 from paraprop import ConvergenceError
 from paraprop.models import PixelCNN
+from paraprop.sampling import pixelcnn as ps
 from paraprop.sampling import sample
 from paraprop.sampling.pixelcnn import CachedPixels, PixelSystem
 from paraprop.solvers import GSJacobi, JacobiGS, SlidingJacobi
@@ -172,7 +173,7 @@ def test_sequential_cached_solution_comes_from_the_driver():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_lower_precision_models_agree(dtype, device):
+def test_lower_precision_models_agree(dtype, device, ieee_convolutions):
     """The cached samplers compute a pixel with other products than the full forward pass (one
     column of each layer against convolutions): the same image here, in every dtype, though a
     rounding difference could in principle move a value across a grid boundary (see
@@ -342,3 +343,45 @@ def test_pixelcnn_argument_and_checkpoint_errors(tmp_path):
         pixel_data("cifar")
     with pytest.raises(ValueError, match="epochs and batch_size must be >= 1, got 0, 64"):
         train_pixelcnn(_model(size=4), torch.zeros(2, 1, 4, 4), epochs=0)
+
+
+def test_tf32_convolutions_are_refused_where_the_cached_result_is_checked(monkeypatch):
+    """On CUDA, cuDNN runs float32 convolutions in TF32 by default; the cached samplers' columns
+    (float32 products) then disagree with the full pass that checks them (the first GPU run: one
+    grid step within the first rows). jacobi_gs and gs_jacobi refuse that setting up front, by
+    name; float64, bfloat16 and the CPU are not affected."""
+    m = _model(size=5, seed=0, dtype=torch.float32)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    with pytest.raises(ValueError, match=r"fp32_precision = 'ieee'.*'sequential_cached'"):
+        ps.refuse_tf32_convolutions(m, cuda, "gs_jacobi")
+    ps.refuse_tf32_convolutions(m, cpu, "gs_jacobi")                   # the CPU: no TF32
+    ps.refuse_tf32_convolutions(_model(size=5, seed=0, dtype=torch.float64), cuda, "x")
+    # the flags are read in torch's order: the convolutions', cuDNN's, torch's
+    cudnn = torch.backends.cudnn
+    assert ps.cudnn_conv_tf32()                                        # torch's default
+    monkeypatch.setattr(cudnn, "conv", type("C", (), {"fp32_precision": "ieee"})())
+    assert not ps.cudnn_conv_tf32()
+    ps.refuse_tf32_convolutions(m, cuda, "gs_jacobi")
+    monkeypatch.setattr(cudnn, "conv", type("C", (), {"fp32_precision": "none"})())
+    monkeypatch.setattr(cudnn, "fp32_precision", "tf32")
+    assert ps.cudnn_conv_tf32()
+    # both checked samplers ask before they run
+    seen = []
+    monkeypatch.setattr(ps, "refuse_tf32_convolutions", lambda m, d, e: seen.append(e))
+    noise = m.draw_noise(1, torch.Generator().manual_seed(0))
+    for method in ("gs_jacobi", "jacobi_gs", "sequential_cached", "jacobi"):
+        sample(m, 1, method=method, noise=noise, tol=0)
+    assert seen == ["paraprop.sampling.pixelcnn.gs_jacobi", "paraprop.sampling.pixelcnn.jacobi_gs"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_tf32_refusal_on_the_gpu():
+    if not ps.cudnn_conv_tf32():
+        pytest.skip("this process runs cuDNN's convolutions in float32 already")
+    m = _model(size=5, seed=0, dtype=torch.float32, device="cuda")
+    noise = m.draw_noise(1, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="TF32"):
+        sample(m, 1, method="gs_jacobi", noise=noise, tol=0)
+    x, sol = sample(m, 1, method="sequential_cached", noise=noise)     # consistent in TF32
+    assert sol.converged and x.shape == (1, 1, 5, 5)

@@ -124,6 +124,10 @@ class ScanBackwardMixin:
 
     _function: type[torch.autograd.Function]
     _state_parts = 1
+    # whether the backward's reverse recurrence steps by full (dense, factored or LSTM)
+    # transitions of width _state_parts * hidden_size (False: diagonal ones, ParaGRU/ParaLSTM)
+    _dense_backward = True
+    hidden_size: int
     # what the module classes this plumbing is mixed into have (torch's, or _ParaRNN's)
     num_layers: int
     bias: bool
@@ -162,7 +166,28 @@ class ScanBackwardMixin:
     def backward_config(self, value) -> None:
         bwd = backward_option(value)
         check_pair(getattr(self, "_forward_config", None), bwd)
+        self._check_backward_fits(bwd)
         object.__setattr__(self, "_backward_config", bwd)
+
+    def _check_backward_fits(self, bwd) -> None:
+        """``ScanBackward(method="triton")`` where the kernels cannot run this module's reverse
+        recurrence (a dense state wider than one program's ``H x H`` step) is refused here, not
+        at the first backward (the first GPU run met it there, inside a training step)."""
+        if not (isinstance(bwd, ScanBackward) and bwd.method == "triton"
+                and self._dense_backward):
+            return
+        from paraprop.scan.triton_kernels import MAX_DENSE
+
+        width = self._state_parts * self.hidden_size
+        if width > MAX_DENSE:
+            parts = ("" if self._state_parts == 1
+                     else f" ({self._state_parts} x hidden_size: h and c)")
+            raise ValueError(
+                f"backward=ScanBackward(method='triton') runs a reverse recurrence with a state "
+                f"of at most {MAX_DENSE} (one H x H step per program); this "
+                f"{type(self).__name__}(hidden_size={self.hidden_size}) has a state of "
+                f"{width}{parts}: use ScanBackward() (method='auto') or method='chunked' or "
+                "'blelloch'")
 
     # -- what the last call ran ------------------------------------------------------------------
     def _run_log(self) -> RunLog:
@@ -203,6 +228,7 @@ class ScanBackwardMixin:
         return fwd, bwd
 
     def _set_options(self, fwd, bwd) -> None:
+        self._check_backward_fits(bwd)
         object.__setattr__(self, "_forward_config", fwd)
         object.__setattr__(self, "_backward_config", bwd)
         self._runs = RunLog()

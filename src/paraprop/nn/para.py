@@ -33,6 +33,7 @@ class _ParaRNN(ScanBackwardMixin, nn.Module):
     _gates: int
     _parts: int            # tensors in the state: 1 (h) or 2 (h, c)
     _sequential_kernels = ("torch",)   # forward="sequential": the module's own loop
+    _dense_backward = False            # diagonal transitions: the scan kernels take any width
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, device=None, dtype=None, *, forward="newton",

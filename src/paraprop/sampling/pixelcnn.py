@@ -23,6 +23,14 @@ bf16, fp16). A rounding difference that moved a value across a grid boundary wou
 the solvers' verification of a ``tol=0`` result against the full map (a
 :class:`paraprop.ProtocolError` naming the hook that disagrees with the full pass), not returned
 as exact; ``sequential_cached`` (``Sequential()`` on the cached map) is its own reference.
+
+On a GPU, cuDNN runs float32 convolutions in TF32 unless told otherwise (torch's default,
+``torch.backends.cudnn.conv.fp32_precision == "tf32"``): the full pass then rounds to about
+``2**-11`` while the cached columns (matrix products, float32) do not, and on the first GPU run
+(an H200, 256 levels) the two disagreed by one grid step within the first rows. ``jacobi_gs`` and
+``gs_jacobi`` check their cached result against the full pass, so there they are refused up front
+with the setting named (:func:`refuse_tf32_convolutions`); ``sequential_cached`` and the uncached
+samplers are each consistent with themselves and run in the user's setting.
 """
 
 from __future__ import annotations
@@ -41,6 +49,38 @@ from paraprop.solvers import GSJacobi, JacobiGS, Sequential
 
 DEFAULT_BLOCK_ROWS = 4  # Jacobi-GS: rows per block (7 blocks on 28 rows)
 DEFAULT_WINDOW_ROWS = 4  # GS-Jacobi: rows per window (fastest in the bench's sweep)
+
+
+def cudnn_conv_tf32() -> bool:
+    """Whether cuDNN may run float32 convolutions in TF32 now: the first of
+    ``torch.backends.cudnn.conv.fp32_precision``, ``torch.backends.cudnn.fp32_precision`` and
+    ``torch.backends.fp32_precision`` that is not ``"none"`` (torch's default: ``"tf32"``)."""
+    import torch.backends.cudnn as cudnn
+
+    for value in (cudnn.conv.fp32_precision, cudnn.fp32_precision,
+                  torch.backends.fp32_precision):
+        if value != "none":
+            return value == "tf32"
+    return False
+
+
+def refuse_tf32_convolutions(model, device: torch.device, entry: str) -> None:
+    """Refuse a sampler that checks the cached columns against the full pass where the full pass
+    would run in TF32 (CUDA, float32, :func:`cudnn_conv_tf32`).
+
+    Raises:
+        ValueError: naming the setting and the ways out.
+    """
+    dtype = next(model.parameters()).dtype
+    if device.type == "cuda" and dtype == torch.float32 and cudnn_conv_tf32():
+        raise ValueError(
+            f"{entry} checks the cached columns (float32 matrix products) against the full "
+            "forward pass, whose convolutions cuDNN runs in TF32 here (torch.backends.cudnn."
+            "conv.fp32_precision resolves to 'tf32', torch's default on CUDA): the two round "
+            "differently by more than a pixel's grid step, and the check would refuse the "
+            "result. Set torch.backends.cudnn.conv.fp32_precision = 'ieee' for float32 "
+            "convolutions, or sample with method='sequential_cached' or 'jacobi', which are "
+            "each consistent in TF32")
 
 
 class PixelSystem:
@@ -283,6 +323,7 @@ def jacobi_gs(model, noise: torch.Tensor, block_rows: int, *, tol: float = 0.0,
     and ``throw`` are those of :func:`paraprop.solve` (any ``tol`` below the grid step
     ``2 / (levels - 1)`` means "no pixel changed": the exact image)."""
     require_deterministic(model, entry="paraprop.sampling.pixelcnn.jacobi_gs")
+    refuse_tf32_convolutions(model, noise.device, "paraprop.sampling.pixelcnn.jacobi_gs")
     H, W = noise.shape[1:3]
     _check_rows("block_size", block_rows, H)
     fn = CachedPixels(model, noise, block_rows)
@@ -299,6 +340,7 @@ def gs_jacobi(model, noise: torch.Tensor, window_rows: int, *, tol: float = 0.0,
     through the cached-prefix protocol. Stopping, ``max_iters`` (a cap on the sweeps of all
     windows together) and ``throw`` are those of :func:`paraprop.solve`."""
     require_deterministic(model, entry="paraprop.sampling.pixelcnn.gs_jacobi")
+    refuse_tf32_convolutions(model, noise.device, "paraprop.sampling.pixelcnn.gs_jacobi")
     H, W = noise.shape[1:3]
     _check_rows("block_size", window_rows, H)
     fn = CachedPixels(model, noise)

@@ -31,7 +31,7 @@ from paraprop_lab.training.made import trained_made
 DESCRIPTION = "MADE sampling: ancestral vs Jacobi (online / oracle stop) vs fixed passes; flows"
 
 # the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
-DEVICE_ROWS = [RowSpec("made.jacobi", _rows.made_rows, 10)]
+DEVICE_ROWS = [RowSpec("made.jacobi", _rows.made_rows, 15)]
 
 
 def flow_rows(features: int, n: int, *, repeats: int) -> list[dict]:

@@ -25,8 +25,8 @@ from paraprop_lab.experiments.rows_report import with_device_rows
 DESCRIPTION = "ParaGRU / ParaLSTM: Newton forward vs their sequential loop, and JAX lax.scan"
 
 # the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
-DEVICE_ROWS = [RowSpec("pararnn.gru", _rows.para_rows("gru"), 45),
-               RowSpec("pararnn.lstm", _rows.para_rows("lstm"), 45)]
+DEVICE_ROWS = [RowSpec("pararnn.gru", _rows.para_rows("gru"), 75),
+               RowSpec("pararnn.lstm", _rows.para_rows("lstm"), 75)]
 
 COLUMNS = ["cell", "T", "hidden", "batch", "rounds", "sequential_ms", "newton_ms", "speedup",
            "newton_iters", "err", "jax_ms", "newton_vs_jax"]

@@ -21,7 +21,7 @@ from paraprop_lab.experiments.rows_report import device_suite
 
 DESCRIPTION = "diagonal linear scan: every method vs the copy bandwidth; what auto should pick"
 
-DEVICE_ROWS = [RowSpec("scan.bandwidth", _rows.scan_bandwidth, 15),
+DEVICE_ROWS = [RowSpec("scan.bandwidth", _rows.scan_bandwidth, 40),
                RowSpec("scan.algorithm", _rows.scan_choice, 25)]
 
 

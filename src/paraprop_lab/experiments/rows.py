@@ -22,6 +22,7 @@ result is bitwise); a :func:`choice` is the measurement that sets an ``auto`` ch
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
@@ -173,6 +174,26 @@ def run_specs(specs: Iterable[RowSpec], ctx: Context, *, log=print) -> Iterator[
             rec["device"] = str(ctx.device)
             yield rec
         release(ctx.device)
+
+
+@contextlib.contextmanager
+def cudnn_float32(device: torch.device) -> Iterator[bool]:
+    """cuDNN's float32 convolutions and RNNs in float32 for the block, on CUDA (torch's default
+    there is TF32, about ``2**-11`` relative: the first GPU run measured torch's own RNN
+    gradients 3e-4 from float32's); yields whether anything changed (``False`` on the CPU).
+    Through torch's per-operator flags only (``torch.backends.cudnn.conv`` and ``.rnn``), so the
+    flags are restored as they were; reading the legacy ``allow_tf32`` afterwards may raise in
+    this process (torch calls that a mix of the two APIs), which no row does."""
+    if device.type != "cuda":
+        yield False
+        return
+    cudnn = torch.backends.cudnn
+    old = cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision
+    cudnn.conv.fp32_precision = cudnn.rnn.fp32_precision = "ieee"
+    try:
+        yield old != ("ieee", "ieee")
+    finally:
+        cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = old
 
 
 def release(device: torch.device) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from paraprop_lab.experiments.rows import Context, choice, max_abs, row
+from paraprop_lab.experiments.rows import Context, choice, cudnn_float32, max_abs, row
 
 MADE_TARGET, PIXELCNN_TARGET, DECODING_TARGET = 26.0, 4.4, 2.0
 DECODING_BATCH_TARGET = 2.0   # issue 32: greedy, batch 8, at least 2x generate
@@ -92,9 +92,15 @@ def pixelcnn_rows(ctx: Context) -> list[dict]:
     runs = {"cached": lambda: sample(model, n, method="sequential_cached", noise=noise, tol=0),
             "gs_jacobi": lambda: sample(model, n, method=GSJacobi(block_size=rows_per),
                                         noise=noise, tol=0)}
-    times = ctx.time(runs, repeats=ctx.rounds(3), desc="pixelcnn")
-    ref, _ = runs["cached"]()
-    got, sol = runs["gs_jacobi"]()
+    # gs_jacobi checks its cached columns against the full pass and refuses cuDNN's TF32
+    # convolutions (torch's default on CUDA; paraprop.sampling.pixelcnn): both samplers run
+    # with cuDNN in float32 here, as a user would set it
+    with cudnn_float32(dev) as changed:
+        times = ctx.time(runs, repeats=ctx.rounds(3), desc="pixelcnn")
+        ref, _ = runs["cached"]()
+        got, sol = runs["gs_jacobi"]()
+    if changed:
+        note += "cuDNN convolutions in float32 (fp32_precision 'ieee'; gs_jacobi refuses TF32); "
     return [row("pixelcnn", "gs_jacobi_vs_cached", what="PixelCNN sampling: GS-Jacobi vs the "
                 "cached sequential sampler", shape=f"hidden {hidden}, {layers} layers, {data} "
                 f"{model.size}x{model.size}, {n} images", baseline="sequential, cached",
