@@ -57,8 +57,8 @@ def cudnn_conv_tf32() -> bool:
     ``torch.backends.fp32_precision`` that is not ``"none"`` (torch's default: ``"tf32"``)."""
     import torch.backends.cudnn as cudnn
 
-    # the per-operator flags are set on the module at import (torch's stubs do not list them)
-    for value in (cudnn.conv.fp32_precision,  # type: ignore[attr-defined]
+    # cuDNN's own flag is set on the module at import (torch's stubs do not list it)
+    for value in (cudnn.conv.fp32_precision,
                   cudnn.fp32_precision,  # type: ignore[attr-defined]
                   torch.backends.fp32_precision):
         if value != "none":
