@@ -57,10 +57,10 @@ def cudnn_conv_tf32() -> bool:
     ``torch.backends.fp32_precision`` that is not ``"none"`` (torch's default: ``"tf32"``)."""
     import torch.backends.cudnn as cudnn
 
-    # cuDNN's own flag is set on the module at import (torch's stubs do not list it)
-    for value in (cudnn.conv.fp32_precision,
-                  cudnn.fp32_precision,  # type: ignore[attr-defined]
-                  torch.backends.fp32_precision):
+    # set on the modules at import: torch's stubs do not list them
+    for value in (cudnn.conv.fp32_precision,  # type: ignore[attr-defined]
+                  cudnn.fp32_precision,
+                  torch.backends.fp32_precision):  # type: ignore[attr-defined]
         if value != "none":
             return value == "tf32"
     return False
