@@ -25,16 +25,17 @@ CUDA = torch.cuda.is_available()
         pytest.mark.skipif(not CUDA, reason="no CUDA device (make test-gpu on a GPU machine)"),
     ]),
 ])
-def device(request) -> torch.device:
+def device(request, monkeypatch) -> torch.device:
     """The device an exactness test runs on: ``cpu`` always, ``cuda`` where a GPU is present
-    (those cases carry the ``gpu`` marker: ``make test-gpu`` runs them alone)."""
+    (those cases carry the ``gpu`` marker: ``make test-gpu`` runs them alone).
+
+    The ``cuda`` case runs cuDNN's float32 convolutions and RNNs in float32 (torch's default
+    there is TF32, about ``2**-11``): these tests hold paraprop to its float32 bounds against
+    float32 references. What TF32 does to each promise is tested by name, on the GPU, in
+    ``tests/test_gpu_tf32.py`` (docs/gpu.md, "TF32")."""
+    if request.param == "cuda":
+        cudnn = torch.backends.cudnn
+        monkeypatch.setattr(cudnn.conv, "fp32_precision", "ieee")
+        monkeypatch.setattr(cudnn.rnn, "fp32_precision", "ieee")
     return torch.device(request.param)
 
-
-@pytest.fixture
-def ieee_convolutions(monkeypatch, device):
-    """cuDNN's float32 convolutions in float32 (not TF32, torch's default on CUDA) for the test,
-    on the ``cuda`` case of ``device``; the CPU case is untouched. For the tests whose reference
-    and method run convolutions of other shapes or products (see docs/gpu.md, "TF32")."""
-    if torch.device(device).type == "cuda":
-        monkeypatch.setattr(torch.backends.cudnn.conv, "fp32_precision", "ieee")

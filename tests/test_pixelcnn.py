@@ -173,7 +173,7 @@ def test_sequential_cached_solution_comes_from_the_driver():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_lower_precision_models_agree(dtype, device, ieee_convolutions):
+def test_lower_precision_models_agree(dtype, device):
     """The cached samplers compute a pixel with other products than the full forward pass (one
     column of each layer against convolutions): the same image here, in every dtype, though a
     rounding difference could in principle move a value across a grid boundary (see

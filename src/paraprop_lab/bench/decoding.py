@@ -43,7 +43,7 @@ from paraprop_lab.training.charlm import corpus, trained_charlm  # noqa: E402
 DESCRIPTION = "Jacobi decoding of a char LM: generate vs sequential KV-cached loop vs Jacobi"
 
 # the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
-DEVICE_ROWS = [RowSpec("decoding.greedy", _rows.decoding_rows, 45)]
+DEVICE_ROWS = [RowSpec("decoding.greedy", _rows.decoding_rows, 60)]
 
 
 @with_device_rows("decoding", DEVICE_ROWS)
