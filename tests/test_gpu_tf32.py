@@ -17,9 +17,6 @@ import paraprop.nn as pnn
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
-diffusers = pytest.importorskip("diffusers")
-
-from test_diffusion import exact_or_refused, tiny_unet  # noqa: E402
 
 
 def _tf32(monkeypatch, on: bool) -> None:
@@ -57,7 +54,8 @@ def test_nn_scan_backward_is_float32_and_differs_from_torch_by_tf32_only(monkeyp
         found[on] = max(_rel(o2, o1), *(_rel(b, a) for a, b in zip(g1, g2, strict=True)))
     assert found[False] <= 1e-5
     # TF32 rounds to 2**-11 (4.9e-4); the first GPU run measured 2.7e-4 for a GRU of this
-    # width over T=1000: within 20 of TF32's units, far from a wrong gradient (order 1)
+    # width over T=1000: within 20 of TF32's units, far from a wrong gradient (order 1). (Not
+    # asserted: that TF32 raises the deviation; the GPU rows report both figures.)
     assert found[True] <= 1e-2
 
 
@@ -66,6 +64,9 @@ def test_diffusion_on_a_batched_unet_in_tf32_keeps_its_promise(monkeypatch, tol)
     """A UNet evaluated in batches (cuDNN picks its algorithms by batch size, each in TF32): at
     tol=0 the loop's bits or an honest refusal; at tol=1e-3 a certified result within tol of
     the loop run in the same setting, or ``converged=False``."""
+    diffusers = pytest.importorskip("diffusers")
+    from test_diffusion import exact_or_refused, tiny_unet
+
     _tf32(monkeypatch, True)
     unet = tiny_unet().eval().cuda()
     sch = diffusers.DDIMScheduler()
@@ -86,4 +87,6 @@ def test_diffusion_on_a_batched_unet_in_tf32_keeps_its_promise(monkeypatch, tol)
         exact_or_refused(x, sol, ref)
     elif sol.converged:
         assert float((x - ref).abs().max()) <= tol
+    else:     # refused only for the model's own batch variance, and said so
+        assert "rounds differently on the batched calls" in sol.stats["reason"], sol.stats
     assert math.isfinite(float(x.abs().max()))

@@ -74,14 +74,17 @@ def refuse_tf32_convolutions(model, device: torch.device, entry: str) -> None:
         ValueError: naming the setting and the ways out.
     """
     dtype = next(model.parameters()).dtype
-    if device.type == "cuda" and dtype == torch.float32 and cudnn_conv_tf32():
+    if (device.type == "cuda" and dtype == torch.float32 and torch.backends.cudnn.enabled
+            and cudnn_conv_tf32()):
         raise ValueError(
             f"{entry} checks the cached columns (float32 matrix products) against the full "
             "forward pass, whose convolutions cuDNN runs in TF32 here (torch.backends.cudnn."
             "conv.fp32_precision resolves to 'tf32', torch's default on CUDA): the two round "
             "differently by more than a pixel's grid step, and the check would refuse the "
-            "result. Set torch.backends.cudnn.conv.fp32_precision = 'ieee' for float32 "
-            "convolutions, or sample with method='sequential_cached' or 'jacobi', which are "
+            "result. Set torch.backends.cudnn.allow_tf32 = False for float32 convolutions "
+            "(setting torch.backends.cudnn.conv.fp32_precision = 'ieee' alone does it too, but "
+            "torch then refuses reads of allow_tf32 and torch.backends.cudnn.flags, as a mix of "
+            "its two APIs), or sample with method='sequential_cached' or 'jacobi', which are "
             "each consistent in TF32")
 
 

@@ -46,7 +46,7 @@ DESCRIPTION = ("BPPSA: RNN/GRU/LSTM backward as a scan vs torch autograd (T, bat
                "GRU/LSTM hidden 64, Jacobi)")
 
 # the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
-DEVICE_ROWS = [RowSpec("bppsa.rnn", _rows.bppsa_rows("rnn"), 15),
+DEVICE_ROWS = [RowSpec("bppsa.rnn", _rows.bppsa_rows("rnn"), 10),
                RowSpec("bppsa.gru", _rows.bppsa_rows("gru"), 8),
                RowSpec("bppsa.lstm", _rows.bppsa_rows("lstm"), 8),
                RowSpec("bppsa.forward_choice", _rows.rnn_forward_choice, 25)]

@@ -58,7 +58,7 @@ DESCRIPTION = ("Newton / quasi-Newton / ELK forward: GRU vs torch.nn.GRU; sine-w
                "ParaGRU / ParaLSTM")
 
 # the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
-DEVICE_ROWS = [RowSpec("newton.gru_forward", _rows.newton_rows, 10)]
+DEVICE_ROWS = [RowSpec("newton.gru_forward", _rows.newton_rows, 30)]
 
 BATCH, INPUTS = 16, 1
 METHODS = ("newton", "quasi_newton")

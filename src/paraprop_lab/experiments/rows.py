@@ -179,11 +179,13 @@ def run_specs(specs: Iterable[RowSpec], ctx: Context, *, log=print) -> Iterator[
 @contextlib.contextmanager
 def cudnn_float32(device: torch.device) -> Iterator[bool]:
     """cuDNN's float32 convolutions and RNNs in float32 for the block, on CUDA (torch's default
-    there is TF32, about ``2**-11`` relative: the first GPU run measured torch's own RNN
-    gradients 3e-4 from float32's); yields whether anything changed (``False`` on the CPU).
-    Through torch's per-operator flags only (``torch.backends.cudnn.conv`` and ``.rnn``), so the
-    flags are restored as they were; reading the legacy ``allow_tf32`` afterwards may raise in
-    this process (torch calls that a mix of the two APIs), which no row does."""
+    there is TF32, about ``2**-11`` relative; the first GPU run's 3e-4 between paraprop's and
+    torch's RNN gradients is of that size); yields whether anything changed (``False`` on the
+    CPU). Through torch's per-operator flags (``torch.backends.cudnn.conv`` and ``.rnn``), set
+    back to the values read on entry; inside the block the legacy ``allow_tf32`` cannot be read
+    (torch calls that a mix of the two APIs, and so do ``torch.backends.cudnn.flags``), which no
+    row does, and afterwards the two flags hold those values explicitly rather than following
+    ``torch.backends.cudnn.fp32_precision``."""
     if device.type != "cuda":
         yield False
         return
@@ -194,6 +196,18 @@ def cudnn_float32(device: torch.device) -> Iterator[bool]:
         yield old != ("ieee", "ieee")
     finally:
         cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = old
+
+
+def guarded(suite: str, name: str, measure: Callable[[], list[dict]],
+            log=print) -> list[dict]:
+    """``measure()``'s records, or one ``failed`` record with the error where it raises: a
+    measurement added to a row (issue 31's and 32's beside the headline ones) cannot take the
+    row's other records down with it."""
+    try:
+        return measure()
+    except Exception as e:  # noqa: BLE001 - the row's other records stand
+        log("".join(traceback.format_exception(e)).rstrip())
+        return [skipped(suite, name, f"{type(e).__name__}: {_one_line(e)}", status="failed")]
 
 
 def release(device: torch.device) -> None:

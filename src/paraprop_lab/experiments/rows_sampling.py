@@ -17,6 +17,7 @@ from paraprop_lab.experiments.rows import (
     Context,
     choice,
     cudnn_float32,
+    guarded,
     max_abs,
     row,
     skipped,
@@ -168,7 +169,10 @@ def decoding_rows(ctx: Context) -> list[dict]:
         wtimes = ctx.time({f"window {w}": ours(window=w) for w in windows},
                           repeats=ctx.rounds(3), desc="decoding windows")
         batch = _batch_rows(ctx, model, prompts(vocab, held, 8).to(ctx.device), new)
-        extra = [*_sampled_rows(ctx, model, ids, new), *_lookup_rows(ctx, model, ids, new)]
+        extra = [*guarded("decoding", "sampled_gumbel",
+                          lambda: _sampled_rows(ctx, model, ids, new)),
+                 *guarded("decoding", "jacobi_vs_prompt_lookup",
+                          lambda: _lookup_rows(ctx, model, ids, new))]
     differ = int((tokens["jacobi"] != want).sum())
     shape = f"char LM ({sum(p.numel() for p in model.parameters())} parameters), batch 1, " \
             f"{new} new tokens, greedy"
@@ -329,7 +333,7 @@ def _scheduler_rows(ctx: Context, name: str, model, make, shape, steps: int, wha
 
     def ours(spec):
         return lambda: sample(model, make(), shape, num_inference_steps=steps, tol=TOL,
-                              generator=torch.Generator().manual_seed(0), **spec)
+                              throw=False, generator=torch.Generator().manual_seed(0), **spec)
 
     runs = {"loop": lambda: pipeline_loop(model, make(), shape, steps, seed=0),
             **{k: ours(v) for k, v in specs.items()}}
@@ -374,7 +378,7 @@ def diffusion_rows(ctx: Context) -> list[dict]:
                           "vs the diffusers loop", f"UNet2DModel on the digits, DDIM {steps} "
                           "steps, eta 0", f"trained here: {epochs} epochs (the CPU suite: "
                           f"100), loss {hist[-1]:.3f}"))
-    out += flowmatch_rows(ctx, mlp)
+    out += guarded("diffusion", "flowmatch_dpmpp", lambda: flowmatch_rows(ctx, mlp))
     return out
 
 
