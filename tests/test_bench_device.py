@@ -113,6 +113,7 @@ def test_gpu_reports_render_last_under_their_own_section(tmp_path):
         (reports / f"{name}.md").unlink()
     assert "On the GPU" not in collect.render(reports, notes)     # nothing to say: no section
     assert collect.is_gpu("gpu") and collect.is_gpu("bppsa_cuda") and not collect.is_gpu("core")
+    assert collect.is_gpu("gpu_rerun") and not collect.is_gpu("gpus")
 
 
 def _cli_has_device() -> bool:

@@ -12,6 +12,7 @@ rule's assumption fails). Every method stays within ``N`` sequential model calls
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -626,3 +627,21 @@ def test_unet2d_model(kind, eta, dtype, device):
     assert solp.converged and solp.iterations <= N
     assert solp.value.shape == (2, N, 1, 8, 8)
     assert _err(xp.float(), ref.float()) <= tol
+
+
+def test_the_solution_and_its_refusal_name_the_method_the_caller_named():
+    """``method="picard"`` runs Jacobi (a window holding every step) or sliding Jacobi; the
+    Solution and a refusal name ``picard``, as the caller did (the first GPU run's refusal said
+    method='jacobi'). A solver object keeps its own name."""
+    from paraprop.solvers import SlidingJacobi
+
+    model = TinyEps(2)
+    run = functools.partial(sample, model, DDIMScheduler(), (3, 2), num_inference_steps=6,
+                            generator=torch.Generator().manual_seed(0))
+    for method, window in [("picard", None), ("picard", 2), ("anderson", None)]:
+        _, sol = run(method=method, window=window, tol=1e-3)
+        assert sol.method == method
+    _, sol = run(method=SlidingJacobi(3), tol=1e-3)
+    assert sol.method == "sliding_jacobi"
+    with pytest.raises(paraprop.ConvergenceError, match="method='picard'"):
+        run(method="picard", window=2, tol=0, max_iters=2)

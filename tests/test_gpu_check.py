@@ -63,7 +63,9 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
         assert r["baseline_ms"] > 0 and r["method_ms"] > 0
     assert "skipped" in record["pytest"]["summary"] and record["pytest"]["exit"] == 0
     md = (out / "gpu.md").read_text()
-    assert md.startswith("# gpu\n\nCommand: `make gpu-check`")
+    # the command as it ran (options beyond the folder and device: the script, not make)
+    assert md.startswith("# gpu\n\nCommand: `PYTHONPATH=src python3 src/paraprop_lab/bench/"
+                         "gpu_check.py --out $OUT --device cpu --wheels ")
     for heading in ("## Environment and tests", "## Rows: baseline vs method", "## auto choices",
                     "![](gpu.png)"):
         assert heading in md
@@ -296,3 +298,16 @@ def test_the_baseline_runs_without_cudnn_where_cudnn_refuses_the_input():
         cudnn_or_not(Picky("CUDA out of memory"), x)
     cpu = torch.zeros(3, 1, 1)
     assert cudnn_or_not(picky, cpu) == (picky, "")               # the CPU: never probed
+
+
+def test_the_report_names_the_command_that_ran():
+    """The second GPU run (a part of the rows, no tests) was reported as `make gpu-check`: the
+    report now names `make gpu-check` only where nothing else was chosen."""
+    r = gpu_check.report_command
+    assert r(["--device", "cuda", "--out", "/root/out"]) == "make gpu-check"
+    assert r(["--out=/x", "--device=cpu"]) == "make gpu-check DEVICE=cpu"
+    part = r(["--out", "/root/out", "--no-pytest", "--only", "bppsa.rnn", "decoding",
+              "--budget", "240"])
+    assert part.endswith("gpu_check.py --out $OUT --no-pytest --only bppsa.rnn decoding "
+                         "--budget 240")
+    assert "--device cpu --budget 5" in r(["--device", "cpu", "--budget", "5"])

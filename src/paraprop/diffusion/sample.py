@@ -234,7 +234,10 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
             chain, solver, user_cb)
     converged = bool(done.all())
     traj = _samples(run.X, B, N, shape)
-    name = solver.name if hasattr(solver, "name") else type(solver).__name__
+    # the method as the user named it ("picard" runs Jacobi or sliding Jacobi: the first GPU
+    # run's refusal said method='jacobi' to a caller who had asked for 'picard')
+    name = method if isinstance(method, str) else (
+        solver.name if hasattr(solver, "name") else type(solver).__name__)
     certificate = None
     if converged:
         certificate = "bitwise" if bool(bitwise.all()) else "estimate"

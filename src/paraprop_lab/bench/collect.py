@@ -76,9 +76,10 @@ def _split_header(text: str) -> tuple[list[str], str]:
 
 
 def is_gpu(name: str) -> bool:
-    """Whether a stored report holds GPU figures: ``gpu`` (``make gpu-check``) or
-    ``SUITE_cuda`` (``paraprop bench SUITE --device cuda``)."""
-    return name == "gpu" or name.endswith("_cuda")
+    """Whether a stored report holds GPU figures: ``gpu`` (``make gpu-check``), ``gpu_WHAT``
+    (another run of the check kept beside it, e.g. a rerun of some rows: stored under that
+    name) or ``SUITE_cuda`` (``paraprop bench SUITE --device cuda``)."""
+    return name == "gpu" or name.startswith("gpu_") or name.endswith("_cuda")
 
 
 def _section(name: str, reports: Path, notes: Path, level: int) -> str:

@@ -494,8 +494,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="carried wheels to install (default .gpu/wheels)")
     c.add_argument("--mnist", default=str(ROOT / ".gpu" / "mnist"),
                    help="carried MNIST files (default .gpu/mnist)")
-    c.add_argument("--command", default="make gpu-check", help="the command in the report")
+    c.add_argument("--command", default=None,
+                   help="the command in the report (default: `make gpu-check` where only "
+                        "--out and --device were given, else this script with its options)")
     return c
+
+
+def report_command(argv: list[str]) -> str:
+    """What the report names as its command: ``make gpu-check`` (``DEVICE=cpu``) where only the
+    folder and the device were chosen, else this script with every option but ``--out`` (the
+    second GPU run, a part of the rows, was reported as ``make gpu-check``)."""
+    rest, device, i = [], "cuda", 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, value = a.partition("=")
+        if name in ("--out", "--device"):
+            if not eq:
+                i += 1
+                value = argv[i] if i < len(argv) else ""
+            if name == "--device":
+                device = value
+        else:
+            rest.append(a)
+        i += 1
+    if not rest:
+        return "make gpu-check" + ("" if device == "cuda" else f" DEVICE={device}")
+    opts = [*([] if device == "cuda" else ["--device", device]), *rest]
+    return ("PYTHONPATH=src python3 src/paraprop_lab/bench/gpu_check.py --out $OUT "
+            + " ".join(shlex.quote(a) for a in opts))
 
 
 def _child_parser(step: str) -> argparse.ArgumentParser:
@@ -531,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in CHILDREN:
         return CHILDREN[argv[0]](_child_parser(argv[0]).parse_args(argv[1:]))
     args = build_parser().parse_args(argv)
+    if args.command is None:
+        args.command = report_command(argv)
     if args.pytest_workers is None:
         args.pytest_workers = 8 if args.device.startswith("cuda") else 0
     return check(args)
