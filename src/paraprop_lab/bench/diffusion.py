@@ -46,7 +46,7 @@ from paraprop_lab.training.ddpm import trained_denoiser  # noqa: E402
 DESCRIPTION = "diffusion sampling: diffusers loop vs Picard (ParaDiGMS) vs Anderson (ParaTAA)"
 
 # the headline rows on a GPU (``run(device="cuda")``, ``make gpu-check``)
-DEVICE_ROWS = [RowSpec("diffusion.picard", _rows.diffusion_rows, 40)]
+DEVICE_ROWS = [RowSpec("diffusion.picard", _rows.diffusion_rows, 50)]
 
 
 def parallel_scheduler_rows(steps_list=(50, 100, 1000)) -> list[dict]:

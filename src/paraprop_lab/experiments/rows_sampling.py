@@ -384,6 +384,19 @@ def diffusion_rows(ctx: Context) -> list[dict]:
                           "vs the diffusers loop", f"UNet2DModel on the digits, DDIM {steps} "
                           "steps, eta 0", f"trained here: {epochs} epochs (the CPU suite: "
                           f"100), loss {hist[-1]:.3f}"))
+    if ctx.device.type == "cuda":
+        # the same in float32 convolutions: in torch's default (TF32) the second GPU run's
+        # batched calls rounded 6.8e-4 apart from the loop's and the certificate refused;
+        # whether they round apart in float32 too decides UNet sampling on a GPU
+        def float32_row():
+            with cudnn_float32(ctx.device):
+                return [_chain_row(ctx, "ddim_unet_digits.float32", unet,
+                                   DDIMScheduler(clip_sample=False), (16, 1, 8, 8), steps, 0.0,
+                                   "diffusion sampling (DDIM, UNet), cuDNN in float32: Picard "
+                                   "vs the diffusers loop", f"UNet2DModel on the digits, DDIM "
+                                   f"{steps} steps, eta 0", "cuDNN convolutions in float32 "
+                                   "(fp32_precision 'ieee'), the loop's too")]
+        out += guarded("diffusion", "ddim_unet_digits.float32", float32_row)
     out += guarded("diffusion", "flowmatch_dpmpp", lambda: flowmatch_rows(ctx, mlp))
     return out
 
