@@ -209,54 +209,6 @@ def test_the_gains_are_those_of_every_observation(dtype, device):
     assert torch.equal(gains.gain.view(torch.int64), want.view(torch.int64))
 
 
-def test_the_models_own_rounding_is_not_read_as_a_gain():
-    """A batch-variant model's two evaluations of a step differ by its rounding (TF32 on a GPU:
-    about 2**-11); a small input change then read as a large gain, and the certificate carried
-    the batch variance with it (the second GPU run: a bound of 5.6e5 for a DDIM-50 UNet). With
-    the measured variance set (``set_model_noise``, per step), an output change within it
-    gives no gain; a change beyond it gives the gain of the rest, per step."""
-    from paraprop.diffusion.gains import StepGains
-
-    f64 = torch.float64
-    g = StepGains(1, 2, 1, f64, f64, "cpu")
-    g.observe(torch.tensor([[[1.0], [1.0]]], dtype=f64), torch.tensor([[[2.0], [3.0]]],
-              dtype=f64), 0, 2)
-    # inputs moved by 1e-6, outputs by 1e-4 (step 0) and 3e-4 (step 1)
-    x2 = torch.tensor([[[1.0 + 1e-6], [1.0 + 1e-6]]], dtype=f64)
-    y2 = torch.tensor([[[2.0 + 1e-4], [3.0 + 3e-4]]], dtype=f64)
-    plain = StepGains(1, 2, 1, f64, f64, "cpu")
-    plain.observe(*g.last_inputs[:1], g.last_outputs, 0, 2)
-    plain.observe(x2, y2, 0, 2)
-    assert plain.gain[0].tolist() == pytest.approx([100.0, 300.0], rel=1e-6)
-    g.set_model_noise(torch.tensor([2e-4, 2e-4], dtype=f64))
-    g.observe(x2, y2, 0, 2)
-    assert g.gain[0].tolist() == pytest.approx([0.0, 100.0], rel=1e-6)
-
-
-def test_a_batch_variant_model_sets_the_noise_it_measured():
-    """The chain hands the batch variance it measured at step 0 (``loop_gap``) to the gains
-    observer, through each step's reaction to the model output; a batch-invariant model
-    hands zeros."""
-    from paraprop.diffusion.gains import output_gains
-
-    table = step_table(DDIMScheduler(), 8)
-    for variant in (False, True):
-        def eps(x, t, variant=variant):
-            out = torch.tanh(x) * 0.5
-            return out + 1e-5 if variant and x.shape[0] > 3 else out
-        noise = draw_noise(table, (3, 2), generator=gen(0), dtype=torch.float32, device="cpu")
-        chain = DiffusionChain(eps, table, noise[0], noise[1:])
-        seen = []
-        chain.observer = type("O", (), {"observe": lambda *a, **k: None,
-                                        "set_model_noise": lambda self, n, s=seen: s.append(n)})()
-        chain.steps(noise[0][:, None], 0, 1)               # the loop's first call, B rows
-        X = noise[0][:, None].repeat(1, 8, 1)
-        chain.steps(X, 0, 8)                               # a batched call: step 0 again
-        (got,) = seen
-        want = float(chain.loop_gap) * output_gains(table)
-        assert torch.allclose(got, want.to(got)) and (bool((got > 0).all()) is variant)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_noise_is_drawn_on_the_generator_device_and_moved(dtype, device):
     """A CPU generator gives the same noise wherever the sample lives (as diffusers'

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from paraprop.diffusion.gains import output_gains
 from paraprop.errors import NonFiniteError, StochasticModelError
 
 # batch variance explains differences of at most this many units of the dtype's resolution,
@@ -66,9 +65,6 @@ class BatchVarianceChecks:
         gap = (out.to(torch.float64) - self.loop_out.to(torch.float64)).abs().max()
         self.loop_gap = torch.where(same_input, gap, 0.0)
         self.irreproducible = self.irreproducible | (self.loop_gap != 0)
-        observer = getattr(self, "observer", None)
-        if observer is not None:   # two evaluations of a step may differ by it: not a gain
-            observer.set_model_noise(self.loop_gap * output_gains(self.table).to(gap.device))
 
     def diagnose(self) -> None:
         """A step computed again gave other bits (:attr:`irreproducible`): batch variance of

@@ -58,19 +58,6 @@ class StepGains:
         self._hist: torch.Tensor | None = None
         self._rec: torch.Tensor | None = None
         self._read: torch.Tensor | None = None
-        # (N,) float64: what the model's own rounding may leave between two evaluations of a
-        # step beyond the dtype's (set_model_noise; None: a model measured bitwise, or not yet)
-        self._model_noise: torch.Tensor | None = None
-
-    def set_model_noise(self, noise: torch.Tensor) -> None:
-        """The model's batch variance, measured (``loop_gap``) and carried to each step through
-        its reaction to the model output: ``(N,)`` float64, subtracted from the output changes
-        like the dtype's rounding (:data:`NOISE_ULPS`). Without it, two evaluations of a step
-        in differently composed batches differ by the model's rounding (TF32 on a GPU: about
-        ``2**-11``), and a small input change reads as a large gain (on a CPU emulation of
-        float32-sized batch variance, a DDIM-50 UNet bound 25 times its error). Observations
-        folded before it was set keep the larger ratios they had."""
-        self._model_noise = noise.to(device=self.device, dtype=torch.float64)
 
     def observe(self, xin: torch.Tensor, nxt: torch.Tensor, start: int, stop: int,
                 hist: torch.Tensor | None = None, records: torch.Tensor | None = None,
@@ -152,11 +139,6 @@ class StepGains:
         stats = self._pending[: len(records), :, :, :width]
         din, dout = stats[:, 0], stats[:, 1]
         level, noise = stats[:, 2:].clamp(min=1).mul_(self._obs_units(self.dtype)).unbind(1)
-        if self._model_noise is not None:   # the model's own rounding, per step of each row
-            extra = noise.new_zeros(len(records), width)
-            for row, (start, stop) in enumerate(records):
-                extra[row, : stop - start] = self._model_noise[start:stop]
-            noise = noise + extra[:, None, :]
         # (a non-finite difference, or no observation, gives a NaN ratio: skipped)
         ratio = (dout - noise).clamp_(min=0).div_(din).masked_fill_(din <= level, math.nan)
         if len(records) > 2 and all(r == records[0] for r in records):
