@@ -161,12 +161,8 @@ def run_specs(specs: Iterable[RowSpec], ctx: Context, *, log=print) -> Iterator[
             continue
         log(f"--- {spec.name} ({ctx.device}, {ctx.scale})")
         t0 = time.monotonic()
-        try:
-            records = list(spec.run(ctx))
-        except Exception as e:  # noqa: BLE001 - one row's failure must not end the others
-            log("".join(traceback.format_exception(e)).rstrip())
-            records = [skipped(suite, name, f"{type(e).__name__}: {_one_line(e)}",
-                               status="failed")]
+        # one row's failure must not end the others
+        records = guarded(suite, name, lambda spec=spec: list(spec.run(ctx)), log=log)
         took = time.monotonic() - t0
         for rec in records:
             rec.setdefault("spec", spec.name)
