@@ -735,6 +735,66 @@ def test_batch_variance_after_step_0_only_is_not_certified(method):
             assert float((x - ref).abs().max()) <= tol, (tol, sol.stats["certificate"])
 
 
+class OffsetMlp(torch.nn.Module):
+    """The MLP denoiser with a constant offset in calls of more rows than the loop's: with
+    ``prediction_type="sample"`` its last DDIM steps expand a constant offset (1.8-1.9x a step)
+    where they shrink the iteration's own changes (0.35-0.46x): a step whose Jacobian is not
+    normal, and a batch variance whose direction the iteration never observes."""
+
+    def __init__(self, rows, size):
+        super().__init__()
+        self.m, self.rows, self.size = Mlp(), rows, size
+
+    def forward(self, x, t):
+        out = self.m(x, t)
+        return out + self.size if x.shape[0] > self.rows else out
+
+
+@pytest.mark.parametrize("size,tol", [(1e-4, 1e-3), (1e-3, 1e-2)])
+@pytest.mark.parametrize("method", ["picard", SlidingJacobi(4), "anderson"], ids=repr)
+def test_a_batch_variance_a_step_expands_is_carried_in_its_own_direction(method, size, tol):
+    """The final check carries the batch variance through gains observed along the
+    iteration's changes; this model's last steps expand the offset's direction 1.8x and shrink
+    the iteration's 0.4x, so the bound was a third of the error: picard certified tol=1e-3
+    with the sample 1.09e-3 from the loop (estimate 3.6e-4), and tol=1e-2 at 1.05e-2. The
+    probe of the last window's steps in the batch variance's direction (one model call)
+    observes the expansion: certified runs are within tol of the loop."""
+    model = OffsetMlp(rows=3, size=size)
+    sched = lambda: DDIMScheduler(clip_sample=False, prediction_type="sample")  # noqa: E731
+    ref = loop(model, sched(), (3, 2), 50, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", paraprop.diffusion.BatchVarianceWarning)
+        x, sol = sample(model, sched(), (3, 2), num_inference_steps=50, method=method,
+                        tol=tol, throw=False, generator=gen())
+    assert sol.stats["loop_bitwise"] is False and sol.stats["model_calls"] <= 50
+    a, b = sol.stats["batch_probed_steps"]
+    assert b == 50 and 0 <= a < 49
+    err = float((x.double() - ref.double()).abs().max())
+    assert not sol.converged or err <= tol, (err, sol.stats["error_estimate"])
+    if not sol.converged:
+        assert "carried along the chain" in sol.stats["reason"]
+
+
+def test_the_gains_probe_is_made_only_for_a_batch_variance():
+    """A batch-invariant model at tol > 0: no probe (no call spent), the same run as before."""
+    x, sol = sample(elementwise, DDIMScheduler(clip_sample=False, prediction_type="sample"),
+                    (3, 2), num_inference_steps=50, method="picard", tol=1e-3, generator=gen())
+    assert sol.stats["loop_bitwise"] is True and sol.stats["batch_probed_steps"] is None
+
+
+def test_step_gains_compare_records_a_gain_and_keeps_the_last_evaluations():
+    g = paraprop.diffusion.gains.StepGains(1, 2, 1, torch.float64, torch.float64, "cpu")
+    g.observe(torch.tensor([[[1.0], [1.0]]]), torch.tensor([[[2.0], [3.0]]]), 0, 2)
+    g.observe(torch.tensor([[[2.0], [1.5]]]), torch.tensor([[[4.0], [3.5]]]), 0, 2)
+    # a probe of step 1 from its last input 1.5 (output 3.5) to 1.75 (output 4.5): gain 4;
+    # step 0's base is NaN (not at this input): skipped
+    g.compare(torch.tensor([[[math.nan], [1.5]]]), torch.tensor([[[4.0], [3.5]]]),
+              torch.tensor([[[2.5], [1.75]]]), torch.tensor([[[9.0], [4.5]]]), 0, 2)
+    assert [round(v, 6) for v in g.gain[0].tolist()] == [2.0, 4.0]
+    assert g.last_outputs[0, :, 0].tolist() == [4.0, 3.5]
+    assert g.last_inputs[0][0, :, 0].tolist() == [2.0, 1.5]
+
+
 def test_the_last_step_check_costs_one_call_and_keeps_the_loops_bits():
     """A batch-invariant model: the spot check of the last step agrees, and tol=0 is the
     loop's sample bit for bit."""

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from paraprop.diffusion.certificate_run import _Run, rounding_floor, window_of
-from paraprop.diffusion.certificate_stages import NARROW, SCALE, _passes
+from paraprop.diffusion.certificate_stages import NARROW, SCALE, _passes, probe_batch_variance
 from paraprop.diffusion.gains import bounds, carried_gains, output_gain, output_gains
 
 
@@ -103,6 +103,8 @@ def _solve_certified(chain, solver, tol, max_iters, callback) -> Certified:
     if chain.loop_gap is not None:
         run.checked_steps.append(0)
     late = _last_step_check(run, chain)
+    if bool(done.any()):   # (the gains in the batch variance's direction, where it has one)
+        probe_batch_variance(run, chain, tol, window_of(solver, N))
     run.finish()
     if run.loop_bitwise is False:
         where = "step 0" if late is None else f"step {late}"

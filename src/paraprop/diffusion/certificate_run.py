@@ -60,6 +60,10 @@ class _Run:
         self.loop_gap = 0.0
         # the steps whose batched evaluation was compared with the loop's call of B rows
         self.checked_steps: list[int] = []
+        # the batch variance's probe (certificate_stages.probe_batch_variance): made once, of
+        # the steps [a, b)
+        self.probed = False
+        self.probed_steps: tuple[int, int] | None = None
         # the steps' gains, observed while the chain reports to it (chain.observer)
         self.gains = StepGains(B, N, F, chain.dtype, chain.work, chain.device)
 

@@ -151,6 +151,9 @@ class DiffusionChain(CertifiedPrefix, HistoryInputs, BatchVarianceChecks):
         # batched call's (None: not compared yet)
         self.loop_out: torch.Tensor | None = None
         self.loop_gap: torch.Tensor | None = None
+        # (B rows of the model's output shape): the batched call's step-0 output less the
+        # loop's, where they were compared (the direction the batch variance probe takes)
+        self.loop_diff: torch.Tensor | None = None
         self._step0_input: torch.Tensor | None = None
         # the determinism check (:meth:`diagnose`): made once, when a difference is first seen
         self.diagnosed = False

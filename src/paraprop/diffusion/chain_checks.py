@@ -38,6 +38,7 @@ class BatchVarianceChecks:
     diagnosed: bool
     loop_out: torch.Tensor | None
     loop_gap: torch.Tensor | None
+    loop_diff: torch.Tensor | None
     cap: int | None
     model_calls: int
     scaled: bool
@@ -62,8 +63,10 @@ class BatchVarianceChecks:
             return
         assert self._step0_input is not None   # (steps() keeps it before any call of step 0)
         same_input = torch.eq(self._step0_input, self.x_init).all()
-        gap = (out.to(torch.float64) - self.loop_out.to(torch.float64)).abs().max()
+        diff = out.to(torch.float64) - self.loop_out.to(torch.float64)
+        gap = diff.abs().max()
         self.loop_gap = torch.where(same_input, gap, 0.0)
+        self.loop_diff = torch.where(same_input, diff, 0.0)
         self.irreproducible = self.irreproducible | (self.loop_gap != 0)
 
     def diagnose(self) -> None:

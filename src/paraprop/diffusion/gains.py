@@ -74,26 +74,13 @@ class StepGains:
         two-input recurrence, :func:`bounds`); ``records``, its records ``(B, n, F)``
         (:attr:`last_records`); and ``read``, the records it read ``(B, n, h F)``
         (:attr:`last_read`)."""
-        if self._seen is None:
-            self._seen = torch.full((2, self.B, self.N, self.F), float("nan"), dtype=xin.dtype,
-                                    device=xin.device)
-            self._gain = torch.full((self.B, self.N), float("nan"), dtype=torch.float64,
-                                    device=xin.device)
-            # as many observations as fit in the memory the last values take (at least one,
-            # at most OBSERVATIONS_KEPT; 4 MB in any case)
-            record = 4 * self.B * self.N * 8
-            kept = max(self._seen.numel() * self._seen.element_size(), 1 << 22) // record
-            self._pending = torch.full((min(max(kept, 1), OBSERVATIONS_KEPT), 4, self.B, self.N),
-                                       float("nan"), dtype=torch.float64, device=xin.device)
+        self._start(xin)
         assert self._pending is not None and self._seen is not None
         if len(self._records) == self._pending.shape[0]:
             self._fold()
         now = torch.stack([xin, nxt])
         was = self._seen[:, :, start:stop]   # (the last input and output of each step)
-        a, b = (now, was) if self.work == xin.dtype else (now.to(self.work), was.to(self.work))
-        # |x - x'|, |y - y'|, |x|, |y| (largest per sample and step) in one reduction; the
-        # ratios are taken when the gains are read (gain), many observations at once
-        stats = torch.cat([a - b, a]).abs().amax(3)
+        stats = self._stats(now, was)
         if hist is not None:   # the joint input: the largest change and size of any part
             if self._hist is None:
                 self._hist = torch.full((self.B, self.N, hist.shape[2]), float("nan"),
@@ -117,6 +104,44 @@ class StepGains:
         self._pending[len(self._records), :, :, : stop - start] = stats
         self._records.append((start, stop))
         was.copy_(now)
+
+    def compare(self, x0: torch.Tensor, y0: torch.Tensor, x1: torch.Tensor, y1: torch.Tensor,
+                start: int, stop: int) -> None:
+        """Record each step's gain between two evaluations the caller made, ``x0 -> y0`` and
+        ``x1 -> y1`` ``(B, n, F)`` for the steps ``[start, stop)``, as :meth:`observe` does
+        between an evaluation and the step's previous one, leaving the last inputs and outputs
+        as they are (a probe of the steps in a chosen direction:
+        :func:`~paraprop.diffusion.certificate_stages.probe_batch_variance`). A NaN in ``x0``
+        or ``y0`` skips that observation."""
+        self._start(x1)
+        assert self._pending is not None
+        if len(self._records) == self._pending.shape[0]:
+            self._fold()
+        stats = self._stats(torch.stack([x1, y1]), torch.stack([x0, y0]))
+        self._pending[len(self._records), :, :, : stop - start] = stats
+        self._records.append((start, stop))
+
+    def _stats(self, now: torch.Tensor, was: torch.Tensor) -> torch.Tensor:
+        """``(4, B, n)``: ``|x - x'|``, ``|y - y'|``, ``|x|``, ``|y|`` (largest per sample and
+        step) of the evaluations ``now`` and ``was`` (each ``(2, B, n, F)``: inputs, outputs),
+        in the work dtype, in one reduction (the ratios are taken when the gains are read,
+        :attr:`gain`, many observations at once)."""
+        a, b = (now, was) if self.work == now.dtype else (now.to(self.work), was.to(self.work))
+        return torch.cat([a - b, a]).abs().amax(3)
+
+    def _start(self, xin: torch.Tensor) -> None:
+        """Make the records at the first observation (dtype and device of ``xin``)."""
+        if self._seen is None:
+            self._seen = torch.full((2, self.B, self.N, self.F), float("nan"), dtype=xin.dtype,
+                                    device=xin.device)
+            self._gain = torch.full((self.B, self.N), float("nan"), dtype=torch.float64,
+                                    device=xin.device)
+            # as many observations as fit in the memory the last values take (at least one,
+            # at most OBSERVATIONS_KEPT; 4 MB in any case)
+            record = 4 * self.B * self.N * 8
+            kept = max(self._seen.numel() * self._seen.element_size(), 1 << 22) // record
+            self._pending = torch.full((min(max(kept, 1), OBSERVATIONS_KEPT), 4, self.B, self.N),
+                                       float("nan"), dtype=torch.float64, device=xin.device)
 
     @property
     def gain(self) -> torch.Tensor | None:

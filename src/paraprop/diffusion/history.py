@@ -77,7 +77,7 @@ def loop_solution(reader: Reader, model, x_init: torch.Tensor, z: torch.Tensor,
         "certificate": "bitwise" if ran else None,
         "bitwise": torch.full((B,), ran, dtype=torch.bool),
         "rounding_floor": 0.0, "tol_resolvable": True, "loop_bitwise": True if ran else None,
-        "batch_checked_steps": [],
+        "batch_checked_steps": [], "batch_probed_steps": None,
     }
     if reason is not None:
         stats["reason"] = reason

@@ -132,7 +132,10 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         the batched calls gave the loop's bits for the steps compared with the loop's own
         call of ``B`` rows, ``batch_checked_steps``: step 0 and the last step, where the
         budget has the call, and for every certified step they computed again; ``None``
-        where not compared), ``reason`` (why not converged),
+        where not compared), ``batch_probed_steps`` (``[a, N]``: the steps whose gains were
+        probed in the batch variance's direction, one model call, where the batched calls
+        round apart from the loop's at a ``tol > 0``; else ``None``), ``reason`` (why not
+        converged),
         ``window``, ``steps``, ``sample_iterations``, ``time_s``.
 
     Raises:
@@ -252,6 +255,7 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         "bitwise": bitwise.cpu(),
         "rounding_floor": run.floor, "tol_resolvable": run.tol_resolvable,
         "loop_bitwise": run.loop_bitwise, "batch_checked_steps": run.checked_steps,
+        "batch_probed_steps": None if run.probed_steps is None else list(run.probed_steps),
     }
     if reason is not None:
         stats["reason"] = reason
