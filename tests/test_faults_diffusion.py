@@ -42,6 +42,7 @@ from paraprop.solvers import Jacobi, SlidingJacobi, TriangularAnderson
 diffusers = pytest.importorskip("diffusers")
 DDPMScheduler = diffusers.DDPMScheduler
 DDIMScheduler = diffusers.DDIMScheduler
+from diffusion_cases import UNCHECKED, within_tol_or_unchecked  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -123,8 +124,10 @@ def test_a_unet_in_train_mode_with_dropout_is_refused(method):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BatchVarianceWarning)
         x, sol = sample(unet, DDIMScheduler(), (2, 1, 8, 8), num_inference_steps=4,
-                        method=method, tol=1e-3, generator=gen())
-    assert sol.converged and float((x - ref).abs().max()) <= 1e-3
+                        method=method, tol=1e-3, throw=False, generator=gen())
+    # (or refused by name: the untrained UNet's chain takes every call of the budget, and its
+    # float32 convolutions round a batch apart)
+    within_tol_or_unchecked(x, sol, ref, 1e-3)
 
 
 class FunctionalDropout(torch.nn.Module):
@@ -153,8 +156,11 @@ def test_a_module_with_stochastic_layers_in_train_mode_is_refused(make, layer):
             sample(model, DDPMScheduler(), (2, 2), num_inference_steps=3, method=method,
                    generator=gen())
     model.eval()
-    x, sol = sample(model, DDPMScheduler(), (2, 2), num_inference_steps=3, generator=gen())
-    assert sol.converged
+    ref, _ = sample(model, DDPMScheduler(), (2, 2), num_inference_steps=3, method="sequential",
+                    generator=gen())
+    x, sol = sample(model, DDPMScheduler(), (2, 2), num_inference_steps=3, throw=False,
+                    generator=gen())
+    within_tol_or_unchecked(x, sol, ref, 1e-3)   # (the default tol)
 
 
 def test_a_module_in_train_mode_without_stochastic_layers_samples():
@@ -669,13 +675,22 @@ def test_batch_variance_refuses_tol_zero_and_warns_at_tol(method):
     # the sample is within tol of the real loop's
     _, sol = sample(model, DDIMScheduler(), (3, 2), num_inference_steps=20, method=method,
                     tol=1e-2, throw=False, generator=gen())
-    assert not sol.converged and "carried along the chain" in sol.stats["reason"]
+    assert not sol.converged
+    assert "carried along the chain" in sol.stats["reason"] or UNCHECKED in sol.stats["reason"]
     ref = loop(model, DDIMScheduler(), (3, 2), 20, 0)
-    with pytest.warns(BatchVarianceWarning, match="includes that difference at every step"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         x, sol = sample(model, DDIMScheduler(), (3, 2), num_inference_steps=20, method=method,
-                        tol=0.1, generator=gen())
-    assert sol.stats["loop_bitwise"] is False and sol.stats["certificate"] == "estimate"
-    assert float((x - ref).abs().max()) <= 0.1
+                        tol=0.1, throw=False, generator=gen())
+    if within_tol_or_unchecked(x, sol, ref, 0.1):
+        assert sol.stats["loop_bitwise"] is False and sol.stats["certificate"] == "estimate"
+        assert any(issubclass(w.category, BatchVarianceWarning) and
+                   "includes that difference at every step" in str(w.message) for w in caught)
+    else:
+        # picard and the sliding window take every call of the budget on this chain (no
+        # faster than the loop) and the last step cannot be compared: refused by name;
+        # anderson finishes in 14 and is certified
+        assert method != "anderson"
 
 
 class TailVariant(BatchVariant):
@@ -767,12 +782,14 @@ def test_a_batch_variance_a_step_expands_is_carried_in_its_own_direction(method,
         x, sol = sample(model, sched(), (3, 2), num_inference_steps=50, method=method,
                         tol=tol, throw=False, generator=gen())
     assert sol.stats["loop_bitwise"] is False and sol.stats["model_calls"] <= 50
-    a, b = sol.stats["batch_probed_steps"]
-    assert b == 50 and 0 <= a < 49
     err = float((x.double() - ref.double()).abs().max())
     assert not sol.converged or err <= tol, (err, sol.stats["error_estimate"])
-    if not sol.converged:
-        assert "carried along the chain" in sol.stats["reason"]
+    if sol.converged:   # (probed: the last steps at least)
+        a, b = sol.stats["batch_probed_steps"]
+        assert b == 50 and 0 <= a < 49
+    else:
+        assert "carried along the chain" in sol.stats["reason"] or \
+            UNCHECKED in sol.stats["reason"]
 
 
 def test_the_gains_probe_is_made_only_for_a_batch_variance():
@@ -783,16 +800,78 @@ def test_the_gains_probe_is_made_only_for_a_batch_variance():
 
 
 def test_step_gains_compare_records_a_gain_and_keeps_the_last_evaluations():
-    g = paraprop.diffusion.gains.StepGains(1, 2, 1, torch.float64, torch.float64, "cpu")
-    g.observe(torch.tensor([[[1.0], [1.0]]]), torch.tensor([[[2.0], [3.0]]]), 0, 2)
+    g = paraprop.diffusion.gains.StepGains(1, 3, 1, torch.float64, torch.float64, "cpu")
+    g.observe(torch.tensor([[[1.0], [1.0], [1.0]]]), torch.tensor([[[2.0], [3.0], [1.0]]]), 0, 3)
     g.observe(torch.tensor([[[2.0], [1.5]]]), torch.tensor([[[4.0], [3.5]]]), 0, 2)
     # a probe of step 1 from its last input 1.5 (output 3.5) to 1.75 (output 4.5): gain 4;
-    # step 0's base is NaN (not at this input): skipped
-    g.compare(torch.tensor([[[math.nan], [1.5]]]), torch.tensor([[[4.0], [3.5]]]),
-              torch.tensor([[[2.5], [1.75]]]), torch.tensor([[[9.0], [4.5]]]), 0, 2)
-    assert [round(v, 6) for v in g.gain[0].tolist()] == [2.0, 4.0]
-    assert g.last_outputs[0, :, 0].tolist() == [4.0, 3.5]
-    assert g.last_inputs[0][0, :, 0].tolist() == [2.0, 1.5]
+    # step 0's base is NaN (not at this input): skipped; step 2, never observed (one
+    # evaluation), stays unbounded: one direction's secant does not bound it
+    g.compare(torch.tensor([[[math.nan], [1.5], [1.0]]]), torch.tensor([[[4.0], [3.5], [1.0]]]),
+              torch.tensor([[[2.5], [1.75], [1.5]]]), torch.tensor([[[9.0], [4.5], [1.1]]]),
+              0, 3)
+    gain = g.gain[0].tolist()
+    assert [round(v, 6) for v in gain[:2]] == [2.0, 4.0] and math.isnan(gain[2])
+    assert g.last_outputs[0, :, 0].tolist() == [4.0, 3.5, 1.0]
+    assert g.last_inputs[0][0, :, 0].tolist() == [2.0, 1.5, 1.0]
+    # a non-finite probe output: the step is unbounded
+    g.compare(torch.tensor([[[2.0], [1.5], [1.0]]]), torch.tensor([[[4.0], [3.5], [1.0]]]),
+              torch.tensor([[[2.5], [1.75], [1.5]]]), torch.tensor([[[math.inf], [4.5], [1.1]]]),
+              0, 3)
+    assert g.gain[0, 0] == math.inf
+
+
+class GrowingVariant(BatchVariant):
+    """Rounds apart by 1e-5 at step 0 and by ``size`` at every later step (a review's model):
+    step 0's comparison sees a hundredth of it, the last step's spot check all of it."""
+
+    def forward(self, x, t):
+        out = elementwise(x, t)
+        if x.shape[0] > self.rows:
+            tt = torch.as_tensor(t).reshape(-1).expand(len(x))
+            out = out + torch.where(tt == tt.max(), 1e-5, self.size).to(out.dtype)[:, None]
+        return out
+
+
+def test_the_gains_probe_leaves_the_last_step_check_its_call():
+    """The probe of f05ed75 took the budget's last call, the last step's spot check did not
+    run, and picard certified tol=1e-2 5.5x beyond it (only step 0's 1e-5 carried); the probe
+    now leaves the final check a call (a run that needs every call of its budget is compared
+    at step 0 only: the known gap docs/diffusion.md states)."""
+    model = GrowingVariant(rows=3, size=1e-3)
+    sched = lambda: DDIMScheduler(clip_sample=False)  # noqa: E731
+    ref = loop(model, sched(), (3, 2), 15, 0)
+    x, sol = sample(model, sched(), (3, 2), num_inference_steps=15, method="picard", tol=1e-2,
+                    throw=False, generator=gen())
+    assert sol.stats["model_calls"] <= 15
+    assert not sol.converged or float((x - ref).abs().max()) <= 1e-2
+
+
+class AltOffset(torch.nn.Module):
+    """Mlp4 with an offset alternating in sign per feature in calls of more rows than the
+    loop's (a review's model)."""
+
+    def __init__(self, size):
+        super().__init__()
+        self.m, self.size = Mlp4(), size
+
+    def forward(self, x, t):
+        out = self.m(x, t)
+        if x.shape[0] > 3:
+            out = out + self.size * torch.tensor([[-1.0, 1.0], [-1.0, 1.0]])
+        return out
+
+
+def test_the_gains_probe_does_not_bound_a_step_the_iteration_never_observed():
+    """A sliding window of 4, DDIM v_prediction, 50 steps: the last window's steps were never
+    observed (unbounded: the old code refused); the probe of f05ed75 gave them one direction's
+    secant (1.4-1.6) and certified tol=1e-2 6x beyond it. Now they stay unbounded."""
+    model = AltOffset(1e-3)
+    sched = lambda: DDIMScheduler(clip_sample=False, prediction_type="v_prediction")  # noqa: E731
+    ref = loop(model, sched(), (3, 2, 2), 50, 0)
+    for tol in (1e-2, 6e-2):
+        x, sol = sample(model, sched(), (3, 2, 2), num_inference_steps=50, method="picard",
+                        window=4, tol=tol, throw=False, generator=gen())
+        assert not sol.converged or float((x - ref).abs().max()) <= tol, tol
 
 
 def test_the_last_step_check_costs_one_call_and_keeps_the_loops_bits():
@@ -892,13 +971,15 @@ def test_readers_batch_variance_tol0_and_the_certificate(name, cls, cfg):
     model = Mlp(scale=0.3)
     make = getattr(diffusers, cls)
     ref = reader_loop(model, make(**cfg), 20, 0)
+    certified = 0
     for method, kw in PARALLEL:
         _bitwise_or_refused(model, lambda: make(**cfg), method, kw, ref)
         for tol in (1e-3, 1e-2):
             x, sol = _variant_run(model, lambda: make(**cfg), method, kw, tol)
-            # (certified in every case here: the check above cannot pass vacuously)
-            assert sol.converged, (method, tol, sol.stats.get("reason"))
-            assert float((x - ref).abs().max()) <= tol, (method, tol)
+            # certified within tol, or refused by name where the run took every call of the
+            # budget (the last step's batch variance unknown)
+            certified += within_tol_or_unchecked(x, sol, ref, tol)
+    assert certified >= 2   # (the check above cannot pass vacuously)
 
 
 # DPM-Solver++ 2M and SDE 3M, UniPC: steps that read the converted model outputs of the steps
@@ -927,6 +1008,7 @@ def test_history_readers_batch_variance_and_the_certificate(name, cls, cfg):
     make = getattr(diffusers, cls)
     ref = reader_loop(model, make(**cfg), 20, 0)
     certified = {1e-3: 0, 1e-2: 0}
+    unchecked = {1e-3: 0, 1e-2: 0}
     for method, kw in PARALLEL:
         _bitwise_or_refused(model, lambda: make(**cfg), method, kw, ref)
         for tol in (1e-3, 1e-2):
@@ -934,9 +1016,14 @@ def test_history_readers_batch_variance_and_the_certificate(name, cls, cfg):
             if sol.converged:
                 certified[tol] += 1
                 assert float((x - ref).abs().max()) <= tol, (method, tol)
+            elif UNCHECKED in sol.stats["reason"]:
+                # (every call of the budget used: the later steps' batch variance unknown)
+                unchecked[tol] += 1
+                assert sol.stats["model_calls"] == 20
             else:
                 assert "carried along the chain" in sol.stats["reason"]
-    assert certified[1e-2] >= 4
+    # (UniPC's chain of this model takes every call of the budget in every method)
+    assert certified[1e-2] >= 4 or unchecked[1e-2] == len(PARALLEL)
 
 
 @_NUMPY_COPY

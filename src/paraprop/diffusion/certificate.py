@@ -29,7 +29,13 @@ from typing import NamedTuple
 import torch
 
 from paraprop.diffusion.certificate_run import _Run, rounding_floor, window_of
-from paraprop.diffusion.certificate_stages import NARROW, SCALE, _passes, probe_batch_variance
+from paraprop.diffusion.certificate_stages import (
+    NARROW,
+    SCALE,
+    UNPROBED,
+    _passes,
+    probe_batch_variance,
+)
 from paraprop.diffusion.gains import bounds, carried_gains, output_gain, output_gains
 
 
@@ -103,8 +109,10 @@ def _solve_certified(chain, solver, tol, max_iters, callback) -> Certified:
     if chain.loop_gap is not None:
         run.checked_steps.append(0)
     late = _last_step_check(run, chain)
-    if bool(done.any()):   # (the gains in the batch variance's direction, where it has one)
-        probe_batch_variance(run, chain, tol, window_of(solver, N))
+    # the gains in the batch variance's direction, where it has one (every step, or no
+    # certificate by them)
+    probed = probe_batch_variance(run, chain, tol, window_of(solver, N)) \
+        if bool(done.any()) else True
     run.finish()
     if run.loop_bitwise is False:
         where = "step 0" if late is None else f"step {late}"
@@ -120,6 +128,14 @@ def _solve_certified(chain, solver, tol, max_iters, callback) -> Certified:
                     "float16 any tol is certified by the loop's bits only)")
             reason = (f"{what}, so no parallel method gives the loop's bits; use "
                       f"method='sequential' for them, or {hint}")
+        elif run.late_unchecked is not None:
+            # the difference at step 0 need not be the later steps' (a model that rounds apart
+            # more at other timesteps: certified up to 10x beyond tol in a review's sweep)
+            done = torch.zeros_like(done)
+            reason = (f"{what}; the budget had no model call left to compare step "
+                      f"{run.late_unchecked} with the loop's call, so the difference at the "
+                      "later steps is unknown: use method='sequential' for the loop's sample "
+                      "(a run that needs every call of its budget is no faster than it)")
         else:
             # a sample certified against the batched calls' map is within the batch variance
             # carried along the chain of the loop's (the final check's bound, no defects); one
@@ -127,17 +143,20 @@ def _solve_certified(chain, solver, tol, max_iters, callback) -> Certified:
             # a larger one found at a later step on top (the bound is linear in the defects)
             exact = done & (estimate == 0)
             more = run.loop_gap - checked_gap
+            # (UNPROBED times the difference where the budget could not probe every step's
+            # gain in its direction; the final check carried it so too)
+            factor = 2.0 if probed else 2.0 * UNPROBED
             gains = carried_gains(run.gains.gain, chain.B, chain.N, chain.device,
                                   chain.history)
             full = torch.full_like(chain.exact, chain.N)
             out_gains = output_gains(chain.table).to(chain.device)
             # the batch variance alone, carried along the chain of the loop's
             E, _, _ = bounds(run.X, run.X, full, gains, chain.dtype,
-                             2 * run.loop_gap * out_gains, loop=False)
+                             factor * run.loop_gap * out_gains, loop=False)
             if bool(exact.any()) or (more > 0 and bool(done.any())):
                 if more > 0:
                     added, _, _ = bounds(run.X, run.X, full, gains, chain.dtype,
-                                         2 * more * out_gains, loop=False)
+                                         factor * more * out_gains, loop=False)
                     estimate = torch.where(done & ~exact, estimate + added, estimate)
                 estimate = torch.where(exact, E, estimate)
                 done = done & ~(estimate > tol)
@@ -179,7 +198,12 @@ def _last_step_check(run, chain) -> int | None:
     found a difference larger than step 0's, else ``None``."""
     N, B = chain.N, chain.B
     s = N - 1 if run.fallback_from is None else run.fallback_from - 1
-    if s < 1 or chain.max_rows <= B or run.left < 1:
+    if s < 1 or chain.max_rows <= B:
+        return None
+    if run.left < 1:
+        # (a batch variance found at step 0 is then not certified at tol > 0: its size at the
+        # later steps is unknown; _solve_certified)
+        run.late_unchecked = s
         return None
     # a sample certified past s: its certified values (a sample certified by an estimate may
     # hold other values in the trajectory, and the next certified value may not be written yet)

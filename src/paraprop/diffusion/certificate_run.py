@@ -60,10 +60,12 @@ class _Run:
         self.loop_gap = 0.0
         # the steps whose batched evaluation was compared with the loop's call of B rows
         self.checked_steps: list[int] = []
-        # the batch variance's probe (certificate_stages.probe_batch_variance): made once, of
-        # the steps [a, b)
-        self.probed = False
-        self.probed_steps: tuple[int, int] | None = None
+        # the batch variance's probe (certificate_stages.probe_batch_variance): the steps from
+        # probed_from on have been probed
+        self.probed_from = chain.N
+        # the step the last step's batch variance check would have compared, where the budget
+        # had no call left for it (certificate._last_step_check)
+        self.late_unchecked: int | None = None
         # the steps' gains, observed while the chain reports to it (chain.observer)
         self.gains = StepGains(B, N, F, chain.dtype, chain.work, chain.device)
 

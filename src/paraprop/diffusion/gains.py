@@ -107,19 +107,22 @@ class StepGains:
 
     def compare(self, x0: torch.Tensor, y0: torch.Tensor, x1: torch.Tensor, y1: torch.Tensor,
                 start: int, stop: int) -> None:
-        """Record each step's gain between two evaluations the caller made, ``x0 -> y0`` and
-        ``x1 -> y1`` ``(B, n, F)`` for the steps ``[start, stop)``, as :meth:`observe` does
-        between an evaluation and the step's previous one, leaving the last inputs and outputs
-        as they are (a probe of the steps in a chosen direction:
-        :func:`~paraprop.diffusion.certificate_stages.probe_batch_variance`). A NaN in ``x0``
-        or ``y0`` skips that observation."""
+        """Raise each step's gain to its ratio between two evaluations the caller made,
+        ``x0 -> y0`` and ``x1 -> y1`` ``(B, n, F)`` for the steps ``[start, stop)`` (the ratio
+        of :meth:`observe`), leaving the last inputs and outputs as they are (a probe of the
+        steps in a chosen direction:
+        :func:`~paraprop.diffusion.certificate_stages.probe_batch_variance`). A step never
+        observed stays so (unbounded: one direction's secant does not bound it); a non-finite
+        ``y1`` makes the step unbounded."""
         self._start(x1)
-        assert self._pending is not None
-        if len(self._records) == self._pending.shape[0]:
-            self._fold()
+        gain = self.gain   # (folds what is pending)
+        assert gain is not None
         stats = self._stats(torch.stack([x1, y1]), torch.stack([x0, y0]))
-        self._pending[len(self._records), :, :, : stop - start] = stats
-        self._records.append((start, stop))
+        ratio = self._ratios(stats[None])[0]
+        bad = ~torch.isfinite(y1).all(2)
+        ratio = torch.where(bad, math.inf, ratio)
+        now = gain[:, start:stop]
+        torch.where(now.isnan(), now, torch.fmax(now, ratio), out=now)
 
     def _stats(self, now: torch.Tensor, was: torch.Tensor) -> torch.Tensor:
         """``(4, B, n)``: ``|x - x'|``, ``|y - y'|``, ``|x|``, ``|y|`` (largest per sample and
@@ -162,10 +165,7 @@ class StepGains:
         assert self._pending is not None and self._gain is not None   # (made by observe)
         width = max(stop - start for start, stop in records)
         stats = self._pending[: len(records), :, :, :width]
-        din, dout = stats[:, 0], stats[:, 1]
-        level, noise = stats[:, 2:].clamp(min=1).mul_(self._obs_units(self.dtype)).unbind(1)
-        # (a non-finite difference, or no observation, gives a NaN ratio: skipped)
-        ratio = (dout - noise).clamp_(min=0).div_(din).masked_fill_(din <= level, math.nan)
+        ratio = self._ratios(stats)
         if len(records) > 2 and all(r == records[0] for r in records):
             # the same steps in every row (a full window): their largest, at once (ratios are
             # >= 0: -1 marks NaN)
@@ -177,6 +177,16 @@ class StepGains:
             torch.fmax(gain, ratio[row, :, : stop - start], out=gain)
         stats.fill_(math.nan)
         self._records = []
+
+    def _ratios(self, stats: torch.Tensor) -> torch.Tensor:
+        """``(k, B, n)``: the gains of ``k`` observations' statistics ``(k, 4, B, n)``
+        (:meth:`_stats`): ``(|y - y'| - noise)^+ / |x - x'|``, NaN where ``|x - x'|`` is within
+        the observation level (:meth:`_fold`). Reads ``stats`` (its sizes are scaled in
+        place)."""
+        din, dout = stats[:, 0], stats[:, 1]
+        level, noise = stats[:, 2:].clamp(min=1).mul_(self._obs_units(self.dtype)).unbind(1)
+        # (a non-finite difference, or no observation, gives a NaN ratio: skipped)
+        return (dout - noise).clamp_(min=0).div_(din).masked_fill_(din <= level, math.nan)
 
     def _obs_units(self, dtype: torch.dtype) -> torch.Tensor:
         """``(2, 1, 1)`` float64: :func:`observe_level` and :data:`NOISE_ULPS` units of

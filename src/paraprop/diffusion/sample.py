@@ -133,8 +133,9 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         call of ``B`` rows, ``batch_checked_steps``: step 0 and the last step, where the
         budget has the call, and for every certified step they computed again; ``None``
         where not compared), ``batch_probed_steps`` (``[a, N]``: the steps whose gains were
-        probed in the batch variance's direction, one model call, where the batched calls
-        round apart from the loop's at a ``tol > 0``; else ``None``), ``reason`` (why not
+        probed in the batch variance's direction, one model call per window of steps, where
+        the batched calls round apart from the loop's at a resolvable ``tol``; ``None`` where
+        none was, for want of a call among them), ``reason`` (why not
         converged),
         ``window``, ``steps``, ``sample_iterations``, ``time_s``.
 
@@ -255,7 +256,7 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         "bitwise": bitwise.cpu(),
         "rounding_floor": run.floor, "tol_resolvable": run.tol_resolvable,
         "loop_bitwise": run.loop_bitwise, "batch_checked_steps": run.checked_steps,
-        "batch_probed_steps": None if run.probed_steps is None else list(run.probed_steps),
+        "batch_probed_steps": None if run.probed_from == N else [run.probed_from, N],
     }
     if reason is not None:
         stats["reason"] = reason
