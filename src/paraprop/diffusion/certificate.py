@@ -32,9 +32,9 @@ from paraprop.diffusion.certificate_run import _Run, rounding_floor, window_of
 from paraprop.diffusion.certificate_stages import (
     NARROW,
     SCALE,
-    UNPROBED,
     _passes,
     probe_batch_variance,
+    variance_defects,
 )
 from paraprop.diffusion.gains import bounds, carried_gains, output_gain, output_gains
 
@@ -109,8 +109,8 @@ def _solve_certified(chain, solver, tol, max_iters, callback) -> Certified:
     if chain.loop_gap is not None:
         run.checked_steps.append(0)
     late = _last_step_check(run, chain)
-    # the gains in the batch variance's direction, where it has one (every step, or no
-    # certificate by them)
+    # the gains in the batch variance's direction, where it has one (every step the budget
+    # reaches; the difference is carried UNPROBED times where it did not reach them all)
     probed = probe_batch_variance(run, chain, tol, window_of(solver, N)) \
         if bool(done.any()) else True
     run.finish()
@@ -143,20 +143,16 @@ def _solve_certified(chain, solver, tol, max_iters, callback) -> Certified:
             # a larger one found at a later step on top (the bound is linear in the defects)
             exact = done & (estimate == 0)
             more = run.loop_gap - checked_gap
-            # (UNPROBED times the difference where the budget could not probe every step's
-            # gain in its direction; the final check carried it so too)
-            factor = 2.0 if probed else 2.0 * UNPROBED
             gains = carried_gains(run.gains.gain, chain.B, chain.N, chain.device,
                                   chain.history)
             full = torch.full_like(chain.exact, chain.N)
-            out_gains = output_gains(chain.table).to(chain.device)
             # the batch variance alone, carried along the chain of the loop's
             E, _, _ = bounds(run.X, run.X, full, gains, chain.dtype,
-                             factor * run.loop_gap * out_gains, loop=False)
+                             variance_defects(chain, run.loop_gap, probed), loop=False)
             if bool(exact.any()) or (more > 0 and bool(done.any())):
                 if more > 0:
                     added, _, _ = bounds(run.X, run.X, full, gains, chain.dtype,
-                                         factor * more * out_gains, loop=False)
+                                         variance_defects(chain, more, probed), loop=False)
                     estimate = torch.where(done & ~exact, estimate + added, estimate)
                 estimate = torch.where(exact, E, estimate)
                 done = done & ~(estimate > tol)

@@ -176,11 +176,10 @@ def _check(run, chain, done, estimate, tol, window, loop_limit=None):
         # the batched calls' map is not the loop's (batch variance, measured at step 0): each
         # step may differ from the loop's by the output difference times the step's reaction
         # to it (twice the measured one); no position is the loop's bit for bit
-        extra = 2 * gap * output_gains(chain.table).to(chain.device)
-        # the gains in the batch variance's own direction, leaving a call for the last step's
-        # batch variance check; where the budget cannot probe every step, UNPROBED times it
-        if not probe_batch_variance(run, chain, tol, window, reserve=1):
-            extra = extra * UNPROBED
+        # (the gains in the batch variance's own direction first, leaving a call for the
+        # last step's batch variance check)
+        probed = probe_batch_variance(run, chain, tol, window, reserve=1)
+        extra = variance_defects(chain, gap, probed)
     gains = carried_gains(run.gains.gain, chain.B, N, chain.device, chain.history)
     E, _, rho = bounds(run.X, y, p, gains, chain.dtype, extra, loop=False)
     ok = undone & (E <= tol)
@@ -283,6 +282,15 @@ def _direct(run, start: int, window: int) -> torch.Tensor:
         chain.steps(xin[:, a:b], a, b, hist)
     chain.observer = observer
     return run.gains.last_outputs
+
+
+def variance_defects(chain, gap, probed: bool) -> torch.Tensor:
+    """``(N,)`` float64: the defect a batch variance ``gap`` (in model-output units) adds to
+    each step, carried by the final check: twice the measured difference times the step's
+    reaction to its model output, and :data:`UNPROBED` times that where the steps' gains could
+    not all be probed in its direction (:func:`probe_batch_variance`)."""
+    factor = 2.0 if probed else 2.0 * UNPROBED
+    return factor * gap * output_gains(chain.table).to(chain.device)
 
 
 def probe_batch_variance(run, chain, tol: float, window: int, reserve: int = 0) -> bool:

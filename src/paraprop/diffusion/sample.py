@@ -135,8 +135,7 @@ def sample(model, scheduler, shape, *, num_inference_steps: int, method="picard"
         where not compared), ``batch_probed_steps`` (``[a, N]``: the steps whose gains were
         probed in the batch variance's direction, one model call per window of steps, where
         the batched calls round apart from the loop's at a resolvable ``tol``; ``None`` where
-        none was, for want of a call among them), ``reason`` (why not
-        converged),
+        none was, for want of a call among them), ``reason`` (why not converged),
         ``window``, ``steps``, ``sample_iterations``, ``time_s``.
 
     Raises:

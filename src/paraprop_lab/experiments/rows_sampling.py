@@ -314,7 +314,7 @@ def _chain_row(ctx: Context, name: str, model, scheduler, shape, steps: int, eta
     ref, _ = ours("sequential")()
     got, sol = runs["picard"]()
     if not sol.converged:
-        note += f"; not certified: {sol.stats.get('reason', sol.stats.get('not_converged'))}"
+        note += f"; not certified: {_why(sol)}"
     return row("diffusion", name, what=what, shape=f"{label}, batch {shape[0]}",
                baseline="diffusers loop", baseline_s=times["loop"],
                method=f"picard, window {sol.stats['window']}, tol {TOL:g}",
@@ -322,6 +322,11 @@ def _chain_row(ctx: Context, name: str, model, scheduler, shape, steps: int, eta
                bound=TOL, note=note, iterations=sol.iterations,
                model_evals=sol.stats.get("model_evaluations"), certified=sol.converged,
                loop_vs_sequential=max_abs(runs["loop"](), ref))
+
+
+def _why(sol) -> str:
+    """Why a diffusion run was not certified (its reason, as the Solution states it)."""
+    return str(sol.stats.get("reason", sol.stats.get("not_converged")))
 
 
 def _scheduler_rows(ctx: Context, name: str, model, make, shape, steps: int, what: str,
@@ -354,7 +359,7 @@ def _scheduler_rows(ctx: Context, name: str, model, make, shape, steps: int, wha
                        method_s=times[k], target=target, max_dev=max_abs(got, ref), bound=TOL,
                        note=note + f"{calls} sequential model calls for {steps} steps"
                        + ("" if sol.converged else "; not certified: "
-                          + str(sol.stats.get("reason", sol.stats.get("not_converged")))),
+                          + _why(sol)),
                        model_calls=calls, model_evals=sol.stats.get("model_evaluations"),
                        converged=sol.converged,
                        loop_vs_sequential=max_abs(runs["loop"](), ref)))
