@@ -315,3 +315,23 @@ def test_bench_runs_the_peer_table_for_both_char_lms(tmp_path, monkeypatch):
     report = next(tmp_path.glob("*.md")).read_text()
     gpt2 = report.index("GPT-2-shaped char LM, greedy, batch 1, 32 new tokens")
     assert report.index("Llama-shaped char LM, greedy, batch 1, 32 new tokens") > gpt2
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_case_rows_report_the_models_own_time_and_the_ceiling(sample):
+    """The bench rows' ``model_ms`` (time inside the model's forward passes) and ``ceiling``
+    (the row's sequential loop time over it), on a tiny untrained char LM: every method's
+    tokens are its sequential loop's, and the ceiling is that ratio (no wall-clock threshold)."""
+    from paraprop.models.charlm import char_gpt2
+    from paraprop_lab.experiments.decoding import COLUMNS, SEQUENTIAL, case_rows
+
+    model = char_gpt2(23, width=16, layers=1, heads=2, context=64).eval().requires_grad_(False)
+    ids = torch.randint(1, 23, (1, 5), generator=torch.Generator().manual_seed(0))
+    rows = case_rows(model, ids, 6, sample=sample, window=4, repeats=1, desc="tiny")
+    seq = {r["method"]: r for r in rows if r["method"].startswith(SEQUENTIAL)}
+    for r in rows:
+        assert set(COLUMNS) <= set(r) and r["model_ms"] > 0
+        if r["method"] != "transformers generate":
+            assert r["same_tokens"] is True
+        own = seq[SEQUENTIAL + (" (Gumbel-max coupling)" if "Gumbel" in r["method"] else "")]
+        assert r["ceiling"] == pytest.approx(own["time_s"] * 1e3 / r["model_ms"])

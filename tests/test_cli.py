@@ -15,6 +15,7 @@ import torch
 from paraprop_lab import bench, demos
 from paraprop_lab.cli import main
 from paraprop_lab.experiments.explain import fewer_passes
+from paraprop_lab.experiments import harness
 from paraprop_lab.experiments.harness import interleaved, speedups
 from paraprop_lab.experiments.report import fmt, markdown_table, text_table
 from paraprop_lab.progress import progress
@@ -95,6 +96,36 @@ def test_harness_interleaves_and_reports():
     assert s == {"a": 1.0, "b": 2.0}
     assert markdown_table([{"x": 1, "y": 0.5}], ["x", "y"]).splitlines()[2] == "| 1 | 0.5 |"
     assert fmt(1.5e-7) == "1.50e-07" and fmt(True) == "yes"
+
+
+def test_model_seconds_counts_the_time_inside_the_models_forward_only(monkeypatch):
+    # a clock that advances one unit per reading: each forward pass reads it twice (its hooks),
+    # so a run's model time is its number of forward passes, whatever else the run does
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: float(next(ticks)))
+    model = torch.nn.Linear(2, 1)
+    calls = {"n": 0}
+
+    def run(k):
+        def go():
+            calls["n"] += 1
+            for _ in range(k):
+                model(torch.ones(1, 2))
+                harness.time.perf_counter()   # time outside the model: not counted
+        return go
+
+    assert harness.model_seconds(model, run(3), repeats=2) == 3.0
+    assert calls["n"] == 3                       # one untimed run, then the repeats
+    assert harness.model_seconds(model, run(0)) == 0.0
+    # the hooks are gone afterwards, also where the run raised
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+    def boom():
+        model(torch.ones(1, 2))
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        harness.model_seconds(model, boom)
+    assert not model._forward_hooks and not model._forward_pre_hooks
 
 
 def test_progress_off_a_terminal_writes_one_line(capsys):

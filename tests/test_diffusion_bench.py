@@ -54,6 +54,9 @@ def test_parallel_rows(cls, model):
         assert set(SCHEDULER_COLUMNS) <= set(r)
         assert 1 <= r["iterations"] <= calls and r["model_evals"] >= r["iterations"]
         assert r["time_ms"] > 0 and r["speedup"] > 0
+        # the model's own time, and the ceiling: the loop's time over it
+        assert r["model_ms"] > 0
+        assert r["ceiling"] == pytest.approx(rows[0]["time_ms"] / r["model_ms"])
     # the loop and the sequential sample: the same bits; the parallel ones: within tol
     assert rows[0]["max_abs_err"] == rows[1]["max_abs_err"] == 0
     assert all(r["max_abs_err"] <= TOL for r in rows[2:])
@@ -111,6 +114,10 @@ def test_flowmatch_target_reads_the_rows():
     assert not got["methods"]["anderson (memory 3)"]["met"]   # 50 / 17 < 3 fewer calls
     rows[2]["speedup"] = 1.9
     assert not suite.flowmatch_target(rows)["met"]
+    # the ceiling is carried where the rows have one
+    assert got["methods"]["picard (window 50)"]["ceiling"] is None
+    rows[2]["ceiling"] = 1.2
+    assert suite.flowmatch_target(rows)["methods"]["picard (window 50)"]["ceiling"] == 1.2
 
 
 def test_flowmatch_section_trains_the_suites_model_where_none_is_shipped(tmp_path,

@@ -33,7 +33,13 @@ matplotlib.use("Agg")
 from paraprop.decoding import generate  # noqa: E402
 from paraprop_lab.experiments import decoding_images, decoding_peers  # noqa: E402
 from paraprop_lab.experiments import rows_sampling as _rows
-from paraprop_lab.experiments.decoding import COLUMNS, case_rows, plot, prompts  # noqa: E402
+from paraprop_lab.experiments.decoding import (  # noqa: E402
+    COLUMNS,
+    MODEL_TIME_NOTE,
+    case_rows,
+    plot,
+    prompts,
+)
 from paraprop_lab.experiments.harness import machine_info  # noqa: E402
 from paraprop_lab.experiments.report import markdown_table, text_table, write_results  # noqa: E402
 from paraprop_lab.experiments.rows import RowSpec
@@ -69,7 +75,9 @@ def run(out_dir: Path, *, quick: bool, repeats: int | None) -> dict:
             title = f"{mode} decoding, batch {batch}, {new} new tokens"
             print(f"\n{title}")
             print(text_table(rows, COLUMNS))
-            sections.append((title, markdown_table(rows, COLUMNS)))
+            # (the first table says what the model-time columns mean)
+            note = "" if sections else MODEL_TIME_NOTE + ".\n\n"
+            sections.append((title, note + markdown_table(rows, COLUMNS)))
             payload[f"{mode}_b{batch}"] = rows
     png = plot(out_dir / "decoding_throughput.png", table)
     sections.append(("throughput", f"![]({png.name})"))

@@ -13,11 +13,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from paraprop.decoding import generate  # noqa: E402
-from paraprop_lab.experiments.harness import interleaved, median  # noqa: E402
+from paraprop_lab.experiments.harness import (  # noqa: E402
+    interleaved,
+    median,
+    model_seconds,
+)
 from paraprop_lab.experiments.plots import save_figure  # noqa: E402
 
 COLUMNS = ["method", "tokens_per_s", "model_calls", "tokens_per_call", "vs_sequential",
-           "vs_generate", "same_tokens", "certified"]
+           "vs_generate", "model_ms", "ceiling", "same_tokens", "certified"]
+# what the two columns of the model's own time mean, for the tables' notes
+MODEL_TIME_NOTE = (
+    "`model_ms`: the time inside the model's forward passes (forward hooks, best of 2 runs after "
+    "the timed ones); `ceiling`: the sequential loop's time (of the row's coupling) over it, "
+    "`vs_sequential` if everything around the model cost nothing")
 
 
 PROMPT = 48      # characters per prompt
@@ -85,6 +94,8 @@ def case_rows(model, ids, new: int, *, sample: bool, window: int, repeats: int,
                                                    **extra)
     with torch.no_grad():
         times = interleaved(cases, repeats=repeats, warmup=1, desc=desc)
+        inside = {k: model_seconds(model, run, repeats=min(2, repeats))
+                  for k, run in cases.items()}
         refs = {"": cases[SEQUENTIAL]()[0]}
         if sample:
             refs[GUMBEL] = cases[SEQUENTIAL + GUMBEL]()[0]
@@ -108,7 +119,8 @@ def case_rows(model, ids, new: int, *, sample: bool, window: int, repeats: int,
             certified = "yes" if sol.converged else f"no ({unc} uncertified)" if unc else "no"
         rows.append({"method": name, "tokens_per_s": ids.shape[0] * new / t,
                      "model_calls": calls, "tokens_per_call": per, "vs_sequential": seq_t / t,
-                     "vs_generate": gen_t / t, "same_tokens": same, "certified": certified,
+                     "vs_generate": gen_t / t, "model_ms": 1e3 * inside[name],
+                     "ceiling": seq_t / inside[name], "same_tokens": same, "certified": certified,
                      "time_s": t})
     return rows
 

@@ -14,14 +14,25 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from paraprop.diffusion import sample  # noqa: E402
-from paraprop_lab.experiments.harness import interleaved, median  # noqa: E402
+from paraprop_lab.experiments.harness import (  # noqa: E402
+    interleaved,
+    median,
+    model_seconds,
+)
 from paraprop_lab.experiments.plots import save_figure  # noqa: E402
 from paraprop_lab.training.ddpm import sample_loop  # noqa: E402
 
 TOL = 1e-3
 
 
-COLUMNS = ["method", "iterations", "model_evals", "time_ms", "speedup", "max_abs_err"]
+COLUMNS = ["method", "iterations", "model_evals", "time_ms", "speedup", "model_ms", "ceiling",
+           "max_abs_err"]
+# what the two columns of the model's own time mean, for the tables' notes
+MODEL_TIME_NOTE = (
+    "`model_ms`: the time inside the model's forward passes (forward hooks, best of 3 runs after "
+    "the timed ones); `ceiling`: the loop's time over it, the speedup a method with these model "
+    "calls would reach if everything around the model cost nothing (the loop's own ceiling is "
+    "what its scheduler steps cost)")
 
 
 MEMORY = 3
@@ -63,10 +74,12 @@ def _measured(model, scheduler, shape, steps: int, loop, specs: dict, kw: dict, 
     cases = {"diffusers loop": loop, **{k: runner(v) for k, v in specs.items()}}
     times = interleaved(cases, repeats=repeats, warmup=1, desc=desc)
     base = median(times["diffusers loop"])
+    inside = {k: model_seconds(model, run, repeats=min(3, repeats)) for k, run in cases.items()}
     x_loop = loop()
     calls = ref_sol.stats["model_calls"]   # the loop's model calls (Heun's: 2 steps - 1)
     rows = [{"method": "diffusers loop", "iterations": calls, "model_evals": calls,
-             "time_ms": 1e3 * base, "speedup": 1.0,
+             "time_ms": 1e3 * base, "speedup": 1.0, "model_ms": 1e3 * inside["diffusers loop"],
+             "ceiling": base / inside["diffusers loop"],
              "max_abs_err": float((x_loop - ref).abs().max())}]
     curves = {}
     traj_ref = ref_sol.value
@@ -85,7 +98,9 @@ def _measured(model, scheduler, shape, steps: int, loop, specs: dict, kw: dict, 
                      f"picard (window {sol.stats['window']})",
                      "iterations": sol.iterations,
                      "model_evals": sol.stats["model_evaluations"], "time_ms": 1e3 * t,
-                     "speedup": base / t, "max_abs_err": float((x - ref).abs().max())})
+                     "speedup": base / t, "model_ms": 1e3 * inside[label],
+                     "ceiling": base / inside[label],
+                     "max_abs_err": float((x - ref).abs().max())})
         if spec["method"] != "sequential":
             curves[rows[-1]["method"]] = {"residual": sol.residuals.tolist(), "error": errs,
                                           "progress": progress}

@@ -77,6 +77,38 @@ def speedups(times: dict[str, list[float]], baseline: str) -> dict[str, float]:
     return {name: base / median(ts) for name, ts in times.items()}
 
 
+def model_seconds(model: torch.nn.Module, run: Callable[[], object], *, repeats: int = 3,
+                  device: torch.device | None = None) -> float:
+    """The time ``run`` spends inside ``model``'s forward passes (the smallest over ``repeats``
+    runs, after one untimed run), measured by a forward pre-hook and hook that synchronise
+    ``device``: the part of a method's time that is the model's own arithmetic and dispatch.
+    The time of a baseline loop divided by it is the method's *ceiling*, the speedup it would
+    reach if everything around the model cost nothing. The hooks are removed afterwards."""
+    spent: list[float] = []
+    start: list[float] = []
+
+    def before(_module, _args):
+        synchronize(device)
+        start.append(time.perf_counter())
+
+    def after(_module, _args, _out):
+        synchronize(device)
+        spent.append(time.perf_counter() - start.pop())
+
+    handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+    try:
+        run()
+        best = float("inf")
+        for _ in range(repeats):
+            spent.clear()
+            run()
+            best = min(best, sum(spent))
+    finally:
+        for h in handles:
+            h.remove()
+    return best
+
+
 @contextlib.contextmanager
 def threads(n: int | None):
     """Run with ``n`` intra-op threads (``None``: unchanged), restoring the setting after."""
