@@ -376,3 +376,56 @@ def test_the_states_are_a_triangular_system(case, device):
         X = torch.cat([X[:1], new])
         assert same(X[: i + 2], ref[: i + 2]), i
     assert not same(ref[-1], ref[0])
+
+
+# -- reading once: the memo of what a reader computed (readers._READ) ---------------------------
+def test_a_second_scheduler_of_the_same_configuration_is_read_from_memory(device):
+    readers._READ.clear()
+    a = readers.reader(make(DPM, {"solver_order": 3}), 25, device=device)
+    b = readers.reader(make(DPM, {"solver_order": 3}), 25, device=device)
+    assert len(readers._READ) == 1
+    assert all(b._cols[k] is a._cols[k] for k in a._cols)       # served, not read again
+    assert b.kinds == a.kinds and b.kinds is not a.kinds        # (lists copied)
+    b.kinds.append("x")
+    assert readers.reader(make(DPM, {"solver_order": 3}), 25, device=device).kinds == a.kinds
+    # another configuration, number of steps or mu: read anew
+    readers.reader(make(DPM, {"solver_order": 2}), 25, device=device)
+    readers.reader(make(DPM, {"solver_order": 3}), 24, device=device)
+    readers.reader(make(FLOW, {"use_dynamic_shifting": True}), 25, mu=0.5, device=device)
+    readers.reader(make(FLOW, {"use_dynamic_shifting": True}), 25, mu=0.7, device=device)
+    assert len(readers._READ) == 5
+    # bounded: the oldest go first
+    for steps in range(2, 2 + readers.MEMO + 3):
+        readers.reader(make(EULER, {}), steps, device=device)
+    assert len(readers._READ) == readers.MEMO
+
+
+def test_a_scheduler_changed_outside_its_configuration_is_read_again(device):
+    """A scheduler whose state differs from a remembered one in anything but its configuration
+    (here its ``alphas_cumprod``, which its sigmas come from) is read anew, and its loop through
+    the reader stays the diffusers loop bit for bit; one holding an attribute the fingerprint
+    does not cover is never served from memory."""
+    readers._READ.clear()
+    model = Mix().to(device)
+
+    def changed():
+        s = make(DPM, {})
+        s.alphas_cumprod = s.alphas_cumprod * 0.995
+        return s
+
+    plain = readers.reader(make(DPM, {}), 7, device=device)
+    other = readers.reader(changed(), 7, device=device)
+    assert len(readers._READ) == 2
+    assert not torch.equal(other._cols["x"], plain._cols["x"])
+    ref, _ = diffusers_loop(model, changed(), 7, torch.float32, device)
+    g = torch.Generator().manual_seed(0)
+    latents, z = readers.draw_noise(other, SHAPE, generator=g, dtype=torch.float32,
+                                    device=device)
+    assert same(readers.loop(other, model, latents, z), ref[-1])
+
+    odd = make(DPM, {})
+    odd.note = object()   # (no fingerprint for it)
+    first = readers.reader(odd, 7, device=device)
+    again = readers.reader(odd, 7, device=device)
+    assert len(readers._READ) == 2 and again._cols["x"] is not first._cols["x"]
+    assert torch.equal(again._cols["x"], plain._cols["x"])

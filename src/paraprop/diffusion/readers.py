@@ -44,6 +44,13 @@ once from one batched model call (the same operations with per-step coefficient 
   after ``set_timesteps(device=...)``) is rounded to the dtype first. The readers write every
   product in diffusers' operand order. The CUDA rules are read from PyTorch's kernels (as in
   :mod:`~paraprop.diffusion.schedulers`); no GPU has run these readers' tests yet.
+* *Reading once.* Reading a scheduler's coefficients is a loop of 0-d float32 operations
+  (2-11 ms for 50 steps on one CPU core, more than a small model's whole diffusers loop), so a
+  reader keeps what :meth:`Reader._read` computed for :data:`MEMO` recent schedulers, keyed by
+  the reader, the scheduler's class and configuration, ``num_inference_steps``, ``mu``, the
+  device and a fingerprint of every attribute the scheduler holds after ``set_timesteps``
+  (every tensor's bytes): a scheduler that differs in anything it holds is read again, and one
+  holding an attribute of a type the fingerprint does not cover is never served from memory.
 * *Cost.* A window's steps of one kind (order, Heun's first or second evaluation, UniPC's
   predictor/corrector orders) are applied together, a few elementwise operations each; only
   UniPC's history sum (an ``einsum`` of diffusers' shapes) runs once per step.
@@ -58,6 +65,8 @@ implement raises :class:`ValueError` naming it, its value and what is supported.
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -69,6 +78,46 @@ from paraprop.diffusion.selection import Sel
 SAMPLE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 Records = tuple[torch.Tensor, ...]
+
+
+MEMO = 16
+# what Reader._read computed, per key of _memo_key (most recent last)
+_READ: OrderedDict[tuple, dict[str, Any]] = OrderedDict()
+# the attributes set before _read that it fills (the others it sets are new ones)
+_READ_STATE = ("kinds", "noisy", "_cols")
+
+
+def _fingerprint(value: Any) -> Any:
+    """A hashable stand-in for a scheduler attribute's value (a tensor: its dtype, shape,
+    device and a digest of its bytes), or ``NotImplemented`` for a type it does not cover."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous().reshape(-1)
+        raw = t.view(torch.uint8) if t.numel() else t
+        return (str(t.dtype), tuple(value.shape), str(value.device),
+                hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).hexdigest())
+    if isinstance(value, (list, tuple)):
+        parts = tuple(_fingerprint(v) for v in value)
+        return NotImplemented if NotImplemented in parts else (type(value).__name__, parts)
+    return NotImplemented
+
+
+def _memo_key(reader: Reader, scheduler, steps: int, mu: float | None) -> tuple | None:
+    """The key under which ``reader``'s read of ``scheduler`` (after its ``set_timesteps``) is
+    kept, or ``None`` where the scheduler holds something the fingerprint does not cover."""
+    held = []
+    for name, value in sorted(vars(scheduler).items()):
+        if name == "_internal_dict":   # the configuration: below
+            continue
+        fp = _fingerprint(value)
+        if fp is NotImplemented:
+            return None
+        held.append((name, fp))
+    config = _fingerprint([(k, _fingerprint(v)) for k, v in sorted(dict(scheduler.config).items())])
+    if config is NotImplemented:
+        return None
+    return (type(reader), type(scheduler), config, steps, mu, str(reader.device), tuple(held))
 
 
 def refuse(scheduler: str, argument: str, value: Any, supported: str) -> ValueError:
@@ -127,7 +176,22 @@ class Reader:
         self._cols: dict[str, torch.Tensor] = {}
         self._on: dict[tuple[torch.device, str], torch.Tensor] = {}
         self._groups: dict[tuple[int, int, Any], list[tuple[Any, Sel]]] = {}
-        self._read()
+        key = _memo_key(self, scheduler, num_inference_steps, mu)
+        read = _READ.get(key) if key is not None else None
+        if read is None:
+            before = set(vars(self))
+            self._read()
+            read = {k: v for k, v in vars(self).items()
+                    if k in _READ_STATE or k not in before}
+            if key is not None:
+                _READ[key] = read
+                while len(_READ) > MEMO:
+                    _READ.popitem(last=False)
+        else:
+            _READ.move_to_end(key)
+        for k, v in read.items():   # (lists and dicts copied; the tensors are only read)
+            setattr(self, k, list(v) if isinstance(v, list) else
+                    dict(v) if isinstance(v, dict) else v)
         assert len(self.kinds) == self.K, "reader: one kind per step"
 
     # -- what subclasses define ----------------------------------------------------------------
