@@ -330,7 +330,7 @@ def test_case_rows_report_the_models_own_time_and_the_ceiling(sample):
     rows = case_rows(model, ids, 6, sample=sample, window=4, repeats=1, desc="tiny")
     seq = {r["method"]: r for r in rows if r["method"].startswith(SEQUENTIAL)}
     for r in rows:
-        assert set(COLUMNS) <= set(r) and r["model_ms"] > 0
+        assert set(COLUMNS) <= set(r) and 0 < r["model_ms"] <= 1e3 * r["time_s"]
         if r["method"] != "transformers generate":
             assert r["same_tokens"] is True
         own = seq[SEQUENTIAL + (" (Gumbel-max coupling)" if "Gumbel" in r["method"] else "")]

@@ -98,25 +98,28 @@ def test_harness_interleaves_and_reports():
     assert fmt(1.5e-7) == "1.50e-07" and fmt(True) == "yes"
 
 
-def test_model_seconds_counts_the_time_inside_the_models_forward_only(monkeypatch):
+def test_model_share_is_the_share_of_a_run_inside_the_models_forward(monkeypatch):
     # a clock that advances one unit per reading: each forward pass reads it twice (its hooks),
-    # so a run's model time is its number of forward passes, whatever else the run does
+    # a run once at each end; the rest of the run reads it `other` times
     ticks = iter(range(10**6))
     monkeypatch.setattr(harness.time, "perf_counter", lambda: float(next(ticks)))
     model = torch.nn.Linear(2, 1)
     calls = {"n": 0}
 
-    def run(k):
+    def run(k, other):
         def go():
             calls["n"] += 1
             for _ in range(k):
                 model(torch.ones(1, 2))
-                harness.time.perf_counter()   # time outside the model: not counted
+            for _ in range(other):
+                harness.time.perf_counter()   # time outside the model
         return go
 
-    assert harness.model_seconds(model, run(3), repeats=2) == 3.0
+    # a run of 3 passes and 4 other readings: 3 units inside the model (each pass's two
+    # readings are one apart), 3 * 2 + 4 + 1 = 11 units from the run's first reading to its last
+    assert harness.model_share(model, run(3, 4), repeats=2) == pytest.approx(3 / 11)
     assert calls["n"] == 3                       # one untimed run, then the repeats
-    assert harness.model_seconds(model, run(0)) == 0.0
+    assert harness.model_share(model, run(0, 2)) == 0.0
     # the hooks are gone afterwards, also where the run raised
     assert not model._forward_hooks and not model._forward_pre_hooks
 
@@ -124,7 +127,7 @@ def test_model_seconds_counts_the_time_inside_the_models_forward_only(monkeypatc
         model(torch.ones(1, 2))
         raise RuntimeError("boom")
     with pytest.raises(RuntimeError, match="boom"):
-        harness.model_seconds(model, boom)
+        harness.model_share(model, boom)
     assert not model._forward_hooks and not model._forward_pre_hooks
 
 

@@ -16,7 +16,7 @@ from paraprop.decoding import generate  # noqa: E402
 from paraprop_lab.experiments.harness import (  # noqa: E402
     interleaved,
     median,
-    model_seconds,
+    model_share,
 )
 from paraprop_lab.experiments.plots import save_figure  # noqa: E402
 
@@ -24,9 +24,10 @@ COLUMNS = ["method", "tokens_per_s", "model_calls", "tokens_per_call", "vs_seque
            "vs_generate", "model_ms", "ceiling", "same_tokens", "certified"]
 # what the two columns of the model's own time mean, for the tables' notes
 MODEL_TIME_NOTE = (
-    "`model_ms`: the time inside the model's forward passes (forward hooks, best of 2 runs after "
-    "the timed ones); `ceiling`: the sequential loop's time (of the row's coupling) over it, "
-    "`vs_sequential` if everything around the model cost nothing")
+    "`model_ms`: the time inside the model's forward passes (their share of the fastest of 2 "
+    "runs after the timed ones, by forward hooks, times the method's time); `ceiling`: the "
+    "sequential loop's time (of the row's coupling) over it, `vs_sequential` if everything "
+    "around the model cost nothing")
 
 
 PROMPT = 48      # characters per prompt
@@ -94,7 +95,8 @@ def case_rows(model, ids, new: int, *, sample: bool, window: int, repeats: int,
                                                    **extra)
     with torch.no_grad():
         times = interleaved(cases, repeats=repeats, warmup=1, desc=desc)
-        inside = {k: model_seconds(model, run, repeats=min(2, repeats))
+        # the time inside the model: its share of a run, times the median time
+        inside = {k: median(times[k]) * model_share(model, run, repeats=min(2, repeats))
                   for k, run in cases.items()}
         refs = {"": cases[SEQUENTIAL]()[0]}
         if sample:

@@ -17,7 +17,7 @@ from paraprop.diffusion import sample  # noqa: E402
 from paraprop_lab.experiments.harness import (  # noqa: E402
     interleaved,
     median,
-    model_seconds,
+    model_share,
 )
 from paraprop_lab.experiments.plots import save_figure  # noqa: E402
 from paraprop_lab.training.ddpm import sample_loop  # noqa: E402
@@ -29,10 +29,10 @@ COLUMNS = ["method", "iterations", "model_evals", "time_ms", "speedup", "model_m
            "max_abs_err"]
 # what the two columns of the model's own time mean, for the tables' notes
 MODEL_TIME_NOTE = (
-    "`model_ms`: the time inside the model's forward passes (forward hooks, best of 3 runs after "
-    "the timed ones); `ceiling`: the loop's time over it, the speedup a method with these model "
-    "calls would reach if everything around the model cost nothing (the loop's own ceiling is "
-    "what its scheduler steps cost)")
+    "`model_ms`: the time inside the model's forward passes (their share of the fastest of 3 "
+    "runs after the timed ones, by forward hooks, times `time_ms`); `ceiling`: the loop's time "
+    "over it, the speedup a method with these model calls would reach if everything around the "
+    "model cost nothing (the loop's own ceiling is what its scheduler steps cost)")
 
 
 MEMORY = 3
@@ -74,7 +74,9 @@ def _measured(model, scheduler, shape, steps: int, loop, specs: dict, kw: dict, 
     cases = {"diffusers loop": loop, **{k: runner(v) for k, v in specs.items()}}
     times = interleaved(cases, repeats=repeats, warmup=1, desc=desc)
     base = median(times["diffusers loop"])
-    inside = {k: model_seconds(model, run, repeats=min(3, repeats)) for k, run in cases.items()}
+    # the time inside the model: its share of a run, times the median time
+    inside = {k: median(times[k]) * model_share(model, run, repeats=min(3, repeats))
+              for k, run in cases.items()}
     x_loop = loop()
     calls = ref_sol.stats["model_calls"]   # the loop's model calls (Heun's: 2 steps - 1)
     rows = [{"method": "diffusers loop", "iterations": calls, "model_evals": calls,

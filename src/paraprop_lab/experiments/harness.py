@@ -77,13 +77,14 @@ def speedups(times: dict[str, list[float]], baseline: str) -> dict[str, float]:
     return {name: base / median(ts) for name, ts in times.items()}
 
 
-def model_seconds(model: torch.nn.Module, run: Callable[[], object], *, repeats: int = 3,
-                  device: torch.device | None = None) -> float:
-    """The time ``run`` spends inside ``model``'s forward passes (the smallest over ``repeats``
-    runs, after one untimed run), measured by a forward pre-hook and hook that synchronise
-    ``device``: the part of a method's time that is the model's own arithmetic and dispatch.
-    The time of a baseline loop divided by it is the method's *ceiling*, the speedup it would
-    reach if everything around the model cost nothing. The hooks are removed afterwards."""
+def model_share(model: torch.nn.Module, run: Callable[[], object], *, repeats: int = 3,
+                device: torch.device | None = None) -> float:
+    """The share of ``run``'s time spent inside ``model``'s forward passes, in the fastest of
+    ``repeats`` runs (after one untimed run), measured by a forward pre-hook and hook that
+    synchronise ``device``. A table's ``model_ms`` is this share of the method's median time
+    (so never more than it, whatever the machine did between the two measurements), and the
+    baseline's time over that is the method's *ceiling*: the speedup it would reach if
+    everything around the model cost nothing. The hooks are removed afterwards."""
     spent: list[float] = []
     start: list[float] = []
 
@@ -98,15 +99,19 @@ def model_seconds(model: torch.nn.Module, run: Callable[[], object], *, repeats:
     handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
     try:
         run()
-        best = float("inf")
+        best, share = float("inf"), 0.0
         for _ in range(repeats):
             spent.clear()
+            t0 = time.perf_counter()
             run()
-            best = min(best, sum(spent))
+            synchronize(device)
+            total = time.perf_counter() - t0
+            if total < best:
+                best, share = total, min(1.0, sum(spent) / total) if total > 0 else 0.0
     finally:
         for h in handles:
             h.remove()
-    return best
+    return share
 
 
 @contextlib.contextmanager
