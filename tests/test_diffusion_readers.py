@@ -394,6 +394,12 @@ def test_a_second_scheduler_of_the_same_configuration_is_read_from_memory(device
     readers.reader(make(FLOW, {"use_dynamic_shifting": True}), 25, mu=0.5, device=device)
     readers.reader(make(FLOW, {"use_dynamic_shifting": True}), 25, mu=0.7, device=device)
     assert len(readers._READ) == 5
+    # settings that compare equal in Python but are others: typed, floats by their repr
+    fp = readers._fingerprint
+    assert fp(True) != fp(1) and fp(0.0) != fp(-0.0) and fp(1) != fp(1.0)
+    assert fp(torch.zeros(2)) != fp(torch.zeros(2, dtype=torch.float64))
+    assert fp(torch.zeros(2)) != fp(torch.zeros(1, 2)) and fp(torch.ones(2)) == fp(torch.ones(2))
+    assert fp([1, object()]) is NotImplemented
     # bounded: the oldest go first
     for steps in range(2, 2 + readers.MEMO + 3):
         readers.reader(make(EULER, {}), steps, device=device)

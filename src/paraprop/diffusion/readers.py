@@ -66,6 +66,7 @@ implement raises :class:`ValueError` naming it, its value and what is supported.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -81,8 +82,9 @@ Records = tuple[torch.Tensor, ...]
 
 
 MEMO = 16
-# what Reader._read computed, per key of _memo_key (most recent last)
+# what Reader._read computed, per key of _memo_key (most recent last), and its lock
 _READ: OrderedDict[tuple, dict[str, Any]] = OrderedDict()
+_READ_LOCK = threading.Lock()
 # the attributes set before _read that it fills (the others it sets are new ones)
 _READ_STATE = ("kinds", "noisy", "_cols")
 
@@ -91,7 +93,8 @@ def _fingerprint(value: Any) -> Any:
     """A hashable stand-in for a scheduler attribute's value (a tensor: its dtype, shape,
     device and a digest of its bytes), or ``NotImplemented`` for a type it does not cover."""
     if value is None or isinstance(value, (bool, int, float, str)):
-        return value
+        # (typed, and floats by repr: True and 1, 0.0 and -0.0 are other settings)
+        return (type(value).__name__, repr(value))
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous().reshape(-1)
         raw = t.view(torch.uint8) if t.numel() else t
@@ -117,7 +120,8 @@ def _memo_key(reader: Reader, scheduler, steps: int, mu: float | None) -> tuple 
     config = _fingerprint([(k, _fingerprint(v)) for k, v in sorted(dict(scheduler.config).items())])
     if config is NotImplemented:
         return None
-    return (type(reader), type(scheduler), config, steps, mu, str(reader.device), tuple(held))
+    return (type(reader), type(scheduler), config, steps, repr(mu), str(reader.device),
+            tuple(held))
 
 
 def refuse(scheduler: str, argument: str, value: Any, supported: str) -> ValueError:
@@ -177,18 +181,22 @@ class Reader:
         self._on: dict[tuple[torch.device, str], torch.Tensor] = {}
         self._groups: dict[tuple[int, int, Any], list[tuple[Any, Sel]]] = {}
         key = _memo_key(self, scheduler, num_inference_steps, mu)
-        read = _READ.get(key) if key is not None else None
+        read = None
+        if key is not None:
+            with _READ_LOCK:
+                read = _READ.get(key)
+                if read is not None:
+                    _READ.move_to_end(key)
         if read is None:
             before = set(vars(self))
             self._read()
             read = {k: v for k, v in vars(self).items()
                     if k in _READ_STATE or k not in before}
             if key is not None:
-                _READ[key] = read
-                while len(_READ) > MEMO:
-                    _READ.popitem(last=False)
-        else:
-            _READ.move_to_end(key)
+                with _READ_LOCK:
+                    _READ[key] = read
+                    while len(_READ) > MEMO:
+                        _READ.popitem(last=False)
         for k, v in read.items():   # (lists and dicts copied; the tensors are only read)
             setattr(self, k, list(v) if isinstance(v, list) else
                     dict(v) if isinstance(v, dict) else v)
