@@ -14,8 +14,8 @@ import torch
 
 from paraprop_lab import bench, demos
 from paraprop_lab.cli import main
-from paraprop_lab.experiments.explain import fewer_passes
 from paraprop_lab.experiments import harness
+from paraprop_lab.experiments.explain import fewer_passes
 from paraprop_lab.experiments.harness import interleaved, speedups
 from paraprop_lab.experiments.report import fmt, markdown_table, text_table
 from paraprop_lab.progress import progress
