@@ -435,3 +435,26 @@ def test_a_scheduler_changed_outside_its_configuration_is_read_again(device):
     again = readers.reader(odd, 7, device=device)
     assert len(readers._READ) == 2 and again._cols["x"] is not first._cols["x"]
     assert torch.equal(again._cols["x"], plain._cols["x"])
+
+
+def test_a_method_patched_on_the_scheduler_class_is_read_again(device, monkeypatch):
+    """LCM's reader calls the scheduler's ``get_scalings_for_boundary_condition_discrete``; with
+    that method replaced on the class (a patch), the reader reads again, and its loop is the
+    patched diffusers loop bit for bit."""
+    readers._READ.clear()
+    model = Mix().to(device)
+    plain = readers.reader(make(LCM, {}), 7, device=device)
+    original = LCM.get_scalings_for_boundary_condition_discrete
+
+    def scaled(self, timestep):
+        c_skip, c_out = original(self, timestep)
+        return c_skip * 0.5, c_out
+    monkeypatch.setattr(LCM, "get_scalings_for_boundary_condition_discrete", scaled)
+    patched = readers.reader(make(LCM, {}), 7, device=device)
+    assert len(readers._READ) == 2
+    assert not torch.equal(patched._cols["skip"], plain._cols["skip"])
+    ref, _ = diffusers_loop(model, make(LCM, {}), 7, torch.float32, device)
+    g = torch.Generator().manual_seed(0)
+    latents, z = readers.draw_noise(patched, SHAPE, generator=g, dtype=torch.float32,
+                                    device=device)
+    assert same(readers.loop(patched, model, latents, z), ref[-1])

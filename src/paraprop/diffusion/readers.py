@@ -48,9 +48,10 @@ once from one batched model call (the same operations with per-step coefficient 
   (2-11 ms for 50 steps on one CPU core, more than a small model's whole diffusers loop), so a
   reader keeps what :meth:`Reader._read` computed for :data:`MEMO` recent schedulers, keyed by
   the reader, the scheduler's class and configuration, ``num_inference_steps``, ``mu``, the
-  device and a fingerprint of every attribute the scheduler holds after ``set_timesteps``
-  (every tensor's bytes): a scheduler that differs in anything it holds is read again, and one
-  holding an attribute of a type the fingerprint does not cover is never served from memory.
+  device, a fingerprint of every attribute the scheduler holds after ``set_timesteps`` (every
+  tensor's bytes) and the reader's and the scheduler's classes' own attributes (a method patched
+  on a class makes another key): a scheduler that differs in anything it holds is read again, and
+  one holding an attribute of a type the fingerprint does not cover is never served from memory.
 * *Cost.* A window's steps of one kind (order, Heun's first or second evaluation, UniPC's
   predictor/corrector orders) are applied together, a few elementwise operations each; only
   UniPC's history sum (an ``einsum`` of diffusers' shapes) runs once per step.
@@ -67,6 +68,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -87,6 +89,8 @@ _READ: OrderedDict[tuple, dict[str, Any]] = OrderedDict()
 _READ_LOCK = threading.Lock()
 # the attributes set before _read that it fills (the others it sets are new ones)
 _READ_STATE = ("kinds", "noisy", "_cols")
+# what a class holds that is code (compared by identity in a key)
+_CODE = (types.FunctionType, classmethod, staticmethod, property)
 
 
 def _fingerprint(value: Any) -> Any:
@@ -120,8 +124,14 @@ def _memo_key(reader: Reader, scheduler, steps: int, mu: float | None) -> tuple 
     config = _fingerprint([(k, _fingerprint(v)) for k, v in sorted(dict(scheduler.config).items())])
     if config is NotImplemented:
         return None
+    # the classes' own attributes, the functions themselves (a method replaced on the class, as
+    # a patch would, makes another key; the key holds them, so their ids are not reused)
+    code = tuple((klass.__qualname__, tuple(v for v in vars(klass).values()
+                                            if isinstance(v, _CODE)))
+                 for klass in (*type(reader).__mro__, *type(scheduler).__mro__)
+                 if klass is not object)
     return (type(reader), type(scheduler), config, steps, repr(mu), str(reader.device),
-            tuple(held))
+            tuple(held), code)
 
 
 def refuse(scheduler: str, argument: str, value: Any, supported: str) -> ValueError:
