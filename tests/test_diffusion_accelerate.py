@@ -159,6 +159,18 @@ def test_the_accelerated_pipeline_is_the_plain_one_bitwise(name, scale, rescale,
     assert 1 <= handle.counters.model_calls <= handle.counters.steps
 
 
+@pytest.mark.parametrize("name", ["ddim", "euler", "dpm++2m"])
+def test_under_inference_mode_the_accelerated_pipeline_is_the_plain_one(name):
+    """Under ``torch.inference_mode()`` (its tensors have no version counter) the accelerated
+    call is served and returns the plain pipeline's latents bit for bit."""
+    pipe = sd(SCHEDULERS[name]())
+    ref = call(pipe)
+    with torch.inference_mode(), accelerate(pipe) as handle:
+        out = call(pipe)
+    assert torch.equal(out, ref)
+    assert_served_bitwise(handle, 5)
+
+
 @pytest.mark.parametrize("output_type", ["pt", "np"])
 def test_decoded_images_are_the_plain_ones_bitwise(output_type):
     pipe = sd(SCHEDULERS["euler"]())

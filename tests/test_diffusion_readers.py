@@ -384,7 +384,10 @@ def test_a_second_scheduler_of_the_same_configuration_is_read_from_memory(device
     a = readers.reader(make(DPM, {"solver_order": 3}), 25, device=device)
     b = readers.reader(make(DPM, {"solver_order": 3}), 25, device=device)
     assert len(readers._READ) == 1
-    assert all(b._cols[k] is a._cols[k] for k in a._cols)       # served, not read again
+    # served, not read again (one entry), each reader with its own copy of the columns
+    assert all(torch.equal(b._cols[k].nan_to_num(7.0), a._cols[k].nan_to_num(7.0))
+               for k in a._cols)   # (NaN where a step has no such coefficient)
+    assert all(b._cols[k] is not a._cols[k] for k in a._cols)
     assert b.kinds == a.kinds and b.kinds is not a.kinds        # (lists copied)
     b.kinds.append("x")
     assert readers.reader(make(DPM, {"solver_order": 3}), 25, device=device).kinds == a.kinds
@@ -458,3 +461,45 @@ def test_a_method_patched_on_the_scheduler_class_is_read_again(device, monkeypat
     latents, z = readers.draw_noise(patched, SHAPE, generator=g, dtype=torch.float32,
                                     device=device)
     assert same(readers.loop(patched, model, latents, z), ref[-1])
+
+
+def test_memory_copies_survive_inference_mode_patches_and_odd_attributes(device):
+    """What the memory keeps and serves: copies (a reader changing its columns in place does not
+    change another's), made outside inference mode (a reader served after a read under
+    ``torch.inference_mode`` works with autograd); a patch of any type on the scheduler's class
+    reads again; an attribute whose bytes cannot be read (a meta tensor) is no error, no memo."""
+    import functools
+
+    readers._READ.clear()
+    with torch.inference_mode():
+        first = readers.reader(make(EULER, {}), 7, device=device)
+    served = readers.reader(make(EULER, {}), 7, device=device)
+    assert len(readers._READ) == 1 and not served._cols["dt"].is_inference()
+    before = first._cols["dt"].clone()
+    served._cols["dt"].mul_(2)
+    again = readers.reader(make(EULER, {}), 7, device=device)
+    assert torch.equal(again._cols["dt"], before) and torch.equal(first._cols["dt"], before)
+    x = torch.randn(SHAPE, requires_grad=True)
+    g = torch.Generator().manual_seed(0)
+    latents, z = readers.draw_noise(again, SHAPE, generator=g, dtype=torch.float32,
+                                    device=device)
+    readers.loop(again, lambda u, t: torch.tanh(u + x.to(u.device)), latents, z).sum().backward()
+    assert x.grad is not None and bool(torch.isfinite(x.grad).all())
+
+    original = LCM.get_scalings_for_boundary_condition_discrete
+    cols = []
+    try:
+        for f in (0.5, 0.25):
+            LCM.get_scalings_for_boundary_condition_discrete = functools.partialmethod(
+                lambda self, timestep, f: (original(self, timestep)[0] * f,
+                                           original(self, timestep)[1]), f=f)
+            cols.append(readers.reader(make(LCM, {}), 7, device=device)._cols["skip"])
+    finally:
+        LCM.get_scalings_for_boundary_condition_discrete = original
+    assert not torch.equal(cols[0], cols[1])
+
+    odd = make(EULER, {})
+    odd.extra = torch.empty(3, device="meta")
+    count = len(readers._READ)
+    assert torch.equal(readers.reader(odd, 7, device=device)._cols["dt"], before)
+    assert len(readers._READ) == count

@@ -49,9 +49,11 @@ once from one batched model call (the same operations with per-step coefficient 
   reader keeps what :meth:`Reader._read` computed for :data:`MEMO` recent schedulers, keyed by
   the reader, the scheduler's class and configuration, ``num_inference_steps``, ``mu``, the
   device, a fingerprint of every attribute the scheduler holds after ``set_timesteps`` (every
-  tensor's bytes) and the reader's and the scheduler's classes' own attributes (a method patched
-  on a class makes another key): a scheduler that differs in anything it holds is read again, and
-  one holding an attribute of a type the fingerprint does not cover is never served from memory.
+  tensor's bytes) and, by identity, the reader's and the scheduler's classes' attributes and the
+  reader module's functions (a method or helper patched makes another key): a scheduler that
+  differs in anything it holds is read again, and one holding an attribute of a type the
+  fingerprint does not cover is never served from memory. What is kept is a copy (tensors
+  cloned), and each reader served gets its own copy.
 * *Cost.* A window's steps of one kind (order, Heun's first or second evaluation, UniPC's
   predictor/corrector orders) are applied together, a few elementwise operations each; only
   UniPC's history sum (an ``einsum`` of diffusers' shapes) runs once per step.
@@ -67,8 +69,8 @@ implement raises :class:`ValueError` naming it, its value and what is supported.
 from __future__ import annotations
 
 import hashlib
+import sys
 import threading
-import types
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -89,21 +91,39 @@ _READ: OrderedDict[tuple, dict[str, Any]] = OrderedDict()
 _READ_LOCK = threading.Lock()
 # the attributes set before _read that it fills (the others it sets are new ones)
 _READ_STATE = ("kinds", "noisy", "_cols")
-# what a class holds that is code (compared by identity in a key)
-_CODE = (types.FunctionType, classmethod, staticmethod, property)
+
+
+class _Same:
+    """A key part that is equal to another only for the very same object (which it holds, so
+    that its id is not reused): a class attribute, whatever its type."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
 
 
 def _fingerprint(value: Any) -> Any:
     """A hashable stand-in for a scheduler attribute's value (a tensor: its dtype, shape,
-    device and a digest of its bytes), or ``NotImplemented`` for a type it does not cover."""
+    device and a digest of its bytes), or ``NotImplemented`` for a type it does not cover (or
+    a tensor whose bytes it cannot read: meta, sparse, ...)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         # (typed, and floats by repr: True and 1, 0.0 and -0.0 are other settings)
         return (type(value).__name__, repr(value))
     if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous().reshape(-1)
-        raw = t.view(torch.uint8) if t.numel() else t
+        try:
+            t = value.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+            raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        except Exception:   # noqa: BLE001 (no digest: no memo)
+            return NotImplemented
         return (str(t.dtype), tuple(value.shape), str(value.device),
-                hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).hexdigest())
+                hashlib.blake2b(raw, digest_size=16).hexdigest())
     if isinstance(value, (list, tuple)):
         parts = tuple(_fingerprint(v) for v in value)
         return NotImplemented if NotImplemented in parts else (type(value).__name__, parts)
@@ -121,17 +141,38 @@ def _memo_key(reader: Reader, scheduler, steps: int, mu: float | None) -> tuple 
         if fp is NotImplemented:
             return None
         held.append((name, fp))
-    config = _fingerprint([(k, _fingerprint(v)) for k, v in sorted(dict(scheduler.config).items())])
+    config = _fingerprint(sorted(dict(scheduler.config).items()))
     if config is NotImplemented:
         return None
-    # the classes' own attributes, the functions themselves (a method replaced on the class, as
-    # a patch would, makes another key; the key holds them, so their ids are not reused)
-    code = tuple((klass.__qualname__, tuple(v for v in vars(klass).values()
-                                            if isinstance(v, _CODE)))
-                 for klass in (*type(reader).__mro__, *type(scheduler).__mro__)
-                 if klass is not object)
+    # the code: every attribute of the reader's and the scheduler's classes, and the functions
+    # of the reader's module, by identity (a method or helper replaced, as a patch would, by
+    # anything at all makes another key)
+    klasses = (*type(reader).__mro__, *type(scheduler).__mro__)
+    code = tuple((k.__qualname__, tuple((n, _Same(v)) for n, v in vars(k).items()))
+                 for k in klasses if k is not object)
+    module = sys.modules.get(type(reader).__module__)
+    helpers = () if module is None else \
+        tuple((n, _Same(v)) for n, v in vars(module).items() if callable(v))
     return (type(reader), type(scheduler), config, steps, repr(mu), str(reader.device),
-            tuple(held), code)
+            tuple(held), code, helpers)
+
+
+def _copied(value: Any) -> Any:
+    """A copy of what a read set, for the memory and from it (tensors cloned: no reader shares
+    one with another), or ``NotImplemented`` for a type it does not copy."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.device, torch.dtype)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        parts = [_copied(v) for v in value]
+        if any(p is NotImplemented for p in parts):
+            return NotImplemented
+        return parts if isinstance(value, list) else tuple(parts)
+    if isinstance(value, dict):
+        items = {k: _copied(v) for k, v in value.items()}
+        return NotImplemented if any(v is NotImplemented for v in items.values()) else items
+    return NotImplemented
 
 
 def refuse(scheduler: str, argument: str, value: Any, supported: str) -> ValueError:
@@ -199,17 +240,22 @@ class Reader:
                     _READ.move_to_end(key)
         if read is None:
             before = set(vars(self))
-            self._read()
-            read = {k: v for k, v in vars(self).items()
-                    if k in _READ_STATE or k not in before}
-            if key is not None:
-                with _READ_LOCK:
-                    _READ[key] = read
-                    while len(_READ) > MEMO:
-                        _READ.popitem(last=False)
-        for k, v in read.items():   # (lists and dicts copied; the tensors are only read)
-            setattr(self, k, list(v) if isinstance(v, list) else
-                    dict(v) if isinstance(v, dict) else v)
+            # (tensors made under torch.inference_mode would be inference tensors, unusable
+            # with autograd by a later reader served from memory)
+            with torch.inference_mode(False):
+                self._read()
+                if key is not None:
+                    made = {k: _copied(v) for k, v in vars(self).items()
+                            if k in _READ_STATE or k not in before}
+                    if all(v is not NotImplemented for v in made.values()):
+                        with _READ_LOCK:
+                            _READ[key] = made
+                            while len(_READ) > MEMO:
+                                _READ.popitem(last=False)
+        else:
+            with torch.inference_mode(False):
+                for k, v in read.items():
+                    setattr(self, k, _copied(v))
         assert len(self.kinds) == self.K, "reader: one kind per step"
 
     # -- what subclasses define ----------------------------------------------------------------

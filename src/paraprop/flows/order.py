@@ -51,7 +51,8 @@ def order_plan(order: torch.Tensor | None, D: int, device: torch.device) -> Orde
     else:
         # the same tensor as last time, not modified in place since (its version counter):
         # the plan of its values then, without reading them again
-        seen = _BY_TENSOR.get(id(order))
+        # (an inference tensor has no version counter: its values are read every time)
+        seen = None if order.is_inference() else _BY_TENSOR.get(id(order))
         if seen is not None and seen[0]() is order and seen[1] == order._version and \
                 seen[2] == device and seen[3] == D:
             return seen[4]
@@ -64,7 +65,7 @@ def order_plan(order: torch.Tensor | None, D: int, device: torch.device) -> Orde
         if len(_ORDERS) >= _ORDERS_MAX:
             _ORDERS.clear()
         _ORDERS[key] = plan
-    if order is not None:
+    if order is not None and not order.is_inference():
         if len(_BY_TENSOR) >= _ORDERS_MAX:
             _BY_TENSOR.clear()
         _BY_TENSOR[id(order)] = (weakref.ref(order), order._version, device, D, plan)
