@@ -447,3 +447,18 @@ def test_evaluate_and_trace_accept_solver_objects():
         assert sol.method == solver.name and sol.converged
         assert torch.equal(system.output(sol.value), system.reference[-1])
         assert sol.stats["bitwise_equal"]
+
+
+@pytest.mark.parametrize("method", ["sequential", "jacobi", "gs_jacobi"])
+def test_under_inference_mode_every_method_returns_the_forward(method):
+    """Under ``torch.inference_mode()`` (its tensors have no version counter, which the check
+    for modules changing their input in place reads) the states are copied for the steps, so
+    an in-place module cannot corrupt an earlier state, and the output is the forward's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8),
+                          nn.ReLU(inplace=True), nn.Linear(8, 8)).eval()
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        out, sol = evaluate(model, x, method=method, tol=0)
+        ref = model(x.clone())
+    assert torch.equal(out, ref) and sol.converged

@@ -112,7 +112,9 @@ class LayerRecurrence:
         """
         step = self.steps[t]
         args = [fetch(i) for i in step.inputs]
-        if step.clone_input:
+        if step.clone_input or any(a.is_inference() for a in args):
+            # (an inference tensor has no version counter to detect an in-place change by: a
+            # copy keeps the earlier state safe from one)
             args = [a.clone() for a in args]
             versions = None
         else:
