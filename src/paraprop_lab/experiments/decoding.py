@@ -16,7 +16,7 @@ from paraprop.decoding import generate  # noqa: E402
 from paraprop_lab.experiments.harness import (  # noqa: E402
     interleaved,
     median,
-    model_share,
+    model_seconds,
 )
 from paraprop_lab.experiments.plots import save_figure  # noqa: E402
 
@@ -95,9 +95,7 @@ def case_rows(model, ids, new: int, *, sample: bool, window: int, repeats: int,
                                                    **extra)
     with torch.no_grad():
         times = interleaved(cases, repeats=repeats, warmup=1, desc=desc)
-        # the time inside the model: its share of a run, times the median time
-        inside = {k: median(times[k]) * model_share(model, run, repeats=min(2, repeats))
-                  for k, run in cases.items()}
+        inside = model_seconds(model, cases, times, repeats=min(2, repeats))
         refs = {"": cases[SEQUENTIAL]()[0]}
         if sample:
             refs[GUMBEL] = cases[SEQUENTIAL + GUMBEL]()[0]

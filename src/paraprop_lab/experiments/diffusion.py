@@ -17,7 +17,7 @@ from paraprop.diffusion import sample  # noqa: E402
 from paraprop_lab.experiments.harness import (  # noqa: E402
     interleaved,
     median,
-    model_share,
+    model_seconds,
 )
 from paraprop_lab.experiments.plots import save_figure  # noqa: E402
 from paraprop_lab.training.ddpm import sample_loop  # noqa: E402
@@ -74,9 +74,7 @@ def _measured(model, scheduler, shape, steps: int, loop, specs: dict, kw: dict, 
     cases = {"diffusers loop": loop, **{k: runner(v) for k, v in specs.items()}}
     times = interleaved(cases, repeats=repeats, warmup=1, desc=desc)
     base = median(times["diffusers loop"])
-    # the time inside the model: its share of a run, times the median time
-    inside = {k: median(times[k]) * model_share(model, run, repeats=min(3, repeats))
-              for k, run in cases.items()}
+    inside = model_seconds(model, cases, times, repeats=min(3, repeats))
     x_loop = loop()
     calls = ref_sol.stats["model_calls"]   # the loop's model calls (Heun's: 2 steps - 1)
     rows = [{"method": "diffusers loop", "iterations": calls, "model_evals": calls,

@@ -114,6 +114,14 @@ def model_share(model: torch.nn.Module, run: Callable[[], object], *, repeats: i
     return share
 
 
+def model_seconds(model: torch.nn.Module, cases: dict[str, Callable[[], object]],
+                  times: dict[str, list[float]], *, repeats: int = 3) -> dict[str, float]:
+    """Per case of an :func:`interleaved` timing, the seconds spent inside ``model`` (a table's
+    ``model_ms``): :func:`model_share` of a run times the case's median time ``times``."""
+    return {k: median(times[k]) * model_share(model, run, repeats=repeats)
+            for k, run in cases.items()}
+
+
 @contextlib.contextmanager
 def threads(n: int | None):
     """Run with ``n`` intra-op threads (``None``: unchanged), restoring the setting after."""
